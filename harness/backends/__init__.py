@@ -1,0 +1,18 @@
+"""Backends run the per-rank decoder: `cpu` here and in CI, `neuron` on inf2 (the only Neuron code)."""
+
+BACKENDS = ("cpu", "neuron")
+
+
+def make_backend(name: str, checkpoint, **kwargs):
+    """Build a backend by name; the Neuron one is imported only when asked for."""
+    if name == "cpu":
+        from harness.backends.cpu import CpuBackend
+
+        return CpuBackend(checkpoint, **kwargs)
+    if name == "neuron":
+        from harness.backends.neuron import NeuronBackend
+
+        return NeuronBackend(checkpoint, **kwargs)
+    from harness.errors import HarnessInputError
+
+    raise HarnessInputError(f"unknown backend {name!r}; choose one of {BACKENDS}")

@@ -1,0 +1,146 @@
+"""Host side of the port: embeddings, buckets, prefill, the greedy decode loop, host softcap.
+
+The device (a backend) sees only `inputs_embeds` and absolute positions and returns raw logits.
+Word embeddings stay on the host; the softcap is applied here, only where probabilities are asked
+for (DESIGN §3, fix 2): greedy decode takes the argmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.errors import PromptError
+
+DEFAULT_KV_LEN = 256  # the published port's KV length
+DEFAULT_BUCKETS = (64,)  # the published port's prefill bucket
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), in fp32; identity when the config has no softcap."""
+    if cap is None:
+        return logits.float()
+    return cap * torch.tanh(logits.float() / cap)
+
+
+def embed_scale(hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """sqrt(hidden) cast to the weight dtype first: in bf16, sqrt(3840) = 61.97 becomes 62.0."""
+    return torch.tensor(hidden_size ** 0.5).to(dtype)
+
+
+def choose_bucket(length: int, buckets) -> int:
+    """The smallest bucket that holds `length` tokens (a prompt exactly a bucket's size uses it)."""
+    for bucket in sorted(buckets):
+        if length <= bucket:
+            return bucket
+    raise PromptError(
+        f"prompt of {length} tokens is longer than the largest prefill bucket ({max(buckets)}). "
+        "Shorten the prompt or add a larger bucket (--buckets), within the KV length."
+    )
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor  # [n, vocab] raw fp32 logits at the real positions
+    captures: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [n, ...] fp32
+    bucket: int = 0
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # the new tokens
+    step_logits: torch.Tensor  # [new_tokens, vocab] raw fp32: logits that chose each token
+    prefill: PrefillResult | None = None
+
+
+class Engine:
+    """Drives a backend: host embeddings, bucketed prefill, decode with the device KV cache."""
+
+    def __init__(self, spec, backend, embed_weight: torch.Tensor, buckets=DEFAULT_BUCKETS,
+                 kv_len: int = DEFAULT_KV_LEN):
+        if max(buckets) > kv_len:
+            raise PromptError(f"bucket {max(buckets)} exceeds the KV length {kv_len}; "
+                              "buckets must fit in the cache")
+        self.spec, self.backend, self.buckets, self.kv_len = spec, backend, tuple(sorted(buckets)), kv_len
+        self.embed_weight = embed_weight
+        self.scale = embed_scale(spec.hidden_size, embed_weight.dtype)
+        self.placeholders = torch.tensor(spec.placeholder_token_ids or [-1])
+
+    # -- host embeddings ---------------------------------------------------------------------
+    def validate_ids(self, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise PromptError("empty prompt: give at least one token id")
+        bad = ((ids < 0) | (ids >= self.spec.vocab_size)) & ~torch.isin(ids, self.placeholders)
+        if bad.any():
+            first = int(ids[bad][0])
+            raise PromptError(
+                f"token id {first} at position {int(bad.nonzero()[0])} is outside the vocabulary "
+                f"[0, {self.spec.vocab_size}); check the prompt file or the tokenizer it came from"
+            )
+        return ids
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[n] ids -> [1, n, hidden]; multimodal placeholder ids become pad, as the wrapper does."""
+        ids = torch.where(torch.isin(ids, self.placeholders), self.spec.pad_token_id, ids)
+        return (self.embed_weight[ids] * self.scale)[None]
+
+    # -- device steps ----------------------------------------------------------------------------
+    def prefill(self, ids, capture: bool = False) -> PrefillResult:
+        """Right-pad to the bucket, run the prefill graph, keep only the real positions."""
+        ids = self.validate_ids(ids)
+        n = ids.numel()
+        bucket = choose_bucket(n, self.buckets)
+        padded = torch.cat([ids, torch.full((bucket - n,), self.spec.pad_token_id, dtype=torch.long)])
+        positions = torch.arange(bucket)[None]  # padded slots sit after every real key: masked by causality
+        self.backend.reset()
+        out = self.backend.forward(self.embed(padded), positions, capture=capture)
+        logits, captures = out if capture else (out, {})
+        return PrefillResult(
+            logits=logits[0, :n].float(),
+            captures={k: v[0, :n].float() for k, v in captures.items()},
+            bucket=bucket,
+        )
+
+    def decode_step(self, token: int, position: int) -> torch.Tensor:
+        if position >= self.kv_len:
+            raise PromptError(f"position {position} is past the KV length {self.kv_len}; "
+                              "ask for fewer new tokens or compile a longer cache")
+        out = self.backend.forward(self.embed(torch.tensor([token])), torch.tensor([[position]]))
+        return out[0, -1].float()
+
+    def generate(self, ids, new_tokens: int, capture: bool = False,
+                 forced: list[int] | None = None) -> DecodeResult:
+        """Greedy decode: argmax of the raw logits. With `forced`, feed those tokens instead
+        (teacher forcing) and still collect the logits at every step."""
+        ids = self.validate_ids(ids)
+        if ids.numel() + new_tokens > self.kv_len + 1:
+            raise PromptError(f"{ids.numel()} prompt + {new_tokens} new tokens exceed the KV length "
+                              f"{self.kv_len}")
+        pre = self.prefill(ids, capture=capture)
+        logits = pre.logits[-1]
+        tokens, steps = [], []
+        for step in range(new_tokens):
+            steps.append(logits)
+            chosen = int(logits.argmax())
+            tokens.append(chosen)
+            if step == new_tokens - 1:
+                break
+            fed = forced[step] if forced is not None else chosen
+            logits = self.decode_step(fed, ids.numel() + step)
+        step_logits = torch.stack(steps) if steps else torch.empty(0, self.spec.vocab_size)
+        return DecodeResult(tokens=tokens, step_logits=step_logits, prefill=pre)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Host softcap, then softmax: only here does the cap matter."""
+        return torch.softmax(softcap(logits, self.spec.final_logit_softcapping), dim=-1)
+
+
+def build_engine(checkpoint, backend: str = "cpu", tp: int = 2, dtype: torch.dtype = torch.bfloat16,
+                 buckets=DEFAULT_BUCKETS, kv_len: int = DEFAULT_KV_LEN, **backend_kwargs) -> Engine:
+    from harness.backends import make_backend
+
+    be = make_backend(backend, checkpoint, tp=tp, dtype=dtype, max_len=kv_len, buckets=tuple(buckets),
+                      **backend_kwargs)
+    return Engine(checkpoint.spec, be, checkpoint.embed_weight(dtype), buckets=buckets, kv_len=kv_len)

@@ -1,0 +1,259 @@
+"""The per-rank Gemma-4 text decoder the device runs: one rank's shapes, static, eager attention.
+
+Written for one rank (sharding.py decides which heads it holds). Projections are built by a
+`RankLinears` factory: on CPU plain nn.Linear with explicit collectives between ranks; the Neuron
+backend swaps in NxD's parallel layers. Outputs are raw logits: no softcap on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.sharding import LayerPlan, plan_model
+from harness.spec import LayerSpec, ModelSpec
+
+
+class Collectives:
+    """Collectives between the ranks of one TP group. A single rank needs none."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x
+
+
+class RowParallel(nn.Linear):
+    """Input split across ranks: partial products summed by an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, collectives: Collectives):
+        super().__init__(in_features, out_features, bias=False)
+        self.collectives = collectives
+
+    def forward(self, x):
+        return self.collectives.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallel(nn.Linear):
+    """lm_head rows split by vocabulary: each rank's logits slice is gathered on the last dim."""
+
+    def __init__(self, in_features: int, out_features: int, collectives: Collectives):
+        super().__init__(in_features, out_features, bias=False)
+        self.collectives = collectives
+
+    def forward(self, x):
+        return self.collectives.all_gather(F.linear(x, self.weight), dim=-1)
+
+
+class RankLinears:
+    """Builds projections with one rank's shapes (sizes passed are per rank)."""
+
+    def __init__(self, collectives: Collectives | None = None):
+        self.collectives = collectives or Collectives()
+
+    def column(self, in_features: int, out_per_rank: int) -> nn.Module:
+        return nn.Linear(in_features, out_per_rank, bias=False)
+
+    def row(self, in_per_rank: int, out_features: int) -> nn.Module:
+        return RowParallel(in_per_rank, out_features, self.collectives)
+
+    def vocab(self, in_features: int, vocab_per_rank: int) -> nn.Module:
+        return VocabParallel(in_features, vocab_per_rank, self.collectives)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * (mean(x^2) + eps)^-0.5 * weight, in fp32, cast back. The weight is used as stored."""
+    xf = x.float()
+    normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        normed = normed * weight.float()
+    return normed.type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, with_weight: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if with_weight else None
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(layer: LayerSpec) -> torch.Tensor:
+    """head_dim/2 inverse frequencies; proportional rope rotates only the first few.
+
+    The exponent's denominator is the full head_dim even for proportional rope (DESIGN §2.4).
+    """
+    d = layer.head_dim
+    n_rot = layer.rotated_freqs
+    rotated = 1.0 / (layer.rope_theta ** (torch.arange(0, 2 * n_rot, 2, dtype=torch.float) / d))
+    return torch.cat([rotated, torch.zeros(d // 2 - n_rot)])
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    freqs = positions[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)  # cast to the activation dtype before use
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, s, heads, d]; cos/sin: [b, s, d]."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+def attention_mask(positions: torch.Tensor, kv_len: int, window: int | None, dtype) -> torch.Tensor:
+    """Additive mask [b, 1, s, kv_len] over cache slots: causal, and on sliding layers
+    query i sees keys j with i - window < j <= i (window keys including itself)."""
+    keys = torch.arange(kv_len, device=positions.device)
+    q = positions[:, None, :, None]
+    allowed = keys <= q
+    if window is not None:
+        allowed = allowed & (keys > q - window)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def attention_scale(head_dim: int) -> float:
+    """Gemma-4 uses scaling 1.0: q_norm/k_norm take the place of 1/sqrt(head_dim)."""
+    return 1.0
+
+
+class KVCache(nn.Module):
+    """Linear cache of the compiled max length, written at absolute positions."""
+
+    def __init__(self, kv_heads: int, max_len: int, head_dim: int, dtype):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
+
+    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        # Reassigning the buffers (not in-place) is what NxD turns into aliased device state.
+        self.k = self.k.index_copy(2, positions[0], k)
+        self.v = self.v.index_copy(2, positions[0], v)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, plan: LayerPlan, linears: RankLinears,
+                 max_len: int, dtype):
+        super().__init__()
+        d, h = layer.head_dim, spec.hidden_size
+        self.head_dim, self.window, self.groups = d, layer.window, plan.groups
+        self.q_heads, self.kv_heads = plan.q_heads_per_rank, plan.kv_heads_per_rank
+        self.q_proj = linears.column(h, self.q_heads * d)
+        self.k_proj = linears.column(h, self.kv_heads * d)
+        # Full layers of the 12B have no v_proj: the value is the raw k_proj output.
+        self.v_proj = None if layer.k_eq_v else linears.column(h, self.kv_heads * d)
+        self.o_proj = linears.row(self.q_heads * d, h)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.v_norm = RMSNorm(d, spec.rms_norm_eps, with_weight=False)
+        self.cache = KVCache(self.kv_heads, max_len, d, dtype)
+
+    def forward(self, x, cos, sin, positions, mask):
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.q_heads, self.head_dim))
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k_raw = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        v = k_raw if self.v_proj is None else self.v_proj(x).view(b, s, self.kv_heads, self.head_dim)
+        k = apply_rope(self.k_norm(k_raw), cos, sin).transpose(1, 2)
+        v = self.v_norm(v).transpose(1, 2)
+        k_all, v_all = self.cache.update(positions, k, v)
+        # Eager attention: matmul, fp32 softmax, matmul. No fused kernel: at window 1024 the
+        # flash kernel's working set overflows SBUF on inf2 (DESIGN §3, fix 3).
+        k_all = k_all.repeat_interleave(self.groups, dim=1)
+        v_all = v_all.repeat_interleave(self.groups, dim=1)
+        scores = torch.matmul(q, k_all.transpose(2, 3)) * attention_scale(self.head_dim) + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v_all).transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: int, linears: RankLinears):
+        super().__init__()
+        inter = spec.intermediate_size // tp
+        self.gate_proj = linears.column(spec.hidden_size, inter)
+        self.up_proj = linears.column(spec.hidden_size, inter)
+        self.down_proj = linears.row(inter, spec.hidden_size)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec, layer: LayerSpec, plan: LayerPlan, linears, max_len, dtype):
+        super().__init__()
+        eps, h = spec.rms_norm_eps, spec.hidden_size
+        self.is_sliding = layer.is_sliding
+        self.self_attn = Attention(spec, layer, plan, linears, max_len, dtype)
+        self.mlp = MLP(spec, plan.tp, linears)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, x, cos, sin, positions, mask, captures=None, prefix=""):
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, positions, mask))
+        out = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        if captures is not None:
+            captures[prefix + "attn_residual"] = h
+            captures[prefix + "mlp_residual"] = out
+        return out * self.layer_scalar.to(out.dtype)
+
+
+class RankDecoder(nn.Module):
+    """One rank's decoder: inputs_embeds and absolute positions in, raw logits out.
+
+    forward(inputs_embeds [1, s, hidden], positions [1, s]) -> logits [1, s, vocab], and with
+    capture=True also a dict of the reference's capture points (full hidden on every rank).
+    """
+
+    def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = 256, dtype=torch.bfloat16,
+                 linears: RankLinears | None = None):
+        super().__init__()
+        linears = linears or RankLinears()
+        plans = plan_model(spec, tp)
+        self.spec, self.tp, self.max_len, self.dtype = spec, tp, max_len, dtype
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, layer, plan, linears, max_len, dtype) for layer, plan in zip(spec.layers, plans)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = linears.vocab(spec.hidden_size, spec.vocab_size // tp)
+        self.to(dtype)
+        for layer in spec.layers:  # fp32 inverse frequencies, registered after the cast on purpose
+            self.register_buffer(f"inv_freq_{layer.index}", rope_inv_freq(layer), persistent=False)
+
+    def reset_cache(self):
+        for layer in self.layers:
+            layer.self_attn.cache.k.zero_()
+            layer.self_attn.cache.v.zero_()
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
+        captures = {"embeddings": inputs_embeds} if capture else None
+        x = inputs_embeds
+        dtype = x.dtype
+        masks = {}
+        for i, layer in enumerate(self.layers):
+            window = self.spec.layers[i].window
+            if window not in masks:
+                masks[window] = attention_mask(positions, self.max_len, window, dtype)
+            cos, sin = rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, dtype)
+            x = layer(x, cos, sin, positions, masks[window], captures, f"layers.{i}.")
+            if capture:
+                captures[f"layers.{i}.output"] = x
+        x = self.norm(x)
+        logits = self.lm_head(x)
+        if capture:
+            captures["final_norm"] = x
+            return logits, captures
+        return logits

@@ -1,0 +1,171 @@
+"""Tensor-parallel plan from the spec, and per-rank weight shards: the one place that knows ranks.
+
+Query heads are split across ranks. KV heads are sharded when nkv % tp == 0 and replicated when
+tp % nkv == 0 (the 12B's full layers: one KV head, copied whole to both ranks); anything else is an
+error. A head is never split inside its head_dim: k_norm spans all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.errors import ShardingError
+from harness.spec import LayerSpec, ModelSpec
+
+# Weights split by output rows (per head for attention), by input columns, or copied to every rank.
+Q_ROWS = ("self_attn.q_proj.weight",)
+KV_ROWS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+Q_COLS = ("self_attn.o_proj.weight",)
+MLP_ROWS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+MLP_COLS = ("mlp.down_proj.weight",)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    index: int
+    tp: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    kv_layout: str  # "shard" | "replicate"
+
+    @property
+    def q_heads_per_rank(self) -> int:
+        return self.q_heads // self.tp
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return self.kv_heads // self.tp if self.kv_layout == "shard" else 1
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head on one rank: nq / tp / kv_per_rank."""
+        return self.q_heads_per_rank // self.kv_heads_per_rank
+
+    def q_heads_for_rank(self, rank: int) -> list[int]:
+        n = self.q_heads_per_rank
+        return list(range(rank * n, (rank + 1) * n))
+
+    def kv_heads_for_rank(self, rank: int) -> list[int]:
+        return kv_heads_for_rank(self, rank)
+
+
+def kv_heads_for_rank(plan: LayerPlan, rank: int) -> list[int]:
+    """The KV heads a rank holds: the ones its query heads read (query head h reads h // group)."""
+    group = plan.q_heads // plan.kv_heads
+    if plan.kv_layout == "shard":
+        n = plan.kv_heads_per_rank
+        return list(range(rank * n, (rank + 1) * n))
+    return [plan.q_heads_for_rank(rank)[0] // group]
+
+
+def kv_layout_for(kv_heads: int, tp: int) -> str:
+    if kv_heads % tp == 0:
+        return "shard"
+    if tp % kv_heads == 0:
+        return "replicate"
+    raise ShardingError(
+        f"{kv_heads} KV heads cannot be split across tp={tp}: they shard only when "
+        f"kv_heads % tp == 0 and replicate only when tp % kv_heads == 0. Choose a TP degree that "
+        "divides or is a multiple of the KV head count."
+    )
+
+
+def plan_layer(layer: LayerSpec, tp: int) -> LayerPlan:
+    if tp < 1:
+        raise ShardingError(f"tp must be >= 1, got {tp}")
+    if layer.q_heads % tp:
+        raise ShardingError(
+            f"layer {layer.index}: {layer.q_heads} query heads do not split across tp={tp}; "
+            "use a TP degree that divides the query head count"
+        )
+    if layer.q_heads % layer.kv_heads:
+        raise ShardingError(
+            f"layer {layer.index}: {layer.q_heads} query heads are not a multiple of "
+            f"{layer.kv_heads} KV heads"
+        )
+    return LayerPlan(index=layer.index, tp=tp, q_heads=layer.q_heads, kv_heads=layer.kv_heads,
+                     head_dim=layer.head_dim, kv_layout=kv_layout_for(layer.kv_heads, tp))
+
+
+def plan_model(spec: ModelSpec, tp: int) -> list[LayerPlan]:
+    for name, size in (("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size)):
+        if size % tp:
+            raise ShardingError(f"{name}={size} does not split across tp={tp}")
+    return [plan_layer(layer, tp) for layer in spec.layers]
+
+
+def _heads(weight: torch.Tensor, heads: list[int], head_dim: int, dim: int) -> torch.Tensor:
+    """Whole heads [h*head_dim, (h+1)*head_dim) along `dim`, never a slice inside a head."""
+    index = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
+    return weight.index_select(dim, index).contiguous()
+
+
+def shard_layer(weights: dict[str, torch.Tensor], plan: LayerPlan, rank: int) -> dict[str, torch.Tensor]:
+    """One rank's slice of one decoder layer's weights (names relative to the layer)."""
+    d = plan.head_dim
+    q_heads, kv_heads = plan.q_heads_for_rank(rank), kv_heads_for_rank(plan, rank)
+    out = {}
+    for name, w in weights.items():
+        if name in Q_ROWS:
+            out[name] = _heads(w, q_heads, d, 0)
+        elif name in KV_ROWS:
+            out[name] = _heads(w, kv_heads, d, 0)
+        elif name in Q_COLS:
+            out[name] = _heads(w, q_heads, d, 1)
+        elif name in MLP_ROWS:
+            out[name] = w.chunk(plan.tp, 0)[rank].contiguous()
+        elif name in MLP_COLS:
+            out[name] = w.chunk(plan.tp, 1)[rank].contiguous()
+        else:  # norms and layer_scalar are replicated
+            out[name] = w.clone()
+    return out
+
+
+def shard_lm_head(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """The tied lm_head split by vocabulary rows; ranks' logits are gathered on the last dim."""
+    return weight.chunk(tp, 0)[rank].contiguous()
+
+
+def merge_layer_shards(shards: list[dict[str, torch.Tensor]], plan: LayerPlan) -> dict[str, torch.Tensor]:
+    """Inverse of shard_layer: concatenate the ranks' pieces (one copy of each replicated head)."""
+    d = plan.head_dim
+    merged = {}
+    for name in shards[0]:
+        if name in Q_ROWS:
+            merged[name] = torch.cat([s[name] for s in shards], 0)
+        elif name in Q_COLS:
+            merged[name] = torch.cat([s[name] for s in shards], 1)
+        elif name in KV_ROWS:
+            by_head = {}
+            for rank, s in enumerate(shards):
+                for j, h in enumerate(kv_heads_for_rank(plan, rank)):
+                    by_head.setdefault(h, s[name][j * d:(j + 1) * d])
+            merged[name] = torch.cat([by_head[h] for h in sorted(by_head)], 0)
+        elif name in MLP_ROWS:
+            merged[name] = torch.cat([s[name] for s in shards], 0)
+        elif name in MLP_COLS:
+            merged[name] = torch.cat([s[name] for s in shards], 1)
+        else:
+            merged[name] = shards[0][name]
+    return merged
+
+
+def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None) -> list[dict[str, torch.Tensor]]:
+    """Per-rank state dicts for model.RankDecoder, streamed one layer at a time from `checkpoint`."""
+    plans = plan_model(checkpoint.spec, tp)
+    states: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for plan in plans:
+        weights = checkpoint.layer_weights(plan.index, dtype)
+        for rank in range(tp):
+            for name, tensor in shard_layer(weights, plan, rank).items():
+                states[rank][f"layers.{plan.index}.{name}"] = tensor
+        del weights
+    norm = checkpoint.final_norm_weight(dtype)
+    lm_head = checkpoint.lm_head_weight(dtype)
+    for rank in range(tp):
+        states[rank]["norm.weight"] = norm.clone()
+        states[rank]["lm_head.weight"] = shard_lm_head(lm_head, tp, rank)
+    return states
