@@ -1,0 +1,102 @@
+"""Shared fixtures, the hypothesis profiles, and the Neuron skip/fail logic (no test bodies here)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=200, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+TINY_SEEDS = (0, 1)
+
+
+def _neuron_cores() -> int:
+    try:
+        from harness.backends.neuron import neuron_core_count
+    except ImportError:
+        return 2 * len(glob.glob("/dev/neuron[0-9]*"))
+    return neuron_core_count()
+
+
+def _selects_neuron(config) -> bool:
+    expr = config.getoption("-m") or ""
+    return "neuron" in expr and "not neuron" not in expr
+
+
+def pytest_collection_modifyitems(config, items):
+    if _selects_neuron(config):
+        if _neuron_cores() == 0:
+            raise pytest.UsageError(
+                "pytest -m neuron selects device tests but this machine has no NeuronCore "
+                "(no /dev/neuron* devices). Run it on an inf2 instance with the Neuron SDK installed; "
+                "on CPU run plain `pytest`."
+            )
+        return
+    skip = pytest.mark.skip(reason="needs a NeuronCore and the Neuron SDK: run `pytest -m neuron` on inf2")
+    for item in items:
+        if "neuron" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", params=TINY_SEEDS, ids=lambda s: f"seed{s}")
+def tiny_dir(request):
+    """The tiny 12B-shaped checkpoint directory, one per seed (built once, cached on disk)."""
+    from harness.checkpoint import tiny_checkpoint
+
+    return tiny_checkpoint(seed=request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny0_dir():
+    from harness.checkpoint import tiny_checkpoint
+
+    return tiny_checkpoint(seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_dir):
+    from harness.checkpoint import Checkpoint
+
+    return Checkpoint.open(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny0_ckpt(tiny0_dir):
+    from harness.checkpoint import Checkpoint
+
+    return Checkpoint.open(tiny0_dir)
+
+
+@pytest.fixture(scope="session")
+def default_prompts():
+    from harness.parity import load_prompts
+
+    return load_prompts()
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_dir, default_prompts):
+    """fp32 and bf16 reference results for the default prompts (8 new tokens)."""
+    from harness.reference import run_reference
+
+    return run_reference(tiny_dir, default_prompts, new_tokens=8)
+
+
+@pytest.fixture(scope="session")
+def tiny0_reference(tiny0_dir, default_prompts):
+    from harness.reference import run_reference
+
+    return run_reference(tiny0_dir, default_prompts, new_tokens=8)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_torch():
+    torch.manual_seed(0)
+    yield

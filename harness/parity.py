@@ -1,0 +1,175 @@
+"""One parity run: the port on a backend against the reference (fresh or from a golden), judged
+by compare.py's policy. What `gemma-parity check` and the parity suites execute."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from harness import FIXTURES_DIR
+from harness.compare import LayerResult, LogitsResult, PointResult, compare_layers, compare_logits, compare_point
+from harness.errors import PromptError
+from harness.reference import ReferenceResult
+
+DEFAULT_PROMPTS = FIXTURES_DIR / "prompts" / "default.json"
+DEFAULT_NEW_TOKENS = 8
+
+
+def load_prompts(path=None, checkpoint_dir=None) -> list[list[int]]:
+    """A JSON list of token-id lists, or of strings when the checkpoint has a tokenizer."""
+    path = Path(path) if path else DEFAULT_PROMPTS
+    try:
+        items = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PromptError(f"{path}: prompts file not found") from None
+    except json.JSONDecodeError as exc:
+        raise PromptError(f"{path}: not valid JSON ({exc}); expected a list of token-id lists") from exc
+    if not isinstance(items, list) or not items:
+        raise PromptError(f"{path}: expected a non-empty JSON list of prompts")
+    prompts = []
+    for k, item in enumerate(items):
+        if isinstance(item, str):
+            item = _tokenize(item, checkpoint_dir, path, k)
+        if not isinstance(item, list) or not all(isinstance(t, int) for t in item):
+            raise PromptError(f"{path}: prompt {k} must be a list of integer token ids (or a string "
+                              "when the checkpoint has a tokenizer)")
+        if not item:
+            raise PromptError(f"{path}: prompt {k} is empty; give at least one token")
+        prompts.append(item)
+    return prompts
+
+
+def _tokenize(text, checkpoint_dir, path, k) -> list[int]:
+    has_tokenizer = checkpoint_dir and any(
+        (Path(checkpoint_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    if not has_tokenizer:
+        raise PromptError(f"{path}: prompt {k} is a string but the checkpoint directory has no "
+                          "tokenizer; give token ids instead")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint_dir)(text)["input_ids"]
+
+
+def validate_prompt_ids(spec, prompts) -> None:
+    allowed = set(spec.placeholder_token_ids)
+    for k, prompt in enumerate(prompts):
+        if not prompt:
+            raise PromptError(f"prompt {k} is empty; give at least one token")
+        for pos, t in enumerate(prompt):
+            if not (0 <= t < spec.vocab_size) and t not in allowed:
+                raise PromptError(f"prompt {k}: token id {t} at position {pos} is outside the "
+                                  f"vocabulary [0, {spec.vocab_size}); check the prompts file")
+
+
+@dataclass
+class PromptOutcome:
+    prompt: list[int]
+    reference_tokens: list[int]
+    device_tokens: list[int]
+    prefill: LogitsResult
+    decode: LogitsResult  # teacher-forced on the reference tokens
+
+    @property
+    def seq_match(self) -> bool:
+        return self.reference_tokens == self.device_tokens
+
+    @property
+    def first_mismatch(self) -> int | None:
+        return next((i for i, (a, b) in enumerate(zip(self.reference_tokens, self.device_tokens)) if a != b), None)
+
+    def to_json(self) -> dict:
+        return {"prompt_length": len(self.prompt), "reference_tokens": self.reference_tokens,
+                "device_tokens": self.device_tokens, "seq_match": self.seq_match,
+                "first_mismatch": self.first_mismatch, "prefill_logits": self.prefill.to_json(),
+                "decode_logits_teacher_forced": self.decode.to_json()}
+
+
+@dataclass
+class CheckResult:
+    backend: str
+    tp: int
+    dtype: str
+    embeddings: PointResult
+    layers: list[LayerResult]
+    final_norm: PointResult
+    prompts: list[PromptOutcome]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def seq_match(self) -> bool:
+        return all(p.seq_match for p in self.prompts)
+
+    @property
+    def first_divergent_layer(self) -> int | None:
+        return next((layer.index for layer in self.layers if not layer.passed), None)
+
+    @property
+    def near_ties(self) -> int:
+        return sum(p.prefill.near_ties + p.decode.near_ties for p in self.prompts)
+
+    @property
+    def divergences(self) -> int:
+        return sum(p.prefill.divergences + p.decode.divergences for p in self.prompts)
+
+    @property
+    def passed(self) -> bool:
+        """Every capture point within the envelope policy, and no token mismatch that is not a
+        near tie (a near-tie flip can change a free-running sequence without being a bug)."""
+        return (self.embeddings.passed and self.final_norm.passed
+                and all(layer.passed for layer in self.layers) and self.divergences == 0)
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "seq_match": self.seq_match, "backend": self.backend,
+                "tp": self.tp, "dtype": self.dtype, "first_divergent_layer": self.first_divergent_layer,
+                "near_tie_flips": self.near_ties, "real_divergences": self.divergences,
+                "embeddings": self.embeddings.__dict__, "final_norm": self.final_norm.__dict__,
+                "layers": [layer.to_json() for layer in self.layers],
+                "prompts": [p.to_json() for p in self.prompts], "notes": self.notes}
+
+
+def _stack(runs: list[dict], name: str) -> torch.Tensor:
+    return torch.cat([r[name] for r in runs], dim=0)
+
+
+def run_check(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
+              backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16", progress: bool = False) -> CheckResult:
+    """Run every prompt through the engine (prefill with captures, free greedy decode, and
+    teacher-forced decode on the reference tokens) and judge it against the two references."""
+    device_caps, outcomes = [], []
+    for k, (r32, r16) in enumerate(zip(ref32, ref16)):
+        if progress:
+            print(f"[{backend}] prompt {k + 1}/{len(ref32)}: prefill, decode {len(r32.generated)} tokens",
+                  file=sys.stderr, flush=True)
+        n_new = len(r32.generated)
+        free = engine.generate(r32.prompt, n_new, capture=True)
+        forced = engine.generate(r32.prompt, n_new, forced=r32.generated) if n_new else free
+        caps = dict(free.prefill.captures)
+        caps["logits"] = free.prefill.logits
+        device_caps.append(caps)
+        cap = spec.final_logit_softcapping
+        outcomes.append(PromptOutcome(
+            prompt=r32.prompt, reference_tokens=r32.generated, device_tokens=free.tokens,
+            prefill=compare_logits(free.prefill.logits, r32.captures["logits"], r16.captures["logits"], cap),
+            decode=compare_logits(forced.step_logits, r32.step_logits, r16.step_logits, cap,
+                                  ref_tokens=r32.generated),
+        ))
+    ref_caps = [r.captures for r in ref32]
+    env_caps = [r.captures for r in ref16]
+    names = ["embeddings", "final_norm"] + [n for layer in spec.layers
+                                            for n in (f"layers.{layer.index}.attn_residual",
+                                                      f"layers.{layer.index}.mlp_residual",
+                                                      f"layers.{layer.index}.output")]
+    dev = {n: _stack(device_caps, n) for n in names}
+    ref = {n: _stack(ref_caps, n) for n in names}
+    env = {n: _stack(env_caps, n) for n in names}
+    return CheckResult(
+        backend=backend, tp=tp, dtype=dtype,
+        embeddings=compare_point("embeddings", dev["embeddings"], ref["embeddings"], env["embeddings"]),
+        layers=compare_layers(spec, dev, ref, env),
+        final_norm=compare_point("final_norm", dev["final_norm"], ref["final_norm"], env["final_norm"]),
+        prompts=outcomes,
+    )

@@ -1,0 +1,237 @@
+"""CPU reference through transformers (eager attention), fp32 and bf16, with per-layer captures.
+
+Capture points, the same names the port's parity build returns:
+  embeddings, layers.{i}.attn_residual (after the attention residual add), layers.{i}.mlp_residual
+  (after the MLP residual add, before layer_scalar), layers.{i}.output, final_norm, logits (raw,
+  before the softcap) and capped_logits. A streaming mode computes the prefill captures one decoder
+  layer at a time from the checkpoint, so peak memory stays near embeddings plus one layer.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.engine import embed_scale, softcap
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    from harness.errors import HarnessInputError
+
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise HarnessInputError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass
+class ReferenceResult:
+    """One prompt through the reference at one dtype. Tensors are fp32 copies, [n, ...]."""
+
+    prompt: list[int]
+    dtype: str
+    captures: dict[str, torch.Tensor]
+    generated: list[int] = field(default_factory=list)
+    step_logits: torch.Tensor | None = None  # [new_tokens, vocab] raw logits that chose each token
+
+
+def load_reference_model(checkpoint_dir, dtype=torch.float32):
+    """transformers' own class for the checkpoint, eager attention (as the port runs)."""
+    from transformers import AutoConfig, Gemma4UnifiedForCausalLM, Gemma4UnifiedForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    cls = Gemma4UnifiedForConditionalGeneration if config.model_type == "gemma4_unified" else Gemma4UnifiedForCausalLM
+    model = cls.from_pretrained(checkpoint_dir, dtype=torch_dtype(dtype), attn_implementation="eager")
+    return model.eval()
+
+
+def text_model(model):
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
+class _Recorder:
+    """Forward hooks on the decoder that record the capture points (cloned: the layer scales its
+    output in place after the residual add)."""
+
+    def __init__(self, lm):
+        self.captures: dict[str, torch.Tensor] = {}
+        self.handles = []
+        self.enabled = True
+        self.handles.append(lm.layers[0].register_forward_pre_hook(self._embeddings))
+        for i, layer in enumerate(lm.layers):
+            self.handles.append(layer.register_forward_pre_hook(self._layer_input(i)))
+            self.handles.append(layer.post_attention_layernorm.register_forward_hook(self._attn(i)))
+            self.handles.append(layer.post_feedforward_layernorm.register_forward_hook(self._mlp(i)))
+            self.handles.append(layer.register_forward_hook(self._output(i)))
+        self.handles.append(lm.norm.register_forward_hook(self._store("final_norm")))
+
+    def _put(self, name, tensor):
+        if self.enabled:
+            self.captures[name] = tensor.detach().clone()
+
+    def _embeddings(self, module, args, kwargs=None):
+        self._put("embeddings", args[0])
+
+    def _layer_input(self, i):
+        def hook(module, args):
+            self._inputs = getattr(self, "_inputs", {})
+            self._inputs[i] = args[0].detach().clone()
+        return hook
+
+    def _attn(self, i):
+        def hook(module, args, out):
+            self._attn_res = self._inputs[i] + out
+            self._put(f"layers.{i}.attn_residual", self._attn_res)
+        return hook
+
+    def _mlp(self, i):
+        def hook(module, args, out):
+            self._put(f"layers.{i}.mlp_residual", self._attn_res + out)
+        return hook
+
+    def _output(self, i):
+        def hook(module, args, out):
+            self._put(f"layers.{i}.output", out[0] if isinstance(out, tuple) else out)
+        return hook
+
+    def _store(self, name):
+        def hook(module, args, out):
+            self._put(name, out)
+        return hook
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[int] | None = None,
+                  capture: bool = True) -> ReferenceResult:
+    """Prefill with captures, then greedy decode (argmax of the capped logits, as transformers'
+    generate does) with the transformers KV cache. With `forced`, feed those tokens instead
+    (teacher forcing) so another run's step logits are comparable position by position."""
+    from transformers import DynamicCache
+
+    lm = text_model(model)
+    cap = model.config.get_text_config().final_logit_softcapping
+    recorder = _Recorder(lm) if capture else None
+    raw_logits: list[torch.Tensor] = []
+    head = model.lm_head.register_forward_hook(lambda m, a, out: raw_logits.append(out.detach().float()))
+    try:
+        ids = torch.tensor([prompt], dtype=torch.long)
+        cache = DynamicCache(config=model.config.get_text_config())
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            captures = {}
+            if recorder is not None:
+                recorder.enabled = False
+                captures = {k: v[0].float() for k, v in recorder.captures.items()}
+                captures["logits"] = raw_logits[0][0]
+                captures["capped_logits"] = out.logits[0].float()
+            generated, steps = [], []
+            step_raw = raw_logits[-1][0, -1]
+            for step in range(new_tokens):
+                steps.append(step_raw)
+                token = int(softcap(step_raw, cap).argmax())
+                generated.append(token)
+                if step == new_tokens - 1:
+                    break
+                fed = forced[step] if forced is not None else token
+                model(input_ids=torch.tensor([[fed]]), past_key_values=cache, use_cache=True)
+                step_raw = raw_logits[-1][0, -1]
+    finally:
+        head.remove()
+        if recorder is not None:
+            recorder.remove()
+    return ReferenceResult(prompt=list(prompt), dtype=dtype_name(model.dtype), captures=captures,
+                           generated=generated,
+                           step_logits=torch.stack(steps) if steps else torch.empty(0, raw_logits[0].shape[-1]))
+
+
+def run_reference(checkpoint_dir, prompts: list[list[int]], new_tokens: int,
+                  dtypes=("float32", "bfloat16"), progress: bool = False) -> dict[str, list[ReferenceResult]]:
+    """The fp32 reference, and for the noise envelope the same computation in bf16, teacher-forced
+    on the fp32 tokens so that decode steps line up."""
+    results: dict[str, list[ReferenceResult]] = {}
+    fp32_tokens = None
+    for name in dtypes:
+        model = load_reference_model(checkpoint_dir, name)
+        runs = []
+        for k, prompt in enumerate(prompts):
+            if progress:
+                print(f"[reference {name}] prompt {k + 1}/{len(prompts)} ({len(prompt)} tokens)",
+                      file=sys.stderr, flush=True)
+            forced = fp32_tokens[k] if fp32_tokens is not None else None
+            runs.append(reference_run(model, prompt, new_tokens, forced=forced))
+        if torch_dtype(name) == torch.float32:
+            fp32_tokens = [r.generated for r in runs]
+        results[dtype_name(torch_dtype(name))] = runs
+        del model
+    return results
+
+
+# ---- streaming: one decoder layer resident at a time -------------------------------------------
+
+def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
+                            progress: bool = False) -> dict[str, torch.Tensor]:
+    """Prefill captures computed layer by layer from the checkpoint with transformers' own decoder
+    layer class; peak memory is about the embedding matrix plus one layer."""
+    from transformers import AutoConfig
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
+
+    dtype = torch_dtype(dtype)
+    config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
+    config._attn_implementation = "eager"
+    spec = checkpoint.spec
+    ids = torch.tensor(prompt, dtype=torch.long)
+    if spec.placeholder_token_ids:
+        ids = torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
+    embed = checkpoint.embed_weight(dtype)
+    x = (embed[ids] * embed_scale(spec.hidden_size, dtype))[None]
+    captures = {"embeddings": x[0].float()}
+    positions = torch.arange(ids.numel())[None]
+    rotary = hf.Gemma4UnifiedTextRotaryEmbedding(config)
+    mask_args = dict(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None,
+                     position_ids=positions)
+    masks = {"full_attention": create_causal_mask(**mask_args),
+             "sliding_attention": create_sliding_window_causal_mask(**mask_args)}
+    with torch.no_grad():
+        for layer_spec in spec.layers:
+            i = layer_spec.index
+            if progress:
+                print(f"[stream] layer {i + 1}/{spec.num_layers}", file=sys.stderr, flush=True)
+            with torch.device("meta"):
+                layer = hf.Gemma4UnifiedTextDecoderLayer(config, i)
+            layer.load_state_dict(checkpoint.layer_weights(i, dtype), assign=True, strict=True)
+            recorder = _Recorder.__new__(_Recorder)
+            recorder.captures, recorder.handles, recorder.enabled = {}, [], True
+            recorder._inputs = {i: x.clone()}
+            h1 = layer.post_attention_layernorm.register_forward_hook(recorder._attn(i))
+            h2 = layer.post_feedforward_layernorm.register_forward_hook(recorder._mlp(i))
+            cos_sin = rotary(x, positions, layer_spec.type)
+            x = layer(x, position_embeddings=cos_sin, attention_mask=masks[layer_spec.type],
+                      position_ids=positions)
+            h1.remove(), h2.remove()
+            captures.update({k: v[0].float() for k, v in recorder.captures.items()})
+            captures[f"layers.{i}.output"] = x[0].float()
+            del layer
+        norm = hf.Gemma4UnifiedRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        norm.weight.data = checkpoint.final_norm_weight(dtype)
+        x = norm(x)
+        captures["final_norm"] = x[0].float()
+        head = embed if spec.tie_word_embeddings else checkpoint.lm_head_weight(dtype)
+        logits = (x[0] @ head.T).float()
+    captures["logits"] = logits
+    captures["capped_logits"] = softcap(logits, spec.final_logit_softcapping)
+    return captures
