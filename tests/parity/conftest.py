@@ -1,0 +1,25 @@
+"""Parity-suite fixtures: one port run per (seed, backend), shared by the layered tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+BACKENDS = ["cpu", pytest.param("neuron", marks=pytest.mark.neuron)]
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend_name(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def port_check(tiny_ckpt, tiny_reference, backend_name):
+    """The port (TP=2, bf16) on `backend_name` judged against the tiny model's references."""
+    from harness.engine import build_engine
+    from harness.parity import run_check
+
+    engine = build_engine(tiny_ckpt, backend=backend_name, tp=2, dtype=torch.bfloat16, buckets=(16, 64),
+                          kv_len=128)
+    return run_check(engine, tiny_ckpt.spec, tiny_reference["float32"], tiny_reference["bfloat16"],
+                     backend=backend_name)

@@ -1,0 +1,115 @@
+"""The port's mechanics on CPU: fp32 exactness against transformers, TP=2 == TP=1, KV-cache decode
+== recompute, padding and bucket edges, the sliding window in prefill and decode, placeholders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.compare import rel_l2
+from harness.engine import build_engine
+from harness.errors import PromptError
+
+FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
+
+
+def _engine(ckpt, tp=2, dtype=torch.float32, buckets=(16, 32, 64), kv_len=128):
+    return build_engine(ckpt, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp32_port_matches_reference_at_every_point(tiny_ckpt, tiny_reference, tp):
+    """In fp32 the port equals transformers' eager reference to fp32 rounding at every capture."""
+    engine = _engine(tiny_ckpt, tp=tp)
+    for ref in tiny_reference["float32"]:
+        pre = engine.prefill(ref.prompt, capture=True)
+        pre.captures["logits"] = pre.logits
+        for name, dev in pre.captures.items():
+            err = rel_l2(dev, ref.captures[name])
+            assert err < FP32_ROUNDING, f"{name}: rel_l2 {err:.2e} (prompt of {len(ref.prompt)} tokens)"
+
+
+def test_tp2_equals_tp1(tiny0_ckpt, default_prompts):
+    """Sharding changes nothing but summation order: TP=2 equals TP=1 in fp32 to rounding (same
+    tokens); in bf16 TP=2 departs from TP=1 by no more than bf16 itself departs from fp32."""
+    runs = {(tp, dtype): _engine(tiny0_ckpt, tp=tp, dtype=dtype)
+            for tp in (1, 2) for dtype in (torch.float32, torch.bfloat16)}
+    for prompt in default_prompts:
+        out = {key: engine.generate(prompt, 4) for key, engine in runs.items()}
+        one32, two32 = out[(1, torch.float32)], out[(2, torch.float32)]
+        assert rel_l2(two32.prefill.logits, one32.prefill.logits) < FP32_ROUNDING
+        assert one32.tokens == two32.tokens
+        one16, two16 = out[(1, torch.bfloat16)].prefill.logits, out[(2, torch.bfloat16)].prefill.logits
+        bf16_noise = rel_l2(one16, one32.prefill.logits)
+        assert rel_l2(two16, one16) < 2 * bf16_noise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_cache_equals_recompute(tiny0_ckpt, dtype):
+    """Decode with the on-device KV cache gives the logits of recomputing the whole sequence, also
+    past the sliding window (prompt 12 + 12 tokens crosses window 16)."""
+    engine = _engine(tiny0_ckpt, dtype=dtype)
+    prompt = list(range(20, 32))
+    run = engine.generate(prompt, 12)
+    full = engine.prefill(prompt + run.tokens[:-1]).logits[len(prompt) - 1:]
+    bound = FP32_ROUNDING if dtype == torch.float32 else 1e-2
+    assert rel_l2(run.step_logits, full) < bound
+    assert full.argmax(-1).tolist() == run.tokens
+
+
+def test_padding_never_changes_real_positions(tiny0_ckpt):
+    """The same prompt in a 16-, 32- and 64-token bucket gives the same logits at real positions."""
+    prompt = list(range(100, 111))
+    logits = [_engine(tiny0_ckpt, buckets=(b,)).prefill(prompt).logits for b in (16, 32, 64)]
+    for other in logits[1:]:
+        assert rel_l2(other, logits[0]) < FP32_ROUNDING
+
+
+def test_prompt_exactly_a_bucket_uses_that_bucket(tiny0_ckpt, tiny0_reference):
+    engine = _engine(tiny0_ckpt, buckets=(16, 32))
+    ref = tiny0_reference["float32"][1]  # 24 tokens
+    prompt16 = ref.prompt[:16]
+    result = engine.prefill(prompt16)
+    assert result.bucket == 16
+    assert engine.prefill(ref.prompt).bucket == 32
+    # a prompt exactly the bucket's size still computes the right thing
+    assert rel_l2(result.logits, ref.captures["logits"][:16]) < FP32_ROUNDING
+
+
+def test_prompt_longer_than_largest_bucket_is_refused(tiny0_ckpt):
+    engine = _engine(tiny0_ckpt, buckets=(16, 32))
+    with pytest.raises(PromptError, match="longer than the largest prefill bucket"):
+        engine.prefill(list(range(33)))
+
+
+def test_decode_past_kv_length_is_refused(tiny0_ckpt):
+    engine = _engine(tiny0_ckpt, buckets=(16,), kv_len=24)
+    with pytest.raises(PromptError, match="KV length"):
+        engine.generate(list(range(10)), 20)
+
+
+def test_sliding_window_crossing_matches_reference(tiny0_dir, tiny0_ckpt):
+    """A prompt longer than the window (40 > 16) and a decode that crosses it from inside
+    (prompt 10, 14 new tokens) both match the fp32 reference tokens and logits in fp32."""
+    from harness.reference import load_reference_model, reference_run
+
+    model = load_reference_model(tiny0_dir)
+    engine = _engine(tiny0_ckpt)
+    for prompt, new in ((list(range(200, 240)), 6), (list(range(300, 310)), 14)):
+        ref = reference_run(model, prompt, new)
+        run = engine.generate(prompt, new)
+        assert run.tokens == ref.generated
+        assert rel_l2(run.step_logits, ref.step_logits) < FP32_ROUNDING
+
+
+def test_multimodal_placeholder_ids_become_pad(tiny0_dir, tiny0_ckpt):
+    """A prompt holding an image placeholder id computes what transformers' unified wrapper does
+    (placeholder swapped for the pad id before embedding)."""
+    from harness.reference import load_reference_model, reference_run
+
+    spec = tiny0_ckpt.spec
+    assert spec.placeholder_token_ids, "the tiny config is a unified config with placeholder ids"
+    prompt = [5, 17, spec.placeholder_token_ids[0], 42, 99]
+    ref = reference_run(load_reference_model(tiny0_dir), prompt, 0)
+    got = _engine(tiny0_ckpt).prefill(prompt).logits
+    assert rel_l2(got, ref.captures["logits"]) < FP32_ROUNDING
