@@ -1,0 +1,105 @@
+"""`bench` on the tiny model with the CPU backend: the file it writes is one `perf compare` accepts.
+
+Only the shape and bookkeeping of the results are asserted; CPU timings are never judged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness import perf
+from harness.checkpoint import Checkpoint, tiny_checkpoint
+from harness.errors import HarnessInputError
+
+RUNS, NEW_TOKENS = 3, 2
+BENCH_ARGS = ["--model", "tiny", "--backend", "cpu", "--runs", RUNS, "--warmup", 1, "--buckets", "8,16",
+              "--new-tokens", NEW_TOKENS, "--kv-len", 32, "--tp", 2, "--dtype", "bf16"]
+
+
+def run_cli(*argv) -> int:
+    return perf.main([str(a) for a in argv])
+
+
+@pytest.fixture(scope="module")
+def bench_runs(tmp_path_factory):
+    """Two tiny bench runs through the CLI wiring, both added to one history."""
+    tmp = tmp_path_factory.mktemp("bench")
+    codes = [run_cli("bench", *BENCH_ARGS, "--out", tmp / name, "--history", tmp / "history")
+             for name in ("a.json", "b.json")]
+    return tmp, codes
+
+
+def test_bench_writes_a_complete_result(bench_runs):
+    tmp, codes = bench_runs
+    assert codes == [0, 0]
+    result = perf.load_result(tmp / "a.json")
+    assert result["prefill_bucket"] == 16  # no 64 bucket asked for: the largest one is the headline
+    assert {k: len(v) for k, v in result["prefill_ms_by_bucket"].items()} == {"8": RUNS, "16": RUNS}
+    assert result["metrics"]["prefill_ms"] == result["prefill_ms_by_bucket"]["16"]
+    assert [len(s) for s in result["decode_steps_ms"]] == [NEW_TOKENS] * RUNS
+    assert result["metrics"]["decode_ms_per_token"] == pytest.approx(
+        [sum(s) / NEW_TOKENS for s in result["decode_steps_ms"]])
+    summary = result["summary"]
+    assert summary["prefill_ms"]["p50"] == perf.percentile(result["metrics"]["prefill_ms"], 50)
+    assert summary["tokens_per_second"] == pytest.approx(1e3 / summary["decode_ms_per_token"]["mean"])
+    assert set(summary) == {"prefill_ms", "prefill_ms[8]", "decode_ms_per_token", "tokens_per_second"}
+    assert result["spec_hash"] == Checkpoint.open(tiny_checkpoint(seed=0)).spec.spec_hash()
+    assert (result["backend"], result["tp"], result["dtype"], result["compiler_args"]) == ("cpu", 2, "bf16", [])
+    assert result["machine"]["cores"] == os.cpu_count() and result["machine"]["neuron_cores"] == 0
+    assert {"python", "torch", "transformers"} <= set(result["versions"])
+    assert result["settings"] == {"runs": RUNS, "warmup": 1, "buckets": [8, 16], "new_tokens": NEW_TOKENS,
+                                  "kv_len": 32}
+
+
+def test_bench_history_holds_both_runs_and_compares(bench_runs, capsys):
+    tmp, _ = bench_runs
+    files = sorted((tmp / "history").glob("*.json"))
+    assert len(files) == 2
+    assert [perf.load_result(f)["created"] for f in files] == [perf.load_result(tmp / n)["created"]
+                                                               for n in ("a.json", "b.json")]
+    # Three runs a side can never be significant at alpha 0.01, whatever the CPU's noise did.
+    assert run_cli("perf", "compare", "--history", tmp / "history") == 0
+    assert "too few runs" in capsys.readouterr().out
+
+
+def test_perf_compare_accepts_bench_files_via_python_m(bench_runs):
+    tmp, _ = bench_runs
+    out = tmp / "comparison.json"
+    proc = subprocess.run([sys.executable, "-m", "harness.perf", "perf", "compare", "--baseline", tmp / "a.json",
+                           "--current", tmp / "b.json", "--json", out, "--markdown", tmp / "perf.md"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    comparison = json.loads(out.read_text())
+    assert [m["metric"] for m in comparison["metrics"]] == ["prefill_ms", "prefill_ms[8]", "decode_ms_per_token"]
+    assert comparison["failed"] is False
+    assert "| decode_ms_per_token |" in (tmp / "perf.md").read_text()
+
+
+def test_bench_refuses_to_overwrite_out_without_force(bench_runs, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    out.write_bytes((bench_runs[0] / "a.json").read_bytes())
+    before = out.read_bytes()
+    assert run_cli("bench", *BENCH_ARGS, "--out", out) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert out.read_bytes() == before
+    assert run_cli("bench", *BENCH_ARGS, "--runs", 1, "--warmup", 0, "--out", out, "--force") == 0
+    assert len(perf.load_result(out)["metrics"]["prefill_ms"]) == 1
+
+
+def test_bench_rejects_a_cache_too_short_for_the_decode_steps():
+    with pytest.raises(HarnessInputError, match="exceed the KV length 32"):
+        perf.run_bench(Checkpoint.open(tiny_checkpoint(seed=0)), buckets=(16,), new_tokens=17, kv_len=32,
+                       progress=False)
+
+
+def test_bench_arguments_are_validated_by_argparse(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        perf.main(["bench", "--model", "tiny", "--buckets", "16,x", "--out", str(tmp_path / "x.json")])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        perf.main(["bench", "--out", str(tmp_path / "x.json")])  # neither --checkpoint nor --model
