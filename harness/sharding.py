@@ -73,9 +73,13 @@ def kv_layout_for(kv_heads: int, tp: int) -> str:
     )
 
 
+def _check_tp(tp: int) -> None:
+    if not isinstance(tp, int) or tp < 1:
+        raise ShardingError(f"tp must be a positive integer, got {tp!r}")
+
+
 def plan_layer(layer: LayerSpec, tp: int) -> LayerPlan:
-    if tp < 1:
-        raise ShardingError(f"tp must be >= 1, got {tp}")
+    _check_tp(tp)
     if layer.q_heads % tp:
         raise ShardingError(
             f"layer {layer.index}: {layer.q_heads} query heads do not split across tp={tp}; "
@@ -91,6 +95,7 @@ def plan_layer(layer: LayerSpec, tp: int) -> LayerPlan:
 
 
 def plan_model(spec: ModelSpec, tp: int) -> list[LayerPlan]:
+    _check_tp(tp)
     for name, size in (("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size)):
         if size % tp:
             raise ShardingError(f"{name}={size} does not split across tp={tp}")
