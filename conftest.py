@@ -16,6 +16,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TINY_SEEDS = (0, 1)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Tiny models on a shared 2-core machine: intra-op threads of several workers fight for the
+    # cores and make each op 10-20x slower; one thread per worker is the fast setting.
+    torch.set_num_threads(1)
+
 
 def _neuron_cores() -> int:
     try:

@@ -162,8 +162,9 @@ def cmd_check(args) -> int:
     print(ckpt.describe())
     ref32, ref16 = load_references(args, ckpt, ckpt_dir)
     dtype = torch_dtype(args.dtype)
+    # a parity build: the per-layer captures are extra graph outputs on the device
     engine = build_engine(ckpt, backend=args.backend, tp=args.tp, dtype=dtype, buckets=args.buckets,
-                          kv_len=args.kv_len)
+                          kv_len=args.kv_len, capture=True)
     result = run_check(engine, ckpt.spec, ref32, ref16, backend=args.backend, tp=args.tp,
                        dtype=dtype_name(dtype), progress=True)
     print(format_check(result))

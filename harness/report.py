@@ -95,6 +95,145 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+# ---- bisect ------------------------------------------------------------------------------------
+
+BISECT_HEADERS = ["layer", "type", "golden std", "port std", "cumulative", "cum env", "local", "local env",
+                  "tolerance", "needs", "verdict"]
+
+
+def _opt(x, fmt=_fmt) -> str:
+    return "-" if x is None else fmt(x)
+
+
+def _layer_verdict(l: dict) -> str:
+    if l["pass"]:
+        return "pass"
+    what = "NaN/Inf" if not l.get("finite", True) else (l.get("component") or "")
+    return f"FAIL ({what})" if what else "FAIL"
+
+
+def bisect_rows(layers: list[dict]) -> list[list]:
+    """One row per layer, Polygraphy-style: both sides' spread, the error cumulative and local, the
+    tolerance (ENVELOPE_FACTOR x the envelope of the judged error) and the factor that would pass."""
+    rows = []
+    for l in layers:
+        stats = l.get("stats") or {}
+        golden, port = stats.get("golden"), stats.get("port_local")
+        judged_env = l["local_envelope_rel_l2"] if l.get("local_envelope_rel_l2") is not None else l["envelope_rel_l2"]
+        rows.append([
+            l["index"], "full" if l["type"] == "full_attention" else "sliding",
+            _opt(golden and golden["std"]), "NaN/Inf" if port and not port["finite"] else _opt(port and port["std"]),
+            _err(l["cumulative_rel_l2"]), _opt(l["envelope_rel_l2"]),
+            _err(l.get("local_rel_l2")) if l.get("local_points") else "-",
+            _opt(l.get("local_envelope_rel_l2")),
+            _opt(judged_env and ENVELOPE_FACTOR * judged_env),
+            "inf" if l.get("required_factor") is None else f"{l['required_factor']:.2f}x",
+            _layer_verdict(l),
+        ])
+    return rows
+
+
+def _err(x) -> str:
+    """An error read back from JSON: null there means it was not finite (NaN or Inf in the port)."""
+    return "inf" if x is None else _fmt(x)
+
+
+def _point_line(p: dict, label: str | None = None) -> str:
+    """compare.PointResult.explain() for a point read back from JSON."""
+    label = label or p["name"]
+    if not p.get("finite", True):
+        return f"{label}: FAIL, NaN or Inf in the port's values"
+    verdict = "PASS" if p["passed"] else "FAIL"
+    need = max(p["ratio"], p["position_ratio"])
+    where = (f"prompt {p['worst_prompt']} position {p['worst_prompt_position']}" if "worst_prompt" in p
+             else f"position {p['worst_position']}")
+    return (f"{label}: {verdict} rel_l2={p['rel_l2']:.3e} vs envelope {p['envelope_rel_l2']:.3e} "
+            f"(ratio {p['ratio']:.2f}; worst {where} ratio {p['position_ratio']:.2f}), "
+            f"cosine={p['cosine']:.6f}, max_abs={p['max_abs']:.3e}; tolerance {ENVELOPE_FACTOR}x, would pass at "
+            f"{need:.2f}x")
+
+
+CAUSES = {
+    "weights": "the port computes this checkpoint's layer like transformers does; the checkpoint's weights "
+               "differ from the golden's here",
+    "port": "the port's layer differs from transformers' layer on the same weights and input",
+    "accumulated": "no layer is wrong on its own; the error accumulates past the envelope",
+    "nonfinite": "NaN or Inf appears here",
+    "divergent": "truncate mode: the first prefix whose output breaks the policy (cumulative error)",
+    "embeddings": "the host embedding lookup differs from the golden's (embedding weights, scale or "
+                  "placeholder handling), before any layer",
+    "final_norm": "every layer is within the policy; the final norm is not",
+}
+
+
+def bisect_summary_lines(payload: dict) -> list[str]:
+    first, point = payload["first_divergent_layer"], payload.get("first_divergent_point")
+    lines = [_point_line(p, label) for label, p in _edge_points(payload)]
+    if first is None and point:
+        lines.append(f"first divergent point: {point}, before or after the layers; cause: {payload['cause']} "
+                     f"({CAUSES.get(payload['cause'], '')})")
+    elif first is None:
+        lines.append("first divergent layer: none (every layer within the policy)")
+    else:
+        layer = next(l for l in payload["layers"] if l["index"] == first)
+        lines.append(f"first divergent layer: {first} ({layer['type']}), component: {payload['component']}, "
+                     f"cause: {payload['cause']} ({CAUSES.get(payload['cause'], '')})")
+        for title, key in (("alone on the golden's input", "local_points"), ("cumulative", "cumulative_points")):
+            if layer.get(key):
+                lines.append(f"  layer {first} {title}:")
+                lines += [f"    {_point_line(p)}" for p in layer[key]]
+    nf = payload.get("nonfinite")
+    lines.append("NaN/Inf: none" if not nf else
+                 f"NaN/Inf first at layer {nf['layer']}, point {nf['point']} ({nf.get('where', '')})"
+                 + (", at " + ", ".join(f"prompt {k} position {j}" for k, j in nf["positions"])
+                    if nf.get("positions") else ""))
+    if payload.get("seq_match") is not None:
+        lines.append(f"SEQ_MATCH {payload['seq_match']}; token mismatches: {payload['near_tie_flips']} near-tie "
+                     f"flips, {payload['real_divergences']} real divergences")
+    lines.append(f"builds: {payload['builds']}")
+    lines += [f"note: {n}" for n in payload.get("notes", [])]
+    return lines
+
+
+def _edge_points(payload: dict) -> list[tuple[str, dict]]:
+    """The points around the layers (capture mode): embeddings, and the final norm in the port's run
+    and alone on the golden's last layer output."""
+    out = [("embeddings", payload["embeddings"])] if payload.get("embeddings") else []
+    final = payload.get("final_norm") or {}
+    out += [(f"final_norm ({where})", final[key]) for key, where in
+            (("cumulative", "port's run"), ("local", "alone on the golden's last layer output")) if key in final]
+    return out
+
+
+def format_bisect(payload: dict) -> str:
+    judged = ("local = the layer alone on the golden's input to it (the verdict), cumulative = the port's own run"
+              if payload["mode"] == "capture" else
+              "cumulative = the read-out of a build of the first layer+1 layers (the verdict); only the "
+              "prefixes the search built are listed")
+    head = (f"bisect ({payload['mode']} mode): backend={payload['backend']} tp={payload['tp']} "
+            f"dtype={payload['dtype']}; tolerance: error <= {ENVELOPE_FACTOR}x the bf16 envelope of the same "
+            f"point; {judged}")
+    lines = [head, _table(BISECT_HEADERS, bisect_rows(payload["layers"]))]
+    lines += bisect_summary_lines(payload)
+    lines.append("BISECT PASS" if payload["passed"] else "BISECT FAIL")
+    return "\n".join(lines)
+
+
+def _bisect_markdown_lines(payload: dict) -> list[str]:
+    """mode, cause, NaN/Inf, builds and notes; the first bad layer's points in a code block."""
+    lines = [f"mode: {payload['mode']} (backend {payload['backend']}, tp {payload['tp']}, {payload['dtype']}); "
+             f"builds: {payload['builds']}"]
+    if payload.get("first_divergent_point") and payload["first_divergent_layer"] is None:
+        lines.append(f"first divergent point: **{payload['first_divergent_point']}** (outside the decoder layers)")
+    if payload.get("cause"):
+        lines.append(f"cause: **{payload['cause']}**: {CAUSES.get(payload['cause'], '')}")
+    nf = payload.get("nonfinite")
+    lines.append("NaN/Inf: none" if not nf else
+                 f"NaN/Inf first at layer **{nf['layer']}**, point `{nf['point']}` ({nf.get('where', '')})")
+    lines += [f"note: {n}" for n in payload.get("notes", [])]
+    return lines
+
+
 def markdown_summary(kind: str, payload: dict) -> str:
     first = payload.get("first_divergent_layer")
     lines = [f"# gemma-parity {kind}", "",
@@ -103,23 +242,49 @@ def markdown_summary(kind: str, payload: dict) -> str:
     if payload.get("component"):
         lines.append(f"- component: **{payload['component']}**")
     if "seq_match" in payload:
-        lines.append(f"- SEQ_MATCH: **{payload['seq_match']}**")
-    if "near_tie_flips" in payload:
+        seq = payload["seq_match"]
+        lines.append(f"- SEQ_MATCH: **{seq if seq is not None else 'not available (no decode in this mode)'}**")
+    if payload.get("near_tie_flips") is not None:
         lines.append(f"- token mismatches: {payload['near_tie_flips']} near-tie flips, "
                      f"{payload['real_divergences']} real divergences")
     lines.append(f"- tolerance: error <= {ENVELOPE_FACTOR}x the bf16 CPU envelope at each capture point")
-    lines += ["", "| " + " | ".join(LAYER_HEADERS) + " |", "|" + "---|" * len(LAYER_HEADERS)]
-    rows = layer_rows(payload["layers"]) if payload["layers"] and "rel_l2" in payload["layers"][0] else []
+    if kind == "bisect":
+        lines += [f"- {line}" for line in _bisect_markdown_lines(payload)]
+        headers, rows = BISECT_HEADERS, bisect_rows(payload["layers"])
+    else:
+        headers = LAYER_HEADERS
+        rows = layer_rows(payload["layers"]) if payload["layers"] and "rel_l2" in payload["layers"][0] else []
+    lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    if kind == "bisect":  # the first bad layer's points, explained (Polygraphy-style)
+        lines += ["", "```", *bisect_summary_lines(payload), "```"]
     lines.append("")
     lines.append(f"![per-layer error]({kind}_errors.png)")
     return "\n".join(lines) + "\n"
 
 
+def _series(layers: list[dict], key: str | None, scale: float = 1.0):
+    """(x, y) under `key`; a JSON null (NaN/Inf, or not measured) becomes a gap in the line."""
+    if not key or all(l.get(key) is None for l in layers):
+        return [], []
+    return ([l["index"] for l in layers],
+            [math.nan if l.get(key) is None else max(scale * l[key], 1e-12) for l in layers])
+
+
+def _shade_full_layers(ax, full_layers: list[int]) -> None:
+    for f in full_layers:
+        ax.axvspan(f - 0.5, f + 0.5, color="0.85", lw=0, zorder=0)
+
+
 def plot_layer_errors(path: Path, layers: list[dict], full_layers: list[int], cumulative_key: str,
-                      local_key: str | None, envelope_key: str | None, title: str) -> bool:
-    """Per-layer error on a log scale, full-attention layers marked, the tolerance line drawn.
-    Returns False when matplotlib (the `plot` extra) is not installed."""
+                      local_key: str | None, envelope_key: str | None, title: str,
+                      local_envelope_key: str | None = None, ratio_keys: tuple[str, ...] = (),
+                      num_layers: int | None = None, cumulative_label: str = "cumulative (port's own run)") -> bool:
+    """Per-layer error on a log scale: cumulative and local error, each with its tolerance line
+    (ENVELOPE_FACTOR x its bf16 envelope), full-attention layers shaded, failing layers drawn in
+    red, the first one marked; NaN/Inf drawn as a red x on the top edge. With `ratio_keys`, a second
+    panel shows error / envelope against the flat tolerance: where the error jumps is where a curve
+    leaves the band. Returns False when matplotlib (the `plot` extra) is not installed."""
     try:
         import matplotlib
 
@@ -127,30 +292,105 @@ def plot_layer_errors(path: Path, layers: list[dict], full_layers: list[int], cu
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    idx = [l["index"] for l in layers]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    for f in full_layers:
-        ax.axvspan(f - 0.5, f + 0.5, color="tab:orange", alpha=0.12, lw=0)
-    floor = 1e-12
-    ax.plot(idx, [max(l[cumulative_key], floor) for l in layers], "o-", label="cumulative rel L2")
-    if local_key:
-        ax.plot(idx, [max(l[local_key], floor) for l in layers], "s--", label="local rel L2 (layer on golden input)")
-    if envelope_key:
-        ax.plot(idx, [ENVELOPE_FACTOR * max(l[envelope_key], floor) for l in layers], "k:",
-                label=f"tolerance ({ENVELOPE_FACTOR}x bf16 envelope)")
-    bad = [l for l in layers if not l.get("pass", True)]
-    if bad:
-        ax.axvline(bad[0]["index"], color="red", lw=1.5, label=f"first divergent layer {bad[0]['index']}")
+    panels = 2 if ratio_keys else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(12.5, 4.0 * panels), sharex=True, squeeze=False)
+    ax = axes[0][0]
+    _shade_full_layers(ax, full_layers)
+    styles = [(cumulative_key, envelope_key, "tab:blue", "o-", cumulative_label),
+              (local_key, local_envelope_key, "tab:orange", "s-", "local (layer alone on the golden's input)")]
+    for key, env_key, color, marker, label in styles:
+        xs, ys = _series(layers, key)
+        if not xs:
+            continue
+        ax.plot(xs, ys, marker, color=color, label=f"{label} rel L2", ms=5, zorder=3)
+        ex, ey = _series(layers, env_key, ENVELOPE_FACTOR)
+        if ex:
+            ax.plot(ex, ey, ":", color=color, lw=1.5,
+                    label=f"tolerance {ENVELOPE_FACTOR:g}x bf16 envelope ({label.split()[0]})")
+    span = (0, num_layers - 1) if num_layers else (min((l["index"] for l in layers), default=0),
+                                                   max((l["index"] for l in layers), default=0))
+    _mark_failures(ax, layers, cumulative_key, local_key, span)
     ax.set_yscale("log")
-    ax.set_xlabel("decoder layer (shaded: full attention)")
-    ax.set_ylabel("relative L2 error vs fp32 reference")
+    ax.set_ylabel("relative L2 error vs fp32 golden")
     ax.set_title(title)
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
+    if panels == 2:
+        _plot_ratios(axes[1][0], layers, full_layers, ratio_keys)
+        _mark_nonfinite(axes[1][0], layers)
+    axes[-1][0].set_xlabel("decoder layer (shaded: full attention)")
+    axes[-1][0].set_xticks(range(span[0], span[1] + 1, max(1, (span[1] - span[0]) // 24 + 1)))
+    axes[-1][0].set_xlim(span[0] - 0.6, span[1] + 0.6)
+    for row in axes:
+        row[0].grid(True, which="both", alpha=0.3)
+        row[0].legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never on a point
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
     plt.close(fig)
+    os.replace(tmp, path)
     return True
+
+
+def _first_failure(layers: list[dict]) -> dict | None:
+    return next((l for l in layers if not l.get("pass", True)), None)
+
+
+def _mark_failures(ax, layers: list[dict], cumulative_key: str, local_key: str | None, span) -> None:
+    judged = local_key if any(l.get(local_key) is not None for l in layers) else cumulative_key
+    bad = [l for l in layers if not l.get("pass", True) and l.get(judged) is not None]
+    if bad:
+        ax.scatter([l["index"] for l in bad], [max(l[judged], 1e-12) for l in bad], s=110, facecolors="none",
+                   edgecolors="red", lw=2, zorder=4, label="breaks the policy")
+    _mark_nonfinite(ax, layers)
+    first = _first_failure(layers)
+    if first is not None:
+        what = first.get("component") or ""
+        ax.axvline(first["index"], color="red", lw=1.2, alpha=0.8)
+        right_half = first["index"] > (span[0] + span[1]) / 2  # keep the label inside the axes
+        ax.annotate(f"first divergent layer {first['index']}" + (f": {what}" if what else ""),
+                    xy=(first["index"], 0.97), xycoords=("data", "axes fraction"), xytext=(-8 if right_half else 8, 0),
+                    textcoords="offset points", color="red", fontsize=9, va="top", zorder=6,
+                    ha="right" if right_half else "left",
+                    bbox={"boxstyle": "round", "fc": "white", "ec": "red", "alpha": 0.9})
+
+
+def _mark_nonfinite(ax, layers: list[dict]) -> None:
+    """NaN/Inf has no place on a log axis: a red x on the top edge at that layer."""
+    nonfinite = [l["index"] for l in layers if not l.get("finite", True)]
+    if nonfinite:
+        ax.scatter(nonfinite, [1.0] * len(nonfinite), marker="x", color="red", s=80, zorder=5,
+                   transform=ax.get_xaxis_transform(), clip_on=False, label="NaN/Inf")
+
+
+def _plot_ratios(ax, layers: list[dict], full_layers: list[int], ratio_keys: tuple[str, ...]) -> None:
+    """error / envelope (the factor that would have passed) against the flat tolerance."""
+    _shade_full_layers(ax, full_layers)
+    colors = {"cumulative_ratio": "tab:blue", "local_ratio": "tab:orange"}
+    for key in ratio_keys:
+        xs, ys = _series(layers, key)
+        if xs:
+            label = key.replace("_ratio", "")
+            ax.plot(xs, ys, "o-" if label == "cumulative" else "s-", color=colors.get(key), ms=5,
+                    label=f"{label} error / envelope")
+    bad = [l for l in layers if not l.get("pass", True) and l.get("required_factor") is not None]
+    if bad:
+        ax.scatter([l["index"] for l in bad], [l["required_factor"] for l in bad], s=110, facecolors="none",
+                   edgecolors="red", lw=2, zorder=4, label="breaks the policy (worst point)")
+    ax.axhline(ENVELOPE_FACTOR, color="red", ls="--", lw=1.2, label=f"tolerance {ENVELOPE_FACTOR:g}x")
+    ax.axhspan(0, ENVELOPE_FACTOR, color="tab:green", alpha=0.06, lw=0)
+    first = _first_failure(layers)
+    if first is not None:
+        ax.axvline(first["index"], color="red", lw=1.2, alpha=0.8)
+    ax.set_yscale("log")
+    ax.set_ylabel("error / bf16 envelope")
+
+
+def _bisect_title(payload: dict) -> str:
+    first, point = payload.get("first_divergent_layer"), payload.get("first_divergent_point")
+    if first is not None:
+        verdict = f"first divergent layer {first}: {payload.get('component')} ({payload.get('cause')})"
+    else:
+        verdict = f"layers within the policy, {point} is not ({payload.get('cause')})" if point else "no divergent layer"
+    return f"gemma-parity bisect ({payload.get('mode')} mode): {verdict}"
 
 
 def write_report(report_dir, kind: str, payload: dict, spec) -> Path:
@@ -164,7 +404,11 @@ def write_report(report_dir, kind: str, payload: dict, spec) -> Path:
                                "envelope_rel_l2", "gemma-parity check: per-layer error")
     else:
         ok = plot_layer_errors(report_dir / f"{kind}_errors.png", layers, spec.full_layers, "cumulative_rel_l2",
-                               "local_rel_l2", "envelope_rel_l2", "gemma-parity bisect: per-layer error")
+                               "local_rel_l2", "envelope_rel_l2", _bisect_title(payload),
+                               local_envelope_key="local_envelope_rel_l2",
+                               ratio_keys=("cumulative_ratio", "local_ratio"), num_layers=spec.num_layers,
+                               cumulative_label="cumulative (port's own run)" if payload.get("mode") == "capture"
+                               else "cumulative (read-out of a build of the first layer+1 layers)")
     text = markdown_summary(kind, payload)
     if not ok:
         text += "\n(plot skipped: install the `plot` extra for matplotlib)\n"

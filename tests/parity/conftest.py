@@ -20,6 +20,6 @@ def port_check(tiny_ckpt, tiny_reference, backend_name):
     from harness.parity import run_check
 
     engine = build_engine(tiny_ckpt, backend=backend_name, tp=2, dtype=torch.bfloat16, buckets=(16, 64),
-                          kv_len=128)
+                          kv_len=128, capture=True)
     return run_check(engine, tiny_ckpt.spec, tiny_reference["float32"], tiny_reference["bfloat16"],
                      backend=backend_name)

@@ -1,0 +1,217 @@
+"""`gemma-parity bisect` against a golden of the original tiny checkpoint names the layer and the
+component of a fault placed in one layer: weights perturbed in a copy of the checkpoint (the normal
+use: a golden of yesterday's weights, today's checkpoint), port faults patched into one layer's
+forward (a sliding-window mask off by one past the window's edge, NaN), and nothing at all for a
+clean run or a perturbation inside bf16 noise."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness import model as port_model
+from harness.bisect import intra_op_threads_for, run_bisect
+from harness.checkpoint import Checkpoint
+from harness.cli import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_OK, main
+from harness.golden import read_golden, write_golden
+from harness.reference import run_reference
+from harness.report import format_bisect
+
+GOLDEN_NEW_TOKENS = 2  # enough for SEQ_MATCH; decode is the costly part of a reference run
+# Noise of half the weights' own spread: a change of direction. Scaling a projection would show
+# nothing here, because q_norm/k_norm/v_norm and the post-sublayer norms divide any scale out.
+FAULT_NOISE = 0.5
+# Half a bf16 rounding of the weights (2^-9 ~ 2e-3 relative): inside the envelope by construction.
+BF16_NOISE = 1e-3
+
+
+@pytest.fixture(scope="session")
+def golden_dir(tmp_path_factory, tiny0_dir, tiny0_ckpt, default_prompts):
+    """A golden of the original tiny checkpoint, written once per session."""
+    with intra_op_threads_for(tiny0_ckpt.spec):  # the tiny model runs faster on one thread
+        refs = run_reference(tiny0_dir, default_prompts, new_tokens=GOLDEN_NEW_TOKENS)
+    out = tmp_path_factory.mktemp("bisect") / "golden"
+    return write_golden(out, tiny0_ckpt.spec, refs, GOLDEN_NEW_TOKENS, tiny0_ckpt.file_hashes(), str(tiny0_dir))
+
+
+@pytest.fixture(scope="session")
+def golden(golden_dir, tiny0_ckpt):
+    return read_golden(golden_dir, expected_spec=tiny0_ckpt.spec)
+
+
+def perturbed_copy(src: Path, out: Path, layer: int | None, names: list[str], noise: float, seed: int = 0) -> Path:
+    """A copy of the checkpoint with `names` (of one layer, or full keys when layer is None) given
+    Gaussian noise of `noise` times each weight's standard deviation; every other tensor (and the
+    config) byte-identical."""
+    ckpt = Checkpoint.open(src)
+    keys = [ckpt.layer_key(layer, n) if layer is not None else ckpt.prefix + n for n in names]
+    out.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    gen = torch.Generator().manual_seed(seed)
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        for key in keys:
+            if key in tensors:
+                w = tensors[key].float()
+                tensors[key] = (w + noise * w.std() * torch.randn(w.shape, generator=gen)).to(tensors[key].dtype)
+        save_file(tensors, str(out / shard.name), metadata={"format": "pt"})
+    return out
+
+
+def _layer_fault(monkeypatch, layer: int, corrupt):
+    """Patch DecoderLayer.forward so that layer `layer` (in the port's full run and alone) runs
+    with `corrupt(x, positions, mask) -> (x, mask)` applied to its inputs."""
+    original = port_model.DecoderLayer.forward
+
+    def forward(self, x, cos, sin, positions, mask, captures=None, prefix=""):
+        if prefix == f"layers.{layer}.":
+            x, mask = corrupt(x, positions, mask)
+        return original(self, x, cos, sin, positions, mask, captures, prefix)
+
+    monkeypatch.setattr(port_model.DecoderLayer, "forward", forward)
+
+
+WEIGHT_FAULTS = [
+    pytest.param(0, ["self_attn.q_proj.weight"], "attention", id="q_proj-layer0"),
+    pytest.param(3, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp", id="gate_up-layer3"),
+    pytest.param(5, ["self_attn.k_proj.weight"], "attention", id="k_proj=value-full-layer5"),
+    pytest.param(8, ["self_attn.v_proj.weight"], "attention", id="v_proj-layer8"),
+]
+
+
+@pytest.mark.parametrize("layer, names, component", WEIGHT_FAULTS)
+def test_perturbed_layer_is_named_with_its_component(tmp_path, tiny0_dir, golden, layer, names, component):
+    """Noise in one layer's attention or MLP weights: bisect reports exactly that layer and that
+    component, and says the port computes the new weights right (the weights changed, not the code)."""
+    ckpt = Checkpoint.open(perturbed_copy(tiny0_dir, tmp_path / "ckpt", layer, names, FAULT_NOISE))
+    result = run_bisect(ckpt, golden)
+    assert result.first_divergent_layer == layer, [v.to_json()["local_ratio"] for v in result.layers]
+    assert result.component == component
+    assert result.cause == "weights"
+    assert result.nonfinite is None
+    # the layers before it are clean on their own and in the port's run
+    assert all(v.passed and v.cumulative_passed for v in result.layers[:layer])
+
+
+def test_cli_names_full_layer_mlp_fault_and_writes_report(tmp_path, tiny0_dir, golden_dir, capsys):
+    """Through `gemma-parity bisect --json --report`: exit 1, the JSON names layer 11 (a full
+    layer) and mlp, and the report directory holds the Markdown table, the JSON and the plot."""
+    ckpt = perturbed_copy(tiny0_dir, tmp_path / "ckpt", 11, ["mlp.down_proj.weight"], FAULT_NOISE)
+    out_json, report = tmp_path / "bisect.json", tmp_path / "report"
+    code = main(["bisect", "--golden", str(golden_dir), "--checkpoint", str(ckpt), "--json", str(out_json),
+                 "--report", str(report)])
+    printed = capsys.readouterr().out
+    assert code == EXIT_FAIL
+    payload = json.loads(out_json.read_text())
+    assert payload["first_divergent_layer"] == 11 and payload["component"] == "mlp"
+    assert payload["builds"] == 1 and payload["nonfinite"] is None
+    layers = payload["layers"]
+    assert [l["index"] for l in layers] == list(range(12))
+    for key in ("index", "type", "cumulative_rel_l2", "local_rel_l2", "envelope_rel_l2", "local_envelope_rel_l2",
+                "pass"):
+        assert all(key in l for l in layers), key
+    assert [l["pass"] for l in layers] == [True] * 11 + [False]
+    assert layers[11]["local_rel_l2"] > 4 * layers[11]["local_envelope_rel_l2"]
+    assert json.loads((report / "bisect.json").read_text())["first_divergent_layer"] == 11
+    md = (report / "bisect.md").read_text()
+    assert "first divergent layer: **11**" in md and "component: **mlp**" in md and "SEQ_MATCH" in md
+    assert "| 11 | full |" in md and "FAIL (mlp)" in md
+    assert (report / "bisect_errors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "first divergent layer: 11" in printed
+
+
+def test_clean_checkpoint_reports_no_layer(tmp_path, tiny0_dir, golden_dir):
+    """The checkpoint the golden was written from: no divergent layer, exit 0, SEQ_MATCH reported."""
+    out_json = tmp_path / "bisect.json"
+    code = main(["bisect", "--golden", str(golden_dir), "--checkpoint", str(tiny0_dir), "--json", str(out_json)])
+    payload = json.loads(out_json.read_text())
+    assert code == EXIT_OK, payload
+    assert payload["first_divergent_layer"] is None and payload["component"] is None
+    assert all(l["pass"] and l["cumulative_pass"] for l in payload["layers"])
+    assert payload["seq_match"] is not None and payload["real_divergences"] == 0
+
+
+def test_perturbation_within_bf16_noise_is_not_flagged(tmp_path, tiny0_dir, golden):
+    """Noise of half a bf16 rounding in one layer's attention and MLP weights changes the fp32
+    numbers but stays inside the bf16 envelope: no layer is reported."""
+    names = ["self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.up_proj.weight"]
+    ckpt = Checkpoint.open(perturbed_copy(tiny0_dir, tmp_path / "ckpt", 4, names, BF16_NOISE))
+    result = run_bisect(ckpt, golden)
+    assert result.layers[4].checkpoint_drift_rel_l2 > 0  # the weights did change
+    assert result.first_divergent_layer is None, result.layers[4].to_json()["local_ratio"]
+
+
+def test_window_off_by_one_past_the_edge_is_named(monkeypatch, tiny0_ckpt, golden):
+    """A sliding layer whose mask lets in one key too many (window 17 instead of 16) differs only
+    at positions past the window's edge (prompts of 24 and 40 tokens): bisect names layer 8,
+    attention, and says the port's layer (not the weights) is wrong."""
+    window = tiny0_ckpt.spec.layers[8].window
+
+    def widen(x, positions, mask):
+        return x, port_model.attention_mask(positions, mask.shape[-1], window + 1, mask.dtype)
+
+    _layer_fault(monkeypatch, 8, widen)
+    result = run_bisect(tiny0_ckpt, golden)
+    assert (result.first_divergent_layer, result.component, result.cause) == (8, "attention", "port")
+    worst = next(p for p in result.to_json()["layers"][8]["local_points"] if not p["passed"])
+    assert worst["worst_prompt_position"] >= window, worst
+
+
+def test_nan_at_a_layer_output_is_reported_there(monkeypatch, tiny0_ckpt, golden):
+    """NaN out of layer 6 (after its residual points were taken): bisect reports layer 6, the
+    first non-finite point layers.6.output, and the cause nonfinite."""
+    original = port_model.DecoderLayer.forward
+
+    def forward(self, x, cos, sin, positions, mask, captures=None, prefix=""):
+        out = original(self, x, cos, sin, positions, mask, captures, prefix)
+        return out * float("nan") if prefix == "layers.6." else out
+
+    monkeypatch.setattr(port_model.DecoderLayer, "forward", forward)
+    result = run_bisect(tiny0_ckpt, golden)
+    assert result.first_divergent_layer == 6 and result.cause == "nonfinite"
+    assert result.nonfinite["layer"] == 6 and result.nonfinite["point"] == "layers.6.output"
+    assert all(v.passed for v in result.layers[:6])
+
+
+def test_nan_from_a_fully_masked_row_is_attention(monkeypatch, tiny0_ckpt, golden):
+    """A mask row with no visible key makes softmax NaN in layer 2's attention: reported at layer
+    2, component attention, first at its attention residual."""
+
+    def mask_out_first_query(x, positions, mask):
+        mask = mask.clone()
+        mask[..., 0, :] = float("-inf")
+        return x, mask
+
+    _layer_fault(monkeypatch, 2, mask_out_first_query)
+    result = run_bisect(tiny0_ckpt, golden)
+    assert (result.first_divergent_layer, result.component, result.cause) == (2, "attention", "nonfinite")
+    assert result.nonfinite["point"] == "layers.2.attn_residual"
+    assert [0, 0] in result.nonfinite["positions"]  # the masked-out first query of each prompt
+
+
+@pytest.mark.parametrize("name, point", [("embed_tokens.weight", "embeddings"), ("norm.weight", "final_norm")])
+def test_fault_outside_the_layers_is_not_blamed_on_a_layer(tmp_path, tiny0_dir, golden, name, point):
+    """Noise in the embedding table (before layer 0) or the final norm (after layer 11): bisect
+    names that point, no layer, and still fails."""
+    ckpt = Checkpoint.open(perturbed_copy(tiny0_dir, tmp_path / "ckpt", None, [name], FAULT_NOISE))
+    result = run_bisect(ckpt, golden)
+    assert (result.first_divergent_point, result.first_divergent_layer, result.cause) == (point, None, point)
+    assert not result.passed and format_bisect(result.to_json()).endswith("BISECT FAIL")
+    assert all(v.passed for v in result.layers)  # every layer is fine on the golden's input
+
+
+def test_golden_of_another_spec_is_bad_input(tmp_path, golden_dir, tiny0_dir):
+    """A golden whose spec hash does not match the checkpoint's is refused with exit 2."""
+    other = tmp_path / "golden"
+    shutil.copytree(golden_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["spec_hash"] = "0" * 16
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["bisect", "--golden", str(other), "--checkpoint", str(tiny0_dir)]) == EXIT_BAD_INPUT
