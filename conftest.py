@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 
@@ -86,19 +87,24 @@ def default_prompts():
     return load_prompts()
 
 
-@pytest.fixture(scope="session")
-def tiny_reference(tiny_dir, default_prompts):
-    """fp32 and bf16 reference results for the default prompts (8 new tokens)."""
+@functools.lru_cache(maxsize=None)
+def _reference(seed: int, prompts: tuple[tuple[int, ...], ...]):
+    from harness.checkpoint import tiny_checkpoint
     from harness.reference import run_reference
 
-    return run_reference(tiny_dir, default_prompts, new_tokens=8)
+    return run_reference(tiny_checkpoint(seed=seed), [list(p) for p in prompts], new_tokens=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_dir, default_prompts):
+    """fp32 and bf16 reference results for the default prompts (8 new tokens), per seed."""
+    seed = int(tiny_dir.name.rsplit("seed", 1)[1])
+    return _reference(seed, tuple(map(tuple, default_prompts)))
 
 
 @pytest.fixture(scope="session")
 def tiny0_reference(tiny0_dir, default_prompts):
-    from harness.reference import run_reference
-
-    return run_reference(tiny0_dir, default_prompts, new_tokens=8)
+    return _reference(0, tuple(map(tuple, default_prompts)))
 
 
 @pytest.fixture(autouse=True)

@@ -22,9 +22,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # The unified multimodal checkpoint keeps the text decoder under model.language_model; a bare
 # text checkpoint (Gemma4UnifiedForCausalLM) under model.
 TEXT_PREFIXES = ("model.language_model.", "model.")
-INERT_PREFIXES = ("model.embed_vision.", "model.embed_audio.", "model.vision_tower.", "model.audio_tower.")
 ROW_NORM_SPREAD = 0.5
 POST_NORM_LOW, POST_NORM_SPAN = 2.0, 3.0
+TINY_BUILDER_VERSION = 2
 TINY_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-tiny.json"
 
 
@@ -84,7 +84,8 @@ class Checkpoint:
                 f"{' or '.join(p + 'embed_tokens.weight' for p in TEXT_PREFIXES)}). This does not look "
                 "like a Gemma-4 unified checkpoint; check the directory or re-save it with save_pretrained."
             )
-        ignored = [k for k in key_to_file if k.startswith(INERT_PREFIXES)]
+        # Everything outside the text decoder (the unified class's vision/audio embedders) is inert.
+        ignored = [k for k in key_to_file if not k.startswith(prefix) and k != "lm_head.weight"]
         ckpt = cls(path=path, spec=spec, prefix=prefix, key_to_file=key_to_file, ignored_keys=ignored)
         if validate:
             ckpt.validate()
@@ -126,8 +127,8 @@ class Checkpoint:
                  f"{len(set(self.key_to_file.values()))} safetensors file(s)",
                  self.spec.describe_inert()]
         if self.ignored_keys:
-            lines.append(f"{len(self.ignored_keys)} multimodal embedder tensors ignored "
-                         "(embed_vision/embed_audio; no encoder towers)")
+            lines.append(f"{len(self.ignored_keys)} multimodal embedder tensors outside the text decoder "
+                         "ignored (vision/audio embedders; the checkpoint has no encoder towers)")
         return "\n".join(lines)
 
     # -- reads (memory-mapped, one tensor at a time) -------------------------------------------
@@ -168,6 +169,12 @@ class Checkpoint:
 
     def final_norm_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.get(f"{self.prefix}norm.weight", dtype)
+
+    def check_finite(self) -> None:
+        """Read every tensor the port uses once, one at a time: NaN or Inf is a NumericsError naming
+        the key (transformers' own loader, which the reference uses, does not check)."""
+        for key in self.expected_shapes():
+            self.get(key)
 
     def file_hashes(self) -> dict[str, str]:
         files = sorted({p for p in self.key_to_file.values()} | {self.path / "config.json"})
@@ -243,6 +250,7 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, config_path: str |
     config = json.loads(Path(config_path).read_text())
     config.pop("architectures", None)
     config.pop("transformers_version", None)
+    torch.manual_seed(seed)  # parts randomize_for_margins leaves alone (inert embedders) too
     model = Gemma4UnifiedForConditionalGeneration(Gemma4UnifiedConfig(**config))
     randomize_for_margins(model, seed, logit_scale)
     _save_atomically(model, out_dir, overwrite)
@@ -297,7 +305,9 @@ def _save_atomically(model, out_dir: Path, overwrite: bool) -> None:
 
 def tiny_checkpoint(seed: int = 0) -> Path:
     """The cached tiny 12B-shaped checkpoint for `seed`, built on first use."""
-    digest = hashlib.sha256(TINY_CONFIG.read_bytes()).hexdigest()[:10]
+    # The builder's version is part of the key: a change in how weights are drawn must not reuse
+    # a checkpoint cached by an older build.
+    digest = hashlib.sha256(TINY_CONFIG.read_bytes() + f"builder-{TINY_BUILDER_VERSION}".encode()).hexdigest()[:10]
     path = cache_dir() / f"tiny-{digest}-seed{seed}"
     if not (path / "config.json").is_file():
         build_tiny_checkpoint(path, seed=seed)

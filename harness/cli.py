@@ -112,7 +112,8 @@ def cmd_reference(args) -> int:
     if out.exists() and any(out.iterdir()) and not args.overwrite:
         raise HarnessInputError(f"{out}: already exists; choose a new --out or pass --overwrite")
     prompts = load_prompts(args.prompts, ckpt_dir)
-    validate_prompt_ids(ckpt.spec, prompts)
+    validate_prompt_ids(ckpt.spec, prompts, args.prompts)
+    ckpt.check_finite()
     if args.stream:
         from harness.reference import ReferenceResult
 
@@ -145,7 +146,8 @@ def load_references(args, ckpt, ckpt_dir):
         golden = read_golden(args.golden, expected_spec=ckpt.spec)
         return golden.results("float32"), golden.results("bfloat16")
     prompts = load_prompts(args.prompts, ckpt_dir)
-    validate_prompt_ids(ckpt.spec, prompts)
+    validate_prompt_ids(ckpt.spec, prompts, args.prompts)
+    ckpt.check_finite()
     refs = run_reference(ckpt_dir, prompts, args.new_tokens, progress=True)
     return refs["float32"], refs["bfloat16"]
 

@@ -54,14 +54,15 @@ def _tokenize(text, checkpoint_dir, path, k) -> list[int]:
     return AutoTokenizer.from_pretrained(checkpoint_dir)(text)["input_ids"]
 
 
-def validate_prompt_ids(spec, prompts) -> None:
+def validate_prompt_ids(spec, prompts, source=None) -> None:
+    where = f"{source or DEFAULT_PROMPTS}: "
     allowed = set(spec.placeholder_token_ids)
     for k, prompt in enumerate(prompts):
         if not prompt:
-            raise PromptError(f"prompt {k} is empty; give at least one token")
+            raise PromptError(f"{where}prompt {k} is empty; give at least one token")
         for pos, t in enumerate(prompt):
             if not (0 <= t < spec.vocab_size) and t not in allowed:
-                raise PromptError(f"prompt {k}: token id {t} at position {pos} is outside the "
+                raise PromptError(f"{where}prompt {k}: token id {t} at position {pos} is outside the "
                                   f"vocabulary [0, {spec.vocab_size}); check the prompts file")
 
 
