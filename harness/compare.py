@@ -61,7 +61,7 @@ class PointResult:
     envelope_rel_l2: float
     ratio: float  # whole-tensor error / envelope
     position_ratio: float  # worst position's error / worst position's envelope
-    worst_position: int
+    worst_position: int  # row of the prompts stacked in order (bisect maps it to prompt, position)
     finite: bool
     passed: bool
 
@@ -75,7 +75,7 @@ class PointResult:
         if not self.finite:
             return f"{self.name}: FAIL, device output has NaN or Inf"
         return (f"{self.name}: {verdict} rel_l2={self.rel_l2:.3e} (bf16 envelope "
-                f"{self.envelope_rel_l2:.3e}, ratio {self.ratio:.2f}; worst position "
+                f"{self.envelope_rel_l2:.3e}, ratio {self.ratio:.2f}; worst row "
                 f"{self.worst_position} ratio {self.position_ratio:.2f}), cosine={self.cosine:.6f}, "
                 f"max_abs={self.max_abs:.3e}; tolerance {ENVELOPE_FACTOR}x envelope, would pass at "
                 f"{self.required_factor:.2f}x")
