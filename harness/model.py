@@ -56,6 +56,10 @@ class RankLinears:
     def column(self, in_features: int, out_per_rank: int) -> nn.Module:
         return nn.Linear(in_features, out_per_rank, bias=False)
 
+    def replicated(self, in_features: int, out_features: int) -> nn.Module:
+        """The same whole weight on every rank (a replicated KV head): no collective, never split."""
+        return nn.Linear(in_features, out_features, bias=False)
+
     def row(self, in_per_rank: int, out_features: int) -> nn.Module:
         return RowParallel(in_per_rank, out_features, self.collectives)
 
@@ -118,7 +122,8 @@ def attention_mask(positions: torch.Tensor, kv_len: int, window: int | None, dty
     allowed = keys <= q
     if window is not None:
         allowed = allowed & (keys > q - window)
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    zeros = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)  # same device when traced
+    return zeros.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def attention_scale(head_dim: int) -> float:
@@ -149,9 +154,12 @@ class Attention(nn.Module):
         self.head_dim, self.window, self.groups = d, layer.window, plan.groups
         self.q_heads, self.kv_heads = plan.q_heads_per_rank, plan.kv_heads_per_rank
         self.q_proj = linears.column(h, self.q_heads * d)
-        self.k_proj = linears.column(h, self.kv_heads * d)
+        # Sharded KV heads are column-parallel; a replicated KV head (the 12B's full layers) is a
+        # whole copy on each rank, which a parallel layer would split (DESIGN §3, fix 1).
+        kv_linear = linears.replicated if plan.kv_layout == "replicate" else linears.column
+        self.k_proj = kv_linear(h, self.kv_heads * d)
         # Full layers of the 12B have no v_proj: the value is the raw k_proj output.
-        self.v_proj = None if layer.k_eq_v else linears.column(h, self.kv_heads * d)
+        self.v_proj = None if layer.k_eq_v else kv_linear(h, self.kv_heads * d)
         self.o_proj = linears.row(self.q_heads * d, h)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
