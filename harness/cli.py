@@ -225,19 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
-    """Commands that live in their own modules (bisect, bench, perf)."""
-    try:
-        from harness.bisect import add_bisect_command
-    except ImportError:
-        add_bisect_command = None
-    if add_bisect_command:
-        add_bisect_command(sub)
-    try:
-        from harness.perf import add_perf_commands
-    except ImportError:
-        add_perf_commands = None
-    if add_perf_commands:
-        add_perf_commands(sub)
+    """Commands that live beside their logic: bisect (bisect.py), bench and perf (perf.py)."""
+    from harness.bisect import add_bisect_command
+    from harness.perf import add_perf_commands
+
+    add_bisect_command(sub)
+    add_perf_commands(sub)
 
 
 def main(argv=None) -> int:
