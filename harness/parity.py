@@ -98,6 +98,15 @@ class CheckResult:
     layers: list[LayerResult]
     final_norm: PointResult
     prompts: list[PromptOutcome]
+    # Raw logits at every prompt position and at every teacher-forced decode step, judged like the
+    # hidden states: a device graph that softcaps (then the host caps again) or a decode step that
+    # reads the wrong cache slots shows here even when the argmax survives.
+    logits: PointResult | None = None
+    decode_logits: PointResult | None = None
+    # The host embedding lookup is the same lookup and the same multiply as transformers': in the
+    # port's dtype it must be bit-exact with the reference of that dtype. (An uncast sqrt(hidden)
+    # moves the bf16 embedding *toward* fp32, which no fp32-anchored envelope can see.)
+    embeddings_exact: bool = True
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -120,14 +129,19 @@ class CheckResult:
     def passed(self) -> bool:
         """Every capture point within the envelope policy, and no token mismatch that is not a
         near tie (a near-tie flip can change a free-running sequence without being a bug)."""
-        return (self.embeddings.passed and self.final_norm.passed
+        logit_points = [p for p in (self.logits, self.decode_logits) if p is not None]
+        return (self.embeddings.passed and self.embeddings_exact and self.final_norm.passed
+                and all(p.passed for p in logit_points)
                 and all(layer.passed for layer in self.layers) and self.divergences == 0)
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "seq_match": self.seq_match, "backend": self.backend,
                 "tp": self.tp, "dtype": self.dtype, "first_divergent_layer": self.first_divergent_layer,
                 "near_tie_flips": self.near_ties, "real_divergences": self.divergences,
-                "embeddings": self.embeddings.__dict__, "final_norm": self.final_norm.__dict__,
+                "embeddings": self.embeddings.__dict__, "embeddings_exact": self.embeddings_exact,
+                "final_norm": self.final_norm.__dict__,
+                "logits": self.logits.__dict__ if self.logits else None,
+                "decode_logits": self.decode_logits.__dict__ if self.decode_logits else None,
                 "layers": [layer.to_json() for layer in self.layers],
                 "prompts": [p.to_json() for p in self.prompts], "notes": self.notes}
 
@@ -140,7 +154,7 @@ def run_check(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceR
               backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16", progress: bool = False) -> CheckResult:
     """Run every prompt through the engine (prefill with captures, free greedy decode, and
     teacher-forced decode on the reference tokens) and judge it against the two references."""
-    device_caps, outcomes = [], []
+    device_caps, outcomes, decode_steps = [], [], []
     for k, (r32, r16) in enumerate(zip(ref32, ref16)):
         if progress:
             print(f"[{backend}] prompt {k + 1}/{len(ref32)}: prefill, decode {len(r32.generated)} tokens",
@@ -151,6 +165,7 @@ def run_check(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceR
         caps = dict(free.prefill.captures)
         caps["logits"] = free.prefill.logits
         device_caps.append(caps)
+        decode_steps.append(forced.step_logits)
         cap = spec.final_logit_softcapping
         outcomes.append(PromptOutcome(
             prompt=r32.prompt, reference_tokens=r32.generated, device_tokens=free.tokens,
@@ -160,15 +175,25 @@ def run_check(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceR
         ))
     ref_caps = [r.captures for r in ref32]
     env_caps = [r.captures for r in ref16]
-    names = ["embeddings", "final_norm"] + [n for layer in spec.layers
+    names = ["embeddings", "final_norm", "logits"] + [n for layer in spec.layers
                                             for n in (f"layers.{layer.index}.attn_residual",
                                                       f"layers.{layer.index}.mlp_residual",
                                                       f"layers.{layer.index}.output")]
     dev = {n: _stack(device_caps, n) for n in names}
     ref = {n: _stack(ref_caps, n) for n in names}
     env = {n: _stack(env_caps, n) for n in names}
+    same_dtype = ref16 if dtype == "bfloat16" else ref32
+    embeddings_exact = all(torch.equal(d["embeddings"], r.captures["embeddings"])
+                           for d, r in zip(device_caps, same_dtype))
+    decode_logits = None
+    if any(steps.numel() for steps in decode_steps):
+        decode_logits = compare_point("decode_logits", torch.cat(decode_steps),
+                                      torch.cat([r.step_logits for r in ref32]),
+                                      torch.cat([r.step_logits for r in ref16]))
     return CheckResult(
-        backend=backend, tp=tp, dtype=dtype,
+        backend=backend, tp=tp, dtype=dtype, embeddings_exact=embeddings_exact,
+        logits=compare_point("logits", dev["logits"], ref["logits"], env["logits"]),
+        decode_logits=decode_logits,
         embeddings=compare_point("embeddings", dev["embeddings"], ref["embeddings"], env["embeddings"]),
         layers=compare_layers(spec, dev, ref, env),
         final_norm=compare_point("final_norm", dev["final_norm"], ref["final_norm"], env["final_norm"]),

@@ -58,10 +58,14 @@ def format_check(result) -> str:
     lines = [f"port: backend={payload['backend']} tp={payload['tp']} dtype={payload['dtype']}; "
              f"tolerance: error <= {ENVELOPE_FACTOR}x the bf16 CPU envelope at each point",
              _table(LAYER_HEADERS, layer_rows(payload["layers"]))]
-    for key in ("embeddings", "final_norm"):
-        p = payload[key]
-        lines.append(f"{key}: rel_l2 {_fmt(p['rel_l2'])} (envelope {_fmt(p['envelope_rel_l2'])}) "
-                     f"{'pass' if p['passed'] else 'FAIL'}")
+    for key in ("embeddings", "final_norm", "logits", "decode_logits"):
+        p = payload.get(key)
+        if p:
+            lines.append(f"{key}: rel_l2 {_fmt(p['rel_l2'])} (envelope {_fmt(p['envelope_rel_l2'])}, ratio "
+                         f"{max(p['ratio'], p['position_ratio']):.2f}) {'pass' if p['passed'] else 'FAIL'}")
+    if not payload.get("embeddings_exact", True):
+        lines.append(f"embeddings: FAIL, not bit-exact with the {payload['dtype']} reference's lookup "
+                     "(is sqrt(hidden) cast to the weight dtype before the multiply?)")
     for k, pr in enumerate(payload["prompts"]):
         lines.append(f"prompt {k} ({pr['prompt_length']} tokens): SEQ_MATCH {pr['seq_match']}")
         lines.append(f"  reference: {pr['reference_tokens']}")

@@ -1,0 +1,126 @@
+"""Each check of the parity harness is itself tested (DESIGN §7): every fault of the catalog,
+injected into the port, makes `run_check` fail, and the report says where (first divergent
+layer, component, capture point, position, tokens). Faults the current policy misses are
+recorded as policy gaps and must be missed exactly as recorded, no more and no less."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import engine as port_engine
+from harness.engine import Engine
+from tests.faults.catalog import (CATALOG, TINY, TINY_INEXACT_SCALE, Caught, embed_scale_not_cast,
+                                  failing_points, run_faulty_check, unmet)
+
+# The references a fault's checkpoint is judged against: computed once per session, reused by
+# every fault because the faults change only the port.
+FIXTURES = {TINY: ("tiny0_ckpt", "tiny0_reference"),
+            TINY_INEXACT_SCALE: ("inexact_scale_ckpt", "inexact_scale_reference")}
+EXPECTATION_NAMES = {"fails check", "first point", "first layer", "component", "position", "tokens"}
+
+
+def _checkpoint_and_reference(request, key):
+    ckpt_fixture, reference_fixture = FIXTURES[key]
+    return request.getfixturevalue(ckpt_fixture), request.getfixturevalue(reference_fixture)
+
+
+@pytest.mark.parametrize("key", list(FIXTURES))
+def test_clean_port_passes(request, monkeypatch, key):
+    """Control: without a fault, the same check on the same references passes with no failing
+    capture point and no real token divergence, so each fault's failure is the fault's doing."""
+    ckpt, refs = _checkpoint_and_reference(request, key)
+    result = run_faulty_check(None, monkeypatch, ckpt, refs)
+    assert result.passed, [p.explain() for p in failing_points(result)]
+    assert result.divergences == 0
+
+
+@pytest.mark.parametrize("fault", CATALOG, ids=lambda f: f.name)
+def test_fault_is_caught_where_it_is(request, monkeypatch, fault):
+    """The check fails on the fault, first at the expected capture point and layer (a full-layer
+    fault at layer 5, a window fault at a position past the window), or, for a recorded policy
+    gap, misses exactly the recorded expectations."""
+    ckpt, refs = _checkpoint_and_reference(request, fault.checkpoint)
+    caught = Caught.of(run_faulty_check(fault, monkeypatch, ckpt, refs))
+    missed = unmet(fault.expect, caught)
+    if fault.gap is None:
+        assert not missed, f"{fault.name}: misses {missed}; the check reported {caught}"
+        return
+    assert set(missed) == set(fault.gap.unmet), (
+        f"{fault.name}: expected the policy to miss {list(fault.gap.unmet)} but it misses {missed} "
+        f"(if the policy now catches more, shrink or remove the gap in tests/faults/catalog.py); "
+        f"the check reported {caught}")
+    pytest.xfail(f"policy gap, misses {missed}: {fault.gap.why}")
+
+
+def test_catalog_is_complete_and_consistent():
+    """At least 14 distinct faults, every one tied to a DESIGN section, and every recorded gap names
+    expectations that exist."""
+    names = [f.name for f in CATALOG]
+    assert len(CATALOG) >= 14 and len(set(names)) == len(names)
+    assert all(f.design.startswith("§") and f.description for f in CATALOG)
+    for fault in CATALOG:
+        if fault.gap is not None:
+            assert fault.gap.unmet and set(fault.gap.unmet) <= EXPECTATION_NAMES, fault.name
+            assert fault.gap.why
+
+
+def _embeddings(ckpt, ids, dtype=torch.bfloat16) -> torch.Tensor:
+    # Host embeddings need no device: a backend-less Engine embeds exactly as the port does.
+    engine = Engine(ckpt.spec, backend=None, embed_weight=ckpt.embed_weight(dtype), buckets=(64,), kv_len=128)
+    return engine.embed(torch.as_tensor(ids))[0].float()
+
+
+def test_embed_scale_fault_is_a_noop_on_default_fixture(monkeypatch, tiny0_ckpt, default_prompts):
+    """Why the default fixture cannot show the uncast embedding scale: sqrt(64) = 8 is a bf16
+    number, so the port's embeddings with and without the fault are bit for bit the same."""
+    clean = [_embeddings(tiny0_ckpt, p) for p in default_prompts]
+    embed_scale_not_cast(monkeypatch)
+    assert port_engine.embed_scale(64, torch.bfloat16).dtype == torch.float32  # the fault is in place
+    faulty = [_embeddings(tiny0_ckpt, p) for p in default_prompts]
+    assert all(torch.equal(a, b) for a, b in zip(clean, faulty))
+
+
+def test_embed_scale_fault_changes_embeddings_on_inexact_variant(monkeypatch, inexact_scale_ckpt,
+                                                                 inexact_scale_reference):
+    """On the variant the clean port's embeddings equal the bf16 reference's bit for bit (the host
+    does the reference's own lookup and bf16 multiply) and the faulty port's do not: the exact
+    check that would close this fault's policy gap."""
+    refs16 = inexact_scale_reference["bfloat16"]
+    for ref in refs16:
+        assert torch.equal(_embeddings(inexact_scale_ckpt, ref.prompt), ref.captures["embeddings"])
+    embed_scale_not_cast(monkeypatch)
+    assert not any(torch.equal(_embeddings(inexact_scale_ckpt, ref.prompt), ref.captures["embeddings"])
+                   for ref in refs16)
+
+
+LOCATED_BY_BISECT = [f for f in CATALOG if f.gap is not None and "fails check" not in f.gap.unmet
+                     and "first layer" in f.gap.unmet]
+
+
+@pytest.mark.parametrize("fault", LOCATED_BY_BISECT, ids=lambda f: f.name)
+def test_bisect_locates_gaps(request, monkeypatch, fault):
+    """Where the check fails a fault without pinning its layer (cumulative error stays under the
+    factor), bisect's local error (the layer fed the reference's input) names the layer and
+    component: the harness's answer to "which layer" after one run."""
+    from harness.bisect import bisect_capture
+    from harness.engine import build_engine
+    from tests.faults.catalog import CHECK_BUCKETS, CHECK_KV_LEN
+
+    ckpt, refs = _checkpoint_and_reference(request, fault.checkpoint)
+    fault.inject(monkeypatch)
+    engine = build_engine(ckpt, tp=2, dtype=torch.bfloat16, buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN)
+    result = bisect_capture(ckpt, engine, engine.backend, refs["float32"], refs["bfloat16"])
+    assert result.first_divergent_layer == fault.expect.first_layer, result.first_divergent_layer
+    assert result.component == fault.expect.component
+
+
+def test_rmsnorm_upcast_fault_caught_by_unit_check(monkeypatch):
+    """The one catalog fault inside bf16 noise on CPU (rmsnorm-no-fp32-upcast) is caught by the
+    bitwise unit check of tests/unit/test_model.py."""
+    from tests.faults.catalog import BY_NAME
+    from tests.unit.test_model import rms_norm_matches_transformers
+
+    assert rms_norm_matches_transformers(torch.bfloat16)
+    BY_NAME["rmsnorm-no-fp32-upcast"].inject(monkeypatch)
+    assert not rms_norm_matches_transformers(torch.bfloat16)
