@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
@@ -265,27 +264,7 @@ class BisectResult:
 
 def _on_ranks(backend, step: Callable[[int], object]) -> list:
     """Run `step(rank)` on every rank's thread, as the CPU backend does, so collectives meet."""
-    results: list = [None] * backend.tp
-    errors: list[BaseException] = []
-
-    def run(rank):
-        try:
-            with torch.no_grad():
-                results[rank] = step(rank)
-        except BaseException as exc:  # a failing rank must not leave the others at the barrier
-            errors.append(exc)
-            backend.group.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(backend.tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        backend.group.barrier.reset()
-        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-        raise (real or errors)[0]
-    return results
+    return backend.on_ranks(step)
 
 
 def port_layer_captures(backend, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:

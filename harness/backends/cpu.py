@@ -71,29 +71,31 @@ class CpuBackend:
         for module in self.ranks:
             module.reset_cache()
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
-        """Every rank runs the same step; rank 0's (gathered, identical) outputs are returned."""
+    def on_ranks(self, step) -> list:
+        """Run `step(rank)` on every rank's thread at once, so the ranks' collectives meet; a
+        failing rank aborts the barrier instead of leaving the others hanging."""
         results: list = [None] * self.tp
         errors: list[BaseException] = []
 
         def run(rank):
             try:
                 with torch.no_grad():
-                    results[rank] = self.ranks[rank](inputs_embeds, positions, capture=capture)
-            except BaseException as exc:  # surface a rank's failure instead of hanging the others
+                    results[rank] = step(rank)
+            except BaseException as exc:
                 errors.append(exc)
                 self.group.barrier.abort()
 
-        if self.tp == 1:
-            run(0)
-        else:
-            threads = [threading.Thread(target=run, args=(r,)) for r in range(self.tp)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(self.tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         if errors:
             self.group.barrier.reset()
             real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
             raise (real or errors)[0]
-        return results[0]
+        return results
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
+        """Every rank runs the same step; rank 0's (gathered, identical) outputs are returned."""
+        return self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
