@@ -16,6 +16,7 @@ settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TINY_SEEDS = (0, 1)
+NEURON_CORES_PER_WORKER = 2  # the port runs at TP=2
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Tiny models on a shared 2-core machine: intra-op threads of several workers fight for the
@@ -44,6 +45,11 @@ def pytest_collection_modifyitems(config, items):
                 "(no /dev/neuron* devices). Run it on an inf2 instance with the Neuron SDK installed; "
                 "on CPU run plain `pytest`."
             )
+        from harness.backends.neuron import assign_visible_cores
+
+        # Each pytest-xdist worker gets its own NeuronCores (TP=2 needs two), before any runtime
+        # starts in this process: two workers sharing a core fail to load their models.
+        assign_visible_cores(cores_per_worker=NEURON_CORES_PER_WORKER)
         return
     skip = pytest.mark.skip(reason="needs a NeuronCore and the Neuron SDK: run `pytest -m neuron` on inf2")
     for item in items:
