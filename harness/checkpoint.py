@@ -24,7 +24,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 TEXT_PREFIXES = ("model.language_model.", "model.")
 ROW_NORM_SPREAD = 0.5
 POST_NORM_LOW, POST_NORM_SPAN = 2.0, 3.0
-TINY_BUILDER_VERSION = 2
+TINY_BUILDER_VERSION = 3
 TINY_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-tiny.json"
 
 
@@ -275,6 +275,12 @@ def randomize_for_margins(model, seed: int, logit_scale: float = 1.0) -> None:
                 # near-argmax softmax whose winner bf16 noise flips. Softer attention keeps the
                 # random model well conditioned, and 0.3-0.6 is still far from 1.0.
                 p.copy_(0.3 + 0.3 * torch.rand(p.shape, generator=gen))
+            elif name.endswith(("language_model.norm.weight", "model.norm.weight")) and ".layers." not in name:
+                # The final norm with random signs: with a tied lm_head the residual stream's copy
+                # of the current token's embedding otherwise wins every step (a model that repeats
+                # one token forever); signed weights cancel that self-logit, so greedy decode moves.
+                signs = torch.where(torch.rand(p.shape, generator=gen) < 0.5, -1.0, 1.0)
+                p.copy_(signs * (0.6 + 0.8 * torch.rand(p.shape, generator=gen)))
             elif name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
                 # Sublayer outputs comparable to the sqrt(hidden)-scaled embedding, so the residual
                 # stream is not just the current token (which makes a model that copies its input).

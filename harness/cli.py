@@ -155,7 +155,7 @@ def load_references(args, ckpt, ckpt_dir):
 def cmd_check(args) -> int:
     from harness.checkpoint import Checkpoint
     from harness.engine import build_engine
-    from harness.parity import run_check
+    from harness.parity import check_port
     from harness.reference import dtype_name, torch_dtype
     from harness.report import format_check, write_report
 
@@ -167,8 +167,8 @@ def cmd_check(args) -> int:
     # a parity build: the per-layer captures are extra graph outputs on the device
     engine = build_engine(ckpt, backend=args.backend, tp=args.tp, dtype=dtype, buckets=args.buckets,
                           kv_len=args.kv_len, capture=True)
-    result = run_check(engine, ckpt.spec, ref32, ref16, backend=args.backend, tp=args.tp,
-                       dtype=dtype_name(dtype), progress=True)
+    result = check_port(ckpt, engine, ref32, ref16, backend=args.backend, tp=args.tp,
+                        dtype=dtype_name(dtype), progress=True)
     print(format_check(result))
     payload = result.to_json()
     if args.json:

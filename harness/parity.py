@@ -107,6 +107,10 @@ class CheckResult:
     # port's dtype it must be bit-exact with the reference of that dtype. (An uncast sqrt(hidden)
     # moves the bf16 embedding *toward* fp32, which no fp32-anchored envelope can see.)
     embeddings_exact: bool = True
+    # Local verdicts (CPU backend): each layer run alone on the reference's input to it, judged by
+    # the same policy. Cumulative error can stay under the factor for a layer that is itself wrong
+    # (a full layer's fault adds ~2x the error accumulated upstream); the local ratio does not.
+    local: list[dict] | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -115,7 +119,20 @@ class CheckResult:
 
     @property
     def first_divergent_layer(self) -> int | None:
+        """The first layer that is itself wrong (local verdict) when local verdicts exist and one
+        fails; otherwise the first whose cumulative error breaks the policy."""
+        local = next((v["index"] for v in self.local or [] if not v["pass"]), None)
+        if local is not None:
+            return local
         return next((layer.index for layer in self.layers if not layer.passed), None)
+
+    @property
+    def first_divergent_component(self) -> str | None:
+        index = self.first_divergent_layer
+        if index is None:
+            return None
+        local = next((v for v in self.local or [] if v["index"] == index and not v["pass"]), None)
+        return local["component"] if local else self.layers[index].component
 
     @property
     def near_ties(self) -> int:
@@ -131,18 +148,28 @@ class CheckResult:
         near tie (a near-tie flip can change a free-running sequence without being a bug)."""
         logit_points = [p for p in (self.logits, self.decode_logits) if p is not None]
         return (self.embeddings.passed and self.embeddings_exact and self.final_norm.passed
-                and all(p.passed for p in logit_points)
+                and all(p.passed for p in logit_points) and all(v["pass"] for v in self.local or [])
                 and all(layer.passed for layer in self.layers) and self.divergences == 0)
+
+    def _layer_json(self, layer: LayerResult) -> dict:
+        out = layer.to_json()
+        local = next((v for v in self.local or [] if v["index"] == layer.index), None)
+        if local is not None:
+            out["local_ratio"], out["local_pass"] = local["ratio"], local["pass"]
+            out["pass"] = out["pass"] and local["pass"]
+            out["component"] = out["component"] or local["component"]
+        return out
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "seq_match": self.seq_match, "backend": self.backend,
                 "tp": self.tp, "dtype": self.dtype, "first_divergent_layer": self.first_divergent_layer,
+                "first_divergent_component": self.first_divergent_component, "local_layers": self.local,
                 "near_tie_flips": self.near_ties, "real_divergences": self.divergences,
                 "embeddings": self.embeddings.__dict__, "embeddings_exact": self.embeddings_exact,
                 "final_norm": self.final_norm.__dict__,
                 "logits": self.logits.__dict__ if self.logits else None,
                 "decode_logits": self.decode_logits.__dict__ if self.decode_logits else None,
-                "layers": [layer.to_json() for layer in self.layers],
+                "layers": [self._layer_json(layer) for layer in self.layers],
                 "prompts": [p.to_json() for p in self.prompts], "notes": self.notes}
 
 
@@ -199,3 +226,27 @@ def run_check(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceR
         final_norm=compare_point("final_norm", dev["final_norm"], ref["final_norm"], env["final_norm"]),
         prompts=outcomes,
     )
+
+
+def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
+               backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16", local: bool | None = None,
+               progress: bool = False) -> CheckResult:
+    """run_check, plus (by default wherever the backend's ranks run on CPU) the local verdict of
+    every layer: that layer alone on the reference's input to it, so `check` names the layer that
+    is itself wrong, not only the one where accumulated error first crosses the line."""
+    result = run_check(engine, checkpoint.spec, ref32, ref16, backend=backend, tp=tp, dtype=dtype,
+                       progress=progress)
+    if local is None:
+        local = hasattr(engine.backend, "on_ranks")
+    if local:
+        from harness.bisect import bisect_capture
+
+        if progress:
+            print("[local] each layer alone on the reference's input", file=sys.stderr, flush=True)
+        located = bisect_capture(checkpoint, engine, engine.backend, ref32, ref16, backend, tp, dtype)
+        result.local = [{"index": v.index, "pass": v.passed, "component": v.component,
+                         "ratio": max(p.required_factor for p in v.local)} for v in located.layers]
+    else:
+        result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
+                            "run `gemma-parity bisect` to pin a layer on this backend")
+    return result

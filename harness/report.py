@@ -44,19 +44,24 @@ def _fmt(x: float) -> str:
 
 
 def layer_rows(layers: list[dict]) -> list[list]:
+    """Check rows: the cumulative error of the port's run, its ratio to the envelope, and (CPU) the
+    ratio of the layer alone on the reference's input."""
     return [[l["index"], "full" if l["type"] == "full_attention" else "sliding", _fmt(l["rel_l2"]),
              f"{l['cosine']:.6f}", _fmt(l["max_abs"]), _fmt(l["envelope_rel_l2"]),
-             f"{max(l['ratio'], l['position_ratio']):.2f}", "pass" if l["pass"] else f"FAIL ({l['component']})"]
+             f"{max(l['ratio'], l['position_ratio']):.2f}",
+             f"{l['local_ratio']:.2f}" if l.get("local_ratio") is not None else "-",
+             "pass" if l["pass"] else f"FAIL ({l['component']})"]
             for l in layers]
 
 
-LAYER_HEADERS = ["layer", "type", "rel_l2", "cosine", "max_abs", "bf16 env", "ratio", "verdict"]
+LAYER_HEADERS = ["layer", "type", "rel_l2", "cosine", "max_abs", "bf16 env", "ratio", "local ratio", "verdict"]
 
 
 def format_check(result) -> str:
     payload = result.to_json() if hasattr(result, "to_json") else result
     lines = [f"port: backend={payload['backend']} tp={payload['tp']} dtype={payload['dtype']}; "
-             f"tolerance: error <= {ENVELOPE_FACTOR}x the bf16 CPU envelope at each point",
+             f"tolerance: error <= {ENVELOPE_FACTOR}x the bf16 CPU envelope at each point "
+             "(ratio: the port's run; local ratio: each layer alone on the reference's input)",
              _table(LAYER_HEADERS, layer_rows(payload["layers"]))]
     for key in ("embeddings", "final_norm", "logits", "decode_logits"):
         p = payload.get(key)
@@ -80,7 +85,8 @@ def format_check(result) -> str:
                              f"{m['device_token']}, margin {m['margin']:.4f} vs near-tie threshold "
                              f"{m['threshold']:.4f} -> {m['kind']}")
     first = payload["first_divergent_layer"]
-    lines.append(f"first divergent layer: {first if first is not None else 'none'}; near-tie flips "
+    where = f"{first} ({payload.get('first_divergent_component')})" if first is not None else "none"
+    lines.append(f"first divergent layer: {where}; near-tie flips "
                  f"{payload['near_tie_flips']}, real divergences {payload['real_divergences']}")
     lines.append(f"SEQ_MATCH {payload['seq_match']}")
     if not payload["seq_match"] and payload["real_divergences"] == 0:

@@ -95,14 +95,14 @@ def test_embed_scale_fault_changes_embeddings_on_inexact_variant(monkeypatch, in
 
 
 LOCATED_BY_BISECT = [f for f in CATALOG if f.gap is not None and "fails check" not in f.gap.unmet
-                     and "first layer" in f.gap.unmet]
+                     and "first point" in f.gap.unmet]
 
 
 @pytest.mark.parametrize("fault", LOCATED_BY_BISECT, ids=lambda f: f.name)
 def test_bisect_locates_gaps(request, monkeypatch, fault):
-    """Where the check fails a fault without pinning its layer (cumulative error stays under the
-    factor), bisect's local error (the layer fed the reference's input) names the layer and
-    component: the harness's answer to "which layer" after one run."""
+    """Where no capture point of the port's own run breaks the policy (cumulative error stays under
+    the factor), bisect's local error (the layer fed the reference's input) names the layer and
+    component, as the check's local verdict does."""
     from harness.bisect import bisect_capture
     from harness.engine import build_engine
     from tests.faults.catalog import CHECK_BUCKETS, CHECK_KV_LEN

@@ -17,9 +17,9 @@ def backend_name(request):
 def port_check(tiny_ckpt, tiny_reference, backend_name):
     """The port (TP=2, bf16) on `backend_name` judged against the tiny model's references."""
     from harness.engine import build_engine
-    from harness.parity import run_check
+    from harness.parity import check_port
 
     engine = build_engine(tiny_ckpt, backend=backend_name, tp=2, dtype=torch.bfloat16, buckets=(16, 64),
                           kv_len=128, capture=True)
-    return run_check(engine, tiny_ckpt.spec, tiny_reference["float32"], tiny_reference["bfloat16"],
-                     backend=backend_name)
+    return check_port(tiny_ckpt, engine, tiny_reference["float32"], tiny_reference["bfloat16"],
+                      backend=backend_name)
