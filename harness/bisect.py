@@ -487,16 +487,19 @@ def _bisect_layer(spec, layer_spec, golden_caps, layer_backend, reference, cumul
 
 def bisect_capture(checkpoint, engine, layer_backend, ref32: list[ReferenceResult],
                    ref16: list[ReferenceResult], backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16",
-                   progress: bool = False) -> BisectResult:
-    """Capture mode. `engine` runs the parity build (any backend); `layer_backend` is a CPU
-    backend whose rank modules run each layer alone on the golden's input."""
+                   progress: bool = False, port_run: PortRun | None = None) -> BisectResult:
+    """Capture mode. `engine` runs the parity build (any backend) unless `port_run` already holds
+    its captures; `layer_backend` is a CPU backend whose rank modules run each layer alone on the
+    golden's input."""
     with intra_op_threads_for(checkpoint.spec):
-        return _bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype, progress)
+        return _bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype, progress,
+                               port_run)
 
 
-def _bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype, progress) -> BisectResult:
+def _bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype, progress,
+                    port_run=None) -> BisectResult:
     spec = checkpoint.spec
-    port_run = run_port_with_captures(engine, spec, ref32, ref16, progress)
+    port_run = port_run or run_port_with_captures(engine, spec, ref32, ref16, progress)
     golden_caps = [r.captures for r in ref32]
     ref = {n: _stack(golden_caps, n) for n in port_run.captures}
     env = {n: _stack([r.captures for r in ref16], n) for n in port_run.captures}

@@ -112,6 +112,8 @@ class CheckResult:
     # (a full layer's fault adds ~2x the error accumulated upstream); the local ratio does not.
     local: list[dict] | None = None
     notes: list[str] = field(default_factory=list)
+    # The port's captures stacked over prompts (name -> [rows, ...]), for the local verdicts.
+    device_captures: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def seq_match(self) -> bool:
@@ -220,7 +222,7 @@ def run_check(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceR
     return CheckResult(
         backend=backend, tp=tp, dtype=dtype, embeddings_exact=embeddings_exact,
         logits=compare_point("logits", dev["logits"], ref["logits"], env["logits"]),
-        decode_logits=decode_logits,
+        decode_logits=decode_logits, device_captures=dev,
         embeddings=compare_point("embeddings", dev["embeddings"], ref["embeddings"], env["embeddings"]),
         layers=compare_layers(spec, dev, ref, env),
         final_norm=compare_point("final_norm", dev["final_norm"], ref["final_norm"], env["final_norm"]),
@@ -239,11 +241,13 @@ def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[Ref
     if local is None:
         local = hasattr(engine.backend, "on_ranks")
     if local:
-        from harness.bisect import bisect_capture
+        from harness.bisect import PortRun, bisect_capture
 
         if progress:
             print("[local] each layer alone on the reference's input", file=sys.stderr, flush=True)
-        located = bisect_capture(checkpoint, engine, engine.backend, ref32, ref16, backend, tp, dtype)
+        port_run = PortRun(result.device_captures, result.seq_match, result.near_ties, result.divergences)
+        located = bisect_capture(checkpoint, engine, engine.backend, ref32, ref16, backend, tp, dtype,
+                                 port_run=port_run)
         result.local = [{"index": v.index, "pass": v.passed, "component": v.component,
                          "ratio": max(p.required_factor for p in v.local)} for v in located.layers]
     else:
