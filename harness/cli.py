@@ -162,11 +162,12 @@ def cmd_check(args) -> int:
     ckpt_dir = _checkpoint_dir(args)
     ckpt = Checkpoint.open(ckpt_dir)
     print(ckpt.describe())
-    ref32, ref16 = load_references(args, ckpt, ckpt_dir)
     dtype = torch_dtype(args.dtype)
-    # a parity build: the per-layer captures are extra graph outputs on the device
+    # The backend first: a missing SDK or a bad TP degree is reported before minutes of reference
+    # work. A parity build: the per-layer captures are extra graph outputs on the device.
     engine = build_engine(ckpt, backend=args.backend, tp=args.tp, dtype=dtype, buckets=args.buckets,
                           kv_len=args.kv_len, capture=True)
+    ref32, ref16 = load_references(args, ckpt, ckpt_dir)
     result = check_port(ckpt, engine, ref32, ref16, backend=args.backend, tp=args.tp,
                         dtype=dtype_name(dtype), progress=True)
     print(format_check(result))
