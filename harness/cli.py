@@ -136,19 +136,27 @@ def cmd_reference(args) -> int:
 
 # ---- check ----------------------------------------------------------------------------------------
 
-def load_references(args, ckpt, ckpt_dir):
-    """(fp32, bf16) reference results: from --golden, or computed now."""
+def reference_source(args, ckpt, ckpt_dir):
+    """The golden (read and verified) or the validated prompts: every input checked before any
+    expensive work starts."""
     from harness.golden import read_golden
     from harness.parity import load_prompts, validate_prompt_ids
-    from harness.reference import run_reference
 
     if args.golden:
-        golden = read_golden(args.golden, expected_spec=ckpt.spec)
-        return golden.results("float32"), golden.results("bfloat16")
+        return read_golden(args.golden, expected_spec=ckpt.spec)
     prompts = load_prompts(args.prompts, ckpt_dir)
     validate_prompt_ids(ckpt.spec, prompts, args.prompts)
-    ckpt.check_finite()
-    refs = run_reference(ckpt_dir, prompts, args.new_tokens, progress=True)
+    return prompts
+
+
+def load_references(source, ckpt_dir, new_tokens: int):
+    """(fp32, bf16) reference results: from a golden, or computed now for the prompts."""
+    from harness.golden import Golden
+    from harness.reference import run_reference
+
+    if isinstance(source, Golden):
+        return source.results("float32"), source.results("bfloat16")
+    refs = run_reference(ckpt_dir, source, new_tokens, progress=True)
     return refs["float32"], refs["bfloat16"]
 
 
@@ -162,12 +170,15 @@ def cmd_check(args) -> int:
     ckpt_dir = _checkpoint_dir(args)
     ckpt = Checkpoint.open(ckpt_dir)
     print(ckpt.describe())
+    source = reference_source(args, ckpt, ckpt_dir)
     dtype = torch_dtype(args.dtype)
-    # The backend first: a missing SDK or a bad TP degree is reported before minutes of reference
-    # work. A parity build: the per-layer captures are extra graph outputs on the device.
+    # The backend before the reference: a missing SDK or a bad TP degree is reported before minutes
+    # of reference work, and loading the shards checks every weight for NaN/Inf (Checkpoint.get)
+    # before transformers (which does not) computes the reference. A parity build: the per-layer
+    # captures are extra graph outputs on the device.
     engine = build_engine(ckpt, backend=args.backend, tp=args.tp, dtype=dtype, buckets=args.buckets,
                           kv_len=args.kv_len, capture=True)
-    ref32, ref16 = load_references(args, ckpt, ckpt_dir)
+    ref32, ref16 = load_references(source, ckpt_dir, args.new_tokens)
     result = check_port(ckpt, engine, ref32, ref16, backend=args.backend, tp=args.tp,
                         dtype=dtype_name(dtype), progress=True)
     print(format_check(result))
