@@ -64,17 +64,35 @@ class _Recorder:
     """Forward hooks on the decoder that record the capture points (cloned: the layer scales its
     output in place after the residual add)."""
 
-    def __init__(self, lm):
+    def __init__(self):
         self.captures: dict[str, torch.Tensor] = {}
         self.handles = []
         self.enabled = True
-        self.handles.append(lm.layers[0].register_forward_pre_hook(self._embeddings))
+        self._inputs: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def on_model(cls, lm) -> "_Recorder":
+        """Every capture point of a whole text model."""
+        rec = cls()
+        rec.handles.append(lm.layers[0].register_forward_pre_hook(rec._embeddings))
         for i, layer in enumerate(lm.layers):
-            self.handles.append(layer.register_forward_pre_hook(self._layer_input(i)))
-            self.handles.append(layer.post_attention_layernorm.register_forward_hook(self._attn(i)))
-            self.handles.append(layer.post_feedforward_layernorm.register_forward_hook(self._mlp(i)))
-            self.handles.append(layer.register_forward_hook(self._output(i)))
-        self.handles.append(lm.norm.register_forward_hook(self._store("final_norm")))
+            rec.handles.append(layer.register_forward_pre_hook(rec._layer_input(i)))
+            rec._hook_residuals(layer, i)
+            rec.handles.append(layer.register_forward_hook(rec._output(i)))
+        rec.handles.append(lm.norm.register_forward_hook(rec._store("final_norm")))
+        return rec
+
+    @classmethod
+    def on_layer(cls, layer, index: int, layer_input: torch.Tensor) -> "_Recorder":
+        """The two inner residual points of one decoder layer run alone on `layer_input`."""
+        rec = cls()
+        rec._inputs[index] = layer_input.clone()
+        rec._hook_residuals(layer, index)
+        return rec
+
+    def _hook_residuals(self, layer, i):
+        self.handles.append(layer.post_attention_layernorm.register_forward_hook(self._attn(i)))
+        self.handles.append(layer.post_feedforward_layernorm.register_forward_hook(self._mlp(i)))
 
     def _put(self, name, tensor):
         if self.enabled:
@@ -85,7 +103,6 @@ class _Recorder:
 
     def _layer_input(self, i):
         def hook(module, args):
-            self._inputs = getattr(self, "_inputs", {})
             self._inputs[i] = args[0].detach().clone()
         return hook
 
@@ -124,7 +141,7 @@ def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[in
 
     lm = text_model(model)
     cap = model.config.get_text_config().final_logit_softcapping
-    recorder = _Recorder(lm) if capture else None
+    recorder = _Recorder.on_model(lm) if capture else None
     raw_logits: list[torch.Tensor] = []
     head = model.lm_head.register_forward_hook(lambda m, a, out: raw_logits.append(out.detach().float()))
     try:
@@ -214,15 +231,11 @@ def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
             with torch.device("meta"):
                 layer = hf.Gemma4UnifiedTextDecoderLayer(config, i)
             layer.load_state_dict(checkpoint.layer_weights(i, dtype), assign=True, strict=True)
-            recorder = _Recorder.__new__(_Recorder)
-            recorder.captures, recorder.handles, recorder.enabled = {}, [], True
-            recorder._inputs = {i: x.clone()}
-            h1 = layer.post_attention_layernorm.register_forward_hook(recorder._attn(i))
-            h2 = layer.post_feedforward_layernorm.register_forward_hook(recorder._mlp(i))
+            recorder = _Recorder.on_layer(layer, i, x)
             cos_sin = rotary(x, positions, layer_spec.type)
             x = layer(x, position_embeddings=cos_sin, attention_mask=masks[layer_spec.type],
                       position_ids=positions)
-            h1.remove(), h2.remove()
+            recorder.remove()
             captures.update({k: v[0].float() for k, v in recorder.captures.items()})
             captures[f"layers.{i}.output"] = x[0].float()
             del layer
