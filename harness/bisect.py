@@ -27,6 +27,7 @@ from harness.compare import (ENVELOPE_FACTOR, LayerResult, PointResult, classify
                              compare_logits, compare_point, layer_points, rel_l2)
 from harness.errors import HarnessInputError
 from harness.model import attention_mask, rms_norm, rope_cos_sin
+from harness.parity import stack_prompts
 from harness.reference import ReferenceResult
 
 MODES = ("capture", "truncate")
@@ -56,10 +57,6 @@ def tensor_stats(t: torch.Tensor | None) -> dict | None:
     finite = bool(torch.isfinite(t).all())
     return {"mean": float(t.mean()), "std": float(t.std()) if t.numel() > 1 else 0.0,
             "min": float(t.min()), "max": float(t.max()), "finite": finite}
-
-
-def _stack(runs: list[dict], name: str) -> torch.Tensor:
-    return torch.cat([r[name] for r in runs], dim=0)
 
 
 def _layer_input_name(index: int) -> str:
@@ -352,16 +349,16 @@ def _local_layer(spec, index: int, port: list[dict], golden: list[dict], ref32: 
     this checkpoint's own bf16 output as the envelope would hide a weight change in the envelope."""
     local, against_checkpoint = [], []
     for name in layer_points(index):
-        dev, gold = _stack(port, name), _stack(golden, name)
-        r32, r16 = _stack(ref32, name), _stack(ref16, name)
+        dev, gold = stack_prompts(port, name), stack_prompts(golden, name)
+        r32, r16 = stack_prompts(ref32, name), stack_prompts(ref16, name)
         local.append(compare_point(name, dev, gold, _shifted_envelope(gold, r32, r16)))
         against_checkpoint.append(compare_point(name, dev, r32, r16))
     out = f"layers.{index}.output"
     return LayerVerdict(
         index=index, type=spec.layers[index].type, cumulative=cumulative.points, local=local,
-        checkpoint_drift_rel_l2=rel_l2(_stack(ref32, out), _stack(golden, out)),
+        checkpoint_drift_rel_l2=rel_l2(stack_prompts(ref32, out), stack_prompts(golden, out)),
         port_matches_checkpoint=all(p.passed for p in against_checkpoint),
-        stats={"golden": tensor_stats(_stack(golden, out)), "port_local": tensor_stats(_stack(port, out)),
+        stats={"golden": tensor_stats(stack_prompts(golden, out)), "port_local": tensor_stats(stack_prompts(port, out)),
                "port_cumulative": tensor_stats(device_out)},
     )
 
@@ -448,7 +445,7 @@ def run_port_with_captures(engine, spec, ref32: list[ReferenceResult], ref16: li
                                         r32.generated[step])
             near, real = near + (verdict.kind == "near_tie"), real + (verdict.kind == "divergence")
     names = ["embeddings", "final_norm"] + [n for layer in spec.layers for n in layer_points(layer.index)]
-    return PortRun({n: _stack(runs, n) for n in names}, seq_match if any(r.generated for r in ref32) else None,
+    return PortRun({n: stack_prompts(runs, n) for n in names}, seq_match if any(r.generated for r in ref32) else None,
                    near, real)
 
 
@@ -482,7 +479,7 @@ def _bisect_layer(spec, layer_spec, golden_caps, layer_backend, reference, cumul
     verdict = _local_layer(spec, i, port, golden_caps, r32, r16, cumulative[i],
                            port_run.captures[f"layers.{i}.output"])
     lengths = [caps["embeddings"].shape[0] for caps in golden_caps]
-    return verdict, first_nonfinite(spec, {n: _stack(port, n) for n in layer_points(i)}, lengths)
+    return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i)}, lengths)
 
 
 def bisect_capture(checkpoint, engine, layer_backend, ref32: list[ReferenceResult],
@@ -501,8 +498,8 @@ def _bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp
     spec = checkpoint.spec
     port_run = port_run or run_port_with_captures(engine, spec, ref32, ref16, progress)
     golden_caps = [r.captures for r in ref32]
-    ref = {n: _stack(golden_caps, n) for n in port_run.captures}
-    env = {n: _stack([r.captures for r in ref16], n) for n in port_run.captures}
+    ref = {n: stack_prompts(golden_caps, n) for n in port_run.captures}
+    env = {n: stack_prompts([r.captures for r in ref16], n) for n in port_run.captures}
     cumulative = compare_layers(spec, port_run.captures, ref, env)
     reference = ReferenceLayers(checkpoint)
     verdicts, local_nonfinite = [], None
@@ -725,7 +722,7 @@ def cmd_bisect(args) -> int:
 
 
 def add_bisect_command(subparsers) -> None:
-    from harness.cli import _add_model_args, _buckets
+    from harness.cli import _add_model_args, buckets_arg
 
     p = subparsers.add_parser(
         "bisect", help="find the first layer that breaks parity with a golden, its component and why",
@@ -741,7 +738,7 @@ def add_bisect_command(subparsers) -> None:
                    help="capture (default on cpu) or truncate (default on neuron: no extra graph outputs)")
     p.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
     p.add_argument("--dtype", default="bfloat16", help="port dtype: bfloat16 (default) or float32")
-    p.add_argument("--buckets", type=_buckets, default=(64,), help="prefill buckets, e.g. 16,64 (default 64)")
+    p.add_argument("--buckets", type=buckets_arg, default=(64,), help="prefill buckets, e.g. 16,64 (default 64)")
     p.add_argument("--kv-len", type=int, default=256, help="KV cache length (default 256)")
     p.add_argument("--json", metavar="FILE", help="write the result as JSON")
     p.add_argument("--report", metavar="DIR", help="write bisect.md, bisect.json and bisect_errors.png there")

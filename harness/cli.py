@@ -47,7 +47,7 @@ def _checkpoint_dir(args) -> Path:
     return tiny_checkpoint(seed=args.seed)
 
 
-def _buckets(text: str) -> tuple[int, ...]:
+def buckets_arg(text: str) -> tuple[int, ...]:
     try:
         buckets = tuple(sorted(int(b) for b in text.split(",") if b.strip()))
     except ValueError:
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="port dtype: bfloat16 (default) or float32")
     p.add_argument("--prompts", metavar="FILE", help="JSON list of token-id lists (default: fixtures/prompts/default.json)")
     p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens to decode (default 8)")
-    p.add_argument("--buckets", type=_buckets, default=(64,), help="prefill buckets, e.g. 16,64 (default 64)")
+    p.add_argument("--buckets", type=buckets_arg, default=(64,), help="prefill buckets, e.g. 16,64 (default 64)")
     p.add_argument("--kv-len", type=int, default=256, help="KV cache length (default 256)")
     p.add_argument("--json", metavar="FILE", help="write the result as JSON")
     p.add_argument("--report", metavar="DIR", help="write a Markdown summary, the JSON and a PNG plot")

@@ -175,7 +175,8 @@ class CheckResult:
                 "prompts": [p.to_json() for p in self.prompts], "notes": self.notes}
 
 
-def _stack(runs: list[dict], name: str) -> torch.Tensor:
+def stack_prompts(runs: list[dict], name: str) -> torch.Tensor:
+    """One capture point of every prompt, stacked along the position rows."""
     return torch.cat([r[name] for r in runs], dim=0)
 
 
@@ -208,9 +209,9 @@ def run_check(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceR
                                             for n in (f"layers.{layer.index}.attn_residual",
                                                       f"layers.{layer.index}.mlp_residual",
                                                       f"layers.{layer.index}.output")]
-    dev = {n: _stack(device_caps, n) for n in names}
-    ref = {n: _stack(ref_caps, n) for n in names}
-    env = {n: _stack(env_caps, n) for n in names}
+    dev = {n: stack_prompts(device_caps, n) for n in names}
+    ref = {n: stack_prompts(ref_caps, n) for n in names}
+    env = {n: stack_prompts(env_caps, n) for n in names}
     same_dtype = ref16 if dtype == "bfloat16" else ref32
     embeddings_exact = all(torch.equal(d["embeddings"], r.captures["embeddings"])
                            for d, r in zip(device_caps, same_dtype))

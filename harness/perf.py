@@ -19,8 +19,6 @@ atomically and never overwritten. The baseline of `perf compare --history DIR`:
      becomes the baseline, and the samples tested are one real run's, so run-to-run drift is not
      mistaken for a within-run signal (pooling every run's samples would be);
   3. no comparable earlier run: no baseline, budgets only (the first run on a new machine passes).
-
-`python -m harness.perf bench|perf compare ...` runs the same commands as `gemma-parity`.
 """
 
 from __future__ import annotations
@@ -736,19 +734,10 @@ def render_bench_summary(result: dict) -> str:
 
 # ---- command line -------------------------------------------------------------------------------
 
-def _buckets(text: str) -> tuple[int, ...]:
-    try:
-        buckets = tuple(int(b) for b in text.split(",") if b.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token counts, e.g. 16,64") from None
-    if not buckets or min(buckets) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive token counts, e.g. 16,64")
-    return buckets
-
-
 def add_perf_commands(subparsers) -> None:
     """Add `bench` and `perf compare` to a CLI's subparsers; each sets `func(args) -> exit code`."""
     from harness.backends import BACKENDS
+    from harness.cli import buckets_arg
 
     bench = subparsers.add_parser(
         "bench", help="time prefill and decode; write a result file (and add it to a history)",
@@ -759,7 +748,7 @@ def add_perf_commands(subparsers) -> None:
     bench.add_argument("--backend", choices=BACKENDS, default="cpu")
     bench.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed runs (default %(default)s)")
     bench.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="discarded runs first")
-    bench.add_argument("--buckets", type=_buckets, default=(PUBLISHED_BUCKET,), metavar="16,64")
+    bench.add_argument("--buckets", type=buckets_arg, default=(PUBLISHED_BUCKET,), metavar="16,64")
     bench.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="decode steps per run")
     bench.add_argument("--tp", type=int, default=2)
     bench.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
@@ -842,18 +831,3 @@ def cmd_compare(args) -> int:
         print(f"gemma-parity perf compare: error: cannot write {exc.filename}: {exc.strerror}",
               file=sys.stderr)
         return 2
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gemma-parity", description="Gemma-4 port: performance commands")
-    add_perf_commands(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

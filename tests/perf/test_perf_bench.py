@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from harness import perf
+from harness.cli import main as cli_main
 from harness.checkpoint import Checkpoint, tiny_checkpoint
 from harness.errors import HarnessInputError
 
@@ -22,7 +23,7 @@ BENCH_ARGS = ["--model", "tiny", "--backend", "cpu", "--runs", RUNS, "--warmup",
 
 
 def run_cli(*argv) -> int:
-    return perf.main([str(a) for a in argv])
+    return cli_main([str(a) for a in argv])
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +68,10 @@ def test_bench_history_holds_both_runs_and_compares(bench_runs, capsys):
     assert "too few runs" in capsys.readouterr().out
 
 
-def test_perf_compare_accepts_bench_files_via_python_m(bench_runs):
+def test_perf_compare_accepts_bench_files_via_the_command(bench_runs):
     tmp, _ = bench_runs
     out = tmp / "comparison.json"
-    proc = subprocess.run([sys.executable, "-m", "harness.perf", "perf", "compare", "--baseline", tmp / "a.json",
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "perf", "compare", "--baseline", tmp / "a.json",
                            "--current", tmp / "b.json", "--json", out, "--markdown", tmp / "perf.md"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -99,7 +100,7 @@ def test_bench_rejects_a_cache_too_short_for_the_decode_steps():
 
 def test_bench_arguments_are_validated_by_argparse(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
-        perf.main(["bench", "--model", "tiny", "--buckets", "16,x", "--out", str(tmp_path / "x.json")])
+        cli_main(["bench", "--model", "tiny", "--buckets", "16,x", "--out", str(tmp_path / "x.json")])
     assert exit_info.value.code == 2
     with pytest.raises(SystemExit):
-        perf.main(["bench", "--out", str(tmp_path / "x.json")])  # neither --checkpoint nor --model
+        cli_main(["bench", "--out", str(tmp_path / "x.json")])  # neither --checkpoint nor --model

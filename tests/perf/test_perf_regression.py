@@ -13,6 +13,7 @@ import random
 import pytest
 
 from harness import perf
+from harness.cli import main as cli_main
 from harness.errors import HarnessInputError
 
 TRIALS = 200
@@ -258,7 +259,7 @@ def test_corrupt_history_file_is_named(tmp_path):
 # ---- perf compare, through the argparse wiring ----------------------------------------------------
 
 def run_cli(*argv) -> int:
-    return perf.main([str(a) for a in argv])
+    return cli_main([str(a) for a in argv])
 
 
 def test_compare_cli_exit_codes_and_reports(tmp_path, capsys):
