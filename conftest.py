@@ -88,7 +88,7 @@ def tiny0_ckpt(tiny0_dir):
 
 @pytest.fixture(scope="session")
 def default_prompts():
-    from harness.parity import load_prompts
+    from harness.prompts import load_prompts
 
     return load_prompts()
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,7 +13,8 @@ import torch
 from safetensors import safe_open
 
 from harness import FIXTURES_DIR
-from harness.errors import CheckpointError, NumericsError
+from harness.atomic import atomic_directory
+from harness.errors import CheckpointError, HarnessInputError, NumericsError
 from harness.spec import LayerSpec, ModelSpec, load_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -293,20 +292,13 @@ def randomize_for_margins(model, seed: int, logit_scale: float = 1.0) -> None:
 
 def _save_atomically(model, out_dir: Path, overwrite: bool) -> None:
     """save_pretrained into a temp dir beside out_dir, then rename: nothing half written remains."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        if overwrite and out_dir.exists():
-            shutil.rmtree(out_dir)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            # Another process (a pytest-xdist worker) finished the same deterministic build first.
-            if not (out_dir / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_directory(out_dir, replace=overwrite) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+    except HarnessInputError:
+        # Another process (a pytest-xdist worker) finished the same deterministic build first.
+        if not (out_dir / "config.json").is_file():
+            raise
 
 
 def tiny_checkpoint(seed: int = 0) -> Path:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from harness.numerics import bf16_ulp, softcap
+
 # A point passes while its error is at most this multiple of the bf16 envelope. Where from: two
 # bf16 computations that differ only in summation order (TP=2 partial sums reduced in fp32 vs one
 # rank) carry rounding errors of the same size, so a healthy port sits near ratio 1 (measured on
@@ -138,6 +140,11 @@ class LayerResult:
                 "points": [asdict(p) for p in self.points]}
 
 
+def stack_prompts(runs: list[dict], name: str) -> torch.Tensor:
+    """One capture point of every prompt, stacked along the position rows."""
+    return torch.cat([r[name] for r in runs], dim=0)
+
+
 def compare_layers(spec, device: dict, ref: dict, envelope: dict) -> list[LayerResult]:
     return [LayerResult(layer.index, layer.type,
                         [compare_point(n, device[n], ref[n], envelope[n]) for n in layer_points(layer.index)])
@@ -145,14 +152,6 @@ def compare_layers(spec, device: dict, ref: dict, envelope: dict) -> list[LayerR
 
 
 # ---- tokens and logits ---------------------------------------------------------------------------
-
-def bf16_ulp(x: float) -> float:
-    """Spacing of bf16 numbers at |x| (8 significant bits)."""
-    x = abs(x)
-    if x == 0 or not math.isfinite(x):
-        return 2.0 ** -133
-    return 2.0 ** (math.floor(math.log2(x)) - 7)
-
 
 @dataclass
 class TokenVerdict:
@@ -210,8 +209,6 @@ def compare_logits(device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tens
     """device/ref/envelope: [n, vocab] raw logits. The device's choice is the argmax of its raw
     logits; the reference's is `ref_tokens` (its greedy choice) or its argmax. KL is taken between
     the capped distributions, KL(reference || device)."""
-    from harness.engine import softcap
-
     n = ref.shape[0]
     if n == 0:
         return LogitsResult(0, 1.0, 1.0, 0.0, 0.0)

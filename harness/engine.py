@@ -12,21 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.errors import PromptError
+from harness.numerics import embed_scale, softcap
 
 DEFAULT_KV_LEN = 256  # the published port's KV length
 DEFAULT_BUCKETS = (64,)  # the published port's prefill bucket
-
-
-def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """cap * tanh(logits / cap), in fp32; identity when the config has no softcap."""
-    if cap is None:
-        return logits.float()
-    return cap * torch.tanh(logits.float() / cap)
-
-
-def embed_scale(hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """sqrt(hidden) cast to the weight dtype first: in bf16, sqrt(3840) = 61.97 becomes 62.0."""
-    return torch.tensor(hidden_size ** 0.5).to(dtype)
 
 
 def choose_bucket(length: int, buckets) -> int:
@@ -135,12 +124,3 @@ class Engine:
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """Host softcap, then softmax: only here does the cap matter."""
         return torch.softmax(softcap(logits, self.spec.final_logit_softcapping), dim=-1)
-
-
-def build_engine(checkpoint, backend: str = "cpu", tp: int = 2, dtype: torch.dtype = torch.bfloat16,
-                 buckets=DEFAULT_BUCKETS, kv_len: int = DEFAULT_KV_LEN, **backend_kwargs) -> Engine:
-    from harness.backends import make_backend
-
-    be = make_backend(backend, checkpoint, tp=tp, dtype=dtype, max_len=kv_len, buckets=tuple(buckets),
-                      **backend_kwargs)
-    return Engine(checkpoint.spec, be, checkpoint.embed_weight(dtype), buckets=buckets, kv_len=kv_len)

@@ -8,17 +8,17 @@ and reading verifies the tensor file's hash and that the golden was made for the
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from harness.atomic import atomic_directory
 from harness.checkpoint import sha256_file
 from harness.errors import GoldenError
+from harness.progress import status
 from harness.reference import ReferenceResult
 
 FORMAT_VERSION = 1
@@ -61,17 +61,10 @@ def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_t
         "versions": _versions(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with atomic_directory(out_dir, replace=overwrite) as tmp:
         save_file(tensors, str(tmp / TENSORS))
         manifest["tensors_sha256"] = sha256_file(tmp / TENSORS)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -133,3 +126,44 @@ def read_golden(path, expected_spec=None) -> Golden:
             "compares against the same model architecture; regenerate it for this config."
         )
     return Golden(path, manifest, load_file(str(tensor_file)))
+
+
+@dataclass
+class GoldenWritten:
+    path: Path
+    prompts: list[list[int]]
+    new_tokens: int
+    tokens: list[list[int]]  # the fp32 reference's greedy tokens per prompt
+
+
+def make_golden(checkpoint_dir, out, prompts_path=None, new_tokens: int = 8, stream: bool = False,
+                overwrite: bool = False, progress: bool = False) -> GoldenWritten:
+    """Run the fp32 and bf16 references for the prompts and write them as a golden at `out`.
+
+    `stream` computes the prefill captures one decoder layer at a time from the shards (peak memory
+    about the embeddings plus one layer) and decodes nothing."""
+    from harness.checkpoint import Checkpoint
+    from harness.prompts import load_prompts, validate_prompt_ids
+    from harness.reference import run_reference, stream_prefill_captures
+
+    ckpt = Checkpoint.open(checkpoint_dir)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise GoldenError(f"{out}: already exists; choose a new --out or pass --overwrite")
+    prompts = load_prompts(prompts_path, checkpoint_dir)
+    validate_prompt_ids(ckpt.spec, prompts, prompts_path)
+    ckpt.check_finite()
+    if stream:
+        results = {}
+        say = status("stream", progress, total=2 * len(prompts))
+        for dtype in ("float32", "bfloat16"):
+            results[dtype] = []
+            for k, p in enumerate(prompts):
+                say(f"{dtype} prompt {k + 1}/{len(prompts)}")
+                results[dtype].append(ReferenceResult(p, dtype, stream_prefill_captures(ckpt, p, dtype),
+                                                      [], torch.empty(0, ckpt.spec.vocab_size)))
+        new_tokens = 0
+    else:
+        results = run_reference(checkpoint_dir, prompts, new_tokens, progress=progress)
+    write_golden(out, ckpt.spec, results, new_tokens, ckpt.file_hashes(), str(checkpoint_dir), overwrite=overwrite)
+    return GoldenWritten(out, prompts, new_tokens, [r.generated for r in results["float32"]])

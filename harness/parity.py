@@ -3,68 +3,15 @@ by compare.py's policy. What `gemma-parity check` and the parity suites execute.
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from harness import FIXTURES_DIR
-from harness.compare import LayerResult, LogitsResult, PointResult, compare_layers, compare_logits, compare_point
-from harness.errors import PromptError
+from harness.compare import (LayerResult, LogitsResult, PointResult, compare_layers, compare_logits, compare_point,
+                             stack_prompts)
+from harness.local import PortRun, local_verdicts
+from harness.progress import status
 from harness.reference import ReferenceResult
-
-DEFAULT_PROMPTS = FIXTURES_DIR / "prompts" / "default.json"
-DEFAULT_NEW_TOKENS = 8
-
-
-def load_prompts(path=None, checkpoint_dir=None) -> list[list[int]]:
-    """A JSON list of token-id lists, or of strings when the checkpoint has a tokenizer."""
-    path = Path(path) if path else DEFAULT_PROMPTS
-    try:
-        items = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PromptError(f"{path}: prompts file not found") from None
-    except json.JSONDecodeError as exc:
-        raise PromptError(f"{path}: not valid JSON ({exc}); expected a list of token-id lists") from exc
-    if not isinstance(items, list) or not items:
-        raise PromptError(f"{path}: expected a non-empty JSON list of prompts")
-    prompts = []
-    for k, item in enumerate(items):
-        if isinstance(item, str):
-            item = _tokenize(item, checkpoint_dir, path, k)
-        if not isinstance(item, list) or not all(isinstance(t, int) for t in item):
-            raise PromptError(f"{path}: prompt {k} must be a list of integer token ids (or a string "
-                              "when the checkpoint has a tokenizer)")
-        if not item:
-            raise PromptError(f"{path}: prompt {k} is empty; give at least one token")
-        prompts.append(item)
-    return prompts
-
-
-def _tokenize(text, checkpoint_dir, path, k) -> list[int]:
-    has_tokenizer = checkpoint_dir and any(
-        (Path(checkpoint_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-    if not has_tokenizer:
-        raise PromptError(f"{path}: prompt {k} is a string but the checkpoint directory has no "
-                          "tokenizer; give token ids instead")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(checkpoint_dir)(text)["input_ids"]
-
-
-def validate_prompt_ids(spec, prompts, source=None) -> None:
-    where = f"{source or DEFAULT_PROMPTS}: "
-    allowed = set(spec.placeholder_token_ids)
-    for k, prompt in enumerate(prompts):
-        if not prompt:
-            raise PromptError(f"{where}prompt {k} is empty; give at least one token")
-        for pos, t in enumerate(prompt):
-            if not (0 <= t < spec.vocab_size) and t not in allowed:
-                raise PromptError(f"{where}prompt {k}: token id {t} at position {pos} is outside the "
-                                  f"vocabulary [0, {spec.vocab_size}); check the prompts file")
-
 
 @dataclass
 class PromptOutcome:
@@ -175,20 +122,14 @@ class CheckResult:
                 "prompts": [p.to_json() for p in self.prompts], "notes": self.notes}
 
 
-def stack_prompts(runs: list[dict], name: str) -> torch.Tensor:
-    """One capture point of every prompt, stacked along the position rows."""
-    return torch.cat([r[name] for r in runs], dim=0)
-
-
 def run_check(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
               backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16", progress: bool = False) -> CheckResult:
     """Run every prompt through the engine (prefill with captures, free greedy decode, and
     teacher-forced decode on the reference tokens) and judge it against the two references."""
     device_caps, outcomes, decode_steps = [], [], []
+    say = status(backend, progress, total=len(ref32))
     for k, (r32, r16) in enumerate(zip(ref32, ref16)):
-        if progress:
-            print(f"[{backend}] prompt {k + 1}/{len(ref32)}: prefill, decode {len(r32.generated)} tokens",
-                  file=sys.stderr, flush=True)
+        say(f"prompt {k + 1}/{len(ref32)}: prefill, decode {len(r32.generated)} tokens")
         n_new = len(r32.generated)
         free = engine.generate(r32.prompt, n_new, capture=True)
         forced = engine.generate(r32.prompt, n_new, forced=r32.generated) if n_new else free
@@ -242,16 +183,55 @@ def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[Ref
     if local is None:
         local = hasattr(engine.backend, "on_ranks")
     if local:
-        from harness.bisect import PortRun, bisect_capture
-
-        if progress:
-            print("[local] each layer alone on the reference's input", file=sys.stderr, flush=True)
         port_run = PortRun(result.device_captures, result.seq_match, result.near_ties, result.divergences)
-        located = bisect_capture(checkpoint, engine, engine.backend, ref32, ref16, backend, tp, dtype,
-                                 port_run=port_run)
+        verdicts, _ = local_verdicts(checkpoint, engine.backend, ref32, ref16, port_run, progress)
         result.local = [{"index": v.index, "pass": v.passed, "component": v.component,
-                         "ratio": max(p.required_factor for p in v.local)} for v in located.layers]
+                         "ratio": max(p.required_factor for p in v.local)} for v in verdicts]
     else:
         result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                             "run `gemma-parity bisect` to pin a layer on this backend")
     return result
+
+
+def load_reference_source(checkpoint, checkpoint_dir, golden=None, prompts=None):
+    """The golden (read and verified against the checkpoint's spec) or the validated prompts:
+    every input checked before any expensive work starts."""
+    from harness.golden import read_golden
+    from harness.prompts import load_prompts, validate_prompt_ids
+
+    if golden:
+        return read_golden(golden, expected_spec=checkpoint.spec)
+    loaded = load_prompts(prompts, checkpoint_dir)
+    validate_prompt_ids(checkpoint.spec, loaded, prompts)
+    return loaded
+
+
+def load_references(source, checkpoint_dir, new_tokens: int, progress: bool = False):
+    """(fp32, bf16) reference results: from a golden, or computed now for the prompts."""
+    from harness.golden import Golden
+    from harness.reference import run_reference
+
+    if isinstance(source, Golden):
+        return source.results("float32"), source.results("bfloat16")
+    refs = run_reference(checkpoint_dir, source, new_tokens, progress=progress)
+    return refs["float32"], refs["bfloat16"]
+
+
+def run_parity_check(checkpoint, checkpoint_dir, golden=None, prompts=None, backend: str = "cpu", tp: int = 2,
+                     dtype: torch.dtype = torch.bfloat16, new_tokens: int = 8, buckets=(64,), kv_len: int = 256,
+                     progress: bool = False) -> CheckResult:
+    """What `gemma-parity check` does: the port on `backend` against the reference (recomputed
+    for `prompts`, or read from `golden`), judged by the policy."""
+    from harness.backends import build_engine
+    from harness.reference import dtype_name
+
+    source = load_reference_source(checkpoint, checkpoint_dir, golden, prompts)
+    # The backend before the reference: a missing SDK or a bad TP degree is reported before minutes
+    # of reference work, and loading the shards checks every weight for NaN/Inf (Checkpoint.get)
+    # before transformers (which does not) computes the reference. A parity build: the per-layer
+    # captures are extra graph outputs on the device.
+    engine = build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
+                          capture=True)
+    ref32, ref16 = load_references(source, checkpoint_dir, new_tokens, progress)
+    return check_port(checkpoint, engine, ref32, ref16, backend=backend, tp=tp, dtype=dtype_name(dtype),
+                      progress=progress)

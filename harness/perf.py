@@ -23,7 +23,6 @@ atomically and never overwritten. The baseline of `perf compare --history DIR`:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -33,15 +32,15 @@ import random
 import socket
 import statistics
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
+from harness.atomic import write_json_atomic, write_text_atomic
 from harness.errors import HarnessInputError
+from harness.progress import status
 
 FORMAT = 1
 # Absolute ceilings on the median, in ms, for the real 12B on one inf2 chip at TP=2, bf16, bucket 64.
@@ -68,7 +67,6 @@ NEURON_COUNT_FUNCTIONS = ("neuron_core_count", "count_neuron_cores")
 # Timings are only comparable when these agree (--allow-mismatch overrides).
 COMPARABLE_FIELDS = ("machine.cpu_model", "machine.neuron_cores", "spec_hash", "backend", "tp",
                      "dtype", "prefill_bucket")
-PROGRESS_INTERVAL_S = 1.0
 
 
 # ---- the machine and the software -------------------------------------------------------------
@@ -247,57 +245,15 @@ def load_result(path) -> dict:
 
 
 def write_text(path, text: str, overwrite: bool = False) -> Path:
-    """Write atomically: a temp file beside `path`, then a rename, so no reader sees half a file.
-    Without `overwrite`, an existing file is an error (a hard link refuses to replace atomically)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            _link_no_clobber(Path(tmp), path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
-def _link_no_clobber(tmp: Path, path: Path) -> None:
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        raise HarnessInputError(f"{path}: already exists and is never overwritten silently; choose "
-                                "another file name (or --force for a --out file)") from None
-    except OSError:  # a filesystem without hard links: check, then rename
-        if path.exists():
-            raise HarnessInputError(f"{path}: already exists and is never overwritten silently; "
-                                    "choose another file name") from None
-        os.replace(tmp, path)
+    """Atomic, and without `overwrite` never over an existing file (see harness.atomic)."""
+    return write_text_atomic(path, text, no_clobber=not overwrite)
 
 
 def write_json(path, obj, overwrite: bool = False) -> Path:
-    return write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n", overwrite=overwrite)
+    return write_json_atomic(path, obj, no_clobber=not overwrite, indent=1, sort_keys=True)
 
 
 # ---- the benchmark ------------------------------------------------------------------------------
-
-class _Progress:
-    """Progress lines on stderr, at most one a second: quick runs stay quiet."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.last = enabled, time.monotonic()
-
-    def __call__(self, message: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.enabled and (force or now - self.last >= PROGRESS_INTERVAL_S):
-            print(f"[bench] {message}", file=sys.stderr, flush=True)
-            self.last = now
-
 
 def bench_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """A fixed pseudo-random prompt that fills a bucket (ids 0-2 are pad/eos/bos: avoided)."""
@@ -349,15 +305,16 @@ def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup
     discarded runs. Each decode sample is one run's mean ms per token."""
     import torch
 
-    from harness.engine import DEFAULT_KV_LEN, build_engine
+    from harness.backends import build_engine
+    from harness.engine import DEFAULT_KV_LEN
 
     kv_len = DEFAULT_KV_LEN if kv_len is None else kv_len
     buckets = tuple(sorted({int(b) for b in buckets}))
     _check_bench_options(runs, warmup, buckets, new_tokens, kv_len)
     dtype = dtype_name(dtype)
-    show = _Progress(progress)
+    show = status("bench", progress)
     show(f"building the {backend} engine (tp {tp}, {dtype}, buckets {list(buckets)})"
-         + ("; a first compile takes many minutes" if backend == "neuron" else ""), force=True)
+         + ("; a first compile takes many minutes" if backend == "neuron" else ""))
     if backend == "neuron":
         # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
         # cache out of the timed prefill, as a serving loop would.
@@ -383,7 +340,7 @@ def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup
                             settings={"runs": runs, "warmup": warmup, "buckets": list(buckets),
                                       "new_tokens": new_tokens, "kv_len": kv_len})
     show(f"done: prefill[{headline}] p50 {result['summary']['prefill_ms']['p50']:.2f} ms, decode p50 "
-         f"{result['summary']['decode_ms_per_token']['p50']:.2f} ms/token", force=True)
+         f"{result['summary']['decode_ms_per_token']['p50']:.2f} ms/token")
     return result
 
 
@@ -730,104 +687,3 @@ def render_bench_summary(result: dict) -> str:
                          f"mean {s['mean']:9.2f} ms  (n={s['n']})")
     lines.append(f"  tokens_per_second      {result['summary']['tokens_per_second']:.1f}")
     return "\n".join(lines) + "\n"
-
-
-# ---- command line -------------------------------------------------------------------------------
-
-def add_perf_commands(subparsers) -> None:
-    """Add `bench` and `perf compare` to a CLI's subparsers; each sets `func(args) -> exit code`."""
-    from harness.backends import BACKENDS
-    from harness.cli import buckets_arg
-
-    bench = subparsers.add_parser(
-        "bench", help="time prefill and decode; write a result file (and add it to a history)",
-        description="Time prefill per bucket and decode per token. Exit 0 ok, 2 bad input.")
-    source = bench.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (safetensors)")
-    source.add_argument("--model", choices=("tiny",), help="the cached tiny fixture model")
-    bench.add_argument("--backend", choices=BACKENDS, default="cpu")
-    bench.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed runs (default %(default)s)")
-    bench.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="discarded runs first")
-    bench.add_argument("--buckets", type=buckets_arg, default=(PUBLISHED_BUCKET,), metavar="16,64")
-    bench.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="decode steps per run")
-    bench.add_argument("--tp", type=int, default=2)
-    bench.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    bench.add_argument("--kv-len", type=int, default=None, help="KV cache length (default: the engine's)")
-    bench.add_argument("--out", required=True, metavar="FILE", help="result JSON (never overwritten "
-                       "without --force)")
-    bench.add_argument("--force", action="store_true", help="overwrite an existing --out file")
-    bench.add_argument("--history", metavar="DIR", help="also add the run to this history directory")
-    bench.set_defaults(func=cmd_bench)
-
-    perf = subparsers.add_parser("perf", help="compare benchmark results")
-    perf_commands = perf.add_subparsers(dest="perf_command", metavar="{compare}", required=True)
-    compare = perf_commands.add_parser(
-        "compare", help="flag regressions and broken budgets",
-        description="Compare a current run with a baseline. Exit 0 ok, 1 regression or broken "
-                    "budget, 2 bad input.")
-    compare.add_argument("--baseline", metavar="FILE")
-    compare.add_argument("--current", metavar="FILE")
-    compare.add_argument("--history", metavar="DIR", help="newest run in DIR vs the history's baseline")
-    compare.add_argument("--budget", action="append", default=[], metavar="METRIC=MS",
-                         help="ceiling on a median, e.g. prefill_ms=101 (repeatable)")
-    compare.add_argument("--factor", type=float, default=DEFAULT_FACTOR)
-    compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
-    compare.add_argument("--allow-mismatch", action="store_true",
-                         help="compare runs from different machines, specs or settings")
-    compare.add_argument("--markdown", metavar="FILE", help="also write a Markdown report")
-    compare.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
-    compare.set_defaults(func=cmd_compare)
-
-
-def _open_checkpoint(args):
-    from harness.checkpoint import Checkpoint, tiny_checkpoint
-
-    return Checkpoint.open(tiny_checkpoint(seed=0) if args.model == "tiny" else args.checkpoint)
-
-
-def cmd_bench(args) -> int:
-    try:
-        out = Path(args.out)
-        if out.exists() and not args.force:  # refuse before spending minutes benchmarking
-            raise HarnessInputError(f"{out}: already exists; pass --force to overwrite it or choose "
-                                    "another --out")
-        result = run_bench(_open_checkpoint(args), backend=args.backend, runs=args.runs,
-                           warmup=args.warmup, buckets=args.buckets, new_tokens=args.new_tokens,
-                           tp=args.tp, dtype=args.dtype, kv_len=args.kv_len, progress=True)
-        write_json(out, result, overwrite=args.force)
-        print(render_bench_summary(result), end="")
-        print(f"wrote {out}", file=sys.stderr)
-        if args.history:
-            print(f"added {append_history(result, args.history)}", file=sys.stderr)
-        return 0
-    except HarnessInputError as exc:
-        print(f"gemma-parity bench: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # an unwritable --out or --history location
-        print(f"gemma-parity bench: error: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
-
-
-def cmd_compare(args) -> int:
-    try:
-        options = dict(factor=args.factor, alpha=args.alpha, budgets=parse_budgets(args.budget),
-                       allow_mismatch=args.allow_mismatch)
-        if args.history and not (args.baseline or args.current):
-            comp = compare_history(args.history, **options)
-        elif args.baseline and args.current and not args.history:
-            comp = compare_files(args.baseline, args.current, **options)
-        else:
-            raise HarnessInputError("give --baseline FILE and --current FILE, or --history DIR alone")
-        print(render_text(comp), end="")
-        if args.markdown:
-            write_text(args.markdown, render_markdown(comp), overwrite=True)  # a report, rewritten each run
-        if args.json:
-            write_json(args.json, comp.to_dict(), overwrite=True)
-        return 1 if comp.failed else 0
-    except HarnessInputError as exc:
-        print(f"gemma-parity perf compare: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # an unwritable --markdown or --json location
-        print(f"gemma-parity perf compare: error: cannot write {exc.filename}: {exc.strerror}",
-              file=sys.stderr)
-        return 2

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.engine import embed_scale, softcap
+from harness.numerics import embed_scale, softcap
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 

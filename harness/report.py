@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
+import io
 import math
-import os
-import tempfile
 from pathlib import Path
 
+from harness.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 from harness.compare import ENVELOPE_FACTOR
 
 
@@ -97,13 +96,6 @@ def format_check(result) -> str:
 
 
 # ---- report directory --------------------------------------------------------------------------
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
 
 # ---- bisect ------------------------------------------------------------------------------------
 
@@ -333,10 +325,10 @@ def plot_layer_errors(path: Path, layers: list[dict], full_layers: list[int], cu
         row[0].grid(True, which="both", alpha=0.3)
         row[0].legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never on a point
     fig.tight_layout()
-    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
+    write_bytes_atomic(path, buffer.getvalue())
     return True
 
 
@@ -407,7 +399,7 @@ def write_report(report_dir, kind: str, payload: dict, spec) -> Path:
     """Markdown summary, the JSON and a PNG plot into report_dir (each file written atomically)."""
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
-    _write_text_atomic(report_dir / f"{kind}.json", json.dumps(payload, indent=2, default=str) + "\n")
+    write_json_atomic(report_dir / f"{kind}.json", payload)
     layers = payload["layers"]
     if kind == "check":
         ok = plot_layer_errors(report_dir / f"{kind}_errors.png", layers, spec.full_layers, "rel_l2", None,
@@ -422,5 +414,5 @@ def write_report(report_dir, kind: str, payload: dict, spec) -> Path:
     text = markdown_summary(kind, payload)
     if not ok:
         text += "\n(plot skipped: install the `plot` extra for matplotlib)\n"
-    _write_text_atomic(report_dir / f"{kind}.md", text)
+    write_text_atomic(report_dir / f"{kind}.md", text)
     return report_dir

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.errors import ShardingError
-from harness.spec import LayerSpec, ModelSpec
+from harness.spec import LayerSpec, ModelSpec, dtype_bytes
 
 # Weights split by output rows (per head for attention), by input columns, or copied to every rank.
 Q_ROWS = ("self_attn.q_proj.weight",)
@@ -174,3 +174,50 @@ def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None) -> l
         states[rank]["norm.weight"] = norm.clone()
         states[rank]["lm_head.weight"] = shard_lm_head(lm_head, tp, rank)
     return states
+
+
+# ---- device memory per rank ------------------------------------------------------------------------
+
+def layer_params_per_rank(spec: ModelSpec, layer: LayerSpec, tp: int) -> int:
+    """Parameters one rank holds for a layer under the TP plan (kv replicated or sharded)."""
+    plan = plan_layer(layer, tp)
+    h, d = spec.hidden_size, layer.head_dim
+    q = h * plan.q_heads_per_rank * d * 2  # q_proj + o_proj
+    kv = h * plan.kv_heads_per_rank * d * (1 if layer.k_eq_v else 2)
+    mlp = 3 * h * spec.intermediate_size // tp
+    norms = 4 * h + 2 * d + 1  # four layer norms, q/k norms, layer_scalar
+    return q + kv + mlp + norms
+
+
+def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256) -> dict:
+    """Device bytes per rank: weights (lm_head split by vocab) plus the KV cache at kv_len."""
+    nbytes = dtype_bytes(dtype)
+    weights = sum(layer_params_per_rank(spec, layer, tp) for layer in spec.layers)
+    weights += spec.vocab_size * spec.hidden_size // tp + spec.hidden_size  # lm_head split + final norm
+    kv = sum(2 * plan_layer(layer, tp).kv_heads_per_rank * kv_len * layer.head_dim
+             for layer in spec.layers)
+    host_embeddings = spec.vocab_size * spec.hidden_size
+    return {
+        "weights": weights * nbytes,
+        "kv_cache": kv * nbytes,
+        "total": (weights + kv) * nbytes,
+        "host_embeddings": host_embeddings * nbytes,
+    }
+
+
+def plan_summary(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256) -> dict:
+    """The resolved spec with each layer's TP plan and the device bytes per rank (what `info` shows)."""
+    layers = []
+    for layer in spec.layers:
+        plan = plan_layer(layer, tp)
+        layers.append({"index": layer.index, "type": layer.type, "head_dim": layer.head_dim,
+                       "q_heads": layer.q_heads, "kv_heads": layer.kv_heads, "k_eq_v": layer.k_eq_v,
+                       "window": layer.window, "rope_type": layer.rope_type, "rope_theta": layer.rope_theta,
+                       "rotated_freqs": layer.rotated_freqs, "q_heads_per_rank": plan.q_heads_per_rank,
+                       "kv_heads_per_rank": plan.kv_heads_per_rank, "groups": plan.groups,
+                       "kv_layout": plan.kv_layout})
+    memory = bytes_per_rank(spec, tp, dtype, kv_len)
+    return {"spec_hash": spec.spec_hash(), "source": spec.source, "tp": tp, "dtype": dtype,
+            "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
+            "final_logit_softcapping": spec.final_logit_softcapping, "inert": spec.describe_inert(),
+            "layers": layers, "bytes_per_rank": memory["total"], "memory": memory}

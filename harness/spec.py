@@ -226,34 +226,3 @@ def dtype_bytes(dtype: str) -> int:
         return DTYPE_BYTES[str(dtype).replace("torch.", "")]
     except KeyError:
         raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
-
-
-def layer_params_per_rank(spec: ModelSpec, layer: LayerSpec, tp: int) -> int:
-    """Parameters one rank holds for a layer under the TP plan (kv replicated or sharded)."""
-    from harness.sharding import plan_layer
-
-    plan = plan_layer(layer, tp)
-    h, d = spec.hidden_size, layer.head_dim
-    q = h * plan.q_heads_per_rank * d * 2  # q_proj + o_proj
-    kv = h * plan.kv_heads_per_rank * d * (1 if layer.k_eq_v else 2)
-    mlp = 3 * h * spec.intermediate_size // tp
-    norms = 4 * h + 2 * d + 1  # four layer norms, q/k norms, layer_scalar
-    return q + kv + mlp + norms
-
-
-def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256) -> dict:
-    """Device bytes per rank: weights (lm_head split by vocab) plus the KV cache at kv_len."""
-    nbytes = dtype_bytes(dtype)
-    from harness.sharding import plan_layer
-
-    weights = sum(layer_params_per_rank(spec, layer, tp) for layer in spec.layers)
-    weights += spec.vocab_size * spec.hidden_size // tp + spec.hidden_size  # lm_head split + final norm
-    kv = sum(2 * plan_layer(layer, tp).kv_heads_per_rank * kv_len * layer.head_dim
-             for layer in spec.layers)
-    host_embeddings = spec.vocab_size * spec.hidden_size
-    return {
-        "weights": weights * nbytes,
-        "kv_cache": kv * nbytes,
-        "total": (weights + kv) * nbytes,
-        "host_embeddings": host_embeddings * nbytes,
-    }

@@ -1,4 +1,11 @@
-"""Backends run the per-rank decoder: `cpu` here and in CI, `neuron` on inf2 (the only Neuron code)."""
+"""Backends run the per-rank decoder: `cpu` here and in CI, `neuron` on inf2 (the only Neuron code).
+
+`build_engine` puts a backend behind the host engine: what every workflow runs.
+"""
+
+import torch
+
+from harness.engine import DEFAULT_BUCKETS, DEFAULT_KV_LEN, Engine
 
 BACKENDS = ("cpu", "neuron")
 
@@ -16,3 +23,11 @@ def make_backend(name: str, checkpoint, **kwargs):
     from harness.errors import HarnessInputError
 
     raise HarnessInputError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+
+
+def build_engine(checkpoint, backend: str = "cpu", tp: int = 2, dtype: torch.dtype = torch.bfloat16,
+                 buckets=DEFAULT_BUCKETS, kv_len: int = DEFAULT_KV_LEN, **backend_kwargs) -> Engine:
+    """The host engine over a `backend` built for this checkpoint (per-rank weights, TP, buckets)."""
+    be = make_backend(backend, checkpoint, tp=tp, dtype=dtype, max_len=kv_len, buckets=tuple(buckets),
+                      **backend_kwargs)
+    return Engine(checkpoint.spec, be, checkpoint.embed_weight(dtype), buckets=buckets, kv_len=kv_len)

@@ -359,7 +359,7 @@ BY_NAME = {fault.name: fault for fault in CATALOG}
 def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references):
     """Inject `fault` (None: the clean port), build the port (TP=2, bf16, CPU) and run the parity
     check against the references (fp32 and bf16) computed once for the checkpoint."""
-    from harness.engine import build_engine
+    from harness.backends import build_engine
     from harness.parity import check_port
 
     if fault is not None:
@@ -504,7 +504,7 @@ def main(argv=None) -> int:
     import pytest
 
     from harness.checkpoint import Checkpoint, tiny_checkpoint
-    from harness.parity import DEFAULT_NEW_TOKENS, load_prompts
+    from harness.prompts import DEFAULT_NEW_TOKENS, load_prompts
     from harness.reference import run_reference
 
     names = set(sys.argv[1:] if argv is None else argv)

@@ -17,7 +17,7 @@ def inexact_scale_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def inexact_scale_reference(inexact_scale_ckpt, default_prompts):
     """fp32 and bf16 references of the variant for the default prompts (8 new tokens)."""
-    from harness.parity import DEFAULT_NEW_TOKENS
+    from harness.prompts import DEFAULT_NEW_TOKENS
     from harness.reference import run_reference
 
     return run_reference(inexact_scale_ckpt.path, default_prompts, new_tokens=DEFAULT_NEW_TOKENS)

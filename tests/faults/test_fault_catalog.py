@@ -104,7 +104,7 @@ def test_bisect_locates_gaps(request, monkeypatch, fault):
     the factor), bisect's local error (the layer fed the reference's input) names the layer and
     component, as the check's local verdict does."""
     from harness.bisect import bisect_capture
-    from harness.engine import build_engine
+    from harness.backends import build_engine
     from tests.faults.catalog import CHECK_BUCKETS, CHECK_KV_LEN
 
     ckpt, refs = _checkpoint_and_reference(request, fault.checkpoint)

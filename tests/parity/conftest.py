@@ -16,7 +16,7 @@ def backend_name(request):
 @pytest.fixture(scope="session")
 def port_check(tiny_ckpt, tiny_reference, backend_name):
     """The port (TP=2, bf16) on `backend_name` judged against the tiny model's references."""
-    from harness.engine import build_engine
+    from harness.backends import build_engine
     from harness.parity import check_port
 
     engine = build_engine(tiny_ckpt, backend=backend_name, tp=2, dtype=torch.bfloat16, buckets=(16, 64),

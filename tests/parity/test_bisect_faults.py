@@ -15,12 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness import model as port_model
-from harness.bisect import intra_op_threads_for, run_bisect
+from harness.bisect import run_bisect
 from harness.checkpoint import Checkpoint
 from harness.cli import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_OK, main
 from harness.golden import read_golden, write_golden
+from harness.local import intra_op_threads_for
 from harness.reference import run_reference
 from harness.report import format_bisect
+from tests.plot_extra import require_plot_extra
 
 GOLDEN_NEW_TOKENS = 2  # enough for SEQ_MATCH; decode is the costly part of a reference run
 # Noise of half the weights' own spread: a change of direction. Scaling a projection would show
@@ -123,8 +125,9 @@ def test_cli_names_full_layer_mlp_fault_and_writes_report(tmp_path, tiny0_dir, g
     md = (report / "bisect.md").read_text()
     assert "first divergent layer: **11**" in md and "component: **mlp**" in md and "SEQ_MATCH" in md
     assert "| 11 | full |" in md and "FAIL (mlp)" in md
-    assert (report / "bisect_errors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "first divergent layer: 11" in printed
+    require_plot_extra()
+    assert (report / "bisect_errors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_clean_checkpoint_reports_no_layer(tmp_path, tiny0_dir, golden_dir):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness.compare import compare_logits, compare_point
-from harness.engine import build_engine
+from harness.backends import build_engine
 
 pytestmark = pytest.mark.neuron
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness.compare import rel_l2
-from harness.engine import build_engine
+from harness.backends import build_engine
 from harness.errors import PromptError
 
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order

@@ -12,11 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness.bisect import (PrefixCheckpoint, backend_prefix_build, bisect_truncate, first_failing_prefix,
-                            intra_op_threads_for, run_bisect)
+from harness.backends import build_engine
+from harness.bisect import (
+    PrefixCheckpoint,
+    backend_prefix_build,
+    bisect_truncate,
+    first_failing_prefix,
+    run_bisect,
+)
 from harness.checkpoint import Checkpoint
-from harness.engine import build_engine
 from harness.golden import read_golden, write_golden
+from harness.local import intra_op_threads_for
 from harness.model import rms_norm
 from harness.reference import ReferenceResult, run_reference
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from harness.errors import PromptError
-from harness.parity import load_prompts
+from harness.prompts import load_prompts
 
 
 def _word_tokenizer(directory):

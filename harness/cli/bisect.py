@@ -1,0 +1,45 @@
+"""`gemma-parity bisect`: the first layer that breaks parity with a golden, its component and why."""
+
+from __future__ import annotations
+
+from harness.atomic import write_json_atomic
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, checkpoint_dir
+
+
+def add_command(sub) -> None:
+    from harness.bisect import MODES
+
+    p = sub.add_parser(
+        "bisect", help="find the first layer that breaks parity with a golden, its component and why",
+        description="Compare the port with a golden layer by layer. capture mode (default on cpu) runs "
+                    "the parity build once and each layer alone on the golden's input to it; truncate "
+                    "mode (default on neuron) binary-searches builds of the first k layers. Exit 0 when "
+                    "no layer diverges, 1 when one does, 2 on bad input.")
+    add_model_args(p)
+    p.add_argument("--golden", required=True, metavar="DIR",
+                   help="golden written by `gemma-parity reference` (may be from other weights of the same spec)")
+    p.add_argument("--mode", choices=list(MODES), default=None,
+                   help="capture (default on cpu) or truncate (default on neuron: no extra graph outputs)")
+    add_port_args(p, "write bisect.md, bisect.json and bisect_errors.png there")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from harness.bisect import bisect_golden
+    from harness.checkpoint import Checkpoint
+    from harness.reference import torch_dtype
+    from harness.report import format_bisect, write_report
+
+    ckpt = Checkpoint.open(checkpoint_dir(args))
+    print(ckpt.describe())
+    result, payload = bisect_golden(ckpt, args.golden, args.mode, args.backend, args.tp, torch_dtype(args.dtype),
+                                    args.buckets, args.kv_len, progress=True)
+    print(f"golden {args.golden}: {len(result.prompt_lengths)} prompt(s); written from "
+          f"{'these same weights' if payload['golden_from_same_weights'] else 'other weights (checkpoint hashes differ)'}")
+    print(format_bisect(payload))
+    if args.json:
+        write_json_atomic(args.json, payload)
+    if args.report:
+        write_report(args.report, "bisect", payload, ckpt.spec)
+        print(f"report written to {args.report}")
+    return EXIT_OK if result.passed else EXIT_FAIL

@@ -1,0 +1,359 @@
+"""Each layer alone on the reference's input: the port's layer (every rank's shard, real
+collectives) and transformers' own layer in fp32 and bf16, fed the golden's input to that layer.
+
+This is Polygraphy's `debug reduce` idea (feed reference intermediates to the piece under test):
+a layer that is itself wrong is told apart from error accumulated upstream. `check` uses it for
+its local verdicts and `bisect` for its capture mode.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from harness.compare import (ENVELOPE_FACTOR, LayerResult, PointResult, classify_mismatch, compare_layers,
+                             compare_logits, compare_point, layer_points, rel_l2, stack_prompts)
+from harness.model import attention_mask, rope_cos_sin
+from harness.progress import status
+from harness.reference import ReferenceResult
+
+
+def _finite_or_none(value):
+    """JSON has no Infinity or NaN: a non-finite number is written as null (with `finite` beside it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def tensor_stats(t: torch.Tensor | None) -> dict | None:
+    """Polygraphy-style summary of one side's values."""
+    if t is None:
+        return None
+    t = t.double()
+    finite = bool(torch.isfinite(t).all())
+    return {"mean": float(t.mean()), "std": float(t.std()) if t.numel() > 1 else 0.0,
+            "min": float(t.min()), "max": float(t.max()), "finite": finite}
+
+
+def _layer_input_name(index: int) -> str:
+    return "embeddings" if index == 0 else f"layers.{index - 1}.output"
+
+
+@dataclass
+class LayerVerdict:
+    """One layer: cumulative points (the port's own run) and local points (the layer alone on the
+    golden's input). Truncate mode fills only `cumulative`, with the points its builds read out
+    (the output, and the attention residual of the first failing prefix)."""
+
+    index: int
+    type: str
+    cumulative: list[PointResult]
+    local: list[PointResult] = field(default_factory=list)
+    # How far transformers' fp32 layer on this checkpoint is from the golden at this layer's output:
+    # nonzero when the weights changed since the golden was written.
+    checkpoint_drift_rel_l2: float | None = None
+    # The port's local run judged against transformers on *this* checkpoint: passes when the port
+    # computes today's weights right, so a local failure against the golden is a weight change.
+    port_matches_checkpoint: bool | None = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def judged(self) -> list[PointResult]:
+        return self.local or self.cumulative
+
+    @property
+    def passed(self) -> bool:
+        return all(p.passed for p in self.judged)
+
+    @property
+    def cumulative_passed(self) -> bool:
+        return all(p.passed for p in self.cumulative)
+
+    @property
+    def component(self) -> str | None:
+        """attention when the attention residual breaks the policy; mlp when only the MLP residual
+        or the scaled output does (the attention half was fine on the same input)."""
+        return _component(self.judged)
+
+    @property
+    def finite(self) -> bool:
+        return all(p.finite for p in self.cumulative + self.local)
+
+    def to_json(self) -> dict:
+        cum, loc = self.cumulative[-1], (self.local[-1] if self.local else None)
+        out = {
+            "index": self.index, "type": self.type,
+            "cumulative_rel_l2": cum.rel_l2, "envelope_rel_l2": cum.envelope_rel_l2,
+            "cumulative_ratio": max(p.required_factor for p in self.cumulative),
+            "cumulative_pass": self.cumulative_passed,
+            "local_rel_l2": loc.rel_l2 if loc else None,
+            "local_envelope_rel_l2": loc.envelope_rel_l2 if loc else None,
+            "local_ratio": max(p.required_factor for p in self.local) if self.local else None,
+            "required_factor": max(p.required_factor for p in self.judged),
+            "tolerance_factor": ENVELOPE_FACTOR,
+            "pass": self.passed, "finite": self.finite, "component": self.component,
+            "checkpoint_drift_rel_l2": self.checkpoint_drift_rel_l2,
+            "port_matches_checkpoint": self.port_matches_checkpoint,
+            "stats": self.stats,
+            "cumulative_points": [asdict(p) for p in self.cumulative],
+            "local_points": [asdict(p) for p in self.local],
+        }
+        return _finite_or_none(out)
+
+
+def _component(points: list[PointResult]) -> str | None:
+    """Without an attention-residual point (a truncate read-out of the output alone) the component
+    is not known."""
+    attention = [p for p in points if p.name.endswith(".attn_residual")]
+    if all(p.passed for p in points) or not attention:
+        return None
+    return "attention" if not all(p.passed for p in attention) else "mlp"
+
+
+# ---- the port's layers alone on the golden's inputs -------------------------------------------
+
+def port_layer_captures(backend, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Layer `index` of the port (every rank's shard, real all-reduce) alone on x [n, hidden]
+    from a reset KV cache: its three capture points, [n, hidden] fp32."""
+    spec = backend.spec
+    positions = torch.arange(x.shape[0])[None]
+    window = spec.layers[index].window
+    prefix = f"layers.{index}."
+
+    def step(rank):
+        module = backend.ranks[rank]
+        module.reset_cache()
+        layer = module.layers[index]
+        mask = attention_mask(positions, module.max_len, window, module.dtype)
+        cos, sin = rope_cos_sin(getattr(module, f"inv_freq_{index}"), positions, module.dtype)
+        captures: dict[str, torch.Tensor] = {}
+        out = layer(x.to(module.dtype)[None], cos, sin, positions, mask, captures, prefix)
+        captures[prefix + "output"] = out
+        return {k: v[0].float() for k, v in captures.items()}
+
+    return backend.on_ranks(step)[0]
+
+
+class ReferenceLayers:
+    """transformers' own decoder layer on this checkpoint's weights, fp32 and bf16, one at a time:
+    the local envelope (bf16 vs fp32 on the same input) and the checkpoint's drift from the golden."""
+
+    def __init__(self, checkpoint):
+        from transformers import AutoConfig
+        from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
+
+        self.hf, self.checkpoint, self.spec = hf, checkpoint, checkpoint.spec
+        self.config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
+        self.config._attn_implementation = "eager"  # as the port runs (DESIGN §3, fix 3)
+        self.rotary = hf.Gemma4UnifiedTextRotaryEmbedding(self.config)
+
+    def layer(self, index: int, dtype: torch.dtype):
+        with torch.device("meta"):
+            layer = self.hf.Gemma4UnifiedTextDecoderLayer(self.config, index)
+        layer.load_state_dict(self.checkpoint.layer_weights(index, dtype), assign=True, strict=True)
+        return layer.eval()
+
+    def final_norm(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        norm = self.hf.Gemma4UnifiedRMSNorm(self.spec.hidden_size, eps=self.spec.rms_norm_eps)
+        norm.weight.data = self.checkpoint.final_norm_weight(dtype)
+        with torch.no_grad():
+            return norm(x.to(dtype)).float()
+
+    def captures(self, layer, index: int, x: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        layer_type = self.spec.layers[index].type
+        x = x.to(dtype)[None]
+        positions = torch.arange(x.shape[1])[None]
+        make_mask = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
+        mask = make_mask(config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None,
+                         position_ids=positions)
+        prefix, found = f"layers.{index}.", {}
+
+        def attn_hook(module, args, out):
+            found["attn"] = x + out
+
+        def mlp_hook(module, args, out):
+            found["mlp"] = found["attn"] + out
+
+        hooks = [layer.post_attention_layernorm.register_forward_hook(attn_hook),
+                 layer.post_feedforward_layernorm.register_forward_hook(mlp_hook)]
+        try:
+            with torch.no_grad():
+                out = layer(x, position_embeddings=self.rotary(x, positions, layer_type), attention_mask=mask,
+                            position_ids=positions)
+        finally:
+            for h in hooks:
+                h.remove()
+        return {prefix + "attn_residual": found["attn"][0].float(), prefix + "mlp_residual": found["mlp"][0].float(),
+                prefix + "output": out[0].float()}
+
+
+def judge_layer_alone(spec, index: int, port: list[dict], golden: list[dict], ref32: list[dict],
+                 ref16: list[dict], cumulative: LayerResult, device_out: torch.Tensor) -> LayerVerdict:
+    """Judge one layer's local run. The error is the port against the golden; the envelope is the
+    bf16-vs-fp32 noise of transformers' layer on the same input, added to the golden's value so
+    compare_point applies the same policy (floor, per-position ratio) as everywhere else. Using
+    this checkpoint's own bf16 output as the envelope would hide a weight change in the envelope."""
+    local, against_checkpoint = [], []
+    for name in layer_points(index):
+        dev, gold = stack_prompts(port, name), stack_prompts(golden, name)
+        r32, r16 = stack_prompts(ref32, name), stack_prompts(ref16, name)
+        local.append(compare_point(name, dev, gold, _shifted_envelope(gold, r32, r16)))
+        against_checkpoint.append(compare_point(name, dev, r32, r16))
+    out = f"layers.{index}.output"
+    return LayerVerdict(
+        index=index, type=spec.layers[index].type, cumulative=cumulative.points, local=local,
+        checkpoint_drift_rel_l2=rel_l2(stack_prompts(ref32, out), stack_prompts(golden, out)),
+        port_matches_checkpoint=all(p.passed for p in against_checkpoint),
+        stats={"golden": tensor_stats(stack_prompts(golden, out)), "port_local": tensor_stats(stack_prompts(port, out)),
+               "port_cumulative": tensor_stats(device_out)},
+    )
+
+
+def _prompt_positions(rows: list[int], prompt_lengths: list[int]) -> list[list[int]]:
+    """Rows of the prompts' stacked positions -> [prompt, position] pairs."""
+    starts = [sum(prompt_lengths[:k]) for k in range(len(prompt_lengths))]
+    out = []
+    for row in rows:
+        k = max(i for i, start in enumerate(starts) if start <= row)
+        out.append([k, row - starts[k]])
+    return out
+
+
+def _shifted_envelope(golden: torch.Tensor, r32: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """The golden plus the bf16-vs-fp32 noise of transformers on this checkpoint: compare_point
+    then judges the port against the golden by the local bf16 noise, with its usual floor and
+    per-position ratio. This checkpoint's own bf16 output would carry any weight change into the
+    envelope and hide it."""
+    return golden + (r16 - r32)
+
+
+def final_norm_points(layer_backend, reference: ReferenceLayers, golden_caps: list[dict],
+                      port: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                      env: dict[str, torch.Tensor]) -> list[PointResult]:
+    """The final norm in the port's run (judged by the golden's bf16 run), and alone on the
+    golden's last layer output (rank 0's norm: replicated, no collective)."""
+    last = f"layers.{reference.spec.num_layers - 1}.output"
+    module = layer_backend.ranks[0]
+    with torch.no_grad():
+        alone = torch.cat([module.norm(caps[last].to(module.dtype)).float() for caps in golden_caps])
+    r32 = torch.cat([reference.final_norm(caps[last], torch.float32) for caps in golden_caps])
+    r16 = torch.cat([reference.final_norm(caps[last], torch.bfloat16) for caps in golden_caps])
+    gold = ref["final_norm"]
+    return [compare_point("final_norm", port["final_norm"], gold, env["final_norm"]),
+            compare_point("final_norm", alone, gold, _shifted_envelope(gold, r32, r16))]
+
+
+def first_nonfinite(spec, captures: dict[str, torch.Tensor], prompt_lengths: list[int]) -> dict | None:
+    """The first capture point, in execution order, holding NaN or Inf, and at which [prompt,
+    position] pairs (the first 16)."""
+    order = ["embeddings"] + [n for layer in spec.layers for n in layer_points(layer.index)] + ["final_norm"]
+    for name in order:
+        t = captures.get(name)
+        if t is not None and not bool(torch.isfinite(t).all()):
+            bad = ~torch.isfinite(t)
+            rows = bad.reshape(bad.shape[0], -1).any(-1).nonzero().flatten().tolist()
+            layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+            return {"layer": layer, "point": name, "nan": bool(torch.isnan(t).any()),
+                    "inf": bool(torch.isinf(t).any()), "positions": _prompt_positions(rows[:16], prompt_lengths)}
+    return None
+
+
+@dataclass
+class PortRun:
+    captures: dict[str, torch.Tensor]  # stacked over prompts
+    seq_match: bool | None
+    near_ties: int
+    divergences: int
+
+
+def run_port_with_captures(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
+                           progress: bool = False) -> PortRun:
+    """The parity build once per golden prompt: captures at every point, and greedy decode for as
+    many tokens as the golden has (SEQ_MATCH, and near-tie flips vs real divergences)."""
+    runs, near, real, seq_match = [], 0, 0, True
+    say = status("port", progress)
+    cap = spec.final_logit_softcapping
+    for k, (r32, r16) in enumerate(zip(ref32, ref16)):
+        say(f"prompt {k + 1}/{len(ref32)} ({len(r32.prompt)} tokens): port run with captures")
+        n_new = len(r32.generated)
+        if n_new:
+            result = engine.generate(r32.prompt, n_new, capture=True)
+            pre, tokens = result.prefill, result.tokens
+        else:
+            pre, tokens = engine.prefill(r32.prompt, capture=True), []
+        runs.append(pre.captures)
+        logits = compare_logits(pre.logits, r32.captures["logits"], r16.captures["logits"], cap)
+        near, real = near + logits.near_ties, real + logits.divergences
+        if tokens != r32.generated:
+            seq_match = False
+            step = next(i for i, (a, b) in enumerate(zip(r32.generated, tokens)) if a != b)
+            # the first departing step saw the same prefix on both sides, so its logits compare
+            verdict = classify_mismatch(step, r32.step_logits[step], tokens[step], r16.step_logits[step],
+                                        r32.generated[step])
+            near, real = near + (verdict.kind == "near_tie"), real + (verdict.kind == "divergence")
+    names = ["embeddings", "final_norm"] + [n for layer in spec.layers for n in layer_points(layer.index)]
+    return PortRun({n: stack_prompts(runs, n) for n in names}, seq_match if any(r.generated for r in ref32) else None,
+                   near, real)
+
+
+# Below this width a layer's ops are too small for intra-op threads to repay their synchronization:
+# on the tiny model (hidden 64) on a busy 2-core machine, one thread runs the local phase ~10x and
+# a bisect ~2x faster (the CPU backend's rank threads already use the cores).
+SMALL_HIDDEN = 1024
+
+
+@contextmanager
+def intra_op_threads_for(spec):
+    """One intra-op thread for models narrower than SMALL_HIDDEN, restored afterwards."""
+    before = torch.get_num_threads()
+    if spec.hidden_size < SMALL_HIDDEN:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def local_layer(spec, layer_spec, golden_caps, layer_backend, reference, cumulative, port_run):
+    """One layer alone on the golden's input: the port's ranks and transformers' fp32 and bf16."""
+    i = layer_spec.index
+    inputs = [caps[_layer_input_name(i)] for caps in golden_caps]
+    port = [port_layer_captures(layer_backend, i, x) for x in inputs]
+    ref_layers = {dt: reference.layer(i, dt) for dt in (torch.float32, torch.bfloat16)}
+    r32 = [reference.captures(ref_layers[torch.float32], i, x, torch.float32) for x in inputs]
+    r16 = [reference.captures(ref_layers[torch.bfloat16], i, x, torch.bfloat16) for x in inputs]
+    verdict = judge_layer_alone(spec, i, port, golden_caps, r32, r16, cumulative[i],
+                           port_run.captures[f"layers.{i}.output"])
+    lengths = [caps["embeddings"].shape[0] for caps in golden_caps]
+    return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i)}, lengths)
+
+
+def local_verdicts(checkpoint, layer_backend, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
+                   port_run: PortRun, progress: bool = False) -> tuple[list[LayerVerdict], dict | None]:
+    """Every layer of the port alone on the reference's (golden's) input to it, judged by the
+    policy, next to its cumulative points from `port_run`: the verdicts and the first non-finite
+    local capture (or None)."""
+    spec = checkpoint.spec
+    golden_caps = [r.captures for r in ref32]
+    ref = {n: stack_prompts(golden_caps, n) for n in port_run.captures}
+    env = {n: stack_prompts([r.captures for r in ref16], n) for n in port_run.captures}
+    cumulative = compare_layers(spec, port_run.captures, ref, env)
+    reference = ReferenceLayers(checkpoint)
+    verdicts, local_nonfinite = [], None
+    with status("local", progress, total=spec.num_layers) as say, intra_op_threads_for(spec):
+        for layer_spec in spec.layers:
+            say(f"layer {layer_spec.index + 1}/{spec.num_layers} ({layer_spec.type}) alone on the reference's input")
+            verdict, nonfinite = local_layer(spec, layer_spec, golden_caps, layer_backend, reference,
+                                             cumulative, port_run)
+            verdicts.append(verdict)
+            local_nonfinite = local_nonfinite or nonfinite
+    return verdicts, local_nonfinite

@@ -1,0 +1,48 @@
+"""Progress of long runs (reference, check, bisect, bench): one tqdm status line on stderr.
+
+Shown only when stderr is a terminal, so logs, pipes and CI output stay clean; `enabled=False`
+silences it everywhere (library callers and tests).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+
+def interactive() -> bool:
+    return bool(getattr(sys.stderr, "isatty", lambda: False)())
+
+
+class Status:
+    """`status("bisect")("layer 3/48 alone")` updates one line labelled [bisect]; counts steps."""
+
+    def __init__(self, label: str, enabled: bool = True, total: int | None = None):
+        self.label, self.total = label, total
+        self.enabled = enabled and interactive()
+        self._bar: tqdm | None = None
+
+    def __call__(self, text: str, advance: int = 1) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            self._bar = tqdm(total=self.total, desc=f"[{self.label}]", file=sys.stderr, leave=False,
+                             dynamic_ncols=True, bar_format="{desc} {postfix} ({elapsed})")
+        self._bar.set_postfix_str(text, refresh=False)
+        self._bar.update(advance)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "Status":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def status(label: str, enabled: bool = True, total: int | None = None) -> Status:
+    return Status(label, enabled, total)

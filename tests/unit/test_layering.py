@@ -1,0 +1,143 @@
+"""The package's imports flow one way (DESIGN §4): from the model facts at the bottom to the
+commands at the top. Every import of a harness module, at module level or inside a function, is an
+edge; an edge may only point to a lower or the same layer, the same-layer edges form no cycle, and
+nothing below the command layer imports it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import harness
+
+PACKAGE = Path(harness.__file__).parent
+
+# Layer of every module (a package's modules share its layer unless listed). A new module must be
+# placed here: an unplaced module fails the test, so the rule holds as the code grows.
+LAYERS = {
+    "harness": 0,
+    # 1: facts and plumbing every layer may use
+    "harness.errors": 1, "harness.spec": 1, "harness.numerics": 1, "harness.atomic": 1, "harness.progress": 1,
+    # 2: weights, plans, inputs
+    "harness.checkpoint": 2, "harness.sharding": 2, "harness.prompts": 2,
+    # 3: the port
+    "harness.model": 3, "harness.graphs": 3, "harness.engine": 3,
+    # 4: execution: the backends, and the reference (transformers only)
+    "harness.backends": 4, "harness.reference": 4,
+    # 5: judgement
+    "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.graph_contracts": 5,
+    # 6: workflows as library functions with result objects
+    "harness.parity": 6, "harness.bisect": 6, "harness.perf": 6,
+    # 7: presentation and commands; nothing imports these from below
+    "harness.report": 7, "harness.cli": 8,
+}
+TOP = ("harness.cli",)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(name: str) -> int | None:
+    """The layer of a module, or of the subpackage it sits in (never the root package's)."""
+    if name in LAYERS:
+        return LAYERS[name]
+    while "." in name.rpartition(".")[0]:
+        name = name.rpartition(".")[0]
+        if name in LAYERS:
+            return LAYERS[name]
+    return None
+
+
+def harness_imports(path: Path) -> set[str]:
+    """Every harness module `path` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("harness")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("harness"):
+            for alias in node.names:  # `from harness.cli import check` imports the module harness.cli.check
+                sub = f"{node.module}.{alias.name}"
+                found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).is_file() else node.module)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {module_name(p): harness_imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == node or nxt not in graph:
+                continue
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    problems = []
+    for module, imports in graph.items():
+        if layer_of(module) is None:
+            problems.append(f"{module}: not placed in a layer (add it to LAYERS)")
+            continue
+        for target in imports:
+            if layer_of(target) is None:
+                continue
+            below_top = not module.startswith(TOP)
+            if below_top and target.startswith(TOP):
+                problems.append(f"{module} imports the command layer ({target})")
+            elif layer_of(target) > layer_of(module):
+                problems.append(f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})")
+    return problems
+
+
+def test_imports_flow_one_way():
+    graph = import_graph()
+    assert len(graph) > 20, "the walk found the package's modules"
+    assert layering_violations(graph) == []
+    assert find_cycle(graph) is None, find_cycle(graph)
+
+
+def test_only_the_neuron_backend_imports_the_neuron_sdk():
+    """DESIGN §5: only backends/neuron.py knows Neuron exists."""
+    for path in PACKAGE.rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module.split(".")[0])
+        if names & {"torch_neuronx", "neuronx_distributed", "libneuronxla"}:
+            assert module_name(path) == "harness.backends.neuron", path
+
+
+@pytest.mark.parametrize("graph, problem", [
+    ({"harness.spec": {"harness.sharding"}, "harness.sharding": {"harness.spec"}}, "layer"),
+    ({"harness.bisect": {"harness.cli"}, "harness.cli": set()}, "command layer"),
+    ({"harness.parity": {"harness.bisect"}, "harness.bisect": {"harness.parity"}}, "cycle"),
+    ({"harness.newthing": set()}, "not placed"),
+])
+def test_the_rule_catches_each_kind_of_violation(graph, problem):
+    """The checker itself: an upward import, an import of the commands, a same-layer cycle and an
+    unplaced module are each reported."""
+    found = layering_violations(graph) + ([f"cycle {find_cycle(graph)}"] if find_cycle(graph) else [])
+    assert any(problem in p for p in found), found
