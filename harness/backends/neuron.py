@@ -4,7 +4,8 @@ The only module of the project that imports torch_neuronx / neuronx_distributed,
 inside functions: `import harness.backends.neuron` works on any CPU machine, and the pure parts
 (version guard, artifact cache key, core assignment, weight assembly) are tested there.
 
-What runs on the device is `harness.model.RankDecoder`, the same code the CPU backend runs, built
+What runs on the device is `harness.graphs.TracedDecoder` (the graphs, defined once for this and
+the XLA backend) over `harness.model.RankDecoder`, the same code the CPU backend runs, built
 with `NeuronLinears` (NxD's ColumnParallelLinear / RowParallelLinear instead of nn.Linear plus
 explicit collectives) and traced with ModelBuilder v2 under NxDParallelState: one prefill graph per
 bucket and one decode graph (s=1). The KV cache buffers, reassigned in forward, become device state
@@ -42,7 +43,10 @@ import torch
 from torch import nn
 
 from harness.errors import HarnessInputError
-from harness.model import KVCache, RankDecoder, RankLinears
+from harness.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
+    DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
+    graph_plan, kv_buffer_names, tag_for_length, unpack_outputs)
+from harness.model import RankLinears
 from harness.sharding import plan_model, rank_state_dicts
 
 # ---- versions (DESIGN §5, NEURON.md): keep in step with pyproject's `neuron` extra --------------
@@ -73,11 +77,6 @@ BROKEN_VERSIONS = {
 # (its own no-argument default also has --enable-saturate-infinity, which passing flags replaces).
 # --target makes the graph explicit for inf2 even when compiled off-device.
 DEFAULT_COMPILER_ARGS = ("--model-type=transformer", "--auto-cast=none", "-O1", "--target=inf2")
-# Positions enter the graph as int32, as NxD's own examples feed indices (int64 is emulated on
-# Neuron); TracedDecoder widens them to int64 inside the graph, where index_copy needs them.
-POSITION_DTYPE = torch.int32
-DECODE_TAG = "decode"
-PREFILL_TAG = "prefill_{}"
 
 # ---- the compiled-artifact cache ----------------------------------------------------------------
 
@@ -87,19 +86,21 @@ META_FILE = "artifact.json"
 CONSTANTS_FILE = "constants.safetensors"
 ENTRY_FILES = (MODEL_FILE, META_FILE, CONSTANTS_FILE)
 _HARNESS_DIR = Path(__file__).resolve().parent.parent
-# The source the compiled graph is made from. sharding.py decides every per-rank shape; this file
-# builds the traced module (NeuronLinears, TracedDecoder), so it changes the graph too.
+# The source the compiled graph is made from. sharding.py decides every per-rank shape; graphs.py
+# defines the traced module and its inputs; this file builds its NxD linears, so it changes the graph too.
 MODEL_SOURCE_FILES = (
     _HARNESS_DIR / "model.py",
     _HARNESS_DIR / "sharding.py",
+    _HARNESS_DIR / "graphs.py",
     _HARNESS_DIR / "backends" / "neuron.py",
 )
 
 INF2_CORES_PER_DEVICE = 2  # one Inferentia2 chip (/dev/neuronN) has two NeuronCores
 
 
-class NeuronBuildError(RuntimeError):
-    """Tracing or compiling a graph failed (not bad input: the compiler or the model code)."""
+# Tracing or compiling a graph failed (not bad input: the compiler or the model code); one error
+# type whatever lowers the graph (harness/graphs.py).
+NeuronBuildError = GraphBuildError
 
 
 # ==== version guard ================================================================================
@@ -370,7 +371,7 @@ def read_cache_meta(entry: Path, key: str) -> dict:
     return meta
 
 
-# ==== the traced module ============================================================================
+# ==== the NxD layers of the traced module (harness/graphs.py defines the module) ====================
 
 class NeuronLinears(RankLinears):
     """Projections as NxD parallel layers. Sizes passed in are per rank (as RankDecoder asks);
@@ -405,75 +406,6 @@ class NeuronLinears(RankLinears):
         return nn.Linear(in_features, out_features, bias=False, dtype=self.dtype)
 
 
-class TracedDecoder(RankDecoder):
-    """RankDecoder with the forward NxD traces: two tensors in, a tensor or a tuple out.
-
-    ModelBuilder accepts only parameters without defaults (or defaulting to None), so the capture
-    switch is fixed at build time. A parity build returns (logits, *captures) in `capture_names`
-    order, recorded while tracing. Positions arrive as int32 and are widened here.
-    """
-
-    def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears: RankLinears,
-                 with_captures: bool = False):
-        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears)
-        self.with_captures = with_captures
-        self.capture_names: list[str] = []
-
-    def forward(self, inputs_embeds, positions):
-        positions = positions.to(torch.long)
-        if not self.with_captures:
-            return super().forward(inputs_embeds, positions)
-        logits, captures = super().forward(inputs_embeds, positions, capture=True)
-        self.capture_names = list(captures)
-        return (logits, *captures.values())
-
-
-def kv_buffer_names(module: nn.Module) -> list[str]:
-    """Names of the KV cache buffers (the device state aliased between calls)."""
-    return [f"{name}.{buf}" for name, sub in module.named_modules() if isinstance(sub, KVCache)
-            for buf in ("k", "v")]
-
-
-def constant_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers outside the state dict that are not KV cache (the rope inverse frequencies): their
-    values come from the model code, not the checkpoint, and must reach the device."""
-    persistent = set(module.state_dict().keys())
-    kv = set(kv_buffer_names(module))
-    return {name: buf.detach().clone().contiguous() for name, buf in module.named_buffers()
-            if name not in persistent and name not in kv}
-
-
-# ==== pure helpers of the backend ==================================================================
-
-def graph_plan(buckets, max_len: int) -> dict[str, int]:
-    """Graph tag -> sequence length: one prefill graph per bucket and the decode graph (s=1)."""
-    try:
-        sizes = sorted({int(b) for b in buckets})
-    except (TypeError, ValueError) as exc:
-        raise HarnessInputError(f"buckets {buckets!r}: give positive integers, e.g. (16, 64)") from exc
-    if not sizes or sizes[0] < 1:
-        raise HarnessInputError(f"buckets {buckets!r}: give at least one positive bucket size")
-    if sizes[-1] > max_len:
-        raise HarnessInputError(f"bucket {sizes[-1]} exceeds the KV length {max_len}; buckets must fit the cache")
-    plan = {PREFILL_TAG.format(b): b for b in sizes if b != 1}  # a bucket of 1 is the decode graph
-    plan[DECODE_TAG] = 1
-    return plan
-
-
-def tag_for_length(length: int, graphs: dict[str, int]) -> str:
-    for tag, size in graphs.items():
-        if size == length:
-            return tag
-    compiled = sorted(s for s in graphs.values() if s != 1)
-    raise HarnessInputError(f"no compiled graph takes {length} positions: this build has prefill buckets "
-                            f"{compiled} and decode (1). Pad the prompt to a bucket (the engine does) "
-                            "or build the backend with that bucket.")
-
-
-def example_inputs(length: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(1, length, hidden, dtype=dtype), torch.arange(length, dtype=POSITION_DTYPE)[None]
-
-
 def assemble_rank_weights(states: list[dict[str, torch.Tensor]],
                           expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
                           constants: dict[str, torch.Tensor], where: str = "the compiled graph"
@@ -506,18 +438,6 @@ def assemble_rank_weights(states: list[dict[str, torch.Tensor]],
             warnings.warn(f"checkpoint weights {unused[:8]} are not read by {where}", stacklevel=2)
         out.append(weights)
     return out
-
-
-def unpack_outputs(out, capture_names: list[str] | None):
-    """(logits, captures) from what the compiled graph returns (a tensor, or a tuple with captures)."""
-    if capture_names is None:
-        logits = out if isinstance(out, torch.Tensor) else out[0]
-        return logits, {}
-    out = list(out)
-    if len(out) != len(capture_names) + 1:
-        raise NeuronBuildError(f"the parity graph returned {len(out)} outputs, expected logits + "
-                               f"{len(capture_names)} captures")
-    return out[0], dict(zip(capture_names, out[1:]))
 
 
 def _checkpoint_key(tensor_meta) -> str:
