@@ -29,27 +29,44 @@ class GraphBuildError(RuntimeError):
     model code)."""
 
 
-class TracedDecoder(RankDecoder):
-    """RankDecoder with the forward NxD traces: two tensors in, a tensor or a tuple out.
+# Capture points the host takes itself: the graph's own input is never returned as a graph output
+# (no NxD example returns an input under input/output aliasing); backends add it back on the host.
+HOST_CAPTURES = ("embeddings",)
 
-    ModelBuilder accepts only parameters without defaults (or defaulting to None), so the capture
-    switch is fixed at build time. A parity build returns (logits, *captures) in `capture_names`
-    order, recorded while tracing. Positions arrive as int32 and are widened here.
+
+class TracedDecoder(RankDecoder):
+    """RankDecoder with the forward NxD traces: tensors in, a tensor or a tuple out.
+
+    ModelBuilder accepts only parameters without defaults (or defaulting to None), so the build
+    kind is fixed at construction:
+    - a parity build (`with_captures`) returns (logits [1, s, vocab], *captures) in `capture_names`
+      order, recorded while tracing, without the HOST_CAPTURES;
+    - a perf build with `last_row_only` takes `last_index` ([1], the last real position) and returns
+      only that row's logits [1, 1, vocab]: what greedy decode needs, with lm_head and its vocab
+      all-gather run on one row instead of the whole bucket;
+    - otherwise all logits [1, s, vocab].
+    Positions and last_index arrive as int32 and are widened here.
     """
 
     def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears: RankLinears,
-                 with_captures: bool = False):
+                 with_captures: bool = False, last_row_only: bool = False):
         super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears)
-        self.with_captures = with_captures
+        if with_captures and last_row_only:
+            raise ValueError("a parity build (captures) returns every row; last_row_only is for perf builds")
+        self.with_captures, self.last_row_only = with_captures, last_row_only
         self.capture_names: list[str] = []
 
-    def forward(self, inputs_embeds, positions):
+    def forward(self, inputs_embeds, positions, last_index=None):
         positions = positions.to(torch.long)
-        if not self.with_captures:
+        if self.with_captures:
+            logits, captures = super().forward(inputs_embeds, positions, capture=True)
+            captures = {k: v for k, v in captures.items() if k not in HOST_CAPTURES}
+            self.capture_names = list(captures)
+            return (logits, *captures.values())
+        if not self.last_row_only:
             return super().forward(inputs_embeds, positions)
-        logits, captures = super().forward(inputs_embeds, positions, capture=True)
-        self.capture_names = list(captures)
-        return (logits, *captures.values())
+        hidden = self.final_hidden(inputs_embeds, positions)
+        return self.lm_head(hidden.index_select(1, last_index.to(torch.long).reshape(1)))
 
 
 def kv_buffer_names(module: nn.Module) -> list[str]:
@@ -92,12 +109,17 @@ def tag_for_length(length: int, graphs: dict[str, int]) -> str:
                             "or build the backend with that bucket.")
 
 
-def example_inputs(length: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(1, length, hidden, dtype=dtype), torch.arange(length, dtype=POSITION_DTYPE)[None]
+def example_inputs(length: int, hidden: int, dtype: torch.dtype, last_row: bool = False) -> tuple:
+    """(inputs_embeds, positions) a graph of `length` positions is traced with, plus `last_index`
+    for a perf build that returns only the last real row (`last_row`)."""
+    inputs = (torch.zeros(1, length, hidden, dtype=dtype), torch.arange(length, dtype=POSITION_DTYPE)[None])
+    return (*inputs, torch.tensor([length - 1], dtype=POSITION_DTYPE)) if last_row else inputs
 
 
-def unpack_outputs(out, capture_names: list[str] | None):
-    """(logits, captures) from what the compiled graph returns (a tensor, or a tuple with captures)."""
+def unpack_outputs(out, capture_names: list[str] | None, inputs_embeds: torch.Tensor | None = None):
+    """(logits, captures) from what the compiled graph returns (a tensor, or a tuple with captures).
+    A parity build's captures start with the HOST_CAPTURES, taken from `inputs_embeds` (what the
+    graph was fed), in the order RankDecoder captures them."""
     if capture_names is None:
         logits = out if isinstance(out, torch.Tensor) else out[0]
         return logits, {}
@@ -105,4 +127,7 @@ def unpack_outputs(out, capture_names: list[str] | None):
     if len(out) != len(capture_names) + 1:
         raise GraphBuildError(f"the parity graph returned {len(out)} outputs, expected logits + "
                                f"{len(capture_names)} captures")
-    return out[0], dict(zip(capture_names, out[1:]))
+    if inputs_embeds is None:
+        raise GraphBuildError("unpack_outputs needs the graph's inputs_embeds: the embeddings capture is "
+                              "taken on the host, not returned by the graph")
+    return out[0], {"embeddings": inputs_embeds, **dict(zip(capture_names, out[1:]))}

@@ -35,6 +35,7 @@ import subprocess
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
@@ -56,11 +57,18 @@ PINNED_VERSIONS = {
     "torch-neuronx": "2.9.0.2.15.32035",
     "neuronx-distributed": "0.19.28492",
     "neuronx-cc": "2.26.6360.*",
+    # The compile runs through libneuronxla.neuron_xla_compile. SDK 2.31 ships two: 3.x is the JAX
+    # line (its 2.31 release notes: JAX 0.7-0.10 "must have libneuronxla version 3.*"); the 2.2 line
+    # is the PyTorch/XLA one that torch-neuronx 2.9 pairs with.
+    "libneuronxla": "2.2.17544.0",
 }
 NEURON_PIP_INDEX = "https://pip.repos.neuron.amazonaws.com"  # the Neuron SDK's documented pip repository
 INSTALL_COMMAND = f"pip install --extra-index-url={NEURON_PIP_INDEX} '.[neuron]'"
-# PyPI carries empty packages of the same names; their metadata summary says "WRONG PACKAGE".
-PLACEHOLDER_VERSIONS = {"torch-neuronx": "1.0", "neuronx-distributed": "0.1"}
+# PyPI carries empty packages of the same names (downloaded: torch-neuronx 1.0, neuronx-distributed
+# 0.1, neuronx-cc 1.0.post1, libneuronxla 1.0); "WRONG PACKAGE" is in their description body, not in
+# Summary (absent, or "UNKNOWN" for neuronx-cc).
+PLACEHOLDER_VERSIONS = {"torch-neuronx": "1.0", "neuronx-distributed": "0.1", "neuronx-cc": "1.0",
+                        "libneuronxla": "1.0"}
 PLACEHOLDER_SUMMARY = "WRONG PACKAGE"
 # Releases known to break this port, and why.
 BROKEN_VERSIONS = {
@@ -73,14 +81,18 @@ BROKEN_VERSIONS = {
 # ---- compile settings ---------------------------------------------------------------------------
 
 # ModelBuilder.compile passes these to neuronx-cc as given. It adds --auto-cast=none and -O1 only
-# when absent, plus --verbose=35 and --logfile=<workdir>/log-neuron-cc.txt; it never adds a target
-# (its own no-argument default also has --enable-saturate-infinity, which passing flags replaces).
-# --target makes the graph explicit for inf2 even when compiled off-device.
-DEFAULT_COMPILER_ARGS = ("--model-type=transformer", "--auto-cast=none", "-O1", "--target=inf2")
+# when absent, plus --verbose=35 and --logfile=<workdir>/log-neuron-cc.txt; it never adds a target.
+# Its own no-argument default starts with --enable-saturate-infinity, which passing flags replaces,
+# so it is listed here (NxD-Inference's models pass it too; NeuronCore-v2, inf2's core, needs it to
+# saturate +-inf instead of producing NaN). torch-neuronx reads the platform from the flag string
+# split on whitespace: only `--target inf2` (two words) is seen; `--target=inf2` is not, and the
+# target then comes from the host (which fails on a build host without a Neuron device).
+DEFAULT_COMPILER_ARGS = ("--enable-saturate-infinity", "--model-type=transformer", "--auto-cast=none", "-O1",
+                         "--target", "inf2")
 
 # ---- the compiled-artifact cache ----------------------------------------------------------------
 
-CACHE_FORMAT = 1  # bump when the layout of a cache entry changes
+CACHE_FORMAT = 2  # bump when the layout of a cache entry changes (2: weight_shapes, last-row perf graphs)
 MODEL_FILE = "nxd_model.pt"
 META_FILE = "artifact.json"
 CONSTANTS_FILE = "constants.safetensors"
@@ -96,6 +108,7 @@ MODEL_SOURCE_FILES = (
 )
 
 INF2_CORES_PER_DEVICE = 2  # one Inferentia2 chip (/dev/neuronN) has two NeuronCores
+INF2_LNC = 1  # logical NeuronCore size on inf2 (NeuronCore-v2: no LNC=2)
 
 
 # Tracing or compiling a graph failed (not bad input: the compiler or the model code); one error
@@ -127,20 +140,23 @@ def version_matches(version: str, pin: str) -> bool:
 
 
 def installed_neuron_packages() -> tuple[dict[str, str], dict[str, str]]:
-    """(versions, metadata summaries) of the pinned Neuron packages that are installed."""
-    versions, summaries = {}, {}
+    """(versions, metadata texts) of the pinned Neuron packages that are installed; the text is the
+    Summary and the description body, where the PyPI placeholders say what they are."""
+    versions, texts = {}, {}
     for name in PINNED_VERSIONS:
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
         versions[name] = dist.version
-        summaries[name] = dist.metadata.get("Summary") or ""
-    return versions, summaries
+        meta = dist.metadata
+        body = meta.get_payload() if hasattr(meta, "get_payload") else ""
+        texts[name] = "\n".join(t for t in (meta.get("Summary"), meta.get("Description"), body) if t)
+    return versions, texts
 
 
-def _is_placeholder(name: str, version: str, summary: str | None) -> bool:
-    if summary and PLACEHOLDER_SUMMARY.lower() in summary.lower():
+def _is_placeholder(name: str, version: str, text: str | None) -> bool:
+    if text and PLACEHOLDER_SUMMARY.lower() in text.lower():
         return True
     placeholder = PLACEHOLDER_VERSIONS.get(name)
     return placeholder is not None and _release(version) == _release(placeholder)
@@ -158,7 +174,7 @@ def check_neuron_packages(distributions: dict[str, str] | None = None,
     """Refuse missing Neuron packages, PyPI placeholders and known-broken releases, with the fix.
 
     `distributions` maps package name -> installed version (default: read from this environment,
-    with the metadata summaries that mark placeholders). Returns the versions when they are usable;
+    with the metadata texts, summary and description, that mark placeholders). Returns the versions when they are usable;
     versions other than the pins only warn (the port was validated on the pins).
     """
     if distributions is None:
@@ -289,9 +305,12 @@ def normalize_compiler_args(compiler_args=None) -> list[str]:
     """None -> the defaults; a string -> its shell words; a sequence -> a list of str."""
     if compiler_args is None:
         return list(DEFAULT_COMPILER_ARGS)
-    if isinstance(compiler_args, str):
-        return shlex.split(compiler_args)
-    return [str(a) for a in compiler_args]
+    words = shlex.split(compiler_args) if isinstance(compiler_args, str) else [str(a) for a in compiler_args]
+    for word in words:
+        if word.startswith("--target="):
+            raise HarnessInputError(f"compiler flag {word!r}: write `--target {word.split('=', 1)[1]}` (two "
+                                    "words); torch-neuronx splits the flags on whitespace to find the target")
+    return words
 
 
 def _dtype_name(dtype) -> str:
@@ -441,9 +460,9 @@ def assemble_rank_weights(states: list[dict[str, torch.Tensor]],
 
 
 def _checkpoint_key(tensor_meta) -> str:
+    """The state/weight key exactly as NxDModel keys its buffers: the raw checkpoint key."""
     key = tensor_meta.checkpoint_key
-    key = key.decode("utf-8") if isinstance(key, bytes) else str(key)
-    return key.replace("->", ".")
+    return key.decode("utf-8") if isinstance(key, bytes) else str(key)
 
 
 # ==== the backend ==================================================================================
@@ -464,6 +483,7 @@ class NeuronBackend:
         self.graphs = graph_plan(buckets, max_len)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         self.capture = bool(capture)
+        self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.compiler_args = normalize_compiler_args(compiler_args)
         self.compile_workers = compile_workers
         self.zero_on_reset = zero_on_reset
@@ -477,7 +497,9 @@ class NeuronBackend:
         self.timings: dict[str, float] = {}
 
         start = time.perf_counter()
-        self.nxd_model, self.capture_names, self.constants, self.kv_names = self._load_or_compile()
+        built = self._load_or_compile()
+        self.nxd_model, self.capture_names, self.constants = built.model, built.capture_names, built.constants
+        self.kv_names, self.original_weights = built.kv_names, built.weight_shapes
         self.timings["build_s" if self.compiled else "load_s"] = time.perf_counter() - start
         self.weight_specs, self.state_specs = self._graph_io()
         self._check_states()
@@ -507,20 +529,23 @@ class NeuronBackend:
                                     f"this neuronx-distributed ({self.versions['neuronx-distributed']}); "
                                     f"delete {self.artifact_dir} and run again to recompile")
         constants = load_file(str(self.artifact_dir / CONSTANTS_FILE))
-        return model, meta.get("capture_names") or None, constants, list(meta["kv_buffers"])
+        return Built(model, meta.get("capture_names") or None, constants, list(meta["kv_buffers"]),
+                     _weight_shapes_from_json(meta["weight_shapes"]))
 
     def _compile_entry(self):
         from safetensors.torch import save_file
 
         workdir = self.cache_dir / ".work" / f"{self.cache_key}-{os.getpid()}"
-        built = {}
+        built: list[Built] = []
 
         def write(tmp: Path):
-            built.update(zip(("model", "capture_names", "constants", "kv_names"), self._compile(workdir)))
-            built["model"].save(str(tmp / MODEL_FILE))
-            save_file(built["constants"], str(tmp / CONSTANTS_FILE))
+            built.append(self._compile(workdir))
+            b = built[0]
+            b.model.save(str(tmp / MODEL_FILE))
+            save_file(b.constants, str(tmp / CONSTANTS_FILE))
             meta = {"format": CACHE_FORMAT, "key": self.cache_key, "graphs": self.graphs,
-                    "capture_names": built["capture_names"], "kv_buffers": built["kv_names"],
+                    "capture_names": b.capture_names, "kv_buffers": b.kv_names,
+                    "weight_shapes": _weight_shapes_to_json(b.weight_shapes), "last_row_only": self.last_row_only,
                     "compiler_args": self.compiler_args, "versions": self.versions,
                     "spec_hash": self.spec.spec_hash(), "tp": self.tp, "max_len": self.max_len,
                     "dtype": _dtype_name(self.dtype), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -529,41 +554,51 @@ class NeuronBackend:
         write_cache_entry(self.cache_dir, self.cache_key, write)
         shutil.rmtree(workdir, ignore_errors=True)  # kept only when the compile failed
         self.compiled = True
-        return built["model"], built["capture_names"], built["constants"], built["kv_names"]
+        return built[0]
 
-    def _compile(self, workdir: Path):
-        """Trace every graph of the plan with ModelBuilder v2 and compile them -> NxDModel."""
+    def _compile(self, workdir: Path) -> "Built":
+        """Trace every graph of the plan with ModelBuilder v2 and compile them -> NxDModel. The
+        decode graph is the priority model: the weight layout is optimised for it (decode reads
+        every weight once per token and is bandwidth-bound) and applied to the prefill graphs."""
         from neuronx_distributed import ModelBuilder, NxDParallelState
 
         flags = " ".join(self.compiler_args)
         try:
-            with NxDParallelState(world_size=self.tp, tensor_model_parallel_size=self.tp):
-                module = TracedDecoder(self.spec, self.tp, self.max_len, self.dtype,
-                                       NeuronLinears(self.tp, self.dtype), with_captures=self.capture)
+            # lnc_size=1: inf2's NeuronCore-v2 has one physical core per logical core. Left at None,
+            # NxDParallelState asks the platform (get_platform_lnc -> torch-neuronx's platform
+            # target), which fails on a build host without a Neuron device.
+            with NxDParallelState(world_size=self.tp, tensor_model_parallel_size=self.tp, lnc_size=INF2_LNC):
+                module = TracedDecoder(self.spec, self.tp, self.max_len, self.dtype, NeuronLinears(self.tp, self.dtype),
+                                       with_captures=self.capture, last_row_only=self.last_row_only)
                 module.eval()
                 module.requires_grad_(False)
                 constants, kv_names = constant_buffers(module), kv_buffer_names(module)  # before tracing
+                weight_shapes = _module_weight_shapes(module, kv_names)  # the checkpoint layout
                 builder = ModelBuilder(module)
                 with torch.no_grad():
                     for tag, length in self.graphs.items():
-                        builder.trace(args=example_inputs(length, self.spec.hidden_size, self.dtype), tag=tag)
-                model = builder.compile(compiler_workdir=str(workdir), compiler_args=flags,
-                                        max_workers=self.compile_workers)
+                        builder.trace(args=example_inputs(length, self.spec.hidden_size, self.dtype,
+                                                          last_row=self.last_row_only), tag=tag)
+                model = builder.compile(priority_model_key=DECODE_TAG, compiler_workdir=str(workdir),
+                                        compiler_args=flags, max_workers=self.compile_workers)
         except Exception as exc:
             raise NeuronBuildError(
-                f"building the neuron graphs {sorted(self.graphs)} failed: {exc!r}. neuronx-cc "
-                f"{self.versions['neuronx-cc']}, flags '{flags}'. The compiler's logs are under {workdir} "
-                "(log-neuron-cc.txt per graph); nothing was written to the artifact cache. A compiler "
+                f"building the neuron graphs {sorted(self.graphs)} failed: {exc!r}"
+                + (f" (caused by {exc.__cause__!r})" if exc.__cause__ else "")
+                + f". neuronx-cc {self.versions['neuronx-cc']}, flags '{flags}'. The compiler's logs are under "
+                f"{workdir} (log-neuron-cc.txt per graph); nothing was written to the artifact cache. A compiler "
                 "crash (NCC_* code) on this pinned toolchain is a bug to report with those logs."
             ) from exc
         names = list(module.capture_names) if self.capture else None
         if self.capture and not names:
             raise NeuronBuildError("the parity build traced no capture points")
-        return model, names, constants, kv_names
+        return Built(model, names, constants, kv_names, weight_shapes)
 
     def _graph_io(self):
-        """Weights and states every graph reads, from the compiled graphs' metaneff: name ->
-        (shape, dtype)."""
+        """Weights and states the graphs read, named by their metaneff: name -> (shape, dtype).
+        Weight shapes are the checkpoint layout recorded at build time: with weight layout
+        optimisation the graphs' own weight inputs may have another layout, and set_weights takes
+        the checkpoint's (NxD converts them)."""
         from torch_neuronx.proto import metaneff_pb2
         from torch_neuronx.xla_impl.trace import get_torch_dtype
 
@@ -572,11 +607,14 @@ class NeuronBackend:
         weights, states = {}, {}
         for tag in self.graphs:
             for t in self.nxd_model.get_metaneff(tag).input_tensors:
-                spec = (tuple(int(d) for d in t.shape), get_torch_dtype(t.data_type))
-                if t.type == weight_type and _checkpoint_key(t):
-                    weights[_checkpoint_key(t)] = spec
-                elif t.type == state_type and _checkpoint_key(t):
-                    states[_checkpoint_key(t)] = spec
+                key = _checkpoint_key(t)
+                if t.type == weight_type and key:
+                    if key not in self.original_weights:
+                        raise NeuronBuildError(f"graph {tag} reads weight {key!r}, which the traced module does "
+                                               f"not have; delete {self.artifact_dir} and run again")
+                    weights[key] = self.original_weights[key]
+                elif t.type == state_type and key:
+                    states[key] = (tuple(int(d) for d in t.shape), get_torch_dtype(t.data_type))
         return weights, states
 
     def _check_states(self):
@@ -592,12 +630,11 @@ class NeuronBackend:
 
     def _load_weights(self, checkpoint):
         states = rank_state_dicts(checkpoint, self.tp, self.dtype)
-        if self.weight_specs:
-            weights = assemble_rank_weights(states, self.weight_specs, self.constants,
-                                            where=f"the compiled graphs in {self.artifact_dir}")
-        else:  # a metaneff without weight names: hand over everything under the module's names
-            warnings.warn("the compiled graphs name no weights; loading the full per-rank state dicts")
-            weights = [{**self.constants, **state} for state in states]
+        if not self.weight_specs:
+            raise NeuronBuildError(f"the compiled graphs in {self.artifact_dir} name no weights; delete the "
+                                   "entry and run again")
+        weights = assemble_rank_weights(states, self.weight_specs, self.constants,
+                                        where=f"the compiled graphs in {self.artifact_dir}")
         del states
         self.nxd_model.set_weights(weights)
         self.nxd_model.to_neuron()
@@ -617,23 +654,37 @@ class NeuronBackend:
             for key, zeros in self._zeros.items():
                 self.nxd_model.write_to_neuron_buffer(zeros, key, rank)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
+                last: int | None = None):
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures
-        when asked, on a parity build). s must be a compiled bucket or 1 (decode)."""
+        when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
+        returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
         if capture and not self.capture:
             raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                     "backend with capture=True for a parity build to capture activations")
+        length = self._check_inputs(inputs_embeds, positions)
+        if self.last_row_only and last is None and length > 1:
+            raise HarnessInputError("this perf build returns only the last real position's logits: pass last= "
+                                    "(the engine does), or build with capture=True for every row")
+        tag = tag_for_length(length, self.graphs)
+        embeds = inputs_embeds.to(self.dtype).contiguous()
+        args = [embeds, positions.to(POSITION_DTYPE).contiguous()]
+        if self.last_row_only:
+            args.append(torch.tensor([length - 1 if last is None else int(last)], dtype=POSITION_DTYPE))
+        out = self.nxd_model(*args, model_name=tag)
+        logits, captures = unpack_outputs(out, self.capture_names if self.capture else None, inputs_embeds=embeds)
+        if last is not None and not self.last_row_only:
+            logits = logits[:, last:last + 1]
+        return (logits, captures) if capture else logits
+
+    def _check_inputs(self, inputs_embeds, positions) -> int:
         hidden = self.spec.hidden_size
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[0] != 1 or inputs_embeds.shape[2] != hidden:
             raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [1, s, {hidden}]")
         length = inputs_embeds.shape[1]
         if tuple(positions.shape) != (1, length):
             raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [1, {length}]")
-        tag = tag_for_length(length, self.graphs)
-        out = self.nxd_model(inputs_embeds.to(self.dtype).contiguous(),
-                             positions.to(POSITION_DTYPE).contiguous(), model_name=tag)
-        logits, captures = unpack_outputs(out, self.capture_names if self.capture else None)
-        return (logits, captures) if capture else logits
+        return length
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""
@@ -643,3 +694,30 @@ class NeuronBackend:
             raise HarnessInputError(f"no device buffer {absent}; KV buffers are {self.kv_names[:4]} ...")
         k, v = (self.nxd_model.read_from_neuron_buffer(key, rank) for key in keys)
         return k, v
+
+
+@dataclass
+class Built:
+    """What a build (or a cache entry) provides: the NxDModel and what the graphs were made from."""
+
+    model: object
+    capture_names: list[str] | None
+    constants: dict[str, torch.Tensor]
+    kv_names: list[str]
+    weight_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _module_weight_shapes(module: nn.Module, kv_names) -> dict:
+    """Every tensor of the traced module that is not KV state, in the layout the module holds it
+    (the per-rank checkpoint layout): name -> (shape, dtype)."""
+    kv = set(kv_names)
+    return {name: (tuple(t.shape), t.dtype) for name, t in [*module.named_parameters(), *module.named_buffers()]
+            if name not in kv}
+
+
+def _weight_shapes_to_json(shapes: dict) -> dict:
+    return {name: [list(shape), _dtype_name(dtype)] for name, (shape, dtype) in sorted(shapes.items())}
+
+
+def _weight_shapes_from_json(data: dict) -> dict:
+    return {name: (tuple(shape), getattr(torch, dtype)) for name, (shape, dtype) in data.items()}
