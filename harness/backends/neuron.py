@@ -35,10 +35,9 @@ import subprocess
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -696,8 +695,7 @@ class NeuronBackend:
         return k, v
 
 
-@dataclass
-class Built:
+class Built(NamedTuple):
     """What a build (or a cache entry) provides: the NxDModel and what the graphs were made from."""
 
     model: object
