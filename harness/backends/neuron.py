@@ -13,13 +13,15 @@ aliased between calls. Per-rank weights come from `harness.sharding.rank_state_d
 loaded with NxDModel.set_weights + to_neuron. Compiled graphs are cached on disk under a key of
 everything that changes them (DESIGN §5); weights are never part of a cache entry.
 
-NxD APIs used (signatures read in aws-neuron/neuronx-distributed's public source, release 2.29,
-the newest published; 0.19 / SDK 2.31 has no public source): ModelBuilder(model).trace(args=, tag=)
-.compile(compiler_workdir=, compiler_args=, max_workers=) -> NxDModel; NxDModel.set_weights(list of
-rank dicts), .to_neuron(), .save(path), NxDModel.load(path), .get_metaneff(tag),
-.write_to_neuron_buffer(tensor, key, rank), .read_from_neuron_buffer(key, rank) and
-forward(*args, model_name=tag); NxDParallelState(world_size=, tensor_model_parallel_size=);
-parallel_layers.layers.ColumnParallelLinear / RowParallelLinear.
+NxD APIs used (signatures read in aws-neuron/neuronx-distributed's public source, Release 2.29
+(commit fbac349, the newest published; 0.19 / SDK 2.31 has no public source):
+ModelBuilder(model).trace(args=, tag=).compile(priority_model_key=, compiler_workdir=,
+compiler_args=, max_workers=) -> NxDModel; NxDModel.set_weights(list of rank dicts), .to_neuron(),
+.save(path), NxDModel.load(path), .get_metaneff(tag), .write_to_neuron_buffer(tensor, key, rank),
+.read_from_neuron_buffer(key, rank) (keys: the raw checkpoint key) and forward(*args,
+model_name=tag); NxDParallelState(world_size=, tensor_model_parallel_size=, lnc_size=);
+parallel_layers.layers.ColumnParallelLinear / RowParallelLinear. tests/nxd_double is a contract
+double of exactly this surface: tests/parity/test_neuron_double.py runs this backend through it.
 """
 
 from __future__ import annotations

@@ -76,6 +76,19 @@ def test_backend_on_this_machine_raises_the_guard_error_not_importerror():
         neuron.NeuronBackend(object(), tp=2)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch_neuronx") is not None,
+                    reason="a Neuron SDK is installed here: the unpatched guard may pass")
+def test_check_backend_neuron_on_this_machine_exits_2_with_the_install_command(capsys):
+    """Without the SDK (the test double is not importable outside its tests) the command refuses."""
+    from harness.cli import main
+
+    assert importlib.util.find_spec("neuronx_distributed") is None
+    assert main(["check", "--backend", "neuron", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --extra-index-url=https://pip.repos.neuron.amazonaws.com '.[neuron]'" in err
+    assert all(f"{name} is not installed" in err for name in neuron.PINNED_VERSIONS)
+
+
 # ---- the version guard --------------------------------------------------------------------------
 
 def test_pins_match_pyproject_neuron_extra():
