@@ -391,6 +391,13 @@ def test_assemble_rank_weights_takes_exactly_what_the_graph_reads():
         neuron.assemble_rank_weights(states, {"a.weight": ((3, 2), torch.bfloat16)}, constants)
 
 
+def test_buffer_keys_are_the_raw_checkpoint_keys():
+    """NxDModel keys states and weights by the metaneff's checkpoint_key as is (bytes decoded)."""
+    for raw in ("layers.0.self_attn.cache.k", "layers->0.cache.k"):
+        assert neuron._checkpoint_key(types.SimpleNamespace(checkpoint_key=raw.encode())) == raw
+        assert neuron._checkpoint_key(types.SimpleNamespace(checkpoint_key=raw)) == raw
+
+
 def test_unpack_outputs():
     logits, a, b, x = torch.randn(1, 4, 8), torch.randn(1, 4, 2), torch.randn(1, 4, 2), torch.randn(1, 4, 2)
     assert neuron.unpack_outputs(logits, None)[0] is logits
