@@ -6,8 +6,12 @@ a test puts `sdk/` on sys.path (`installed`); the harness itself never sees them
 machine `gemma-parity check --backend neuron` still refuses with the install instructions.
 
 The double is written from the public source of aws-neuron/neuronx-distributed (Release 2.29,
-commit fbac349, the newest published; tag v2.28.0 is the newest tag) and the Neuron compiler's CLI
+commit fbac349 on main, the newest published; v2.28.0 is the newest tag, and every signature and
+rule modelled here is the same there: the two differ, in these files, only in RowParallelLinear's
+sequence-parallel tile_cc path, which the double does not model) and the Neuron compiler's CLI
 reference: each class and function cites the upstream file it models. No upstream code is copied.
+Not modelled: the torch-xla lane (torch_xla is not installed here; graphs run eagerly), forward
+modes other than 'default', sequence parallelism, padding, start_rank/local_ranks_size.
 It enforces the rules that break real builds (trace signatures, example-input shapes, aliased
 state, per-rank weights, buffer access order, parallel layer shapes, compiler flag values) and
 runs the traced graphs eagerly on CPU, one thread per rank with real collectives between them.
