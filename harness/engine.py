@@ -31,7 +31,9 @@ def choose_bucket(length: int, buckets) -> int:
 
 @dataclass
 class PrefillResult:
-    logits: torch.Tensor  # [n, vocab] raw fp32 logits at the real positions
+    # [n, vocab] raw fp32 logits at the real positions; [1, vocab] (the last one only) from a build
+    # that returns only what greedy decode needs (a compiled backend's perf build: last_row_only)
+    logits: torch.Tensor
     captures: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [n, ...] fp32
     bucket: int = 0
 
@@ -77,17 +79,20 @@ class Engine:
 
     # -- device steps ----------------------------------------------------------------------------
     def prefill(self, ids, capture: bool = False) -> PrefillResult:
-        """Right-pad to the bucket, run the prefill graph, keep only the real positions."""
+        """Right-pad to the bucket, run the prefill graph, keep only the real positions (only the last
+        one when the backend is a `last_row_only` build and no captures are asked for)."""
         ids = self.validate_ids(ids)
         n = ids.numel()
         bucket = choose_bucket(n, self.buckets)
         padded = torch.cat([ids, torch.full((bucket - n,), self.spec.pad_token_id, dtype=torch.long)])
         positions = torch.arange(bucket)[None]  # padded slots sit after every real key: masked by causality
         self.backend.reset()
-        out = self.backend.forward(self.embed(padded), positions, capture=capture)
+        last_only = not capture and getattr(self.backend, "last_row_only", False)
+        extra = {"last": n - 1} if last_only else {}
+        out = self.backend.forward(self.embed(padded), positions, capture=capture, **extra)
         logits, captures = out if capture else (out, {})
         return PrefillResult(
-            logits=logits[0, :n].float(),
+            logits=logits[0, -1:].float() if last_only else logits[0, :n].float(),
             captures={k: v[0, :n].float() for k, v in captures.items()},
             bucket=bucket,
         )

@@ -248,6 +248,17 @@ class RankDecoder(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
         captures = {"embeddings": inputs_embeds} if capture else None
+        x = self.final_hidden(inputs_embeds, positions, captures)
+        logits = self.lm_head(x)
+        if capture:
+            captures["final_norm"] = x
+            return logits, captures
+        return logits
+
+    def final_hidden(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, captures=None) -> torch.Tensor:
+        """The decoder layers and the final norm: lm_head's input [1, s, hidden]. Fills `captures`
+        (when given) with each layer's points."""
+        capture = captures is not None
         x = inputs_embeds
         dtype = x.dtype
         masks = {}
@@ -259,9 +270,4 @@ class RankDecoder(nn.Module):
             x = layer(x, cos, sin, positions, masks[window], captures, f"layers.{i}.")
             if capture:
                 captures[f"layers.{i}.output"] = x
-        x = self.norm(x)
-        logits = self.lm_head(x)
-        if capture:
-            captures["final_norm"] = x
-            return logits, captures
-        return logits
+        return self.norm(x)

@@ -4,7 +4,8 @@ The only module of the project that imports torch_neuronx / neuronx_distributed,
 inside functions: `import harness.backends.neuron` works on any CPU machine, and the pure parts
 (version guard, artifact cache key, core assignment, weight assembly) are tested there.
 
-What runs on the device is `harness.model.RankDecoder`, the same code the CPU backend runs, built
+What runs on the device is `harness.graphs.TracedDecoder` (the graphs, defined once for this and
+the XLA backend) over `harness.model.RankDecoder`, the same code the CPU backend runs, built
 with `NeuronLinears` (NxD's ColumnParallelLinear / RowParallelLinear instead of nn.Linear plus
 explicit collectives) and traced with ModelBuilder v2 under NxDParallelState: one prefill graph per
 bucket and one decode graph (s=1). The KV cache buffers, reassigned in forward, become device state
@@ -12,13 +13,15 @@ aliased between calls. Per-rank weights come from `harness.sharding.rank_state_d
 loaded with NxDModel.set_weights + to_neuron. Compiled graphs are cached on disk under a key of
 everything that changes them (DESIGN §5); weights are never part of a cache entry.
 
-NxD APIs used (signatures read in aws-neuron/neuronx-distributed's public source, release 2.29,
-the newest published; 0.19 / SDK 2.31 has no public source): ModelBuilder(model).trace(args=, tag=)
-.compile(compiler_workdir=, compiler_args=, max_workers=) -> NxDModel; NxDModel.set_weights(list of
-rank dicts), .to_neuron(), .save(path), NxDModel.load(path), .get_metaneff(tag),
-.write_to_neuron_buffer(tensor, key, rank), .read_from_neuron_buffer(key, rank) and
-forward(*args, model_name=tag); NxDParallelState(world_size=, tensor_model_parallel_size=);
-parallel_layers.layers.ColumnParallelLinear / RowParallelLinear.
+NxD APIs used (signatures read in aws-neuron/neuronx-distributed's public source, Release 2.29
+(commit fbac349, the newest published; 0.19 / SDK 2.31 has no public source):
+ModelBuilder(model).trace(args=, tag=).compile(priority_model_key=, compiler_workdir=,
+compiler_args=, max_workers=) -> NxDModel; NxDModel.set_weights(list of rank dicts), .to_neuron(),
+.save(path), NxDModel.load(path), .get_metaneff(tag), .write_to_neuron_buffer(tensor, key, rank),
+.read_from_neuron_buffer(key, rank) (keys: the raw checkpoint key) and forward(*args,
+model_name=tag); NxDParallelState(world_size=, tensor_model_parallel_size=, lnc_size=);
+parallel_layers.layers.ColumnParallelLinear / RowParallelLinear. tests/nxd_double is a contract
+double of exactly this surface: tests/parity/test_neuron_double.py runs this backend through it.
 """
 
 from __future__ import annotations
@@ -36,13 +39,16 @@ import time
 import warnings
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from harness.errors import HarnessInputError
-from harness.model import KVCache, RankDecoder, RankLinears
+from harness.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
+    DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
+    graph_plan, kv_buffer_names, tag_for_length, unpack_outputs)
+from harness.model import RankLinears
 from harness.sharding import plan_model, rank_state_dicts
 
 # ---- versions (DESIGN §5, NEURON.md): keep in step with pyproject's `neuron` extra --------------
@@ -52,11 +58,18 @@ PINNED_VERSIONS = {
     "torch-neuronx": "2.9.0.2.15.32035",
     "neuronx-distributed": "0.19.28492",
     "neuronx-cc": "2.26.6360.*",
+    # The compile runs through libneuronxla.neuron_xla_compile. SDK 2.31 ships two: 3.x is the JAX
+    # line (its 2.31 release notes: JAX 0.7-0.10 "must have libneuronxla version 3.*"); the 2.2 line
+    # is the PyTorch/XLA one that torch-neuronx 2.9 pairs with.
+    "libneuronxla": "2.2.17544.0",
 }
 NEURON_PIP_INDEX = "https://pip.repos.neuron.amazonaws.com"  # the Neuron SDK's documented pip repository
 INSTALL_COMMAND = f"pip install --extra-index-url={NEURON_PIP_INDEX} '.[neuron]'"
-# PyPI carries empty packages of the same names; their metadata summary says "WRONG PACKAGE".
-PLACEHOLDER_VERSIONS = {"torch-neuronx": "1.0", "neuronx-distributed": "0.1"}
+# PyPI carries empty packages of the same names (downloaded: torch-neuronx 1.0, neuronx-distributed
+# 0.1, neuronx-cc 1.0.post1, libneuronxla 1.0); "WRONG PACKAGE" is in their description body, not in
+# Summary (absent, or "UNKNOWN" for neuronx-cc).
+PLACEHOLDER_VERSIONS = {"torch-neuronx": "1.0", "neuronx-distributed": "0.1", "neuronx-cc": "1.0",
+                        "libneuronxla": "1.0"}
 PLACEHOLDER_SUMMARY = "WRONG PACKAGE"
 # Releases known to break this port, and why.
 BROKEN_VERSIONS = {
@@ -69,37 +82,39 @@ BROKEN_VERSIONS = {
 # ---- compile settings ---------------------------------------------------------------------------
 
 # ModelBuilder.compile passes these to neuronx-cc as given. It adds --auto-cast=none and -O1 only
-# when absent, plus --verbose=35 and --logfile=<workdir>/log-neuron-cc.txt; it never adds a target
-# (its own no-argument default also has --enable-saturate-infinity, which passing flags replaces).
-# --target makes the graph explicit for inf2 even when compiled off-device.
-DEFAULT_COMPILER_ARGS = ("--model-type=transformer", "--auto-cast=none", "-O1", "--target=inf2")
-# Positions enter the graph as int32, as NxD's own examples feed indices (int64 is emulated on
-# Neuron); TracedDecoder widens them to int64 inside the graph, where index_copy needs them.
-POSITION_DTYPE = torch.int32
-DECODE_TAG = "decode"
-PREFILL_TAG = "prefill_{}"
+# when absent, plus --verbose=35 and --logfile=<workdir>/log-neuron-cc.txt; it never adds a target.
+# Its own no-argument default starts with --enable-saturate-infinity, which passing flags replaces,
+# so it is listed here (NxD-Inference's models pass it too; NeuronCore-v2, inf2's core, needs it to
+# saturate +-inf instead of producing NaN). torch-neuronx reads the platform from the flag string
+# split on whitespace: only `--target inf2` (two words) is seen; `--target=inf2` is not, and the
+# target then comes from the host (which fails on a build host without a Neuron device).
+DEFAULT_COMPILER_ARGS = ("--enable-saturate-infinity", "--model-type=transformer", "--auto-cast=none", "-O1",
+                         "--target", "inf2")
 
 # ---- the compiled-artifact cache ----------------------------------------------------------------
 
-CACHE_FORMAT = 1  # bump when the layout of a cache entry changes
+CACHE_FORMAT = 2  # bump when the layout of a cache entry changes (2: weight_shapes, last-row perf graphs)
 MODEL_FILE = "nxd_model.pt"
 META_FILE = "artifact.json"
 CONSTANTS_FILE = "constants.safetensors"
 ENTRY_FILES = (MODEL_FILE, META_FILE, CONSTANTS_FILE)
 _HARNESS_DIR = Path(__file__).resolve().parent.parent
-# The source the compiled graph is made from. sharding.py decides every per-rank shape; this file
-# builds the traced module (NeuronLinears, TracedDecoder), so it changes the graph too.
+# The source the compiled graph is made from. sharding.py decides every per-rank shape; graphs.py
+# defines the traced module and its inputs; this file builds its NxD linears, so it changes the graph too.
 MODEL_SOURCE_FILES = (
     _HARNESS_DIR / "model.py",
     _HARNESS_DIR / "sharding.py",
+    _HARNESS_DIR / "graphs.py",
     _HARNESS_DIR / "backends" / "neuron.py",
 )
 
 INF2_CORES_PER_DEVICE = 2  # one Inferentia2 chip (/dev/neuronN) has two NeuronCores
+INF2_LNC = 1  # logical NeuronCore size on inf2 (NeuronCore-v2: no LNC=2)
 
 
-class NeuronBuildError(RuntimeError):
-    """Tracing or compiling a graph failed (not bad input: the compiler or the model code)."""
+# Tracing or compiling a graph failed (not bad input: the compiler or the model code); one error
+# type whatever lowers the graph (harness/graphs.py).
+NeuronBuildError = GraphBuildError
 
 
 # ==== version guard ================================================================================
@@ -126,20 +141,23 @@ def version_matches(version: str, pin: str) -> bool:
 
 
 def installed_neuron_packages() -> tuple[dict[str, str], dict[str, str]]:
-    """(versions, metadata summaries) of the pinned Neuron packages that are installed."""
-    versions, summaries = {}, {}
+    """(versions, metadata texts) of the pinned Neuron packages that are installed; the text is the
+    Summary and the description body, where the PyPI placeholders say what they are."""
+    versions, texts = {}, {}
     for name in PINNED_VERSIONS:
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
         versions[name] = dist.version
-        summaries[name] = dist.metadata.get("Summary") or ""
-    return versions, summaries
+        meta = dist.metadata
+        body = meta.get_payload() if hasattr(meta, "get_payload") else ""
+        texts[name] = "\n".join(t for t in (meta.get("Summary"), meta.get("Description"), body) if t)
+    return versions, texts
 
 
-def _is_placeholder(name: str, version: str, summary: str | None) -> bool:
-    if summary and PLACEHOLDER_SUMMARY.lower() in summary.lower():
+def _is_placeholder(name: str, version: str, text: str | None) -> bool:
+    if text and PLACEHOLDER_SUMMARY.lower() in text.lower():
         return True
     placeholder = PLACEHOLDER_VERSIONS.get(name)
     return placeholder is not None and _release(version) == _release(placeholder)
@@ -157,7 +175,7 @@ def check_neuron_packages(distributions: dict[str, str] | None = None,
     """Refuse missing Neuron packages, PyPI placeholders and known-broken releases, with the fix.
 
     `distributions` maps package name -> installed version (default: read from this environment,
-    with the metadata summaries that mark placeholders). Returns the versions when they are usable;
+    with the metadata texts, summary and description, that mark placeholders). Returns the versions when they are usable;
     versions other than the pins only warn (the port was validated on the pins).
     """
     if distributions is None:
@@ -288,9 +306,12 @@ def normalize_compiler_args(compiler_args=None) -> list[str]:
     """None -> the defaults; a string -> its shell words; a sequence -> a list of str."""
     if compiler_args is None:
         return list(DEFAULT_COMPILER_ARGS)
-    if isinstance(compiler_args, str):
-        return shlex.split(compiler_args)
-    return [str(a) for a in compiler_args]
+    words = shlex.split(compiler_args) if isinstance(compiler_args, str) else [str(a) for a in compiler_args]
+    for word in words:
+        if word.startswith("--target="):
+            raise HarnessInputError(f"compiler flag {word!r}: write `--target {word.split('=', 1)[1]}` (two "
+                                    "words); torch-neuronx splits the flags on whitespace to find the target")
+    return words
 
 
 def _dtype_name(dtype) -> str:
@@ -370,7 +391,7 @@ def read_cache_meta(entry: Path, key: str) -> dict:
     return meta
 
 
-# ==== the traced module ============================================================================
+# ==== the NxD layers of the traced module (harness/graphs.py defines the module) ====================
 
 class NeuronLinears(RankLinears):
     """Projections as NxD parallel layers. Sizes passed in are per rank (as RankDecoder asks);
@@ -403,75 +424,6 @@ class NeuronLinears(RankLinears):
     def replicated(self, in_features: int, out_features: int) -> nn.Module:
         # A replicated KV head: a plain per-rank Linear, each rank gets the whole head's weight.
         return nn.Linear(in_features, out_features, bias=False, dtype=self.dtype)
-
-
-class TracedDecoder(RankDecoder):
-    """RankDecoder with the forward NxD traces: two tensors in, a tensor or a tuple out.
-
-    ModelBuilder accepts only parameters without defaults (or defaulting to None), so the capture
-    switch is fixed at build time. A parity build returns (logits, *captures) in `capture_names`
-    order, recorded while tracing. Positions arrive as int32 and are widened here.
-    """
-
-    def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears: RankLinears,
-                 with_captures: bool = False):
-        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears)
-        self.with_captures = with_captures
-        self.capture_names: list[str] = []
-
-    def forward(self, inputs_embeds, positions):
-        positions = positions.to(torch.long)
-        if not self.with_captures:
-            return super().forward(inputs_embeds, positions)
-        logits, captures = super().forward(inputs_embeds, positions, capture=True)
-        self.capture_names = list(captures)
-        return (logits, *captures.values())
-
-
-def kv_buffer_names(module: nn.Module) -> list[str]:
-    """Names of the KV cache buffers (the device state aliased between calls)."""
-    return [f"{name}.{buf}" for name, sub in module.named_modules() if isinstance(sub, KVCache)
-            for buf in ("k", "v")]
-
-
-def constant_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers outside the state dict that are not KV cache (the rope inverse frequencies): their
-    values come from the model code, not the checkpoint, and must reach the device."""
-    persistent = set(module.state_dict().keys())
-    kv = set(kv_buffer_names(module))
-    return {name: buf.detach().clone().contiguous() for name, buf in module.named_buffers()
-            if name not in persistent and name not in kv}
-
-
-# ==== pure helpers of the backend ==================================================================
-
-def graph_plan(buckets, max_len: int) -> dict[str, int]:
-    """Graph tag -> sequence length: one prefill graph per bucket and the decode graph (s=1)."""
-    try:
-        sizes = sorted({int(b) for b in buckets})
-    except (TypeError, ValueError) as exc:
-        raise HarnessInputError(f"buckets {buckets!r}: give positive integers, e.g. (16, 64)") from exc
-    if not sizes or sizes[0] < 1:
-        raise HarnessInputError(f"buckets {buckets!r}: give at least one positive bucket size")
-    if sizes[-1] > max_len:
-        raise HarnessInputError(f"bucket {sizes[-1]} exceeds the KV length {max_len}; buckets must fit the cache")
-    plan = {PREFILL_TAG.format(b): b for b in sizes if b != 1}  # a bucket of 1 is the decode graph
-    plan[DECODE_TAG] = 1
-    return plan
-
-
-def tag_for_length(length: int, graphs: dict[str, int]) -> str:
-    for tag, size in graphs.items():
-        if size == length:
-            return tag
-    compiled = sorted(s for s in graphs.values() if s != 1)
-    raise HarnessInputError(f"no compiled graph takes {length} positions: this build has prefill buckets "
-                            f"{compiled} and decode (1). Pad the prompt to a bucket (the engine does) "
-                            "or build the backend with that bucket.")
-
-
-def example_inputs(length: int, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(1, length, hidden, dtype=dtype), torch.arange(length, dtype=POSITION_DTYPE)[None]
 
 
 def assemble_rank_weights(states: list[dict[str, torch.Tensor]],
@@ -508,22 +460,10 @@ def assemble_rank_weights(states: list[dict[str, torch.Tensor]],
     return out
 
 
-def unpack_outputs(out, capture_names: list[str] | None):
-    """(logits, captures) from what the compiled graph returns (a tensor, or a tuple with captures)."""
-    if capture_names is None:
-        logits = out if isinstance(out, torch.Tensor) else out[0]
-        return logits, {}
-    out = list(out)
-    if len(out) != len(capture_names) + 1:
-        raise NeuronBuildError(f"the parity graph returned {len(out)} outputs, expected logits + "
-                               f"{len(capture_names)} captures")
-    return out[0], dict(zip(capture_names, out[1:]))
-
-
 def _checkpoint_key(tensor_meta) -> str:
+    """The state/weight key exactly as NxDModel keys its buffers: the raw checkpoint key."""
     key = tensor_meta.checkpoint_key
-    key = key.decode("utf-8") if isinstance(key, bytes) else str(key)
-    return key.replace("->", ".")
+    return key.decode("utf-8") if isinstance(key, bytes) else str(key)
 
 
 # ==== the backend ==================================================================================
@@ -544,6 +484,7 @@ class NeuronBackend:
         self.graphs = graph_plan(buckets, max_len)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         self.capture = bool(capture)
+        self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.compiler_args = normalize_compiler_args(compiler_args)
         self.compile_workers = compile_workers
         self.zero_on_reset = zero_on_reset
@@ -557,7 +498,9 @@ class NeuronBackend:
         self.timings: dict[str, float] = {}
 
         start = time.perf_counter()
-        self.nxd_model, self.capture_names, self.constants, self.kv_names = self._load_or_compile()
+        built = self._load_or_compile()
+        self.nxd_model, self.capture_names, self.constants = built.model, built.capture_names, built.constants
+        self.kv_names, self.original_weights = built.kv_names, built.weight_shapes
         self.timings["build_s" if self.compiled else "load_s"] = time.perf_counter() - start
         self.weight_specs, self.state_specs = self._graph_io()
         self._check_states()
@@ -587,20 +530,23 @@ class NeuronBackend:
                                     f"this neuronx-distributed ({self.versions['neuronx-distributed']}); "
                                     f"delete {self.artifact_dir} and run again to recompile")
         constants = load_file(str(self.artifact_dir / CONSTANTS_FILE))
-        return model, meta.get("capture_names") or None, constants, list(meta["kv_buffers"])
+        return Built(model, meta.get("capture_names") or None, constants, list(meta["kv_buffers"]),
+                     _weight_shapes_from_json(meta["weight_shapes"]))
 
     def _compile_entry(self):
         from safetensors.torch import save_file
 
         workdir = self.cache_dir / ".work" / f"{self.cache_key}-{os.getpid()}"
-        built = {}
+        built: list[Built] = []
 
         def write(tmp: Path):
-            built.update(zip(("model", "capture_names", "constants", "kv_names"), self._compile(workdir)))
-            built["model"].save(str(tmp / MODEL_FILE))
-            save_file(built["constants"], str(tmp / CONSTANTS_FILE))
+            built.append(self._compile(workdir))
+            b = built[0]
+            b.model.save(str(tmp / MODEL_FILE))
+            save_file(b.constants, str(tmp / CONSTANTS_FILE))
             meta = {"format": CACHE_FORMAT, "key": self.cache_key, "graphs": self.graphs,
-                    "capture_names": built["capture_names"], "kv_buffers": built["kv_names"],
+                    "capture_names": b.capture_names, "kv_buffers": b.kv_names,
+                    "weight_shapes": _weight_shapes_to_json(b.weight_shapes), "last_row_only": self.last_row_only,
                     "compiler_args": self.compiler_args, "versions": self.versions,
                     "spec_hash": self.spec.spec_hash(), "tp": self.tp, "max_len": self.max_len,
                     "dtype": _dtype_name(self.dtype), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -609,41 +555,51 @@ class NeuronBackend:
         write_cache_entry(self.cache_dir, self.cache_key, write)
         shutil.rmtree(workdir, ignore_errors=True)  # kept only when the compile failed
         self.compiled = True
-        return built["model"], built["capture_names"], built["constants"], built["kv_names"]
+        return built[0]
 
-    def _compile(self, workdir: Path):
-        """Trace every graph of the plan with ModelBuilder v2 and compile them -> NxDModel."""
+    def _compile(self, workdir: Path) -> "Built":
+        """Trace every graph of the plan with ModelBuilder v2 and compile them -> NxDModel. The
+        decode graph is the priority model: the weight layout is optimised for it (decode reads
+        every weight once per token and is bandwidth-bound) and applied to the prefill graphs."""
         from neuronx_distributed import ModelBuilder, NxDParallelState
 
         flags = " ".join(self.compiler_args)
         try:
-            with NxDParallelState(world_size=self.tp, tensor_model_parallel_size=self.tp):
-                module = TracedDecoder(self.spec, self.tp, self.max_len, self.dtype,
-                                       NeuronLinears(self.tp, self.dtype), with_captures=self.capture)
+            # lnc_size=1: inf2's NeuronCore-v2 has one physical core per logical core. Left at None,
+            # NxDParallelState asks the platform (get_platform_lnc -> torch-neuronx's platform
+            # target), which fails on a build host without a Neuron device.
+            with NxDParallelState(world_size=self.tp, tensor_model_parallel_size=self.tp, lnc_size=INF2_LNC):
+                module = TracedDecoder(self.spec, self.tp, self.max_len, self.dtype, NeuronLinears(self.tp, self.dtype),
+                                       with_captures=self.capture, last_row_only=self.last_row_only)
                 module.eval()
                 module.requires_grad_(False)
                 constants, kv_names = constant_buffers(module), kv_buffer_names(module)  # before tracing
+                weight_shapes = _module_weight_shapes(module, kv_names)  # the checkpoint layout
                 builder = ModelBuilder(module)
                 with torch.no_grad():
                     for tag, length in self.graphs.items():
-                        builder.trace(args=example_inputs(length, self.spec.hidden_size, self.dtype), tag=tag)
-                model = builder.compile(compiler_workdir=str(workdir), compiler_args=flags,
-                                        max_workers=self.compile_workers)
+                        builder.trace(args=example_inputs(length, self.spec.hidden_size, self.dtype,
+                                                          last_row=self.last_row_only), tag=tag)
+                model = builder.compile(priority_model_key=DECODE_TAG, compiler_workdir=str(workdir),
+                                        compiler_args=flags, max_workers=self.compile_workers)
         except Exception as exc:
             raise NeuronBuildError(
-                f"building the neuron graphs {sorted(self.graphs)} failed: {exc!r}. neuronx-cc "
-                f"{self.versions['neuronx-cc']}, flags '{flags}'. The compiler's logs are under {workdir} "
-                "(log-neuron-cc.txt per graph); nothing was written to the artifact cache. A compiler "
+                f"building the neuron graphs {sorted(self.graphs)} failed: {exc!r}"
+                + (f" (caused by {exc.__cause__!r})" if exc.__cause__ else "")
+                + f". neuronx-cc {self.versions['neuronx-cc']}, flags '{flags}'. The compiler's logs are under "
+                f"{workdir} (log-neuron-cc.txt per graph); nothing was written to the artifact cache. A compiler "
                 "crash (NCC_* code) on this pinned toolchain is a bug to report with those logs."
             ) from exc
         names = list(module.capture_names) if self.capture else None
         if self.capture and not names:
             raise NeuronBuildError("the parity build traced no capture points")
-        return model, names, constants, kv_names
+        return Built(model, names, constants, kv_names, weight_shapes)
 
     def _graph_io(self):
-        """Weights and states every graph reads, from the compiled graphs' metaneff: name ->
-        (shape, dtype)."""
+        """Weights and states the graphs read, named by their metaneff: name -> (shape, dtype).
+        Weight shapes are the checkpoint layout recorded at build time: with weight layout
+        optimisation the graphs' own weight inputs may have another layout, and set_weights takes
+        the checkpoint's (NxD converts them)."""
         from torch_neuronx.proto import metaneff_pb2
         from torch_neuronx.xla_impl.trace import get_torch_dtype
 
@@ -652,11 +608,14 @@ class NeuronBackend:
         weights, states = {}, {}
         for tag in self.graphs:
             for t in self.nxd_model.get_metaneff(tag).input_tensors:
-                spec = (tuple(int(d) for d in t.shape), get_torch_dtype(t.data_type))
-                if t.type == weight_type and _checkpoint_key(t):
-                    weights[_checkpoint_key(t)] = spec
-                elif t.type == state_type and _checkpoint_key(t):
-                    states[_checkpoint_key(t)] = spec
+                key = _checkpoint_key(t)
+                if t.type == weight_type and key:
+                    if key not in self.original_weights:
+                        raise NeuronBuildError(f"graph {tag} reads weight {key!r}, which the traced module does "
+                                               f"not have; delete {self.artifact_dir} and run again")
+                    weights[key] = self.original_weights[key]
+                elif t.type == state_type and key:
+                    states[key] = (tuple(int(d) for d in t.shape), get_torch_dtype(t.data_type))
         return weights, states
 
     def _check_states(self):
@@ -672,12 +631,11 @@ class NeuronBackend:
 
     def _load_weights(self, checkpoint):
         states = rank_state_dicts(checkpoint, self.tp, self.dtype)
-        if self.weight_specs:
-            weights = assemble_rank_weights(states, self.weight_specs, self.constants,
-                                            where=f"the compiled graphs in {self.artifact_dir}")
-        else:  # a metaneff without weight names: hand over everything under the module's names
-            warnings.warn("the compiled graphs name no weights; loading the full per-rank state dicts")
-            weights = [{**self.constants, **state} for state in states]
+        if not self.weight_specs:
+            raise NeuronBuildError(f"the compiled graphs in {self.artifact_dir} name no weights; delete the "
+                                   "entry and run again")
+        weights = assemble_rank_weights(states, self.weight_specs, self.constants,
+                                        where=f"the compiled graphs in {self.artifact_dir}")
         del states
         self.nxd_model.set_weights(weights)
         self.nxd_model.to_neuron()
@@ -697,23 +655,37 @@ class NeuronBackend:
             for key, zeros in self._zeros.items():
                 self.nxd_model.write_to_neuron_buffer(zeros, key, rank)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
+                last: int | None = None):
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures
-        when asked, on a parity build). s must be a compiled bucket or 1 (decode)."""
+        when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
+        returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
         if capture and not self.capture:
             raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                     "backend with capture=True for a parity build to capture activations")
+        length = self._check_inputs(inputs_embeds, positions)
+        if self.last_row_only and last is None and length > 1:
+            raise HarnessInputError("this perf build returns only the last real position's logits: pass last= "
+                                    "(the engine does), or build with capture=True for every row")
+        tag = tag_for_length(length, self.graphs)
+        embeds = inputs_embeds.to(self.dtype).contiguous()
+        args = [embeds, positions.to(POSITION_DTYPE).contiguous()]
+        if self.last_row_only:
+            args.append(torch.tensor([length - 1 if last is None else int(last)], dtype=POSITION_DTYPE))
+        out = self.nxd_model(*args, model_name=tag)
+        logits, captures = unpack_outputs(out, self.capture_names if self.capture else None, inputs_embeds=embeds)
+        if last is not None and not self.last_row_only:
+            logits = logits[:, last:last + 1]
+        return (logits, captures) if capture else logits
+
+    def _check_inputs(self, inputs_embeds, positions) -> int:
         hidden = self.spec.hidden_size
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[0] != 1 or inputs_embeds.shape[2] != hidden:
             raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [1, s, {hidden}]")
         length = inputs_embeds.shape[1]
         if tuple(positions.shape) != (1, length):
             raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [1, {length}]")
-        tag = tag_for_length(length, self.graphs)
-        out = self.nxd_model(inputs_embeds.to(self.dtype).contiguous(),
-                             positions.to(POSITION_DTYPE).contiguous(), model_name=tag)
-        logits, captures = unpack_outputs(out, self.capture_names if self.capture else None)
-        return (logits, captures) if capture else logits
+        return length
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""
@@ -723,3 +695,29 @@ class NeuronBackend:
             raise HarnessInputError(f"no device buffer {absent}; KV buffers are {self.kv_names[:4]} ...")
         k, v = (self.nxd_model.read_from_neuron_buffer(key, rank) for key in keys)
         return k, v
+
+
+class Built(NamedTuple):
+    """What a build (or a cache entry) provides: the NxDModel and what the graphs were made from."""
+
+    model: object
+    capture_names: list[str] | None
+    constants: dict[str, torch.Tensor]
+    kv_names: list[str]
+    weight_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _module_weight_shapes(module: nn.Module, kv_names) -> dict:
+    """Every tensor of the traced module that is not KV state, in the layout the module holds it
+    (the per-rank checkpoint layout): name -> (shape, dtype)."""
+    kv = set(kv_names)
+    return {name: (tuple(t.shape), t.dtype) for name, t in [*module.named_parameters(), *module.named_buffers()]
+            if name not in kv}
+
+
+def _weight_shapes_to_json(shapes: dict) -> dict:
+    return {name: [list(shape), _dtype_name(dtype)] for name, (shape, dtype) in sorted(shapes.items())}
+
+
+def _weight_shapes_from_json(data: dict) -> dict:
+    return {name: (tuple(shape), getattr(torch, dtype)) for name, (shape, dtype) in data.items()}

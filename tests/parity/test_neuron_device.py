@@ -1,7 +1,10 @@
 """The Neuron backend on a real NeuronCore pair (inf2, `pytest -m neuron`): every prefill bucket
 compiles and runs and matches the CPU backend within the bf16 envelope, decode through the device
 KV cache equals recomputing the whole prefix, the cache holds what the CPU ranks hold, a cache hit
-reloads the same graphs, and the perf build (logits only) agrees with the parity build (captures).
+reloads the same graphs, and the perf build (the last real position's logits only) agrees with the
+parity build (every row's logits and the captures).
+
+tests/parity/test_neuron_double.py runs these same tests on CPU through the NxD contract double.
 
 Judged by the project's tolerance policy (harness.compare): the device's bf16 logits against the
 CPU backend in fp32, with the CPU backend's own bf16 error as the envelope; greedy tokens must agree
@@ -44,7 +47,7 @@ def cpu16(tiny0_ckpt):
 
 @pytest.fixture(scope="module")
 def perf(tiny0_ckpt):
-    """The perf build: logits only, as benchmarks run it."""
+    """The perf build: the last real position's logits only, as benchmarks and greedy decode use it."""
     return engine_for(tiny0_ckpt, "neuron", torch.bfloat16)
 
 
@@ -66,15 +69,19 @@ def assert_tokens_agree(device, ref32, ref16, cap):
 
 @pytest.mark.parametrize("bucket", BUCKETS)
 @pytest.mark.parametrize("fill", ["padded", "exact"])
-def test_prefill_bucket_compiles_runs_and_matches_cpu(perf, cpu32, cpu16, bucket, fill):
+def test_prefill_bucket_compiles_runs_and_matches_cpu(perf, parity, cpu32, cpu16, bucket, fill):
+    """Every row on the parity build; the last real row on the perf build (all it returns)."""
     length = bucket - 3 if fill == "padded" else bucket
     ids = prompt(length)
-    dev = perf.prefill(ids)
-    assert dev.bucket == bucket and dev.logits.shape == (length, perf.spec.vocab_size)
-    assert torch.isfinite(dev.logits).all()
+    dev, last = parity.prefill(ids, capture=True), perf.prefill(ids)
+    assert dev.bucket == last.bucket == bucket and dev.logits.shape == (length, perf.spec.vocab_size)
+    assert last.logits.shape == (1, perf.spec.vocab_size)
+    assert torch.isfinite(dev.logits).all() and torch.isfinite(last.logits).all()
     ref32, ref16 = cpu32.prefill(ids).logits, cpu16.prefill(ids).logits
     assert_within_envelope(f"prefill logits, bucket {bucket}", dev.logits, ref32, ref16)
     assert_tokens_agree(dev.logits, ref32, ref16, perf.spec.final_logit_softcapping)
+    assert_within_envelope(f"perf prefill last row, bucket {bucket}", last.logits, ref32[-1:], ref16[-1:])
+    assert_tokens_agree(last.logits, ref32[-1:], ref16[-1:], perf.spec.final_logit_softcapping)
 
 
 def test_decode_with_device_kv_cache_equals_recompute(perf, cpu32, cpu16):
@@ -137,11 +144,14 @@ def test_perf_build_agrees_with_parity_build(perf, parity, cpu32, cpu16):
     assert_within_envelope(name, full.prefill.captures[name], ref32.prefill.captures[name],
                            ref16.prefill.captures[name])
     # final logits and tokens of both builds: each within the envelope, and the same greedy tokens
+    assert fast.prefill.logits.shape == (1, perf.spec.vocab_size)  # the perf build's one row
+    assert_within_envelope("prefill logits", full.prefill.logits, ref32.prefill.logits, ref16.prefill.logits)
+    assert_within_envelope("prefill last row", fast.prefill.logits, ref32.prefill.logits[-1:],
+                           ref16.prefill.logits[-1:])
     for build in (fast, full):
-        assert_within_envelope("prefill logits", build.prefill.logits, ref32.prefill.logits, ref16.prefill.logits)
         assert_within_envelope("decode logits", build.step_logits, ref32.step_logits, ref16.step_logits)
     assert fast.tokens == full.tokens
-    assert fast.prefill.logits.argmax(-1).tolist() == full.prefill.logits.argmax(-1).tolist()
+    assert fast.prefill.logits.argmax(-1).tolist() == full.prefill.logits[-1:].argmax(-1).tolist()
 
 
 def test_perf_build_refuses_capture(perf):

@@ -76,10 +76,33 @@ def test_backend_on_this_machine_raises_the_guard_error_not_importerror():
         neuron.NeuronBackend(object(), tp=2)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch_neuronx") is not None,
+                    reason="a Neuron SDK is installed here: the unpatched guard may pass")
+def test_check_backend_neuron_on_this_machine_exits_2_with_the_install_command(capsys):
+    """Without the SDK (the test double is not importable outside its tests) the command refuses."""
+    from harness.cli import main
+
+    assert importlib.util.find_spec("neuronx_distributed") is None
+    assert main(["check", "--backend", "neuron", "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --extra-index-url=https://pip.repos.neuron.amazonaws.com '.[neuron]'" in err
+    assert all(f"{name} is not installed" in err for name in neuron.PINNED_VERSIONS)
+
+
 # ---- the version guard --------------------------------------------------------------------------
 
 def test_pins_match_pyproject_neuron_extra():
     assert neuron.PINNED_VERSIONS == pyproject_pins()
+    assert neuron.PINNED_VERSIONS["libneuronxla"].startswith("2.2.")  # the PyTorch/XLA line, not JAX's 3.x
+
+
+def test_toolchain_version_names_every_pinned_package():
+    versions = installed_like(pyproject_pins())
+    text = neuron.toolchain_version(versions)
+    assert all(f"{n}={v}" in text for n, v in versions.items())
+    other = neuron.toolchain_version({**versions, "libneuronxla": "3.0.3854.0"})
+    assert neuron.artifact_cache_key(**{**BASE_KEY, "compiler_version": text}) != \
+        neuron.artifact_cache_key(**{**BASE_KEY, "compiler_version": other})
 
 
 def test_guard_accepts_the_pinned_versions_without_warning():
@@ -90,7 +113,9 @@ def test_guard_accepts_the_pinned_versions_without_warning():
 
 
 @pytest.mark.parametrize("name,version", [("torch-neuronx", "1.0"), ("torch-neuronx", "1.0.0"),
-                                          ("neuronx-distributed", "0.1"), ("neuronx-distributed", "0.1.0")])
+                                          ("neuronx-distributed", "0.1"), ("neuronx-distributed", "0.1.0"),
+                                          ("neuronx-cc", "1.0.post1"), ("neuronx-cc", "1.0"),
+                                          ("libneuronxla", "1.0")])
 def test_guard_refuses_each_pypi_placeholder(name, version):
     versions = installed_like(pyproject_pins())
     versions[name] = version
@@ -102,6 +127,54 @@ def test_guard_refuses_each_pypi_placeholder(name, version):
     assert "pip install --extra-index-url=https://pip.repos.neuron.amazonaws.com '.[neuron]'" in message
     others = [n for n in versions if n != name]
     assert not any(f"{n} {versions[n]}" in message for n in others)  # only the culprit is named
+
+
+PLACEHOLDER_DISTS = Path(__file__).resolve().parent / "placeholder_dists"  # METADATA of the real PyPI wheels
+DOUBLE_DISTS = REPO / "tests" / "nxd_double" / "sdk"  # METADATA of the pinned versions (the double's)
+
+
+def _site_with(tmp_path, placeholder: str, version_override: str | None = None) -> Path:
+    """A site directory holding the pinned packages' metadata, with `placeholder`'s replaced by the
+    real PyPI placeholder's METADATA (its version optionally rewritten)."""
+    import shutil
+
+    site = tmp_path / "site"
+    dist_name = placeholder.replace("-", "_")
+    for d in DOUBLE_DISTS.glob("*.dist-info"):
+        if not d.name.startswith(dist_name + "-"):
+            shutil.copytree(d, site / d.name)
+    (src,) = PLACEHOLDER_DISTS.glob(f"{dist_name}-*.dist-info")
+    text = (src / "METADATA").read_text()
+    if version_override:
+        text = re.sub(r"(?m)^Version: .*$", f"Version: {version_override}", text)
+    (site / src.name).mkdir(parents=True)
+    (site / src.name / "METADATA").write_text(text)
+    return site
+
+
+@pytest.mark.parametrize("name", ["torch-neuronx", "neuronx-distributed", "neuronx-cc", "libneuronxla"])
+@pytest.mark.parametrize("override", [None, "9.9.9"], ids=["as-published", "version-rewritten"])
+def test_guard_refuses_each_real_pypi_placeholder_from_its_metadata(tmp_path, monkeypatch, name, override):
+    """Metadata as the real PyPI wheels ship it (tests/unit/placeholder_dists). With the version
+    rewritten, only the "WRONG PACKAGE" text in the description body identifies the placeholder."""
+    monkeypatch.syspath_prepend(str(_site_with(tmp_path, name, override)))
+    versions, texts = neuron.installed_neuron_packages()
+    assert set(versions) == set(neuron.PINNED_VERSIONS)
+    assert "WRONG PACKAGE" in texts[name] and "WRONG PACKAGE" not in "".join(t for n, t in texts.items() if n != name)
+    with pytest.raises(HarnessInputError) as info:
+        neuron.check_neuron_packages()
+    message = str(info.value)
+    assert f"{name} {versions[name]} is the empty PyPI placeholder" in message
+    assert f"pip uninstall -y {name} && pip install --extra-index-url" in message
+    others = [n for n in versions if n != name]
+    assert not any(f"{n} {versions[n]}" in message for n in others)
+
+
+def test_guard_accepts_the_pinned_metadata_of_the_double(monkeypatch):
+    monkeypatch.syspath_prepend(str(DOUBLE_DISTS))
+    versions = neuron.check_neuron_packages()
+    assert set(versions) == set(neuron.PINNED_VERSIONS)
+    assert all(neuron.version_matches(versions[n], p) for n, p in neuron.PINNED_VERSIONS.items())
 
 
 def test_guard_refuses_a_placeholder_by_its_metadata_summary():
@@ -318,17 +391,32 @@ def test_assemble_rank_weights_takes_exactly_what_the_graph_reads():
         neuron.assemble_rank_weights(states, {"a.weight": ((3, 2), torch.bfloat16)}, constants)
 
 
+def test_buffer_keys_are_the_raw_checkpoint_keys():
+    """NxDModel keys states and weights by the metaneff's checkpoint_key as is (bytes decoded)."""
+    for raw in ("layers.0.self_attn.cache.k", "layers->0.cache.k"):
+        assert neuron._checkpoint_key(types.SimpleNamespace(checkpoint_key=raw.encode())) == raw
+        assert neuron._checkpoint_key(types.SimpleNamespace(checkpoint_key=raw)) == raw
+
+
 def test_unpack_outputs():
-    logits, a, b = torch.randn(1, 4, 8), torch.randn(1, 4, 2), torch.randn(1, 4, 2)
+    logits, a, b, x = torch.randn(1, 4, 8), torch.randn(1, 4, 2), torch.randn(1, 4, 2), torch.randn(1, 4, 2)
     assert neuron.unpack_outputs(logits, None)[0] is logits
-    got, caps = neuron.unpack_outputs((logits, a, b), ["x", "y"])
-    assert got is logits and caps["x"] is a and caps["y"] is b and list(caps) == ["x", "y"]
+    got, caps = neuron.unpack_outputs((logits, a, b), ["x", "y"], inputs_embeds=x)
+    assert got is logits and caps["x"] is a and caps["y"] is b and list(caps) == ["embeddings", "x", "y"]
+    assert caps["embeddings"] is x  # taken on the host, not a graph output
     with pytest.raises(neuron.NeuronBuildError):
-        neuron.unpack_outputs((logits, a), ["x", "y"])
+        neuron.unpack_outputs((logits, a), ["x", "y"], inputs_embeds=x)
+    with pytest.raises(neuron.NeuronBuildError, match="host"):
+        neuron.unpack_outputs((logits, a, b), ["x", "y"])
 
 
 def test_normalize_compiler_args():
     assert neuron.normalize_compiler_args("--a=1  -O2 --target inf2") == ["--a=1", "-O2", "--target", "inf2"]
+    for bad in ("-O1 --target=inf2", ["--target=trn1"]):
+        with pytest.raises(HarnessInputError, match="two words"):
+            neuron.normalize_compiler_args(bad)
+    assert " ".join(neuron.DEFAULT_COMPILER_ARGS).endswith("--target inf2")
+    assert neuron.DEFAULT_COMPILER_ARGS[0] == "--enable-saturate-infinity"
     assert neuron.normalize_compiler_args(("-O1",)) == ["-O1"]
     defaults = neuron.normalize_compiler_args(None)
     assert defaults == list(neuron.DEFAULT_COMPILER_ARGS) and defaults is not neuron.DEFAULT_COMPILER_ARGS
@@ -361,10 +449,12 @@ def test_traced_decoder_computes_what_rankdecoder_computes(tiny_spec, with_captu
     with torch.no_grad():
         want_logits, want_caps = ref(x, pos, capture=True)
         out = traced(x, pos.to(neuron.POSITION_DTYPE))  # the dtype the device graph takes
-    logits, caps = neuron.unpack_outputs(out, traced.capture_names if with_captures else None)
+    logits, caps = neuron.unpack_outputs(out, traced.capture_names if with_captures else None, inputs_embeds=x)
     assert torch.equal(logits, want_logits)
     if with_captures:
-        assert traced.capture_names == list(want_caps)
+        assert traced.capture_names == [n for n in want_caps if n != "embeddings"]  # no input as output
+        assert len(out) == len(want_caps) and not any(t is x for t in out)
+        assert list(caps) == list(want_caps)
         assert all(torch.equal(caps[name], want_caps[name]) for name in want_caps)
     else:
         assert isinstance(out, torch.Tensor) and caps == {}

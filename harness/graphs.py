@@ -1,0 +1,133 @@
+"""The device graphs, defined once for every backend that lowers them (Neuron, XLA on CPU).
+
+What a compiled backend traces: `TracedDecoder` (the per-rank `RankDecoder` with a forward of two
+tensors in, a tensor or a tuple out), the graph plan (one prefill graph per bucket and the decode
+graph, s=1), the example inputs each graph is traced with, the KV cache buffers that become state
+aliased between calls, the constant buffers that must reach the device, and how outputs unpack.
+The Neuron backend (ModelBuilder) and the XLA backend (torch-xla on the CPU PJRT device) both
+import these, so the XLA lane lowers exactly what inf2 would trace. This module imports no SDK:
+only `backends/neuron.py` knows Neuron, only `backends/xla.py` knows torch_xla.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harness.errors import HarnessInputError
+from harness.model import KVCache, RankDecoder, RankLinears
+
+# Positions enter the graph as int32, as NxD's own examples feed indices (int64 is emulated on
+# Neuron); TracedDecoder widens them to int64 inside the graph, where index_copy needs them.
+POSITION_DTYPE = torch.int32
+DECODE_TAG = "decode"
+PREFILL_TAG = "prefill_{}"
+
+
+class GraphBuildError(RuntimeError):
+    """Tracing, compiling or running a device graph failed (not bad input: the compiler or the
+    model code)."""
+
+
+# Capture points the host takes itself: the graph's own input is never returned as a graph output
+# (no NxD example returns an input under input/output aliasing); backends add it back on the host.
+HOST_CAPTURES = ("embeddings",)
+
+
+class TracedDecoder(RankDecoder):
+    """RankDecoder with the forward NxD traces: tensors in, a tensor or a tuple out.
+
+    ModelBuilder accepts only parameters without defaults (or defaulting to None), so the build
+    kind is fixed at construction:
+    - a parity build (`with_captures`) returns (logits [1, s, vocab], *captures) in `capture_names`
+      order, recorded while tracing, without the HOST_CAPTURES;
+    - a perf build with `last_row_only` takes `last_index` ([1], the last real position) and returns
+      only that row's logits [1, 1, vocab]: what greedy decode needs, with lm_head and its vocab
+      all-gather run on one row instead of the whole bucket;
+    - otherwise all logits [1, s, vocab].
+    Positions and last_index arrive as int32 and are widened here.
+    """
+
+    def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears: RankLinears,
+                 with_captures: bool = False, last_row_only: bool = False):
+        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears)
+        if with_captures and last_row_only:
+            raise ValueError("a parity build (captures) returns every row; last_row_only is for perf builds")
+        self.with_captures, self.last_row_only = with_captures, last_row_only
+        self.capture_names: list[str] = []
+
+    def forward(self, inputs_embeds, positions, last_index=None):
+        positions = positions.to(torch.long)
+        if self.with_captures:
+            logits, captures = super().forward(inputs_embeds, positions, capture=True)
+            captures = {k: v for k, v in captures.items() if k not in HOST_CAPTURES}
+            self.capture_names = list(captures)
+            return (logits, *captures.values())
+        if not self.last_row_only:
+            return super().forward(inputs_embeds, positions)
+        hidden = self.final_hidden(inputs_embeds, positions)
+        return self.lm_head(hidden.index_select(1, last_index.to(torch.long).reshape(1)))
+
+
+def kv_buffer_names(module: nn.Module) -> list[str]:
+    """Names of the KV cache buffers (the device state aliased between calls)."""
+    return [f"{name}.{buf}" for name, sub in module.named_modules() if isinstance(sub, KVCache)
+            for buf in ("k", "v")]
+
+
+def constant_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers outside the state dict that are not KV cache (the rope inverse frequencies): their
+    values come from the model code, not the checkpoint, and must reach the device."""
+    persistent = set(module.state_dict().keys())
+    kv = set(kv_buffer_names(module))
+    return {name: buf.detach().clone().contiguous() for name, buf in module.named_buffers()
+            if name not in persistent and name not in kv}
+
+
+def graph_plan(buckets, max_len: int) -> dict[str, int]:
+    """Graph tag -> sequence length: one prefill graph per bucket and the decode graph (s=1)."""
+    try:
+        sizes = sorted({int(b) for b in buckets})
+    except (TypeError, ValueError) as exc:
+        raise HarnessInputError(f"buckets {buckets!r}: give positive integers, e.g. (16, 64)") from exc
+    if not sizes or sizes[0] < 1:
+        raise HarnessInputError(f"buckets {buckets!r}: give at least one positive bucket size")
+    if sizes[-1] > max_len:
+        raise HarnessInputError(f"bucket {sizes[-1]} exceeds the KV length {max_len}; buckets must fit the cache")
+    plan = {PREFILL_TAG.format(b): b for b in sizes if b != 1}  # a bucket of 1 is the decode graph
+    plan[DECODE_TAG] = 1
+    return plan
+
+
+def tag_for_length(length: int, graphs: dict[str, int]) -> str:
+    for tag, size in graphs.items():
+        if size == length:
+            return tag
+    compiled = sorted(s for s in graphs.values() if s != 1)
+    raise HarnessInputError(f"no compiled graph takes {length} positions: this build has prefill buckets "
+                            f"{compiled} and decode (1). Pad the prompt to a bucket (the engine does) "
+                            "or build the backend with that bucket.")
+
+
+def example_inputs(length: int, hidden: int, dtype: torch.dtype, last_row: bool = False) -> tuple:
+    """(inputs_embeds, positions) a graph of `length` positions is traced with, plus `last_index`
+    for a perf build that returns only the last real row (`last_row`)."""
+    inputs = (torch.zeros(1, length, hidden, dtype=dtype), torch.arange(length, dtype=POSITION_DTYPE)[None])
+    return (*inputs, torch.tensor([length - 1], dtype=POSITION_DTYPE)) if last_row else inputs
+
+
+def unpack_outputs(out, capture_names: list[str] | None, inputs_embeds: torch.Tensor | None = None):
+    """(logits, captures) from what the compiled graph returns (a tensor, or a tuple with captures).
+    A parity build's captures start with the HOST_CAPTURES, taken from `inputs_embeds` (what the
+    graph was fed), in the order RankDecoder captures them."""
+    if capture_names is None:
+        logits = out if isinstance(out, torch.Tensor) else out[0]
+        return logits, {}
+    out = list(out)
+    if len(out) != len(capture_names) + 1:
+        raise GraphBuildError(f"the parity graph returned {len(out)} outputs, expected logits + "
+                               f"{len(capture_names)} captures")
+    if inputs_embeds is None:
+        raise GraphBuildError("unpack_outputs needs the graph's inputs_embeds: the embeddings capture is "
+                              "taken on the host, not returned by the graph")
+    return out[0], {"embeddings": inputs_embeds, **dict(zip(capture_names, out[1:]))}

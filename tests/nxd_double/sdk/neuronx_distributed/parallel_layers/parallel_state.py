@@ -1,0 +1,99 @@
+"""Parallel state of the double (upstream: src/neuronx_distributed/parallel_layers/parallel_state.py,
+Release 2.29: initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+context_parallel_size=1, expert_model_parallel_size=1, skip_collective_init=False, lnc_size=1,
+mesh_only=False), model_parallel_is_initialized, get_tensor_model_parallel_size/_rank,
+destroy_model_parallel).
+
+Tensor parallelism only. Collectives: while a graph is traced (single-rank SPMD trace on mocked
+ranks) they only produce the right shapes; while the double executes a graph, each rank's thread
+holds its own `RankGroup` (the CPU backend's ThreadGroup underneath) so partial results really
+cross between ranks.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from harness.backends.cpu import ThreadGroup
+
+_STATE: dict = {}
+_RUNTIME = threading.local()  # .group: RankGroup of the executing rank, absent while tracing
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                              skip_collective_init: bool = False, lnc_size: int = 1, mesh_only: bool = False):
+    if pipeline_model_parallel_size != 1 or context_parallel_size != 1 or expert_model_parallel_size != 1:
+        raise NotImplementedError("the NxD double models tensor parallelism only")
+    if lnc_size not in (1, 2):
+        raise ValueError(f"lnc_size {lnc_size!r}: must be 1 or 2")
+    _STATE.update(tp=int(tensor_model_parallel_size), lnc=int(lnc_size))
+
+
+def model_parallel_is_initialized() -> bool:
+    return "tp" in _STATE
+
+
+def _require():
+    # upstream get_tensor_model_parallel_group asserts the group exists
+    assert model_parallel_is_initialized(), "tensor model parallel group is not initialized"
+
+
+def get_tensor_model_parallel_size() -> int:
+    _require()
+    return _STATE["tp"]
+
+
+def get_lnc_size() -> int:
+    _require()
+    return _STATE["lnc"]
+
+
+def get_tensor_model_parallel_rank() -> int:
+    group = getattr(_RUNTIME, "group", None)
+    return 0 if group is None else group.rank  # tracing runs as rank 0 (SPMD)
+
+
+def destroy_model_parallel() -> None:
+    _STATE.clear()
+
+
+class RankGroup:
+    """One rank's view of a TP group during execution: real exchanges through a ThreadGroup."""
+
+    def __init__(self, threads: ThreadGroup, rank: int):
+        self.threads, self.rank, self.size = threads, rank, threads.world_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.threads.exchange(self.rank, x)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part  # summed in x's dtype (the layer casts to reduce_dtype first)
+        return total
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.threads.exchange(self.rank, x), dim=-1)
+
+
+def current_group():
+    return getattr(_RUNTIME, "group", None)
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    group = current_group()
+    return x.clone() if group is None else group.all_reduce(x)
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    group = current_group()
+    if group is None:  # tracing: the right shape; the values are never used
+        return torch.cat([x] * get_tensor_model_parallel_size(), dim=-1)
+    return group.all_gather_last(x)
+
+
+def scatter_last(x: torch.Tensor) -> torch.Tensor:
+    group = current_group()
+    tp = get_tensor_model_parallel_size() if group is None else group.size
+    return torch.chunk(x, tp, dim=-1)[get_tensor_model_parallel_rank()]

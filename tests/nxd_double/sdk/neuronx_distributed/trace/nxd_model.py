@@ -1,0 +1,254 @@
+"""NxDModel of the double: the compiled graphs, loaded per rank, executed eagerly on CPU.
+
+Upstream: src/neuronx_distributed/trace/nxd_model/nxd_model.py and base_nxd_model.py
+(neuronx-distributed Release 2.29). Methods and rules as upstream:
+  NxDModel(world_size, start_rank=None, local_ranks_size=None, state_initializer=None, layout_transformer=None)
+  .add(key, trace_artifacts, compilation_artifacts) - graphs must share one forward signature
+  .get_metaneff(key) - KeyError for an unknown key
+  .set_weights(sharded_checkpoint: List[Dict[str, Tensor]]) - ValueError once loaded on neuron
+  .to_neuron() - states created zero-filled (StateInitializer), keyed by the raw checkpoint key
+  .read_from_neuron_buffer(buffer_key, rank) / .write_to_neuron_buffer(tensor, buffer_key, rank)
+      - AssertionError before to_neuron; KeyError for an unknown key or a shape mismatch
+  .forward(*args, model_name=None, forward_mode='default', **kwargs) - routed by
+      "(name: [shape], ...)"; model_name must agree with the route; returns rank 0's outputs
+  .save(path_to_save, save_weights=False), NxDModel.load(path_to_model, start_rank=None, local_ranks_size=None)
+Stricter than the runtime where the runtime would misbehave silently: set_weights needs exactly one
+dict per rank holding exactly the weights the graphs read, in the traced (checkpoint) shapes and
+dtypes; inputs must have the traced dtypes. With a priority model (weight layout optimisation) the
+graphs' metaneff reports 2-D+ weights in a compiler-chosen layout (modelled as the last two dims
+swapped) while set_weights still takes checkpoint shapes (the layout transformer converts them).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+from torch_neuronx.proto import metaneff_pb2
+from torch_neuronx.xla_impl.trace import dtype_name
+
+from harness.backends.cpu import ThreadGroup
+
+from ..parallel_layers import parallel_state
+
+
+def _get(module, name):
+    owner, _, attr = name.rpartition(".")
+    mod = module.get_submodule(owner) if owner else module
+    return getattr(mod, attr)
+
+
+def _set(module, name, tensor):
+    owner, _, attr = name.rpartition(".")
+    mod = module.get_submodule(owner) if owner else module
+    if attr in mod._parameters:
+        mod._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    else:
+        mod._buffers[attr] = tensor
+
+
+class NxDModel(torch.nn.Module):
+    def __init__(self, world_size, start_rank=None, local_ranks_size=None, state_initializer=None,
+                 layout_transformer=None):
+        super().__init__()
+        if start_rank is not None or local_ranks_size not in (None, world_size):
+            raise NotImplementedError("the NxD double runs all ranks in one process")
+        self.world_size = world_size
+        self.layout_transformer = layout_transformer
+        self.graphs: dict = {}
+        self.input_shape_map: dict[str, list[str]] = {}
+        self.model_params: list = []
+        self.module = None
+        self.weights: list[dict] = [{} for _ in range(world_size)]
+        self.states: list[dict] = [{} for _ in range(world_size)]
+        self.loaded_on_neuron = False
+        self._weights_set = False
+        self._ranks: list = []
+
+    def add(self, key, trace_artifacts, module):
+        if self.model_params and self.model_params != trace_artifacts.model_params:
+            raise AssertionError("The model provided appears to have a different signature than all other "
+                                 "models added prior.")
+        self.model_params = trace_artifacts.model_params
+        self.graphs[key] = trace_artifacts
+        self.module = module
+        self.input_shape_map.setdefault(trace_artifacts.route_key(), []).append(key)
+        return self
+
+    # -- introspection -------------------------------------------------------------------------
+    def get_metaneff(self, key: str):
+        if key not in self.graphs:
+            raise KeyError(f"key={key!r} not found.")
+        meta = self.graphs[key].metaneff
+        if not self.layout_transformer:
+            return meta
+        laid_out = copy.deepcopy(meta)
+        for t in laid_out.input_tensors:
+            if t.type == metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT and len(t.shape) >= 2:
+                t.shape = t.shape[:-2] + [t.shape[-1], t.shape[-2]]
+        return laid_out
+
+    def _weight_specs(self) -> dict:
+        specs = {}
+        for art in self.graphs.values():
+            specs.update(art.weights)
+        return specs
+
+    def _state_specs(self) -> dict:
+        return next(iter(self.graphs.values())).states  # upstream: the first graph's states
+
+    # -- loading -------------------------------------------------------------------------------
+    def set_weights(self, sharded_checkpoint):
+        if self.loaded_on_neuron:
+            raise ValueError("set_weights() was called when the model was already loaded on neuron. If you "
+                             "need to replace your weights, call `replace_weights()` instead.")
+        if not isinstance(sharded_checkpoint, list) or len(sharded_checkpoint) != self.world_size:
+            raise ValueError(f"set_weights takes a list of {self.world_size} per-rank dicts, got "
+                             f"{type(sharded_checkpoint).__name__} of {len(sharded_checkpoint)}")
+        expected = self._weight_specs()
+        for rank, weights in enumerate(sharded_checkpoint):
+            missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+            wrong = [f"{k} {tuple(weights[k].shape)} {weights[k].dtype} (graph reads {expected[k][0]} {expected[k][1]})"
+                     for k in sorted(set(expected) & set(weights))
+                     if (tuple(weights[k].shape), weights[k].dtype) != (tuple(expected[k][0]), expected[k][1])]
+            if missing or extra or wrong:
+                raise ValueError(f"rank {rank}: weights do not match the graphs: missing {missing[:6]}, not read "
+                                 f"by any graph {extra[:6]}, wrong shape/dtype {wrong[:6]}")
+        self.weights = [{k: v.detach().clone().contiguous() for k, v in w.items()} for w in sharded_checkpoint]
+        self._weights_set = True
+
+    def to_neuron(self):
+        if self.loaded_on_neuron:
+            return
+        if not self._weights_set:
+            raise RuntimeError("to_neuron() before set_weights(): the graphs have no weights to load")
+        states = self._state_specs()
+        self.states = [{k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in states.items()}
+                       for _ in range(self.world_size)]
+        self._ranks = []
+        for rank in range(self.world_size):
+            module = copy.deepcopy(self.module).to_empty(device="cpu")
+            for name, tensor in self.weights[rank].items():
+                _set(module, name, tensor)
+            for name, tensor in self.states[rank].items():
+                _set(module, name, tensor)
+            self._ranks.append(module.eval())
+        self.loaded_on_neuron = True
+
+    def replace_weights(self, sharded_checkpoint):
+        self.loaded_on_neuron = False
+        self.set_weights(sharded_checkpoint)
+        self.to_neuron()
+
+    def read_from_neuron_buffer(self, buffer_key: str, rank: int) -> torch.Tensor:
+        assert self.loaded_on_neuron, "Model must be loaded on neuron before calling these methods"
+        for buffers in (self.states, self.weights):
+            if len(buffers) > rank and buffer_key in buffers[rank]:
+                return buffers[rank][buffer_key].clone()
+        raise KeyError("Could not find neuron buffer: " + buffer_key + " in rank " + str(rank))
+
+    def write_to_neuron_buffer(self, tensor: torch.Tensor, buffer_key: str, rank: int):
+        assert self.loaded_on_neuron, "Model must be loaded on neuron before calling these methods"
+        buffers = self.states if buffer_key in self.states[rank] else self.weights
+        if buffer_key not in buffers[rank]:
+            raise KeyError("Could not find neuron buffer: " + buffer_key + " in rank " + str(rank))
+        if tensor.shape != buffers[rank][buffer_key].shape:
+            raise KeyError(f"Cannot write tensor of shape {tensor.shape} to neuron buffer with shape "
+                           f"{buffers[rank][buffer_key].shape}")
+        buffers[rank][buffer_key].copy_(tensor)
+
+    # -- running -------------------------------------------------------------------------------
+    def _route(self, args, kwargs, model_name):
+        names = [name for name, _ in self.model_params]
+        inputs = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names or key in inputs:
+                raise AssertionError(f"Not all kwargs were parsed: {key!r}")
+            inputs[key] = value
+        ordered = [(n, inputs[n]) for n in names if n in inputs]
+        route = "(" + ", ".join(f"{n}: {list(t.shape)}" for n, t in ordered) + ")"
+        model_names = self.input_shape_map[route]  # KeyError: no graph was traced with these shapes
+        if len(model_names) > 1:
+            assert model_name is not None, "The Model Name must be provided if input routing is ambiguous."
+        else:
+            assert model_name is None or model_name == model_names[0], (
+                f"Provided model_name does not match model name found by the shape router. Found "
+                f"{model_names[0]} but got {model_name}")
+            model_name = model_names[0]
+        art = self.graphs[model_name]
+        for (name, tensor), (_, _, dtype) in zip(ordered, art.provided):
+            if tensor.dtype != dtype:
+                raise RuntimeError(f"input {name} is {tensor.dtype}; graph {model_name} was traced with {dtype}")
+        return model_name, dict(ordered)
+
+    def forward(self, *args, model_name=None, forward_mode="default", **kwargs):
+        if not self.loaded_on_neuron:
+            raise RuntimeError("Model not initialized. Call set_weights() followed by to_neuron()")
+        if forward_mode != "default":
+            raise NotImplementedError(f"forward_mode={forward_mode!r}: the double models 'default' only")
+        model_name, inputs = self._route(args, kwargs, model_name)
+        art = self.graphs[model_name]
+        outs = _on_ranks(self.world_size, lambda rank: self._run_rank(rank, art, inputs))
+        items = outs[0]
+        got = [(tuple(t.shape), t.dtype) for t in items]
+        if got != art.outputs:
+            raise RuntimeError(f"graph {model_name} produced {got}, not its traced outputs {art.outputs}")
+        return items[0] if art.single_output else tuple(items)
+
+    def _run_rank(self, rank, art, inputs):
+        module = self._ranks[rank]
+        with torch.no_grad():
+            out = module(**{k: v.clone() for k, v in inputs.items()})
+        for name in art.states:
+            new = _get(module, name)
+            self.states[rank][name].copy_(new)  # aliased: the output lands in the state buffer
+            _set(module, name, self.states[rank][name])
+        items = [out] if art.single_output else list(out)
+        return [t.detach().clone() for t in items]
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, path_to_save: str, save_weights: bool = False):
+        payload = {"format": "nxd-double-1", "world_size": self.world_size,
+                   "layout_transformer": self.layout_transformer, "module": self.module,
+                   "graphs": self.graphs, "weights": self.weights if save_weights else None}
+        torch.save(payload, path_to_save)
+
+    @classmethod
+    def load(cls, path_to_model: str, start_rank=None, local_ranks_size=None):
+        payload = torch.load(path_to_model, weights_only=False)
+        if not isinstance(payload, dict) or payload.get("format") != "nxd-double-1":
+            raise ValueError("The Torchscript Model Supplied was not produced with the NxDModel.save method.")
+        model = cls(payload["world_size"], start_rank, local_ranks_size, layout_transformer=payload["layout_transformer"])
+        for key, art in payload["graphs"].items():
+            model.add(key, art, payload["module"])
+        return model
+
+
+def _on_ranks(world_size, step):
+    """step(rank) on one thread per rank, each with its own RankGroup; the first error is raised."""
+    threads_group = ThreadGroup(world_size)
+    results, errors = [None] * world_size, []
+
+    def run(rank):
+        parallel_state._RUNTIME.group = parallel_state.RankGroup(threads_group, rank)
+        try:
+            results[rank] = step(rank)
+        except BaseException as exc:  # noqa: BLE001 (re-raised below)
+            errors.append(exc)
+            threads_group.barrier.abort()
+        finally:
+            del parallel_state._RUNTIME.group
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+        raise (real or errors)[0]
+    return results
+
+
+__all__ = ["NxDModel", "dtype_name"]

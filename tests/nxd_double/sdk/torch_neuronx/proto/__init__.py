@@ -1,0 +1,1 @@
+from . import metaneff_pb2  # noqa: F401

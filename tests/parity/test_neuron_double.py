@@ -1,0 +1,230 @@
+"""The Neuron backend end to end on CPU, through the NxD contract double (tests/nxd_double).
+
+The device tests of tests/parity/test_neuron_device.py run here unchanged, against the same
+tolerance policy, with `neuronx_distributed` / `torch_neuronx` / `libneuronxla` provided by the
+double: the tiny model at TP=2 in bf16 is traced per bucket, compiled (flags validated), saved to
+and reloaded from the artifact cache, given per-rank weights, and run with the KV cache as
+aliased device state across calls, on two ranks with real collectives. Then `check` and `bench`
+through the CLI with the backend `neuron`, and one failing build per rule the double enforces.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness import graphs
+from harness import model as port_model
+from harness.backends import neuron
+from harness.errors import HarnessInputError
+from tests.nxd_double import installed
+from tests.parity import test_neuron_device as device
+
+# ---- the double, for this whole module ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nxd(tmp_path_factory):
+    """The double on sys.path, a fresh artifact cache, and NeuronCores the core assignment can use."""
+    with pytest.MonkeyPatch.context() as mp:
+        cache = tmp_path_factory.mktemp("neuron-cache")
+        mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(cache))
+        mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+        mp.setattr(neuron, "neuron_core_count", lambda: 16)  # an inf2.48xlarge's worth: any xdist worker fits
+        with installed(mp):
+            yield cache
+
+
+@pytest.fixture(scope="module")
+def cpu32(tiny0_ckpt):
+    return device.engine_for(tiny0_ckpt, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def cpu16(tiny0_ckpt):
+    return device.engine_for(tiny0_ckpt, "cpu", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def perf(nxd, tiny0_ckpt):
+    return device.engine_for(tiny0_ckpt, "neuron", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def parity(nxd, tiny0_ckpt):
+    return device.engine_for(tiny0_ckpt, "neuron", torch.bfloat16, capture=True)
+
+
+# ---- the device suite, through the double -----------------------------------------------------------
+
+test_prefill_bucket_compiles_runs_and_matches_cpu = device.test_prefill_bucket_compiles_runs_and_matches_cpu
+test_decode_with_device_kv_cache_equals_recompute = device.test_decode_with_device_kv_cache_equals_recompute
+test_device_kv_cache_holds_what_the_cpu_ranks_hold = device.test_device_kv_cache_holds_what_the_cpu_ranks_hold
+test_reset_zeroes_the_device_kv_cache = device.test_reset_zeroes_the_device_kv_cache
+test_cache_hit_reloads_the_same_graphs = device.test_cache_hit_reloads_the_same_graphs
+test_perf_build_agrees_with_parity_build = device.test_perf_build_agrees_with_parity_build
+test_perf_build_refuses_capture = device.test_perf_build_refuses_capture
+
+
+def test_the_builds_are_what_the_issue_asks_for(perf, parity, nxd):
+    """Pinned flags reach the compiler; the decode graph is the priority model; perf graphs return
+    one row of logits; parity graphs do not return their own input; states are exactly the KV cache."""
+    be = perf.backend
+    assert be.compiled and be.compiler_args[:1] == ["--enable-saturate-infinity"]
+    assert " --target inf2" in " " + " ".join(be.compiler_args)
+    model = be.nxd_model
+    assert model.layout_transformer  # priority_model_key was given
+    art = model.graphs[graphs.DECODE_TAG]
+    assert art.compiler_flags.split().count("--enable-internal-neff-wrapper") == 1  # compiled as the WLO model
+    assert "--enable-saturate-infinity" in model.graphs["prefill_64"].compiler_flags
+    assert [shape for shape, _ in model.graphs["prefill_64"].outputs] == [(1, 1, perf.spec.vocab_size)]
+    assert set(be.state_specs) == set(be.kv_names)
+    names = parity.backend.capture_names
+    assert "embeddings" not in names and len(parity.backend.nxd_model.graphs["prefill_16"].outputs) == len(names) + 1
+    meta = json.loads((be.artifact_dir / neuron.META_FILE).read_text())
+    assert meta["versions"]["libneuronxla"].startswith("2.2.17544")
+    assert "libneuronxla=2.2.17544" in neuron.toolchain_version(be.versions)
+
+
+def test_embeddings_capture_is_the_input_the_device_was_fed(parity, cpu16):
+    ids = device.prompt(12, seed=6)
+    dev, ref = parity.prefill(ids, capture=True), cpu16.prefill(ids, capture=True)
+    assert list(dev.captures) == list(ref.captures)  # same points, same order as the CPU backend
+    assert torch.equal(dev.captures["embeddings"], ref.captures["embeddings"])
+
+
+# ---- the CLI with --backend neuron -----------------------------------------------------------------
+
+def test_check_backend_neuron_passes_through_the_cli(nxd, tmp_path, capsys):
+    from harness.cli import main
+
+    out = tmp_path / "check.json"
+    rc = main(["check", "--model", "tiny", "--backend", "neuron", "--buckets", "16,64", "--kv-len", "128",
+               "--new-tokens", "4", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed[-2000:]
+    payload = json.loads(out.read_text())
+    assert payload["passed"] is True and payload["seq_match"] is True and "SEQ_MATCH True" in printed
+    assert all(layer["pass"] for layer in payload["layers"])
+
+
+def test_bench_backend_neuron_runs_through_the_cli(nxd, tmp_path):
+    from harness.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", "tiny", "--backend", "neuron", "--runs", "2", "--warmup", "0",
+               "--buckets", "16,64", "--new-tokens", "3", "--kv-len", "128", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["backend"] == "neuron" and result["compiler_args"] == list(neuron.DEFAULT_COMPILER_ARGS)
+    assert len(result["metrics"]["prefill_ms"]) == 2 and len(result["metrics"]["decode_ms_per_token"]) == 2
+    assert set(result["prefill_ms_by_bucket"]) == {"16", "64"}
+
+
+# ---- each rule of the double, broken on purpose: the build or the run fails -------------------------
+
+def _build(tiny0_ckpt, tmp_path, **kwargs):
+    return neuron.NeuronBackend(tiny0_ckpt, tp=2, dtype=torch.bfloat16, max_len=32, buckets=(16,),
+                                cache_dir=tmp_path, **kwargs)
+
+
+def test_healthy_small_build(nxd, tiny0_ckpt, tmp_path):
+    """The control for the cases below: the same small build succeeds."""
+    be = _build(tiny0_ckpt, tmp_path)
+    assert be.compiled and list((tmp_path / be.cache_key).iterdir())
+
+
+def test_rule_forward_defaults_only_none(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    def forward(self, inputs_embeds, positions, last_index=0):
+        return port_model.RankDecoder.forward(self, inputs_embeds, positions.long())
+
+    monkeypatch.setattr(graphs.TracedDecoder, "forward", forward)
+    with pytest.raises(neuron.NeuronBuildError, match="non-None default"):
+        _build(tiny0_ckpt, tmp_path)
+    assert not any(p.name.startswith("perf") for p in tmp_path.iterdir())  # nothing cached
+
+
+def test_rule_no_in_place_state_update(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    def update(self, positions, k, v):
+        self.k.index_copy_(2, positions[0], k)
+        self.v.index_copy_(2, positions[0], v)
+        return self.k, self.v
+
+    monkeypatch.setattr(port_model.KVCache, "update", update)
+    with pytest.raises(neuron.NeuronBuildError, match="updated in place"):
+        _build(tiny0_ckpt, tmp_path)
+
+
+def test_rule_weights_must_be_exactly_what_the_graphs_read(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    real = neuron.assemble_rank_weights
+    monkeypatch.setattr(neuron, "assemble_rank_weights",
+                        lambda *a, **k: [{**w, "lm_head.bias": torch.zeros(3)} for w in real(*a, **k)])
+    with pytest.raises(ValueError, match=r"not read by any graph \['lm_head.bias'\]"):
+        _build(tiny0_ckpt, tmp_path)
+    monkeypatch.setattr(neuron, "assemble_rank_weights",
+                        lambda *a, **k: [{n: (t.t().contiguous() if n.endswith("o_proj.weight") else t)
+                                          for n, t in w.items()} for w in real(*a, **k)])
+    with pytest.raises(ValueError, match="wrong shape"):
+        _build(tiny0_ckpt, tmp_path)
+
+
+def test_rule_weight_shapes_are_checked_on_the_checkpoint_layout(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """With the decode graph as priority model the graphs' weights have the compiler's layout:
+    checking against the metaneff shapes (the old _graph_io) would refuse the right weights."""
+    from torch_neuronx.xla_impl.trace import get_torch_dtype
+
+    def metaneff_shapes(self):
+        weights, states = {}, {}
+        for tag in self.graphs:
+            for t in self.nxd_model.get_metaneff(tag).input_tensors:
+                target = weights if t.type.name == "INPUT_WEIGHT" else states if t.type.name == "INPUT_STATE" else None
+                if target is not None:
+                    target[neuron._checkpoint_key(t)] = (tuple(t.shape), get_torch_dtype(t.data_type))
+        return weights, states
+
+    monkeypatch.setattr(neuron.NeuronBackend, "_graph_io", metaneff_shapes)
+    with pytest.raises(HarnessInputError, match="wrong shape"):
+        _build(tiny0_ckpt, tmp_path)
+
+
+@pytest.mark.parametrize("flags,why", [
+    ("--enable-saturate-infinity --model-type=transformer --target=inf2", "platform target"),
+    ("--model-type=transformer --auto-cast=fp8 --target inf2", "invalid choice: 'fp8'"),
+    ("--model-type=transformers --target inf2", "invalid choice: 'transformers'"),
+    ("--model-type=transformer --no-such-flag --target inf2", "unrecognized arguments"),
+])
+def test_rule_compiler_flags_are_valid_neuronx_cc_options(nxd, tiny0_ckpt, tmp_path, monkeypatch, flags, why):
+    monkeypatch.setattr(neuron, "normalize_compiler_args", lambda args: flags.split())  # past our own check
+    with pytest.raises(neuron.NeuronBuildError, match=why):
+        _build(tiny0_ckpt, tmp_path)
+
+
+def test_our_flag_check_refuses_the_equals_form_first(nxd, tiny0_ckpt, tmp_path):
+    with pytest.raises(HarnessInputError, match="--target inf2"):
+        _build(tiny0_ckpt, tmp_path, compiler_args="-O1 --target=inf2")
+
+
+def test_rule_lnc_must_be_given_off_device(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(neuron, "INF2_LNC", None)
+    with pytest.raises(neuron.NeuronBuildError, match="no Neuron device"):
+        _build(tiny0_ckpt, tmp_path)
+
+
+def test_rule_no_graph_input_as_output(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(graphs, "HOST_CAPTURES", ())  # the parity graph returns `embeddings` again
+    with pytest.raises(neuron.NeuronBuildError, match="graph input 'inputs_embeds'"):
+        _build(tiny0_ckpt, tmp_path, capture=True)
+
+
+def test_rule_shapes_are_fixed_by_the_example_inputs(nxd, tiny0_ckpt, tmp_path):
+    be = _build(tiny0_ckpt, tmp_path)
+    x = torch.zeros(1, 8, be.spec.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(KeyError):  # no graph was traced for 8 positions
+        be.nxd_model(x, torch.arange(8, dtype=torch.int32)[None], torch.tensor([7], dtype=torch.int32))
+    with pytest.raises(AssertionError, match="does not match"):
+        be.nxd_model(x[:, :1], torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                     model_name="prefill_16")
+    with pytest.raises(RuntimeError, match="traced with torch.int32"):
+        be.nxd_model(x[:, :1], torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32))

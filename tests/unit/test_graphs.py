@@ -1,0 +1,35 @@
+"""The device-graph definition is one module, shared by the compiled backends, and knows no SDK."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from harness import graphs
+from harness.backends import neuron
+
+SDK_MODULES = ("torch_neuronx", "neuronx_distributed", "torch_xla", "libneuronxla", "neuronxcc")
+
+
+def test_graphs_module_imports_no_sdk(monkeypatch):
+    for name in SDK_MODULES:
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
+    spec = importlib.util.spec_from_file_location("graphs_fresh_copy", graphs.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert callable(module.TracedDecoder) and callable(module.graph_plan)
+    text = open(graphs.__file__).read()
+    for name in SDK_MODULES:
+        assert f"import {name}" not in text and f"from {name}" not in text
+
+
+@pytest.mark.parametrize("name", ["TracedDecoder", "graph_plan", "tag_for_length", "example_inputs",
+                                  "unpack_outputs", "kv_buffer_names", "constant_buffers", "POSITION_DTYPE"])
+def test_neuron_backend_uses_the_shared_definition(name):
+    assert getattr(neuron, name) is getattr(graphs, name)
+
+
+def test_the_graph_definition_is_part_of_the_neuron_cache_key():
+    assert any(p.name == "graphs.py" for p in neuron.MODEL_SOURCE_FILES)

@@ -1,0 +1,268 @@
+"""The NxD contract double itself (tests/nxd_double): each rule it enforces refuses what breaks a
+real build, and what it executes computes what the unsharded math computes. A toy two-layer module
+at TP=2 is traced, compiled and run; the Neuron backend's end-to-end run is in
+tests/parity/test_neuron_double.py."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from tests.nxd_double import installed
+
+FLAGS = "--model-type=transformer --target inf2"
+
+
+@pytest.fixture
+def sdk(monkeypatch):
+    with installed(monkeypatch):
+        import neuronx_distributed as nxd
+        yield nxd
+
+
+class Toy(nn.Module):
+    """Column then row parallel (no gather in between), and a counter kept as device state."""
+
+    def __init__(self):
+        from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        self.up = ColumnParallelLinear(8, 16, bias=False, gather_output=False)
+        self.down = RowParallelLinear(16, 8, bias=False, input_is_parallel=True)
+        self.register_buffer("count", torch.zeros(1), persistent=False)
+
+    def forward(self, x, step):
+        self.count = self.count + step  # out of place: aliased state
+        return self.down(self.up(x)) + self.count
+
+
+def _compiled(nxd, tmp_path, module_cls=None, flags=FLAGS, **compile_kwargs):
+    with nxd.NxDParallelState(world_size=2, tensor_model_parallel_size=2, lnc_size=1):
+        module = (module_cls or Toy)()
+        builder = nxd.ModelBuilder(module)
+        builder.trace(args=(torch.zeros(1, 4, 8), torch.ones(1)), tag="four")
+        builder.trace(args=(torch.zeros(1, 1, 8), torch.ones(1)), tag="one")
+        return builder.compile(compiler_workdir=str(tmp_path), compiler_args=flags, **compile_kwargs)
+
+
+def _weights(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    up, down = torch.randn(16, 8, generator=gen), torch.randn(8, 16, generator=gen)
+    shards = [{"up.weight": up[8 * r:8 * (r + 1)].clone(), "down.weight": down[:, 8 * r:8 * (r + 1)].clone()}
+              for r in range(2)]  # `count` is state, not a weight
+    return up, down, shards
+
+
+def test_the_double_is_not_importable_outside_a_test():
+    assert importlib.util.find_spec("neuronx_distributed") is None
+    assert importlib.util.find_spec("torch_neuronx") is None
+
+
+def test_sharded_graph_computes_the_unsharded_math_with_state_across_calls(sdk, tmp_path):
+    model = _compiled(sdk, tmp_path)
+    up, down, shards = _weights()
+    with pytest.raises(AssertionError, match="loaded on neuron"):
+        model.read_from_neuron_buffer("count", 0)  # before to_neuron
+    model.set_weights(shards)
+    model.to_neuron()
+    assert model.read_from_neuron_buffer("count", 1).item() == 0  # states start zero
+    x = torch.randn(1, 4, 8)
+    for call in (1, 2):
+        out = model(x, torch.full((1,), 0.5))
+        want = x @ up.T @ down.T + 0.5 * call
+        assert torch.allclose(out, want, atol=1e-4), call
+    assert [model.read_from_neuron_buffer("count", r).item() for r in (0, 1)] == [1.0, 1.0]
+    model.write_to_neuron_buffer(torch.zeros(1), "count", 0)
+    with pytest.raises(KeyError, match="shape"):
+        model.write_to_neuron_buffer(torch.zeros(2), "count", 0)
+    with pytest.raises(KeyError):
+        model.read_from_neuron_buffer("up->weight", 0)  # keyed by the raw checkpoint key only
+    assert model(x[:, :1], torch.zeros(1), model_name="one").shape == (1, 1, 8)
+
+
+def test_the_metaneff_names_weights_and_states(sdk, tmp_path):
+    from torch_neuronx.proto import metaneff_pb2
+
+    meta = _compiled(sdk, tmp_path).get_metaneff("four")
+    kinds = {t.checkpoint_key or t.user_input_key: t.type for t in meta.input_tensors}
+    Type = metaneff_pb2.MetaTensor.Type
+    assert kinds == {b"x": Type.USER_INPUT, b"step": Type.USER_INPUT, b"up.weight": Type.INPUT_WEIGHT,
+                     b"down.weight": Type.INPUT_WEIGHT, b"count": Type.INPUT_STATE}
+
+
+def test_set_weights_takes_exactly_what_the_graphs_read(sdk, tmp_path):
+    model = _compiled(sdk, tmp_path)
+    _, _, shards = _weights()
+    bad = {
+        "one dict for two ranks": [shards[0]],
+        "missing": [{k: v for k, v in s.items() if k != "down.weight"} for s in shards],
+        "not read by any graph": [{**s, "extra.weight": torch.zeros(1)} for s in shards],
+        "state passed as a weight": [{**s, "count": torch.zeros(1)} for s in shards],
+        "wrong shape": [{**s, "up.weight": s["up.weight"].reshape(4, 16)} for s in shards],
+        "wrong dtype": [{**s, "up.weight": s["up.weight"].bfloat16()} for s in shards],
+    }
+    for why, weights in bad.items():
+        with pytest.raises(ValueError):
+            model.set_weights(weights)
+    with pytest.raises(RuntimeError, match="set_weights"):
+        model.to_neuron()
+    with pytest.raises(RuntimeError, match="set_weights"):
+        model(torch.zeros(1, 4, 8), torch.ones(1))
+    model.set_weights(shards)
+    model.to_neuron()
+    with pytest.raises(ValueError, match="already loaded"):
+        model.set_weights(shards)
+
+
+def test_trace_refuses_illegal_forward_signatures(sdk):
+    class Defaults(nn.Module):
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    class Star(nn.Module):
+        def forward(self, x, *rest):
+            return x
+
+    class Required(nn.Module):
+        def forward(self, x, y, z=None):
+            return x + y
+
+    with sdk.NxDParallelState(world_size=2, tensor_model_parallel_size=2, lnc_size=1):
+        with pytest.raises(ValueError, match="non-None default"):
+            sdk.ModelBuilder(Defaults()).trace(args=(torch.zeros(2),))
+        with pytest.raises(NotImplementedError, match=r"\*args"):
+            sdk.ModelBuilder(Star()).trace(args=(torch.zeros(2),))
+        with pytest.raises(ValueError, match="Missing required"):
+            sdk.ModelBuilder(Required()).trace(args=(torch.zeros(2),))
+        with pytest.raises(ValueError, match="Too many"):
+            sdk.ModelBuilder(Required()).trace(args=(torch.zeros(2),) * 4)
+        sdk.ModelBuilder(Required()).trace(args=(torch.zeros(2), torch.zeros(2)))  # z=None may be left out
+
+
+@pytest.mark.parametrize("body,why", [
+    ("in_place", "updated in place"), ("dtype", "changed from"), ("input_out", "graph input 'x'")])
+def test_trace_refuses_state_misuse_and_inputs_returned(sdk, body, why):
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(3), persistent=False)
+
+        def forward(self, x):
+            if body == "in_place":
+                self.cache.add_(1)
+            elif body == "dtype":
+                self.cache = self.cache.double() + 1
+            else:
+                return x, x + 1
+            return x + 1
+
+    with sdk.NxDParallelState(world_size=2, tensor_model_parallel_size=2, lnc_size=1):
+        with pytest.raises(RuntimeError, match=why):
+            sdk.ModelBuilder(Bad()).trace(args=(torch.zeros(3),))
+
+
+def test_parallel_layers_divide_full_sizes_and_shard_weights(sdk):
+    from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
+
+    with pytest.raises(AssertionError, match="not initialized"):
+        ColumnParallelLinear(8, 16)  # parallel layers need the parallel state
+    with sdk.NxDParallelState(world_size=2, tensor_model_parallel_size=2, lnc_size=1):
+        col, row = ColumnParallelLinear(8, 16, bias=True, gather_output=True), RowParallelLinear(16, 8)
+        assert col.weight.shape == (8, 8) and col.bias.shape == (16,) and row.weight.shape == (8, 8)
+        assert ColumnParallelLinear(8, 16, gather_output=False).bias.shape == (8,)
+        assert col.reduce_dtype == row.reduce_dtype == torch.float32 and col.weight.dtype == torch.float32
+        with pytest.raises(AssertionError, match="divisible"):
+            ColumnParallelLinear(8, 15)
+        with pytest.raises(NotImplementedError):
+            RowParallelLinear(16, 8, sequence_parallel_enabled=True)
+
+
+def test_gather_output_and_split_input_on_two_ranks(sdk, tmp_path):
+    from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
+
+    class GatherSplit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = ColumnParallelLinear(8, 16, bias=False, gather_output=True)  # full 16 on each rank
+            self.down = RowParallelLinear(16, 8, bias=False, input_is_parallel=False, reduce_dtype=torch.bfloat16)
+            self.register_buffer("count", torch.zeros(1), persistent=False)
+
+        def forward(self, x, step):
+            self.count = self.count + step
+            return self.down(self.up(x))
+
+    model = _compiled(sdk, tmp_path, GatherSplit)
+    up, down, shards = _weights(1)
+    model.set_weights(shards)
+    model.to_neuron()
+    x = torch.randn(1, 4, 8)
+    out = model(x, torch.ones(1))
+    want = (x @ up.T @ down.T).bfloat16().float()  # partials reduced in bf16 (reduce_dtype), back to fp32
+    assert torch.allclose(out, want, rtol=2e-2, atol=2e-2) and not torch.allclose(out, x @ up.T @ down.T, atol=1e-6)
+
+
+def test_save_and_load_keep_the_graphs_not_the_weights(sdk, tmp_path):
+    model = _compiled(sdk, tmp_path)
+    _, _, shards = _weights()
+    model.save(str(tmp_path / "m.pt"))
+    again = type(model).load(str(tmp_path / "m.pt"))
+    with pytest.raises(RuntimeError, match="set_weights"):
+        again.to_neuron()
+    for m in (model, again):
+        m.set_weights(shards)
+        m.to_neuron()
+    x = torch.randn(1, 4, 8)
+    assert torch.equal(model(x, torch.ones(1)), again(x, torch.ones(1)))
+
+
+def test_compile_arguments_and_default_flags(sdk, tmp_path):
+    with pytest.raises(RuntimeError, match="Compilation process failed") as info:
+        _compiled(sdk, tmp_path, flags=None)  # NxD's defaults carry no --target: off-device that fails
+    assert "platform target" in str(info.value.__cause__)
+    with pytest.raises(ValueError, match="priority_model_key"):
+        _compiled(sdk, tmp_path, priority_model_key="nope")
+    with pytest.raises(ValueError, match="Missing compiler args"):
+        _compiled(sdk, tmp_path, flags={"four": FLAGS})
+    model = _compiled(sdk, tmp_path, priority_model_key="one")
+    assert "--enable-internal-neff-wrapper" in model.graphs["one"].compiler_flags
+    assert "-O1" in model.graphs["four"].compiler_flags and "--verbose=35" in model.graphs["four"].compiler_flags
+    shapes = [t.shape for t in model.get_metaneff("four").input_tensors if t.checkpoint_key == b"up.weight"]
+    assert shapes == [[8, 8]] and model.graphs["four"].weights["down.weight"][0] == (8, 8)
+    assert (tmp_path / "four").is_dir()  # compiler_workdir/<tag>/<timestamp>/log-neuron-cc.txt
+    assert list((tmp_path / "four").glob("*/log-neuron-cc.txt"))
+
+
+def test_default_flags_on_an_inf2_host(sdk, tmp_path, monkeypatch):
+    import torch_neuronx.utils
+
+    monkeypatch.setattr(torch_neuronx.utils, "HOST_PLATFORM", "inf2")
+    model = _compiled(sdk, tmp_path, flags=None)
+    flags = model.graphs["four"].compiler_flags.split()
+    assert flags[:4] == ["--enable-saturate-infinity", "--auto-cast=none", "--model-type=transformer", "-O1"]
+
+
+def test_lnc_comes_from_the_platform_unless_given(sdk, monkeypatch):
+    import torch_neuronx.utils
+
+    with pytest.raises(RuntimeError, match="no Neuron device"):
+        sdk.NxDParallelState(world_size=2, tensor_model_parallel_size=2)
+    assert sdk.NxDParallelState(world_size=2, tensor_model_parallel_size=2, lnc_size=1).lnc_size == 1
+    monkeypatch.setattr(torch_neuronx.utils, "HOST_PLATFORM", "trn2")
+    assert sdk.NxDParallelState(world_size=2, tensor_model_parallel_size=2).lnc_size == 2
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    assert sdk.NxDParallelState(world_size=2, tensor_model_parallel_size=2).lnc_size == 1
+
+
+def test_a_builder_made_outside_the_parallel_state_has_one_rank(sdk, tmp_path):
+    class Plain(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    builder = sdk.ModelBuilder(Plain())
+    builder.trace(args=(torch.zeros(2),), tag="t")
+    model = builder.compile(compiler_workdir=str(tmp_path), compiler_args=FLAGS)
+    with pytest.raises(ValueError, match="list of 1"):
+        model.set_weights([{}, {}])
