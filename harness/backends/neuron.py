@@ -34,7 +34,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 import time
 import warnings
 from importlib import metadata
@@ -44,6 +43,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from harness.atomic import atomic_directory
 from harness.errors import HarnessInputError
 from harness.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
@@ -355,22 +355,16 @@ def write_cache_entry(cache_dir: Path, key: str, write: Callable[[Path], None]) 
     A failed or interrupted write leaves no entry behind. When another process (an xdist worker)
     published the same key first, its complete entry is kept and returned.
     """
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    entry = cache_dir / key
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
+    entry = Path(cache_dir) / key
     try:
-        write(tmp)
-        missing = [name for name in ENTRY_FILES if not (tmp / name).is_file()]
-        if missing:
-            raise NeuronBuildError(f"cache entry {key}: the writer did not produce {missing}")
-        try:
-            os.replace(tmp, entry)
-        except OSError:
-            if not cache_entry_complete(entry):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_directory(entry) as tmp:
+            write(tmp)
+            missing = [name for name in ENTRY_FILES if not (tmp / name).is_file()]
+            if missing:
+                raise NeuronBuildError(f"cache entry {key}: the writer did not produce {missing}")
+    except HarnessInputError:  # the entry exists: another process published the same key first
+        if not cache_entry_complete(entry):
+            raise
     return entry
 
 
