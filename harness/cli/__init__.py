@@ -76,7 +76,10 @@ def _internal_error(name: str, exc: BaseException) -> int:
 
 
 def _run(args, name: str) -> int:
+    from harness.cli.validate import refuse_nul
+
     try:
+        refuse_nul(args)
         args.validate(args)
         return args.func(args)
     except HarnessInputError as exc:

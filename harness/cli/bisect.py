@@ -32,9 +32,9 @@ def validate(args) -> None:
     inputs = v.model_inputs(args)
     inputs["--golden"] = v.input_path(args.golden, "--golden", want_dir=True)
     outputs: dict = {}
-    if args.json:
+    if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
-    if args.report:
+    if args.report is not None:
         v.replaceable_report(v.output_location(args.report, "--report", True, inputs, outputs), "--report")
     v.clean_leftovers(outputs.values())
     ckpt = v.open_checkpoint(args)
@@ -58,9 +58,9 @@ def run(args) -> int:
           f"{'these same weights' if payload['golden_from_same_weights'] else 'other weights (checkpoint hashes differ)'}")
     print(format_bisect(payload))
     payload = with_generator(payload, "bisect")
-    if args.json:
+    if args.json is not None:
         write_json_atomic(args.json, payload)
-    if args.report:
+    if args.report is not None:
         write_report(args.report, "bisect", payload, ckpt.spec)
         print(f"report written to {args.report}")
     return EXIT_OK if result.passed else EXIT_FAIL

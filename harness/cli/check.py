@@ -41,9 +41,9 @@ def validate(args) -> None:
                    for flag, val, want_dir in (("--golden", args.golden, True), ("--prompts", args.prompts, False))
                    if val is not None})
     outputs: dict = {}
-    if args.json:
+    if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
-    if args.report:
+    if args.report is not None:
         v.replaceable_report(v.output_location(args.report, "--report", True, inputs, outputs), "--report")
     v.clean_leftovers(outputs.values())
     ckpt = v.open_checkpoint(args)
@@ -71,8 +71,8 @@ def run(args) -> int:
                               buckets=args.buckets, kv_len=args.kv_len, progress=True)
     print(format_check(result))
     payload = with_generator(result.to_json(), "check")
-    if args.json:
+    if args.json is not None:
         write_json_atomic(args.json, payload)
-    if args.report:
+    if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
     return EXIT_OK if result.passed else EXIT_FAIL

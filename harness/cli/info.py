@@ -28,10 +28,10 @@ def validate(args) -> None:
     v._dtype(args, DTYPE_BYTES)
     inputs = v.model_inputs(args)
     outputs: dict = {}
-    if args.json:
+    if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
     v.clean_leftovers(outputs.values())
-    if args.config:
+    if args.config is not None:
         args.spec, args.ckpt = load_spec(args.config), None
     else:
         args.spec = v.open_checkpoint(args).spec
@@ -47,6 +47,6 @@ def run(args) -> int:
         print(args.ckpt.describe())
     payload = plan_summary(args.spec, args.tp, args.dtype, args.kv_len)
     print(format_info(payload))
-    if args.json:
+    if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))
     return EXIT_OK

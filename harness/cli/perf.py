@@ -8,7 +8,7 @@ from pathlib import Path
 
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, buckets_arg, with_generator
-from harness.errors import HarnessInputError, OptionError, OutputError
+from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP,
                           PUBLISHED_BUCKET, append_history, compare_files, compare_history, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
@@ -90,7 +90,7 @@ def validate_bench(args) -> None:
         raise OutputError(f"--out {out}: already exists; pass --force to overwrite it or choose another --out")
     if out.exists():
         v.replaceable_file(out, "--out", _is_bench_result)
-    if args.history:
+    if args.history is not None:
         v.output_location(args.history, "--history", True, inputs, outputs)
     v.clean_leftovers(outputs.values())
     ckpt = v.open_checkpoint(args)
@@ -129,6 +129,9 @@ def validate_compare(args) -> None:
     v._finite(args.alpha, "--alpha", 0.0, 1.0, low_open=True)
     args.budgets = parse_budgets(args.budget)
     if args.history and not (args.baseline or args.current):
+        if not Path(args.history).exists():
+            raise InputFileError(f"--history {args.history}: history directory not found; create it with "
+                                 f"`gemma-parity bench ... --history {args.history}`")
         history = v.input_path(args.history, "--history", want_dir=True)
         inputs = {"--history": history}
         files = sorted(history.glob("*.json"))
@@ -141,10 +144,10 @@ def validate_compare(args) -> None:
     for file in files:
         _check_result_file(file)
     outputs: dict = {}
-    if args.markdown:
+    if args.markdown is not None:
         v.replaceable_file(v.output_location(args.markdown, "--markdown", False, inputs, outputs), "--markdown",
                            v._markdown_is_ours)
-    if args.json:
+    if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
     v.clean_leftovers(outputs.values())
 
@@ -158,20 +161,20 @@ def run_bench_command(args) -> int:
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
     print(f"wrote {args.out}", file=sys.stderr)
-    if args.history:
+    if args.history is not None:
         print(f"added {append_history(result, args.history)}", file=sys.stderr)
     return EXIT_OK
 
 
 def run_compare_command(args) -> int:
     options = dict(factor=args.factor, alpha=args.alpha, budgets=args.budgets, allow_mismatch=args.allow_mismatch)
-    if args.history:
+    if args.history is not None:
         comp = compare_history(args.history, **options)
     else:
         comp = compare_files(args.baseline, args.current, **options)
     print(render_text(comp), end="")
     if args.markdown:  # a report, rewritten each run
         write_text(args.markdown, render_markdown(comp) + f"\n{v.MARKDOWN_MARK}\n", overwrite=True)
-    if args.json:
+    if args.json is not None:
         write_json(args.json, with_generator(comp.to_dict(), "perf compare"), overwrite=True)
     return EXIT_FAIL if comp.failed else EXIT_OK

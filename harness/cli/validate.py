@@ -45,7 +45,7 @@ def _finite(value: float, flag: str, low: float, high: float | None = None, low_
         raise OptionError(f"{flag} {value}: must be a finite number in {span}")
 
 
-def _refuse_nul(args) -> None:
+def refuse_nul(args) -> None:
     for name, value in vars(args).items():
         if isinstance(value, str) and "\0" in value:
             raise OptionError(f"--{name.replace('_', '-')} {value!r}: a path cannot contain a NUL byte")
@@ -195,9 +195,9 @@ def model_inputs(args) -> dict[str, Path]:
     """The checkpoint this run reads: --checkpoint, or the tiny model's cache entry."""
     from harness.checkpoint import tiny_checkpoint_path
 
-    if getattr(args, "config", None):
+    if getattr(args, "config", None) is not None:
         return {"--config": input_path(args.config, "--config", want_dir=False)}
-    if getattr(args, "checkpoint", None):
+    if getattr(args, "checkpoint", None) is not None:
         return {"--checkpoint": input_path(args.checkpoint, "--checkpoint", want_dir=True)}
     return {"the tiny-model cache entry": tiny_checkpoint_path(getattr(args, "seed", 0) or 0)}
 
