@@ -163,7 +163,15 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def _normal_modes(tmp: Path) -> None:
+    """What a user's umask gives: some writers (safetensors) create files 0600."""
+    for path in tmp.rglob("*"):
+        if not path.is_symlink():
+            os.chmod(path, _apply_umask(DIR_MODE if path.is_dir() else FILE_MODE))
+
+
 def _rename_into_place(tmp: Path, out_dir: Path, replace: bool) -> None:
+    _normal_modes(tmp)
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         if not replace:
             raise _exists_error(out_dir)
