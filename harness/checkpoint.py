@@ -361,7 +361,14 @@ def _key_map(path: Path, files: list[Path], weight_map: dict[str, str] | None) -
 # ---- the tiny fixture -----------------------------------------------------------------------
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("GEMMA_PARITY_CACHE", Path.home() / ".cache" / "gemma-parity"))
+    """$GEMMA_PARITY_CACHE (an empty value counts as unset), else ~/.cache/gemma-parity."""
+    if os.environ.get("GEMMA_PARITY_CACHE", "").strip():
+        return Path(os.environ["GEMMA_PARITY_CACHE"])
+    try:
+        return Path.home() / ".cache" / "gemma-parity"
+    except RuntimeError:
+        raise OutputError("no home directory to keep the tiny-model cache in; set GEMMA_PARITY_CACHE "
+                          "to a writable directory") from None
 
 
 def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, config_path: str | Path = TINY_CONFIG,

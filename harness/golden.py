@@ -262,8 +262,9 @@ def _check_consistency(path: Path, manifest: dict, tensors: dict, spec) -> None:
             raise _inconsistent(path, f"results.{dtype} must have one entry per prompt ({len(prompts)})")
         for k, (prompt, run) in enumerate(zip(prompts, runs)):
             generated = run.get("generated") if isinstance(run, dict) else None
+            vocab = spec.vocab_size if spec is not None else float("inf")
             if not isinstance(generated, list) or len(generated) != new_tokens or not all(
-                    is_token_id(t) and t >= 0 for t in generated):
+                    is_token_id(t) and 0 <= t < vocab for t in generated):
                 raise _inconsistent(path, f"results.{dtype}[{k}].generated must be {new_tokens} token ids")
             _check_prompt_tensors(path, tensors, f"{dtype}.p{k}.", len(prompt), new_tokens, num_layers, spec)
 

@@ -111,6 +111,8 @@ def _unsupported(source: str, key: str, value, why: str) -> ConfigError:
 # different, smaller model): each must be present and a positive integer.
 REQUIRED_DIMENSIONS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                        "num_key_value_heads", "head_dim", "vocab_size")
+MAX_DIMENSION = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+                 "num_global_key_value_heads": 4096}
 OPTIONAL_DIMENSIONS = ("global_head_dim", "num_global_key_value_heads", "sliding_window",
                        "max_position_embeddings")
 
@@ -129,6 +131,8 @@ def _positive_int(text: dict, key: str, source: str, required: bool) -> int | No
     value = text[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _bad_value(source, key, value, "must be a positive integer")
+    if value > MAX_DIMENSION.get(key, 2 ** 31 - 1):
+        raise _bad_value(source, key, value, f"is implausibly large (at most {MAX_DIMENSION.get(key, 2 ** 31 - 1)})")
     return value
 
 
@@ -277,8 +281,13 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
         layers=tuple(layers),
         inert_parts=tuple(inert),
         source=source,
-        max_positions=text.get("max_position_embeddings"),
+        max_positions=_max_positions(text, tc),
     )
+
+
+def _max_positions(text: dict, tc) -> int | None:
+    value = text.get("max_position_embeddings", getattr(tc, "max_position_embeddings", None))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _placeholder_ids(config: dict, source: str) -> tuple[int, ...]:

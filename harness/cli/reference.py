@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args
-from harness.errors import OptionError
+from harness.errors import OptionError, OutputError
 from harness.prompts import DEFAULT_NEW_TOKENS
 
 
@@ -25,7 +25,7 @@ def add_command(sub) -> None:
 
 
 def validate(args) -> None:
-    from harness.golden import check_replaceable
+    from harness.golden import check_replaceable, is_golden_dir
     from harness.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
 
     if args.stream and args.new_tokens is not None:
@@ -39,6 +39,10 @@ def validate(args) -> None:
     if args.prompts is not None:
         inputs["--prompts"] = v.input_path(args.prompts, "--prompts", want_dir=False)
     out = v.output_location(args.out, "--out", True, inputs, {})
+    inside = next((d for d in out.resolve().parents if is_golden_dir(d)), None)
+    if inside is not None:
+        raise OutputError(f"--out {out}: is inside the golden {inside}; a golden holds only its own two "
+                          "files. Choose a location outside it.")
     check_replaceable(out, args.overwrite)
     v.clean_leftovers([out])
     ckpt = v.open_checkpoint(args)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -30,10 +31,16 @@ LEGACY_RESULT_KEYS = ({"passed", "seq_match", "layers"}, {"mode", "layers"}, {"l
 
 # ---- numbers and flags -------------------------------------------------------------------------
 
+MAX_INT = 2 ** 62  # beyond any sensible count, and beyond what torch's seeds and sizes take
+
+
 def _int_option(args, name: str, low: int, flag: str | None = None) -> int | None:
     value = getattr(args, name, None)
+    flag = flag or "--" + name.replace("_", "-")
     if value is not None and value < low:
-        raise OptionError(f"{flag or '--' + name.replace('_', '-')} {value}: must be at least {low}")
+        raise OptionError(f"{flag} {value}: must be at least {low}")
+    if value is not None and value > MAX_INT:
+        raise OptionError(f"{flag} {value}: too large (at most {MAX_INT})")
     return value
 
 
@@ -188,6 +195,8 @@ def input_path(value: str | None, flag: str, want_dir: bool) -> Path | None:
         raise InputFileError(f"{flag} {path}: is not a directory; give the directory")
     if not want_dir and path.is_dir():
         raise InputFileError(f"{flag} {path}: is a directory; give the file")
+    if not want_dir and not (path.is_file() or stat.S_ISFIFO(path.stat().st_mode)):
+        raise InputFileError(f"{flag} {path}: is not a regular file (a device or socket); give a file")
     return path
 
 
@@ -232,7 +241,10 @@ def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     """Read and verify the golden for the checkpoint's spec; prompts and tokens come from it."""
     from harness.golden import GoldenError, read_golden, same_weights
 
+    from harness.prompts import validate_prompt_ids
+
     golden = read_golden(args.golden, expected_spec=args.ckpt.spec)
+    validate_prompt_ids(args.ckpt.spec, golden.prompts, f"golden {args.golden}")
     args.golden_same_weights = same_weights(golden, args.ckpt)
     if refuse_other_weights and args.golden_same_weights is False:
         raise GoldenError(

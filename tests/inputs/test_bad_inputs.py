@@ -299,6 +299,15 @@ case("checkpoint-missing", "--checkpoint {tmp}/nothing: not found")(lambda c: ch
 case("checkpoint-empty-string", "--checkpoint: empty path")(lambda c: ["check", "--checkpoint", ""])
 case("prompts-empty-string-path", "--prompts: empty path")(lambda c: check_argv(c, "--prompts", ""))
 case("golden-empty-string-path", "--golden: empty path")(lambda c: ["bisect", "--model", "tiny", "--golden", ""])
+case("prompts-a-device", "--prompts /dev/zero: is not a regular file")(lambda c: check_argv(c, "--prompts", "/dev/zero"))
+case("config-a-device", "--config /dev/zero: is not a regular file")(lambda c: ["info", "--config", "/dev/zero"])
+case("seed-too-large", "--seed 99999999999999999999: too large")(
+    lambda c: ["check", "--model", "tiny", "--seed", 99999999999999999999])
+case("new-tokens-too-large", "--new-tokens", "too large")(lambda c: check_argv(c, "--new-tokens", 10 ** 30))
+case("config-too-many-layers", "num_hidden_layers=100000", "implausibly large")(
+    info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update(num_hidden_layers=100000))))
+case("out-inside-a-golden", "is inside the golden")(
+    lambda c: ["reference", "--checkpoint", c.tiny, "--out", c.shared_golden / "sub"])
 case("checkpoint-is-a-file", "is not a directory")(lambda c: ["check", "--checkpoint", c.file("x", "x")])
 case("checkpoint-empty-directory", "config.json not found")(lambda c: ["info", "--checkpoint", c.tmp])
 
@@ -340,6 +349,11 @@ case("golden-manifest-a-list", "not a golden manifest")(
     check_golden(lambda c: (g := c.golden(), (g / "manifest.json").write_text("[]"))[0]))
 case("golden-is-a-file", "--golden {tmp}/g: is not a directory")(check_golden(lambda c: c.file("g", "x")))
 case("golden-empty-directory", "no manifest.json")(check_golden(lambda c: (c.tmp / "g").mkdir() or c.tmp / "g"))
+case("golden-prompt-outside-vocab", "golden", "token id 600 at position 0", "outside the vocabulary")(
+    check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["prompts"][0].__setitem__(0, 600))))
+case("golden-generated-outside-vocab", "results.float32[0].generated must be 2 token ids")(
+    check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"]["float32"][0][
+        "generated"].__setitem__(0, 9999))))
 case("golden-of-other-weights", "written from other weights", "gemma-parity bisect")(
     lambda c: ["check", "--checkpoint", rewrite_weights(c.ckpt(), lambda t: t[f"{TEXT}norm.weight"].mul_(2)),
                "--golden", c.shared_golden])

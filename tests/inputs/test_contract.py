@@ -309,3 +309,27 @@ def test_refusals_need_no_model_work_even_for_a_huge_decode(tmp_path, tiny0_dir)
     assert outcome.code == 2 and "--kv-len" in outcome.err and str(prompts) in outcome.err
     assert outcome.seconds < FAST_S
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("where, fragment", [("/sys/gemma-parity-cache", "/sys/gemma-parity-cache: cannot use the "
+                                              "tiny-model cache"),
+                                             ("FILE", "the tiny-model cache is not a directory")])
+def test_an_unusable_cache_location_is_an_environment_error(tmp_path, monkeypatch, capsys, where, fragment):
+    """GEMMA_PARITY_CACHE on a read-only or non-directory location: exit 2 naming it and the
+    variable, nothing created."""
+    if where == "FILE":
+        where = str(tmp_path / "file")
+        Path(where).write_text("x")
+        fragment = f"{where}: {fragment}"
+    monkeypatch.setenv("GEMMA_PARITY_CACHE", where)
+    before = snapshot(tmp_path)
+    outcome = run_inprocess(["info", "--model", "tiny"], capsys)
+    assert outcome.code == 2 and fragment in outcome.err and "GEMMA_PARITY_CACHE" in outcome.err
+    assert snapshot(tmp_path) == before
+
+
+def test_an_empty_cache_variable_means_the_default(monkeypatch):
+    from harness.checkpoint import cache_dir
+
+    monkeypatch.setenv("GEMMA_PARITY_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "gemma-parity"
