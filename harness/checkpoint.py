@@ -78,6 +78,7 @@ class Checkpoint:
     key_to_file: dict[str, Path]
     ignored_keys: list[str] = field(default_factory=list)
     ignored_files: list[str] = field(default_factory=list)
+    _hashes: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | Path, validate: bool = True) -> "Checkpoint":
@@ -205,8 +206,12 @@ class Checkpoint:
         return sorted(set(self.key_to_file.values()))
 
     def file_hashes(self) -> dict[str, str]:
-        files = sorted(set(self.weight_files()) | {self.path / "config.json"})
-        return {p.name: sha256_file(p) for p in files}
+        """sha256 of config.json and every loaded safetensors file (computed once per opening: a
+        12B's shards take a while to hash)."""
+        if self._hashes is None:
+            files = sorted(set(self.weight_files()) | {self.path / "config.json"})
+            self._hashes = {p.name: sha256_file(p) for p in files}
+        return dict(self._hashes)
 
 
 def _check_stored(file: Path, key: str, view, shape: tuple[int, ...]) -> None:

@@ -292,6 +292,8 @@ def same_weights(golden: Golden, checkpoint) -> bool | None:
     recorded = {k: v for k, v in recorded.items() if k != "config.json"} if isinstance(recorded, dict) else {}
     if not recorded:
         return None
+    if hasattr(checkpoint, "weight_files") and set(recorded) != {f.name for f in checkpoint.weight_files()}:
+        return False  # other shard files: no need to hash anything
     current = {k: v for k, v in checkpoint.file_hashes().items() if k != "config.json"}
     return recorded == current
 
