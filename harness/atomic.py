@@ -206,8 +206,9 @@ def _pid_alive(pid: int) -> bool:
 
 
 def is_stale(entry: Path, now: float | None = None, max_age_s: float = STALE_AFTER_S) -> bool:
-    """A temp of this tool whose writer is gone: a dead pid on this host, or older than max_age_s
-    (a writer on another host cannot be asked). A live run's temp is never stale."""
+    """A temp of this tool (its name carries the writer's pid and host) whose writer is gone: a dead
+    pid on this host, or older than max_age_s from another host (which cannot be asked). A live
+    run's temp is never stale, and a name without the writer's tag is never this tool's."""
     if not entry.name.startswith(TEMP_MARK):
         return False
     try:
@@ -215,7 +216,9 @@ def is_stale(entry: Path, now: float | None = None, max_age_s: float = STALE_AFT
     except OSError:
         return False
     owner = _OWNER.search(entry.name[len(TEMP_MARK):])
-    if owner and owner["host"] == _HOST:
+    if owner is None:
+        return False  # not named by this tool (a user's file that happens to start the same way)
+    if owner["host"] == _HOST:
         pid = int(owner["pid"])
         return pid != os.getpid() and not _pid_alive(pid)
     return age > max_age_s

@@ -127,6 +127,10 @@ def _check_result_file(path: Path) -> None:
 def validate_compare(args) -> None:
     v._finite(args.factor, "--factor", 1.0)
     v._finite(args.alpha, "--alpha", 0.0, 1.0, low_open=True)
+    names = [str(item).partition("=")[0].strip() for item in args.budget]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise OptionError(f"--budget {twice[0]}: given more than once; give each metric's ceiling once")
     args.budgets = parse_budgets(args.budget)
     if args.history and not (args.baseline or args.current):
         if not Path(args.history).exists():

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import stat
 import sys
 import tempfile
 from pathlib import Path
 
-from harness.atomic import TEMP_MARK, clean_stale_temps
+from harness.atomic import clean_stale_temps, temp_prefix
 from harness.errors import InputFileError, OptionError, OutputError, os_problem
 
 REPORT_FILES = {f"{kind}{ext}" for kind in ("check", "bisect") for ext in (".md", ".json", "_errors.png")}
@@ -102,7 +103,7 @@ def _probe_writable(path: Path, flag: str) -> None:
     if not base.is_dir():
         raise OutputError(f"{flag} {path}: {base} is a file, not a directory; fix the path")
     try:
-        with tempfile.NamedTemporaryFile(prefix=f"{TEMP_MARK}probe.", dir=base):
+        with tempfile.NamedTemporaryFile(prefix=temp_prefix("probe"), dir=base):
             pass
     except OSError as exc:
         raise OutputError(f"{flag} " + os_problem(exc, path)) from None
@@ -115,6 +116,8 @@ def output_location(value: str, flag: str, want_dir: bool, inputs: dict[str, Pat
     if not value or not value.strip():
         raise OptionError(f"{flag}: empty path; give a {'directory' if want_dir else 'file'} path")
     path = Path(value)
+    if len(os.fsencode(path.name)) > 255:
+        raise OutputError(f"{flag} {path}: the name is longer than 255 bytes; choose a shorter name")
     if path.is_symlink():
         raise OutputError(f"{flag} {path}: is a symbolic link; give the real path (nothing is written "
                           "through links, so a link cannot redirect an overwrite)")
@@ -164,7 +167,8 @@ def replaceable_file(path: Path, flag: str, ours) -> None:
 
 def replaceable_report(path: Path, flag: str) -> None:
     if path.is_dir():
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in REPORT_FILES)
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in REPORT_FILES or not p.is_file()
+                         or p.is_symlink())
         if foreign:
             raise OutputError(f"{flag} {path}: holds files that are not part of a gemma-parity report "
                               f"({', '.join(foreign[:5])}); choose a new or empty --report directory")
@@ -244,6 +248,7 @@ def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     from harness.prompts import validate_prompt_ids
 
     golden = read_golden(args.golden, expected_spec=args.ckpt.spec)
+    golden.results("bfloat16")  # the noise envelope: check and bisect need it (refused here, not later)
     validate_prompt_ids(args.ckpt.spec, golden.prompts, f"golden {args.golden}")
     args.golden_same_weights = same_weights(golden, args.ckpt)
     if refuse_other_weights and args.golden_same_weights is False:

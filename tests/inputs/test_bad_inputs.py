@@ -118,6 +118,8 @@ for value in ("0", "1", "1.5", "nan", "-0.1"):
     case(f"alpha-{value}", f"--alpha {float(value)}", "(0, 1)")(lambda c, value=value: compare_argv(c, f"--alpha={value}"))
 for value in ("prefill_ms=-1", "prefill_ms=0", "prefill_ms=nan", "prefill_ms=inf", "=5", "prefill_ms"):
     case(f"budget-{value}", f"--budget '{value}'")(lambda c, value=value: compare_argv(c, f"--budget={value}"))
+case("budget-twice", "--budget prefill_ms: given more than once")(
+    lambda c: compare_argv(c, "--budget", "prefill_ms=100", "--budget", "prefill_ms=50"))
 case("samples-negative", "metrics.prefill_ms[1] = -3.0", "positive finite duration")(
     lambda c: compare_argv(c, current=perf_result(prefill=(10.0, -3.0, 10.0))))
 case("samples-zero", "metrics.decode_ms_per_token[0] = 0", "positive")(
@@ -217,6 +219,9 @@ case("json-nul-byte", "NUL byte")(lambda c: ["info", "--model", "tiny", "--json"
 case("json-symlink", "--json {tmp}/link.json: is a symbolic link")(
     lambda c: ["info", "--model", "tiny", "--json", os.symlink(c.file("t.json", "{}"), c.tmp / "link.json")
                or c.tmp / "link.json"])
+case("json-name-too-long", "longer than 255 bytes")(lambda c: ["info", "--model", "tiny", "--json", c.tmp / ("x" * 300)])
+case("report-entry-is-a-directory", "not part of a gemma-parity report (check.json)")(
+    lambda c: check_argv(c)[:-2] + ["--report", (c.tmp / "r" / "check.json").mkdir(parents=True) or c.tmp / "r"])
 case("json-unwritable-location", "--json /sys/gemma-parity.json", "permission denied")(
     lambda c: ["info", "--model", "tiny", "--json", "/sys/gemma-parity.json"])
 case("report-is-a-file", "--report {tmp}/r: exists and is not a directory")(
@@ -354,6 +359,8 @@ case("golden-prompt-outside-vocab", "golden", "token id 600 at position 0", "out
 case("golden-generated-outside-vocab", "results.float32[0].generated must be 2 token ids")(
     check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"]["float32"][0][
         "generated"].__setitem__(0, 9999))))
+case("golden-without-bfloat16", "no bfloat16 reference in this golden")(
+    check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"].pop("bfloat16"))))
 case("golden-of-other-weights", "written from other weights", "gemma-parity bisect")(
     lambda c: ["check", "--checkpoint", rewrite_weights(c.ckpt(), lambda t: t[f"{TEXT}norm.weight"].mul_(2)),
                "--golden", c.shared_golden])

@@ -249,10 +249,13 @@ def test_stale_temps_are_removed_and_live_ones_kept(tmp_path, capsys):
         other_old = _temp(tmp_path, "golden", 1234, host="0badc0de", age_s=3 * 86400, suffix="def456")
         users = tmp_path / "partial-notes.txt"
         users.write_text("not ours")
+        lookalike = tmp_path / ".partial-notes.markdown"  # starts like a temp, but has no writer tag
+        lookalike.write_text("the user's")
+        os.utime(lookalike, (time.time() - 9 * 86400, time.time() - 9 * 86400))
         outcome = run_inprocess(["info", "--model", "tiny", "--json", tmp_path / "info.json"], capsys)
         assert outcome.code == 0, outcome.err
         assert not dead.exists() and not other_old.exists()
-        assert live.exists() and other_fresh.exists() and users.exists()
+        assert live.exists() and other_fresh.exists() and users.exists() and lookalike.exists()
         assert f"removed {dead}" in outcome.err
     finally:
         live_writer.kill()
