@@ -54,13 +54,15 @@ def run(args) -> int:
     print(ckpt.describe())
     result, payload = bisect_golden(ckpt, args.golden, args.mode, args.backend, args.tp, torch_dtype(args.dtype),
                                     args.buckets, args.kv_len, progress=True)
-    print(f"golden {args.golden}: {len(result.prompt_lengths)} prompt(s); written from "
-          f"{'these same weights' if payload['golden_from_same_weights'] else 'other weights (checkpoint hashes differ)'}")
-    print(format_bisect(payload))
+    text = format_bisect(payload)
     payload = with_generator(payload, "bisect")
-    if args.json is not None:
+    if args.json is not None:  # the files first: a verdict is printed only once they are written
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "bisect", payload, ckpt.spec)
+    print(f"golden {args.golden}: {len(result.prompt_lengths)} prompt(s); written from "
+          f"{'these same weights' if payload['golden_from_same_weights'] else 'other weights (checkpoint hashes differ)'}")
+    print(text)
+    if args.report is not None:
         print(f"report written to {args.report}")
     return EXIT_OK if result.passed else EXIT_FAIL

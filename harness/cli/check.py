@@ -69,10 +69,12 @@ def run(args) -> int:
     result = run_parity_check(ckpt, args.ckpt_dir, golden=args.golden, prompts=args.prompts, backend=args.backend,
                               tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
                               buckets=args.buckets, kv_len=args.kv_len, progress=True)
-    print(format_check(result))
     payload = with_generator(result.to_json(), "check")
+    # The files first: a verdict is printed only once everything asked for is written, so that
+    # "PARITY PASS" is never followed by an exit status other than 0.
     if args.json is not None:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
+    print(format_check(result))
     return EXIT_OK if result.passed else EXIT_FAIL
