@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from harness import FIXTURES_DIR
 from harness.atomic import atomic_directory, clean_stale_temps
-from harness.errors import CheckpointError, HarnessInputError, InputFileError, NumericsError, OutputError, os_problem, read_problem
+from harness.errors import (CheckpointError, HarnessInputError, InputFileError, NumericsError, OutputError, os_problem,
+                            read_problem)
 from harness.spec import LayerSpec, ModelSpec, load_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")

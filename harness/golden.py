@@ -252,7 +252,7 @@ def _check_consistency(path: Path, manifest: dict, tensors: dict, spec) -> None:
     if not is_token_id(new_tokens) or new_tokens < 0:
         raise _inconsistent(path, f"new_tokens {new_tokens!r} is not a non-negative integer")
     if not isinstance(results, dict) or "float32" not in results or set(results) - set(DTYPES):
-        raise _inconsistent(path, f"results must hold float32 (and bfloat16), nothing else")
+        raise _inconsistent(path, "results must hold float32 (and bfloat16), nothing else")
     num_layers = spec.num_layers if spec is not None else manifest.get("num_layers")
     if not is_token_id(num_layers) or num_layers < 1:
         raise _inconsistent(path, f"num_layers {num_layers!r} is not a positive integer")

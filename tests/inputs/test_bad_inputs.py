@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
-from tests.inputs.scenarios import (FAST_S, TEXT, WEIGHTS, copy_checkpoint, edit_config, perf_result,
+from tests.inputs.scenarios import (FAST_S, TEXT, copy_checkpoint, edit_config, perf_result,
                                     rehash_golden, rewrite_weights, run_inprocess, small_golden, snapshot,
                                     split_weights, write_json)
 

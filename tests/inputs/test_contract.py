@@ -336,3 +336,34 @@ def test_an_empty_cache_variable_means_the_default(monkeypatch):
 
     monkeypatch.setenv("GEMMA_PARITY_CACHE", "")
     assert cache_dir() == Path.home() / ".cache" / "gemma-parity"
+
+
+def test_a_write_that_fails_after_the_check_is_exit_2_and_no_verdict(tmp_path, tiny0_dir, shared_golden,
+                                                                     monkeypatch, capsys):
+    """The disk fills up while `check` writes --json after a passing run: exit 2 naming the path,
+    and no "PARITY PASS" printed before it (CI must never see a verdict followed by a failure)."""
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(harness.atomic.os, "fsync", full)
+    out = tmp_path / "check.json"
+    outcome = run_inprocess(["check", "--checkpoint", tiny0_dir, "--golden", shared_golden, "--json", out], capsys)
+    assert outcome.code == 2, outcome.err
+    assert f"{out}: cannot write (No space left on device)" in outcome.err
+    assert "PARITY" not in outcome.out
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["atomic-exchange", "move-aside"])
+def test_replace_swaps_in_the_new_directory_either_way(tmp_path, monkeypatch, exchange):
+    """With the kernel's atomic exchange, and without it (move aside, rename in): the new content
+    replaces the old, and nothing is left beside it."""
+    if not exchange:
+        monkeypatch.setattr(harness.atomic, "_exchange", lambda a, b: False)
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old-only").write_text("old")
+    with atomic_directory(target, replace=True) as tmp:
+        (tmp / "new-only").write_text("new")
+    assert sorted(p.name for p in target.iterdir()) == ["new-only"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
