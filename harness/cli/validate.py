@@ -251,6 +251,9 @@ def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     golden.results("bfloat16")  # the noise envelope: check and bisect need it (refused here, not later)
     validate_prompt_ids(args.ckpt.spec, golden.prompts, f"golden {args.golden}")
     args.golden_same_weights = same_weights(golden, args.ckpt)
+    if args.golden_same_weights is None:
+        print(f"gemma-parity: note: golden {args.golden} records no checkpoint hashes; whether it was written "
+              "from these weights cannot be checked", file=sys.stderr)
     if refuse_other_weights and args.golden_same_weights is False:
         raise GoldenError(
             f"--golden {args.golden}: written from other weights than {args.ckpt_dir} (the safetensors "
