@@ -253,9 +253,9 @@ def _check_consistency(path: Path, manifest: dict, tensors: dict, spec) -> None:
         raise _inconsistent(path, f"new_tokens {new_tokens!r} is not a non-negative integer")
     if not isinstance(results, dict) or "float32" not in results or set(results) - set(DTYPES):
         raise _inconsistent(path, "results must hold float32 (and bfloat16), nothing else")
-    num_layers = spec.num_layers if spec is not None else manifest.get("num_layers")
-    if not is_token_id(num_layers) or num_layers < 1:
-        raise _inconsistent(path, f"num_layers {num_layers!r} is not a positive integer")
+    num_layers = manifest.get("num_layers")
+    if not is_token_id(num_layers) or num_layers < 1 or (spec is not None and num_layers != spec.num_layers):
+        raise _inconsistent(path, f"num_layers {num_layers!r} is not the spec's layer count")
     for dtype in sorted(results):
         runs = results[dtype]
         if not isinstance(runs, list) or len(runs) != len(prompts):
@@ -288,7 +288,8 @@ def same_weights(golden: Golden, checkpoint) -> bool | None:
     """Whether the golden was written from these weights (their safetensors files' sha256); None
     when the golden records no checkpoint hashes. config.json is left out: the spec hash covers the
     architecture, and a reformatted config does not change a weight."""
-    recorded = (golden.manifest.get("checkpoint") or {}).get("files") or {}
+    provenance = golden.manifest.get("checkpoint")
+    recorded = provenance.get("files") if isinstance(provenance, dict) else None
     recorded = {k: v for k, v in recorded.items() if k != "config.json"} if isinstance(recorded, dict) else {}
     if not recorded:
         return None

@@ -164,14 +164,16 @@ def _validate_dimensions(text: dict, source: str) -> None:
             raise _bad_value(source, dim_key, dims[dim_key], "must be even (rotary embeddings pair lanes)")
     _positive_number(text, "rms_norm_eps", source)
     _positive_number(text, "final_logit_softcapping", source)
-    pad = text.get("pad_token_id")
-    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < dims["vocab_size"]):
-        raise _bad_value(source, "pad_token_id", pad, f"must be a token id in [0, vocab_size={dims['vocab_size']})")
+    for id_key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ids = text.get(id_key)
+        for t in (ids if isinstance(ids, list) and id_key == "eos_token_id" else [ids]):
+            if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < dims["vocab_size"]):
+                raise _bad_value(source, id_key, ids, f"must be a token id in [0, vocab_size={dims['vocab_size']})")
     rope = text.get("rope_parameters")
     if isinstance(rope, dict):
         for kind, params in rope.items():
             if isinstance(params, dict):
-                _positive_number(params, "rope_theta", f"{source}: rope_parameters.{kind}")
+                _positive_number(params, "rope_theta", f"{source}: rope_parameters.{kind}", allow_none=False)
                 factor = params.get("partial_rotary_factor")
                 if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
                                            or not 0 < factor <= 1):
@@ -245,7 +247,10 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
         if layer_type not in (SLIDING, FULL):
             raise _unsupported(source, f"layer_types[{i}]", layer_type, "unknown attention type")
         per_layer = tc.per_layer_config[i]
-        rope = tc.rope_parameters[layer_type]
+        rope = (tc.rope_parameters or {}).get(layer_type) if isinstance(tc.rope_parameters, dict) else None
+        if not isinstance(rope, dict) or "rope_theta" not in rope:
+            raise _bad_value(source, f"rope_parameters.{layer_type}", rope, "must be an object with rope_theta "
+                             f"for the {layer_type} layers")
         is_full = layer_type == FULL
         layers.append(LayerSpec(
             index=i,
@@ -257,7 +262,8 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
             window=None if is_full else int(tc.sliding_window),
             rope_type=str(rope.get("rope_type", "default")),
             rope_theta=float(rope["rope_theta"]),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+            partial_rotary_factor=float(1.0 if rope.get("partial_rotary_factor") is None
+                                        else rope["partial_rotary_factor"]),
         ))
         if layers[-1].rope_type not in ("default", "proportional"):
             raise _unsupported(source, f"rope_parameters.{layer_type}.rope_type",

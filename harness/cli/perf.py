@@ -98,10 +98,35 @@ def validate_bench(args) -> None:
     v.check_kv_len(ckpt.spec, kv_len)
 
 
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _field_problem(data: dict, source: str) -> str | None:
+    """The fields perf reads as numbers and dates: a wrong type there is a broken file."""
+    from datetime import datetime
+
+    for key in ("prefill_bucket", "tp"):
+        if key in data and not _positive_int(data[key]):
+            return f"{source}: {key} = {data[key]!r} is not a positive integer; the file is corrupted or was edited"
+    if "created" in data:
+        try:
+            datetime.fromisoformat(data["created"])
+        except (TypeError, ValueError):
+            return f"{source}: created = {data['created']!r} is not an ISO date; the file is corrupted or was edited"
+    buckets = data.get("prefill_ms_by_bucket")
+    if isinstance(buckets, dict) and not all(str(b).isdigit() and int(b) > 0 for b in buckets):
+        return f"{source}: prefill_ms_by_bucket keys {sorted(buckets)!r} must be bucket sizes; re-run the benchmark"
+    return None
+
+
 def _sample_problem(data, source: str) -> str | None:
     """Timing samples must be positive: a zero or negative duration is a broken file, not a speed."""
     if not isinstance(data, dict):
         return None  # perf.validate_result names the structural problem
+    problem = _field_problem(data, source)
+    if problem:
+        return problem
     lists = {f"metrics.{k}": val for k, val in (data.get("metrics") or {}).items()} if isinstance(
         data.get("metrics"), dict) else {}
     if isinstance(data.get("prefill_ms_by_bucket"), dict):
