@@ -34,6 +34,7 @@ TEMP_MARK = ".partial-"  # temp names start with this, so leftovers of a killed 
 FILE_MODE = 0o644  # what a user's umask normally gives; mkstemp alone would leave 0600
 DIR_MODE = 0o755
 STALE_AFTER_S = 24 * 3600  # a temp whose writer cannot be checked (another host) is stale after this
+PID_REUSED_AFTER_S = 7 * 24 * 3600
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 _OWNER = re.compile(r"\.(?P<pid>\d+)@(?P<host>[0-9a-f]{8})\.")
 _OLD_TARGET = "TARGET"  # inside a moved-aside old directory: the name it came from
@@ -220,7 +221,8 @@ def is_stale(entry: Path, now: float | None = None, max_age_s: float = STALE_AFT
         return False  # not named by this tool (a user's file that happens to start the same way)
     if owner["host"] == _HOST:
         pid = int(owner["pid"])
-        return pid != os.getpid() and not _pid_alive(pid)
+        # a week-old temp of a "live" pid is a reused pid, not a run
+        return pid != os.getpid() and (not _pid_alive(pid) or age > PID_REUSED_AFTER_S)
     return age > max_age_s
 
 
