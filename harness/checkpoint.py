@@ -3,6 +3,7 @@ memory-mapped reads (a 12B never resident at once), pickle refusal, and the tiny
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -13,8 +14,9 @@ import torch
 from safetensors import safe_open
 
 from harness import FIXTURES_DIR
-from harness.atomic import atomic_directory
-from harness.errors import CheckpointError, HarnessInputError, NumericsError
+from harness.atomic import atomic_directory, clean_stale_temps
+from harness.errors import (CheckpointError, HarnessInputError, InputFileError, NumericsError, OutputError, os_problem,
+                            read_problem)
 from harness.spec import LayerSpec, ModelSpec, load_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -25,6 +27,11 @@ ROW_NORM_SPREAD = 0.5
 POST_NORM_LOW, POST_NORM_SPAN = 2.0, 3.0
 TINY_BUILDER_VERSION = 3
 TINY_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-tiny.json"
+SINGLE_FILE = "model.safetensors"  # what transformers loads first, when it exists
+INDEX_FILE = "model.safetensors.index.json"  # otherwise this index and the shards it lists
+# Weights the port and the reference cast to the run's dtype: integer or boolean tensors are not
+# weights of this model, and casting them would make up numbers.
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def expected_layer_shapes(spec: ModelSpec, layer: LayerSpec) -> dict[str, tuple[int, ...]]:
@@ -60,22 +67,30 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 @dataclass
 class Checkpoint:
-    """A checkpoint directory opened for reading, validated against its own config.json."""
+    """A checkpoint directory opened for reading, validated against its own config.json.
+
+    It reads exactly the files transformers' from_pretrained would load (model.safetensors when it
+    exists, else the index and the shards it lists, or the config's `transformers_weights`), so the
+    port and the reference always see the same tensors."""
 
     path: Path
     spec: ModelSpec
     prefix: str
     key_to_file: dict[str, Path]
     ignored_keys: list[str] = field(default_factory=list)
+    ignored_files: list[str] = field(default_factory=list)
+    _hashes: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | Path, validate: bool = True) -> "Checkpoint":
         path = Path(path)
         if not path.is_dir():
-            raise CheckpointError(f"{path}: not a directory. Pass the checkpoint directory "
+            what = "does not exist" if not path.exists() else "is not a directory"
+            raise CheckpointError(f"{path}: {what}. Pass the checkpoint directory "
                                   "(the one save_pretrained wrote, with config.json and *.safetensors).")
         spec = load_spec(path)
-        key_to_file = _index(path)
+        files, index_map, ignored_files = _weight_files(path)
+        key_to_file = _key_map(path, files, index_map)
         prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in key_to_file), None)
         if prefix is None:
             raise CheckpointError(
@@ -85,7 +100,8 @@ class Checkpoint:
             )
         # Everything outside the text decoder (the unified class's vision/audio embedders) is inert.
         ignored = [k for k in key_to_file if not k.startswith(prefix) and k != "lm_head.weight"]
-        ckpt = cls(path=path, spec=spec, prefix=prefix, key_to_file=key_to_file, ignored_keys=ignored)
+        ckpt = cls(path=path, spec=spec, prefix=prefix, key_to_file=key_to_file, ignored_keys=ignored,
+                   ignored_files=ignored_files)
         if validate:
             ckpt.validate()
         return ckpt
@@ -106,20 +122,34 @@ class Checkpoint:
         return shapes
 
     def validate(self) -> None:
-        """Every tensor the spec needs is present with the shape the config implies."""
-        for key, shape in self.expected_shapes().items():
+        """Every tensor the spec needs is present, floating point, with the shape the config
+        implies; no decoder tensor is left that the config does not account for."""
+        expected = self.expected_shapes()
+        for key, shape in expected.items():
             if key not in self.key_to_file:
                 raise CheckpointError(
                     f"{self.path}: key {key} is missing (config.json implies it with shape {shape}). "
                     "The checkpoint is incomplete or was saved from a different config."
                 )
-            with self._open(self.key_to_file[key]) as f:
-                got = tuple(f.get_slice(key).get_shape())
-            if got != shape:
-                raise CheckpointError(
-                    f"{self.key_to_file[key]}: {key} has shape {got} but config.json implies {shape}. "
-                    "The weights and config.json disagree; use the config the weights were saved with."
-                )
+        by_file: dict[Path, list[str]] = {}
+        for key in expected:
+            by_file.setdefault(self.key_to_file[key], []).append(key)
+        for file, keys in by_file.items():
+            with self._open(file) as f:
+                for key in keys:
+                    _check_stored(file, key, f.get_slice(key), expected[key])
+        self._refuse_unexpected_decoder_keys(expected)
+
+    def _refuse_unexpected_decoder_keys(self, expected) -> None:
+        extra = sorted(k for k in self.key_to_file
+                       if k.startswith(self.prefix) and k not in expected and k != "lm_head.weight")
+        if extra:
+            shown = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+            raise CheckpointError(
+                f"{self.key_to_file[extra[0]]}: decoder tensor(s) {shown} are not used by the model "
+                f"config.json describes ({self.spec.num_layers} layers; check num_hidden_layers, "
+                "layer_types and attention_k_eq_v). transformers would drop them silently; use the "
+                "config the weights were saved with.")
 
     def describe(self) -> str:
         lines = [f"checkpoint {self.path}: text decoder under '{self.prefix}', "
@@ -128,15 +158,13 @@ class Checkpoint:
         if self.ignored_keys:
             lines.append(f"{len(self.ignored_keys)} multimodal embedder tensors outside the text decoder "
                          "ignored (vision/audio embedders; the checkpoint has no encoder towers)")
+        if self.ignored_files:
+            lines.append(f"not loaded (transformers does not load them either): {', '.join(self.ignored_files)}")
         return "\n".join(lines)
 
     # -- reads (memory-mapped, one tensor at a time) -------------------------------------------
     def _open(self, file: Path):
-        try:
-            return safe_open(str(file), framework="pt")
-        except Exception as exc:
-            raise CheckpointError(f"{file}: cannot be read as safetensors ({exc}). The file is "
-                                  "truncated or corrupted; download or save it again.") from exc
+        return _safe_open(file)
 
     def get(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         if key not in self.key_to_file:
@@ -175,9 +203,30 @@ class Checkpoint:
         for key in self.expected_shapes():
             self.get(key)
 
+    def weight_files(self) -> list[Path]:
+        return sorted(set(self.key_to_file.values()))
+
     def file_hashes(self) -> dict[str, str]:
-        files = sorted({p for p in self.key_to_file.values()} | {self.path / "config.json"})
-        return {p.name: sha256_file(p) for p in files}
+        """sha256 of config.json and every loaded safetensors file (computed once per opening: a
+        12B's shards take a while to hash)."""
+        if self._hashes is None:
+            files = sorted(set(self.weight_files()) | {self.path / "config.json"})
+            self._hashes = {p.name: sha256_file(p) for p in files}
+        return dict(self._hashes)
+
+
+def _check_stored(file: Path, key: str, view, shape: tuple[int, ...]) -> None:
+    dtype = view.get_dtype()
+    if dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"{file}: {key} is stored as {dtype}, not a floating-point type "
+                              f"({', '.join(FLOAT_DTYPES)}). Casting it would make up weights; re-save "
+                              "the checkpoint from the model in float32 or bfloat16.")
+    got = tuple(view.get_shape())
+    if got != shape:
+        raise CheckpointError(
+            f"{file}: {key} has shape {got} but config.json implies {shape}. "
+            "The weights and config.json disagree; use the config the weights were saved with."
+        )
 
 
 def _all_finite(tensor: torch.Tensor, chunk_rows: int = 4096) -> bool:
@@ -187,49 +236,145 @@ def _all_finite(tensor: torch.Tensor, chunk_rows: int = 4096) -> bool:
     return all(bool(torch.isfinite(flat[i:i + chunk_rows]).all()) for i in range(0, flat.shape[0], chunk_rows))
 
 
-def _index(path: Path) -> dict[str, Path]:
-    """key -> safetensors file, from model.safetensors.index.json or the single/sharded files."""
-    index_file = path / "model.safetensors.index.json"
-    if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{index_file}: not a valid safetensors index ({exc})") from exc
-        files = {}
-        for key, name in weight_map.items():
-            file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{file}: shard listed in {index_file.name} for key {key} is "
-                                      "missing. Download the missing shard or re-save the checkpoint.")
-            files[key] = file
-        return files
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise CheckpointError(
-                f"{path}: only pickle weights found ({', '.join(pickles)}). Pickle checkpoints can "
-                "run arbitrary code when loaded and are refused: convert to safetensors "
-                "(model.save_pretrained(dir, safe_serialization=True)) and point the tool there."
-            )
-        raise CheckpointError(f"{path}: no *.safetensors files. Pass a checkpoint directory "
-                              "written by save_pretrained.")
-    files = {}
-    for shard in shards:
-        try:
-            with safe_open(str(shard), framework="pt") as f:
-                for key in f.keys():
-                    files[key] = shard
-        except Exception as exc:
-            raise CheckpointError(f"{shard}: cannot be read as safetensors ({exc}). The file is "
-                                  "truncated or corrupted; download or save it again.") from exc
-    return files
+def _safe_open(file: Path):
+    """safe_open, after a plain read of the file's first bytes so that permission problems are
+    reported as such (and not as a corrupted file)."""
+    try:
+        with open(file, "rb") as f:
+            f.read(8)
+    except OSError as exc:
+        raise InputFileError(read_problem(exc, file, "safetensors file")) from None
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:
+        raise CheckpointError(f"{file}: cannot be read as safetensors ({exc}). The file is "
+                              "truncated or corrupted; download or save it again.") from exc
+
+
+def _list_dir(path: Path) -> list[Path]:
+    try:
+        return sorted(path.iterdir())
+    except OSError as exc:
+        raise InputFileError(read_problem(exc, path, "checkpoint directory")) from None
+
+
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, list[str]]:
+    """(files to load, the index's weight_map or None, names present but not loaded), chosen the
+    way transformers' from_pretrained chooses them for a local directory."""
+    entries = _list_dir(path)
+    names = [e.name for e in entries if e.name.endswith(".safetensors") or e.name == INDEX_FILE]
+    explicit = _explicit_weights(path)
+    if explicit is not None:
+        chosen = explicit
+    elif (path / SINGLE_FILE).is_file():
+        chosen = path / SINGLE_FILE
+    elif (path / INDEX_FILE).is_file():
+        chosen = path / INDEX_FILE
+    else:
+        _refuse_no_weights(path, entries)
+    if chosen.name.endswith(".index.json"):
+        weight_map = _read_index(chosen)
+        files = [_inside(path, name, chosen) for name in sorted(set(weight_map.values()))]
+        loaded = {f.name for f in files} | {chosen.name}
+        return files, weight_map, [n for n in names if n not in loaded]
+    return [chosen], None, [n for n in names if n != chosen.name]
+
+
+def _explicit_weights(path: Path) -> Path | None:
+    """config.json's `transformers_weights`, which from_pretrained loads instead of the defaults."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # load_spec has already refused an unreadable config
+    name = config.get("transformers_weights") if isinstance(config, dict) else None
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name.endswith((".safetensors", ".safetensors.index.json")):
+        raise CheckpointError(f"{path / 'config.json'}: transformers_weights={name!r} must name a "
+                              "*.safetensors file or a *.safetensors.index.json inside the directory")
+    file = _inside(path, name, path / "config.json")
+    if not file.is_file():
+        raise CheckpointError(f"{file}: named by config.json's transformers_weights but missing")
+    return file
+
+
+def _refuse_no_weights(path: Path, entries: list[Path]):
+    shards = [e.name for e in entries if e.name.endswith(".safetensors")]
+    if shards:
+        raise CheckpointError(
+            f"{path}: {', '.join(shards)} but no {SINGLE_FILE} and no {INDEX_FILE}. transformers loads "
+            f"only {SINGLE_FILE} or the shards an index lists; rename a single file to {SINGLE_FILE}, or "
+            "re-save the checkpoint with save_pretrained (which writes the index).")
+    pickles = sorted(e.name for e in entries if e.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{path}: only pickle weights found ({', '.join(pickles)}). Pickle checkpoints can "
+            "run arbitrary code when loaded and are refused: convert to safetensors "
+            "(model.save_pretrained(dir, safe_serialization=True)) and point the tool there."
+        )
+    raise CheckpointError(f"{path}: no *.safetensors files. Pass a checkpoint directory "
+                          "written by save_pretrained.")
+
+
+def _inside(path: Path, name, source: Path) -> Path:
+    """A file name from an index or config: a plain name inside the checkpoint directory."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"{source}: file name {name!r} does not name a file inside {path}; "
+                              "an index lists shard files of its own directory")
+    return path / name
+
+
+def _read_index(index_file: Path) -> dict[str, str]:
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputFileError(read_problem(exc, index_file, "safetensors index")) from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(f"{index_file}: not a valid safetensors index ({exc}); download it "
+                              "again or re-save the checkpoint") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index_file}: not a valid safetensors index: it needs a non-empty "
+                              '"weight_map" object of key -> shard file name; download it again')
+    return weight_map
+
+
+def _key_map(path: Path, files: list[Path], weight_map: dict[str, str] | None) -> dict[str, Path]:
+    """key -> file from the files' own headers; a key stored twice, or an index that disagrees
+    with the shards, is refused (transformers would let one copy win silently)."""
+    found: dict[str, Path] = {}
+    for file in files:
+        if not file.is_file():
+            key = next((k for k, v in (weight_map or {}).items() if v == file.name), "?")
+            raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} for key {key} is "
+                                  "missing. Download the missing shard or re-save the checkpoint.")
+        with _safe_open(file) as f:
+            for key in f.keys():
+                if key in found:
+                    raise CheckpointError(
+                        f"{path}: key {key} is stored twice, in {found[key].name} and {file.name}; one copy "
+                        "would silently win. Remove the duplicate shard or re-save the checkpoint.")
+                found[key] = file
+    for key, name in (weight_map or {}).items():
+        if key not in found or found[key].name != name:
+            where = f"it is in {found[key].name}" if key in found else "no shard holds it"
+            raise CheckpointError(f"{path / INDEX_FILE}: lists key {key} in {name} but {where}; the "
+                                  "index and the shards disagree: download them again or re-save")
+    return found
 
 
 # ---- the tiny fixture -----------------------------------------------------------------------
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("GEMMA_PARITY_CACHE", Path.home() / ".cache" / "gemma-parity"))
+    """$GEMMA_PARITY_CACHE (an empty value counts as unset), else ~/.cache/gemma-parity."""
+    if os.environ.get("GEMMA_PARITY_CACHE", "").strip():
+        return Path(os.environ["GEMMA_PARITY_CACHE"])
+    try:
+        return Path.home() / ".cache" / "gemma-parity"
+    except RuntimeError:
+        raise OutputError("no home directory to keep the tiny-model cache in; set GEMMA_PARITY_CACHE "
+                          "to a writable directory") from None
 
 
 def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, config_path: str | Path = TINY_CONFIG,
@@ -301,12 +446,43 @@ def _save_atomically(model, out_dir: Path, overwrite: bool) -> None:
             raise
 
 
-def tiny_checkpoint(seed: int = 0) -> Path:
-    """The cached tiny 12B-shaped checkpoint for `seed`, built on first use."""
+def tiny_checkpoint_path(seed: int = 0) -> Path:
+    """Where the cached tiny checkpoint for `seed` lives (built or not)."""
     # The builder's version is part of the key: a change in how weights are drawn must not reuse
     # a checkpoint cached by an older build.
     digest = hashlib.sha256(TINY_CONFIG.read_bytes() + f"builder-{TINY_BUILDER_VERSION}".encode()).hexdigest()[:10]
-    path = cache_dir() / f"tiny-{digest}-seed{seed}"
-    if not (path / "config.json").is_file():
-        build_tiny_checkpoint(path, seed=seed)
+    return cache_dir() / f"tiny-{digest}-seed{seed}"
+
+
+def _cache_problem(exc: OSError, where: Path) -> OutputError:
+    return OutputError(os_problem(exc, where, "cannot use the tiny-model cache") +
+                       "; or point GEMMA_PARITY_CACHE at a writable directory")
+
+
+def tiny_checkpoint(seed: int = 0) -> Path:
+    """The cached tiny 12B-shaped checkpoint for `seed`, built on first use.
+
+    Safe under concurrent first use (pytest-xdist workers, parallel CI jobs): builders take an
+    exclusive lock on a file beside the cache entry, and whoever comes second finds the entry
+    complete and uses it. The entry appears by one rename, so `config.json` means complete."""
+    path = tiny_checkpoint_path(seed)
+    if (path / "config.json").is_file():
+        return path
+    cache = path.parent
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = open(cache / f".lock-{path.name}", "a")
+    except FileExistsError:
+        raise OutputError(f"{cache}: the tiny-model cache is not a directory; point GEMMA_PARITY_CACHE "
+                          "at a directory") from None
+    except OSError as exc:
+        raise _cache_problem(exc, cache) from None
+    with lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if not (path / "config.json").is_file():
+            clean_stale_temps(cache)
+            if path.exists():
+                raise CheckpointError(f"{path}: an incomplete tiny-model cache entry (no config.json); "
+                                      "delete it and run again")
+            build_tiny_checkpoint(path, seed=seed)
     return path

@@ -1,4 +1,10 @@
-"""Errors for bad input: each names the file, key or value and says what to do (CLI exit 2)."""
+"""Errors for bad input: each names the file, key or value and says what to do (CLI exit 2).
+
+Every class here is a `HarnessInputError`: the command line maps all of them to exit status 2 (bad
+input or an environment problem), never to 1, which means "parity fails" and nothing else.
+"""
+
+import errno as _errno
 
 
 class HarnessInputError(ValueError):
@@ -27,3 +33,46 @@ class ShardingError(HarnessInputError):
 
 class NumericsError(HarnessInputError):
     """NaN or Inf found in weights or activations."""
+
+
+class OptionError(HarnessInputError):
+    """A command-line value out of range, not finite, or in conflict with another option."""
+
+
+class InputFileError(HarnessInputError):
+    """An input file or directory cannot be read: missing, the wrong kind, unreadable, not UTF-8."""
+
+
+class OutputError(HarnessInputError):
+    """An output location cannot be written: the wrong kind, an input, not writable, disk full."""
+
+
+_ADVICE = {
+    _errno.ENOSPC: "the disk is full: free some space or choose a location on another disk",
+    _errno.EDQUOT: "the disk quota is exceeded: free some space or choose another location",
+    _errno.EACCES: "permission denied: choose a location you may write to, or fix its permissions",
+    _errno.EPERM: "permission denied: choose a location you may write to, or fix its permissions",
+    _errno.EROFS: "the file system is read-only: choose a writable location",
+    _errno.EISDIR: "it is a directory: give a file path",
+    _errno.ENOTDIR: "a part of the path is a file, not a directory: fix the path",
+    _errno.ENAMETOOLONG: "the name is too long: choose a shorter path",
+    _errno.ENOENT: "a directory on the path does not exist or was removed during the run",
+}
+
+
+def os_problem(exc: OSError, path, action: str = "cannot write") -> str:
+    """One sentence for an OSError about the user's `path` (never a temp name, never `None`)."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    advice = _ADVICE.get(exc.errno)
+    return f"{path}: {action} ({reason})" + (f": {advice}" if advice else "; check the location and run again")
+
+
+def read_problem(exc: OSError, path, what: str = "file") -> str:
+    """One sentence for an OSError met while reading the user's input `path`."""
+    if exc.errno in (_errno.EACCES, _errno.EPERM):
+        return f"{path}: cannot read the {what}: permission denied; fix its permissions or copy it somewhere readable"
+    if exc.errno == _errno.EISDIR:
+        return f"{path}: is a directory; give the {what} itself"
+    if exc.errno == _errno.ENOENT:
+        return f"{path}: {what} not found; check the path"
+    return f"{path}: cannot read the {what} ({exc.strerror or exc})"

@@ -1,5 +1,5 @@
 """Prompt files: a JSON list of token-id lists (or of strings, with a tokenizer), checked against
-the spec's vocabulary before any model work."""
+the spec's vocabulary, the prefill buckets and the KV length before any model work."""
 
 from __future__ import annotations
 
@@ -7,30 +7,51 @@ import json
 from pathlib import Path
 
 from harness import FIXTURES_DIR
-from harness.errors import PromptError
+from harness.errors import InputFileError, PromptError, read_problem
 
 DEFAULT_PROMPTS = FIXTURES_DIR / "prompts" / "default.json"
 DEFAULT_NEW_TOKENS = 8
 
 
+def _read_json(path: Path):
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise InputFileError(read_problem(exc, path, "prompts file")) from None
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark is harmless
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the prompts "
+                          "file as UTF-8 JSON") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PromptError(f"{path}: not valid JSON ({exc}); expected a list of token-id lists") from None
+
+
+def is_token_id(t) -> bool:
+    """An int that is not a bool (JSON true/false are not token ids)."""
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def load_prompts(path=None, checkpoint_dir=None) -> list[list[int]]:
     """A JSON list of token-id lists, or of strings when the checkpoint has a tokenizer."""
     path = Path(path) if path else DEFAULT_PROMPTS
-    try:
-        items = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PromptError(f"{path}: prompts file not found") from None
-    except json.JSONDecodeError as exc:
-        raise PromptError(f"{path}: not valid JSON ({exc}); expected a list of token-id lists") from exc
+    if path.is_dir():
+        raise InputFileError(f"{path}: is a directory; give the prompts file (a JSON list of token-id lists)")
+    items = _read_json(path)
     if not isinstance(items, list) or not items:
         raise PromptError(f"{path}: expected a non-empty JSON list of prompts")
     prompts = []
     for k, item in enumerate(items):
         if isinstance(item, str):
+            if not item.strip():
+                raise PromptError(f"{path}: prompt {k} is an empty string; give some text or token ids")
             item = _tokenize(item, checkpoint_dir, path, k)
-        if not isinstance(item, list) or not all(isinstance(t, int) for t in item):
+        if not isinstance(item, list) or not all(is_token_id(t) for t in item):
             raise PromptError(f"{path}: prompt {k} must be a list of integer token ids (or a string "
-                              "when the checkpoint has a tokenizer)")
+                              "when the checkpoint has a tokenizer); booleans and numbers with a "
+                              "fraction are not token ids")
         if not item:
             raise PromptError(f"{path}: prompt {k} is empty; give at least one token")
         prompts.append(item)
@@ -45,7 +66,11 @@ def _tokenize(text, checkpoint_dir, path, k) -> list[int]:
                           "tokenizer; give token ids instead")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(checkpoint_dir)(text)["input_ids"]
+    try:
+        return list(AutoTokenizer.from_pretrained(checkpoint_dir)(text)["input_ids"])
+    except Exception as exc:  # a broken tokenizer file is the checkpoint's problem, not a bug here
+        raise PromptError(f"{checkpoint_dir}: the tokenizer could not encode prompt {k} of {path} "
+                          f"({type(exc).__name__}: {exc}); fix the tokenizer files or give token ids") from None
 
 
 def validate_prompt_ids(spec, prompts, source=None) -> None:
@@ -55,6 +80,31 @@ def validate_prompt_ids(spec, prompts, source=None) -> None:
         if not prompt:
             raise PromptError(f"{where}prompt {k} is empty; give at least one token")
         for pos, t in enumerate(prompt):
+            if not is_token_id(t):
+                raise PromptError(f"{where}prompt {k}: {t!r} at position {pos} is not an integer token id")
             if not (0 <= t < spec.vocab_size) and t not in allowed:
                 raise PromptError(f"{where}prompt {k}: token id {t} at position {pos} is outside the "
                                   f"vocabulary [0, {spec.vocab_size}); check the prompts file")
+
+
+def validate_prompt_fit(prompts, new_tokens: int, source=None, buckets=None, kv_len: int | None = None,
+                        max_positions: int | None = None) -> None:
+    """Every prompt fits the largest prefill bucket, and prompt + new tokens fit the KV cache (the
+    last token chosen is never written back: n + new_tokens - 1 slots) and the model's positions.
+    Each refusal names the prompt and the option that fixes it."""
+    where = f"{source or DEFAULT_PROMPTS}: "
+    longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
+    n = len(prompts[longest])
+    if buckets and n > max(buckets):
+        raise PromptError(f"{where}prompt {longest} has {n} tokens, more than the largest prefill bucket "
+                          f"{max(buckets)}; pass --buckets with a bucket >= {n} (within --kv-len) or "
+                          "shorten the prompt")
+    used = n + max(new_tokens, 1) - 1
+    if kv_len is not None and used > kv_len:
+        raise PromptError(f"{where}prompt {longest} has {n} tokens; with --new-tokens {new_tokens} the KV "
+                          f"cache needs {used} positions but --kv-len is {kv_len}; raise --kv-len to "
+                          f"{used} or use --new-tokens {max(kv_len - n + 1, 0)}")
+    if max_positions is not None and n + new_tokens > max_positions:
+        raise PromptError(f"{where}prompt {longest} has {n} tokens; with --new-tokens {new_tokens} that is "
+                          f"{n + new_tokens} positions, more than the model's max_position_embeddings "
+                          f"{max_positions}; use fewer new tokens or a shorter prompt")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from harness.errors import ConfigError
+from harness.errors import ConfigError, InputFileError, read_problem
 
 SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
 SLIDING = "sliding_attention"
@@ -65,6 +66,9 @@ class ModelSpec:
     # What the loader found beside the text decoder; reported, never run.
     inert_parts: tuple[str, ...] = field(default=(), compare=False)
     source: str = field(default="", compare=False)
+    # The longest sequence the config allows (max_position_embeddings); a bound on prompt plus new
+    # tokens and on the KV length. Not part of the numerics, so not part of the spec hash.
+    max_positions: int | None = field(default=None, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -78,6 +82,7 @@ class ModelSpec:
         d = asdict(self)
         d.pop("source")
         d.pop("inert_parts")
+        d.pop("max_positions")
         return d
 
     def spec_hash(self) -> str:
@@ -102,8 +107,83 @@ def _unsupported(source: str, key: str, value, why: str) -> ConfigError:
     )
 
 
+# Read from the config as given, before transformers fills in class defaults (which describe a
+# different, smaller model): each must be present and a positive integer.
+REQUIRED_DIMENSIONS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "vocab_size")
+MAX_DIMENSION = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+                 "num_global_key_value_heads": 4096}
+OPTIONAL_DIMENSIONS = ("global_head_dim", "num_global_key_value_heads", "sliding_window",
+                       "max_position_embeddings")
+
+
+def _bad_value(source: str, key: str, value, want: str) -> ConfigError:
+    return ConfigError(f"{source}: config key {key}={value!r} {want}. Fix config.json (use the one the "
+                       "weights were saved with).")
+
+
+def _positive_int(text: dict, key: str, source: str, required: bool) -> int | None:
+    if text.get(key) is None:
+        if required:
+            raise _bad_value(source, key, None, "is missing; the transformers default describes another "
+                             "model, so it must be given")
+        return None
+    value = text[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad_value(source, key, value, "must be a positive integer")
+    if value > MAX_DIMENSION.get(key, 2 ** 31 - 1):
+        raise _bad_value(source, key, value, f"is implausibly large (at most {MAX_DIMENSION.get(key, 2 ** 31 - 1)})")
+    return value
+
+
+def _positive_number(text: dict, key: str, source: str, allow_none: bool = True) -> None:
+    value = text.get(key)
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _bad_value(source, key, value, "must be a finite positive number")
+
+
+def _validate_dimensions(text: dict, source: str) -> None:
+    """Sizes, head counts and windows as the config gives them: positive integers that divide."""
+    dims = {k: _positive_int(text, k, source, True) for k in REQUIRED_DIMENSIONS}
+    dims.update({k: _positive_int(text, k, source, False) for k in OPTIONAL_DIMENSIONS})
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != dims["num_hidden_layers"]:
+            raise _bad_value(source, "layer_types", layer_types, f"must be a list of num_hidden_layers="
+                             f"{dims['num_hidden_layers']} entries")
+        if SLIDING in layer_types and dims["sliding_window"] is None:
+            raise _bad_value(source, "sliding_window", None, "is missing but layer_types has sliding layers")
+    heads = dims["num_attention_heads"]
+    for kv_key in ("num_key_value_heads", "num_global_key_value_heads"):
+        if dims[kv_key] is not None and heads % dims[kv_key]:
+            raise _bad_value(source, kv_key, dims[kv_key], f"must divide num_attention_heads={heads}")
+    for dim_key in ("head_dim", "global_head_dim"):
+        if dims[dim_key] is not None and dims[dim_key] % 2:
+            raise _bad_value(source, dim_key, dims[dim_key], "must be even (rotary embeddings pair lanes)")
+    _positive_number(text, "rms_norm_eps", source)
+    _positive_number(text, "final_logit_softcapping", source)
+    for id_key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ids = text.get(id_key)
+        for t in (ids if isinstance(ids, list) and id_key == "eos_token_id" else [ids]):
+            if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < dims["vocab_size"]):
+                raise _bad_value(source, id_key, ids, f"must be a token id in [0, vocab_size={dims['vocab_size']})")
+    rope = text.get("rope_parameters")
+    if isinstance(rope, dict):
+        for kind, params in rope.items():
+            if isinstance(params, dict):
+                _positive_number(params, "rope_theta", f"{source}: rope_parameters.{kind}", allow_none=False)
+                factor = params.get("partial_rotary_factor")
+                if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                           or not 0 < factor <= 1):
+                    raise _bad_value(source, f"rope_parameters.{kind}.partial_rotary_factor", factor,
+                                     "must be in (0, 1]")
+
+
 def _validate_text_config(text: dict, source: str) -> None:
-    if int(text.get("num_kv_shared_layers", 0) or 0) != 0:
+    _validate_dimensions(text, source)
+    if text.get("num_kv_shared_layers") not in (None, 0):
         raise _unsupported(source, "num_kv_shared_layers", text["num_kv_shared_layers"],
                            "KV sharing between layers is not implemented")
     for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input"):
@@ -138,8 +218,11 @@ def _resolve_with_transformers(text: dict, source: str):
 
 def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
     """Resolve a gemma4_unified (or bare gemma4_unified_text) config dict into a ModelSpec."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: expected a JSON object (a config.json), got a JSON "
+                          f"{type(config).__name__}; pass the model's config.json")
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: model_type is {model_type!r}, expected one of {SUPPORTED_MODEL_TYPES}. "
             "Point the tool at a Gemma-4 unified checkpoint (e.g. google/gemma-4-12B-it)."
@@ -152,8 +235,7 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
         for part in ("vision_config", "audio_config"):
             if config.get(part):
                 inert.append(part)
-        placeholders = tuple(int(config[k]) for k in DEFAULT_PLACEHOLDER_KEYS
-                             if config.get(k) is not None)
+        placeholders = _placeholder_ids(config, source)
     else:
         text = config
         placeholders = ()
@@ -165,7 +247,10 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
         if layer_type not in (SLIDING, FULL):
             raise _unsupported(source, f"layer_types[{i}]", layer_type, "unknown attention type")
         per_layer = tc.per_layer_config[i]
-        rope = tc.rope_parameters[layer_type]
+        rope = (tc.rope_parameters or {}).get(layer_type) if isinstance(tc.rope_parameters, dict) else None
+        if not isinstance(rope, dict) or "rope_theta" not in rope:
+            raise _bad_value(source, f"rope_parameters.{layer_type}", rope, "must be an object with rope_theta "
+                             f"for the {layer_type} layers")
         is_full = layer_type == FULL
         layers.append(LayerSpec(
             index=i,
@@ -177,7 +262,8 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
             window=None if is_full else int(tc.sliding_window),
             rope_type=str(rope.get("rope_type", "default")),
             rope_theta=float(rope["rope_theta"]),
-            partial_rotary_factor=float(rope.get("partial_rotary_factor", 1.0)),
+            partial_rotary_factor=float(1.0 if rope.get("partial_rotary_factor") is None
+                                        else rope["partial_rotary_factor"]),
         ))
         if layers[-1].rope_type not in ("default", "proportional"):
             raise _unsupported(source, f"rope_parameters.{layer_type}.rope_type",
@@ -201,7 +287,24 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
         layers=tuple(layers),
         inert_parts=tuple(inert),
         source=source,
+        max_positions=_max_positions(text, tc),
     )
+
+
+def _max_positions(text: dict, tc) -> int | None:
+    value = text.get("max_position_embeddings", getattr(tc, "max_position_embeddings", None))
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _placeholder_ids(config: dict, source: str) -> tuple[int, ...]:
+    ids = []
+    for key in DEFAULT_PLACEHOLDER_KEYS:
+        value = config.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise _bad_value(source, key, value, "must be a non-negative token id")
+            ids.append(value)
+    return tuple(ids)
 
 
 def load_spec(path: str | Path) -> ModelSpec:
@@ -215,7 +318,12 @@ def load_spec(path: str | Path) -> ModelSpec:
             "(as written by save_pretrained) or --config pointing at the file."
         )
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except OSError as exc:
+        raise InputFileError(read_problem(exc, path, "config")) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); a config.json "
+                          "is UTF-8 JSON: re-download or re-save the config") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc}); re-download or re-save the config") from exc
     return spec_from_config_dict(config, source=str(path))

@@ -1,26 +1,44 @@
 """The `gemma-parity` command: info, reference, check, bisect, bench and perf compare.
 
 The top layer (DESIGN §4): argument parsing, printing and exit codes. Each command module adds its
-subparser and calls one library function; nothing in `harness` below this package imports it.
+subparser with a `validate` (the one validation pass, before any model work) and a `run` (one
+library call); nothing in `harness` below this package imports it.
+
+Exit status (the contract CI reads; see harness/cli/common.py and the README):
+0 parity holds / no regression; 1 parity fails / a regression or broken budget, and nothing else;
+2 bad input or an environment problem, with the path and the fix; 70 an internal error (a bug in
+gemma-parity), with the traceback written to a file; 130 interrupted; 143 terminated.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import signal
 import sys
+import tempfile
+import traceback
 
 from harness.cli import bisect, check, info, perf, reference
-from harness.cli.common import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_OK  # noqa: F401  (the exit-code contract)
-from harness.errors import HarnessInputError
+from harness.cli.common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
+                                EXIT_TERMINATED)
+from harness.errors import HarnessInputError, os_problem
 
 COMMANDS = (info, reference, check, bisect, perf)
+
+
+class Terminated(BaseException):
+    """SIGTERM (a CI timeout, `kill`): unwind like Ctrl-C so temp files are removed on the way out."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gemma-parity",
         description="Gemma-4 12B on Inferentia2 (TP=2): run the port, prove parity with the CPU fp32 "
-                    "reference layer by layer, bisect divergences, and watch performance.",
+                    "reference layer by layer, bisect divergences, and watch performance. Exit status: "
+                    "0 pass, 1 parity failure or regression, 2 bad input or environment, 70 internal "
+                    "error, 130 interrupted.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
@@ -28,14 +46,80 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _command_name(args) -> str:
+    return f"{args.command} {args.perf_command}" if getattr(args, "perf_command", None) else args.command
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _internal_error(name: str, exc: BaseException) -> int:
+    """A bug, not a verdict: say so, keep the traceback, and never exit 1."""
+    text = "".join(traceback.format_exception(exc))
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    where = None
     try:
+        with tempfile.NamedTemporaryFile("w", prefix=f"gemma-parity-crash-{stamp}-", suffix=".txt",
+                                         delete=False) as f:
+            f.write(f"gemma-parity {name}: {' '.join(sys.argv)}\n{text}")
+            where = f.name
+    except OSError:
+        pass
+    print(f"gemma-parity {name}: internal error (a bug in gemma-parity, not a parity verdict): "
+          f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    if where:
+        print(f"gemma-parity {name}: the traceback is in {where}; please report it with that file", file=sys.stderr)
+    else:
+        print(text, file=sys.stderr, end="")
+    return EXIT_INTERNAL
+
+
+def _run(args, name: str) -> int:
+    from harness.cli.validate import refuse_nul
+
+    try:
+        refuse_nul(args)
+        args.validate(args)
         return args.func(args)
     except HarnessInputError as exc:
-        print(f"gemma-parity {args.command}: error: {exc}", file=sys.stderr)
+        print(f"gemma-parity {name}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"gemma-parity {name}: interrupted; nothing half written was kept", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print(f"gemma-parity {name}: terminated; nothing half written was kept", file=sys.stderr)
+        return EXIT_TERMINATED
+    except BrokenPipeError:
+        # stdout closed early (`| head`): nothing more can be shown; not a parity verdict
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BAD_INPUT
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else "a file"
+        print(f"gemma-parity {name}: error: {os_problem(exc, where, 'failed')}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except MemoryError:
+        print(f"gemma-parity {name}: error: out of memory; use a machine with more memory (or, for "
+              "`reference`, --stream)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # noqa: BLE001  (the contract: a bug is reported as one, never as exit 1)
+        return _internal_error(name, exc)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # a malformed command line exits 2 (argparse)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (a library caller's worker): leave signals alone
+        previous = None
+    try:
+        return _run(args, _command_name(args))
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -4,4 +4,8 @@ import sys
 
 from harness.cli import main
 
-sys.exit(main())
+try:
+    sys.exit(main())
+except KeyboardInterrupt:  # Ctrl-C while Python imports torch, before main() can catch it
+    print("gemma-parity: interrupted", file=sys.stderr)
+    sys.exit(130)

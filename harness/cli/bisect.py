@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from harness.atomic import write_json_atomic
-from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, checkpoint_dir
+from harness.cli import validate as v
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, with_generator
 
 
 def add_command(sub) -> None:
@@ -21,25 +22,47 @@ def add_command(sub) -> None:
     p.add_argument("--mode", choices=list(MODES), default=None,
                    help="capture (default on cpu) or truncate (default on neuron: no extra graph outputs)")
     add_port_args(p, "write bisect.md, bisect.json and bisect_errors.png there")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, validate=validate)
+
+
+def validate(args) -> None:
+    from harness.prompts import validate_prompt_fit
+
+    v._port_options(args)
+    inputs = v.model_inputs(args)
+    inputs["--golden"] = v.input_path(args.golden, "--golden", want_dir=True)
+    outputs: dict = {}
+    if args.json is not None:
+        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
+    if args.report is not None:
+        v.replaceable_report(v.output_location(args.report, "--report", True, inputs, outputs), "--report")
+    v.clean_leftovers(outputs.values())
+    ckpt = v.open_checkpoint(args)
+    v.check_tp(ckpt.spec, args.tp)
+    v.check_kv_len(ckpt.spec, args.kv_len)
+    golden = v.check_golden_inputs(args, inputs, refuse_other_weights=False)
+    validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", args.buckets, args.kv_len,
+                        ckpt.spec.max_positions)
 
 
 def run(args) -> int:
     from harness.bisect import bisect_golden
-    from harness.checkpoint import Checkpoint
     from harness.reference import torch_dtype
     from harness.report import format_bisect, write_report
 
-    ckpt = Checkpoint.open(checkpoint_dir(args))
+    ckpt = args.ckpt
     print(ckpt.describe())
     result, payload = bisect_golden(ckpt, args.golden, args.mode, args.backend, args.tp, torch_dtype(args.dtype),
                                     args.buckets, args.kv_len, progress=True)
+    text = format_bisect(payload)
+    payload = with_generator(payload, "bisect")
+    if args.json is not None:  # the files first: a verdict is printed only once they are written
+        write_json_atomic(args.json, payload)
+    if args.report is not None:
+        write_report(args.report, "bisect", payload, ckpt.spec)
     print(f"golden {args.golden}: {len(result.prompt_lengths)} prompt(s); written from "
           f"{'these same weights' if payload['golden_from_same_weights'] else 'other weights (checkpoint hashes differ)'}")
-    print(format_bisect(payload))
-    if args.json:
-        write_json_atomic(args.json, payload)
-    if args.report:
-        write_report(args.report, "bisect", payload, ckpt.spec)
+    print(text)
+    if args.report is not None:
         print(f"report written to {args.report}")
     return EXIT_OK if result.passed else EXIT_FAIL

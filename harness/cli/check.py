@@ -3,35 +3,78 @@
 from __future__ import annotations
 
 from harness.atomic import write_json_atomic
-from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, checkpoint_dir
+from harness.cli import validate as v
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, with_generator
+from harness.errors import OptionError
+from harness.prompts import DEFAULT_NEW_TOKENS
 
 
 def add_command(sub) -> None:
-    p = sub.add_parser("check", help="run the port and compare every layer and token with the reference")
+    p = sub.add_parser("check", help="run the port and compare every layer and token with the reference",
+                       description="Run the port and compare every layer and token with the CPU fp32 "
+                                   "reference. Exit 0 parity holds, 1 it does not, 2 bad input.")
     add_model_args(p)
-    p.add_argument("--golden", metavar="DIR", help="reuse a golden instead of recomputing the reference")
+    p.add_argument("--golden", metavar="DIR", help="reuse a golden of these weights instead of recomputing "
+                   "the reference (its prompts and token count are used)")
     p.add_argument("--prompts", metavar="FILE", help="JSON list of token-id lists (default: fixtures/prompts/default.json)")
-    p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens to decode (default 8)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"greedy tokens to decode (default {DEFAULT_NEW_TOKENS})")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, validate=validate)
+
+
+def validate(args) -> None:
+    """Options, outputs, then the checkpoint and (golden or prompts) against its spec."""
+    from harness.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
+
+    if args.golden is not None and (args.prompts is not None or args.new_tokens is not None):
+        given = " and ".join(f for f, val in (("--prompts", args.prompts), ("--new-tokens", args.new_tokens))
+                             if val is not None)
+        raise OptionError(f"--golden {args.golden} fixes the prompts and the number of new tokens; drop "
+                          f"{given} (or drop --golden to recompute the reference for them)")
+    if args.new_tokens is None:
+        args.new_tokens = DEFAULT_NEW_TOKENS
+    v._int_option(args, "new_tokens", 0)
+    v._port_options(args)
+    inputs = v.model_inputs(args)
+    inputs.update({flag: v.input_path(val, flag, want_dir)
+                   for flag, val, want_dir in (("--golden", args.golden, True), ("--prompts", args.prompts, False))
+                   if val is not None})
+    outputs: dict = {}
+    if args.json is not None:
+        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
+    if args.report is not None:
+        v.replaceable_report(v.output_location(args.report, "--report", True, inputs, outputs), "--report")
+    v.clean_leftovers(outputs.values())
+    ckpt = v.open_checkpoint(args)
+    v.check_tp(ckpt.spec, args.tp)
+    v.check_kv_len(ckpt.spec, args.kv_len)
+    if args.golden:
+        golden = v.check_golden_inputs(args, inputs, refuse_other_weights=True)
+        prompts, new_tokens, source = golden.prompts, golden.new_tokens, f"golden {args.golden}"
+    else:
+        prompts = load_prompts(args.prompts, args.ckpt_dir)
+        validate_prompt_ids(ckpt.spec, prompts, args.prompts)
+        new_tokens, source = args.new_tokens, args.prompts
+    validate_prompt_fit(prompts, new_tokens, source, args.buckets, args.kv_len, ckpt.spec.max_positions)
 
 
 def run(args) -> int:
-    from harness.checkpoint import Checkpoint
     from harness.parity import run_parity_check
     from harness.reference import torch_dtype
     from harness.report import format_check, write_report
 
-    ckpt_dir = checkpoint_dir(args)
-    ckpt = Checkpoint.open(ckpt_dir)
+    ckpt = args.ckpt
     print(ckpt.describe())
-    result = run_parity_check(ckpt, ckpt_dir, golden=args.golden, prompts=args.prompts, backend=args.backend,
+    result = run_parity_check(ckpt, args.ckpt_dir, golden=args.golden, prompts=args.prompts, backend=args.backend,
                               tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
                               buckets=args.buckets, kv_len=args.kv_len, progress=True)
-    print(format_check(result))
-    payload = result.to_json()
-    if args.json:
+    payload = with_generator(result.to_json(), "check")
+    # The files first: a verdict is printed only once everything asked for is written, so that
+    # "PARITY PASS" is never followed by an exit status other than 0.
+    if args.json is not None:
         write_json_atomic(args.json, payload)
-    if args.report:
+    if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
+    print(format_check(result))
     return EXIT_OK if result.passed else EXIT_FAIL

@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# The exit-code contract CI reads: 0 parity holds (or no regression), 1 parity fails (or a
-# regression), 2 bad input or environment.
+# The exit-code contract CI reads (README "Exit status"): 0 parity holds (or no regression),
+# 1 parity fails (or a regression, or a broken budget) and nothing else, 2 bad input or an
+# environment problem (the message names the path, key or option and the fix), 70 an internal
+# error of gemma-parity (a bug: the traceback is written to a file), 130 interrupted (Ctrl-C),
+# 143 terminated (SIGTERM).
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_INTERNAL = 70  # EX_SOFTWARE in sysexits.h
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 
 def add_model_args(p, config: bool = False) -> None:
@@ -29,7 +34,7 @@ def checkpoint_dir(args) -> Path:
 
 def buckets_arg(text: str) -> tuple[int, ...]:
     try:
-        buckets = tuple(sorted(int(b) for b in text.split(",") if b.strip()))
+        buckets = tuple(sorted({int(b) for b in text.split(",") if b.strip()}))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--buckets {text!r}: expected comma-separated integers like 16,64")
     if not buckets or min(buckets) < 1:
@@ -46,5 +51,13 @@ def add_port_args(p, report_help: str) -> None:
     p.add_argument("--dtype", default="bfloat16", help="port dtype: bfloat16 (default) or float32")
     p.add_argument("--buckets", type=buckets_arg, default=(64,), help="prefill buckets, e.g. 16,64 (default 64)")
     p.add_argument("--kv-len", type=int, default=256, help="KV cache length (default 256)")
-    p.add_argument("--json", metavar="FILE", help="write the result as JSON")
+    p.add_argument("--json", metavar="FILE", help="write the result as JSON (replaces only a result "
+                   "gemma-parity wrote)")
     p.add_argument("--report", metavar="DIR", help=report_help)
+
+
+def with_generator(payload: dict, command: str) -> dict:
+    """A JSON result marked as this tool's, so a later run may replace it (and nothing else)."""
+    import harness
+
+    return {"generator": f"gemma-parity {command} {harness.__version__}", **payload}

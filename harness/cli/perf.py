@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
-from harness.cli.common import buckets_arg
-from harness.errors import HarnessInputError
+from harness.cli import validate as v
+from harness.cli.common import EXIT_FAIL, EXIT_OK, buckets_arg, with_generator
+from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP,
                           PUBLISHED_BUCKET, append_history, compare_files, compare_history, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
 
 
 def add_command(subparsers) -> None:
-    """Add `bench` and `perf compare`; each sets `func(args) -> exit code`."""
+    """Add `bench` and `perf compare`; each sets `func(args) -> exit code` and its `validate`."""
     from harness.backends import BACKENDS
 
     bench = subparsers.add_parser(
@@ -31,10 +33,10 @@ def add_command(subparsers) -> None:
     bench.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     bench.add_argument("--kv-len", type=int, default=None, help="KV cache length (default: the engine's)")
     bench.add_argument("--out", required=True, metavar="FILE", help="result JSON (never overwritten "
-                       "without --force)")
-    bench.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+                       "without --force, and then only a result file bench wrote)")
+    bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
     bench.add_argument("--history", metavar="DIR", help="also add the run to this history directory")
-    bench.set_defaults(func=run_bench_command)
+    bench.set_defaults(func=run_bench_command, validate=validate_bench, seed=0)
 
     perf = subparsers.add_parser("perf", help="compare benchmark results")
     perf_commands = perf.add_subparsers(dest="perf_command", metavar="{compare}", required=True)
@@ -47,64 +49,161 @@ def add_command(subparsers) -> None:
     compare.add_argument("--history", metavar="DIR", help="newest run in DIR vs the history's baseline")
     compare.add_argument("--budget", action="append", default=[], metavar="METRIC=MS",
                          help="ceiling on a median, e.g. prefill_ms=101 (repeatable)")
-    compare.add_argument("--factor", type=float, default=DEFAULT_FACTOR)
-    compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
+    compare.add_argument("--factor", type=float, default=DEFAULT_FACTOR,
+                         help="median slowdown ratio that may alert, finite and >= 1 (default %(default)s)")
+    compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+                         help="significance level of the rank test, in (0, 1) (default %(default)s)")
     compare.add_argument("--allow-mismatch", action="store_true",
                          help="compare runs from different machines, specs or settings")
     compare.add_argument("--markdown", metavar="FILE", help="also write a Markdown report")
     compare.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
-    compare.set_defaults(func=run_compare_command)
+    compare.set_defaults(func=run_compare_command, validate=validate_compare)
 
 
-def _open_checkpoint(args):
-    from harness.checkpoint import Checkpoint, tiny_checkpoint
+# ---- validation ----------------------------------------------------------------------------------
 
-    return Checkpoint.open(tiny_checkpoint(seed=0) if args.model == "tiny" else args.checkpoint)
+def _is_bench_result(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == 1 and {"machine", "metrics"} <= data.keys()
 
+
+def validate_bench(args) -> None:
+    from harness.engine import DEFAULT_KV_LEN
+
+    v._int_option(args, "runs", 1)
+    v._int_option(args, "warmup", 0)
+    v._int_option(args, "new_tokens", 1)
+    v._int_option(args, "tp", 1)
+    v._int_option(args, "kv_len", 1)
+    kv_len = DEFAULT_KV_LEN if args.kv_len is None else args.kv_len
+    if max(args.buckets) + args.new_tokens > kv_len:
+        raise OptionError(f"--buckets {max(args.buckets)} + --new-tokens {args.new_tokens} exceed the KV length "
+                          f"{kv_len}; use --kv-len {max(args.buckets) + args.new_tokens}, fewer new tokens or "
+                          "a smaller bucket")
+    inputs = v.model_inputs(args)
+    outputs: dict = {}
+    out = v.output_location(args.out, "--out", False, inputs, outputs)
+    if out.exists() and not args.force:  # refuse before spending minutes benchmarking
+        raise OutputError(f"--out {out}: already exists; pass --force to overwrite it or choose another --out")
+    if out.exists():
+        v.replaceable_file(out, "--out", _is_bench_result)
+    if args.history is not None:
+        v.output_location(args.history, "--history", True, inputs, outputs)
+    v.clean_leftovers(outputs.values())
+    ckpt = v.open_checkpoint(args)
+    v.check_tp(ckpt.spec, args.tp)
+    v.check_kv_len(ckpt.spec, kv_len)
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _field_problem(data: dict, source: str) -> str | None:
+    """The fields perf reads as numbers and dates: a wrong type there is a broken file."""
+    from datetime import datetime
+
+    for key in ("prefill_bucket", "tp"):
+        if key in data and not _positive_int(data[key]):
+            return f"{source}: {key} = {data[key]!r} is not a positive integer; the file is corrupted or was edited"
+    if "created" in data:
+        try:
+            datetime.fromisoformat(data["created"])
+        except (TypeError, ValueError):
+            return f"{source}: created = {data['created']!r} is not an ISO date; the file is corrupted or was edited"
+    buckets = data.get("prefill_ms_by_bucket")
+    if isinstance(buckets, dict) and not all(str(b).isdigit() and int(b) > 0 for b in buckets):
+        return f"{source}: prefill_ms_by_bucket keys {sorted(buckets)!r} must be bucket sizes; re-run the benchmark"
+    return None
+
+
+def _sample_problem(data, source: str) -> str | None:
+    """Timing samples must be positive: a zero or negative duration is a broken file, not a speed."""
+    if not isinstance(data, dict):
+        return None  # perf.validate_result names the structural problem
+    problem = _field_problem(data, source)
+    if problem:
+        return problem
+    lists = {f"metrics.{k}": val for k, val in (data.get("metrics") or {}).items()} if isinstance(
+        data.get("metrics"), dict) else {}
+    if isinstance(data.get("prefill_ms_by_bucket"), dict):
+        lists.update({f"prefill_ms_by_bucket.{b}": val for b, val in data["prefill_ms_by_bucket"].items()})
+    for name, values in lists.items():
+        for i, x in enumerate(values if isinstance(values, list) else []):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 or x == float("inf"):
+                return (f"{source}: {name}[{i}] = {x!r} is not a positive finite duration; the file is "
+                        "corrupted or was edited: re-run the benchmark")
+    return None
+
+
+def _check_result_file(path: Path) -> None:
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
+        return  # perf.load_result reports unreadable or invalid JSON with the path
+    problem = _sample_problem(data, str(path))
+    if problem:
+        raise HarnessInputError(problem)
+
+
+def validate_compare(args) -> None:
+    v._finite(args.factor, "--factor", 1.0)
+    v._finite(args.alpha, "--alpha", 0.0, 1.0, low_open=True)
+    names = [str(item).partition("=")[0].strip() for item in args.budget]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise OptionError(f"--budget {twice[0]}: given more than once; give each metric's ceiling once")
+    args.budgets = parse_budgets(args.budget)
+    if args.history and not (args.baseline or args.current):
+        if not Path(args.history).exists():
+            raise InputFileError(f"--history {args.history}: history directory not found; create it with "
+                                 f"`gemma-parity bench ... --history {args.history}`")
+        history = v.input_path(args.history, "--history", want_dir=True)
+        inputs = {"--history": history}
+        files = sorted(history.glob("*.json"))
+    elif args.baseline and args.current and not args.history:
+        inputs = {flag: v.input_path(val, flag, want_dir=False)
+                  for flag, val in (("--baseline", args.baseline), ("--current", args.current))}
+        files = list(inputs.values())
+    else:
+        raise OptionError("give --baseline FILE and --current FILE, or --history DIR alone")
+    for file in files:
+        _check_result_file(file)
+    outputs: dict = {}
+    if args.markdown is not None:
+        v.replaceable_file(v.output_location(args.markdown, "--markdown", False, inputs, outputs), "--markdown",
+                           v._markdown_is_ours)
+    if args.json is not None:
+        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
+    v.clean_leftovers(outputs.values())
+
+
+# ---- running -------------------------------------------------------------------------------------
 
 def run_bench_command(args) -> int:
-    try:
-        out = Path(args.out)
-        if out.exists() and not args.force:  # refuse before spending minutes benchmarking
-            raise HarnessInputError(f"{out}: already exists; pass --force to overwrite it or choose "
-                                    "another --out")
-        result = run_bench(_open_checkpoint(args), backend=args.backend, runs=args.runs,
-                           warmup=args.warmup, buckets=args.buckets, new_tokens=args.new_tokens,
-                           tp=args.tp, dtype=args.dtype, kv_len=args.kv_len, progress=True)
-        write_json(out, result, overwrite=args.force)
-        print(render_bench_summary(result), end="")
-        print(f"wrote {out}", file=sys.stderr)
-        if args.history:
-            print(f"added {append_history(result, args.history)}", file=sys.stderr)
-        return 0
-    except HarnessInputError as exc:
-        print(f"gemma-parity bench: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # an unwritable --out or --history location
-        print(f"gemma-parity bench: error: cannot write {exc.filename}: {exc.strerror}", file=sys.stderr)
-        return 2
+    result = run_bench(args.ckpt, backend=args.backend, runs=args.runs, warmup=args.warmup, buckets=args.buckets,
+                       new_tokens=args.new_tokens, tp=args.tp, dtype=args.dtype, kv_len=args.kv_len,
+                       progress=True)
+    write_json(args.out, result, overwrite=args.force)
+    print(render_bench_summary(result), end="")
+    print(f"wrote {args.out}", file=sys.stderr)
+    if args.history is not None:
+        print(f"added {append_history(result, args.history)}", file=sys.stderr)
+    return EXIT_OK
 
 
 def run_compare_command(args) -> int:
-    try:
-        options = dict(factor=args.factor, alpha=args.alpha, budgets=parse_budgets(args.budget),
-                       allow_mismatch=args.allow_mismatch)
-        if args.history and not (args.baseline or args.current):
-            comp = compare_history(args.history, **options)
-        elif args.baseline and args.current and not args.history:
-            comp = compare_files(args.baseline, args.current, **options)
-        else:
-            raise HarnessInputError("give --baseline FILE and --current FILE, or --history DIR alone")
-        print(render_text(comp), end="")
-        if args.markdown:
-            write_text(args.markdown, render_markdown(comp), overwrite=True)  # a report, rewritten each run
-        if args.json:
-            write_json(args.json, comp.to_dict(), overwrite=True)
-        return 1 if comp.failed else 0
-    except HarnessInputError as exc:
-        print(f"gemma-parity perf compare: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # an unwritable --markdown or --json location
-        print(f"gemma-parity perf compare: error: cannot write {exc.filename}: {exc.strerror}",
-              file=sys.stderr)
-        return 2
+    options = dict(factor=args.factor, alpha=args.alpha, budgets=args.budgets, allow_mismatch=args.allow_mismatch)
+    if args.history is not None:
+        comp = compare_history(args.history, **options)
+    else:
+        comp = compare_files(args.baseline, args.current, **options)
+    print(render_text(comp), end="")
+    if args.markdown:  # a report, rewritten each run
+        write_text(args.markdown, render_markdown(comp) + f"\n{v.MARKDOWN_MARK}\n", overwrite=True)
+    if args.json is not None:
+        write_json(args.json, with_generator(comp.to_dict(), "perf compare"), overwrite=True)
+    return EXIT_FAIL if comp.failed else EXIT_OK

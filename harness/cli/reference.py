@@ -2,25 +2,59 @@
 
 from __future__ import annotations
 
-from harness.cli.common import EXIT_OK, add_model_args, checkpoint_dir
+from harness.cli import validate as v
+from harness.cli.common import EXIT_OK, add_model_args
+from harness.errors import OptionError, OutputError
+from harness.prompts import DEFAULT_NEW_TOKENS
 
 
 def add_command(sub) -> None:
-    p = sub.add_parser("reference", help="run the CPU fp32 and bf16 reference and write a golden")
+    p = sub.add_parser("reference", help="run the CPU fp32 and bf16 reference and write a golden",
+                       description="Run the CPU fp32 and bf16 references and write a golden. Exit 0, "
+                                   "or 2 on bad input.")
     add_model_args(p)
     p.add_argument("--prompts", metavar="FILE", help="JSON list of token-id lists (or strings with a tokenizer)")
-    p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens to decode (default 8)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"greedy tokens to decode (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--stream", action="store_true",
                    help="prefill captures one layer at a time (peak memory ~ embeddings + one layer); no decode")
     p.add_argument("--out", required=True, metavar="DIR", help="golden directory to write")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing golden deliberately")
-    p.set_defaults(func=run)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing golden deliberately (only a golden: never other files)")
+    p.set_defaults(func=run, validate=validate)
+
+
+def validate(args) -> None:
+    from harness.golden import check_replaceable, is_golden_dir
+    from harness.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
+
+    if args.stream and args.new_tokens is not None:
+        raise OptionError(f"--new-tokens {args.new_tokens} with --stream: the streaming reference computes "
+                          "prefill captures only and decodes nothing; drop one of them")
+    if args.new_tokens is None:
+        args.new_tokens = 0 if args.stream else DEFAULT_NEW_TOKENS
+    v._int_option(args, "new_tokens", 0)
+    v._int_option(args, "seed", 0)
+    inputs = v.model_inputs(args)
+    if args.prompts is not None:
+        inputs["--prompts"] = v.input_path(args.prompts, "--prompts", want_dir=False)
+    out = v.output_location(args.out, "--out", True, inputs, {})
+    inside = next((d for d in out.resolve().parents if is_golden_dir(d)), None)
+    if inside is not None:
+        raise OutputError(f"--out {out}: is inside the golden {inside}; a golden holds only its own two "
+                          "files. Choose a location outside it.")
+    check_replaceable(out, args.overwrite)
+    v.clean_leftovers([out])
+    ckpt = v.open_checkpoint(args)
+    prompts = load_prompts(args.prompts, args.ckpt_dir)
+    validate_prompt_ids(ckpt.spec, prompts, args.prompts)
+    validate_prompt_fit(prompts, args.new_tokens, args.prompts, max_positions=ckpt.spec.max_positions)
 
 
 def run(args) -> int:
     from harness.golden import make_golden
 
-    written = make_golden(checkpoint_dir(args), args.out, args.prompts, args.new_tokens, stream=args.stream,
+    written = make_golden(args.ckpt_dir, args.out, args.prompts, args.new_tokens, stream=args.stream,
                           overwrite=args.overwrite, progress=True)
     print(f"golden written to {written.path}: {len(written.prompts)} prompt(s), {written.new_tokens} new "
           f"token(s); fp32 tokens {written.tokens}")

@@ -18,7 +18,7 @@ from harness import model as port_model
 from harness.bisect import run_bisect
 from harness.checkpoint import Checkpoint
 from harness.cli import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_OK, main
-from harness.golden import read_golden, write_golden
+from harness.golden import golden_hash, read_golden, write_golden
 from harness.local import intra_op_threads_for
 from harness.reference import run_reference
 from harness.report import format_bisect
@@ -210,11 +210,14 @@ def test_fault_outside_the_layers_is_not_blamed_on_a_layer(tmp_path, tiny0_dir, 
     assert all(v.passed for v in result.layers)  # every layer is fine on the golden's input
 
 
-def test_golden_of_another_spec_is_bad_input(tmp_path, golden_dir, tiny0_dir):
+def test_golden_of_another_spec_is_bad_input(tmp_path, golden_dir, tiny0_dir, capsys):
     """A golden whose spec hash does not match the checkpoint's is refused with exit 2."""
     other = tmp_path / "golden"
     shutil.copytree(golden_dir, other)
     manifest = json.loads((other / "manifest.json").read_text())
     manifest["spec_hash"] = "0" * 16
+    # re-sealed, so that the spec check (not the manifest hash) is what refuses it
+    manifest["golden_sha256"] = golden_hash(manifest, manifest["tensors_sha256"])
     (other / "manifest.json").write_text(json.dumps(manifest))
     assert main(["bisect", "--golden", str(other), "--checkpoint", str(tiny0_dir)]) == EXIT_BAD_INPUT
+    assert "golden was made for spec 0000000000000000" in capsys.readouterr().err

@@ -155,10 +155,12 @@ def test_wrong_model_type_is_refused(ckpt_copy, tmp_path, capsys):
 
 
 def test_shard_listed_in_index_but_missing_is_refused(ckpt_copy, tmp_path, capsys):
-    """An index that maps one layer's keys to a shard that is not there."""
+    """An index that maps one layer's keys to a shard that is not there (the weights sharded the
+    way save_pretrained shards them: no model.safetensors, which transformers would load first)."""
     keys = load_file(ckpt_copy / WEIGHTS).keys()
-    lost = "model-00002-of-00002.safetensors"
-    weight_map = {k: (lost if k.startswith(f"{TEXT}layers.11.") else WEIGHTS) for k in keys}
+    first, lost = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    (ckpt_copy / WEIGHTS).rename(ckpt_copy / first)
+    weight_map = {k: (lost if k.startswith(f"{TEXT}layers.11.") else first) for k in keys}
     (ckpt_copy / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     _refused(_reference(ckpt_copy, tmp_path), capsys, tmp_path, lost, "missing", "Download the missing shard")
 
@@ -216,7 +218,8 @@ def test_truncated_shard_is_refused(ckpt_copy, tmp_path, capsys):
 # ---- goldens passed to check --------------------------------------------------------------------
 
 def _placeholder_golden(out: Path, spec) -> Path:
-    """A golden for `spec` whose tensors are never compared: every test using it fails earlier."""
+    """A golden for `spec` whose tensors are never compared: every test using it is refused
+    earlier (hash or spec) than the consistency check, which would refuse its missing captures."""
     def runs(dtype):
         return [ReferenceResult([1, 2, 3], dtype, {"logits": torch.zeros(3, spec.vocab_size)}, [],
                                 torch.empty(0, spec.vocab_size))]
@@ -289,10 +292,11 @@ def nan_ckpt(ckpt_copy):
     return ckpt_copy
 
 
-def test_nan_weight_is_refused_by_check(nan_ckpt, tmp_path, tiny0_ckpt, capsys):
-    """Building the port reads the weights: NumericsError naming the shard and the key."""
-    golden = _placeholder_golden(tmp_path / "golden", tiny0_ckpt.spec)
-    _refused(_check(nan_ckpt, tmp_path, "--golden", str(golden)), capsys, tmp_path,
+def test_nan_weight_is_refused_by_check(nan_ckpt, tmp_path, capsys):
+    """Building the port reads the weights (before the reference runs): NumericsError naming the
+    shard and the key."""
+    prompts = _prompts_file(tmp_path, [[5, 6, 7]])
+    _refused(_check(nan_ckpt, tmp_path, "--prompts", str(prompts), "--new-tokens", "1"), capsys, tmp_path,
              str(nan_ckpt / WEIGHTS), NAN_KEY, "NaN or Inf")
 
 

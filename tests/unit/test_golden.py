@@ -12,7 +12,7 @@ import torch
 
 import harness.golden
 from harness.checkpoint import TINY_CONFIG
-from harness.errors import GoldenError
+from harness.errors import GoldenError, OutputError
 from harness.golden import MANIFEST, TENSORS, read_golden, write_golden
 from harness.spec import spec_from_config_dict
 
@@ -53,15 +53,17 @@ def test_round_trip_is_lossless(golden_dir, tiny0_ckpt, tiny0_reference, default
 
 
 def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch, tiny0_ckpt, tiny0_reference):
-    """When writing the tensors fails half way, no golden directory and no temp directory remain."""
+    """When writing the tensors fails half way, no golden directory and no temp directory remain,
+    and the error names the golden's path (not the temp directory's)."""
     def save_half_then_fail(tensors, path, *args, **kwargs):
         with open(path, "wb") as f:
             f.write(b"\0" * 100)
         raise OSError("No space left on device")
 
     monkeypatch.setattr(harness.golden, "save_file", save_half_then_fail)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(OutputError, match=rf"{tmp_path / 'golden'}: cannot write \(No space") as caught:
         _write(tmp_path / "golden", tiny0_ckpt, tiny0_reference)
+    assert ".partial-" not in str(caught.value)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -75,7 +77,7 @@ def test_failed_overwrite_keeps_the_old_golden(tmp_path, monkeypatch, golden_dir
         raise OSError("No space left on device")
 
     monkeypatch.setattr(harness.golden, "save_file", fail)
-    with pytest.raises(OSError):
+    with pytest.raises(OutputError, match="No space"):
         _write(target, tiny0_ckpt, tiny0_reference, overwrite=True)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["golden"]

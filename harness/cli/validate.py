@@ -1,0 +1,264 @@
+"""The one validation pass every command runs before any model work.
+
+`prepare(args)` checks every option and input of the command in a fixed order, cheapest first:
+numbers and flag conflicts; output locations (the right kind, writable, not an input, nothing of
+the user's replaced); then the checkpoint (opened, which builds the tiny model on first use) and
+everything judged against its spec: prompt ids, bucket and KV-length fit, a golden's integrity and
+provenance. A refusal is a HarnessInputError (exit 2) naming the option, path or key and the fix.
+What it opens is left on `args` for the command (`args.ckpt`, `args.prompt_ids`, ...), so nothing
+is validated twice and nothing expensive starts before every check has passed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+from harness.atomic import clean_stale_temps, temp_prefix
+from harness.errors import InputFileError, OptionError, OutputError, os_problem
+
+REPORT_FILES = {f"{kind}{ext}" for kind in ("check", "bisect") for ext in (".md", ".json", "_errors.png")}
+GENERATOR = "gemma-parity"  # the "generator" key of every JSON result the commands write
+MARKDOWN_MARK = "<!-- written by gemma-parity -->"
+# Keys that identify a JSON result written by an older gemma-parity (before the generator key).
+LEGACY_RESULT_KEYS = ({"passed", "seq_match", "layers"}, {"mode", "layers"}, {"layers", "bytes_per_rank"},
+                      {"baseline_label", "current_label", "metrics", "budgets"})
+
+
+# ---- numbers and flags -------------------------------------------------------------------------
+
+MAX_INT = 2 ** 62  # beyond any sensible count, and beyond what torch's seeds and sizes take
+
+
+def _int_option(args, name: str, low: int, flag: str | None = None) -> int | None:
+    value = getattr(args, name, None)
+    flag = flag or "--" + name.replace("_", "-")
+    if value is not None and value < low:
+        raise OptionError(f"{flag} {value}: must be at least {low}")
+    if value is not None and value > MAX_INT:
+        raise OptionError(f"{flag} {value}: too large (at most {MAX_INT})")
+    return value
+
+
+def _finite(value: float, flag: str, low: float, high: float | None = None, low_open: bool = False) -> None:
+    bad = not math.isfinite(value) or value < low or (low_open and value == low) or (
+        high is not None and value >= high)
+    if bad:
+        span = f"{'(' if low_open else '['}{low:g}, {'∞' if high is None else f'{high:g}'})"
+        raise OptionError(f"{flag} {value}: must be a finite number in {span}")
+
+
+def refuse_nul(args) -> None:
+    for name, value in vars(args).items():
+        if isinstance(value, str) and "\0" in value:
+            raise OptionError(f"--{name.replace('_', '-')} {value!r}: a path cannot contain a NUL byte")
+
+
+def _dtype(args, allowed) -> None:
+    if args.dtype not in allowed:
+        raise OptionError(f"--dtype {args.dtype!r}: use one of {', '.join(sorted(allowed))}")
+
+
+def _port_options(args) -> None:
+    """--tp, --kv-len, --buckets, --dtype, --seed of check and bisect."""
+    from harness.reference import DTYPES
+
+    _int_option(args, "tp", 1)
+    _int_option(args, "kv_len", 1)
+    _int_option(args, "seed", 0)
+    _dtype(args, DTYPES)
+    if max(args.buckets) > args.kv_len:
+        raise OptionError(f"--buckets {','.join(map(str, args.buckets))}: bucket {max(args.buckets)} exceeds "
+                          f"--kv-len {args.kv_len}; buckets must fit the KV cache (raise --kv-len or use a "
+                          "smaller bucket)")
+
+
+# ---- output locations --------------------------------------------------------------------------
+
+def _relation(out: Path, inp: Path) -> str | None:
+    if out == inp:
+        return "is"
+    if inp in out.parents:
+        return "is inside"
+    if out in inp.parents:
+        return "contains"
+    return None
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in [path, *path.parents]:
+        if candidate.exists() or candidate.is_symlink():
+            return candidate
+    return Path(".")
+
+
+def _probe_writable(path: Path, flag: str) -> None:
+    """The directory the output goes into (or its nearest existing ancestor) takes a new file."""
+    base = _nearest_existing(path.parent)
+    if not base.is_dir():
+        raise OutputError(f"{flag} {path}: {base} is a file, not a directory; fix the path")
+    try:
+        with tempfile.NamedTemporaryFile(prefix=temp_prefix("probe"), dir=base):
+            pass
+    except OSError as exc:
+        raise OutputError(f"{flag} " + os_problem(exc, path)) from None
+
+
+def output_location(value: str, flag: str, want_dir: bool, inputs: dict[str, Path],
+                    outputs: dict[str, Path]) -> Path:
+    """An output path of the right kind, writable, neither an input nor inside or around one, nor
+    overlapping another output. Returns it; the caller checks what may be replaced there."""
+    if not value or not value.strip():
+        raise OptionError(f"{flag}: empty path; give a {'directory' if want_dir else 'file'} path")
+    path = Path(value)
+    if len(os.fsencode(path.name)) > 255:
+        raise OutputError(f"{flag} {path}: the name is longer than 255 bytes; choose a shorter name")
+    if path.is_symlink():
+        raise OutputError(f"{flag} {path}: is a symbolic link; give the real path (nothing is written "
+                          "through links, so a link cannot redirect an overwrite)")
+    if want_dir and path.exists() and not path.is_dir():
+        raise OutputError(f"{flag} {path}: exists and is not a directory; give a directory path")
+    if not want_dir and path.is_dir():
+        raise OutputError(f"{flag} {path}: is a directory; give a file path")
+    if not want_dir and path.exists() and not path.is_file():
+        raise OutputError(f"{flag} {path}: exists and is not a regular file; give a regular file path")
+    resolved = path.resolve()
+    for label, inp in {**inputs, **outputs}.items():
+        relation = _relation(resolved, inp.resolve())
+        if relation:
+            kind = "an output of this run too" if label in outputs else "an input of this run"
+            raise OutputError(f"{flag} {path}: {relation} {label} {inp} ({kind}); writing there could "
+                              "destroy it. Choose a location outside it.")
+    _probe_writable(path, flag)
+    outputs[flag] = path
+    return path
+
+
+def _json_is_ours(path: Path) -> bool:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(data, dict):
+        return False
+    return str(data.get("generator", "")).startswith(GENERATOR) or any(keys <= data.keys()
+                                                                       for keys in LEGACY_RESULT_KEYS)
+
+
+def _markdown_is_ours(path: Path) -> bool:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return False
+    return MARKDOWN_MARK in text or text.startswith(("### ✅", "### ❌"))
+
+
+def replaceable_file(path: Path, flag: str, ours) -> None:
+    """An existing file is replaced only when this tool wrote it (a result it rewrites each run)."""
+    if path.exists() and not ours(path):
+        raise OutputError(f"{flag} {path}: exists and was not written by gemma-parity; it is never "
+                          "overwritten. Choose a new name, or move the file away yourself.")
+
+
+def replaceable_report(path: Path, flag: str) -> None:
+    if path.is_dir():
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in REPORT_FILES or not p.is_file()
+                         or p.is_symlink())
+        if foreign:
+            raise OutputError(f"{flag} {path}: holds files that are not part of a gemma-parity report "
+                              f"({', '.join(foreign[:5])}); choose a new or empty --report directory")
+
+
+def clean_leftovers(paths) -> None:
+    """Remove what killed runs left beside (or in) the outputs and in the tiny-model cache."""
+    from harness.checkpoint import cache_dir
+
+    dirs = {p.parent for p in paths} | {p for p in paths if p.is_dir()} | {cache_dir()}
+    for directory in sorted(dirs):
+        for line in clean_stale_temps(directory):
+            print(f"gemma-parity: {line}", file=sys.stderr)
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+def input_path(value: str | None, flag: str, want_dir: bool) -> Path | None:
+    """An input that must exist and be of the right kind (read errors are reported when read)."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise OptionError(f"{flag}: empty path")
+    path = Path(value)
+    if not path.exists():
+        raise InputFileError(f"{flag} {path}: not found; check the path")
+    if want_dir and not path.is_dir():
+        raise InputFileError(f"{flag} {path}: is not a directory; give the directory")
+    if not want_dir and path.is_dir():
+        raise InputFileError(f"{flag} {path}: is a directory; give the file")
+    if not want_dir and not (path.is_file() or stat.S_ISFIFO(path.stat().st_mode)):
+        raise InputFileError(f"{flag} {path}: is not a regular file (a device or socket); give a file")
+    return path
+
+
+def model_inputs(args) -> dict[str, Path]:
+    """The checkpoint this run reads: --checkpoint, or the tiny model's cache entry."""
+    from harness.checkpoint import tiny_checkpoint_path
+
+    if getattr(args, "config", None) is not None:
+        return {"--config": input_path(args.config, "--config", want_dir=False)}
+    if getattr(args, "checkpoint", None) is not None:
+        return {"--checkpoint": input_path(args.checkpoint, "--checkpoint", want_dir=True)}
+    return {"the tiny-model cache entry": tiny_checkpoint_path(getattr(args, "seed", 0) or 0)}
+
+
+def open_checkpoint(args):
+    from harness.checkpoint import Checkpoint
+    from harness.cli.common import checkpoint_dir
+
+    args.ckpt_dir = checkpoint_dir(args)
+    args.ckpt = Checkpoint.open(args.ckpt_dir)
+    return args.ckpt
+
+
+def check_tp(spec, tp: int) -> None:
+    from harness.errors import ShardingError
+    from harness.sharding import plan_model
+
+    try:
+        plan_model(spec, tp)
+    except ShardingError as exc:
+        raise ShardingError(f"--tp {tp}: {exc} ({spec.source}); choose a tensor parallel degree the model's "
+                            "head counts and sizes divide by (2 for the 12B on one inf2 chip)") from None
+
+
+def check_kv_len(spec, kv_len: int | None) -> None:
+    if kv_len is not None and spec.max_positions is not None and kv_len > spec.max_positions:
+        raise OptionError(f"--kv-len {kv_len}: more than the model's max_position_embeddings "
+                          f"{spec.max_positions} ({spec.source}); use --kv-len {spec.max_positions} or less")
+
+
+def check_golden_inputs(args, inputs, refuse_other_weights: bool):
+    """Read and verify the golden for the checkpoint's spec; prompts and tokens come from it."""
+    from harness.golden import GoldenError, read_golden, same_weights
+
+    from harness.prompts import validate_prompt_ids
+
+    golden = read_golden(args.golden, expected_spec=args.ckpt.spec)
+    golden.results("bfloat16")  # the noise envelope: check and bisect need it (refused here, not later)
+    validate_prompt_ids(args.ckpt.spec, golden.prompts, f"golden {args.golden}")
+    args.golden_same_weights = same_weights(golden, args.ckpt)
+    if args.golden_same_weights is None:
+        print(f"gemma-parity: note: golden {args.golden} records no checkpoint hashes; whether it was written "
+              "from these weights cannot be checked", file=sys.stderr)
+    if refuse_other_weights and args.golden_same_weights is False:
+        raise GoldenError(
+            f"--golden {args.golden}: written from other weights than {args.ckpt_dir} (the safetensors "
+            "files' sha256 differ), so the port cannot be judged against it: a difference would be the "
+            "weights', not the port's. Regenerate it from these weights (`gemma-parity reference "
+            f"--checkpoint {args.ckpt_dir} --out DIR`), or use `gemma-parity bisect`, which accepts a "
+            "golden of other weights of the same architecture.")
+    return golden
