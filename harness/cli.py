@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="run the port and compare every layer and token with the reference")
     _add_model_args(p)
     p.add_argument("--golden", metavar="DIR", help="reuse a golden instead of recomputing the reference")
-    p.add_argument("--backend", choices=["cpu", "neuron"], default="cpu")
+    p.add_argument("--backend", choices=["cpu", "neuron", "xla"], default="cpu")
     p.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
     p.add_argument("--dtype", default="bfloat16", help="port dtype: bfloat16 (default) or float32")
     p.add_argument("--prompts", metavar="FILE", help="JSON list of token-id lists (default: fixtures/prompts/default.json)")
