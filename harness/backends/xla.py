@@ -167,6 +167,7 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     local = {n: t.to(rt.device) for n, t in tensors.items()}
     x, pos = (t.to(rt.device) for t in example_inputs(length, module.spec.hidden_size, module.dtype))
     rt.metrics.clear_all()
+    xlac._set_all_reduce_token(str(rt.device), None)  # collectives of an earlier trace must not chain in
     outputs, new_state = rank_step(module, local, kv_names, x, pos)
     host_transfers = _transfers(rt.metrics)
     state_out = [n for n in kv_names if n in new_state]
@@ -179,6 +180,7 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     aliases = {len(outputs) + j: params.index(("state", n)) for j, n in enumerate(state_out)
                if ("state", n) in params}
     hlo = _with_aliases(xlac._get_xla_tensors_hlo(results), aliases)
+    xlac._set_all_reduce_token(str(rt.device), None)  # nothing of this trace is ever executed
     names = ["logits"] + list(getattr(module, "capture_names", []) or [])[:len(outputs) - 1]
     names += [f"output{k}" for k in range(len(names), len(outputs))]
     return LoweredGraph(tag, length, rank, hlo, params, names + state_out, host_transfers)
