@@ -174,7 +174,8 @@ def kv_state_aliased(module: HloModule, sig: GraphSignature, exp: Expectation) -
     out = []
     names = {name for role, name in sig.params if role == "state"}
     for name in sorted(set(exp.kv_shapes) - names):
-        out.append(Violation("kv_state_aliased", f"KV cache {name} is not an input of the graph"))
+        out.append(Violation("kv_state_aliased", f"KV cache {name} is not an input of the graph "
+                                 "(re-allocated inside it, or no state at all)"))
     for name, param, result in _state_pairs(module, sig):
         if result is None:
             out.append(Violation("kv_state_aliased", f"{name} (parameter {param.parameter_number}) is aliased "

@@ -166,17 +166,18 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     kv_names = [n for n, r in roles.items() if r == "state"]
     local = {n: t.to(rt.device) for n, t in tensors.items()}
     x, pos = (t.to(rt.device) for t in example_inputs(length, module.spec.hidden_size, module.dtype))
+    named = {**{n: (roles[n], t) for n, t in local.items()}, "inputs_embeds": ("input", x), "positions": ("input", pos)}
+    # each tensor's device buffer, taken before tracing (tensor ids change under in-place ops)
+    handles = xlac._get_tensors_handle([t for _, t in named.values()])
+    by_handle = {h: (role, n) for h, (n, (role, _)) in zip(handles, named.items())}
     rt.metrics.clear_all()
     xlac._set_all_reduce_token(str(rt.device), None)  # collectives of an earlier trace must not chain in
     outputs, new_state = rank_step(module, local, kv_names, x, pos)
     host_transfers = _transfers(rt.metrics)
     state_out = [n for n in kv_names if n in new_state]
     results = outputs + [new_state[n] for n in state_out]
-    by_id = {xlac._xla_get_tensor_id(t): (roles[n], n) for n, t in local.items()}
-    by_id[xlac._xla_get_tensor_id(x)] = ("input", "inputs_embeds")
-    by_id[xlac._xla_get_tensor_id(pos)] = ("input", "positions")
-    ids, _ = xlac._get_tensors_xla_device_data_node(results)
-    params = [by_id.get(i, ("scalar", f"literal{k}")) for k, i in enumerate(ids)]
+    _, data = xlac._get_tensors_xla_device_data_node(results)  # in entry-parameter order
+    params = [by_handle.get(h, ("scalar", f"literal{k}")) for k, h in enumerate(xlac._get_tensors_handle(data))]
     aliases = {len(outputs) + j: params.index(("state", n)) for j, n in enumerate(state_out)
                if ("state", n) in params}
     hlo = _with_aliases(xlac._get_xla_tensors_hlo(results), aliases)

@@ -1,0 +1,31 @@
+"""Fixtures of the XLA lane: graphs of the tiny model lowered once per (tp, length, fault)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+KV_LEN = 64
+BUCKET = 16
+
+
+@pytest.fixture(scope="session")
+def tiny_spec():
+    from harness.checkpoint import TINY_CONFIG
+    from harness.spec import load_spec
+
+    return load_spec(TINY_CONFIG)
+
+
+def lower_tiny(spec, tp: int, length: int, module_cls=None, dtype=torch.bfloat16):
+    """One rank's graph of the tiny model (weights as the module initialised them), lowered by
+    torch-xla: (LoweredGraph, GraphSignature, Expectation)."""
+    from harness.backends.xla import build_graph_module, graph_tensors, lower_graph
+    from harness.graph_contracts import GraphSignature, expectation_for
+    from harness.graphs import TracedDecoder
+
+    module = build_graph_module(spec, tp, KV_LEN, dtype, module_cls=module_cls or TracedDecoder)
+    tensors, roles = graph_tensors(module)
+    graph = lower_graph(module, tensors, roles, f"len{length}", length)
+    return (graph, GraphSignature(graph.params, graph.outputs, graph.host_transfers),
+            expectation_for(spec, tp, KV_LEN, length, dtype))
