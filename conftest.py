@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "neuron" in item.keywords:
             item.add_marker(skip)
-        elif "xla" in item.keywords and not has_xla:
+        elif item.get_closest_marker("xla") is not None and not has_xla:
             item.add_marker(skip_xla)
 
 
