@@ -237,12 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub) -> None:
-    """Commands that live beside their logic: bisect (bisect.py), bench and perf (perf.py)."""
+    """Commands that live beside their logic: bisect (bisect.py), bench and perf (perf.py), graphs
+    (graph_stats.py)."""
     from harness.bisect import add_bisect_command
+    from harness.graph_stats import add_graphs_command
     from harness.perf import add_perf_commands
 
     add_bisect_command(sub)
     add_perf_commands(sub)
+    add_graphs_command(sub)
 
 
 def main(argv=None) -> int:

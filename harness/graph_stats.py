@@ -1,0 +1,151 @@
+"""Per-graph statistics of a model's device graphs at its real widths, without its weights.
+
+For every graph of the plan (one prefill graph per bucket, the decode graph) at one rank of TP=tp,
+three pieces are lowered by torch-xla on CPU from harness/graphs.py with uninitialised weights:
+the ends (no decoder layer: final norm, the vocabulary-parallel lm_head and its all-gather), one
+sliding layer plus the ends, one full layer plus the ends. A layer's figures are its piece minus the
+ends; a graph's totals are ends + (sliding layers) x sliding + (full layers) x full. Every figure
+is read from the lowered HLO (harness/graph_contracts.graph_stats says how), and each piece is
+also checked against the graph contracts. `gemma-parity graphs` prints the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import torch
+
+from harness.graph_contracts import GraphSignature, GraphStats, check_graph, expectation_for, graph_stats
+from harness.graphs import graph_plan
+
+PIECES = ("ends", "sliding_attention", "full_attention")
+SUMMED = ("dot_flops", "weight_bytes", "constant_bytes", "state_bytes")
+METHOD = {
+    "dot_flops": "sum over the HLO's dot ops of 2 x output elements x contracted size (matmuls only; "
+                 "elementwise, softmax and norms not counted)",
+    "weight_bytes": "bytes of the entry parameters that are checkpoint weights of this rank (each read once per call)",
+    "constant_bytes": "bytes of model-code buffers fed as parameters (rope inverse frequencies)",
+    "state_bytes": "bytes of the KV-cache parameters (aliased to outputs: stay on the device)",
+    "returned_bytes": "bytes of the graph's outputs not aliased to state: copied to the host per call (raw logits)",
+    "ops": "entry-computation instructions by opcode, as lowered (before XLA optimisation)",
+    "collectives": "all-reduce / all-gather instructions in the rank's graph",
+    "scaling": "layer = (one-layer piece) - (ends); graph = ends + n_sliding x sliding + n_full x full",
+}
+
+
+def piece_spec(spec, piece: str):
+    """The spec with no decoder layer ('ends') or with one layer of the given type as layer 0."""
+    if piece == "ends":
+        return dataclasses.replace(spec, layers=())
+    layer = next(layer for layer in spec.layers if layer.type == piece)
+    return dataclasses.replace(spec, layers=(dataclasses.replace(layer, index=0),))
+
+
+def _lower_piece(spec, tp: int, max_len: int, graphs: dict[str, int], dtype) -> dict[str, tuple]:
+    """Lower every graph of the plan for one piece: tag -> (GraphStats, violations)."""
+    from harness.backends.xla import build_graph_module, graph_tensors, lower_graph, xla_runtime
+
+    with torch.device("meta"):
+        module = build_graph_module(spec, tp, max_len, dtype)
+    module.to_empty(device="cpu")  # uninitialised weights: the graph's shapes, not its numbers
+    tensors, roles = graph_tensors(module)
+    device = xla_runtime().device
+    tensors = {name: t.to(device) for name, t in tensors.items()}  # once for every graph of the piece
+    out = {}
+    for tag, length in graphs.items():
+        lowered = lower_graph(module, tensors, roles, tag, length)
+        sig = GraphSignature(lowered.params, lowered.outputs, lowered.host_transfers)
+        violations = check_graph(lowered.hlo, sig, expectation_for(spec, tp, max_len, length, dtype))
+        out[tag] = (graph_stats(lowered.hlo, sig), [str(v) for v in violations])
+    return out
+
+
+def _combine(pieces: dict[str, GraphStats], counts: dict[str, int]) -> dict:
+    ends = pieces["ends"]
+    total = {k: getattr(ends, k) for k in SUMMED}
+    ops, collectives = dict(ends.ops), dict(ends.collectives)
+    for piece, n in counts.items():
+        stats = pieces[piece]
+        for k in SUMMED:
+            total[k] += n * (getattr(stats, k) - getattr(ends, k))
+        for table, mine, base in ((ops, stats.ops, ends.ops), (collectives, stats.collectives, ends.collectives)):
+            for op in set(mine) | set(base):
+                table[op] = table.get(op, 0) + n * (mine.get(op, 0) - base.get(op, 0))
+    total["returned_bytes"] = ends.returned_bytes  # logits only, whatever the depth
+    total["ops_total"] = sum(ops.values())
+    total["collectives"] = {k: v for k, v in sorted(collectives.items()) if v}
+    return total
+
+
+def model_graph_stats(spec, tp: int = 2, max_len: int = 256, buckets=(64,), dtype=torch.bfloat16,
+                      progress: bool = False) -> dict:
+    """Statistics of every graph of the plan for `spec` at TP=tp (one rank), machine-readable."""
+    graphs = graph_plan(buckets, max_len)
+    counts = {piece: sum(1 for layer in spec.layers if layer.type == piece) for piece in PIECES[1:]}
+    per_piece = {}
+    for piece in PIECES:
+        if piece != "ends" and not counts[piece]:
+            continue
+        if progress:
+            print(f"[graphs] lowering {piece} at tp={tp} for {sorted(graphs)}", file=sys.stderr, flush=True)
+        per_piece[piece] = _lower_piece(piece_spec(spec, piece), tp, max_len, graphs, dtype)
+    result = {"spec_hash": spec.spec_hash(), "source": spec.source, "tp": tp, "rank": 0, "kv_len": max_len,
+              "dtype": str(dtype).removeprefix("torch."), "layers": counts, "method": METHOD, "graphs": {}}
+    for tag, length in graphs.items():
+        stats = {piece: per_piece[piece][tag][0] for piece in per_piece}
+        result["graphs"][tag] = {
+            "length": length,
+            "total": _combine(stats, {p: n for p, n in counts.items() if n}),
+            "pieces": {p: dataclasses.asdict(s) for p, s in stats.items()},
+            "contract_violations": {p: per_piece[p][tag][1] for p in per_piece if per_piece[p][tag][1]},
+        }
+    return result
+
+
+def format_graph_stats(result: dict) -> str:
+    """The per-graph table (one rank; GFLOP and GiB/MiB in binary units for bytes)."""
+    head = (f"graphs of {result['source']} at tp={result['tp']} (rank 0), {result['dtype']}, KV length "
+            f"{result['kv_len']}, layers {result['layers']}")
+    rows = ["| graph | tokens | matmul GFLOP | weights read (GiB) | KV state (MiB) | returned to host (KiB) "
+            "| all-reduce | all-gather | HLO ops | contracts |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for tag, g in result["graphs"].items():
+        t = g["total"]
+        rows.append(f"| {tag} | {g['length']} | {t['dot_flops'] / 1e9:.1f} | {t['weight_bytes'] / 2**30:.2f} "
+                    f"| {t['state_bytes'] / 2**20:.1f} | {t['returned_bytes'] / 2**10:.0f} "
+                    f"| {t['collectives'].get('all-reduce', 0)} | {t['collectives'].get('all-gather', 0)} "
+                    f"| {t['ops_total']} | {'pass' if not g['contract_violations'] else 'FAIL'} |")
+    return "\n".join([head, ""] + rows)
+
+
+def cmd_graphs(args) -> int:
+    from harness.spec import load_spec
+
+    spec = load_spec(args.config)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    result = model_graph_stats(spec, tp=args.tp, max_len=args.kv_len, buckets=args.buckets, dtype=dtype,
+                               progress=True)
+    print(format_graph_stats(result))
+    for tag, g in result["graphs"].items():
+        for piece, violations in g["contract_violations"].items():
+            print(f"{tag} {piece}: " + "; ".join(violations[:4]))
+    if args.json:
+        from harness.cli import write_json_atomic
+
+        write_json_atomic(args.json, result)
+    return 0 if not any(g["contract_violations"] for g in result["graphs"].values()) else 1
+
+
+def add_graphs_command(sub) -> None:
+    from harness.cli import buckets_arg
+
+    p = sub.add_parser("graphs", help="per-graph statistics (FLOPs, weight bytes, bytes returned) and graph "
+                                      "contracts of a config's device graphs, lowered by torch-xla (XLA lane)")
+    p.add_argument("--config", required=True, metavar="FILE", help="a config.json (no weights needed)")
+    p.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
+    p.add_argument("--kv-len", type=int, default=256, help="KV cache length (default 256)")
+    p.add_argument("--buckets", type=buckets_arg, default=(64,), help="prefill buckets (default 64)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--json", metavar="FILE", help="also write the statistics as JSON")
+    p.set_defaults(func=cmd_graphs)
