@@ -29,7 +29,10 @@ METHOD = {
     "constant_bytes": "bytes of model-code buffers fed as parameters (rope inverse frequencies)",
     "state_bytes": "bytes of the KV-cache parameters (aliased to outputs: stay on the device)",
     "returned_bytes": "bytes of the graph's outputs not aliased to state: copied to the host per call (raw logits)",
-    "ops": "entry-computation instructions by opcode, as lowered (before XLA optimisation)",
+    "ops": "entry-computation instructions by opcode, as lowered (before XLA optimisation); scaled pieces "
+           "over-count what the whole graph shares between layers (one attention mask per window type, "
+           "literals): on the tiny model by 7% (tests/xla/test_graph_stats.py); FLOPs, bytes and collectives "
+           "scale exactly",
     "collectives": "all-reduce / all-gather instructions in the rank's graph",
     "scaling": "layer = (one-layer piece) - (ends); graph = ends + n_sliding x sliding + n_full x full",
 }
