@@ -157,23 +157,27 @@ def _transfers(metrics) -> int:
 
 
 def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict[str, str], tag: str,
-                length: int, rank: int = 0) -> LoweredGraph:
-    """Trace one rank's graph on the XLA device (no execution) and return its HLO and signature.
+                length: int, rank: int = 0, device=None) -> LoweredGraph:
+    """Trace one rank's graph on an XLA device (no execution) and return its HLO and signature.
 
-    `tensors` are the rank's weights, constants and KV state (host tensors), `roles` their role."""
-    rt = xla_runtime()
-    xlac = rt.torch_xla._XLAC
+    `tensors` are the rank's weights, constants and KV state, `roles` their role. `device`: the
+    CPU lane's by default; on an inf2 host the Neuron XLA device (what torch-neuronx traces on)."""
+    import torch_xla
+    import torch_xla.debug.metrics as metrics
+
+    device = xla_runtime().device if device is None else device
+    xlac = torch_xla._XLAC
     kv_names = [n for n, r in roles.items() if r == "state"]
-    local = {n: t.to(rt.device) for n, t in tensors.items()}
-    x, pos = (t.to(rt.device) for t in example_inputs(length, module.spec.hidden_size, module.dtype))
+    local = {n: t.to(device) for n, t in tensors.items()}
+    x, pos = (t.to(device) for t in example_inputs(length, module.spec.hidden_size, module.dtype))
     named = {**{n: (roles[n], t) for n, t in local.items()}, "inputs_embeds": ("input", x), "positions": ("input", pos)}
     # each tensor's device buffer, taken before tracing (tensor ids change under in-place ops)
     handles = xlac._get_tensors_handle([t for _, t in named.values()])
     by_handle = {h: (role, n) for h, (n, (role, _)) in zip(handles, named.items())}
-    rt.metrics.clear_all()
-    xlac._set_all_reduce_token(str(rt.device), None)  # collectives of an earlier trace must not chain in
+    metrics.clear_all()
+    xlac._set_all_reduce_token(str(device), None)  # collectives of an earlier trace must not chain in
     outputs, new_state = rank_step(module, local, kv_names, x, pos)
-    host_transfers = _transfers(rt.metrics)
+    host_transfers = _transfers(metrics)
     state_out = [n for n in kv_names if n in new_state]
     results = outputs + [new_state[n] for n in state_out]
     _, data = xlac._get_tensors_xla_device_data_node(results)  # in entry-parameter order
@@ -181,7 +185,7 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     aliases = {len(outputs) + j: params.index(("state", n)) for j, n in enumerate(state_out)
                if ("state", n) in params}
     hlo = _with_aliases(xlac._get_xla_tensors_hlo(results), aliases)
-    xlac._set_all_reduce_token(str(rt.device), None)  # nothing of this trace is ever executed
+    xlac._set_all_reduce_token(str(device), None)  # nothing of this trace is ever executed
     names = ["logits"] + list(getattr(module, "capture_names", []) or [])[:len(outputs) - 1]
     names += [f"output{k}" for k in range(len(names), len(outputs))]
     return LoweredGraph(tag, length, rank, hlo, params, names + state_out, host_transfers)
