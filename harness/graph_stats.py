@@ -50,11 +50,11 @@ def _lower_piece(spec, tp: int, max_len: int, graphs: dict[str, int], dtype) -> 
     """Lower every graph of the plan for one piece: tag -> (GraphStats, violations)."""
     from harness.backends.xla import build_graph_module, graph_tensors, lower_graph, xla_runtime
 
+    device = xla_runtime().device  # a missing torch-xla is reported before anything is allocated
     with torch.device("meta"):
         module = build_graph_module(spec, tp, max_len, dtype)
     module.to_empty(device="cpu")  # uninitialised weights: the graph's shapes, not its numbers
     tensors, roles = graph_tensors(module)
-    device = xla_runtime().device
     tensors = {name: t.to(device) for name, t in tensors.items()}  # once for every graph of the piece
     out = {}
     for tag, length in graphs.items():

@@ -229,11 +229,13 @@ class XlaBackend:
 
         self.mesh = xs.Mesh(np.arange(self.rt.devices), (self.rt.devices,), ("tp",))
         self.rank_rows = tp if tp > 1 else 1  # leading axis of the global tensors: one row per rank
-        self.states = rank_state_dicts(checkpoint, tp, dtype)
+        self.checkpoint = checkpoint
+        states = rank_state_dicts(checkpoint, tp, dtype)
+        self._check_weights(states[0])
         constants = constant_buffers(self.module)
-        self.weights = {name: self._global([s[name] for s in self.states]) for name in self.states[0]}
+        self.weights = {name: self._global([s[name] for s in states]) for name in states[0]}
         self.weights.update({name: self._global([value] * self.rank_rows) for name, value in constants.items()})
-        self._check_weights()
+        del states  # the device holds them now
         self.state: dict[str, torch.Tensor] = {}
         self.reset()
 
@@ -247,9 +249,9 @@ class XlaBackend:
         self.rt.xs.mark_sharding(tensor, self.mesh, self._spec(tensor.dim(), True))
         return tensor
 
-    def _check_weights(self):
+    def _check_weights(self, state: dict[str, torch.Tensor]):
         expected = {n: tuple(t.shape) for n, t in self.module.state_dict().items()}
-        got = {n: tuple(self.states[0][n].shape) for n in self.states[0]}
+        got = {n: tuple(t.shape) for n, t in state.items()}
         if expected != got:
             wrong = sorted(n for n in set(expected) | set(got) if expected.get(n) != got.get(n))
             raise HarnessInputError(f"per-rank weights do not fit the graph module: {wrong[:8]} "
@@ -316,5 +318,5 @@ class XlaBackend:
 
     def lower_graphs(self, rank: int = 0) -> dict[str, LoweredGraph]:
         """Every graph of the plan, lowered for one rank on that rank's weights (not executed)."""
-        tensors, roles = graph_tensors(self.module, self.states[rank])
+        tensors, roles = graph_tensors(self.module, rank_state_dicts(self.checkpoint, self.tp, self.dtype)[rank])
         return {tag: lower_graph(self.module, tensors, roles, tag, length, rank) for tag, length in self.graphs.items()}

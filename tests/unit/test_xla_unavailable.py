@@ -20,3 +20,13 @@ def test_check_backend_xla_without_torch_xla_exits_2_with_the_install_command(mo
     assert code == EXIT_BAD_INPUT, err
     assert "pip install torch==2.9.0 torch-xla==2.9.0" in err and "[xla]" in err
     assert "reference" not in capsys.readouterr().out
+
+
+def test_graphs_without_torch_xla_exits_2_with_the_install_command(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch_xla", None)
+    xla.xla_runtime.cache_clear()
+    try:
+        code = main(["graphs", "--config", "fixtures/configs/gemma-4-12b-it.json"])
+    finally:
+        xla.xla_runtime.cache_clear()
+    assert code == EXIT_BAD_INPUT and "pip install torch==2.9.0 torch-xla==2.9.0" in capsys.readouterr().err
