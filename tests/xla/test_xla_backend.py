@@ -74,3 +74,20 @@ def test_check_passes_on_a_checkpoint_of_other_widths_and_pattern(variant_dir, c
     assert code == 0, out
     table = [line.split() for line in out.splitlines() if line[:1].isdigit() and ("sliding" in line or "full" in line)]
     assert len(table) == 5 and all(row[-1] == "pass" for row in table), out
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_graph_on_its_own_shards_meets_the_contracts(tiny0_ckpt, rank):
+    """Every TP=2 rank's graph, lowered on that rank's shards from the checkpoint, traces with the
+    plan's per-rank shapes and its collectives, and meets every contract."""
+    from harness.backends.xla import XlaBackend
+    from harness.graph_contracts import GraphSignature, check_graph, expectation_for
+
+    backend = XlaBackend(tiny0_ckpt, tp=2, dtype=torch.bfloat16, max_len=32, buckets=(16,))
+    graphs = backend.lower_graphs(rank=rank)
+    assert sorted(graphs) == ["decode", "prefill_16"]
+    for tag, graph in graphs.items():
+        sig = GraphSignature(graph.params, graph.outputs, graph.host_transfers)
+        exp = expectation_for(tiny0_ckpt.spec, 2, 32, graph.length, torch.bfloat16, rank=rank)
+        assert check_graph(graph.hlo, sig, exp) == [], tag
+        assert graph.hlo.count(" all-reduce(") == 2 * tiny0_ckpt.spec.num_layers
