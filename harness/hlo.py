@@ -100,6 +100,24 @@ class HloModule:
             yield from comp.instructions.values()
 
 
+def _operand_names(text: str) -> list[str]:
+    """Operand names: '%a, %b' or typed 'f32[2] %a', or, in dumps printed without '%', 'f32[2] a'."""
+    if "%" in text:
+        return _NAME.findall(text)
+    names, depth, token = [], 0, ""
+    for ch in text + ",":
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            word = token.split()[-1] if token.split() else ""
+            if re.fullmatch(r"[A-Za-z_][\w.\-]*", word):
+                names.append(word)
+            token = ""
+        else:
+            token += ch
+    return names
+
+
 def _split_instruction(line: str):
     """'[ROOT ]%name = SHAPE opcode(operands), attrs' -> parts, or None for other lines."""
     body = line.strip()
@@ -166,7 +184,8 @@ def parse_hlo(text: str) -> HloModule:
             if parts is None:
                 continue
             is_root, inst_name, shape, opcode, operands, attrs = parts
-            inst = Instruction(inst_name, opcode, parse_shape(shape), _NAME.findall(operands), attrs, is_root)
+            names = [] if opcode in ("parameter", "constant", "iota") else _operand_names(operands)
+            inst = Instruction(inst_name, opcode, parse_shape(shape), names, attrs, is_root)
             if opcode == "parameter":
                 inst.parameter_text = operands.strip()
             current.instructions[inst_name] = inst

@@ -86,3 +86,12 @@ def test_each_forbidden_edit_is_caught(edit, contract):
 def test_a_parameter_the_signature_does_not_name_is_refused():
     text = DECODE.replace("%p3 = bf16[6,4]{1,0} parameter(3)", "%p3 = bf16[6,4]{1,0} parameter(3)\n  %p4 = f32[] parameter(4)")
     assert [v.contract for v in check_graph(text, SIG, EXP)] == ["signature"]
+
+
+def test_text_printed_without_percent_signs_reads_the_same():
+    """Some XLA dumps print names without '%': the reader sees the same graph and contracts."""
+    bare = parse_hlo(DECODE.replace("%", ""))
+    assert bare.entry.instructions["upd"].operands[:2] == ["p2", "r"]
+    assert bare.entry.instructions["ctx"].operands == ["pr", "vv"]
+    assert check_graph(DECODE.replace("%", ""), SIG, EXP) == []
+    assert graph_stats(bare, SIG).dot_flops == graph_stats(DECODE, SIG).dot_flops
