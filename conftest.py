@@ -32,6 +32,13 @@ def _neuron_cores() -> int:
     return neuron_core_count()
 
 
+def xla_available() -> bool:
+    """torch-xla importable next to the torch it is built for (2.9): the XLA lane's environment."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None and torch.__version__.startswith("2.9.")
+
+
 def _selects_neuron(config) -> bool:
     expr = config.getoption("-m") or ""
     return "neuron" in expr and "not neuron" not in expr
@@ -52,9 +59,13 @@ def pytest_collection_modifyitems(config, items):
         assign_visible_cores(cores_per_worker=NEURON_CORES_PER_WORKER)
         return
     skip = pytest.mark.skip(reason="needs a NeuronCore and the Neuron SDK: run `pytest -m neuron` on inf2")
+    skip_xla = pytest.mark.skip(reason="needs torch 2.9 + torch-xla 2.9: run the XLA lane, bash .ci/xla-lane")
+    has_xla = xla_available()
     for item in items:
         if "neuron" in item.keywords:
             item.add_marker(skip)
+        elif item.get_closest_marker("xla") is not None and not has_xla:
+            item.add_marker(skip_xla)
 
 
 @pytest.fixture(scope="session", params=TINY_SEEDS, ids=lambda s: f"seed{s}")

@@ -416,3 +416,20 @@ def write_report(report_dir, kind: str, payload: dict, spec) -> Path:
         text += "\n(plot skipped: install the `plot` extra for matplotlib)\n"
     write_text_atomic(report_dir / f"{kind}.md", text)
     return report_dir
+
+
+# ---- graph statistics ----------------------------------------------------------------------------
+
+def format_graph_stats(result: dict) -> str:
+    """The per-graph table (one rank; GFLOP and GiB/MiB in binary units for bytes)."""
+    head = (f"graphs of {result['source']} at tp={result['tp']} (rank 0), {result['dtype']}, KV length "
+            f"{result['kv_len']}, layers {result['layers']}")
+    rows = ["| graph | tokens | matmul GFLOP | weights read (GiB) | KV state (MiB) | returned to host (KiB) "
+            "| all-reduce | all-gather | HLO ops | contracts |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for tag, g in result["graphs"].items():
+        t = g["total"]
+        rows.append(f"| {tag} | {g['length']} | {t['dot_flops'] / 1e9:.1f} | {t['weight_bytes'] / 2**30:.2f} "
+                    f"| {t['state_bytes'] / 2**20:.1f} | {t['returned_bytes'] / 2**10:.0f} "
+                    f"| {t['collectives'].get('all-reduce', 0)} | {t['collectives'].get('all-gather', 0)} "
+                    f"| {t['ops_total']} | {'pass' if not g['contract_violations'] else 'FAIL'} |")
+    return "\n".join([head, ""] + rows)

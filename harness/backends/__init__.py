@@ -1,4 +1,5 @@
-"""Backends run the per-rank decoder: `cpu` here and in CI, `neuron` on inf2 (the only Neuron code).
+"""Backends run the per-rank decoder: `cpu` here and in CI, `neuron` on inf2 (the only Neuron code),
+`xla` (the device graphs through torch-xla on CPU, on the Neuron host's torch 2.9).
 
 `build_engine` puts a backend behind the host engine: what every workflow runs.
 """
@@ -7,7 +8,7 @@ import torch
 
 from harness.engine import DEFAULT_BUCKETS, DEFAULT_KV_LEN, Engine
 
-BACKENDS = ("cpu", "neuron")
+BACKENDS = ("cpu", "neuron", "xla")
 
 
 def make_backend(name: str, checkpoint, **kwargs):
@@ -20,6 +21,10 @@ def make_backend(name: str, checkpoint, **kwargs):
         from harness.backends.neuron import NeuronBackend
 
         return NeuronBackend(checkpoint, **kwargs)
+    if name == "xla":
+        from harness.backends.xla import XlaBackend
+
+        return XlaBackend(checkpoint, **kwargs)
     from harness.errors import HarnessInputError
 
     raise HarnessInputError(f"unknown backend {name!r}; choose one of {BACKENDS}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-BACKENDS = ["cpu", pytest.param("neuron", marks=pytest.mark.neuron)]
+BACKENDS = ["cpu", pytest.param("xla", marks=pytest.mark.xla), pytest.param("neuron", marks=pytest.mark.neuron)]
 
 
 @pytest.fixture(scope="session", params=BACKENDS)

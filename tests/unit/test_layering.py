@@ -20,6 +20,7 @@ LAYERS = {
     "harness": 0,
     # 1: facts and plumbing every layer may use
     "harness.errors": 1, "harness.spec": 1, "harness.numerics": 1, "harness.atomic": 1, "harness.progress": 1,
+    "harness.hlo": 1,
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.sharding": 2, "harness.prompts": 2,
     # 3: the port
@@ -29,7 +30,7 @@ LAYERS = {
     # 5: judgement
     "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.graph_contracts": 5,
     # 6: workflows as library functions with result objects
-    "harness.parity": 6, "harness.bisect": 6, "harness.perf": 6,
+    "harness.parity": 6, "harness.bisect": 6, "harness.perf": 6, "harness.graph_stats": 6,
     # 7: presentation and commands; nothing imports these from below
     "harness.report": 7, "harness.cli": 8,
 }
