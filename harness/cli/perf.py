@@ -8,7 +8,7 @@ from pathlib import Path
 from harness.cli.common import buckets_arg
 from harness.errors import HarnessInputError
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP,
-                          PUBLISHED_BUCKET, append_history, compare_files, compare_history, parse_budgets,
+                          PUBLISHED_BUCKET, append_history, compare_files, compare_history, draw_trend, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
 
 
@@ -44,15 +44,18 @@ def add_command(subparsers) -> None:
                     "budget, 2 bad input.")
     compare.add_argument("--baseline", metavar="FILE")
     compare.add_argument("--current", metavar="FILE")
-    compare.add_argument("--history", metavar="DIR", help="newest run in DIR vs the history's baseline")
+    compare.add_argument("--history", metavar="DIR", help="newest run in DIR vs the history's baseline, "
+                         "and the change points over the history")
     compare.add_argument("--budget", action="append", default=[], metavar="METRIC=MS",
-                         help="ceiling on a median, e.g. prefill_ms=101 (repeatable)")
+                         help="ceiling on a median, e.g. ttft_ms=101 (repeatable)")
     compare.add_argument("--factor", type=float, default=DEFAULT_FACTOR)
     compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA)
     compare.add_argument("--allow-mismatch", action="store_true",
                          help="compare runs from different machines, specs or settings")
     compare.add_argument("--markdown", metavar="FILE", help="also write a Markdown report")
     compare.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
+    compare.add_argument("--plot", metavar="PNG", help="with --history: the trend plot (default: "
+                         "<markdown stem>-trend.png beside --markdown; needs the plot extra)")
     compare.set_defaults(func=run_compare_command)
 
 
@@ -95,9 +98,11 @@ def run_compare_command(args) -> int:
             comp = compare_files(args.baseline, args.current, **options)
         else:
             raise HarnessInputError("give --baseline FILE and --current FILE, or --history DIR alone")
+        plot = _trend_plot(args, comp, options["budgets"])
         print(render_text(comp), end="")
         if args.markdown:
-            write_text(args.markdown, render_markdown(comp), overwrite=True)  # a report, rewritten each run
+            link = None if plot is None else _relative(plot, Path(args.markdown).parent)
+            write_text(args.markdown, render_markdown(comp, link), overwrite=True)  # a report, rewritten each run
         if args.json:
             write_json(args.json, comp.to_dict(), overwrite=True)
         return 1 if comp.failed else 0
@@ -108,3 +113,21 @@ def run_compare_command(args) -> int:
         print(f"gemma-parity perf compare: error: cannot write {exc.filename}: {exc.strerror}",
               file=sys.stderr)
         return 2
+
+
+def _trend_plot(args, comp, budgets):
+    """The history's trend PNG: --plot, else beside --markdown; never without --history."""
+    if args.plot and not args.history:
+        raise HarnessInputError("--plot draws the history's trend: give it with --history DIR")
+    if not args.history or not (args.plot or args.markdown):
+        return None
+    markdown = Path(args.markdown) if args.markdown else None
+    path = Path(args.plot) if args.plot else markdown.with_name(f"{markdown.stem}-trend.png")
+    return draw_trend(comp, path, budgets)
+
+
+def _relative(path: Path, start: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(start.resolve()))
+    except ValueError:
+        return str(path.resolve())
