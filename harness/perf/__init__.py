@@ -7,7 +7,7 @@ change points, and regression detection. One job per module:
   roofline      per-graph floors from the spec, the TP plan and the hardware's figures
   bench         the benchmark runner: TTFT, TPOT, E2E, throughput, efficiency per graph
   compare       budgets, the decision rule, comparisons of two runs
-  changepoints  change points over run medians (Pettitt, binary segmentation)
+  changepoints  change points over run medians (CUSUM permutation test, binary segmentation)
   history       `perf compare --history`: baseline from the history, trend, change points
   render, plot  text and Markdown; the trend PNG (matplotlib, the `plot` extra)
 
@@ -16,7 +16,7 @@ The names below are the package's API (what `gemma-parity bench`/`perf compare` 
 
 from harness.perf.bench import (DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, PUBLISHED_BUCKET, bench_prompt,
                                 graph_medians, run_bench)
-from harness.perf.changepoints import ChangePoint, find_change_points, pettitt
+from harness.perf.changepoints import ChangePoint, cusum, find_change_points
 from harness.perf.compare import (BUDGETS, DEFAULT_ALPHA, DEFAULT_FACTOR, BudgetCheck, Comparison, MetricComparison,
                                   check_budgets, check_comparable, compare_files, compare_metric, compare_results,
                                   compare_samples, decide, parse_budgets, software_notes)
@@ -28,7 +28,7 @@ from harness.perf.render import (render_bench_summary, render_markdown, render_r
 from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, FORMAT, append_history, budget_samples,
                                   dtype_name, latency_samples, load_history, load_result, metric_samples,
                                   mismatches, validate_result, write_json, write_text)
-from harness.perf.roofline import DEFAULT_INSTANCE, info_floors, instance_rates, measured_rates, roofline
+from harness.perf.roofline import DEFAULT_INSTANCE, info_floors, instance_rates, measured_rates, roofline_block
 from harness.perf.stats import (mann_whitney_greater, mann_whitney_less, percentile, ratio_interval, runs_needed,
                                 smallest_p, summarize)
 

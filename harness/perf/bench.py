@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from harness.errors import HarnessInputError
 from harness.perf import machine
 from harness.perf.results import FORMAT, dtype_name, latency_samples, metric_samples
-from harness.perf.roofline import DEFAULT_INSTANCE, INSTANCE_CHIPS, instance_rates, measured_rates, roofline
+from harness.perf.roofline import DEFAULT_INSTANCE, INSTANCE_CHIPS, instance_rates, measured_rates, roofline_block
 from harness.perf.stats import summarize
 from harness.progress import status
 
@@ -181,5 +181,5 @@ def bench_rates(backend: str, tp: int, dtype: str):
 def bench_roofline(result: dict, spec) -> dict:
     settings = result["settings"]
     rates = bench_rates(result["backend"], result["tp"], result["dtype"])
-    return roofline(spec, result["tp"], result["dtype"], settings["buckets"], settings["kv_len"], rates,
+    return roofline_block(spec, result["tp"], result["dtype"], settings["buckets"], settings["kv_len"], rates,
                     graph_medians(result))

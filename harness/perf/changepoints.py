@@ -1,17 +1,19 @@
 """Change points in a metric's history: where the run medians stepped, and which run was first
 after the step.
 
-Method: Pettitt's rank test for a single change point (A. N. Pettitt, "A non-parametric approach
-to the change-point problem", Applied Statistics 28(2), 1979, 126-135), applied by binary
-segmentation (A. J. Scott and M. Knott, Biometrics 30, 1974; L. Vostrikova, Soviet Math. Dokl. 24,
-1981) to find several. With ranks r_1..r_T of the T run medians,
-    U_t = 2 * (r_1 + ... + r_t) - t * (T + 1),   K = max_t |U_t|,
-and the change point is the t that attains K (runs 1..t before it, t+1..T after). The p-value of K
-is a permutation p-value (Monte Carlo, fixed seed) rather than Pettitt's asymptotic formula, which
-is conservative for the 10-50 runs a history holds. A segment is split only when p < alpha, so on
-a history with no change the chance of reporting any change point (the false-alarm rate) is at
-most alpha: later splits are only tried after a first one was found. Rank based: one wild run
-moves K by at most one rank's worth.
+Method: the standardized CUSUM statistic for a shift in mean (E. S. Page, "Continuous inspection
+schemes", Biometrika 41, 1954), on the logs of the run medians (a slowdown is a ratio), with a
+permutation p-value (J. Antoch and M. Huskova, "Permutation tests in change point analysis",
+Statistics & Probability Letters 53, 2001, 37-46), applied by binary segmentation (A. J. Scott and
+M. Knott, Biometrics 30, 1974; L. Vostrikova, Soviet Math. Dokl. 24, 1981) to find several. For
+T values x_1..x_T with mean m,
+    C_t = |(x_1 - m) + ... + (x_t - m)| / sqrt(t (T - t) / T),   C = max_t C_t,
+and the change point is the t that attains C (runs 1..t before it, t+1..T after): the split that
+best separates two levels in the least-squares sense. Its p-value is the share of PERMUTATIONS
+random orders of the same values (fixed seed) whose C is at least as large: exact under "no change"
+(the runs are then exchangeable) whatever the noise's distribution. A segment is split only when
+p < alpha, so on a history with no change the chance of reporting any change point (the
+false-alarm rate) is alpha: later splits are only tried after a first one was found.
 """
 
 from __future__ import annotations
@@ -41,39 +43,34 @@ class ChangePoint:
         return asdict(self)
 
 
-def _ranks(values):
-    from scipy.stats import rankdata
-
-    return rankdata(values)
-
-
-def pettitt(values, permutations: int = PERMUTATIONS, seed: int = SEED) -> tuple[int, float, float]:
-    """(t, K, p): the split after the first t values, the statistic, its permutation p-value."""
+def cusum(values, permutations: int = PERMUTATIONS, seed: int = SEED) -> tuple[int, float, float]:
+    """(t, C, p): the split after the first t values, the statistic, its permutation p-value."""
     import numpy as np
 
-    values = np.asarray(values, dtype=float)
-    n = len(values)
+    x = np.log(np.asarray(values, dtype=float))
+    n = len(x)
     if n < 2 * MIN_SEGMENT:
         return 0, 0.0, 1.0
-    ranks = _ranks(values)
-    t = np.arange(1, n)
-    u = 2 * np.cumsum(ranks)[:-1] - t * (n + 1)
-    allowed = (t >= MIN_SEGMENT) & (t <= n - MIN_SEGMENT)
-    k_obs = np.abs(u[allowed]).max()
-    split = int(t[allowed][np.argmax(np.abs(u[allowed]))])
+    t = np.arange(MIN_SEGMENT, n - MIN_SEGMENT + 1)
+    weight = np.sqrt(t * (n - t) / n)
+
+    def statistic(rows):
+        centred = rows - rows.mean(axis=-1, keepdims=True)
+        return np.abs(np.cumsum(centred, axis=-1)[..., t - 1]) / weight
+
+    observed = statistic(x)
+    best = int(np.argmax(observed))
     rng = np.random.default_rng(seed)
-    shuffled = rng.permuted(np.tile(ranks, (permutations, 1)), axis=1)
-    u_perm = 2 * np.cumsum(shuffled, axis=1)[:, :-1] - t * (n + 1)
-    k_perm = np.abs(u_perm[:, allowed]).max(axis=1)
-    p = (1 + np.count_nonzero(k_perm >= k_obs - 1e-9)) / (permutations + 1)
-    return split, float(k_obs), float(p)
+    shuffled = rng.permuted(np.tile(x, (permutations, 1)), axis=1)
+    exceed = np.count_nonzero(statistic(shuffled).max(axis=1) >= observed[best] * (1 - 1e-12))
+    return int(t[best]), float(observed[best]), float((1 + exceed) / (permutations + 1))
 
 
 def segments(values, alpha: float, offset: int = 0) -> list[tuple[int, float]]:
     """Binary segmentation: (index of the first value after each change, p-value), sorted."""
     if len(values) < 2 * MIN_SEGMENT:
         return []
-    split, _, p = pettitt(values)
+    split, _, p = cusum(values)
     if p >= alpha:
         return []
     return sorted(segments(values[:split], alpha, offset) + [(offset + split, p)]

@@ -66,7 +66,7 @@ def change_point_analysis(comp: Comparison, runs: list[tuple[Path, dict]], alpha
         comp.change_points += find_change_points(metric, points, alpha)
     for cp in comp.change_points:
         comp.notes.append(f"change point in {cp.metric}: {cp.direction} by {cp.ratio:.3f}x from run "
-                          f"{cp.run} (commit {cp.commit[:12]}), Pettitt p = {cp.p_value:.3g}")
+                          f"{cp.run} (commit {cp.commit[:12]}), CUSUM permutation p = {cp.p_value:.3g}")
 
 
 def compare_history(directory, factor: float = DEFAULT_FACTOR, alpha: float = DEFAULT_ALPHA,

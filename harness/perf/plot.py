@@ -60,7 +60,7 @@ def draw_trend(comp: Comparison, path, budgets: dict[str, float] | None = None) 
         return None
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, 2.8 * len(metrics)), dpi=90, layout="constrained")
+    fig = Figure(figsize=(9, 2.8 * len(metrics)), dpi=72, layout="constrained")
     axes = fig.subplots(len(metrics), 1, squeeze=False)[:, 0]
     for ax, metric in zip(axes, metrics):
         _panel(ax, metric, comp.trend[metric], comp, budgets.get(metric))

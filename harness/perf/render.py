@@ -144,7 +144,7 @@ def render_text(comp: Comparison) -> str:
     out = [status_line(comp), f"baseline: {comp.baseline_label}", f"current:  {comp.current_label}",
            rule_line(comp), "", *_table(header, rows)]
     if comp.change_points:
-        out += ["", "change points (Pettitt test, binary segmentation, over the run medians):",
+        out += ["", "change points (CUSUM with a permutation test, binary segmentation, over the run medians):",
                 *_table(*change_point_rows(comp))]
     out += [f"note: {n}" for n in comp.notes]
     if comp.plot:
@@ -161,7 +161,7 @@ def render_markdown(comp: Comparison, plot_link: str | None = None) -> str:
            f"Mann-Whitney U test gives p < {comp.alpha:g}; the interval is a bootstrap interval of the "
            "ratio of medians.", "", *_markdown_table(header, rows)]
     if comp.change_points:
-        out += ["", "#### Change points (Pettitt test over the run medians)", "",
+        out += ["", "#### Change points (CUSUM permutation test over the run medians)", "",
                 *_markdown_table(*change_point_rows(comp))]
     if plot_link:
         out += ["", f"![trend of the run medians]({plot_link})"]
