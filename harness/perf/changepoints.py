@@ -91,6 +91,8 @@ def find_change_points(metric: str, runs: list[dict], alpha: float) -> list[Chan
     import statistics
 
     medians = [r["median"] for r in runs]
+    if min(medians, default=0) <= 0:
+        return []  # timings are positive; a zero median (an empty or broken run) has no log
     found = []
     steps = segments(medians, alpha)
     bounds = [0] + [i for i, _ in steps] + [len(runs)]
