@@ -142,7 +142,7 @@ def measure(mode: str, path: Path, dtype_name: str, prompt_len: int, count: int 
     from harness.checkpoint import Checkpoint
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     out = {"mode": mode, "dtype": dtype_name}
     if mode == "imports":
         import transformers.models.gemma4_unified.modeling_gemma4_unified  # noqa: F401
@@ -168,6 +168,7 @@ def measure(mode: str, path: Path, dtype_name: str, prompt_len: int, count: int 
                 model(input_ids=torch.tensor([prompt]))
         out["top"] = top_k(raw[0][0, -1])
     out["seconds"] = time.perf_counter() - start
+    out["cpu_seconds"] = time.process_time() - cpu_start  # all threads: less sensitive to a busy machine
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out
 
@@ -199,15 +200,16 @@ def agreement(rows: list[dict]) -> dict:
 
 
 def render(results: dict) -> str:
-    lines = [f"{'dtype':<6} {'mode':<13} {'peak RSS GiB':>12} {'above imports':>13} {'seconds':>8}"]
+    lines = [f"{'dtype':<6} {'mode':<13} {'peak RSS GiB':>12} {'above imports':>13} {'seconds':>8} {'CPU s':>8}"]
     for dtype_name, rows in results["runs"].items():
         floor = next(r["peak_rss_bytes"] for r in rows if r["mode"] == "imports")
         for r in rows:
             lines.append(f"{dtype_name:<6} {r['mode']:<13} {gib(r['peak_rss_bytes']):>12} "
-                         f"{gib(r['peak_rss_bytes'] - floor):>13} {r['seconds']:>8.1f}")
-        seconds = {r["mode"]: r["seconds"] for r in rows}
-        lines.append(f"{dtype_name:<6} time streaming / transformers: "
-                     f"{seconds['streaming'] / seconds['transformers']:.2f}")
+                         f"{gib(r['peak_rss_bytes'] - floor):>13} {r['seconds']:>8.1f} {r['cpu_seconds']:>8.1f}")
+        wall = {r["mode"]: r["seconds"] for r in rows}
+        cpu = {r["mode"]: r["cpu_seconds"] for r in rows}
+        lines.append(f"{dtype_name:<6} time streaming / transformers: wall {wall['streaming'] / wall['transformers']:.2f}, "
+                     f"CPU {cpu['streaming'] / cpu['transformers']:.2f}")
         a = results["agreement"][dtype_name]
         lines.append(f"{dtype_name:<6} top-1 equal: {a['top1_equal']}, top-{TOP_K} overlap "
                      f"{a['topk_overlap']}, max raw-logit gap {a['max_logit_gap']:.3g} (top-1 logit "
