@@ -173,6 +173,15 @@ def measure(mode: str, path: Path, dtype_name: str, prompt_len: int, count: int 
     return out
 
 
+def warm_page_cache(path: Path, chunk: int = 64 * 2**20) -> None:
+    """Read every shard once, so that no mode pays the disk for another (the first mode to read a
+    freshly written checkpoint would otherwise be charged for it)."""
+    for shard in sorted(path.glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            while f.read(chunk):
+                pass
+
+
 def measure_in_child(mode: str, path: Path, dtype_name: str, prompt_len: int, count: int = 1) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--checkpoint", str(path), "--dtypes", dtype_name,
            "--prompt-len", str(prompt_len), "--prompts", str(count)]
@@ -239,6 +248,7 @@ def main(argv=None) -> int:
     results = {"checkpoint": str(path), "layers": args.layers, "prompt_len": args.prompt_len, "prompts": args.prompts,
                "checkpoint_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")),
                "runs": {}, "agreement": {}}
+    warm_page_cache(path)
     for dtype_name in args.dtypes.split(","):
         rows = []
         for mode in MODES:
