@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_reference import build_checkpoint, checkpoint_dir  # noqa: E402
+from memory_reference import build_checkpoint, checkpoint_dir, warm_page_cache  # noqa: E402
 
 from harness.perf import bench_prompt, write_json  # noqa: E402
 
@@ -105,6 +105,7 @@ def main(argv=None) -> int:
         path = args.checkpoint or checkpoint_dir(args.layers, 0)
         if not (path / "config.json").is_file():
             build_checkpoint(path, args.layers)
+    warm_page_cache(path)
     rows = {side: measure_in_child(side, path, args.dtype, args.repeats) for side in SIDES}
     ratio = rows["port"]["median_ms"] / rows["transformers"]["median_ms"]
     cpu_ratio = rows["port"]["median_cpu_ms"] / rows["transformers"]["median_cpu_ms"]
