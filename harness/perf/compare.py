@@ -76,6 +76,7 @@ class Comparison:
     change_points: list = field(default_factory=list)  # changepoints.ChangePoint, history only
     trend: dict = field(default_factory=dict)  # metric -> per-run medians and spreads, history only
     plot: str | None = None  # the trend PNG, when one was drawn
+    roofline: dict | None = None  # the current run's floors and efficiencies, when it has them
 
     @property
     def regressions(self) -> list[str]:
@@ -229,6 +230,7 @@ def compare_results(baseline: dict | None, current: dict, factor: float = DEFAUL
                            metric_samples(current), factor, alpha, budgets, baseline_label, current_label,
                            budget_pool=budget_samples(current), intervals=intervals)
     comp.notes = notes + comp.notes
+    comp.roofline = current.get("roofline")
     return comp
 
 

@@ -56,7 +56,9 @@ def trend(runs: list[tuple[Path, dict]]) -> dict[str, list[dict]]:
 
 
 def change_point_analysis(comp: Comparison, runs: list[tuple[Path, dict]], alpha: float) -> None:
-    """Fill the comparison's trend and change points, and say so when the history is too short."""
+    """Fill the comparison's trend and change points, and say so when the history is too short;
+    keep the newest run's floors."""
+    comp.roofline = runs[-1][1].get("roofline") if runs else None
     comp.trend = trend(runs)
     needed = runs_needed(alpha)
     if len(runs) < needed:

@@ -146,6 +146,8 @@ def render_text(comp: Comparison) -> str:
     if comp.change_points:
         out += ["", "change points (CUSUM with a permutation test, binary segmentation, over the run medians):",
                 *_table(*change_point_rows(comp))]
+    if comp.roofline:
+        out += ["", "current run's " + render_roofline(comp.roofline).rstrip("\n")]
     out += [f"note: {n}" for n in comp.notes]
     if comp.plot:
         out.append(f"trend plot: {comp.plot}")
@@ -163,6 +165,9 @@ def render_markdown(comp: Comparison, plot_link: str | None = None) -> str:
     if comp.change_points:
         out += ["", "#### Change points (CUSUM permutation test over the run medians)", "",
                 *_markdown_table(*change_point_rows(comp))]
+    if comp.roofline:
+        out += ["", "#### Floors of the current run (efficiency = floor / measured median)", "",
+                render_roofline_markdown(comp.roofline).rstrip("\n")]
     if plot_link:
         out += ["", f"![trend of the run medians]({plot_link})"]
     if comp.notes:

@@ -129,6 +129,12 @@ def test_perf_compare_accepts_bench_files_via_the_command(bench_runs):
     assert all(m["ci_low"] <= m["ratio"] <= m["ci_high"] and m["confidence"] == pytest.approx(0.98)
                for m in comparison["metrics"])
     assert "ratio 98% CI" in proc.stdout
+    # the current run's floors and efficiency per graph, in all three outputs
+    efficiency = [g["efficiency"] for g in perf.load_result(tmp / "b.json")["roofline"]["graphs"]]
+    assert [g["efficiency"] for g in comparison["roofline"]["graphs"]] == efficiency
+    markdown = (tmp / "perf.md").read_text()
+    assert "Floors of the current run" in markdown and f"{100 * efficiency[-1]:.1f}%" in markdown
+    assert "current run's floors" in proc.stdout
 
 
 def test_bench_refuses_to_overwrite_out_without_force(bench_runs, tmp_path, capsys):
