@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     start = datetime(2026, 11, 1, tzinfo=timezone.utc)
     for i in range(RUNS):
         append_history(synthetic_run(i, rng, start), args.out)
-    print(f"wrote {RUNS} runs to {args.out} (TTFT step x{STEP} at run {STEP_AT})")
+    print(f"wrote {RUNS} runs to {args.out} (TTFT step x{STEP} from run {STEP_AT + 1} on)")
     return 0
 
 
