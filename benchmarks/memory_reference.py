@@ -217,8 +217,8 @@ def render(results: dict) -> str:
                          f"{gib(r['peak_rss_bytes'] - floor):>13} {r['seconds']:>8.1f} {r['cpu_seconds']:>8.1f}")
         wall = {r["mode"]: r["seconds"] for r in rows}
         cpu = {r["mode"]: r["cpu_seconds"] for r in rows}
-        lines.append(f"{dtype_name:<6} time streaming / transformers: wall {wall['streaming'] / wall['transformers']:.2f}, "
-                     f"CPU {cpu['streaming'] / cpu['transformers']:.2f}")
+        lines.append(f"{dtype_name:<6} time streaming / transformers: wall "
+                     f"{wall['streaming'] / wall['transformers']:.2f}, CPU {cpu['streaming'] / cpu['transformers']:.2f}")
         a = results["agreement"][dtype_name]
         lines.append(f"{dtype_name:<6} top-1 equal: {a['top1_equal']}, top-{TOP_K} overlap "
                      f"{a['topk_overlap']}, max raw-logit gap {a['max_logit_gap']:.3g} (top-1 logit "

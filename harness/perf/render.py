@@ -144,7 +144,8 @@ def render_text(comp: Comparison) -> str:
     out = [status_line(comp), f"baseline: {comp.baseline_label}", f"current:  {comp.current_label}",
            rule_line(comp), "", *_table(header, rows)]
     if comp.change_points:
-        out += ["", "change points (CUSUM with a permutation test, binary segmentation, over the run medians):",
+        out += ["", f"change points (CUSUM with a permutation test at alpha {comp.alpha:g}, binary segmentation, "
+                "over the run medians):",
                 *_table(*change_point_rows(comp))]
     if comp.roofline:
         out += ["", "current run's " + render_roofline(comp.roofline).rstrip("\n")]
@@ -163,7 +164,7 @@ def render_markdown(comp: Comparison, plot_link: str | None = None) -> str:
            f"Mann-Whitney U test gives p < {comp.alpha:g}; the interval is a bootstrap interval of the "
            "ratio of medians.", "", *_markdown_table(header, rows)]
     if comp.change_points:
-        out += ["", "#### Change points (CUSUM permutation test over the run medians)", "",
+        out += ["", f"#### Change points (CUSUM permutation test at alpha {comp.alpha:g} over the run medians)", "",
                 *_markdown_table(*change_point_rows(comp))]
     if comp.roofline:
         out += ["", "#### Floors of the current run (efficiency = floor / measured median)", "",
