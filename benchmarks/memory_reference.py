@@ -11,7 +11,10 @@ Each measurement runs in a fresh subprocess and reports its peak RSS (VmHWM; see
   transformers  Gemma4UnifiedForConditionalGeneration.from_pretrained + one forward
 Both forwards run the same prompt; the table also compares their raw last-position logits.
 
-    python benchmarks/memory_reference.py [--layers 6] [--dtypes fp32,bf16] [--out FILE]
+    python benchmarks/memory_reference.py [--layers 6] [--dtypes fp32,bf16] [--prompts 1] [--out FILE]
+
+With --prompts N, streaming runs the N prompts in one pass over the weights
+(stream_prefill_captures_many) and transformers loads once and runs N forwards.
 
 Not a test: it writes a ~5 GB checkpoint (cached under GEMMA_PARITY_CACHE) and takes minutes.
 """
@@ -130,43 +133,58 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def measure(mode: str, path: Path, dtype_name: str, prompt_len: int) -> dict:
+def prompts_for(vocab_size: int, prompt_len: int, count: int) -> list[list[int]]:
+    return [bench_prompt(vocab_size, prompt_len, seed=k) for k in range(count)]
+
+
+def measure(mode: str, path: Path, dtype_name: str, prompt_len: int, count: int = 1) -> dict:
     """Run one mode and report peak RSS; called in a fresh child process so peaks never mix."""
     from harness.checkpoint import Checkpoint
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     out = {"mode": mode, "dtype": dtype_name}
     if mode == "imports":
         import transformers.models.gemma4_unified.modeling_gemma4_unified  # noqa: F401
 
         import harness.reference  # noqa: F401
     elif mode == "streaming":
-        from harness.reference import stream_prefill_captures
+        from harness.reference import stream_prefill_captures_many
 
         checkpoint = Checkpoint.open(path)
-        prompt = bench_prompt(checkpoint.spec.vocab_size, prompt_len)
-        captures = stream_prefill_captures(checkpoint, prompt, dtype)
-        out["top"] = top_k(captures["logits"][-1])
+        prompts = prompts_for(checkpoint.spec.vocab_size, prompt_len, count)
+        captures = stream_prefill_captures_many(checkpoint, prompts, dtype)
+        out["top"] = top_k(captures[0]["logits"][-1])
     else:
         from transformers import Gemma4UnifiedForConditionalGeneration
 
         model = Gemma4UnifiedForConditionalGeneration.from_pretrained(path, dtype=dtype,
                                                                       attn_implementation="eager").eval()
-        prompt = bench_prompt(model.config.get_text_config().vocab_size, prompt_len)
+        prompts = prompts_for(model.config.get_text_config().vocab_size, prompt_len, count)
         raw = []  # the lm_head output, before transformers applies the softcap
         model.lm_head.register_forward_hook(lambda module, args, output: raw.append(output))
         with torch.no_grad():
-            model(input_ids=torch.tensor([prompt]))
+            for prompt in prompts:
+                model(input_ids=torch.tensor([prompt]))
         out["top"] = top_k(raw[0][0, -1])
     out["seconds"] = time.perf_counter() - start
+    out["cpu_seconds"] = time.process_time() - cpu_start  # all threads: less sensitive to a busy machine
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out
 
 
-def measure_in_child(mode: str, path: Path, dtype_name: str, prompt_len: int) -> dict:
+def warm_page_cache(path: Path, chunk: int = 64 * 2**20) -> None:
+    """Read every shard once, so that no mode pays the disk for another (the first mode to read a
+    freshly written checkpoint would otherwise be charged for it)."""
+    for shard in sorted(path.glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            while f.read(chunk):
+                pass
+
+
+def measure_in_child(mode: str, path: Path, dtype_name: str, prompt_len: int, count: int = 1) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--checkpoint", str(path), "--dtypes", dtype_name,
-           "--prompt-len", str(prompt_len)]
+           "--prompt-len", str(prompt_len), "--prompts", str(count)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} ({dtype_name}) failed with exit {proc.returncode}:\n{proc.stderr[-4000:]}")
@@ -191,18 +209,22 @@ def agreement(rows: list[dict]) -> dict:
 
 
 def render(results: dict) -> str:
-    lines = [f"{'dtype':<6} {'mode':<13} {'peak RSS GiB':>12} {'above imports':>13} {'seconds':>8}"]
+    lines = [f"{'dtype':<6} {'mode':<13} {'peak RSS GiB':>12} {'above imports':>13} {'seconds':>8} {'CPU s':>8}"]
     for dtype_name, rows in results["runs"].items():
         floor = next(r["peak_rss_bytes"] for r in rows if r["mode"] == "imports")
         for r in rows:
             lines.append(f"{dtype_name:<6} {r['mode']:<13} {gib(r['peak_rss_bytes']):>12} "
-                         f"{gib(r['peak_rss_bytes'] - floor):>13} {r['seconds']:>8.1f}")
+                         f"{gib(r['peak_rss_bytes'] - floor):>13} {r['seconds']:>8.1f} {r['cpu_seconds']:>8.1f}")
+        wall = {r["mode"]: r["seconds"] for r in rows}
+        cpu = {r["mode"]: r["cpu_seconds"] for r in rows}
+        lines.append(f"{dtype_name:<6} time streaming / transformers: wall "
+                     f"{wall['streaming'] / wall['transformers']:.2f}, CPU {cpu['streaming'] / cpu['transformers']:.2f}")
         a = results["agreement"][dtype_name]
         lines.append(f"{dtype_name:<6} top-1 equal: {a['top1_equal']}, top-{TOP_K} overlap "
                      f"{a['topk_overlap']}, max raw-logit gap {a['max_logit_gap']:.3g} (top-1 logit "
                      f"{a['top1_logit']:.3g})")
     lines.append(f"checkpoint: {results['checkpoint']} ({gib(results['checkpoint_bytes'])} GiB bf16 on disk, "
-                 f"{results['layers']} layers, prompt {results['prompt_len']} tokens)")
+                 f"{results['layers']} layers, {results['prompts']} prompt(s) of {results['prompt_len']} tokens)")
     return "\n".join(lines)
 
 
@@ -212,24 +234,26 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     parser.add_argument("--prompt-len", type=int, default=64, help="the published bucket")
+    parser.add_argument("--prompts", type=int, default=1, help="prompts per run (streaming: one pass for all)")
     parser.add_argument("--checkpoint", type=Path, help="reuse this checkpoint directory")
     parser.add_argument("--out", type=Path, default=Path("reports/memory_reference.json"))
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child, args.checkpoint, args.dtypes, args.prompt_len)))
+        print(json.dumps(measure(args.child, args.checkpoint, args.dtypes, args.prompt_len, args.prompts)))
         return 0
     path = args.checkpoint or checkpoint_dir(args.layers, args.seed)
     if not (path / "config.json").is_file():
         build_checkpoint(path, args.layers, args.seed)
-    results = {"checkpoint": str(path), "layers": args.layers, "prompt_len": args.prompt_len,
+    results = {"checkpoint": str(path), "layers": args.layers, "prompt_len": args.prompt_len, "prompts": args.prompts,
                "checkpoint_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors")),
                "runs": {}, "agreement": {}}
+    warm_page_cache(path)
     for dtype_name in args.dtypes.split(","):
         rows = []
         for mode in MODES:
             print(f"[memory] {dtype_name} {mode}", file=sys.stderr, flush=True)
-            rows.append(measure_in_child(mode, path, dtype_name, args.prompt_len))
+            rows.append(measure_in_child(mode, path, dtype_name, args.prompt_len, args.prompts))
         results["runs"][dtype_name] = rows
         results["agreement"][dtype_name] = agreement(rows)
     print(render(results))

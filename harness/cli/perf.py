@@ -10,7 +10,7 @@ from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, buckets_arg, with_generator
 from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP,
-                          PUBLISHED_BUCKET, append_history, compare_files, compare_history, parse_budgets,
+                          PUBLISHED_BUCKET, append_history, compare_files, compare_history, draw_trend, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
 
 
@@ -46,9 +46,10 @@ def add_command(subparsers) -> None:
                     "budget, 2 bad input.")
     compare.add_argument("--baseline", metavar="FILE")
     compare.add_argument("--current", metavar="FILE")
-    compare.add_argument("--history", metavar="DIR", help="newest run in DIR vs the history's baseline")
+    compare.add_argument("--history", metavar="DIR", help="newest run in DIR vs the history's baseline, "
+                         "and the change points over the history")
     compare.add_argument("--budget", action="append", default=[], metavar="METRIC=MS",
-                         help="ceiling on a median, e.g. prefill_ms=101 (repeatable)")
+                         help="ceiling on a median, e.g. ttft_ms=101 (repeatable)")
     compare.add_argument("--factor", type=float, default=DEFAULT_FACTOR,
                          help="median slowdown ratio that may alert, finite and >= 1 (default %(default)s)")
     compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
@@ -57,6 +58,8 @@ def add_command(subparsers) -> None:
                          help="compare runs from different machines, specs or settings")
     compare.add_argument("--markdown", metavar="FILE", help="also write a Markdown report")
     compare.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
+    compare.add_argument("--plot", metavar="PNG", help="with --history: the trend plot (default: "
+                         "<markdown stem>-trend.png beside --markdown; needs the plot extra)")
     compare.set_defaults(func=run_compare_command, validate=validate_compare)
 
 
@@ -178,6 +181,12 @@ def validate_compare(args) -> None:
                            v._markdown_is_ours)
     if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
+    if args.plot is not None:
+        if not args.history:
+            raise OptionError("--plot draws the history's trend: give it with --history DIR")
+        plot = v.output_location(args.plot, "--plot", False, inputs, outputs)
+        if plot.exists():  # only a PNG (a trend plot of an earlier run) is replaced
+            v.replaceable_file(plot, "--plot", lambda path: path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n")
     v.clean_leftovers(outputs.values())
 
 
@@ -201,9 +210,27 @@ def run_compare_command(args) -> int:
         comp = compare_history(args.history, **options)
     else:
         comp = compare_files(args.baseline, args.current, **options)
+    plot = _trend_plot(args, comp, args.budgets)
     print(render_text(comp), end="")
     if args.markdown:  # a report, rewritten each run
-        write_text(args.markdown, render_markdown(comp) + f"\n{v.MARKDOWN_MARK}\n", overwrite=True)
+        link = None if plot is None else _relative(plot, Path(args.markdown).parent)
+        write_text(args.markdown, render_markdown(comp, link) + f"\n{v.MARKDOWN_MARK}\n", overwrite=True)
     if args.json is not None:
         write_json(args.json, with_generator(comp.to_dict(), "perf compare"), overwrite=True)
     return EXIT_FAIL if comp.failed else EXIT_OK
+
+
+def _trend_plot(args, comp, budgets):
+    """The history's trend PNG: --plot, else beside --markdown; never without --history."""
+    if not args.history or not (args.plot or args.markdown):
+        return None
+    markdown = Path(args.markdown) if args.markdown else None
+    path = Path(args.plot) if args.plot else markdown.with_name(f"{markdown.stem}-trend.png")
+    return draw_trend(comp, path, budgets)
+
+
+def _relative(path: Path, start: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(start.resolve()))
+    except ValueError:
+        return str(path.resolve())

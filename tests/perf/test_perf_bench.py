@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -57,6 +58,53 @@ def test_bench_writes_a_complete_result(bench_runs):
                                   "kv_len": 32}
 
 
+def test_bench_records_ttft_tpot_and_end_to_end(bench_runs):
+    """Relations that hold by construction of the timed regions (no timing is judged): TTFT
+    contains its prefill, E2E contains the headline TTFT and every decode step of its run."""
+    result = perf.load_result(bench_runs[0] / "a.json")
+    latency = result["latency"]
+    for bucket in ("8", "16"):
+        assert all(t >= p for t, p in zip(latency["ttft_ms_by_bucket"][bucket], result["prefill_ms_by_bucket"][bucket]))
+    assert all(e >= t + sum(steps) for e, t, steps in zip(latency["e2e_ms"], latency["ttft_ms_by_bucket"]["16"],
+                                                          result["decode_steps_ms"]))
+    assert latency["generated_tokens"] == NEW_TOKENS + 1
+    summary = result["latency_summary"]
+    assert set(summary) == {"ttft_ms", "ttft_ms[8]", "tpot_ms", "e2e_ms", "throughput"}
+    steps = [ms for run in result["decode_steps_ms"] for ms in run]
+    assert summary["tpot_ms"]["n"] == RUNS * NEW_TOKENS
+    assert summary["tpot_ms"]["p50"] == perf.percentile(steps, 50)
+    assert summary["tpot_ms"]["p99"] == perf.percentile(steps, 99)
+    assert summary["ttft_ms"]["p90"] == perf.percentile(latency["ttft_ms_by_bucket"]["16"], 90)
+    throughput = summary["throughput"]
+    assert throughput["decode_tokens_per_s"] == pytest.approx(1e3 * len(steps) / sum(steps))
+    assert throughput["e2e_tokens_per_s"] == pytest.approx((NEW_TOKENS + 1) * 1e3 / summary["e2e_ms"]["mean"])
+    assert perf.budget_samples(result)["tpot_ms"] == steps
+
+
+def test_bench_reports_floors_and_efficiency_per_graph(bench_runs, capsys):
+    result = perf.load_result(bench_runs[0] / "a.json")
+    block = result["roofline"]
+    assert block["rates"]["name"] == "this machine (measured)" and block["rates"]["host_link_bytes_per_s"] is None
+    assert block["rates"]["memory_bytes_per_s"] > 0 and block["rates"]["flops_per_s"] > 0
+    measured = {"prefill[8]": statistics.median(result["prefill_ms_by_bucket"]["8"]),
+                "prefill[16]": statistics.median(result["prefill_ms_by_bucket"]["16"]),
+                "decode": statistics.median([ms for run in result["decode_steps_ms"] for ms in run])}
+    assert [g["graph"] for g in block["graphs"]] == list(measured)
+    spec = Checkpoint.open(tiny_checkpoint(seed=0)).spec
+    for graph in block["graphs"]:
+        costs = perf.roofline.graph_costs(spec, 2, "bf16", graph["tokens"], 32)
+        assert {k: graph[k] for k in costs} == costs
+        assert graph["memory_ms"] == pytest.approx((costs["weight_bytes"] + costs["kv_bytes"])
+                                                   / block["rates"]["memory_bytes_per_s"] * 1e3)
+        assert graph["floor_ms"] == max(graph["memory_ms"], graph["compute_ms"])
+        assert graph["measured_ms"] == measured[graph["graph"]]
+        assert graph["efficiency"] == pytest.approx(graph["floor_ms"] / measured[graph["graph"]])
+    text = perf.render_bench_summary(result)
+    assert "efficiency" in text and f"{100 * block['graphs'][-1]['efficiency']:.1f}%" in text
+    assert "ttft_ms" in text and "throughput" in text
+    assert "| prefill[16] |" in perf.render_roofline_markdown(block)
+
+
 def test_bench_history_holds_both_runs_and_compares(bench_runs, capsys):
     tmp, _ = bench_runs
     files = sorted((tmp / "history").glob("*.json"))
@@ -79,6 +127,15 @@ def test_perf_compare_accepts_bench_files_via_the_command(bench_runs):
     assert [m["metric"] for m in comparison["metrics"]] == ["prefill_ms", "prefill_ms[8]", "decode_ms_per_token"]
     assert comparison["failed"] is False
     assert "| decode_ms_per_token |" in (tmp / "perf.md").read_text()
+    assert all(m["ci_low"] <= m["ratio"] <= m["ci_high"] and m["confidence"] == pytest.approx(0.98)
+               for m in comparison["metrics"])
+    assert "ratio 98% CI" in proc.stdout
+    # the current run's floors and efficiency per graph, in all three outputs
+    efficiency = [g["efficiency"] for g in perf.load_result(tmp / "b.json")["roofline"]["graphs"]]
+    assert [g["efficiency"] for g in comparison["roofline"]["graphs"]] == efficiency
+    markdown = (tmp / "perf.md").read_text()
+    assert "Floors of the current run" in markdown and f"{100 * efficiency[-1]:.1f}%" in markdown
+    assert "current run's floors" in proc.stdout
 
 
 def test_bench_refuses_to_overwrite_out_without_force(bench_runs, tmp_path, capsys):

@@ -1,0 +1,34 @@
+"""Performance: timed prefill and decode runs with roofline floors, budgets, a run history with
+change points, and regression detection. One job per module:
+
+  machine       the machine and software of a run; this host's measured bandwidth and matmul rate
+  stats         percentiles, Mann-Whitney U (scipy), runs needed for a level, bootstrap intervals
+  results       result files, their validation, the history directory
+  roofline      per-graph floors from the spec, the TP plan and the hardware's figures
+  bench         the benchmark runner: TTFT, TPOT, E2E, throughput, efficiency per graph
+  compare       budgets, the decision rule, comparisons of two runs
+  changepoints  change points over run medians (CUSUM permutation test, binary segmentation)
+  history       `perf compare --history`: baseline from the history, trend, change points
+  render, plot  text and Markdown; the trend PNG (matplotlib, the `plot` extra)
+
+The names below are the package's API (what `gemma-parity bench`/`perf compare` and the tests use).
+"""
+
+from harness.perf.bench import (DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, PUBLISHED_BUCKET, bench_prompt,
+                                graph_medians, run_bench)
+from harness.perf.changepoints import ChangePoint, cusum, find_change_points
+from harness.perf.compare import (BUDGETS, DEFAULT_ALPHA, DEFAULT_FACTOR, BudgetCheck, Comparison, MetricComparison,
+                                  check_budgets, check_comparable, compare_files, compare_metric, compare_results,
+                                  compare_samples, decide, parse_budgets, software_notes)
+from harness.perf.history import HISTORY_WINDOW, compare_history, median_run_samples
+from harness.perf.machine import git_commit, machine_info, package_versions
+from harness.perf.plot import draw_trend, plot_available
+from harness.perf.render import (render_bench_summary, render_markdown, render_roofline, render_roofline_markdown,
+                                 render_text)
+from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, FORMAT, append_history, budget_samples,
+                                  dtype_name, latency_samples, load_history, load_result, metric_samples,
+                                  mismatches, validate_result, write_json, write_text)
+from harness.perf.roofline import DEFAULT_INSTANCE, info_floors, instance_rates, measured_rates, roofline_block
+from harness.perf.stats import (mann_whitney_greater, mann_whitney_less, percentile, ratio_interval, runs_needed,
+                                smallest_p, summarize)
+

@@ -1,0 +1,123 @@
+"""The machine and the software a run was made on, and this machine's measured memory bandwidth and
+matmul throughput (the CPU backend's roofline figures: measured, never assumed)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+
+VERSION_PACKAGES = ("torch", "transformers", "safetensors", "numpy", "scipy", "gemma-parity",
+                    "torch-neuronx", "neuronx-cc", "neuronx-distributed", "libneuronxla", "torch-xla")
+# Names the Neuron backend may give its NeuronCore count function (it is written concurrently).
+NEURON_COUNT_FUNCTIONS = ("neuron_core_count", "count_neuron_cores")
+# EC2 reports the instance type as the DMI product name (e.g. "inf2.8xlarge").
+DMI_PRODUCT = Path("/sys/devices/virtual/dmi/id/product_name")
+INSTANCE_TYPE_ENV = "GEMMA_PARITY_INSTANCE_TYPE"
+BANDWIDTH_BYTES, BANDWIDTH_REPEATS = 256 * 2**20, 5
+MATMUL_SIZE, MATMUL_REPEATS = 1024, 3
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def neuron_core_count() -> int:
+    """NeuronCores on this host, asked of the Neuron backend only if it imports (0 elsewhere)."""
+    try:
+        from harness.backends import neuron
+    except Exception:  # no Neuron SDK, or the PyPI placeholder packages the backend refuses
+        return 0
+    for name in NEURON_COUNT_FUNCTIONS:
+        count = getattr(neuron, name, None)
+        if callable(count):
+            try:
+                return int(count())
+            except Exception:  # a host without the Neuron driver: no cores to count
+                return 0
+    return 0
+
+
+def instance_type() -> str | None:
+    """The EC2 instance type ($GEMMA_PARITY_INSTANCE_TYPE, else the DMI product name), or None."""
+    if os.environ.get(INSTANCE_TYPE_ENV):
+        return os.environ[INSTANCE_TYPE_ENV]
+    try:
+        name = DMI_PRODUCT.read_text().strip()
+    except OSError:
+        return None
+    return name if "." in name else None
+
+
+def machine_info() -> dict:
+    return {"cpu_model": cpu_model(), "cores": os.cpu_count() or 0,
+            "neuron_cores": neuron_core_count(), "hostname": socket.gethostname(),
+            "instance_type": instance_type()}
+
+
+def package_versions() -> dict:
+    found = {"python": platform.python_version()}
+    for name in VERSION_PACKAGES:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def git_commit() -> str:
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
+                             timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("GITHUB_SHA", "unknown")  # an installed wheel has no .git beside it
+
+
+def _median_seconds(fn, repeats: int) -> tuple[float, list[float]]:
+    fn()  # first touch: page faults and allocator warm-up are not bandwidth
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples), samples
+
+
+def measure_memory_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = BANDWIDTH_REPEATS) -> dict:
+    """Bytes per second of a large tensor copy (read + write = 2 x nbytes moved), median of
+    `repeats`, with torch's threads: what the CPU backend's weight reads can reach at best."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds, samples = _median_seconds(lambda: dst.copy_(src), repeats)
+    return {"bytes_per_s": 2 * nbytes / seconds, "method": f"copy of {nbytes / 2**20:.0f} MiB, median of "
+            f"{repeats}", "seconds": samples}
+
+
+def measure_matmul_flops(dtype="bf16", size: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS) -> dict:
+    """FLOP/s of a square matmul in the run's dtype, median of `repeats` (the CPU's compute peak
+    as torch reaches it)."""
+    import torch
+
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a = torch.randn(size, size).to(torch_dtype)
+    b = torch.randn(size, size).to(torch_dtype)
+    seconds, samples = _median_seconds(lambda: a @ b, repeats)
+    return {"flops_per_s": 2 * size**3 / seconds, "method": f"{size}x{size} {dtype} matmul, median of "
+            f"{repeats}", "seconds": samples}

@@ -1,0 +1,73 @@
+"""The trend PNG of `perf compare --history`: per metric, each run's median with its p10-p90
+spread, the change points found, and the budget line. Needs matplotlib (the `plot` extra)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from harness.atomic import write_bytes_atomic
+from harness.perf.compare import Comparison
+
+MAX_PANELS = 4
+HEADLINE = ("ttft_ms", "prefill_ms", "tpot_ms", "decode_ms_per_token")
+
+
+def plot_available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def panel_metrics(comp: Comparison, budgets: dict[str, float]) -> list[str]:
+    """Metrics worth a panel: those with a change point or a budget first, then the headline ones."""
+    stepped = [cp.metric for cp in comp.change_points]
+    wanted = stepped + [m for m in budgets if m in comp.trend] + [m for m in HEADLINE if m in comp.trend]
+    return list(dict.fromkeys(wanted))[:MAX_PANELS]
+
+
+def _panel(ax, metric: str, points: list[dict], comp: Comparison, budget: float | None) -> None:
+    x = list(range(len(points)))
+    medians = [p["median"] for p in points]
+    low = [p["median"] - p["p10"] for p in points]
+    high = [p["p90"] - p["median"] for p in points]
+    ax.errorbar(x, medians, yerr=[low, high], fmt="o-", color="tab:blue", ecolor="tab:gray", capsize=3,
+                markersize=4, linewidth=1, label="median (p10-p90 of the run)")
+    for cp in (c for c in comp.change_points if c.metric == metric):
+        ax.axvline(cp.index - 0.5, color="tab:orange", linestyle="--",
+                   label=f"change point: {cp.direction} x{cp.ratio:.2f} from {cp.commit[:8]} (p={cp.p_value:.2g})")
+    if budget is not None:
+        ax.axhline(budget, color="tab:red", linewidth=1.2, label=f"budget {budget:g} ms")
+    ax.set_ylabel(f"{metric} (ms)")
+    ax.set_xticks(x)
+    ax.set_xticklabels([p["commit"][:7] for p in points], rotation=60, fontsize=7)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def draw_trend(comp: Comparison, path, budgets: dict[str, float] | None = None) -> Path | None:
+    """Write the PNG atomically and return its path; None (with a note on the comparison) when
+    matplotlib is absent or there is nothing to draw."""
+    budgets = budgets or {}
+    if not plot_available():
+        comp.notes.append("trend plot skipped: matplotlib is not installed (pip install -e '.[plot]')")
+        return None
+    metrics = panel_metrics(comp, budgets)
+    if not metrics:
+        comp.notes.append("trend plot skipped: no metric has a history to draw")
+        return None
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 2.8 * len(metrics)), dpi=72, layout="constrained")
+    axes = fig.subplots(len(metrics), 1, squeeze=False)[:, 0]
+    for ax, metric in zip(axes, metrics):
+        _panel(ax, metric, comp.trend[metric], comp, budgets.get(metric))
+    axes[0].set_title(f"perf history: {len(comp.trend[metrics[0]])} runs (x: commit of each run, oldest first)",
+                      fontsize=9)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    out = write_bytes_atomic(path, buffer.getvalue())
+    comp.plot = str(out)
+    return out

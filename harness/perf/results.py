@@ -1,0 +1,171 @@
+"""Result files (format 1) and the run history: their metrics, validation, atomic writes.
+
+A result keeps the raw samples, not only summaries, so that two runs are compared with a rank test
+rather than a bare ratio of means. The history is a directory with one JSON file per run, named
+<created, UTC>-<git commit>.json, written atomically and never overwritten; DIR/baseline.json, if
+present, is a pinned baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+from harness.atomic import write_json_atomic, write_text_atomic
+from harness.errors import HarnessInputError
+
+FORMAT = 1
+BASELINE_FILE = "baseline.json"
+DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
+# Timings are only comparable when these agree (--allow-mismatch overrides).
+COMPARABLE_FIELDS = ("machine.cpu_model", "machine.neuron_cores", "spec_hash", "backend", "tp",
+                     "dtype", "prefill_bucket")
+REQUIRED_KEYS = ("machine", "spec_hash", "backend", "tp", "dtype", "created", "prefill_bucket", "metrics")
+
+
+def dtype_name(dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    if name not in DTYPE_NAMES:
+        raise HarnessInputError(f"unknown dtype {dtype!r}; use bf16 or fp32")
+    return DTYPE_NAMES[name]
+
+
+def metric_samples(result: dict) -> dict[str, list[float]]:
+    """Every compared metric: prefill at the headline bucket, at other buckets, decode per token."""
+    samples = {"prefill_ms": result["metrics"]["prefill_ms"]}
+    for bucket, values in sorted(result.get("prefill_ms_by_bucket", {}).items(), key=lambda kv: int(kv[0])):
+        if int(bucket) != int(result["prefill_bucket"]):
+            samples[f"prefill_ms[{bucket}]"] = values
+    samples["decode_ms_per_token"] = result["metrics"]["decode_ms_per_token"]
+    return samples
+
+
+def latency_samples(result: dict) -> dict[str, list[float]]:
+    """TTFT at the headline bucket (and others), TPOT (every decode step), end-to-end; empty for
+    results written before these were recorded."""
+    latency = result.get("latency") or {}
+    samples = {}
+    ttft = latency.get("ttft_ms_by_bucket") or {}
+    headline = str(result["prefill_bucket"])
+    if headline in ttft:
+        samples["ttft_ms"] = ttft[headline]
+    for bucket, values in sorted(ttft.items(), key=lambda kv: int(kv[0])):
+        if bucket != headline:
+            samples[f"ttft_ms[{bucket}]"] = values
+    steps = [ms for run in result.get("decode_steps_ms") or [] for ms in run]
+    if steps and latency:
+        samples["tpot_ms"] = steps
+    if latency.get("e2e_ms"):
+        samples["e2e_ms"] = latency["e2e_ms"]
+    return samples
+
+
+def budget_samples(result: dict) -> dict[str, list[float]]:
+    """What a budget may name: the compared metrics and the latency vocabulary."""
+    return {**metric_samples(result), **latency_samples(result)}
+
+
+def _finite_list(values) -> bool:
+    return isinstance(values, list) and bool(values) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
+def validate_result(result, source: str) -> dict:
+    """A loaded result must be format 1 with non-empty numeric samples; say what is wrong."""
+    if not isinstance(result, dict) or result.get("format") != FORMAT:
+        got = result.get("format") if isinstance(result, dict) else type(result).__name__
+        raise HarnessInputError(f"{source}: not a perf result of format {FORMAT} (format {got!r}); "
+                                "pass a file written by `gemma-parity bench`")
+    for key in REQUIRED_KEYS:
+        if key not in result:
+            raise HarnessInputError(f"{source}: key {key!r} is missing; the file is incomplete or was "
+                                    "not written by `gemma-parity bench`")
+    if not isinstance(result["metrics"], dict) or not isinstance(result.get("prefill_ms_by_bucket", {}), dict):
+        raise HarnessInputError(f"{source}: metrics and prefill_ms_by_bucket must be objects of sample "
+                                "lists; the file was not written by `gemma-parity bench`")
+    lists = {f"metrics.{name}": result["metrics"].get(name) for name in ("prefill_ms", "decode_ms_per_token")}
+    lists.update({f"prefill_ms_by_bucket.{b}": v for b, v in result.get("prefill_ms_by_bucket", {}).items()})
+    latency = result.get("latency") or {}
+    if not isinstance(latency, dict) or not isinstance(latency.get("ttft_ms_by_bucket", {}), dict):
+        raise HarnessInputError(f"{source}: latency must be an object; re-run the benchmark")
+    lists.update({f"latency.ttft_ms_by_bucket.{b}": v for b, v in latency.get("ttft_ms_by_bucket", {}).items()})
+    if "e2e_ms" in latency:
+        lists["latency.e2e_ms"] = latency["e2e_ms"]
+    for name, values in lists.items():
+        if not _finite_list(values):
+            raise HarnessInputError(f"{source}: {name} must be a non-empty list of finite numbers; "
+                                    "re-run the benchmark")
+    return result
+
+
+def load_result(path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise HarnessInputError(f"{path}: cannot read the perf result ({exc.strerror}); check the "
+                                "path") from None
+    try:
+        result = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise HarnessInputError(f"{path}: not valid JSON ({exc}); delete it or re-run the "
+                                "benchmark") from None
+    return validate_result(result, str(path))
+
+
+def write_text(path, text: str, overwrite: bool = False) -> Path:
+    """Atomic, and without `overwrite` never over an existing file (see harness.atomic)."""
+    return write_text_atomic(path, text, no_clobber=not overwrite)
+
+
+def write_json(path, obj, overwrite: bool = False) -> Path:
+    return write_json_atomic(path, obj, no_clobber=not overwrite, indent=1, sort_keys=True)
+
+
+# ---- the history ------------------------------------------------------------------------------
+
+def history_name(result: dict) -> str:
+    created = datetime.fromisoformat(result["created"]).astimezone(timezone.utc)
+    return f"{created:%Y%m%dT%H%M%S%fZ}-{str(result.get('git_commit', 'unknown'))[:12]}.json"
+
+
+def append_history(result: dict, directory) -> Path:
+    """Add a run to the history: a new file, atomically, never replacing one already there."""
+    directory = Path(directory)
+    stem = history_name(result)[:-len(".json")]
+    for k in range(100):
+        path = directory / (f"{stem}.json" if k == 0 else f"{stem}-{k}.json")
+        if path.exists():
+            continue
+        try:
+            return write_json(path, result, overwrite=False)
+        except HarnessInputError:
+            continue  # another writer took this name between the check and the link
+    raise HarnessInputError(f"{directory}: 100 run files already named {stem}*; clean the history")
+
+
+def load_history(directory) -> list[tuple[Path, dict]]:
+    """Every run in the directory (baseline.json aside), oldest first by creation time."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HarnessInputError(f"{directory}: history directory not found; create it with "
+                                f"`gemma-parity bench ... --history {directory}`")
+    runs = [(p, load_result(p)) for p in sorted(directory.glob("*.json")) if p.name != BASELINE_FILE]
+    if not runs:
+        raise HarnessInputError(f"{directory}: no run files (*.json); add one with "
+                                f"`gemma-parity bench ... --history {directory}`")
+    return sorted(runs, key=lambda run: (datetime.fromisoformat(run[1]["created"]), run[0].name))
+
+
+def _field(result: dict, dotted: str):
+    value = result
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def mismatches(baseline: dict, current: dict) -> list[tuple[str, object, object]]:
+    return [(f, _field(baseline, f), _field(current, f)) for f in COMPARABLE_FIELDS
+            if _field(baseline, f) != _field(current, f)]

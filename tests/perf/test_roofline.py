@@ -1,0 +1,90 @@
+"""Roofline floors: the arithmetic checked against figures derived here by hand from DESIGN §2's
+12B table (not from harness.spec or harness.sharding), and `info --perf` printing them."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import FIXTURES_DIR, perf
+from harness.cli import main as cli_main
+from harness.errors import HarnessInputError
+from harness.perf import roofline
+from harness.spec import load_spec
+
+CONFIG_12B = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"
+
+# DESIGN §2: hidden 3840, intermediate 15360, vocab 262144 (tied), 48 layers = 40 sliding + 8 full;
+# 16 query heads everywhere; sliding: 8 KV heads of 256 with k and v; full: 1 KV head of 512, k = v.
+H, I, V, SLIDING, FULL, Q = 3840, 15360, 262144, 40, 8, 16
+TP, BF16 = 2, 2
+# Summed over both ranks. Sliding KV heads are sharded (4 + 4); the full layers' one KV head is
+# replicated whole on both ranks (DESIGN §3 fix 1), so its k_proj counts twice.
+SLIDING_MATS = 2 * H * Q * 256 + 2 * H * 8 * 256 + 3 * H * I
+FULL_MATS = 2 * H * Q * 512 + TP * H * 512 + 3 * H * I
+NORMS = TP * (SLIDING * (4 * H + 2 * 256 + 1) + FULL * (4 * H + 2 * 512 + 1) + H)
+MATS = SLIDING * SLIDING_MATS + FULL * FULL_MATS + V * H
+HBM = 820 * 2**30  # bytes/s: the Neuron docs' 820 GiB/s per chip
+
+
+def kv_bytes(tokens: int, kv_len: int) -> int:
+    """Whole cache read (K and V) plus the written slots, both ranks."""
+    per_slot = SLIDING * 8 * 256 + FULL * TP * 512  # sliding heads sharded, the full head on both ranks
+    return 2 * BF16 * per_slot * (kv_len + tokens)
+
+
+def test_weight_bytes_of_the_12b_at_tp2():
+    assert MATS + NORMS == 11_923_848_800
+    costs = roofline.graph_costs(load_spec(CONFIG_12B), TP, "bf16", 1, 256)
+    assert costs["weight_bytes"] == BF16 * (MATS + NORMS) == 23_847_697_600
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_floors_of_the_12b_at_tp2(tokens):
+    spec = load_spec(CONFIG_12B)
+    kv_len = 256
+    attention = 2 * 2 * Q * tokens * kv_len * (SLIDING * 256 + FULL * 512)
+    flops = 2 * tokens * MATS + attention
+    host = tokens * (H + V) * BF16
+    rates = perf.instance_rates("inf2.8xlarge", TP, "bf16")
+    row = roofline.graph_floors(spec, TP, "bf16", (64,), kv_len, rates)[0 if tokens == 64 else 1]
+    assert row["graph"] == ("prefill[64]" if tokens == 64 else "decode")
+    assert row["flops"] == flops and row["host_bytes"] == host
+    assert row["kv_bytes"] == kv_bytes(tokens, kv_len)
+    memory_ms = (BF16 * (MATS + NORMS) + kv_bytes(tokens, kv_len)) / HBM * 1e3
+    assert row["memory_ms"] == pytest.approx(memory_ms, rel=1e-12)
+    assert row["compute_ms"] == pytest.approx(flops / 190e12 * 1e3, rel=1e-12)
+    assert row["host_ms"] == pytest.approx(host / 32e9 * 1e3, rel=1e-12)
+    # Memory binds both graphs at these token counts: about 27 ms, DESIGN §9's "about 28 ms"
+    assert row["bound"] == "memory" and row["floor_ms"] == row["memory_ms"]
+    assert 26.5 < row["floor_ms"] < 28.5
+
+
+def test_efficiency_is_floor_over_measured():
+    rates = roofline.Rates("test", 1e9, 1e12, None, "test")
+    spec = load_spec(CONFIG_12B)
+    block = perf.roofline_block(spec, TP, "bf16", (64,), 256, rates, {"prefill[64]": 50_000.0})
+    prefill, decode = block["graphs"]
+    assert prefill["host_ms"] is None and prefill["floor_ms"] == max(prefill["memory_ms"], prefill["compute_ms"])
+    assert prefill["efficiency"] == pytest.approx(prefill["floor_ms"] / 50_000.0)
+    assert decode["measured_ms"] is None and decode["efficiency"] is None
+
+
+def test_instance_table_refuses_what_it_cannot_place():
+    with pytest.raises(HarnessInputError, match="unknown instance type"):
+        perf.instance_rates("inf1.xlarge", 2)
+    with pytest.raises(HarnessInputError, match="tp=4 needs 2 Inferentia2 chips; inf2.8xlarge has 1"):
+        perf.instance_rates("inf2.8xlarge", 4)
+    big = perf.instance_rates("inf2.48xlarge", 8, "fp32")
+    assert (big.memory_bytes_per_s, big.flops_per_s) == (4 * HBM, 4 * 47.5e12)
+
+
+def test_info_perf_prints_the_12b_floors_without_running_anything(capsys, tmp_path):
+    out_json = tmp_path / "info.json"
+    assert cli_main(["info", "--config", str(CONFIG_12B), "--tp", "2", "--perf", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    floor = (BF16 * (MATS + NORMS) + kv_bytes(64, 256)) / HBM * 1e3
+    line = next(line for line in out.splitlines() if line.startswith("prefill[64]"))
+    assert f"{floor:.3f}" in line and "memory" in line
+    assert next(line for line in out.splitlines() if line.startswith("decode"))
+    assert f"published: prefill[64] 101 ms; floor / published = {100 * floor / 101:.1f}%" in out
+    assert "820 GiB/s" in out
