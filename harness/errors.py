@@ -76,3 +76,18 @@ def read_problem(exc: OSError, path, what: str = "file") -> str:
     if exc.errno == _errno.ENOENT:
         return f"{path}: {what} not found; check the path"
     return f"{path}: cannot read the {what} ({exc.strerror or exc})"
+
+
+def read_json_file(path, what: str, error: type[HarnessInputError], fix: str, encoding: str = "utf-8"):
+    """The JSON in the user's file `path`, or one clear error: unreadable (InputFileError), not
+    text in `encoding` or not JSON (`error`, ending with `fix`)."""
+    import json
+
+    try:
+        return json.loads(path.read_bytes().decode(encoding))
+    except OSError as exc:
+        raise InputFileError(read_problem(exc, path, what)) from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); {fix}") from None
+    except ValueError as exc:
+        raise error(f"{path}: not valid JSON ({exc}); {fix}") from None

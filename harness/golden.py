@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from harness.atomic import atomic_directory
 from harness.checkpoint import sha256_file
-from harness.errors import GoldenError, InputFileError, OutputError, read_problem
+from harness.errors import GoldenError, InputFileError, OutputError, read_json_file, read_problem
 from harness.reference import ReferenceResult
 
 FORMAT_VERSION = 2  # 2: the manifest is covered by the hash (golden_sha256)
@@ -180,13 +180,8 @@ def _read_manifest(path: Path) -> dict:
         raise GoldenError(f"{path}: not a directory; pass the golden directory written by `gemma-parity reference`")
     if not manifest_file.is_file():
         raise GoldenError(f"{path}: no {MANIFEST}. Pass a directory written by `gemma-parity reference`.")
-    try:
-        manifest = json.loads(manifest_file.read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, manifest_file, "golden manifest")) from None
-    except ValueError as exc:
-        raise GoldenError(f"{manifest_file}: not valid JSON ({exc}); the golden is corrupted, "
-                          "regenerate it with `gemma-parity reference`") from None
+    manifest = read_json_file(manifest_file, "golden manifest", GoldenError,
+                              "the golden is corrupted, regenerate it with `gemma-parity reference`")
     if not isinstance(manifest, dict):
         raise GoldenError(f"{manifest_file}: not a golden manifest (a JSON object); regenerate the golden")
     if manifest.get("format_version") != FORMAT_VERSION:

@@ -131,3 +131,38 @@ def unpack_outputs(out, capture_names: list[str] | None, inputs_embeds: torch.Te
         raise GraphBuildError("unpack_outputs needs the graph's inputs_embeds: the embeddings capture is "
                               "taken on the host, not returned by the graph")
     return out[0], {"embeddings": inputs_embeds, **dict(zip(capture_names, out[1:]))}
+
+
+def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype, capture: bool, parity_build: bool, last_row_only: bool,
+                 last: int | None) -> tuple[str, list[torch.Tensor]]:
+    """(tag, inputs) of the graph a compiled backend runs for one call, as the device is fed:
+    inputs_embeds in the build's dtype, int32 positions, and on a perf build `last_index`. The
+    call is checked against the build first (captures only from a parity build; shapes)."""
+    if capture and not parity_build:
+        raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
+                                "backend with capture=True for a parity build to capture activations")
+    hidden = spec.hidden_size
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[0] != 1 or inputs_embeds.shape[2] != hidden:
+        raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [1, s, {hidden}]")
+    length = inputs_embeds.shape[1]
+    if tuple(positions.shape) != (1, length):
+        raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [1, {length}]")
+    if last_row_only and last is None and length > 1:
+        raise HarnessInputError("this perf build returns only the last real position's logits: pass last= "
+                                "(the engine does), or build with capture=True for every row")
+    tag = tag_for_length(length, graphs)
+    inputs = [inputs_embeds.to(dtype).contiguous(), positions.to(POSITION_DTYPE).contiguous()]
+    if last_row_only:
+        inputs.append(torch.tensor([length - 1 if last is None else int(last)], dtype=POSITION_DTYPE))
+    return tag, inputs
+
+
+def graph_result(out, capture_names: list[str] | None, inputs_embeds: torch.Tensor, capture: bool,
+                 last_row_only: bool, last: int | None):
+    """What a backend's forward returns from the graph's outputs: logits (only row `last` when
+    asked), with the captures when `capture`."""
+    logits, captures = unpack_outputs(out, capture_names, inputs_embeds=inputs_embeds)
+    if last is not None and not last_row_only:
+        logits = logits[:, last:last + 1]
+    return (logits, captures) if capture else logits

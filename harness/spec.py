@@ -9,7 +9,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from harness.errors import ConfigError, InputFileError, read_problem
+from harness.errors import ConfigError, read_json_file
 
 SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
 SLIDING = "sliding_attention"
@@ -317,15 +317,7 @@ def load_spec(path: str | Path) -> ModelSpec:
             f"{path}: config.json not found. Pass a checkpoint directory that holds config.json "
             "(as written by save_pretrained) or --config pointing at the file."
         )
-    try:
-        config = json.loads(path.read_bytes().decode("utf-8-sig"))
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, path, "config")) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); a config.json "
-                          "is UTF-8 JSON: re-download or re-save the config") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc}); re-download or re-save the config") from exc
+    config = read_json_file(path, "config", ConfigError, "re-download or re-save the config", "utf-8-sig")
     return spec_from_config_dict(config, source=str(path))
 
 

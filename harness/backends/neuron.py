@@ -47,7 +47,7 @@ from harness.atomic import atomic_directory
 from harness.errors import HarnessInputError
 from harness.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
-    graph_plan, kv_buffer_names, tag_for_length, unpack_outputs)
+    graph_inputs, graph_plan, graph_result, kv_buffer_names, tag_for_length, unpack_outputs)
 from harness.model import RankLinears
 from harness.sharding import plan_model, rank_state_dicts
 
@@ -654,32 +654,11 @@ class NeuronBackend:
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures
         when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
-        if capture and not self.capture:
-            raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
-                                    "backend with capture=True for a parity build to capture activations")
-        length = self._check_inputs(inputs_embeds, positions)
-        if self.last_row_only and last is None and length > 1:
-            raise HarnessInputError("this perf build returns only the last real position's logits: pass last= "
-                                    "(the engine does), or build with capture=True for every row")
-        tag = tag_for_length(length, self.graphs)
-        embeds = inputs_embeds.to(self.dtype).contiguous()
-        args = [embeds, positions.to(POSITION_DTYPE).contiguous()]
-        if self.last_row_only:
-            args.append(torch.tensor([length - 1 if last is None else int(last)], dtype=POSITION_DTYPE))
+        tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture, self.capture,
+                                 self.last_row_only, last)
         out = self.nxd_model(*args, model_name=tag)
-        logits, captures = unpack_outputs(out, self.capture_names if self.capture else None, inputs_embeds=embeds)
-        if last is not None and not self.last_row_only:
-            logits = logits[:, last:last + 1]
-        return (logits, captures) if capture else logits
-
-    def _check_inputs(self, inputs_embeds, positions) -> int:
-        hidden = self.spec.hidden_size
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[0] != 1 or inputs_embeds.shape[2] != hidden:
-            raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [1, s, {hidden}]")
-        length = inputs_embeds.shape[1]
-        if tuple(positions.shape) != (1, length):
-            raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [1, {length}]")
-        return length
+        return graph_result(out, self.capture_names if self.capture else None, args[0], capture,
+                            self.last_row_only, last)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""

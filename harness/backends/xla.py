@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from harness.errors import HarnessInputError
-from harness.graphs import (POSITION_DTYPE, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
-                            graph_plan, kv_buffer_names, tag_for_length, unpack_outputs)
+from harness.graphs import (GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
+                            graph_inputs, graph_plan, graph_result, kv_buffer_names)
 from harness.model import Collectives, RankLinears
 from harness.sharding import plan_model, rank_state_dicts
 
@@ -288,30 +288,13 @@ class XlaBackend:
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures on a
         parity build). s must be a bucket of the plan or 1 (decode), as on the device. A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
-        if capture and not self.capture:
-            raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
-                                    "backend with capture=True for a parity build to capture activations")
-        hidden = self.spec.hidden_size
-        if inputs_embeds.dim() != 3 or inputs_embeds.shape[0] != 1 or inputs_embeds.shape[2] != hidden:
-            raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [1, s, {hidden}]")
-        length = inputs_embeds.shape[1]
-        if tuple(positions.shape) != (1, length):
-            raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [1, {length}]")
-        tag_for_length(length, self.graphs)
-        if self.last_row_only and last is None and length > 1:
-            raise HarnessInputError("this perf build returns only the last real position's logits: pass last= "
-                                    "(the engine does)")
-        graph_inputs = [inputs_embeds.to(self.dtype), positions.to(POSITION_DTYPE)]
-        if self.last_row_only:
-            graph_inputs.append(torch.tensor([length - 1 if last is None else int(last)], dtype=POSITION_DTYPE))
-        outputs = self._step(*graph_inputs)
+        _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture,
+                                   self.capture, self.last_row_only, last)
+        outputs = self._step(*graph_in)
         if self.capture and self.capture_names is None:
             self.capture_names = list(self.module.capture_names)
-        logits, captures = unpack_outputs(outputs, self.capture_names if self.capture else None,
-                                          inputs_embeds=inputs_embeds.to(self.dtype))
-        if last is not None and not self.last_row_only:
-            logits = logits[:, last:last + 1]
-        return (logits, captures) if capture else logits
+        return graph_result(outputs, self.capture_names if self.capture else None, graph_in[0], capture,
+                            self.last_row_only, last)
 
     def _step(self, *graph_inputs) -> list[torch.Tensor]:
         """Every rank's graph in one SPMD program (collectives in-graph), executed; outputs of rank 0."""
