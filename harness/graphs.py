@@ -148,10 +148,10 @@ def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, posi
     length = inputs_embeds.shape[1]
     if tuple(positions.shape) != (1, length):
         raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [1, {length}]")
+    tag = tag_for_length(length, graphs)
     if last_row_only and last is None and length > 1:
         raise HarnessInputError("this perf build returns only the last real position's logits: pass last= "
                                 "(the engine does), or build with capture=True for every row")
-    tag = tag_for_length(length, graphs)
     inputs = [inputs_embeds.to(dtype).contiguous(), positions.to(POSITION_DTYPE).contiguous()]
     if last_row_only:
         inputs.append(torch.tensor([length - 1 if last is None else int(last)], dtype=POSITION_DTYPE))
