@@ -152,7 +152,9 @@ class CheckResult:
         kv_dec = [p for p in self.kv if p.name.startswith("decode.")]
         decode = self.decode_points[:1] + [p for layer in self.decode_layers for p in layer.points]
         decode += self.decode_points[1:] + ([self.decode_logits] if self.decode_logits else [])
-        return prefill + kv_pre + decode + kv_dec
+        # the cache a decode step reads comes before the step's own points: a wrong write is named
+        # by its slot, not only by the attention that read it
+        return prefill + kv_pre + kv_dec + decode
 
     def failures(self) -> list[dict]:
         """What fails in this stage, in run order: each with the stage, the point and where."""
@@ -268,12 +270,21 @@ class PortFailure(Exception):
         self.phase, self.exc = phase, exc
 
     def describe(self) -> dict:
+        """Where it was raised (the innermost frame) and, when that is outside the package, the
+        innermost frame of the port that called it."""
         frames = traceback.extract_tb(self.exc.__traceback__)
-        package = str(Path(__file__).parent)
-        inside = [f for f in frames if f.filename.startswith(package)] or frames
-        where = inside[-1] if inside else None
-        location = f"{Path(where.filename).relative_to(Path(package).parent) if where.filename.startswith(package) else where.filename}:{where.lineno} in {where.name}" if where else "unknown"
-        return {"where": location, "phase": self.phase, "type": type(self.exc).__name__, "message": str(self.exc)}
+        package = Path(__file__).parent
+        inside = [f for f in frames if f.filename.startswith(str(package))]
+        where = _frame(frames[-1], package.parent) if frames else "unknown"
+        if inside and inside[-1] is not frames[-1]:
+            where += f" (called from {_frame(inside[-1], package.parent)})"
+        return {"where": where, "phase": self.phase, "type": type(self.exc).__name__, "message": str(self.exc)}
+
+
+def _frame(frame, root: Path) -> str:
+    path = Path(frame.filename)
+    shown = path.relative_to(root) if path.is_relative_to(root) else path
+    return f"{shown}:{frame.lineno} in {frame.name}"
 
 
 def _port_call(phase: str, fn, *args, **kwargs):
@@ -361,12 +372,15 @@ def _decode_points(points: _Points, spec, k: int, run: _PortPrompt, r32, r16) ->
                        step_labels[1:])
     if len(run.kv) > 1 and "kv.0.k" in r32.captures:
         for s, (written, cache) in enumerate(run.kv[1:], 1):
-            labels = [f"prompt {k} position {p} after decode step {s}" for p in range(written)]
+            # after each step every slot decode has written so far, and after the last step every
+            # written slot (a step that overwrote a prefill slot shows there)
+            rows = range(0 if s == len(run.kv) - 1 else n, written)
+            labels = [f"prompt {k} position {p} after decode step {s}" for p in rows]
             for i, (k_, v_) in enumerate(cache):
                 for side, t in (("k", k_), ("v", v_)):
                     ref_name = f"kv.{i}.{side}"
-                    points.add(f"decode.{ref_name}", _rows(t), r32.captures[ref_name][:written],
-                               r16.captures[ref_name][:written], labels)
+                    points.add(f"decode.{ref_name}", _rows(t)[rows.start:], r32.captures[ref_name][rows.start:written],
+                               r16.captures[ref_name][rows.start:written], labels)
 
 
 def _judge(stage: str):
