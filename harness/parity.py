@@ -22,6 +22,7 @@ import math
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -145,16 +146,20 @@ class CheckResult:
         return sum(p.prefill.divergences + p.decode.divergences for p in self.prompts)
 
     def all_points(self) -> list[PointResult]:
-        """Every capture point of this stage, in run order."""
-        prefill = ([self.embeddings] if self.embeddings else []) + [p for layer in self.layers for p in layer.points]
+        """Every capture point of this stage, in run order: per layer its KV cache (written inside
+        its attention) before its residual points; prefill, then the decode steps."""
+        kv: dict[str, list[PointResult]] = {}
+        for p in self.kv:
+            kv.setdefault(p.name.rsplit(".", 1)[0], []).append(p)  # "kv.3" / "decode.kv.3"
+
+        def per_layer(layers: list[LayerResult], prefix: str) -> list[PointResult]:
+            return [p for layer in layers for p in kv.get(f"{prefix}kv.{layer.index}", []) + layer.points]
+
+        prefill = ([self.embeddings] if self.embeddings else []) + per_layer(self.layers, "")
         prefill += [p for p in (self.final_norm, self.logits) if p is not None]
-        kv_pre = [p for p in self.kv if not p.name.startswith("decode.")]
-        kv_dec = [p for p in self.kv if p.name.startswith("decode.")]
-        decode = self.decode_points[:1] + [p for layer in self.decode_layers for p in layer.points]
+        decode = self.decode_points[:1] + per_layer(self.decode_layers or _kv_only(self.kv), "decode.")
         decode += self.decode_points[1:] + ([self.decode_logits] if self.decode_logits else [])
-        # the cache a decode step reads comes before the step's own points: a wrong write is named
-        # by its slot, not only by the attention that read it
-        return prefill + kv_pre + kv_dec + decode
+        return prefill + decode
 
     def failures(self) -> list[dict]:
         """What fails in this stage, in run order: each with the stage, the point and where."""
@@ -243,6 +248,12 @@ class CheckResult:
                "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
                "port_error": self.port_error or (self.fp32.port_error if self.fp32 else None)}
         return out
+
+
+def _kv_only(kv: list[PointResult]) -> list[LayerResult]:
+    """Decode KV points with no decode layer points beside them (a golden without decode captures)."""
+    layers = sorted({int(p.name.split(".")[2]) for p in kv if p.name.startswith("decode.kv.")})
+    return [LayerResult(i, "", []) for i in layers]
 
 
 def _finite(x: float) -> float | None:
@@ -529,6 +540,23 @@ def build_fp32_engine(checkpoint, engine, backend: str):
                         buckets=engine.buckets, kv_len=engine.kv_len)
 
 
+def fp32_structural_stage(checkpoint, ref32, ref16, backend: str = "cpu", tp: int = 2, buckets=(64, 256),
+                          kv_len: int = 256, progress: bool = False) -> CheckResult:
+    """The fp32 stage alone (what `bisect` adds to its search): the port in fp32 on the host
+    backend against the fp32 reference; an exception inside the port is a failed stage."""
+    from harness.backends import build_engine
+
+    name = backend if backend in ("cpu", "xla") else "cpu"
+    try:
+        engine = _port_call("fp32 stage: building the fp32 port", build_engine, checkpoint, backend=name, tp=tp,
+                            dtype=torch.float32, buckets=buckets, kv_len=kv_len)
+        check_inputs_fit(engine, ref32)
+        return run_stage("fp32", engine, checkpoint.spec, ref32, ref16, near_tie_calibration(ref32, ref16), None,
+                         backend, tp, "float32", progress)
+    except PortFailure as failure:
+        return CheckResult(backend=backend, tp=tp, dtype="float32", stage="fp32", port_error=failure.describe())
+
+
 def _fp32_stage(checkpoint, engine, ref32, ref16, calibration, fp32_engine, backend, tp, dtype, progress):
     try:
         if fp32_engine == "auto":
@@ -608,6 +636,9 @@ def run_parity_check(checkpoint, checkpoint_dir, golden=None, prompts=None, back
     from harness.reference import dtype_name
 
     source = load_reference_source(checkpoint, checkpoint_dir, golden, prompts)
+    new = getattr(source, "new_tokens", new_tokens)
+    check_inputs_fit(SimpleNamespace(buckets=tuple(buckets), kv_len=kv_len),
+                     [ReferenceResult(p, "", {}, [0] * new) for p in getattr(source, "prompts", source)])
     # The backend before the reference: a missing SDK or a bad TP degree is reported before minutes
     # of reference work, and loading the shards checks every weight for NaN/Inf (Checkpoint.get)
     # before transformers (which does not) computes the reference. A parity build: the per-layer

@@ -257,6 +257,12 @@ def format_bisect(payload: dict) -> str:
             f"point; {judged}")
     lines = [head, _table(BISECT_HEADERS, bisect_rows(payload["layers"]))]
     lines += bisect_summary_lines(payload)
+    stage = payload.get("fp32_stage")
+    if stage:
+        lines.append(f"fp32 stage (the port in fp32 against the golden's fp32 reference to fp32 precision): "
+                     f"{'pass' if stage['passed'] else 'FAIL'}")
+        for f in stage["failures"][:6]:
+            lines.append(f"  FAIL {f['point']} at {f.get('where')}")
     lines.append("BISECT PASS" if payload["passed"] else "BISECT FAIL")
     return "\n".join(lines)
 

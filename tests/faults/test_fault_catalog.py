@@ -124,3 +124,25 @@ def test_rmsnorm_upcast_fault_caught_by_unit_check(monkeypatch):
     assert rms_norm_matches_transformers(torch.bfloat16)
     BY_NAME["rmsnorm-no-fp32-upcast"].inject(monkeypatch)
     assert not rms_norm_matches_transformers(torch.bfloat16)
+
+
+def test_local_verdict_runs_the_decoders_own_wiring(monkeypatch, tiny0_ckpt, tiny0_reference):
+    """The local verdict runs a layer through RankDecoder.run_layers, the path of the whole-model
+    run: a wiring error in the decoder's layer loop (full layers handed the sliding mask) shows in
+    layer 5 alone on the reference's input, on a prompt longer than the window. In fp32 the clean
+    port's layer equals transformers' to rounding and the faulty one does not."""
+    from harness.backends import build_engine
+    from harness.compare import rel_l2
+    from harness.local import port_layer_captures
+    from tests.faults.catalog import BY_NAME
+
+    ref = tiny0_reference["float32"][2]  # 40 tokens, past the window of 16
+    x, name = ref.captures["layers.4.output"], "layers.5.attn_residual"
+
+    def local_error():
+        engine = build_engine(tiny0_ckpt, tp=2, dtype=torch.float32, buckets=(64,), kv_len=64)
+        return rel_l2(port_layer_captures(engine.backend, 5, x)[name], ref.captures[name])
+
+    assert local_error() < 1e-5
+    BY_NAME["full-layers-sliding-mask"].inject(monkeypatch)
+    assert local_error() > 1e-2
