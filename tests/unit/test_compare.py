@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.compare import (FP32_TOLERANCE, NEAR_TIE_FACTOR, NEAR_TIE_QUANTILE, calibrate_near_ties,
+from harness.compare import (FP32_FACTOR, FP32_SCALE, NEAR_TIE_FACTOR, NEAR_TIE_QUANTILE, calibrate_near_ties,
                              classify_mismatch, compare_logits, compare_point_fp32, compare_probabilities,
                              margin_shifts, saturation_tie)
 
@@ -120,14 +120,20 @@ def test_band_follows_the_noise():
 
 # ---- the fp32 stage's point judge -----------------------------------------------------------------
 
-def test_fp32_point_passes_rounding_and_names_a_bad_row():
-    ref = torch.randn(6, 32, generator=torch.Generator().manual_seed(1))
-    assert compare_point_fp32("p", ref * (1 + 1e-7), ref).passed
-    bad = ref.clone()
-    bad[4] *= 1 + 20 * FP32_TOLERANCE
-    result = compare_point_fp32("p", bad, ref)
-    assert not result.passed and result.worst_position == 4 and result.position_ratio > 1
-    assert not compare_point_fp32("p", torch.full_like(ref, math.nan), ref).passed
+def test_fp32_point_is_judged_by_the_scaled_bf16_envelope_and_names_a_bad_row():
+    """An fp32 error of the bf16 error's size scaled by 2^-16 passes; one row off by 100x that
+    fails, named by its row; NaN fails."""
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.randn(6, 32, generator=gen).double()
+    noise = torch.randn(6, 32, generator=gen).double()
+    env16 = ref + 1e-2 * noise  # a bf16-sized error
+    fp32 = ref + 1e-2 * FP32_SCALE * noise.roll(1, 0)  # the same size, scaled to fp32
+    assert compare_point_fp32("p", fp32, ref, env16).passed
+    bad = fp32.clone()
+    bad[4] += 100 * FP32_FACTOR * 1e-2 * FP32_SCALE * noise[4]
+    result = compare_point_fp32("p", bad, ref, env16)
+    assert not result.passed and result.worst_position == 4 and result.position_ratio > FP32_FACTOR
+    assert not compare_point_fp32("p", torch.full_like(ref, math.nan), ref, env16).passed
 
 
 # ---- host probabilities --------------------------------------------------------------------------
