@@ -30,10 +30,11 @@ ENVELOPE_FLOOR = 2.0 ** -9
 # between the fp32 top-1 and each of its next NEAR_TIE_COMPETITORS moves against fp32. The band is
 # NEAR_TIE_FACTOR x the NEAR_TIE_QUANTILE of those moves. Where from: on the tiny seeds 0 and 1 and
 # on two transformers-default-init checkpoints (default prompts, 8 new tokens: 1660 margins each)
-# the healthy bf16 port's largest flipped margin sits below 1.0x the 0.99 quantile on the tiny
-# seeds (1.93 vs 3.30, 0.41 vs 1.74) and at 1.5x on default init (0.28 vs 0.19): factor 2 keeps no
-# false failure there, while the band stays one number per check, not the largest error anywhere
-# in the vocabulary at each position. A flip the fp32 stage also shows is never a near tie.
+# the largest margin the healthy bf16 port flipped is 1.0x, 0.8x, 1.2x and 0.9x that quantile
+# (3.39 vs 3.38, 1.38 vs 1.72, 0.22 vs 0.18, 0.15 vs 0.16): factor 2 keeps no false failure, and the
+# band is one number per check, from the noise of the quantity that decides a flip (the margin),
+# not the largest error anywhere in the vocabulary at each position. A flip the fp32 stage also
+# shows is never a near tie.
 NEAR_TIE_QUANTILE = 0.99
 NEAR_TIE_FACTOR = 2.0
 NEAR_TIE_COMPETITORS = 4
@@ -44,7 +45,8 @@ NEAR_TIE_ULPS = 4
 # envelope is the bf16 envelope scaled by the ratio of the two unit roundoffs (fp32 2^-24 over bf16
 # 2^-8): the same computation rounded 65536 times finer. Where from: on the tiny seeds 0 and 1 and
 # two transformers-default-init checkpoints, the healthy fp32 port (TP=2 against transformers) sits
-# at 0.6-2.4x that scaled envelope at every point, whole tensor (tests/parity prints it); a fixed
+# at most at 2.4x that scaled envelope (whole tensor) and 3.3x (worst position) at every point
+# (tests/parity prints it); a fixed
 # tolerance does not carry over (default init's fp32 error is 6x the tiny builder's, a 48-layer model's
 # more). FP32_FACTOR 16 leaves that headroom; the smallest structural fault of tests/faults (the
 # exact GELU) lands at over 100x.

@@ -110,32 +110,36 @@ class CheckResult:
     def seq_match(self) -> bool:
         return all(p.seq_match for p in self.prompts)
 
-    @property
-    def first_divergent_layer(self) -> int | None:
-        """The first layer that is itself wrong (local verdict) when local verdicts exist and one
-        fails; otherwise the first whose points break the policy (prefill, then decode), in this
-        stage and then in the fp32 stage."""
-        local = next((v["index"] for v in self.local or [] if not v["pass"]), None)
+    def _first_layer_failure(self) -> tuple[int, str] | None:
+        """(layer, component) of the first failing point in run order that belongs to a layer:
+        its KV cache or attention residual (attention), its MLP residual or output (mlp)."""
+        for p in self.all_points():
+            parts = p.name.removeprefix("decode.").split(".")
+            if not p.passed and parts[0] in ("layers", "kv"):
+                mlp = parts[0] == "layers" and parts[2] in ("mlp_residual", "output")
+                return int(parts[1]), "mlp" if mlp else "attention"
+        return None
+
+    def _divergent(self) -> tuple[int, str] | None:
+        """The local verdict's first failing layer where it exists, else this stage's first failing
+        layer point, else the fp32 stage's."""
+        local = next((v for v in self.local or [] if not v["pass"]), None)
         if local is not None:
-            return local
-        own = next((layer.index for layer in self.layers + self.decode_layers if not layer.passed), None)
+            return local["index"], local["component"]
+        own = self._first_layer_failure()
         if own is None and self.fp32 is not None:
-            return self.fp32.first_divergent_layer
+            return self.fp32._divergent()
         return own
 
     @property
+    def first_divergent_layer(self) -> int | None:
+        found = self._divergent()
+        return found[0] if found else None
+
+    @property
     def first_divergent_component(self) -> str | None:
-        index = self.first_divergent_layer
-        if index is None:
-            return None
-        local = next((v for v in self.local or [] if v["index"] == index and not v["pass"]), None)
-        if local:
-            return local["component"]
-        for stage in (self, self.fp32):
-            for layer in (stage.layers + stage.decode_layers) if stage else []:
-                if layer.index == index and not layer.passed:
-                    return layer.component
-        return None
+        found = self._divergent()
+        return found[1] if found else None
 
     @property
     def near_ties(self) -> int:

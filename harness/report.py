@@ -122,6 +122,7 @@ def format_check(result) -> str:
             lines += _stage_summary(name, stage)
             if stage.get("port_error"):
                 lines += _port_error_lines(stage["port_error"])
+    lines += [f"note: {n}" for n in payload.get("notes", [])]
     first = payload["first_divergent_layer"]
     where = f"{first} ({payload.get('first_divergent_component')})" if first is not None else "none"
     lines.append(f"first divergent layer: {where}; near-tie flips "

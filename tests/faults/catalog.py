@@ -269,8 +269,8 @@ def decode_from_bucket_length(monkeypatch):
         self.padding = result.bucket - result.logits.shape[0]
         return result
 
-    def late_decode_step(self, token, position):
-        return decode_step(self, token, position + self.padding)
+    def late_decode_step(self, token, position, capture=False):
+        return decode_step(self, token, position + self.padding, capture)
 
     monkeypatch.setattr(port_engine.Engine, "prefill", padded_prefill)
     monkeypatch.setattr(port_engine.Engine, "decode_step", late_decode_step)
@@ -412,75 +412,79 @@ def _attn(layer: int) -> str:
     return f"layers.{layer}.attn_residual"
 
 
+def _kv(layer: int, side: str) -> str:
+    """The KV cache point of a layer after prefill: keys after k_norm and rope, values after v_norm."""
+    return f"kv.{layer}.{side}"
+
+
 CATALOG: list[Fault] = [
     Fault("kv-repeat-not-interleave", "§3 fix 1",
           "query heads mapped to KV heads with repeat (j % nkv) instead of repeat_interleave "
           "(j // groups); identical at one KV head per rank, so only sliding layers break",
-          repeat_not_interleave, Expectation(_attn(0), 0, "attention")),
+          repeat_not_interleave, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
     Fault("single-kv-head-split", "§3 fix 1",
           "the one KV head of full layers split over ranks by head_dim halves instead of "
           "replicated: k_norm and v_norm each see half a head",
-          split_single_kv_head, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention"),
-          gap=PolicyGap(("first point",),
-                        "cumulative errors only: layer 5 adds about twice the bf16 error accumulated "
-                        "over layers 0-4, so the port's own run stays under ENVELOPE_FACTOR at every "
-                        "point; the check's local verdict (layer 5 alone on the reference's input, "
-                        "about 16x) names layer 5 attention")),
+          split_single_kv_head, Expectation(_kv(FIRST_FULL, "k"), FIRST_FULL, "attention",
+                                            fp32_point=_kv(FIRST_FULL, "k"))),
     Fault("kv-heads-wrong-rank", "§3 fix 1",
           "sliding layers' sharded KV heads loaded on the wrong rank (rank r gets rank 1-r's)",
-          kv_heads_of_other_rank, Expectation(_attn(0), 0, "attention")),
+          kv_heads_of_other_rank, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
     Fault("rmsnorm-one-plus-weight", "§2.1", "RMSNorm multiplies by 1 + weight",
-          one_plus_weight_rms_norm, Expectation(_attn(0), 0, "attention")),
+          one_plus_weight_rms_norm, Expectation(_kv(0, "k"), 0, "attention", fp32_point=_kv(0, "k"))),
     Fault("rmsnorm-no-fp32-upcast", "§2.1", "RMSNorm computed in bf16, not upcast to fp32",
           rms_norm_without_fp32, Expectation(_attn(0), 0, "attention"),
-          gap=PolicyGap(("fails check",) + LOCATION,
+          gap=PolicyGap(("fails check", "stages") + LOCATION,
+                        "a no-op in the fp32 stage (fp32 activations need no upcast) and "
                         "inside bf16 noise on CPU (every point at most ~1.3x the envelope, bisect's "
                         "local ratios too): CPU bf16 reductions accumulate in fp32, so the missing "
                         "upcast adds only a few bf16 roundings per norm. No envelope policy can see "
                         "it here; the bitwise unit check in tests/unit/test_model.py catches it "
                         "(test_rmsnorm_upcast_fault_caught_by_unit_check)")),
     Fault("attention-inverse-sqrt-scale", "§2.2", "attention scores scaled by 1/sqrt(head_dim), not 1.0",
-          inverse_sqrt_scale, Expectation(_attn(0), 0, "attention")),
+          inverse_sqrt_scale, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
     Fault("missing-v-norm", "§2.3", "the weightless v_norm left out",
-          missing_v_norm, Expectation(_attn(0), 0, "attention")),
+          missing_v_norm, Expectation(_kv(0, "v"), 0, "attention", fp32_point=_kv(0, "v"))),
     Fault("value-after-k-norm", "§2.3",
           "full layers (k_eq_v) take the value after k_norm instead of the raw k_proj output",
-          value_after_k_norm, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention")),
+          value_after_k_norm, Expectation(_kv(FIRST_FULL, "v"), FIRST_FULL, "attention",
+                                          fp32_point=_kv(FIRST_FULL, "v"))),
     Fault("full-rotary-on-full-layers", "§2.4",
           "full layers rotate every frequency instead of the proportional 25 %",
-          full_rotary_on_full_layers, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention"),
-          gap=PolicyGap(("first point",),
-                        "the tiny fixture's positions reach 71 only: at head_dim 32 and theta 1e6 the "
-                        "frequencies this fault adds turn a few radians, so the port's own run stays "
-                        "under 4x the envelope at every point; the check's local verdict (layer 5 "
-                        "alone on the reference's input) names layer 5 attention")),
+          full_rotary_on_full_layers, Expectation(_kv(FIRST_FULL, "k"), FIRST_FULL, "attention",
+                                                  fp32_point=_kv(FIRST_FULL, "k"))),
     Fault("proportional-over-rotated-width", "§2.4",
           "proportional inv_freq exponent divided by the rotated width, not the full head_dim",
-          proportional_over_rotated_width, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention")),
+          proportional_over_rotated_width, Expectation(_kv(FIRST_FULL, "k"), FIRST_FULL, "attention",
+                                                      fp32_point=_kv(FIRST_FULL, "k"))),
     Fault("rope-interleaved-pairs", "§2.4", "rope rotates lanes 2i, 2i+1 instead of i, i + D/2",
-          rope_interleaved_pairs, Expectation(_attn(0), 0, "attention")),
+          rope_interleaved_pairs, Expectation(_kv(0, "k"), 0, "attention", fp32_point=_kv(0, "k"))),
     Fault("window-one-too-wide", "§2.8", "sliding mask keeps window + 1 keys (i - W <= j)",
-          window_one_too_wide, Expectation(_attn(0), 0, "attention", min_position=WINDOW)),
+          window_one_too_wide, Expectation(_attn(0), 0, "attention", min_position=WINDOW, fp32_point=_attn(0))),
     Fault("window-one-too-narrow", "§2.8", "sliding mask keeps window - 1 keys",
-          window_one_too_narrow, Expectation(_attn(0), 0, "attention", min_position=WINDOW - 1)),
+          window_one_too_narrow, Expectation(_attn(0), 0, "attention", min_position=WINDOW - 1,
+                                             fp32_point=_attn(0))),
     Fault("sliding-layers-causal", "§2.8", "sliding layers get the plain causal mask (no window)",
-          sliding_layers_plain_causal, Expectation(_attn(0), 0, "attention", min_position=WINDOW)),
+          sliding_layers_plain_causal, Expectation(_attn(0), 0, "attention", min_position=WINDOW,
+                                                   fp32_point=_attn(0))),
     Fault("layer-scalar-missing", "§2.5",
           "layer_scalar not loaded (left at 1.0): the residuals are right, the layer output is not",
-          layer_scalar_not_loaded, Expectation("layers.0.output", 0, "mlp")),
+          layer_scalar_not_loaded, Expectation("layers.0.output", 0, "mlp", fp32_point="layers.0.output")),
     Fault("softcap-twice", "§3 fix 2",
           "the device graph returns capped logits and the host caps them again; every hidden-state "
           "capture point is upstream of the logits, so only the logits point can show it",
-          softcap_on_device, Expectation("logits")),
+          softcap_on_device, Expectation("logits", fp32_point="logits")),
     Fault("embed-scale-not-cast", "§2.7",
           "sqrt(hidden) applied in fp32 instead of cast to bf16 first; a no-op on the default "
           "fixture (sqrt(64) = 8 is exact in bf16), so run on a hidden-72 variant. An envelope "
           "anchored on fp32 cannot see it (the fault moves bf16 toward fp32); the embeddings' "
           "bit-exactness with the bf16 reference does",
-          embed_scale_not_cast, Expectation("embeddings"), checkpoint=TINY_INEXACT_SCALE),
+          embed_scale_not_cast, Expectation("embeddings", stages=("bf16",), fp32_point=None),
+          checkpoint=TINY_INEXACT_SCALE),
     Fault("decode-from-bucket-length", "§3 buckets",
           "decode continues at the bucket length: padded keys leak into every decode step",
-          decode_from_bucket_length, Expectation("decode_logits", tokens=True)),
+          decode_from_bucket_length, Expectation("decode.kv.0.k", 0, "attention", tokens=True,
+                                                 fp32_point="decode.kv.0.k")),
     # -- faults inside bf16 noise, decode-only, host-side: what the fp32 stage, the decode and KV
     # capture points and the host probability check exist for (issue 13)
     Fault("exact-gelu", "§2.6", "the MLP uses the exact (erf) GELU instead of gelu_pytorch_tanh: within "
@@ -488,10 +492,10 @@ CATALOG: list[Fault] = [
           exact_gelu, Expectation(None, 0, "mlp", stages=("fp32",), fp32_point="layers.0.mlp_residual")),
     Fault("rope-angles-activation-dtype", "§2.4", "rope angles (positions x inv_freq) computed in the "
           "activation dtype: bf16 in the port, so exact in the fp32 stage; the rounding grows with position",
-          rope_angles_in_activation_dtype, Expectation(_attn(0), 0, "attention", min_position=200, stages=("bf16",),
-                                                      fp32_point=None)),
+          rope_angles_in_activation_dtype, Expectation(_kv(0, "k"), 0, "attention", min_position=200,
+                                                      stages=("bf16",), fp32_point=None)),
     Fault("rope-angles-bf16", "§2.4", "rope angles hard-coded in bf16, whatever the activation dtype",
-          rope_angles_in_bf16, Expectation(_attn(0), 0, "attention", min_position=200, fp32_point=_attn(0))),
+          rope_angles_in_bf16, Expectation(_kv(0, "k"), 0, "attention", min_position=200, fp32_point=_kv(0, "k"))),
     Fault("window-one-too-wide-in-decode", "§2.8 / §3 KV cache", "decode steps keep window + 1 keys; "
           "prefill is right",
           window_one_too_wide_in_decode, Expectation("decode.layers.0.attn_residual", 0, "attention",
@@ -605,8 +609,8 @@ class Caught:
             passed=result.passed, first_point=first.name if first else None,
             first_point_factor=getattr(first, "required_factor", getattr(first, "ratio", None)) if first else None,
             first_layer=layer, component=result.first_divergent_component,
-            worst_position=(prompt_position(first.worst_position, lengths)
-                            if first is not None and not first.name.startswith(("decode", "kv.")) else None),
+            worst_position=(prompt_position(first.worst_position, lengths)  # prefill rows: prompt positions
+                            if first is not None and not first.name.startswith("decode") else None),
             divergences=result.divergences, near_ties=result.near_ties, seq_match=result.seq_match,
             kl_max=max((max(p.prefill.kl_max, p.decode.kl_max) for p in result.prompts), default=0.0),
             stages=tuple(result.failed_stages), fp32_point=f32["point"] if f32 else None,
