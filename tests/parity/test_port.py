@@ -13,7 +13,7 @@ from harness.errors import PromptError
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
 
 
-def _engine(ckpt, tp=2, dtype=torch.float32, buckets=(16, 32, 64), kv_len=128):
+def _engine(ckpt, tp=2, dtype=torch.float32, buckets=(16, 32, 64, 256), kv_len=256):
     return build_engine(ckpt, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
 
 
