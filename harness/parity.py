@@ -171,8 +171,8 @@ class CheckResult:
             return [dict(self.port_error, stage=self.stage, point="exception inside the port")]
         out = []
         if not self.embeddings_exact:
-            out.append({"stage": self.stage, "point": "embeddings",
-                        "where": f"not bit-exact with the {self.dtype} reference's lookup"})
+            out.append({"stage": self.stage, "point": "embeddings", "where": "the host lookup",
+                        "detail": f"not bit-exact with the {self.dtype} reference's lookup"})
         for p in self.all_points() + self.probabilities:
             if not p.passed:
                 factor = p.required_factor if isinstance(p, PointResult) else p.ratio

@@ -329,6 +329,20 @@ def host_softcap_without_divide(monkeypatch):
                         else cap * torch.tanh(logits.float()))
 
 
+def shared_softcap_formula_wrong(monkeypatch):
+    """The softcap formula wrong at its source, harness.numerics, where the port and the judge's
+    fallbacks both read it (cap * tanh(x)): the reference, which takes its capped distribution and
+    its greedy tokens from transformers alone, does not lean on it, so the check still sees it."""
+    from harness import compare as judge
+    from harness import numerics
+
+    def wrong(logits, cap):
+        return logits.float() if cap is None else cap * torch.tanh(logits.float())
+
+    for module in (numerics, port_engine, judge):
+        monkeypatch.setattr(module, "softcap", wrong)
+
+
 def host_probabilities_uncapped(monkeypatch):
     """The host serves softmax of the raw logits (the softcap left out where probabilities are asked)."""
     monkeypatch.setattr(port_engine.Engine, "probabilities",
@@ -503,6 +517,9 @@ CATALOG: list[Fault] = [
     Fault("host-softcap-without-divide", "§3 fix 2", "the host softcap is cap * tanh(x): monotone, so "
           "greedy tokens never change, but every served probability is wrong",
           host_softcap_without_divide, Expectation("probabilities", fp32_point="probabilities")),
+    Fault("shared-softcap-formula-wrong", "§3 fix 2 / §4", "the softcap formula wrong in harness.numerics, "
+          "shared by the port and the judge's fallbacks: the reference computes from transformers alone",
+          shared_softcap_formula_wrong, Expectation("probabilities", fp32_point="probabilities")),
     Fault("host-probabilities-uncapped", "§3 fix 2", "the host serves softmax of the raw logits",
           host_probabilities_uncapped, Expectation("probabilities", fp32_point="probabilities")),
     Fault("full-layers-sliding-mask", "§2.8", "the decoder's layer loop gives every layer the first "
