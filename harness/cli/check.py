@@ -12,6 +12,8 @@ def add_command(sub) -> None:
     p.add_argument("--golden", metavar="DIR", help="reuse a golden instead of recomputing the reference")
     p.add_argument("--prompts", metavar="FILE", help="JSON list of token-id lists (default: fixtures/prompts/default.json)")
     p.add_argument("--new-tokens", type=int, default=8, help="greedy tokens to decode (default 8)")
+    p.add_argument("--skip-fp32-stage", action="store_true",
+                   help="skip the fp32 structural stage (it holds the model in fp32 on the host)")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
     p.set_defaults(func=run)
 
@@ -27,7 +29,8 @@ def run(args) -> int:
     print(ckpt.describe())
     result = run_parity_check(ckpt, ckpt_dir, golden=args.golden, prompts=args.prompts, backend=args.backend,
                               tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
-                              buckets=args.buckets, kv_len=args.kv_len, progress=True)
+                              buckets=args.buckets, kv_len=args.kv_len, progress=True,
+                              fp32_stage=not args.skip_fp32_stage)
     print(format_check(result))
     payload = result.to_json()
     if args.json:
