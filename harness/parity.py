@@ -27,9 +27,8 @@ from types import SimpleNamespace
 import torch
 
 from harness.compare import (FP32_FACTOR, LayerResult, LogitsResult, NearTieCalibration, PointResult,
-                             ProbabilityResult, TokenVerdict, calibrate_near_ties, classify_mismatch, compare_layers,
-                             compare_logits, compare_point, compare_point_fp32, compare_probabilities, layer_points,
-                             saturation_tie, stack_prompts)
+                             ProbabilityResult, TokenVerdict, calibrate_near_ties, classify_mismatch, compare_logits,
+                             compare_point, compare_point_fp32, compare_probabilities, layer_points, saturation_tie)
 from harness.errors import PromptError
 from harness.local import PortRun, local_verdicts
 from harness.progress import status
