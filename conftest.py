@@ -128,3 +128,21 @@ def tiny0_reference(tiny0_dir, default_prompts):
 def _deterministic_torch():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def inexact_scale_ckpt(tmp_path_factory):
+    """The tiny config (the fault catalog's hidden-72 variant) at a hidden size whose sqrt is not a bf16 number, built once in tmp."""
+    from harness.checkpoint import Checkpoint
+    from tests.faults.catalog import inexact_scale_checkpoint
+
+    return Checkpoint.open(inexact_scale_checkpoint(tmp_path_factory.mktemp("inexact-scale")))
+
+
+@pytest.fixture(scope="session")
+def inexact_scale_reference(inexact_scale_ckpt, default_prompts):
+    """fp32 and bf16 references of the variant for the default prompts (8 new tokens)."""
+    from harness.prompts import DEFAULT_NEW_TOKENS
+    from harness.reference import run_reference
+
+    return run_reference(inexact_scale_ckpt.path, default_prompts, new_tokens=DEFAULT_NEW_TOKENS)

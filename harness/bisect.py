@@ -53,6 +53,9 @@ class BisectResult:
     # and the final norm in the port's run and alone on the golden's last layer output.
     embeddings: PointResult | None = None
     final_norm: list[PointResult] = field(default_factory=list)
+    # The fp32 structural stage (harness.parity): the port in fp32 against the golden's fp32
+    # reference to fp32 precision. A structural bug inside bf16 noise fails here.
+    fp32_stage: dict | None = None
 
     def _first_point(self) -> tuple[str, LayerVerdict | None] | None:
         """(name, layer) of the first point that breaks the policy, in this order: embeddings; the
@@ -124,7 +127,7 @@ class BisectResult:
 
     @property
     def passed(self) -> bool:
-        return self._first_point() is None
+        return self._first_point() is None and (self.fp32_stage is None or self.fp32_stage["passed"])
 
     def to_json(self) -> dict:
         layers = [v.to_json() for v in self.layers]
@@ -141,6 +144,7 @@ class BisectResult:
             "seq_match": self.seq_match, "near_tie_flips": self.near_tie_flips,
             "real_divergences": self.real_divergences, "tolerance_factor": ENVELOPE_FACTOR,
             "prompt_lengths": self.prompt_lengths, **edges, "layers": layers, "notes": self.notes,
+            "fp32_stage": self.fp32_stage,
         })
 
     def _locate_positions(self, points: list[dict]) -> None:
@@ -336,7 +340,7 @@ def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceRes
 # ---- the library entry point ------------------------------------------------------------------------------------
 
 def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu", tp: int = 2,
-               dtype: torch.dtype = torch.bfloat16, buckets=(64,), kv_len: int = 256,
+               dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
                build: PrefixBuild | None = None, progress: bool = False) -> BisectResult:
     """Bisect `checkpoint` (run on `backend`) against a golden read for the checkpoint's spec. The
     golden may come from other weights (yesterday's): only the architecture must match."""
@@ -366,16 +370,24 @@ def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu"
 
 
 def bisect_golden(checkpoint, golden_path, mode: str | None = None, backend: str = "cpu", tp: int = 2,
-                  dtype: torch.dtype = torch.bfloat16, buckets=(64,), kv_len: int = 256,
-                  progress: bool = False) -> tuple[BisectResult, dict]:
+                  dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
+                  progress: bool = False, fp32_stage: bool = True) -> tuple[BisectResult, dict]:
     """What `gemma-parity bisect` does: read the golden for the checkpoint's spec, bisect, and
     return the result with its JSON payload (which says whether the golden came from these
     weights)."""
     from harness.golden import read_golden
 
+    from harness.parity import fp32_structural_stage
+
     golden = read_golden(golden_path, expected_spec=checkpoint.spec)
     same = golden.manifest.get("checkpoint", {}).get("files") == checkpoint.file_hashes()
     result = run_bisect(checkpoint, golden, mode, backend, tp, dtype, buckets, kv_len, progress=progress)
+    if fp32_stage:
+        stage = fp32_structural_stage(checkpoint, golden.results("float32"), golden.results("bfloat16"),
+                                      backend, tp, buckets, kv_len, progress)
+        result.fp32_stage = {"passed": stage.stage_passed, "failures": stage.failures()[:20],
+                             "first_divergent_layer": stage.first_divergent_layer,
+                             "first_divergent_component": stage.first_divergent_component}
     payload = result.to_json()
     payload["golden"] = str(golden_path)
     payload["golden_from_same_weights"] = same

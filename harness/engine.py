@@ -43,6 +43,9 @@ class DecodeResult:
     tokens: list[int]  # the new tokens
     step_logits: torch.Tensor  # [new_tokens, vocab] raw fp32: logits that chose each token
     prefill: PrefillResult | None = None
+    # With capture: the capture points of every decode step (steps 1.., the ones the device runs
+    # one token at a time), name -> [new_tokens - 1, ...] fp32.
+    step_captures: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Engine:
@@ -97,24 +100,31 @@ class Engine:
             bucket=bucket,
         )
 
-    def decode_step(self, token: int, position: int) -> torch.Tensor:
+    def decode_step(self, token: int, position: int, capture: bool = False):
+        """Raw logits [vocab] of one decode step; with capture also its capture points (name -> [1, ...])."""
         if position >= self.kv_len:
             raise PromptError(f"position {position} is past the KV length {self.kv_len}; "
                               "ask for fewer new tokens or compile a longer cache")
-        out = self.backend.forward(self.embed(torch.tensor([token])), torch.tensor([[position]]))
-        return out[0, -1].float()
+        out = self.backend.forward(self.embed(torch.tensor([token])), torch.tensor([[position]]), capture=capture)
+        if not capture:
+            return out[0, -1].float()
+        logits, captures = out
+        return logits[0, -1].float(), {k: v[0, -1:].float() for k, v in captures.items()}
 
     def generate(self, ids, new_tokens: int, capture: bool = False,
-                 forced: list[int] | None = None) -> DecodeResult:
+                 forced: list[int] | None = None, observe=None) -> DecodeResult:
         """Greedy decode: argmax of the raw logits. With `forced`, feed those tokens instead
-        (teacher forcing) and still collect the logits at every step."""
+        (teacher forcing) and still collect the logits at every step. `observe(written)` is called
+        after prefill and after each decode step with the number of cache positions written."""
         ids = self.validate_ids(ids)
         if ids.numel() + new_tokens > self.kv_len + 1:
             raise PromptError(f"{ids.numel()} prompt + {new_tokens} new tokens exceed the KV length "
                               f"{self.kv_len}")
         pre = self.prefill(ids, capture=capture)
+        if observe is not None:
+            observe(ids.numel())
         logits = pre.logits[-1]
-        tokens, steps = [], []
+        tokens, steps, step_caps = [], [], []
         for step in range(new_tokens):
             steps.append(logits)
             chosen = int(logits.argmax())
@@ -122,9 +132,15 @@ class Engine:
             if step == new_tokens - 1:
                 break
             fed = forced[step] if forced is not None else chosen
-            logits = self.decode_step(fed, ids.numel() + step)
+            out = self.decode_step(fed, ids.numel() + step, capture=capture)
+            logits = out[0] if capture else out
+            if capture:
+                step_caps.append(out[1])
+            if observe is not None:
+                observe(ids.numel() + step + 1)
         step_logits = torch.stack(steps) if steps else torch.empty(0, self.spec.vocab_size)
-        return DecodeResult(tokens=tokens, step_logits=step_logits, prefill=pre)
+        stacked = {k: torch.cat([c[k] for c in step_caps]) for k in step_caps[0]} if step_caps else {}
+        return DecodeResult(tokens=tokens, step_logits=step_logits, prefill=pre, step_captures=stacked)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """Host softcap, then softmax: only here does the cap matter."""

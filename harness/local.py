@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from harness.compare import (ENVELOPE_FACTOR, LayerResult, PointResult, classify_mismatch, compare_layers,
-                             compare_logits, compare_point, layer_points, rel_l2, stack_prompts)
-from harness.model import attention_mask, rope_cos_sin
+from harness.compare import (ENVELOPE_FACTOR, LayerResult, PointResult, calibrate_near_ties, classify_mismatch,
+                             compare_layers, compare_logits, compare_point, layer_points, rel_l2, stack_prompts)
 from harness.progress import status
 from harness.reference import ReferenceResult
 
@@ -121,21 +120,16 @@ def _component(points: list[PointResult]) -> str | None:
 
 def port_layer_captures(backend, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """Layer `index` of the port (every rank's shard, real all-reduce) alone on x [n, hidden]
-    from a reset KV cache: its three capture points, [n, hidden] fp32."""
-    spec = backend.spec
+    from a reset KV cache: its three capture points, [n, hidden] fp32. It runs through the
+    decoder's own `run_layers` (the masks, rope and cache writes the whole-model forward uses), so
+    a wiring error in the decoder's forward shows in the layer's local verdict too."""
     positions = torch.arange(x.shape[0])[None]
-    window = spec.layers[index].window
-    prefix = f"layers.{index}."
 
     def step(rank):
         module = backend.ranks[rank]
         module.reset_cache()
-        layer = module.layers[index]
-        mask = attention_mask(positions, module.max_len, window, module.dtype)
-        cos, sin = rope_cos_sin(getattr(module, f"inv_freq_{index}"), positions, module.dtype)
         captures: dict[str, torch.Tensor] = {}
-        out = layer(x.to(module.dtype)[None], cos, sin, positions, mask, captures, prefix)
-        captures[prefix + "output"] = out
+        module.run_layers(x.to(module.dtype)[None], positions, index, index + 1, captures)
         return {k: v[0].float() for k, v in captures.items()}
 
     return backend.on_ranks(step)[0]
@@ -282,6 +276,8 @@ def run_port_with_captures(engine, spec, ref32: list[ReferenceResult], ref16: li
     runs, near, real, seq_match = [], 0, 0, True
     say = status("port", progress)
     cap = spec.final_logit_softcapping
+    pairs = [(r32.captures["logits"], r16.captures["logits"]) for r32, r16 in zip(ref32, ref16)]
+    band = calibrate_near_ties(pairs + [(a.step_logits, b.step_logits) for a, b in zip(ref32, ref16)]).band
     for k, (r32, r16) in enumerate(zip(ref32, ref16)):
         say(f"prompt {k + 1}/{len(ref32)} ({len(r32.prompt)} tokens): port run with captures")
         n_new = len(r32.generated)
@@ -291,14 +287,14 @@ def run_port_with_captures(engine, spec, ref32: list[ReferenceResult], ref16: li
         else:
             pre, tokens = engine.prefill(r32.prompt, capture=True), []
         runs.append(pre.captures)
-        logits = compare_logits(pre.logits, r32.captures["logits"], r16.captures["logits"], cap)
+        logits = compare_logits(pre.logits, r32.captures["logits"], None, cap, band=band,
+                                ref_capped=r32.captures.get("capped_logits"))
         near, real = near + logits.near_ties, real + logits.divergences
         if tokens != r32.generated:
             seq_match = False
             step = next(i for i, (a, b) in enumerate(zip(r32.generated, tokens)) if a != b)
             # the first departing step saw the same prefix on both sides, so its logits compare
-            verdict = classify_mismatch(step, r32.step_logits[step], tokens[step], r16.step_logits[step],
-                                        r32.generated[step])
+            verdict = classify_mismatch(step, r32.step_logits[step], tokens[step], band, r32.generated[step])
             near, real = near + (verdict.kind == "near_tie"), real + (verdict.kind == "divergence")
     names = ["embeddings", "final_norm"] + [n for layer in spec.layers for n in layer_points(layer.index)]
     return PortRun({n: stack_prompts(runs, n) for n in names}, seq_match if any(r.generated for r in ref32) else None,

@@ -258,16 +258,20 @@ class RankDecoder(nn.Module):
     def final_hidden(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, captures=None) -> torch.Tensor:
         """The decoder layers and the final norm: lm_head's input [1, s, hidden]. Fills `captures`
         (when given) with each layer's points."""
-        capture = captures is not None
-        x = inputs_embeds
-        dtype = x.dtype
+        return self.norm(self.run_layers(inputs_embeds, positions, 0, len(self.layers), captures))
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, start: int, stop: int,
+                   captures: dict | None = None) -> torch.Tensor:
+        """Layers [start, stop) on hidden states x [1, s, hidden] at absolute `positions`: the masks,
+        rope and cache writes of the whole-model forward (which runs all layers through here), so a
+        layer run alone (the local verdict) takes exactly the path it takes inside the model."""
         masks = {}
-        for i, layer in enumerate(self.layers):
+        for i in range(start, stop):
             window = self.spec.layers[i].window
             if window not in masks:
-                masks[window] = attention_mask(positions, self.max_len, window, dtype)
-            cos, sin = rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, dtype)
-            x = layer(x, cos, sin, positions, masks[window], captures, f"layers.{i}.")
-            if capture:
+                masks[window] = attention_mask(positions, self.max_len, window, x.dtype)
+            cos, sin = rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, x.dtype)
+            x = self.layers[i](x, cos, sin, positions, masks[window], captures, f"layers.{i}.")
+            if captures is not None:
                 captures[f"layers.{i}.output"] = x
-        return self.norm(x)
+        return x

@@ -3,8 +3,16 @@
 Capture points, the same names the port's parity build returns:
   embeddings, layers.{i}.attn_residual (after the attention residual add), layers.{i}.mlp_residual
   (after the MLP residual add, before layer_scalar), layers.{i}.output, final_norm, logits (raw,
-  before the softcap) and capped_logits. A streaming mode computes the prefill captures one decoder
-  layer at a time from the checkpoint, so peak memory stays near embeddings plus one layer.
+  before the softcap) and capped_logits. With decode: step_capped_logits (transformers' own capped
+  distribution at every step), decode.<point> for every point above at each decode step the model
+  runs (rows: steps 1..), and kv.{i}.k / kv.{i}.v: what transformers wrote into its past_key_values
+  for layer i (keys after k_norm and rope, values after v_norm), one row per position.
+  A streaming mode computes the prefill captures one decoder layer at a time from the checkpoint,
+  so peak memory stays near embeddings plus one layer.
+
+The truth never leans on the port: this module imports nothing of the port (engine, model,
+sharding, backends) nor the port's numerics (embedding scale, softcap); every number comes from
+transformers' own modules (tests/unit/test_layering.py enforces the boundary).
 """
 
 from __future__ import annotations
@@ -13,8 +21,6 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-
-from harness.numerics import embed_scale, softcap
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -132,44 +138,78 @@ class _Recorder:
             h.remove()
 
 
+def _record_cache_writes(cache, writes: dict[int, list]) -> None:
+    """Record every (key, value) transformers writes into `cache`, per layer, as it stores them."""
+    update = cache.update
+
+    def recording(key_states, value_states, layer_idx, *args, **kwargs):
+        writes.setdefault(layer_idx, []).append((key_states.detach().clone(), value_states.detach().clone()))
+        return update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    cache.update = recording
+
+
+def _kv_rows(writes: dict[int, list]) -> dict[str, torch.Tensor]:
+    """kv.{i}.k / kv.{i}.v: [positions, kv_heads * head_dim] fp32, positions in write order."""
+    out = {}
+    for i, parts in sorted(writes.items()):
+        for j, side in enumerate("kv"):
+            t = torch.cat([p[j] for p in parts], dim=2)[0]  # [kv_heads, positions, head_dim]
+            out[f"kv.{i}.{side}"] = t.transpose(0, 1).reshape(t.shape[1], -1).float()
+    return out
+
+
+def _stack_steps(steps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {f"decode.{k}": torch.cat([s[k] for s in steps]) for k in steps[0]} if steps else {}
+
+
 def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[int] | None = None,
                   capture: bool = True) -> ReferenceResult:
-    """Prefill with captures, then greedy decode (argmax of the capped logits, as transformers'
+    """Prefill with captures, then greedy decode (argmax of transformers' capped logits, as its
     generate does) with the transformers KV cache. With `forced`, feed those tokens instead
-    (teacher forcing) so another run's step logits are comparable position by position."""
+    (teacher forcing) so another run's step logits are comparable position by position. With
+    capture, every decode step's capture points and the cache writes are recorded too."""
     from transformers import DynamicCache
 
     lm = text_model(model)
-    cap = model.config.get_text_config().final_logit_softcapping
     recorder = _Recorder.on_model(lm) if capture else None
     raw_logits: list[torch.Tensor] = []
     head = model.lm_head.register_forward_hook(lambda m, a, out: raw_logits.append(out.detach().float()))
+    writes: dict[int, list] = {}
     try:
-        ids = torch.tensor([prompt], dtype=torch.long)
         cache = DynamicCache(config=model.config.get_text_config())
+        if capture:
+            _record_cache_writes(cache, writes)
         with torch.no_grad():
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([prompt], dtype=torch.long), past_key_values=cache, use_cache=True)
             captures = {}
             if recorder is not None:
-                recorder.enabled = False
                 captures = {k: v[0].float() for k, v in recorder.captures.items()}
                 captures["logits"] = raw_logits[0][0]
                 captures["capped_logits"] = out.logits[0].float()
-            generated, steps = [], []
-            step_raw = raw_logits[-1][0, -1]
+            generated, steps, capped, step_caps = [], [], [], []
             for step in range(new_tokens):
-                steps.append(step_raw)
-                token = int(softcap(step_raw, cap).argmax())
-                generated.append(token)
+                steps.append(raw_logits[-1][0, -1])
+                capped.append(out.logits[0, -1].float())
+                generated.append(int(out.logits[0, -1].argmax()))
                 if step == new_tokens - 1:
                     break
-                fed = forced[step] if forced is not None else token
-                model(input_ids=torch.tensor([[fed]]), past_key_values=cache, use_cache=True)
-                step_raw = raw_logits[-1][0, -1]
+                fed = forced[step] if forced is not None else generated[-1]
+                if recorder is not None:
+                    recorder.captures = {}
+                out = model(input_ids=torch.tensor([[fed]]), past_key_values=cache, use_cache=True)
+                if recorder is not None:
+                    step_caps.append({k: v[0].float() for k, v in recorder.captures.items()})
+                    step_caps[-1]["logits"] = raw_logits[-1][0]
     finally:
         head.remove()
         if recorder is not None:
             recorder.remove()
+    if capture:
+        captures.update(_stack_steps(step_caps))
+        captures.update(_kv_rows(writes))
+        if capped:
+            captures["step_capped_logits"] = torch.stack(capped)
     return ReferenceResult(prompt=list(prompt), dtype=dtype_name(model.dtype), captures=captures,
                            generated=generated,
                            step_logits=torch.stack(steps) if steps else torch.empty(0, raw_logits[0].shape[-1]))
@@ -209,14 +249,14 @@ def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
 class _StreamedPrompt:
     """One prompt's hidden state on its way through the streamed layers, and its captures."""
 
-    def __init__(self, checkpoint, config, embed: torch.Tensor, prompt: list[int], dtype: torch.dtype):
+    def __init__(self, checkpoint, config, embedding, prompt: list[int]):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         spec = checkpoint.spec
         ids = torch.tensor(prompt, dtype=torch.long)
         if spec.placeholder_token_ids:
             ids = torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
-        self.x = (embed[ids] * embed_scale(spec.hidden_size, dtype))[None]
+        self.x = embedding(ids)[None]
         self.captures = {"embeddings": self.x[0].float()}
         self.positions = torch.arange(ids.numel())[None]
         mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, past_key_values=None,
@@ -239,7 +279,7 @@ class _StreamedPrompt:
         self.captures["final_norm"] = x[0].float()
         logits = (x[0] @ head.T).float()
         self.captures["logits"] = logits
-        self.captures["capped_logits"] = softcap(logits, cap)
+        self.captures["capped_logits"] = _transformers_softcap(logits, cap)
         return self.captures
 
 
@@ -258,7 +298,8 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
     config._attn_implementation = "eager"
     spec = checkpoint.spec
     embed = checkpoint.embed_weight(dtype)
-    states = [_StreamedPrompt(checkpoint, config, embed, prompt, dtype) for prompt in prompts]
+    embedding = _scaled_embedding(hf, embed, spec)
+    states = [_StreamedPrompt(checkpoint, config, embedding, prompt) for prompt in prompts]
     rotary = hf.Gemma4UnifiedTextRotaryEmbedding(config)
     say = status("stream", progress, total=spec.num_layers)
     with torch.no_grad():
@@ -274,3 +315,22 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
         norm.weight.data = checkpoint.final_norm_weight(dtype)
         head = embed if spec.tie_word_embeddings else checkpoint.lm_head_weight(dtype)
         return [state.finish(norm, head, spec.final_logit_softcapping) for state in states]
+
+
+def _scaled_embedding(hf, weight: torch.Tensor, spec):
+    """transformers' own scaled word embedding (the scale cast to the weight dtype in its forward)
+    over the checkpoint's matrix, without allocating a second copy."""
+    with torch.device("meta"):
+        emb = hf.Gemma4UnifiedTextScaledWordEmbedding(spec.vocab_size, spec.hidden_size, spec.pad_token_id,
+                                                      embed_scale=spec.hidden_size ** 0.5)
+    emb.weight = torch.nn.Parameter(weight, requires_grad=False)
+    emb.embed_scale = torch.tensor(emb.scalar_embed_scale)  # what transformers' init puts there
+    return emb
+
+
+def _transformers_softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The final softcap exactly as transformers' Gemma-4 forward writes it (divide, tanh,
+    multiply), for the streaming path that has no whole model to run it."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap

@@ -62,3 +62,26 @@ def vocab_logits(draw, dtype: torch.dtype) -> torch.Tensor:
     for token, value in draw(st.lists(st.tuples(token_ids, st.sampled_from(pool)), max_size=8)):
         row[token] = value
     return torch.from_numpy(row).to(dtype)
+
+
+# Logits a real model produces: the 12B's raw logits stay within about +-100 (the softcap of 30
+# exists to tame the tail), far below fp32's saturation point (~270.3) and near bf16's (~104).
+REALISTIC_LOGIT = 100.0
+
+
+def realistic_logit():
+    return st.floats(-REALISTIC_LOGIT, REALISTIC_LOGIT, width=32)
+
+
+@st.composite
+def realistic_logit_rows(draw, min_size: int = 2, max_size: int = 64) -> list[float]:
+    """Logit rows in the realistic range, ties and near ties likely (repeated or adjacent values)."""
+    pool = draw(st.lists(realistic_logit(), min_size=1, max_size=4))
+    entry = st.sampled_from(pool) | realistic_logit()
+    return draw(st.lists(entry, min_size=min_size, max_size=max_size))
+
+
+def saturating_logit(threshold: float, high: float = float(torch.finfo(torch.float32).max)):
+    """One logit at or beyond the point where the softcap saturates (either sign)."""
+    magnitude = st.floats(threshold, high, width=32)
+    return st.tuples(magnitude, st.booleans()).map(lambda t: t[0] if t[1] else -t[0])

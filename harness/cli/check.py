@@ -19,6 +19,8 @@ def add_command(sub) -> None:
     p.add_argument("--prompts", metavar="FILE", help="JSON list of token-id lists (default: fixtures/prompts/default.json)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"greedy tokens to decode (default {DEFAULT_NEW_TOKENS})")
+    p.add_argument("--skip-fp32-stage", action="store_true",
+                   help="skip the fp32 structural stage (it holds the model in fp32 on the host)")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
     p.set_defaults(func=run, validate=validate)
 
@@ -68,7 +70,8 @@ def run(args) -> int:
     print(ckpt.describe())
     result = run_parity_check(ckpt, args.ckpt_dir, golden=args.golden, prompts=args.prompts, backend=args.backend,
                               tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
-                              buckets=args.buckets, kv_len=args.kv_len, progress=True)
+                              buckets=args.buckets, kv_len=args.kv_len, progress=True,
+                              fp32_stage=not args.skip_fp32_stage)
     payload = with_generator(result.to_json(), "check")
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.

@@ -49,7 +49,8 @@ def add_port_args(p, report_help: str) -> None:
     p.add_argument("--backend", choices=list(BACKENDS), default="cpu")
     p.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
     p.add_argument("--dtype", default="bfloat16", help="port dtype: bfloat16 (default) or float32")
-    p.add_argument("--buckets", type=buckets_arg, default=(64,), help="prefill buckets, e.g. 16,64 (default 64)")
+    p.add_argument("--buckets", type=buckets_arg, default=(64, 256),
+                   help="prefill buckets, e.g. 16,64 (default 64,256: the default prompts reach position 247)")
     p.add_argument("--kv-len", type=int, default=256, help="KV cache length (default 256)")
     p.add_argument("--json", metavar="FILE", help="write the result as JSON (replaces only a result "
                    "gemma-parity wrote)")

@@ -28,8 +28,8 @@ TINY = "tiny0"  # the default tiny fixture (hidden 64)
 TINY_INEXACT_SCALE = "tiny-hidden72"
 INEXACT_SCALE_HIDDEN = 72  # sqrt(72) = 8.485 rounds to 8.5 in bf16
 
-CHECK_BUCKETS = (64,)  # every default prompt (7, 24, 40 and 64 tokens) goes to this one bucket
-CHECK_KV_LEN = 128
+CHECK_BUCKETS = (64, 256)  # the default prompts: 7, 24, 40 and 64 tokens in 64, the 240-token one in 256
+CHECK_KV_LEN = 288  # room past the largest bucket: a decode that starts at the bucket length still runs
 
 
 # ---- what a fault must do to the check ----------------------------------------------------------
@@ -51,6 +51,10 @@ class Expectation:
     component: str | None = None
     min_position: int | None = None
     tokens: bool = False
+    # The stages that must fail ("fp32": the structural stage, "bf16": the envelope stage), and the
+    # first point the fp32 stage fails at (None: it must pass; "-": not asserted).
+    stages: tuple[str, ...] = ("fp32", "bf16")
+    fp32_point: str | None = "-"
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class Fault:
     expect: Expectation
     checkpoint: str = TINY
     gap: PolicyGap | None = None
+    # Run the check's local verdicts (each layer alone on the reference's input) for this fault:
+    # where the expectation depends on them. Elsewhere the suite skips them to stay fast.
+    local: bool = False
 
 
 # ---- injectors ----------------------------------------------------------------------------------
@@ -262,11 +269,150 @@ def decode_from_bucket_length(monkeypatch):
         self.padding = result.bucket - result.logits.shape[0]
         return result
 
-    def late_decode_step(self, token, position):
-        return decode_step(self, token, position + self.padding)
+    def late_decode_step(self, token, position, capture=False):
+        return decode_step(self, token, position + self.padding, capture)
 
     monkeypatch.setattr(port_engine.Engine, "prefill", padded_prefill)
     monkeypatch.setattr(port_engine.Engine, "decode_step", late_decode_step)
+
+
+def exact_gelu(monkeypatch):
+    """The MLP's activation is the exact (erf) GELU instead of gelu_pytorch_tanh: everywhere within
+    ~1e-3 of the right value, inside the bf16 envelope at every point."""
+
+    def forward(self, x):
+        return self.down_proj(port_model.F.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+    monkeypatch.setattr(port_model.MLP, "forward", forward)
+
+
+def rope_angles_in_activation_dtype(monkeypatch):
+    """positions * inv_freq computed in the activation dtype (bf16 in the port) instead of fp32:
+    the angle's rounding grows with the position, inside the envelope below position ~70."""
+
+    def cos_sin(inv_freq, positions, dtype):
+        freqs = positions[..., None].to(dtype) * inv_freq.to(dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    monkeypatch.setattr(port_model, "rope_cos_sin", cos_sin)
+
+
+def rope_angles_in_bf16(monkeypatch):
+    """The same angles hard-coded in bf16 (`.bfloat16()`), whatever the activation dtype."""
+
+    def cos_sin(inv_freq, positions, dtype):
+        freqs = positions[..., None].bfloat16() * inv_freq.bfloat16()
+        emb = torch.cat((freqs, freqs), dim=-1).float()
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    monkeypatch.setattr(port_model, "rope_cos_sin", cos_sin)
+
+
+def window_one_too_wide_in_decode(monkeypatch):
+    """Decode steps (one query) keep window + 1 keys; prefill is right. Only decode past the window
+    sees it."""
+    original = port_model.attention_mask
+
+    def mask(positions, kv_len, window, dtype):
+        if window is not None and positions.shape[-1] == 1:
+            window = window + 1
+        return original(positions, kv_len, window, dtype)
+
+    monkeypatch.setattr(port_model, "attention_mask", mask)
+
+
+def host_softcap_without_divide(monkeypatch):
+    """The host softcap written cap * tanh(x) (the division by cap forgotten): monotone, so greedy
+    tokens never change, but every served probability is wrong."""
+    monkeypatch.setattr(port_engine, "softcap", lambda logits, cap: logits.float() if cap is None
+                        else cap * torch.tanh(logits.float()))
+
+
+def shared_softcap_formula_wrong(monkeypatch):
+    """The softcap formula wrong at its source, harness.numerics, where the port and the judge's
+    fallbacks both read it (cap * tanh(x)): the reference, which takes its capped distribution and
+    its greedy tokens from transformers alone, does not lean on it, so the check still sees it."""
+    from harness import compare as judge
+    from harness import numerics
+
+    def wrong(logits, cap):
+        return logits.float() if cap is None else cap * torch.tanh(logits.float())
+
+    for module in (numerics, port_engine, judge):
+        monkeypatch.setattr(module, "softcap", wrong)
+
+
+def host_probabilities_uncapped(monkeypatch):
+    """The host serves softmax of the raw logits (the softcap left out where probabilities are asked)."""
+    monkeypatch.setattr(port_engine.Engine, "probabilities",
+                        lambda self, logits: torch.softmax(logits.float(), dim=-1))
+
+
+def full_layers_get_sliding_mask(monkeypatch):
+    """The decoder's layer loop hands every layer the first layer's (sliding) mask: a wiring error in
+    RankDecoder, not in any one layer."""
+
+    def run_layers(self, x, positions, start, stop, captures=None):
+        window = self.spec.layers[0].window
+        mask = port_model.attention_mask(positions, self.max_len, window, x.dtype)
+        for i in range(start, stop):
+            cos, sin = port_model.rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, x.dtype)
+            x = self.layers[i](x, cos, sin, positions, mask, captures, f"layers.{i}.")
+            if captures is not None:
+                captures[f"layers.{i}.output"] = x
+        return x
+
+    monkeypatch.setattr(port_model.RankDecoder, "run_layers", run_layers)
+
+
+def decode_cache_written_one_late(monkeypatch):
+    """Decode steps write their key and value one slot past their position (prefill is right): the
+    query attends a stale slot and the new key lands where the mask hides it."""
+    original = port_model.KVCache.update
+
+    def update(self, positions, k, v):
+        if positions.shape[-1] == 1:
+            positions = (positions + 1).clamp_max(self.k.shape[2] - 1)
+        return original(self, positions, k, v)
+
+    monkeypatch.setattr(port_model.KVCache, "update", update)
+
+
+def decode_rope_one_position_late(monkeypatch):
+    """Decode steps rotate q and k for position + 1 (the cache slot and mask are right)."""
+    original = port_model.rope_cos_sin
+
+    def cos_sin(inv_freq, positions, dtype):
+        return original(inv_freq, positions + 1 if positions.shape[-1] == 1 else positions, dtype)
+
+    monkeypatch.setattr(port_model, "rope_cos_sin", cos_sin)
+
+
+def decode_token_off_by_one(monkeypatch):
+    """The host's decode loop records the previous step's token as this step's output after the
+    first step (its logits are right, the sequence it reports is not)."""
+    original = port_engine.Engine.generate
+
+    def generate(self, ids, new_tokens, capture=False, forced=None, observe=None):
+        out = original(self, ids, new_tokens, capture=capture, forced=forced, observe=observe)
+        if forced is None and len(out.tokens) > 2:
+            out.tokens = out.tokens[:2] + out.tokens[1:-1]
+        return out
+
+    monkeypatch.setattr(port_engine.Engine, "generate", generate)
+
+
+def decode_raises_past_window(monkeypatch):
+    """A port bug that raises (an index error) in a decode step past the sliding window."""
+    original = port_engine.Engine.decode_step
+
+    def decode_step(self, token, position, capture=False):
+        if position >= 2 * WINDOW:
+            raise IndexError(f"cache slot {position} out of range")
+        return original(self, token, position, capture)
+
+    monkeypatch.setattr(port_engine.Engine, "decode_step", decode_step)
 
 
 # ---- the catalog --------------------------------------------------------------------------------
@@ -280,75 +426,117 @@ def _attn(layer: int) -> str:
     return f"layers.{layer}.attn_residual"
 
 
+def _kv(layer: int, side: str) -> str:
+    """The KV cache point of a layer after prefill: keys after k_norm and rope, values after v_norm."""
+    return f"kv.{layer}.{side}"
+
+
 CATALOG: list[Fault] = [
     Fault("kv-repeat-not-interleave", "§3 fix 1",
           "query heads mapped to KV heads with repeat (j % nkv) instead of repeat_interleave "
           "(j // groups); identical at one KV head per rank, so only sliding layers break",
-          repeat_not_interleave, Expectation(_attn(0), 0, "attention")),
+          repeat_not_interleave, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
     Fault("single-kv-head-split", "§3 fix 1",
           "the one KV head of full layers split over ranks by head_dim halves instead of "
           "replicated: k_norm and v_norm each see half a head",
-          split_single_kv_head, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention"),
-          gap=PolicyGap(("first point",),
-                        "cumulative errors only: layer 5 adds about twice the bf16 error accumulated "
-                        "over layers 0-4, so the port's own run stays under ENVELOPE_FACTOR at every "
-                        "point; the check's local verdict (layer 5 alone on the reference's input, "
-                        "about 16x) names layer 5 attention")),
+          split_single_kv_head, Expectation(_kv(FIRST_FULL, "k"), FIRST_FULL, "attention",
+                                            fp32_point=_kv(FIRST_FULL, "k"))),
     Fault("kv-heads-wrong-rank", "§3 fix 1",
           "sliding layers' sharded KV heads loaded on the wrong rank (rank r gets rank 1-r's)",
-          kv_heads_of_other_rank, Expectation(_attn(0), 0, "attention")),
+          kv_heads_of_other_rank, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
     Fault("rmsnorm-one-plus-weight", "§2.1", "RMSNorm multiplies by 1 + weight",
-          one_plus_weight_rms_norm, Expectation(_attn(0), 0, "attention")),
+          one_plus_weight_rms_norm, Expectation(_kv(0, "k"), 0, "attention", fp32_point=_kv(0, "k"))),
     Fault("rmsnorm-no-fp32-upcast", "§2.1", "RMSNorm computed in bf16, not upcast to fp32",
           rms_norm_without_fp32, Expectation(_attn(0), 0, "attention"),
-          gap=PolicyGap(("fails check",) + LOCATION,
+          gap=PolicyGap(("fails check", "stages") + LOCATION,
+                        "a no-op in the fp32 stage (fp32 activations need no upcast) and "
                         "inside bf16 noise on CPU (every point at most ~1.3x the envelope, bisect's "
                         "local ratios too): CPU bf16 reductions accumulate in fp32, so the missing "
                         "upcast adds only a few bf16 roundings per norm. No envelope policy can see "
                         "it here; the bitwise unit check in tests/unit/test_model.py catches it "
                         "(test_rmsnorm_upcast_fault_caught_by_unit_check)")),
     Fault("attention-inverse-sqrt-scale", "§2.2", "attention scores scaled by 1/sqrt(head_dim), not 1.0",
-          inverse_sqrt_scale, Expectation(_attn(0), 0, "attention")),
+          inverse_sqrt_scale, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
     Fault("missing-v-norm", "§2.3", "the weightless v_norm left out",
-          missing_v_norm, Expectation(_attn(0), 0, "attention")),
+          missing_v_norm, Expectation(_kv(0, "v"), 0, "attention", fp32_point=_kv(0, "v"))),
     Fault("value-after-k-norm", "§2.3",
           "full layers (k_eq_v) take the value after k_norm instead of the raw k_proj output",
-          value_after_k_norm, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention")),
+          value_after_k_norm, Expectation(_kv(FIRST_FULL, "v"), FIRST_FULL, "attention",
+                                          fp32_point=_kv(FIRST_FULL, "v"))),
     Fault("full-rotary-on-full-layers", "§2.4",
           "full layers rotate every frequency instead of the proportional 25 %",
-          full_rotary_on_full_layers, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention"),
-          gap=PolicyGap(("first point",),
-                        "the tiny fixture's positions reach 71 only: at head_dim 32 and theta 1e6 the "
-                        "frequencies this fault adds turn a few radians, so the port's own run stays "
-                        "under 4x the envelope at every point; the check's local verdict (layer 5 "
-                        "alone on the reference's input) names layer 5 attention")),
+          full_rotary_on_full_layers, Expectation(_kv(FIRST_FULL, "k"), FIRST_FULL, "attention",
+                                                  fp32_point=_kv(FIRST_FULL, "k"))),
     Fault("proportional-over-rotated-width", "§2.4",
           "proportional inv_freq exponent divided by the rotated width, not the full head_dim",
-          proportional_over_rotated_width, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention")),
+          proportional_over_rotated_width, Expectation(_kv(FIRST_FULL, "k"), FIRST_FULL, "attention",
+                                                      fp32_point=_kv(FIRST_FULL, "k"))),
     Fault("rope-interleaved-pairs", "§2.4", "rope rotates lanes 2i, 2i+1 instead of i, i + D/2",
-          rope_interleaved_pairs, Expectation(_attn(0), 0, "attention")),
+          rope_interleaved_pairs, Expectation(_kv(0, "k"), 0, "attention", fp32_point=_kv(0, "k"))),
     Fault("window-one-too-wide", "§2.8", "sliding mask keeps window + 1 keys (i - W <= j)",
-          window_one_too_wide, Expectation(_attn(0), 0, "attention", min_position=WINDOW)),
+          window_one_too_wide, Expectation(_attn(0), 0, "attention", min_position=WINDOW, fp32_point=_attn(0))),
     Fault("window-one-too-narrow", "§2.8", "sliding mask keeps window - 1 keys",
-          window_one_too_narrow, Expectation(_attn(0), 0, "attention", min_position=WINDOW - 1)),
+          window_one_too_narrow, Expectation(_attn(0), 0, "attention", min_position=WINDOW - 1,
+                                             fp32_point=_attn(0))),
     Fault("sliding-layers-causal", "§2.8", "sliding layers get the plain causal mask (no window)",
-          sliding_layers_plain_causal, Expectation(_attn(0), 0, "attention", min_position=WINDOW)),
+          sliding_layers_plain_causal, Expectation(_attn(0), 0, "attention", min_position=WINDOW,
+                                                   fp32_point=_attn(0))),
     Fault("layer-scalar-missing", "§2.5",
           "layer_scalar not loaded (left at 1.0): the residuals are right, the layer output is not",
-          layer_scalar_not_loaded, Expectation("layers.0.output", 0, "mlp")),
+          layer_scalar_not_loaded, Expectation("layers.0.output", 0, "mlp", fp32_point="layers.0.output")),
     Fault("softcap-twice", "§3 fix 2",
           "the device graph returns capped logits and the host caps them again; every hidden-state "
           "capture point is upstream of the logits, so only the logits point can show it",
-          softcap_on_device, Expectation("logits")),
+          softcap_on_device, Expectation("logits", fp32_point="logits")),
     Fault("embed-scale-not-cast", "§2.7",
           "sqrt(hidden) applied in fp32 instead of cast to bf16 first; a no-op on the default "
           "fixture (sqrt(64) = 8 is exact in bf16), so run on a hidden-72 variant. An envelope "
           "anchored on fp32 cannot see it (the fault moves bf16 toward fp32); the embeddings' "
           "bit-exactness with the bf16 reference does",
-          embed_scale_not_cast, Expectation("embeddings"), checkpoint=TINY_INEXACT_SCALE),
+          embed_scale_not_cast, Expectation("embeddings", stages=("bf16",), fp32_point=None),
+          checkpoint=TINY_INEXACT_SCALE),
     Fault("decode-from-bucket-length", "§3 buckets",
           "decode continues at the bucket length: padded keys leak into every decode step",
-          decode_from_bucket_length, Expectation("decode_logits", tokens=True)),
+          decode_from_bucket_length, Expectation("decode.kv.0.k", 0, "attention", tokens=True,
+                                                 fp32_point="decode.kv.0.k")),
+    # -- faults inside bf16 noise, decode-only, host-side: what the fp32 stage, the decode and KV
+    # capture points and the host probability check exist for (issue 13)
+    Fault("exact-gelu", "§2.6", "the MLP uses the exact (erf) GELU instead of gelu_pytorch_tanh: within "
+          "~1e-3 everywhere, inside the bf16 envelope at every point",
+          exact_gelu, Expectation(None, 0, "mlp", stages=("fp32",), fp32_point="layers.0.mlp_residual")),
+    Fault("rope-angles-activation-dtype", "§2.4", "rope angles (positions x inv_freq) computed in the "
+          "activation dtype: bf16 in the port, so exact in the fp32 stage; the rounding grows with position",
+          rope_angles_in_activation_dtype, Expectation(_kv(0, "k"), 0, "attention", min_position=200,
+                                                      stages=("bf16",), fp32_point=None)),
+    Fault("rope-angles-bf16", "§2.4", "rope angles hard-coded in bf16, whatever the activation dtype",
+          rope_angles_in_bf16, Expectation(_kv(0, "k"), 0, "attention", min_position=200, fp32_point=_kv(0, "k"))),
+    Fault("window-one-too-wide-in-decode", "§2.8 / §3 KV cache", "decode steps keep window + 1 keys; "
+          "prefill is right",
+          window_one_too_wide_in_decode, Expectation("decode.layers.0.attn_residual", 0, "attention",
+                                                     fp32_point="decode.layers.0.attn_residual")),
+    Fault("host-softcap-without-divide", "§3 fix 2", "the host softcap is cap * tanh(x): monotone, so "
+          "greedy tokens never change, but every served probability is wrong",
+          host_softcap_without_divide, Expectation("probabilities", fp32_point="probabilities")),
+    Fault("shared-softcap-formula-wrong", "§3 fix 2 / §4", "the softcap formula wrong in harness.numerics, "
+          "shared by the port and the judge's fallbacks: the reference computes from transformers alone",
+          shared_softcap_formula_wrong, Expectation("probabilities", fp32_point="probabilities")),
+    Fault("host-probabilities-uncapped", "§3 fix 2", "the host serves softmax of the raw logits",
+          host_probabilities_uncapped, Expectation("probabilities", fp32_point="probabilities")),
+    Fault("full-layers-sliding-mask", "§2.8", "the decoder's layer loop gives every layer the first "
+          "layer's sliding mask (a wiring error in RankDecoder, not in a layer)",
+          full_layers_get_sliding_mask, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention",
+                                                    min_position=WINDOW, fp32_point=_attn(FIRST_FULL))),
+    Fault("decode-cache-one-slot-late", "§3 KV cache", "decode steps write their key and value one "
+          "slot past their position",
+          decode_cache_written_one_late, Expectation("decode.kv.0.k", 0, "attention", fp32_point="decode.kv.0.k")),
+    Fault("decode-rope-one-position-late", "§2.4 / §3 KV cache", "decode steps rotate q and k for "
+          "position + 1",
+          decode_rope_one_position_late, Expectation("decode.kv.0.k", 0, "attention", fp32_point="decode.kv.0.k")),
+    Fault("decode-token-off-by-one", "§3 recipe", "the host's decode loop reports the previous step's "
+          "token (logits right, sequence wrong)",
+          decode_token_off_by_one, Expectation(None, fp32_point="sequence")),
+    Fault("decode-raises", "§3 recipe", "a port bug that raises in decode past the window",
+          decode_raises_past_window, Expectation(None, fp32_point="exception inside the port")),
 ]
 
 BY_NAME = {fault.name: fault for fault in CATALOG}
@@ -356,7 +544,7 @@ BY_NAME = {fault.name: fault for fault in CATALOG}
 
 # ---- running a fault and reading what caught it -------------------------------------------------
 
-def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references):
+def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references, local: bool | None = None):
     """Inject `fault` (None: the clean port), build the port (TP=2, bf16, CPU) and run the parity
     check against the references (fp32 and bf16) computed once for the checkpoint."""
     from harness.backends import build_engine
@@ -365,18 +553,27 @@ def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references):
     if fault is not None:
         fault.inject(monkeypatch)
     engine = build_engine(checkpoint, tp=2, dtype=torch.bfloat16, buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN)
-    return check_port(checkpoint, engine, references["float32"], references["bfloat16"])
+    if local is None:
+        local = fault is None or fault.local
+    return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=local)
 
 
 def failing_points(result) -> list:
-    """Every capture point that broke the policy, in run order (embeddings that are within the
-    envelope but not bit-exact with the same-dtype reference count as failing)."""
-    points = [result.embeddings] + [p for layer in result.layers for p in layer.points] + [result.final_norm]
-    points += [p for p in (result.logits, result.decode_logits) if p is not None]
-    failing = [p for p in points if not p.passed]
+    """Every capture point of the bf16 (envelope) stage that broke the policy, in run order
+    (embeddings that are within the envelope but not bit-exact with the same-dtype reference count
+    as failing)."""
+    failing = [p for p in result.all_points() + result.probabilities if not p.passed]
     if not result.embeddings_exact and result.embeddings not in failing:
         failing.insert(0, result.embeddings)
     return failing
+
+
+def first_failure(stage) -> dict | None:
+    """The first failure of one stage's result (a point, a token, an exception), or None."""
+    if stage is None:
+        return None
+    failures = stage.failures()
+    return failures[0] if failures else None
 
 
 def prompt_position(stacked_row: int, prompt_lengths: list[int]) -> int:
@@ -403,7 +600,7 @@ class Caught:
     """What the check reported for one fault, in the terms of Expectation and the table."""
 
     passed: bool
-    first_point: str | None
+    first_point: str | None  # the bf16 stage's first failing capture point
     first_point_factor: float | None  # the ENVELOPE_FACTOR that would have passed it
     first_layer: int | None
     component: str | None
@@ -412,33 +609,48 @@ class Caught:
     near_ties: int
     seq_match: bool
     kl_max: float
+    stages: tuple[str, ...] = ()
+    fp32_point: str | None = None  # the fp32 stage's first failure (point, token or exception)
+    fp32_where: str | None = None
+    bf16_failure: str | None = None  # the bf16 stage's first failure, whatever its kind
+    bf16_where: str | None = None
 
     @classmethod
     def of(cls, result) -> "Caught":
-        failing = failing_points(result)
+        failing = failing_points(result) if result.port_error is None else []
         first = failing[0] if failing else None
         lengths = [len(p.prompt) for p in result.prompts]
         layer = result.first_divergent_layer
+        f32, f16 = first_failure(result.fp32), first_failure(result)
         return cls(
             passed=result.passed, first_point=first.name if first else None,
-            first_point_factor=first.required_factor if first else None,
+            first_point_factor=getattr(first, "required_factor", getattr(first, "ratio", None)) if first else None,
             first_layer=layer, component=result.first_divergent_component,
-            worst_position=prompt_position(first.worst_position, lengths) if first else None,
+            worst_position=(prompt_position(first.worst_position, lengths)  # prefill rows: prompt positions
+                            if first is not None and not first.name.startswith("decode") else None),
             divergences=result.divergences, near_ties=result.near_ties, seq_match=result.seq_match,
-            kl_max=max(max(p.prefill.kl_max, p.decode.kl_max) for p in result.prompts),
+            kl_max=max((max(p.prefill.kl_max, p.decode.kl_max) for p in result.prompts), default=0.0),
+            stages=tuple(result.failed_stages), fp32_point=f32["point"] if f32 else None,
+            fp32_where=f32.get("where") if f32 else None, bf16_failure=f16["point"] if f16 else None,
+            bf16_where=f16.get("where") if f16 else None,
         )
 
     def caught_by(self) -> str:
         if self.passed:
             return "**not caught** (check passes)"
         parts = []
+        if self.fp32_point is not None:
+            parts.append(f"fp32 stage: `{self.fp32_point}` at {self.fp32_where}")
+        if self.bf16_failure is not None:
+            bf16 = f"bf16 stage: `{self.bf16_failure}` at {self.bf16_where}"
+            if self.first_point == self.bf16_failure and self.first_point_factor is not None:
+                bf16 += f", {self.first_point_factor:.0f}x envelope"
+            parts.append(bf16)
         if self.first_layer is not None:
             parts.append(f"layer {self.first_layer} ({self.component})")
-        if self.first_point is not None:
-            parts.append(f"`{self.first_point}` {self.first_point_factor:.0f}x envelope")
         if self.divergences:
             parts.append(f"{self.divergences} real token divergence{'s' if self.divergences > 1 else ''}")
-        return ", ".join(parts)
+        return "; ".join(parts)
 
 
 def unmet(expect: Expectation, caught: Caught) -> list[str]:
@@ -457,11 +669,15 @@ def unmet(expect: Expectation, caught: Caught) -> list[str]:
         missed.append("position")
     if expect.tokens and caught.divergences == 0:
         missed.append("tokens")
+    if set(caught.stages) != set(expect.stages):
+        missed.append("stages")
+    if expect.fp32_point != "-" and caught.fp32_point != expect.fp32_point:
+        missed.append("fp32 point")
     return missed
 
 
 TABLE_HEADER = (
-    "| # | fault | DESIGN | expected | caught by (`gemma-parity check`) | worst position | "
+    "| # | fault | DESIGN | expected | caught by (`gemma-parity check`) | failing stages | "
     "SEQ_MATCH, real / near-tie flips | max KL (tiny0's bf16 reference: {floor:.2f}) | verdict |\n"
     "|---|---|---|---|---|---|---|---|---|")
 
@@ -476,10 +692,10 @@ def _expected(expect: Expectation) -> str:
 def table_row(k: int, fault: Fault, caught: Caught) -> str:
     missed = unmet(fault.expect, caught)
     verdict = "caught" if not missed else "**gap**: misses " + ", ".join(missed)
-    position = "" if caught.worst_position is None else str(caught.worst_position)
+    stages = ", ".join(caught.stages) or "none"
     tokens = f"{'yes' if caught.seq_match else 'no'}, {caught.divergences} / {caught.near_ties}"
     return (f"| {k} | {fault.name} | {fault.design} | {_expected(fault.expect)} | {caught.caught_by()} "
-            f"| {position} | {tokens} | {caught.kl_max:.2f} | {verdict} |")
+            f"| {stages} | {tokens} | {caught.kl_max:.2f} | {verdict} |")
 
 
 def inexact_scale_checkpoint(out_dir):

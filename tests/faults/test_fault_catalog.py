@@ -17,7 +17,8 @@ from tests.faults.catalog import (CATALOG, TINY, TINY_INEXACT_SCALE, Caught, emb
 # every fault because the faults change only the port.
 FIXTURES = {TINY: ("tiny0_ckpt", "tiny0_reference"),
             TINY_INEXACT_SCALE: ("inexact_scale_ckpt", "inexact_scale_reference")}
-EXPECTATION_NAMES = {"fails check", "first point", "first layer", "component", "position", "tokens"}
+EXPECTATION_NAMES = {"fails check", "first point", "first layer", "component", "position", "tokens", "stages",
+                     "fp32 point"}
 
 
 def _checkpoint_and_reference(request, key):
@@ -54,10 +55,16 @@ def test_fault_is_caught_where_it_is(request, monkeypatch, fault):
 
 
 def test_catalog_is_complete_and_consistent():
-    """At least 14 distinct faults, every one tied to a DESIGN section, and every recorded gap names
-    expectations that exist."""
+    """At least 24 distinct faults, every one tied to a DESIGN section, every recorded gap names
+    expectations that exist, and the classes issue 13 exposed are each present: a fault the fp32
+    stage alone catches, one only the bf16 stage catches, decode-only faults, host-side probability
+    faults."""
     names = [f.name for f in CATALOG]
-    assert len(CATALOG) >= 14 and len(set(names)) == len(names)
+    assert len(CATALOG) >= 24 and len(set(names)) == len(names) and len(LOCATED_BY_BISECT) == 2
+    assert any(f.expect.stages == ("fp32",) for f in CATALOG)
+    assert any(f.expect.stages == ("bf16",) and f.expect.fp32_point is None for f in CATALOG)
+    assert sum(str(f.expect.first_point).startswith("decode.") for f in CATALOG) >= 3
+    assert sum(f.expect.first_point == "probabilities" for f in CATALOG) >= 2
     assert all(f.design.startswith("§") and f.description for f in CATALOG)
     for fault in CATALOG:
         if fault.gap is not None:
@@ -94,15 +101,17 @@ def test_embed_scale_fault_changes_embeddings_on_inexact_variant(monkeypatch, in
                    for ref in refs16)
 
 
-LOCATED_BY_BISECT = [f for f in CATALOG if f.gap is not None and "fails check" not in f.gap.unmet
-                     and "first point" in f.gap.unmet]
+# Faults whose layer's residual points stay under ENVELOPE_FACTOR in the port's own bf16 run (the
+# layer adds about twice the error accumulated upstream): the KV point and the fp32 stage name them
+# in `check`, and bisect's local error (the layer alone on the reference's input) names them too.
+LOCATED_BY_BISECT = [f for f in CATALOG if f.name in ("single-kv-head-split", "full-rotary-on-full-layers")]
 
 
 @pytest.mark.parametrize("fault", LOCATED_BY_BISECT, ids=lambda f: f.name)
 def test_bisect_locates_gaps(request, monkeypatch, fault):
-    """Where no capture point of the port's own run breaks the policy (cumulative error stays under
-    the factor), bisect's local error (the layer fed the reference's input) names the layer and
-    component, as the check's local verdict does."""
+    """Where the layer's residual points of the port's own run stay under the factor, bisect's
+    local error (the layer fed the reference's input) names the layer and component, as the
+    check's local verdict does."""
     from harness.bisect import bisect_capture
     from harness.backends import build_engine
     from tests.faults.catalog import CHECK_BUCKETS, CHECK_KV_LEN
@@ -124,3 +133,25 @@ def test_rmsnorm_upcast_fault_caught_by_unit_check(monkeypatch):
     assert rms_norm_matches_transformers(torch.bfloat16)
     BY_NAME["rmsnorm-no-fp32-upcast"].inject(monkeypatch)
     assert not rms_norm_matches_transformers(torch.bfloat16)
+
+
+def test_local_verdict_runs_the_decoders_own_wiring(monkeypatch, tiny0_ckpt, tiny0_reference):
+    """The local verdict runs a layer through RankDecoder.run_layers, the path of the whole-model
+    run: a wiring error in the decoder's layer loop (full layers handed the sliding mask) shows in
+    layer 5 alone on the reference's input, on a prompt longer than the window. In fp32 the clean
+    port's layer equals transformers' to rounding and the faulty one does not."""
+    from harness.backends import build_engine
+    from harness.compare import rel_l2
+    from harness.local import port_layer_captures
+    from tests.faults.catalog import BY_NAME
+
+    ref = tiny0_reference["float32"][2]  # 40 tokens, past the window of 16
+    x, name = ref.captures["layers.4.output"], "layers.5.attn_residual"
+
+    def local_error():
+        engine = build_engine(tiny0_ckpt, tp=2, dtype=torch.float32, buckets=(64,), kv_len=64)
+        return rel_l2(port_layer_captures(engine.backend, 5, x)[name], ref.captures[name])
+
+    assert local_error() < 1e-5
+    BY_NAME["full-layers-sliding-mask"].inject(monkeypatch)
+    assert local_error() > 1e-2

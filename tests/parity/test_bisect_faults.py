@@ -221,3 +221,17 @@ def test_golden_of_another_spec_is_bad_input(tmp_path, golden_dir, tiny0_dir, ca
     (other / "manifest.json").write_text(json.dumps(manifest))
     assert main(["bisect", "--golden", str(other), "--checkpoint", str(tiny0_dir)]) == EXIT_BAD_INPUT
     assert "golden was made for spec 0000000000000000" in capsys.readouterr().err
+
+
+def test_bisect_runs_the_fp32_stage(monkeypatch, tiny0_ckpt, golden_dir):
+    """The exact GELU stays inside the bf16 envelope (bisect's layers all pass), but bisect also runs
+    the fp32 structural stage, which names layer 0's MLP residual and fails the bisect."""
+    from harness.bisect import bisect_golden
+    from tests.faults.catalog import exact_gelu
+
+    exact_gelu(monkeypatch)
+    result, payload = bisect_golden(tiny0_ckpt, golden_dir)
+    assert all(v.passed for v in result.layers)
+    assert not result.passed and payload["fp32_stage"]["passed"] is False
+    assert payload["fp32_stage"]["failures"][0]["point"] == "layers.0.mlp_residual"
+    assert payload["fp32_stage"]["first_divergent_layer"] == 0

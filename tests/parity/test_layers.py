@@ -6,15 +6,27 @@ from __future__ import annotations
 
 import pytest
 
-from harness.compare import ENVELOPE_FACTOR
+from harness.checkpoint import TINY_CONFIG
+from harness.compare import ENVELOPE_FACTOR, FP32_FACTOR
+from harness.spec import load_spec
+
+# The layer range comes from the tiny config the fixtures are built from, not a constant.
+TINY_LAYERS = range(load_spec(TINY_CONFIG).num_layers)
 
 
-def test_embeddings_within_envelope(port_check):
-    """Host embeddings (scale cast to the weight dtype) match the reference's embedding output."""
+def test_embeddings_bit_exact_and_within_envelope(port_check):
+    """Host embeddings (scale cast to the weight dtype) are bit-exact with the bf16 reference's
+    embedding output (the same lookup and multiply), and so within the envelope."""
+    assert port_check.embeddings_exact, "host embeddings differ from the bf16 reference's lookup"
     assert port_check.embeddings.passed, port_check.embeddings.explain()
 
 
-@pytest.mark.parametrize("layer", range(12))
+def test_layers_cover_the_spec(port_check, tiny_ckpt):
+    assert [layer.index for layer in port_check.layers] == list(range(tiny_ckpt.spec.num_layers))
+    assert [layer.index for layer in port_check.decode_layers] == list(range(tiny_ckpt.spec.num_layers))
+
+
+@pytest.mark.parametrize("layer", TINY_LAYERS)
 def test_layer_capture_points_within_envelope(port_check, layer):
     """Each decoder layer's attention residual, MLP residual and output stay within
     ENVELOPE_FACTOR x the bf16 CPU envelope of the fp32 reference."""
@@ -28,6 +40,58 @@ def test_layer_capture_points_within_envelope(port_check, layer):
 
 def test_final_norm_within_envelope(port_check):
     assert port_check.final_norm.passed, port_check.final_norm.explain()
+
+
+def test_prefill_logits_within_envelope(port_check):
+    """The raw logits at every prompt position, as a capture point of their own."""
+    assert port_check.logits.passed, port_check.logits.explain()
+
+
+def test_decode_logits_within_envelope(port_check):
+    """The raw logits of every teacher-forced decode step, as a capture point of their own."""
+    assert port_check.decode_logits is not None and port_check.decode_logits.passed, port_check.decode_logits
+
+
+@pytest.mark.parametrize("layer", TINY_LAYERS)
+def test_decode_steps_within_envelope_layer_by_layer(port_check, layer):
+    """Teacher-forced decode steps have the prefill's per-layer points, judged the same way."""
+    result = port_check.decode_layers[layer]
+    assert result.passed, "\n".join(p.explain() for p in result.points)
+
+
+def test_kv_cache_within_envelope(port_check, tiny_ckpt):
+    """Each layer's cache (keys after norm and rope, values after v_norm) after prefill and after
+    every decode step, at the written positions, against transformers' past key values."""
+    names = {p.name for p in port_check.kv}
+    for i in range(tiny_ckpt.spec.num_layers):
+        assert {f"kv.{i}.k", f"kv.{i}.v", f"decode.kv.{i}.k", f"decode.kv.{i}.v"} <= names
+    bad = [p.explain() for p in port_check.kv if not p.passed]
+    assert not bad, bad
+
+
+def test_host_probabilities_within_envelope(port_check):
+    """The engine's served distribution (host softcap + softmax) against transformers' capped one."""
+    assert {p.name for p in port_check.probabilities} == {"probabilities", "decode_probabilities"}
+    assert all(p.passed for p in port_check.probabilities), [p.explain() for p in port_check.probabilities]
+
+
+def test_fp32_stage_equals_reference_to_fp32_precision(port_check):
+    """The structural stage: the port in fp32 equals the fp32 reference at every capture point
+    (well inside FP32_FACTOR x the fp32-scaled envelope) and token for token."""
+    fp32 = port_check.fp32
+    assert fp32 is not None and fp32.stage == "fp32" and fp32.stage_passed, fp32.failures()[:5]
+    worst = max(p.required_factor for p in fp32.all_points())
+    print(f"fp32 stage: worst point at {worst:.2f}x the fp32-scaled envelope (tolerance {FP32_FACTOR:g})")
+    assert worst < FP32_FACTOR / 2
+    assert all(p.seq_match and not p.prefill.mismatches and not p.decode.mismatches for p in fp32.prompts)
+
+
+def test_every_token_mismatch_is_accounted_for(port_check):
+    """Every sequence departure is classified (a near tie here), and the calibration is stated."""
+    assert all(p.accounted for p in port_check.prompts)
+    calibration = port_check.calibration
+    print(calibration.describe())
+    assert calibration.samples > 1000 and calibration.band > 0
 
 
 def test_no_real_divergence_at_any_prompt_position(port_check):

@@ -13,7 +13,7 @@ from harness.errors import PromptError
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
 
 
-def _engine(ckpt, tp=2, dtype=torch.float32, buckets=(16, 32, 64), kv_len=128):
+def _engine(ckpt, tp=2, dtype=torch.float32, buckets=(16, 32, 64, 256), kv_len=256):
     return build_engine(ckpt, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
 
 
@@ -113,3 +113,45 @@ def test_multimodal_placeholder_ids_become_pad(tiny0_dir, tiny0_ckpt):
     ref = reference_run(load_reference_model(tiny0_dir), prompt, 0)
     got = _engine(tiny0_ckpt).prefill(prompt).logits
     assert rel_l2(got, ref.captures["logits"]) < FP32_ROUNDING
+
+
+REAL_WINDOW = 1024  # the 12B's sliding window (DESIGN §2)
+
+
+@pytest.fixture(scope="module")
+def real_window_ckpt(tmp_path_factory):
+    """The tiny model with the 12B's real sliding window of 1024 keys."""
+    import json
+
+    from harness.checkpoint import TINY_CONFIG, Checkpoint, build_tiny_checkpoint
+
+    config = json.loads(TINY_CONFIG.read_text())
+    config["text_config"].update(sliding_window=REAL_WINDOW, max_position_embeddings=2048)
+    out = tmp_path_factory.mktemp("window1024")
+    (out / "config.json").write_text(json.dumps(config))
+    return Checkpoint.open(build_tiny_checkpoint(out / "ckpt", seed=0, config_path=out / "config.json"))
+
+
+def test_real_sliding_window_is_reachable(real_window_ckpt, monkeypatch):
+    """With the README's configuration for the 12B's window (a bucket of 1280 in a 1296-slot cache)
+    a 1100-token prompt reaches past position 1024, where a sliding query first loses key 0: the
+    fp32 port equals transformers there, and a window one key too wide shows only past it."""
+    from harness.reference import load_reference_model
+    from tests.faults.catalog import window_one_too_wide
+
+    prompt = [(7 * i) % 509 + 3 for i in range(1100)]
+    with torch.no_grad():  # transformers' capped logits
+        ref_logits = load_reference_model(real_window_ckpt.path)(input_ids=torch.tensor([prompt])).logits[0]
+
+    def port_logits():
+        engine = _engine(real_window_ckpt, buckets=(64, 1280), kv_len=1296)
+        return engine.prefill(prompt).logits
+
+    clean = port_logits()
+    capped = torch.tanh(clean / 30.0) * 30.0
+    assert rel_l2(capped, ref_logits) < FP32_ROUNDING
+    window_one_too_wide(monkeypatch)
+    wide = port_logits()
+    before = rel_l2(wide[:REAL_WINDOW], clean[:REAL_WINDOW])
+    after = rel_l2(wide[REAL_WINDOW:], clean[REAL_WINDOW:])
+    assert before < FP32_ROUNDING < 1e-3 < after

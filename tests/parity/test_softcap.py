@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from harness import FIXTURES_DIR, engine
 from harness.reference import load_reference_model, text_model
-from tests.strategies import logit_vectors, vocab_logits
+from tests.strategies import logit_vectors, realistic_logit_rows, saturating_logit, vocab_logits
 
 # The 12B's final_logit_softcapping, read from its released config rather than restated.
 CAP = float(json.loads((FIXTURES_DIR / "configs" / "gemma-4-12b-it.json").read_text())
@@ -86,6 +87,55 @@ def test_raw_argmax_is_among_capped_maxima_bf16_native(values):
 def test_raw_argmax_is_among_capped_maxima_at_vocab_size(dtype, row):
     """The property holds over whole 262144-wide vocabulary rows (vectorized tanh, tail elements)."""
     assert_raw_argmax_among_capped_maxima(as_logits(row, dtype))
+
+
+# ---- (a'): realistic logits (|x| <= 100): the formula itself, not just its monotonicity -----------
+# The properties above hold for any non-decreasing function (a clamp, cap * tanh(x), the identity).
+# In the range real logits live in, the host softcap must be 30 * tanh(x / 30) to fp32 rounding and
+# strictly increasing: the raw and capped argmax are then the same index.
+
+FP32_ULP_AT_CAP = 2.0 ** -19  # fp32 spacing at 16..32
+
+
+@given(values=realistic_logit_rows())
+def test_host_softcap_is_the_formula_on_realistic_logits(values):
+    raw = torch.tensor(values, dtype=torch.float32)
+    exact = CAP * torch.tanh(raw.double() / CAP)
+    assert bool(((engine.softcap(raw, CAP).double() - exact).abs() <= 2 * FP32_ULP_AT_CAP).all())
+
+
+@given(values=realistic_logit_rows())
+def test_realistic_logits_keep_their_order_and_argmax(values):
+    """Below saturation distinct logits 1e-3 apart stay distinct and ordered after the cap (the
+    slope sech^2(100/30) > 5e-3 turns 1e-3 into > 2 fp32 ULPs at 30), so argmax is unchanged."""
+    raw = torch.tensor(values, dtype=torch.float32)
+    capped = engine.softcap(raw, CAP)
+    order = raw.argsort()
+    gaps, capped_gaps = raw[order].diff(), capped[order].diff()
+    assert bool((capped_gaps[gaps >= 1e-3] > 0).all())
+    top2 = raw.topk(2).values
+    if float(top2[0] - top2[1]) >= 1e-3:
+        assert int(capped.argmax()) == int(raw.argmax())
+
+
+# ---- (a''): the saturation regime as its own property --------------------------------------------
+
+@given(values=st.lists(saturating_logit(271.0), min_size=1, max_size=16))
+def test_fp32_softcap_saturates_to_exactly_the_cap(values):
+    """Every fp32 logit at or past ~270.3 caps to exactly +-30.0: there, only "the raw argmax is
+    among the capped maxima" holds."""
+    raw = torch.tensor(values, dtype=torch.float32)
+    capped = engine.softcap(raw, CAP)
+    assert bool((capped.abs() == CAP).all())
+    assert bool((capped.sign() == raw.sign()).all())
+    assert_raw_argmax_among_capped_maxima(raw)
+
+
+@given(values=st.lists(saturating_logit(105.0, float(torch.finfo(torch.bfloat16).max)), min_size=1, max_size=16))
+def test_bf16_softcap_in_bf16_saturates_to_exactly_the_cap(values):
+    raw = torch.tensor(values, dtype=torch.float32).to(torch.bfloat16)
+    assert bool((transformers_bf16_softcap(raw).abs() == CAP).all())
+    assert_raw_argmax_among_capped_maxima(raw)
 
 
 # ---- (c): the saturation regime, found by computation --------------------------------------------

@@ -57,3 +57,43 @@ def test_check_fails_with_exit_1_on_a_port_bug(tiny0_dir, golden, tmp_path, monk
     payload = json.loads((tmp_path / "check.json").read_text())
     assert payload["passed"] is False and payload["first_divergent_layer"] == 0
     assert payload["layers"][0]["pass"] is False and payload["layers"][0]["component"] == "attention"
+
+
+def test_check_names_stage_and_point_of_a_sub_envelope_bug(tiny0_dir, golden, tmp_path, monkeypatch, capsys):
+    """The exact GELU (every point within ~1.3x the bf16 envelope): exit 1, the fp32 stage fails at
+    layer 0's MLP residual, the bf16 stage passes, and the JSON says which stage failed."""
+    from tests.faults.catalog import exact_gelu
+
+    exact_gelu(monkeypatch)
+    assert _check(tiny0_dir, golden, tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "PARITY FAIL (stage fp32)" in out and "FAIL layers.0.mlp_residual" in out
+    payload = json.loads((tmp_path / "check.json").read_text())
+    assert payload["failed_stages"] == ["fp32"] and payload["stages"]["bf16"]["passed"] is True
+    assert payload["first_failure"]["stage"] == "fp32"
+    assert payload["first_failure"]["point"] == "layers.0.mlp_residual"
+
+
+def test_an_exception_inside_the_port_is_a_parity_failure(tiny0_dir, golden, tmp_path, monkeypatch, capsys):
+    """A port bug that raises in decode is exit 1 (not 2, bad input), naming where it was raised."""
+    from harness import engine as port_engine
+
+    def decode_step(self, token, position, capture=False):
+        raise IndexError(f"cache slot {position} out of range")
+
+    monkeypatch.setattr(port_engine.Engine, "decode_step", decode_step)
+    assert _check(tiny0_dir, golden, tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "exception inside the port" in out and "IndexError" in out
+    payload = json.loads((tmp_path / "check.json").read_text())
+    error = payload["port_error"]
+    assert error["type"] == "IndexError" and "test_check_cli.py" in error["where"]
+    assert "in decode_step" in error["where"] and "harness/engine.py" in error["where"]
+    assert payload["failed_stages"] == ["fp32", "bf16"]
+
+
+def test_a_prompt_longer_than_the_buckets_is_still_bad_input(tiny0_dir, tmp_path):
+    """Bad input is told apart before the port runs: exit 2."""
+    prompts = tmp_path / "long.json"
+    prompts.write_text(json.dumps([list(range(3, 103))]))
+    assert main(["check", "--checkpoint", str(tiny0_dir), "--prompts", str(prompts), "--buckets", "64"]) == 2
