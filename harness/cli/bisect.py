@@ -31,15 +31,7 @@ def validate(args) -> None:
     v._port_options(args)
     inputs = v.model_inputs(args)
     inputs["--golden"] = v.input_path(args.golden, "--golden", want_dir=True)
-    outputs: dict = {}
-    if args.json is not None:
-        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
-    if args.report is not None:
-        v.replaceable_report(v.output_location(args.report, "--report", True, inputs, outputs), "--report")
-    v.clean_leftovers(outputs.values())
-    ckpt = v.open_checkpoint(args)
-    v.check_tp(ckpt.spec, args.tp)
-    v.check_kv_len(ckpt.spec, args.kv_len)
+    ckpt = v.port_run_outputs_and_checkpoint(args, inputs)
     golden = v.check_golden_inputs(args, inputs, refuse_other_weights=False)
     validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", args.buckets, args.kv_len,
                         ckpt.spec.max_positions)

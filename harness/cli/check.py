@@ -42,15 +42,7 @@ def validate(args) -> None:
     inputs.update({flag: v.input_path(val, flag, want_dir)
                    for flag, val, want_dir in (("--golden", args.golden, True), ("--prompts", args.prompts, False))
                    if val is not None})
-    outputs: dict = {}
-    if args.json is not None:
-        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
-    if args.report is not None:
-        v.replaceable_report(v.output_location(args.report, "--report", True, inputs, outputs), "--report")
-    v.clean_leftovers(outputs.values())
-    ckpt = v.open_checkpoint(args)
-    v.check_tp(ckpt.spec, args.tp)
-    v.check_kv_len(ckpt.spec, args.kv_len)
+    ckpt = v.port_run_outputs_and_checkpoint(args, inputs)
     if args.golden:
         golden = v.check_golden_inputs(args, inputs, refuse_other_weights=True)
         prompts, new_tokens, source = golden.prompts, golden.new_tokens, f"golden {args.golden}"

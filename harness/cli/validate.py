@@ -262,3 +262,19 @@ def check_golden_inputs(args, inputs, refuse_other_weights: bool):
             f"--checkpoint {args.ckpt_dir} --out DIR`), or use `gemma-parity bisect`, which accepts a "
             "golden of other weights of the same architecture.")
     return golden
+
+
+def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
+    """For commands that run the port (check, bisect): --json and --report checked against the
+    inputs, leftovers of killed runs cleaned, then the checkpoint opened and the TP degree and KV
+    length judged against its spec. Returns the checkpoint."""
+    outputs: dict = {}
+    if args.json is not None:
+        replaceable_file(output_location(args.json, "--json", False, inputs, outputs), "--json", _json_is_ours)
+    if args.report is not None:
+        replaceable_report(output_location(args.report, "--report", True, inputs, outputs), "--report")
+    clean_leftovers(outputs.values())
+    ckpt = open_checkpoint(args)
+    check_tp(ckpt.spec, args.tp)
+    check_kv_len(ckpt.spec, args.kv_len)
+    return ckpt

@@ -156,8 +156,8 @@ case("prompts-string-no-tokenizer", "prompt 0 is a string", "no tokenizer")(with
 case("prompts-missing", "--prompts {tmp}/none.json: not found")(
     lambda c: check_argv(c, "--prompts", c.tmp / "none.json"))
 case("prompts-directory", "--prompts {tmp}: is a directory")(lambda c: check_argv(c, "--prompts", c.tmp))
-case("prompt-one-longer-than-bucket", "prompt 0 has 65 tokens", "largest prefill bucket 64", "--buckets")(
-    with_prompts([list(range(3, 68))]))
+case("prompt-one-longer-than-bucket", "prompt 0 has 257 tokens", "largest prefill bucket 256", "--buckets")(
+    with_prompts([list(range(3, 260))]))
 case("prompt-longer-than-small-bucket", "prompt 1 has 20 tokens", "bucket 16")(
     with_prompts([[5, 6], list(range(3, 23))], "--buckets", 16))
 case("prompt-plus-tokens-beyond-kv", "--new-tokens 1000000", "--kv-len is 256", "--new-tokens 197")(

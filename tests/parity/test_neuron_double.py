@@ -101,7 +101,8 @@ def test_check_backend_neuron_passes_through_the_cli(nxd, tmp_path, capsys):
     from harness.cli import main
 
     out = tmp_path / "check.json"
-    rc = main(["check", "--model", "tiny", "--backend", "neuron", "--buckets", "16,64", "--kv-len", "128",
+    # the default prompts reach position 243 (a 240-token prompt + 4 tokens): buckets and cache hold it
+    rc = main(["check", "--model", "tiny", "--backend", "neuron", "--buckets", "16,256", "--kv-len", "256",
                "--new-tokens", "4", "--json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed[-2000:]
