@@ -546,7 +546,7 @@ def build_fp32_engine(checkpoint, engine, backend: str):
 
     name = backend if backend in ("cpu", "xla") else "cpu"
     return build_engine(checkpoint, backend=name, tp=getattr(engine.backend, "tp", 2), dtype=torch.float32,
-                        buckets=engine.buckets, kv_len=engine.kv_len)
+                        buckets=engine.buckets, kv_len=engine.kv_len, capture=True)  # a parity build
 
 
 def fp32_structural_stage(checkpoint, ref32, ref16, backend: str = "cpu", tp: int = 2, buckets=(64, 256),
@@ -558,7 +558,7 @@ def fp32_structural_stage(checkpoint, ref32, ref16, backend: str = "cpu", tp: in
     name = backend if backend in ("cpu", "xla") else "cpu"
     try:
         engine = _port_call("fp32 stage: building the fp32 port", build_engine, checkpoint, backend=name, tp=tp,
-                            dtype=torch.float32, buckets=buckets, kv_len=kv_len)
+                            dtype=torch.float32, buckets=buckets, kv_len=kv_len, capture=True)  # a parity build
         check_inputs_fit(engine, ref32)
         return run_stage("fp32", engine, checkpoint.spec, ref32, ref16, near_tie_calibration(ref32, ref16), None,
                          backend, tp, "float32", progress)

@@ -176,6 +176,23 @@ def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None) -> l
     return states
 
 
+def merge_rank_caches(spec: ModelSpec, tp: int, kv_cache, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's KV cache at positions [0, written), merged over ranks by the plan into the
+    model's KV head order (one copy of a replicated head): per layer (k, v), each [kv_heads,
+    written, head_dim] fp32. `kv_cache(layer, rank)` gives one rank's (k, v), [1, heads, len, d]."""
+    merged = []
+    for i, plan in enumerate(plan_model(spec, tp)):
+        parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for rank in range(tp):
+            k, v = kv_cache(i, rank)
+            for slot, head in enumerate(kv_heads_for_rank(plan, rank)):
+                parts.setdefault(head, (k[0, slot, :written], v[0, slot, :written]))
+        heads = sorted(parts)
+        merged.append((torch.stack([parts[h][0] for h in heads]).float(),
+                       torch.stack([parts[h][1] for h in heads]).float()))
+    return merged
+
+
 # ---- device memory per rank ------------------------------------------------------------------------
 
 def layer_params_per_rank(spec: ModelSpec, layer: LayerSpec, tp: int) -> int:

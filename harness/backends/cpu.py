@@ -13,7 +13,7 @@ import threading
 import torch
 
 from harness.model import Collectives, RankDecoder, RankLinears
-from harness.sharding import plan_model, rank_state_dicts
+from harness.sharding import merge_rank_caches, rank_state_dicts
 
 COLLECTIVE_TIMEOUT_S = 600.0
 
@@ -100,18 +100,12 @@ class CpuBackend:
         """Every rank runs the same step; rank 0's (gathered, identical) outputs are returned."""
         return self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
 
+    def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of one layer's cache on one rank: [1, kv_heads, max_len, d]."""
+        cache = self.ranks[rank].layers[layer].self_attn.cache
+        return cache.k, cache.v
+
     def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's KV cache at positions [0, written), as the port stores it (keys after norm
-        and rope, values after v_norm), merged over ranks by the sharding plan into the model's KV
-        head order: per layer (k, v), each [kv_heads, written, head_dim]."""
-        merged = []
-        for i, plan in enumerate(plan_model(self.spec, self.tp)):
-            parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for rank, module in enumerate(self.ranks):
-                cache = module.layers[i].self_attn.cache
-                for slot, head in enumerate(plan.kv_heads_for_rank(rank)):
-                    parts.setdefault(head, (cache.k[0, slot, :written], cache.v[0, slot, :written]))
-            heads = sorted(parts)
-            merged.append((torch.stack([parts[h][0] for h in heads]).float(),
-                           torch.stack([parts[h][1] for h in heads]).float()))
-        return merged
+        and rope, values after v_norm), merged over ranks: per layer (k, v), [kv_heads, written, d]."""
+        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)

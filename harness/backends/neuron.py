@@ -49,7 +49,7 @@ from harness.graphs import (  # noqa: F401  (the device graphs, defined once for
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
     graph_inputs, graph_plan, graph_result, kv_buffer_names, tag_for_length, unpack_outputs)
 from harness.model import RankLinears
-from harness.sharding import plan_model, rank_state_dicts
+from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts
 
 # ---- versions (DESIGN §5, NEURON.md): keep in step with pyproject's `neuron` extra --------------
 
@@ -659,6 +659,10 @@ class NeuronBackend:
         out = self.nxd_model(*args, model_name=tag)
         return graph_result(out, self.capture_names if self.capture else None, args[0], capture,
                             self.last_row_only, last)
+
+    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's KV cache at positions [0, written), merged over ranks: per layer (k, v)."""
+        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""

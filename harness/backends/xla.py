@@ -32,7 +32,7 @@ from harness.errors import HarnessInputError
 from harness.graphs import (GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
                             graph_inputs, graph_plan, graph_result, kv_buffer_names)
 from harness.model import Collectives, RankLinears
-from harness.sharding import plan_model, rank_state_dicts
+from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts
 
 TORCH_XLA_VERSION = "2.9.0"  # keep in step with pyproject's `xla` extra
 INSTALL_COMMAND = (f"pip install torch=={TORCH_XLA_VERSION} torch-xla=={TORCH_XLA_VERSION} "
@@ -310,6 +310,10 @@ class XlaBackend:
         self.state = {n: self._to_global(new_state[n]) for n in self.kv_names}
         self.rt.torch_xla.sync()
         return [r.cpu()[0] for r in results]
+
+    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's KV cache at positions [0, written), merged over ranks: per layer (k, v)."""
+        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied to the host: [1, kv_heads, max_len, d]."""
