@@ -6,7 +6,8 @@ plan (harness.sharding), summed over the ranks of the chip:
     graph attends over (both K and V, every layer) and the slots it writes;
   * FLOPs: 2 per weight per token for every projection and the lm_head, and the two attention
     matmuls over the compiled KV length;
-  * bytes over the host link: the host-side embeddings in, the raw logits of every position out.
+  * bytes over the host link: the host-side embeddings in, the last real position's raw logits out
+    (a perf build returns only the row greedy decode needs).
 Each floor is cost / rate; the graph's floor is the largest (the resource that binds), and its
 efficiency is floor / measured median. Activations are left out: at these token counts they stay
 on chip and are a small fraction of the weight bytes.
@@ -75,9 +76,14 @@ def measured_rates(bandwidth: dict, matmul: dict) -> Rates:
                  f"measured: {bandwidth['method']}; {matmul['method']}")
 
 
+def lm_head_params_per_rank(spec: ModelSpec, tp: int) -> int:
+    return spec.vocab_size * spec.hidden_size // tp
+
+
 def matmul_params_per_rank(spec: ModelSpec, tp: int) -> int:
-    """Weights of every projection one rank multiplies by, per token (lm_head slice included)."""
-    total = spec.vocab_size * spec.hidden_size // tp
+    """Weights of every decoder-layer projection one rank multiplies by, per token (lm_head apart:
+    the perf build runs it on the last real position only)."""
+    total = 0
     for layer, plan in zip(spec.layers, plan_model(spec, tp)):
         h, d = spec.hidden_size, layer.head_dim
         kv_mats = 1 if layer.k_eq_v else 2
@@ -99,8 +105,10 @@ def graph_costs(spec: ModelSpec, tp: int, dtype: str, tokens: int, kv_len: int) 
         "tokens": tokens, "kv_len": kv_len,
         "weight_bytes": tp * memory["weights"],
         "kv_bytes": tp * (memory["kv_cache"] + kv_write),
-        "flops": tp * (2 * tokens * matmul_params_per_rank(spec, tp) + attention),
-        "host_bytes": tokens * spec.hidden_size * nbytes + tokens * spec.vocab_size * nbytes,
+        # the perf build (what is timed) runs lm_head on the last real row and returns that row only
+        "flops": tp * (2 * tokens * matmul_params_per_rank(spec, tp) + 2 * lm_head_params_per_rank(spec, tp)
+                       + attention),
+        "host_bytes": tokens * spec.hidden_size * nbytes + spec.vocab_size * nbytes,
     }
 
 

@@ -47,3 +47,19 @@ def test_12b_decode_reads_its_weights_once_and_returns_one_row_of_logits():
     assert total["returned_bytes"] == spec.vocab_size * 2
     assert total["collectives"] == {"all-reduce": 2 * spec.num_layers, "all-gather": 1}
     assert torch.bfloat16.itemsize == 2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_roofline_costs_equal_the_lowered_graphs(tiny_spec, tp):
+    """perf's roofline (derived from the spec and the TP plan) and the XLA lane's lowered graphs
+    (every HLO dot, summed over ranks) agree on each graph's matmul FLOPs and bytes returned: the
+    floors `bench` reports are the graphs that run."""
+    from harness.perf import roofline
+
+    result = model_graph_stats(tiny_spec, tp=tp, max_len=KV_LEN, buckets=(16,))
+    for tag, tokens in (("prefill_16", 16), ("decode", 1)):
+        costs = roofline.graph_costs(tiny_spec, tp, "bf16", tokens, KV_LEN)
+        total = result["graphs"][tag]["total"]
+        assert tp * total["dot_flops"] == costs["flops"], tag
+        returned = costs["host_bytes"] - tokens * tiny_spec.hidden_size * 2  # minus the embeddings sent in
+        assert total["returned_bytes"] == returned, tag
