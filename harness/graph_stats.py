@@ -12,12 +12,12 @@ also checked against the graph contracts. `gemma-parity graphs` prints the table
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import torch
 
 from harness.graph_contracts import GraphSignature, GraphStats, check_graph, expectation_for, graph_stats
 from harness.graphs import graph_plan
+from harness.progress import status
 
 PIECES = ("ends", "sliding_attention", "full_attention")
 SUMMED = ("dot_flops", "weight_bytes", "constant_bytes", "state_bytes")
@@ -87,11 +87,11 @@ def model_graph_stats(spec, tp: int = 2, max_len: int = 256, buckets=(64,), dtyp
     graphs = graph_plan(buckets, max_len)
     counts = {piece: sum(1 for layer in spec.layers if layer.type == piece) for piece in PIECES[1:]}
     per_piece = {}
+    say = status("graphs", progress)
     for piece in PIECES:
         if piece != "ends" and not counts[piece]:
             continue
-        if progress:
-            print(f"[graphs] lowering {piece} at tp={tp} for {sorted(graphs)}", file=sys.stderr, flush=True)
+        say(f"lowering {piece} at tp={tp} for {sorted(graphs)}")
         per_piece[piece] = _lower_piece(piece_spec(spec, piece), tp, max_len, graphs, dtype)
     result = {"spec_hash": spec.spec_hash(), "source": spec.source, "tp": tp, "rank": 0, "kv_len": max_len,
               "dtype": str(dtype).removeprefix("torch."), "layers": counts, "method": METHOD, "graphs": {}}

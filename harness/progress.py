@@ -1,11 +1,13 @@
 """Progress of long runs (reference, check, bisect, bench): one tqdm status line on stderr.
 
-Shown only when stderr is a terminal, so logs, pipes and CI output stay clean; `enabled=False`
-silences it everywhere (library callers and tests).
+Shown only when stderr is a terminal, so logs, pipes and CI output stay clean; with
+GEMMA_PARITY_PROGRESS=1 a plain "[label] text" line per step is written instead where stderr is not a
+terminal (a CI log that wants them). `enabled=False` silences it everywhere (library callers, tests).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from tqdm import tqdm
@@ -15,22 +17,29 @@ def interactive() -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
+def lines_wanted() -> bool:
+    return os.environ.get("GEMMA_PARITY_PROGRESS", "") not in ("", "0")
+
+
 class Status:
     """`status("bisect")("layer 3/48 alone")` updates one line labelled [bisect]; counts steps."""
 
     def __init__(self, label: str, enabled: bool = True, total: int | None = None):
         self.label, self.total = label, total
         self.enabled = enabled and interactive()
+        self.lines = enabled and not self.enabled and lines_wanted()
         self._bar: tqdm | None = None
 
     def __call__(self, text: str, advance: int = 1) -> None:
+        if self.lines:
+            print(f"[{self.label}] {text}", file=sys.stderr, flush=True)
         if not self.enabled:
             return
         if self._bar is None:
             self._bar = tqdm(total=self.total, desc=f"[{self.label}]", file=sys.stderr, leave=False,
                              dynamic_ncols=True, bar_format="{desc} {postfix} ({elapsed})")
-        self._bar.set_postfix_str(text, refresh=False)
         self._bar.update(advance)
+        self._bar.set_postfix_str(text)  # redrawn on every step: steps are layers and prompts, not ops
 
     def close(self) -> None:
         if self._bar is not None:

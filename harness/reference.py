@@ -17,7 +17,6 @@ transformers' own modules (tests/unit/test_layering.py enforces the boundary).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -219,15 +218,16 @@ def run_reference(checkpoint_dir, prompts: list[list[int]], new_tokens: int,
                   dtypes=("float32", "bfloat16"), progress: bool = False) -> dict[str, list[ReferenceResult]]:
     """The fp32 reference, and for the noise envelope the same computation in bf16, teacher-forced
     on the fp32 tokens so that decode steps line up."""
+    from harness.progress import status
+
     results: dict[str, list[ReferenceResult]] = {}
     fp32_tokens = None
+    say = status("reference", progress, total=len(dtypes) * len(prompts))
     for name in dtypes:
         model = load_reference_model(checkpoint_dir, name)
         runs = []
         for k, prompt in enumerate(prompts):
-            if progress:
-                print(f"[reference {name}] prompt {k + 1}/{len(prompts)} ({len(prompt)} tokens)",
-                      file=sys.stderr, flush=True)
+            say(f"{name} prompt {k + 1}/{len(prompts)} ({len(prompt)} tokens)")
             forced = fp32_tokens[k] if fp32_tokens is not None else None
             runs.append(reference_run(model, prompt, new_tokens, forced=forced))
         if torch_dtype(name) == torch.float32:

@@ -108,7 +108,7 @@ def test_interrupt_exits_with_one_line_and_leaves_no_temp(tmp_path, tiny0_dir, s
     out = tmp_path / "golden"
     proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "reference", "--checkpoint", str(tiny0_dir),
                              "--new-tokens", "200", "--out", str(out)], stderr=subprocess.PIPE, text=True,
-                            env=cli_env())
+                            env={**cli_env(), "GEMMA_PARITY_PROGRESS": "1"})  # progress lines without a TTY
     seen = ""
     while "[reference" not in seen:  # the model work has started
         line = proc.stderr.readline()
