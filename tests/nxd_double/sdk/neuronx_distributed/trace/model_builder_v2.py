@@ -41,7 +41,7 @@ from torch_neuronx.proto import metaneff_pb2
 from torch_neuronx.xla_impl.trace import dtype_name
 
 from ..parallel_layers import parallel_state
-from .nxd_model import NxDModel
+from .nxd_model import NxDModel, _set as _set_tensor
 
 DEFAULT_COMPILER_WORKDIR = "/tmp/nxd_model/"
 DEFAULT_FLAGS = "--enable-saturate-infinity --auto-cast=none --model-type=transformer -O1"
@@ -130,15 +130,6 @@ def _run_and_find_state(model, inputs: OrderedDict):
     if errors:
         raise RuntimeError("HLO generation failed: " + "; ".join(errors))
     return out, states
-
-
-def _set_tensor(module, name: str, tensor) -> None:
-    owner, _, attr = name.rpartition(".")
-    mod = module.get_submodule(owner) if owner else module
-    if attr in mod._parameters:
-        mod._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
-    else:
-        mod._buffers[attr] = tensor
 
 
 def _outputs(out, inputs: OrderedDict):
