@@ -372,15 +372,15 @@ def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu"
 def bisect_golden(checkpoint, golden_path, mode: str | None = None, backend: str = "cpu", tp: int = 2,
                   dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
                   progress: bool = False, fp32_stage: bool = True) -> tuple[BisectResult, dict]:
-    """What `gemma-parity bisect` does: read the golden for the checkpoint's spec, bisect, and
-    return the result with its JSON payload (which says whether the golden came from these
-    weights)."""
-    from harness.golden import read_golden
-
+    """What `gemma-parity bisect` does: read the golden for the checkpoint's spec (or take the
+    Golden already read), bisect, and return the result with its JSON payload (which says whether
+    the golden came from these weights)."""
+    from harness.golden import Golden, read_golden, same_weights
     from harness.parity import fp32_structural_stage
 
-    golden = read_golden(golden_path, expected_spec=checkpoint.spec)
-    same = golden.manifest.get("checkpoint", {}).get("files") == checkpoint.file_hashes()
+    golden = golden_path if isinstance(golden_path, Golden) else read_golden(golden_path,
+                                                                             expected_spec=checkpoint.spec)
+    same = bool(same_weights(golden, checkpoint))
     result = run_bisect(checkpoint, golden, mode, backend, tp, dtype, buckets, kv_len, progress=progress)
     if fp32_stage:
         stage = fp32_structural_stage(checkpoint, golden.results("float32"), golden.results("bfloat16"),
@@ -389,6 +389,6 @@ def bisect_golden(checkpoint, golden_path, mode: str | None = None, backend: str
                              "first_divergent_layer": stage.first_divergent_layer,
                              "first_divergent_component": stage.first_divergent_component}
     payload = result.to_json()
-    payload["golden"] = str(golden_path)
+    payload["golden"] = str(golden.path)
     payload["golden_from_same_weights"] = same
     return result, payload

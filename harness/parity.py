@@ -614,14 +614,18 @@ def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[Ref
 
 def load_reference_source(checkpoint, checkpoint_dir, golden=None, prompts=None):
     """The golden (read and verified against the checkpoint's spec) or the validated prompts:
-    every input checked before any expensive work starts."""
-    from harness.golden import read_golden
+    every input checked before any expensive work starts. `golden` may be a Golden already read
+    and `prompts` token-id lists already loaded (the command's validation pass did it): they are
+    not read again."""
+    from harness.golden import Golden, read_golden
     from harness.prompts import load_prompts, validate_prompt_ids
 
+    if isinstance(golden, Golden):
+        return golden
     if golden:
         return read_golden(golden, expected_spec=checkpoint.spec)
-    loaded = load_prompts(prompts, checkpoint_dir)
-    validate_prompt_ids(checkpoint.spec, loaded, prompts)
+    loaded = prompts if isinstance(prompts, list) else load_prompts(prompts, checkpoint_dir)
+    validate_prompt_ids(checkpoint.spec, loaded, None if isinstance(prompts, list) else prompts)
     return loaded
 
 

@@ -32,7 +32,7 @@ def validate(args) -> None:
     inputs = v.model_inputs(args)
     inputs["--golden"] = v.input_path(args.golden, "--golden", want_dir=True)
     ckpt = v.port_run_outputs_and_checkpoint(args, inputs)
-    golden = v.check_golden_inputs(args, inputs, refuse_other_weights=False)
+    golden = args.golden_read = v.check_golden_inputs(args, inputs, refuse_other_weights=False)
     validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", args.buckets, args.kv_len,
                         ckpt.spec.max_positions)
 
@@ -44,7 +44,7 @@ def run(args) -> int:
 
     ckpt = args.ckpt
     print(ckpt.describe())
-    result, payload = bisect_golden(ckpt, args.golden, args.mode, args.backend, args.tp, torch_dtype(args.dtype),
+    result, payload = bisect_golden(ckpt, args.golden_read, args.mode, args.backend, args.tp, torch_dtype(args.dtype),
                                     args.buckets, args.kv_len, progress=True)
     text = format_bisect(payload)
     payload = with_generator(payload, "bisect")

@@ -46,10 +46,12 @@ def validate(args) -> None:
     if args.golden:
         golden = v.check_golden_inputs(args, inputs, refuse_other_weights=True)
         prompts, new_tokens, source = golden.prompts, golden.new_tokens, f"golden {args.golden}"
+        args.reference_source, args.prompt_ids = golden, None  # read and verified once, here
     else:
         prompts = load_prompts(args.prompts, args.ckpt_dir)
         validate_prompt_ids(ckpt.spec, prompts, args.prompts)
         new_tokens, source = args.new_tokens, args.prompts
+        args.reference_source, args.prompt_ids = None, prompts
     validate_prompt_fit(prompts, new_tokens, source, args.buckets, args.kv_len, ckpt.spec.max_positions)
 
 
@@ -60,7 +62,8 @@ def run(args) -> int:
 
     ckpt = args.ckpt
     print(ckpt.describe())
-    result = run_parity_check(ckpt, args.ckpt_dir, golden=args.golden, prompts=args.prompts, backend=args.backend,
+    result = run_parity_check(ckpt, args.ckpt_dir, golden=args.reference_source, prompts=args.prompt_ids,
+                              backend=args.backend,
                               tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
                               buckets=args.buckets, kv_len=args.kv_len, progress=True,
                               fp32_stage=not args.skip_fp32_stage)

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
 from harness import graphs
 from harness.backends import neuron
-
-SDK_MODULES = ("torch_neuronx", "neuronx_distributed", "torch_xla", "libneuronxla", "neuronxcc")
+from tests.sdk_free import SDK_MODULES, import_without_sdks
 
 
 def test_graphs_module_imports_no_sdk(monkeypatch):
-    for name in SDK_MODULES:
-        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
-    spec = importlib.util.spec_from_file_location("graphs_fresh_copy", graphs.__file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_without_sdks(monkeypatch, graphs.__file__, "graphs_fresh_copy")
     assert callable(module.TracedDecoder) and callable(module.graph_plan)
     text = open(graphs.__file__).read()
     for name in SDK_MODULES:

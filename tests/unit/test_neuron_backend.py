@@ -10,12 +10,12 @@ import inspect
 import json
 import re
 import sys
-import tomllib
 import types
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from torch import nn
 
@@ -25,9 +25,9 @@ from harness.errors import HarnessInputError
 from harness.model import RankDecoder, RankLinears
 from harness.sharding import plan_model
 from harness.spec import load_spec
+from tests.sdk_free import import_without_sdks
 
 REPO = Path(__file__).resolve().parents[2]
-SDK_MODULES = ("torch_neuronx", "neuronx_distributed", "torch_xla", "libneuronxla", "neuronxcc")
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +49,7 @@ def installed_like(pins: dict[str, str]) -> dict[str, str]:
 
 def test_import_needs_no_neuron_sdk(monkeypatch):
     """The module executes with every SDK import made to fail: its SDK imports are all lazy."""
-    for name in SDK_MODULES:
-        monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ImportError
-    spec = importlib.util.spec_from_file_location("neuron_fresh_copy", neuron.__file__)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_without_sdks(monkeypatch, neuron.__file__, "neuron_fresh_copy")
     assert callable(module.NeuronBackend) and callable(module.check_neuron_packages)
     with pytest.raises(ImportError):
         import torch_neuronx  # noqa: F401  (the poisoning is real)
