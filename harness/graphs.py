@@ -76,8 +76,9 @@ def kv_buffer_names(module: nn.Module) -> list[str]:
 
 
 def constant_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers outside the state dict that are not KV cache (the rope inverse frequencies): their
-    values come from the model code, not the checkpoint, and must reach the device."""
+    """Buffers outside the state dict that are not KV cache: values from the model code, not the
+    checkpoint, that would have to reach the device. The port has none (rope frequencies are
+    computed in the graph); the Neuron backend refuses any."""
     persistent = set(module.state_dict().keys())
     kv = set(kv_buffer_names(module))
     return {name: buf.detach().clone().contiguous() for name, buf in module.named_buffers()

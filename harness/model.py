@@ -86,15 +86,17 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(layer: LayerSpec) -> torch.Tensor:
+def rope_inv_freq(layer: LayerSpec, device=None) -> torch.Tensor:
     """head_dim/2 inverse frequencies; proportional rope rotates only the first few.
 
     The exponent's denominator is the full head_dim even for proportional rope (DESIGN §2.4).
+    Computed from constants on `device` each forward (as NxD-Inference's rotary embedding does), so
+    a traced graph holds them as computed constants, not as buffers a compiler must be fed.
     """
     d = layer.head_dim
     n_rot = layer.rotated_freqs
-    rotated = 1.0 / (layer.rope_theta ** (torch.arange(0, 2 * n_rot, 2, dtype=torch.float) / d))
-    return torch.cat([rotated, torch.zeros(d // 2 - n_rot)])
+    rotated = 1.0 / (layer.rope_theta ** (torch.arange(0, 2 * n_rot, 2, dtype=torch.float, device=device) / d))
+    return torch.cat([rotated, torch.zeros(d // 2 - n_rot, device=device)])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -238,8 +240,6 @@ class RankDecoder(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = linears.vocab(spec.hidden_size, spec.vocab_size // tp)
         self.to(dtype)
-        for layer in spec.layers:  # fp32 inverse frequencies, registered after the cast on purpose
-            self.register_buffer(f"inv_freq_{layer.index}", rope_inv_freq(layer), persistent=False)
 
     def reset_cache(self):
         for layer in self.layers:
@@ -270,7 +270,7 @@ class RankDecoder(nn.Module):
             window = self.spec.layers[i].window
             if window not in masks:
                 masks[window] = attention_mask(positions, self.max_len, window, x.dtype)
-            cos, sin = rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, x.dtype)
+            cos, sin = rope_cos_sin(rope_inv_freq(self.spec.layers[i], positions.device), positions, x.dtype)
             x = self.layers[i](x, cos, sin, positions, masks[window], captures, f"layers.{i}.")
             if captures is not None:
                 captures[f"layers.{i}.output"] = x

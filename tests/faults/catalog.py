@@ -184,20 +184,20 @@ def value_after_k_norm(monkeypatch):
 def full_rotary_on_full_layers(monkeypatch):
     """Every frequency of full layers rotates (default rope) instead of the proportional 25 %."""
     original = port_model.rope_inv_freq
-    monkeypatch.setattr(port_model, "rope_inv_freq", lambda layer: original(
-        layer if layer.rope_type != "proportional" else dataclasses.replace(layer, rope_type="default")))
+    monkeypatch.setattr(port_model, "rope_inv_freq", lambda layer, device=None: original(
+        layer if layer.rope_type != "proportional" else dataclasses.replace(layer, rope_type="default"), device))
 
 
 def proportional_over_rotated_width(monkeypatch):
     """inv_freq[i] = theta ** (-2i / rotated_width) instead of theta ** (-2i / head_dim)."""
     original = port_model.rope_inv_freq
 
-    def inv_freq(layer):
+    def inv_freq(layer, device=None):
         if layer.rope_type != "proportional":
-            return original(layer)
+            return original(layer, device)
         n = layer.rotated_freqs
-        rotated = 1.0 / layer.rope_theta ** (torch.arange(0, 2 * n, 2, dtype=torch.float) / (2 * n))
-        return torch.cat([rotated, torch.zeros(layer.head_dim // 2 - n)])
+        rotated = 1.0 / layer.rope_theta ** (torch.arange(0, 2 * n, 2, dtype=torch.float, device=device) / (2 * n))
+        return torch.cat([rotated, torch.zeros(layer.head_dim // 2 - n, device=device)])
 
     monkeypatch.setattr(port_model, "rope_inv_freq", inv_freq)
 
@@ -357,7 +357,8 @@ def full_layers_get_sliding_mask(monkeypatch):
         window = self.spec.layers[0].window
         mask = port_model.attention_mask(positions, self.max_len, window, x.dtype)
         for i in range(start, stop):
-            cos, sin = port_model.rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, x.dtype)
+            inv_freq = port_model.rope_inv_freq(self.spec.layers[i], positions.device)
+            cos, sin = port_model.rope_cos_sin(inv_freq, positions, x.dtype)
             x = self.layers[i](x, cos, sin, positions, mask, captures, f"layers.{i}.")
             if captures is not None:
                 captures[f"layers.{i}.output"] = x
