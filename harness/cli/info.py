@@ -18,6 +18,10 @@ def add_command(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
+    p.add_argument("--instance", default="inf2.8xlarge", help="instance type whose published rates --perf uses "
+                   "(inf2.xlarge, inf2.8xlarge, inf2.24xlarge, inf2.48xlarge; default inf2.8xlarge)")
+    p.add_argument("--instance-rates", metavar="FILE", help="JSON file of per-chip figures for an instance type "
+                   "not in the table (cores, chips, hbm_bytes, hbm_bytes_per_s, bf16_flops_per_s, fp32_flops_per_s)")
     p.set_defaults(func=run, validate=validate)
 
 
@@ -39,6 +43,15 @@ def validate(args) -> None:
         args.spec = v.open_checkpoint(args).spec
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
+    _check_instance(args)
+
+
+def _check_instance(args) -> None:
+    """The instance's rates, read now: an unknown type or a bad rates file is bad input (exit 2)."""
+    from harness.perf.roofline import instance_rates, load_instance_rates
+
+    args.chip = load_instance_rates(args.instance_rates) if args.instance_rates else None
+    instance_rates(args.instance, args.tp, args.dtype, args.chip)
 
 
 def run(args) -> int:
@@ -47,12 +60,17 @@ def run(args) -> int:
 
     if args.ckpt is not None:
         print(args.ckpt.describe())
+    from harness.perf.roofline import hbm_fit, render_hbm_fit
+
     payload = plan_summary(args.spec, args.tp, args.dtype, args.kv_len)
     print(format_info(payload))
+    payload["hbm"] = hbm_fit(args.spec, args.tp, args.dtype, args.kv_len, args.chip)
+    print(render_hbm_fit(payload["hbm"]))
     if args.perf:
         from harness.perf import info_floors, render_roofline
 
-        payload["roofline"] = info_floors(args.spec, args.tp, args.dtype, args.kv_len)
+        payload["roofline"] = info_floors(args.spec, args.tp, args.dtype, args.kv_len, instance=args.instance,
+                                          chip=args.chip)
         print(render_roofline(payload["roofline"]), end="")
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))

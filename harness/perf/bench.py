@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from harness.errors import HarnessInputError
 from harness.perf import machine
 from harness.perf.results import FORMAT, dtype_name, latency_samples, metric_samples
-from harness.perf.roofline import DEFAULT_INSTANCE, INSTANCE_CHIPS, instance_rates, measured_rates, roofline_block
+from harness.perf.roofline import measured_rates, neuron_instance_rates, roofline_block
 from harness.perf.stats import summarize
 from harness.progress import status
 
@@ -89,6 +89,7 @@ def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup
     show(f"building the {backend} engine (tp {tp}, {dtype}, buckets {list(buckets)})"
          + ("; a first compile takes many minutes" if backend == "neuron" else ""))
     if backend == "neuron":
+        bench_rates(backend, tp, dtype)  # an instance type without known rates fails here, before the build
         # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
         # cache out of the timed prefill, as a serving loop would.
         backend_kwargs.setdefault("zero_on_reset", False)
@@ -173,8 +174,7 @@ def graph_medians(result: dict) -> dict[str, float]:
 def bench_rates(backend: str, tp: int, dtype: str):
     """Published figures for the Neuron backend; measured ones for anything that runs on this host."""
     if backend == "neuron":
-        instance = machine.instance_type()
-        return instance_rates(instance if instance in INSTANCE_CHIPS else DEFAULT_INSTANCE, tp, dtype)
+        return neuron_instance_rates(machine.instance_type(), tp, dtype)  # an unknown type is refused
     return measured_rates(machine.measure_memory_bandwidth(), machine.measure_matmul_flops(dtype))
 
 
