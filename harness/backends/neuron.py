@@ -1,8 +1,10 @@
 """Neuron backend: NxD trace/compile/load/run of the per-rank decoder on inf2 (TP=2).
 
-The only module of the project that imports torch_neuronx / neuronx_distributed, and it does so
-inside functions: `import harness.backends.neuron` works on any CPU machine, and the pure parts
-(version guard, artifact cache key, core assignment, weight assembly) are tested there.
+The only module of the project that runs torch_neuronx / neuronx_distributed, and it imports them
+inside functions (NxD always through neuron_env.import_neuronx_distributed): `import
+harness.backends.neuron` works on any CPU machine, and the pure parts are tested there. The host's
+Neuron environment (version guard, cores, platform, the NxD import) is in neuron_env.py; compiler
+flags and the artifact cache in neuron_cache.py; both are re-exported here.
 
 What runs on the device is `harness.graphs.TracedDecoder` (the graphs, defined once for this and
 the XLA backend) over `harness.model.RankDecoder`, the same code the CPU backend runs, built
@@ -19,7 +21,7 @@ ModelBuilder(model).trace(args=, tag=).compile(priority_model_key=, compiler_wor
 compiler_args=, max_workers=) -> NxDModel; NxDModel.set_weights(list of rank dicts), .to_neuron(),
 .save(path), NxDModel.load(path), .get_metaneff(tag), .write_to_neuron_buffer(tensor, key, rank),
 .read_from_neuron_buffer(key, rank) (keys: the raw checkpoint key) and forward(*args,
-model_name=tag); NxDParallelState(world_size=, tensor_model_parallel_size=, lnc_size=);
+model_name=tag), .layout_transformer; NxDParallelState(world_size=, tensor_model_parallel_size=, lnc_size=);
 parallel_layers.layers.ColumnParallelLinear / RowParallelLinear. tests/nxd_double is a contract
 double of exactly this surface: tests/parity/test_neuron_double.py runs this backend through it.
 """
