@@ -361,6 +361,14 @@ def _fx_stand_in() -> types.ModuleType | None:
     return module
 
 
+def import_sdk(module: str) -> types.ModuleType:
+    """Import one Neuron SDK module by name (neuronx_distributed the compatible way): the preflight's
+    import checks, kept here so that only the backend's modules import the SDK."""
+    if module == "neuronx_distributed":
+        return import_neuronx_distributed()
+    return importlib.import_module(module)
+
+
 def import_neuronx_distributed() -> types.ModuleType:
     """`import neuronx_distributed`, whatever transformers this environment has (see FX_MODULE)."""
     if sys.modules.get("neuronx_distributed") is not None:

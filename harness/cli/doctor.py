@@ -12,7 +12,6 @@ the slowest part). Exit 0 when every check passes, 2 otherwise.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import shutil
@@ -133,10 +132,7 @@ def import_checks(usable: dict[str, str]) -> list[Check]:
         if dist not in usable:
             continue  # the packages check already said what to do
         try:
-            if module == "neuronx_distributed":
-                env.import_neuronx_distributed()
-            else:
-                importlib.import_module(module)
+            env.import_sdk(module)
         except Exception as exc:  # noqa: BLE001  (any import failure is this check's finding)
             checks.append(Check(f"import {module}", False, f"{type(exc).__name__}: {exc}; fix: reinstall the "
                                 f"Neuron SDK packages ({env.INSTALL_COMMAND}) in a fresh venv"))
