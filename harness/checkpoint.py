@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from safetensors import safe_open
 from harness import FIXTURES_DIR
 from harness.atomic import atomic_directory, clean_stale_temps
 from harness.errors import (CheckpointError, HarnessInputError, InputFileError, NumericsError, OutputError, os_problem,
-                            read_problem)
+                            read_json_file, read_problem)
 from harness.spec import LayerSpec, ModelSpec, load_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -287,8 +286,8 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, list[s
 def _explicit_weights(path: Path) -> Path | None:
     """config.json's `transformers_weights`, which from_pretrained loads instead of the defaults."""
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        config = read_json_file(path / "config.json", "config", CheckpointError, "")
+    except HarnessInputError:
         return None  # load_spec has already refused an unreadable config
     name = config.get("transformers_weights") if isinstance(config, dict) else None
     if name is None:
@@ -329,13 +328,8 @@ def _inside(path: Path, name, source: Path) -> Path:
 
 
 def _read_index(index_file: Path) -> dict[str, str]:
-    try:
-        index = json.loads(index_file.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, index_file, "safetensors index")) from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise CheckpointError(f"{index_file}: not a valid safetensors index ({exc}); download it "
-                              "again or re-save the checkpoint") from None
+    index = read_json_file(index_file, "safetensors index", CheckpointError,
+                           "not a valid safetensors index: download it again or re-save the checkpoint")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -395,7 +389,7 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, config_path: str |
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise CheckpointError(f"{out_dir}: already exists and is not empty; choose a new directory "
                               "(a checkpoint is never overwritten silently)")
-    config = json.loads(Path(config_path).read_text())
+    config = read_json_file(Path(config_path), "config", CheckpointError, "pass a Gemma-4 unified config.json")
     config.pop("architectures", None)
     config.pop("transformers_version", None)
     torch.manual_seed(seed)  # parts randomize_for_margins leaves alone (inert embedders) too

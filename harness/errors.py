@@ -78,16 +78,62 @@ def read_problem(exc: OSError, path, what: str = "file") -> str:
     return f"{path}: cannot read the {what} ({exc.strerror or exc})"
 
 
-def read_json_file(path, what: str, error: type[HarnessInputError], fix: str, encoding: str = "utf-8"):
-    """The JSON in the user's file `path`, or one clear error: unreadable (InputFileError), not
-    text in `encoding` or not JSON (`error`, ending with `fix`)."""
+MAX_JSON_DEPTH = 200  # far beyond any file this tool reads; deeper nesting is refused, not recursed into
+
+
+def _depth_problem(text: str) -> int | None:
+    """The offset where brackets nest deeper than MAX_JSON_DEPTH (outside strings), or None.
+    Checked before parsing: the json module recurses once per level and a deep enough file
+    exhausts Python's stack (RecursionError), which no caller should have to expect."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
+        return None  # too few brackets to nest that deep: no scan needed
+    depth, in_string, escaped = 0, False, False
+    for offset, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return offset
+        elif ch in "]}":
+            depth -= 1
+    return None
+
+
+def parse_json_text(text: str, source, error: type[HarnessInputError], fix: str):
+    """JSON from `text` (read from `source`), or `error`: invalid, nested too deeply, or holding
+    an integer too long to convert. The one JSON parser for users' files."""
     import json
 
+    offset = _depth_problem(text)
+    if offset is not None:
+        raise error(f"{source}: JSON nested more than {MAX_JSON_DEPTH} levels deep (at character {offset}); "
+                    f"{fix}")
     try:
-        return json.loads(path.read_bytes().decode(encoding))
+        return json.loads(text)
+    except RecursionError:  # belt and braces: the scan above should have refused it
+        raise error(f"{source}: JSON nested too deeply; {fix}") from None
+    except ValueError as exc:  # JSONDecodeError, and integers beyond Python's digit limit
+        raise error(f"{source}: not valid JSON ({exc}); {fix}") from None
+
+
+def read_json_file(path, what: str, error: type[HarnessInputError], fix: str, encoding: str = "utf-8"):
+    """The JSON in the user's file `path`, or one clear error: unreadable (InputFileError), not
+    text in `encoding`, nested too deeply or not JSON (`error`, ending with `fix`). Every JSON file
+    a user hands the tool is read through here."""
+    try:
+        data = path.read_bytes()
     except OSError as exc:
         raise InputFileError(read_problem(exc, path, what)) from None
+    try:
+        text = data.decode(encoding)
     except UnicodeDecodeError as exc:
         raise error(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); {fix}") from None
-    except ValueError as exc:
-        raise error(f"{path}: not valid JSON ({exc}); {fix}") from None
+    return parse_json_text(text, path, error, fix)

@@ -3,30 +3,19 @@ the spec's vocabulary, the prefill buckets and the KV length before any model wo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from harness import FIXTURES_DIR
-from harness.errors import InputFileError, PromptError, read_problem
+from harness.errors import InputFileError, PromptError, read_json_file
 
 DEFAULT_PROMPTS = FIXTURES_DIR / "prompts" / "default.json"
 DEFAULT_NEW_TOKENS = 8
 
 
 def _read_json(path: Path):
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, path, "prompts file")) from None
-    try:
-        text = data.decode("utf-8-sig")  # a byte-order mark is harmless
-    except UnicodeDecodeError as exc:
-        raise PromptError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the prompts "
-                          "file as UTF-8 JSON") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PromptError(f"{path}: not valid JSON ({exc}); expected a list of token-id lists") from None
+    # utf-8-sig: a byte-order mark is harmless
+    return read_json_file(path, "prompts file", PromptError, "save the prompts file as UTF-8 JSON: a list of "
+                          "token-id lists", "utf-8-sig")
 
 
 def is_token_id(t) -> bool:

@@ -360,6 +360,9 @@ case("golden-generated-outside-vocab", "results.float32[0].generated must be 2 t
     check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"]["float32"][0][
         "generated"].__setitem__(0, 9999))))
 case("golden-without-bfloat16", "no bfloat16 reference in this golden")(
+    check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"].pop("bfloat16"),
+                                         edit_tensors=lambda t: [t.pop(k) for k in sorted(t) if k.startswith("bf")])))
+case("golden-bfloat16-tensors-without-their-results", "bfloat16.p0.", "is not one the reference writes")(
     check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"].pop("bfloat16"))))
 case("golden-of-other-weights", "written from other weights", "gemma-parity bisect")(
     lambda c: ["check", "--checkpoint", rewrite_weights(c.ckpt(), lambda t: t[f"{TEXT}norm.weight"].mul_(2)),
@@ -367,6 +370,67 @@ case("golden-of-other-weights", "written from other weights", "gemma-parity bise
 case("golden-prompt-longer-than-bucket", "golden", "prompt 0 has 3 tokens", "--buckets with a bucket >= 3")(
     lambda c: ["bisect", "--checkpoint", c.tiny, "--golden", c.shared_golden, "--buckets", 2, "--kv-len", 8])
 
+
+
+# ---- the golden contract: edited, truncated or foreign goldens are bad input in every command -----
+
+def reshape(key: str, shape):
+    """Replace one capture by a tensor of another shape (and re-seal the golden)."""
+    return lambda t: t.__setitem__(key, torch.zeros(shape))
+
+
+GOLDEN_KINDS = {
+    # edited, hash left stale
+    "edited-manifest": (lambda c: edit_manifest_only(c, lambda m: m.update(created="2020-01-01T00:00:00+00:00")),
+                        "do not match its golden_sha256"),
+    "edited-tensor-bytes": (lambda c: (g := c.golden(), (g / "tensors.safetensors").write_bytes(
+        (g / "tensors.safetensors").read_bytes()[:-4] + b"\0\0\0\1"))[0], "does not match the manifest"),
+    # edited and re-sealed: only the content checks stand in the way
+    "edited-token": (lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"]["float32"][0][
+        "generated"].__setitem__(1, (m["results"]["float32"][0]["generated"][1] + 1) % 512)),
+        "generated[1]", "is not the argmax of its step's logits"),
+    "reshaped-kv": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape("float32.p0.kv.3.k", (4, 64))),
+                    "float32.p0.kv.3.k has shape (4, 64), expected (4, 128)"),
+    "reshaped-full-layer-kv": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape("bfloat16.p0.kv.5.v", (4, 128))),
+                               "bfloat16.p0.kv.5.v has shape (4, 128), expected (4, 32)"),
+    "reshaped-decode": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape("float32.p0.decode.layers.3.output",
+                                                                                  (1, 32))),
+                        "decode.layers.3.output has shape (1, 32), expected (1, 64)"),
+    "reshaped-capped-logits": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape("float32.p0.capped_logits",
+                                                                                         (3, 100))),
+                               "float32.p0.capped_logits has shape (3, 100), expected (3, 512)"),
+    "reshaped-step-capped-logits": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape(
+        "bfloat16.p0.step_capped_logits", (1, 512))), "step_capped_logits has shape (1, 512), expected (2, 512)"),
+    "integer-tensor": (lambda c: rehash_golden(c.golden(), edit_tensors=lambda t: t.__setitem__(
+        "float32.p0.logits", t["float32.p0.logits"].to(torch.int64))), "float32.p0.logits is int64"),
+    "half-a-group": (lambda c: rehash_golden(c.golden(), edit_tensors=lambda t: t.pop("float32.p0.kv.7.v")),
+                     "tensor float32.p0.kv.7.v is missing"),
+    "stray-tensor": (lambda c: rehash_golden(c.golden(), edit_tensors=lambda t: t.__setitem__(
+        "float32.p0.layers.99.output", torch.zeros(3, 64))), "float32.p0.layers.99.output is not one the reference"),
+    # truncated
+    "truncated-tensors": (lambda c: (g := c.golden(), (g / "tensors.safetensors").write_bytes(
+        (g / "tensors.safetensors").read_bytes()[:4096]))[0], "does not match the manifest"),
+    "truncated-tensors-resealed": (lambda c: rehash_golden(c.golden(), edit_tensors=lambda t: [
+        t.pop(k) for k in sorted(t) if k.startswith("bfloat16.p0.decode.")]), "bfloat16.p0 and float32.p0 differ", "decode captures"),
+    "truncated-manifest": (lambda c: (g := c.golden(), (g / "manifest.json").write_bytes(
+        (g / "manifest.json").read_bytes()[:200]))[0], "manifest.json: not valid JSON"),
+    # foreign
+    "foreign-spec": (lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m.update(spec_hash="0123456789abcdef")),
+                     "golden was made for spec 0123456789abcdef"),
+    "foreign-manifest": (lambda c: (g := c.golden(), (g / "manifest.json").write_text(json.dumps(
+        {"format_version": 2, "name": "my notes"})))[0], "does not match the manifest"),
+    "foreign-json-nested": (lambda c: (g := c.golden(), (g / "manifest.json").write_text("[" * 100000))[0],
+                            "manifest.json: JSON nested more than 200 levels deep"),
+}
+
+
+def golden_argv(command: str, make):
+    return lambda c: [command, "--checkpoint", c.tiny, "--golden", make(c), "--json", c.tmp / "out.json"]
+
+
+for command in ("check", "bisect"):
+    for kind, (make, *fragments) in GOLDEN_KINDS.items():
+        case(f"golden-{kind}-{command}", *fragments)(golden_argv(command, make))
 
 # ---- the runner ----------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ LAYERS = {
     # 4: execution: the backends, and the reference (transformers only)
     "harness.backends": 4, "harness.reference": 4,
     # 5: judgement
-    "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.graph_contracts": 5,
+    "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5, "harness.graph_contracts": 5,
     # 6: workflows as library functions with result objects
     "harness.parity": 6, "harness.bisect": 6, "harness.perf": 6, "harness.graph_stats": 6,
     # 7: presentation and commands; nothing imports these from below
