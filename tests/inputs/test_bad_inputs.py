@@ -293,6 +293,39 @@ for key, value, fragment in [("num_attention_heads", 0, "num_attention_heads=0")
                              ("pad_token_id", 512, "pad_token_id=512"), ("num_kv_shared_layers", "x", "num_kv_shared_layers")]:
     case(f"config-{key}-{value}", "{tmp}/ckpt/config.json", fragment)(
         info_of(lambda c, key=key, value=value: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update({key: value}))))
+def per_layer(c: Ctx, overrides: dict, shape_weights: bool = False) -> Path:
+    """A private checkpoint whose config overrides layer 5 (a full layer) per layer; with
+    `shape_weights` its tensors are reshaped to match, so only the config check can refuse it."""
+    ckpt = edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update(per_layer_config={"05": overrides}))
+    if shape_weights:
+        d, kv = overrides.get("head_dim", 32), overrides.get("num_key_value_heads", 1)
+        key = f"{TEXT}layers.5.self_attn."
+        rewrite_weights(ckpt, lambda t: t.update({
+            f"{key}q_proj.weight": torch.zeros(16 * d, 64), f"{key}o_proj.weight": torch.zeros(64, 16 * d),
+            f"{key}k_proj.weight": torch.zeros(kv * d, 64), f"{key}q_norm.weight": torch.ones(d),
+            f"{key}k_norm.weight": torch.ones(d)}))
+    return ckpt
+
+
+for overrides, fragment in [({"head_dim": 0}, "head_dim=0 must be a positive integer"),
+                            ({"head_dim": -32}, "head_dim=-32 must be a positive integer"),
+                            ({"head_dim": 31}, "head_dim=31 must be even"),
+                            ({"num_key_value_heads": 0}, "num_key_value_heads=0 must be a positive integer"),
+                            ({"num_key_value_heads": 3}, "num_key_value_heads=3 must divide num_attention_heads=16"),
+                            ({"intermediate_size": 64}, "unsupported config key intermediate_size=64")]:
+    name = "-".join(f"{k}{v}" for k, v in overrides.items())
+    case(f"per-layer-{name}-info", "{tmp}/ckpt/config.json: per_layer_config['05']", fragment)(
+        info_of(lambda c, overrides=overrides: per_layer(c, overrides)))
+for overrides in ({"head_dim": 0}, {"num_key_value_heads": 0}, {"head_dim": 31}):
+    name = "-".join(f"{k}{v}" for k, v in overrides.items())
+    case(f"per-layer-{name}-check-weights-shaped-to-match", "per_layer_config['05']")(
+        lambda c, overrides=overrides: ["check", "--checkpoint", per_layer(c, overrides, shape_weights=True),
+                                        "--json", c.tmp / "c.json"])
+case("per-layer-index-out-of-range", "per_layer_config['12']: the key is not a layer index in [0, 12)")(
+    info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update(per_layer_config={"12": {}}))))
+case("per-layer-index-twice", "is given twice")(
+    info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update(
+        per_layer_config={"5": {"head_dim": 32}, "05": {"head_dim": 32}}))))
 case("config-missing-hidden-size", "hidden_size=None is missing")(
     info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].pop("hidden_size"))))
 case("config-is-a-list", "expected a JSON object")(
