@@ -15,7 +15,7 @@ from safetensors import safe_open
 from harness import FIXTURES_DIR
 from harness.atomic import atomic_directory, clean_stale_temps
 from harness.errors import (CheckpointError, HarnessInputError, InputFileError, NumericsError, OutputError, os_problem,
-                            read_json_file, read_problem)
+                            read_json_file, read_problem, wrapped_os_error)
 from harness.spec import LayerSpec, ModelSpec, load_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -437,7 +437,12 @@ def _save_atomically(model, out_dir: Path, overwrite: bool) -> None:
     """save_pretrained into a temp dir beside out_dir, then rename: nothing half written remains."""
     try:
         with atomic_directory(out_dir, replace=overwrite) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
+            try:
+                model.save_pretrained(tmp, safe_serialization=True)
+            except Exception as exc:  # safetensors' own error type for a full disk
+                if wrapped_os_error(exc) is None:
+                    raise
+                raise _cache_problem(wrapped_os_error(exc), out_dir) from None
     except HarnessInputError:
         # Another process (a pytest-xdist worker) finished the same deterministic build first.
         if not (out_dir / "config.json").is_file():

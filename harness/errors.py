@@ -67,6 +67,21 @@ def os_problem(exc: OSError, path, action: str = "cannot write") -> str:
     return f"{path}: {action} ({reason})" + (f": {advice}" if advice else "; check the location and run again")
 
 
+def wrapped_os_error(exc: BaseException) -> OSError | None:
+    """The OSError inside another library's exception: safetensors (Rust) reports a full disk as
+    SafetensorError("... I/O error: No space left on device (os error 28)")."""
+    import os
+    import re
+
+    if isinstance(exc, OSError):
+        return exc
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
+
+
 def read_problem(exc: OSError, path, what: str = "file") -> str:
     """One sentence for an OSError met while reading the user's input `path`."""
     if exc.errno in (_errno.EACCES, _errno.EPERM):

@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 
 from harness.atomic import atomic_directory
 from harness.checkpoint import sha256_file
-from harness.errors import GoldenError, HarnessInputError, InputFileError, OutputError, read_json_file, read_problem
+from harness.errors import (GoldenError, HarnessInputError, InputFileError, OutputError, os_problem, read_json_file,
+                            read_problem, wrapped_os_error)
 from harness.golden_layout import (check_no_stray_tensors, check_prompt_tensors, check_same_groups, check_tokens,
                                    inconsistent)
 from harness.reference import ReferenceResult
@@ -116,7 +117,7 @@ def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_t
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     with atomic_directory(out_dir, replace=overwrite) as tmp:
-        save_file(tensors, str(tmp / TENSORS))
+        _save_tensors(tensors, tmp / TENSORS, out_dir)
         _verify_written(tmp / TENSORS, tensors, out_dir)
         manifest["tensors_sha256"] = sha256_file(tmp / TENSORS)
         manifest["golden_sha256"] = golden_hash(manifest, manifest["tensors_sha256"])
@@ -125,6 +126,17 @@ def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_t
             f.flush()
             os.fsync(f.fileno())
     return out_dir
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], file: Path, out_dir: Path) -> None:
+    """save_file, with a write error (a full disk) reported as one about the user's --out."""
+    try:
+        save_file(tensors, str(file))
+    except Exception as exc:  # safetensors raises its own error type for I/O failures
+        os_error = wrapped_os_error(exc)
+        if os_error is None:
+            raise
+        raise OutputError(os_problem(os_error, out_dir)) from None
 
 
 def _verify_written(file: Path, tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
@@ -139,6 +151,8 @@ def _verify_written(file: Path, tensors: dict[str, torch.Tensor], out_dir: Path)
             size = f.tell()
             os.fsync(f.fileno())
     except Exception as exc:
+        if isinstance(exc, OSError):
+            raise OutputError(os_problem(exc, out_dir)) from None
         raise OutputError(f"{out_dir}: the golden's tensors could not be written completely ({exc}); "
                           "check free disk space and write permission, then run again") from None
     data = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -66,6 +66,49 @@ def test_a_full_disk_exits_2_naming_the_users_path(tmp_path, monkeypatch, capsys
     assert list(tmp_path.iterdir()) == []
 
 
+
+class _SafetensorsDiskFull(Exception):
+    """What safetensors' Rust writer raises on a full disk (its own type, not an OSError)."""
+
+
+def _tensors_disk_full(tensors, filename, *args, **kwargs):
+    Path(filename).write_bytes(b"half a tensor file")  # what a full disk leaves: a partial file
+    raise _SafetensorsDiskFull("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _manifest_disk_full(fd):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["golden-tensors", "golden-manifest", "tiny-cache"])
+def test_a_full_disk_while_writing_a_golden_or_the_cache_is_exit_2_with_nothing_half_written(
+        tmp_path, monkeypatch, capsys, where):
+    """ENOSPC in each writer of big files (safetensors' own error type included): exit 2 naming
+    the user's location and that the disk is full, no traceback, and no partial file or temp
+    directory left behind."""
+    import harness.golden
+
+    prompts = tmp_path / "p.json"
+    prompts.write_text("[[5, 6, 7]]")
+    out = tmp_path / "golden"
+    argv = ["reference", "--model", "tiny", "--prompts", prompts, "--new-tokens", 1, "--out", out]
+    if where == "golden-tensors":
+        monkeypatch.setattr(harness.golden, "save_file", _tensors_disk_full)
+    elif where == "golden-manifest":
+        monkeypatch.setattr(harness.golden.os, "fsync", _manifest_disk_full)
+    else:
+        monkeypatch.setenv("GEMMA_PARITY_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setattr("transformers.modeling_utils.safe_save_file", _tensors_disk_full)
+        argv = ["info", "--model", "tiny"]
+        out = tmp_path / "cache"
+    before = snapshot(tmp_path)
+    outcome = run_inprocess(argv, capsys)
+    assert outcome.code == 2, outcome.err
+    assert f"{out}" in outcome.err and "the disk is full" in outcome.err, outcome.err
+    assert "Traceback" not in outcome.err and "internal error" not in outcome.err
+    left = {k: v for k, v in snapshot(tmp_path).items() if k not in before and not Path(k).name.startswith(".lock-")}
+    assert set(left) <= {str(tmp_path / "cache")}, left  # the cache directory itself may be created
+
 def test_permission_denied_on_a_shard_is_not_called_corruption(tmp_path, tiny0_dir, monkeypatch, capsys):
     """An unreadable shard (simulated: the tests run as root) is reported as a permission problem,
     never as 'truncated or corrupted, download it again'."""
