@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.errors import HarnessInputError, OutputError, os_problem
+from harness.errors import SHOW_BYTES, HarnessInputError, OutputError, os_problem
 
 TEMP_MARK = ".partial-"  # temp names start with this, so leftovers of a killed run are recognisable
 FILE_MODE = 0o644  # what a user's umask normally gives; mkstemp alone would leave 0600
@@ -112,7 +112,8 @@ def _link_no_clobber(tmp: Path, path: Path) -> None:
 
 
 def write_text_atomic(path, text: str, no_clobber: bool = False) -> Path:
-    return write_bytes_atomic(path, text.encode("utf-8"), no_clobber=no_clobber)
+    # a path with bytes that are not UTF-8 (argv decoded with surrogateescape) is written as \xNN
+    return write_bytes_atomic(path, text.encode("utf-8", SHOW_BYTES), no_clobber=no_clobber)
 
 
 def write_json_atomic(path, payload, no_clobber: bool = False, indent: int = 2,

@@ -4,6 +4,7 @@ Every class here is a `HarnessInputError`: the command line maps all of them to 
 input or an environment problem), never to 1, which means "parity fails" and nothing else.
 """
 
+import codecs as _codecs
 import errno as _errno
 
 
@@ -45,6 +46,21 @@ class InputFileError(HarnessInputError):
 
 class OutputError(HarnessInputError):
     """An output location cannot be written: the wrong kind, an input, not writable, disk full."""
+
+
+def _show_undecodable(exc: UnicodeError):
+    """Encoding error handler: a byte Python could not decode from a path or argument (kept as a
+    lone surrogate by surrogateescape) is shown as \\xNN, so a message, a crash file or a report
+    naming a non-UTF-8 path can always be written, and says which byte it was."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    chunk = exc.object[exc.start:exc.end]
+    return "".join(f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"\\u{ord(c):04x}"
+                   for c in chunk), exc.end
+
+
+SHOW_BYTES = "gemma-parity-show-bytes"  # the error handler's name: str.encode("utf-8", SHOW_BYTES)
+_codecs.register_error(SHOW_BYTES, _show_undecodable)
 
 
 _ADVICE = {

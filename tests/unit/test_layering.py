@@ -32,9 +32,9 @@ LAYERS = {
     # 6: workflows as library functions with result objects
     "harness.parity": 6, "harness.bisect": 6, "harness.perf": 6, "harness.graph_stats": 6,
     # 7: presentation and commands; nothing imports these from below
-    "harness.report": 7, "harness.cli": 8,
+    "harness.report": 7, "harness.cli": 8, "harness.entry": 8, "harness.__main__": 8,
 }
-TOP = ("harness.cli",)
+TOP = ("harness.cli", "harness.entry", "harness.__main__")
 
 
 def module_name(path: Path) -> str:
