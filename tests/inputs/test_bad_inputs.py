@@ -134,6 +134,47 @@ case("compare-history-missing", "--history {tmp}/nohist: history directory not f
 case("compare-baseline-is-a-directory", "--baseline {tmp}: is a directory")(
     lambda c: ["perf", "compare", "--baseline", c.tmp, "--current", write_json(c.tmp / "c.json", perf_result())])
 
+case("samples-huge-integer", "metrics.prefill_ms must be a non-empty list of finite numbers")(
+    lambda c: compare_argv(c, current=perf_result(prefill=(10 ** 400, 10.0, 10.0))))
+case("samples-integer-beyond-json-digits", "not valid JSON", "4300 digits")(
+    lambda c: ["perf", "compare", "--baseline", c.file("b.json", json.dumps(perf_result()).replace(
+        "10.0", "1" * 5000, 1)), "--current", write_json(c.tmp / "cur.json", perf_result())])
+case("perf-result-not-utf8", "{tmp}/b.json: not UTF-8")(
+    lambda c: ["perf", "compare", "--baseline", c.file("b.json", json.dumps(perf_result()).encode()[:-1] + b"\xff}"),
+               "--current", write_json(c.tmp / "cur.json", perf_result())])
+case("perf-result-nested-deeply", "{tmp}/b.json: JSON nested more than 200 levels deep")(
+    lambda c: ["perf", "compare", "--baseline", c.file("b.json", "[" * 100000), "--current",
+               write_json(c.tmp / "cur.json", perf_result())])
+case("perf-naive-date", "created = '2026-01-02T00:00:00' has no time zone")(
+    lambda c: compare_argv(c, current={**perf_result(), "created": "2026-01-02T00:00:00"}))
+
+
+def history(c: Ctx, *results, extra=None) -> Path:
+    directory = c.tmp / "h"
+    directory.mkdir()
+    for k, result in enumerate(results):
+        write_json(directory / f"run{k}.json", result)
+    if extra:
+        extra(directory)
+    return directory
+
+
+case("history-naive-and-aware-dates", "{tmp}/h/run1.json: created = '2026-01-02T00:00:00' has no time zone")(
+    lambda c: ["perf", "compare", "--history", history(c, perf_result(), {**perf_result(), "created": "2026-01-02T00:00:00"})])
+case("history-huge-integer", "run1.json: metrics.decode_ms_per_token must be a non-empty list of finite numbers")(
+    lambda c: ["perf", "compare", "--history", history(c, perf_result(), perf_result(decode=(5.0, 2 ** 2000)))])
+case("history-not-utf8", "{tmp}/h/run1.json: not UTF-8")(
+    lambda c: ["perf", "compare", "--history", history(c, perf_result(), extra=lambda d: (d / "run1.json").write_bytes(
+        b"\xfe" + json.dumps(perf_result()).encode()))])
+case("history-nested-deeply", "JSON nested more than 200 levels deep")(
+    lambda c: ["perf", "compare", "--history", history(c, perf_result(), extra=lambda d: (d / "run1.json").write_text(
+        "{\"a\":" * 50000))])
+# a named pipe or a directory called *.json is not a run: skipped with a note, never read (a pipe
+# would block for ever); with no regular run file left the history is refused
+case("history-only-a-named-pipe", "{tmp}/h/run.json: not a regular file, so not a run; skipped", "no run files")(
+    lambda c: ["perf", "compare", "--history", history(c, extra=lambda d: os.mkfifo(d / "run.json"))])
+case("history-only-a-directory", "{tmp}/h/run.json: not a regular file", "no run files")(
+    lambda c: ["perf", "compare", "--history", history(c, extra=lambda d: (d / "run.json").mkdir())])
 
 # ---- prompt files --------------------------------------------------------------------------------
 

@@ -104,3 +104,21 @@ def test_a_refusal_with_non_utf8_bytes_leaves_the_disk_unchanged(tmp_path, tiny0
     outcome = run_inprocess(["info", "--config", config], capsys)
     assert outcome.code == 2 and f"{tmp_path}/c\\xff: is a directory" in outcome.err, outcome.err
     assert snapshot(tmp_path) == before
+
+
+def test_a_named_pipe_in_a_history_is_skipped_not_read(tmp_path):
+    """A FIFO called *.json among the runs: `perf compare --history` used to block on it for ever.
+    Now it is skipped with a note and the real runs are compared (in a subprocess, with a timeout,
+    so a regression fails instead of hanging the suite)."""
+    import json
+
+    from tests.inputs.scenarios import perf_result
+
+    history = tmp_path / "h"
+    history.mkdir()
+    for k in range(2):
+        (history / f"run{k}.json").write_text(json.dumps({**perf_result(), "created": f"2026-01-0{k + 1}T00:00:00+00:00"}))
+    os.mkfifo(history / "zz.json")
+    outcome = run_subprocess(["perf", "compare", "--history", history], timeout=120)
+    assert outcome.code == 0, outcome.err
+    assert f"{history / 'zz.json'}: not a regular file, so not a run; skipped" in outcome.err
