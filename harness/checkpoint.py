@@ -202,6 +202,28 @@ class Checkpoint:
         for key in self.expected_shapes():
             self.get(key)
 
+    def check_inert_parts(self) -> None:
+        """The tensors outside the text decoder have the shapes transformers' class gives them.
+        The port never reads them, but the reference loads the whole model with from_pretrained,
+        which refuses any mismatch (a zero-sized audio projection, say): refused here, before any
+        model work, rather than by transformers after the port has run."""
+        if not self.ignored_keys:
+            return
+        expected = _transformers_shapes(self.path)
+        by_file: dict[Path, list[str]] = {}
+        for key in self.ignored_keys:
+            if key in expected:
+                by_file.setdefault(self.key_to_file[key], []).append(key)
+        for file, keys in by_file.items():
+            with self._open(file) as f:
+                for key in keys:
+                    got = tuple(f.get_slice(key).get_shape())
+                    if got != expected[key]:
+                        raise CheckpointError(
+                            f"{file}: {key} has shape {got} but transformers' model for config.json has "
+                            f"{expected[key]}; the port ignores this inert tensor, but the reference cannot load "
+                            "the checkpoint. Use the config the weights were saved with, or re-save them.")
+
     def weight_files(self) -> list[Path]:
         return sorted(set(self.key_to_file.values()))
 
@@ -212,6 +234,21 @@ class Checkpoint:
             files = sorted(set(self.weight_files()) | {self.path / "config.json"})
             self._hashes = {p.name: sha256_file(p) for p in files}
         return dict(self._hashes)
+
+
+def _transformers_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape in transformers' class for the config, built on the meta device
+    (no memory, no weights read)."""
+    from transformers import AutoConfig, Gemma4UnifiedForCausalLM, Gemma4UnifiedForConditionalGeneration
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises several types for configs it cannot read
+        raise CheckpointError(f"{path / 'config.json'}: transformers cannot read it ({exc})") from None
+    cls = Gemma4UnifiedForConditionalGeneration if config.model_type == "gemma4_unified" else Gemma4UnifiedForCausalLM
+    with torch.device("meta"):
+        model = cls(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def _check_stored(file: Path, key: str, view, shape: tuple[int, ...]) -> None:

@@ -46,6 +46,8 @@ def validate(args) -> None:
     check_replaceable(out, args.overwrite)
     v.clean_leftovers([out])
     ckpt = v.open_checkpoint(args)
+    if not args.stream:
+        ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
     prompts = load_prompts(args.prompts, args.ckpt_dir)
     validate_prompt_ids(ckpt.spec, prompts, args.prompts)
     validate_prompt_fit(prompts, args.new_tokens, args.prompts, max_positions=ckpt.spec.max_positions)

@@ -367,6 +367,15 @@ case("per-layer-index-out-of-range", "per_layer_config['12']: the key is not a l
 case("per-layer-index-twice", "is given twice")(
     info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update(
         per_layer_config={"5": {"head_dim": 32}, "05": {"head_dim": 32}}))))
+AUDIO = "model.embed_audio.embedding_projection.weight"  # inert: the port never reads it, transformers loads it
+for shape in ((64, 0), (0, 16), (64, 17)):
+    for command in ("check", "reference"):
+        case(f"inert-audio-{shape[0]}x{shape[1]}-{command}", f"{AUDIO} has shape {shape}",
+             "transformers' model for config.json has (64, 16)", fast=False)(
+            lambda c, shape=shape, command=command: [
+                command, "--checkpoint", rewrite_weights(c.ckpt(), lambda t: t.update({AUDIO: torch.zeros(shape)})),
+                "--prompts", prompts(c, [[5, 6, 7]]), "--new-tokens", 1,
+                *(["--json", c.tmp / "c.json"] if command == "check" else ["--out", c.tmp / "g"])])
 case("config-missing-hidden-size", "hidden_size=None is missing")(
     info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].pop("hidden_size"))))
 case("config-is-a-list", "expected a JSON object")(
