@@ -15,7 +15,7 @@ from safetensors import safe_open
 from harness import FIXTURES_DIR
 from harness.atomic import atomic_directory, clean_stale_temps
 from harness.errors import (CheckpointError, HarnessInputError, InputFileError, NumericsError, OutputError, os_problem,
-                            read_json_file, read_problem, wrapped_os_error)
+                            not_a_file, read_json_file, read_problem, wrapped_os_error)
 from harness.spec import LayerSpec, ModelSpec, load_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -304,6 +304,10 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, list[s
     entries = _list_dir(path)
     names = [e.name for e in entries if e.name.endswith(".safetensors") or e.name == INDEX_FILE]
     explicit = _explicit_weights(path)
+    for name in (SINGLE_FILE, INDEX_FILE):  # what transformers would pick, if it is there at all
+        if explicit is None and os.path.lexists(path / name) and not (path / name).is_file():
+            raise CheckpointError(f"{path / name}: {not_a_file(path / name)}, not a file; transformers would "
+                                  "try to load it. Give the checkpoint's weights as regular files.")
     if explicit is not None:
         chosen = explicit
     elif (path / SINGLE_FILE).is_file():
@@ -334,7 +338,7 @@ def _explicit_weights(path: Path) -> Path | None:
                               "*.safetensors file or a *.safetensors.index.json inside the directory")
     file = _inside(path, name, path / "config.json")
     if not file.is_file():
-        raise CheckpointError(f"{file}: named by config.json's transformers_weights but missing")
+        raise CheckpointError(f"{file}: named by config.json's transformers_weights but {not_a_file(file)}")
     return file
 
 
@@ -382,8 +386,8 @@ def _key_map(path: Path, files: list[Path], weight_map: dict[str, str] | None) -
     for file in files:
         if not file.is_file():
             key = next((k for k, v in (weight_map or {}).items() if v == file.name), "?")
-            raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} for key {key} is "
-                                  "missing. Download the missing shard or re-save the checkpoint.")
+            raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} for key {key}: {not_a_file(file)}, not a "
+                                  "safetensors file. Download the missing shard or re-save the checkpoint.")
         with _safe_open(file) as f:
             for key in f.keys():
                 if key in found:

@@ -98,6 +98,23 @@ def wrapped_os_error(exc: BaseException) -> OSError | None:
     return OSError(code, os.strerror(code))
 
 
+def not_a_file(path) -> str:
+    """Why `path` is not a regular file to read, in a few words: "not found", "is a directory",
+    "is a named pipe", ... (never "missing" for something that is there but of the wrong kind)."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "dangling symbolic link" if os.path.islink(path) else "not found"
+    except OSError as exc:
+        return f"cannot be examined ({exc.strerror or exc})"
+    kinds = ((stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a named pipe"), (stat.S_ISCHR, "is a character device"),
+             (stat.S_ISBLK, "is a block device"), (stat.S_ISSOCK, "is a socket"))
+    return next((what for test, what in kinds if test(mode)), "is not a regular file")
+
+
 def read_problem(exc: OSError, path, what: str = "file") -> str:
     """One sentence for an OSError met while reading the user's input `path`."""
     if exc.errno in (_errno.EACCES, _errno.EPERM):

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from harness.atomic import atomic_directory
 from harness.checkpoint import sha256_file
 from harness.errors import (GoldenError, HarnessInputError, InputFileError, OutputError, os_problem, read_json_file,
-                            read_problem, wrapped_os_error)
+                            not_a_file, read_problem, wrapped_os_error)
 from harness.golden_layout import (check_no_stray_tensors, check_prompt_tensors, check_same_groups, check_tokens,
                                    inconsistent)
 from harness.reference import ReferenceResult
@@ -198,7 +198,10 @@ def _read_manifest(path: Path) -> dict:
     if not path.is_dir():
         raise GoldenError(f"{path}: not a directory; pass the golden directory written by `gemma-parity reference`")
     if not manifest_file.is_file():
-        raise GoldenError(f"{path}: no {MANIFEST}. Pass a directory written by `gemma-parity reference`.")
+        if not os.path.lexists(manifest_file):
+            raise GoldenError(f"{path}: no {MANIFEST}. Pass a directory written by `gemma-parity reference`.")
+        raise GoldenError(f"{manifest_file}: {not_a_file(manifest_file)}, not the golden's manifest file; pass a "
+                          "directory written by `gemma-parity reference`")
     manifest = read_json_file(manifest_file, "golden manifest", GoldenError,
                               "the golden is corrupted, regenerate it with `gemma-parity reference`")
     if not isinstance(manifest, dict):
@@ -213,7 +216,8 @@ def _read_manifest(path: Path) -> dict:
 def _verify_hashes(path: Path, manifest: dict) -> Path:
     tensor_file = path / TENSORS
     if not tensor_file.is_file():
-        raise GoldenError(f"{tensor_file}: missing; the golden is incomplete, regenerate it")
+        raise GoldenError(f"{tensor_file}: {not_a_file(tensor_file)}, not the golden's tensor file; the golden is "
+                          "incomplete or damaged: regenerate it")
     try:
         actual = sha256_file(tensor_file)
     except OSError as exc:

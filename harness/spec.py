@@ -9,7 +9,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from harness.errors import ConfigError, read_json_file
+from harness.errors import ConfigError, not_a_file, read_json_file
 
 SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
 SLIDING = "sliding_attention"
@@ -350,7 +350,7 @@ def load_spec(path: str | Path) -> ModelSpec:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(
-            f"{path}: config.json not found. Pass a checkpoint directory that holds config.json "
+            f"{path}: config.json {not_a_file(path)}. Pass a checkpoint directory that holds config.json "
             "(as written by save_pretrained) or --config pointing at the file."
         )
     config = read_json_file(path, "config", ConfigError, "re-download or re-save the config", "utf-8-sig")

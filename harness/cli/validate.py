@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from harness.atomic import clean_stale_temps, temp_prefix
-from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, os_problem, read_json_file
+from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, not_a_file, os_problem, read_json_file
 
 REPORT_FILES = {f"{kind}{ext}" for kind in ("check", "bisect") for ext in (".md", ".json", "_errors.png")}
 GENERATOR = "gemma-parity"  # the "generator" key of every JSON result the commands write
@@ -201,7 +201,8 @@ def input_path(value: str | None, flag: str, want_dir: bool) -> Path | None:
     if not want_dir and path.is_dir():
         raise InputFileError(f"{flag} {path}: is a directory; give the file")
     if not want_dir and not (path.is_file() or stat.S_ISFIFO(path.stat().st_mode)):
-        raise InputFileError(f"{flag} {path}: is not a regular file (a device or socket); give a file")
+        raise InputFileError(f"{flag} {path}: is not a regular file ({not_a_file(path).removeprefix('is ')}); "
+                             "give a file")
     return path
 
 

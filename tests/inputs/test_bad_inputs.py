@@ -455,6 +455,24 @@ case("golden-prompt-longer-than-bucket", "golden", "prompt 0 has 3 tokens", "--b
 
 
 
+# ---- a pipe, a directory or a device where a file belongs: named for what it is, never "missing"
+
+def replace_by(path: Path, kind: str) -> None:
+    path.unlink()
+    {"directory": path.mkdir, "pipe": lambda: os.mkfifo(path), "device": lambda: path.symlink_to("/dev/zero")}[kind]()
+
+
+WHAT = {"directory": "is a directory", "pipe": "is a named pipe", "device": "is a character device"}
+for kind in WHAT:
+    case(f"golden-tensors-a-{kind}", "{tmp}/golden/tensors.safetensors: " + WHAT[kind], "not the golden's tensor file")(
+        check_golden(lambda c, kind=kind: (g := c.golden(), replace_by(g / "tensors.safetensors", kind))[0]))
+    case(f"golden-manifest-a-{kind}", "{tmp}/golden/manifest.json: " + WHAT[kind])(
+        check_golden(lambda c, kind=kind: (g := c.golden(), replace_by(g / "manifest.json", kind))[0]))
+    case(f"checkpoint-config-a-{kind}", "{tmp}/ckpt/config.json: config.json " + WHAT[kind])(
+        info_of(lambda c, kind=kind: (k := c.ckpt(), replace_by(k / "config.json", kind))[0]))
+    case(f"checkpoint-weights-a-{kind}", "{tmp}/ckpt/model.safetensors: " + WHAT[kind], "transformers would")(
+        info_of(lambda c, kind=kind: (k := c.ckpt(), replace_by(k / "model.safetensors", kind))[0]))
+
 # ---- the golden contract: edited, truncated or foreign goldens are bad input in every command -----
 
 def reshape(key: str, shape):
