@@ -23,6 +23,7 @@ import traceback
 from harness.cli import bisect, check, graphs, info, perf, reference
 from harness.cli.common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                                 EXIT_TERMINATED)
+from harness.atomic import release_claims
 from harness.errors import SHOW_BYTES, HarnessInputError, os_problem
 
 COMMANDS = (info, reference, check, bisect, perf, graphs)
@@ -115,6 +116,8 @@ def _run(args, name: str, argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     except Exception as exc:  # noqa: BLE001  (the contract: a bug is reported as one, never as exit 1)
         return _internal_error(name, exc, argv)
+    finally:
+        release_claims()
 
 
 def main(argv=None) -> int:

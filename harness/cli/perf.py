@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from harness.atomic import claim_output
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, buckets_arg, with_generator
 from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
@@ -98,6 +99,7 @@ def validate_bench(args) -> None:
     if args.history is not None:
         v.output_location(args.history, "--history", True, inputs, outputs)
     v.clean_leftovers(outputs.values())
+    claim_output(out, "--out")  # a second bench for the same --out is refused now, not after its runs
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, kv_len)

@@ -410,3 +410,38 @@ def test_replace_swaps_in_the_new_directory_either_way(tmp_path, monkeypatch, ex
         (tmp / "new-only").write_text("new")
     assert sorted(p.name for p in target.iterdir()) == ["new-only"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("command", ["reference", "bench"])
+def test_a_second_run_for_the_same_new_output_is_refused_before_its_work(tmp_path, monkeypatch, capsys, command):
+    """While one run holds the claim on a new --out (here: this test, through the same lock a run
+    takes), a second run for the same --out is refused at validation (exit 2, naming it), without
+    loading a model or computing anything, and leaves the disk as it was; once released, the
+    claim file is gone and the output can be claimed again."""
+    import harness.reference
+    from harness.atomic import _claim_file
+
+    def no_model_work(*args, **kwargs):
+        raise AssertionError("model work started although the output was claimed by another run")
+
+    monkeypatch.setattr(harness.reference, "run_reference", no_model_work)
+    monkeypatch.setattr("harness.perf.bench.run_bench", no_model_work, raising=False)
+    out = tmp_path / ("golden" if command == "reference" else "bench.json")
+    harness.atomic.claim_output(out, "--out")  # another run's claim (a second open file: flock conflicts)
+    claimed = _claim_file(out)
+    fd, path = harness.atomic._claims.pop()  # keep holding it, outside this process's own release
+    try:
+        before = snapshot(tmp_path)
+        argv = (["reference", "--model", "tiny", "--new-tokens", 1, "--out", out] if command == "reference"
+                else ["bench", "--model", "tiny", "--runs", 1, "--warmup", 0, "--new-tokens", 1, "--out", out])
+        outcome = run_inprocess(argv, capsys)
+        assert outcome.code == 2, outcome.err
+        assert f"--out {out}: another gemma-parity run is writing it right now" in outcome.err
+        assert snapshot(tmp_path) == before
+    finally:
+        harness.atomic._claims.append((fd, path))
+        harness.atomic.release_claims()
+    assert not claimed.exists()
+    harness.atomic.claim_output(out, "--out")  # free again
+    harness.atomic.release_claims()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
