@@ -476,6 +476,9 @@ def randomize_for_margins(model, seed: int, logit_scale: float = 1.0) -> None:
 
 def _save_atomically(model, out_dir: Path, overwrite: bool) -> None:
     """save_pretrained into a temp dir beside out_dir, then rename: nothing half written remains."""
+    from harness.progress import third_party_bars
+
+    third_party_bars()
     try:
         with atomic_directory(out_dir, replace=overwrite) as tmp:
             try:
