@@ -62,8 +62,19 @@ def _tokenize(text, checkpoint_dir, path, k) -> list[int]:
                           f"({type(exc).__name__}: {exc}); fix the tokenizer files or give token ids") from None
 
 
+def _where_and_fix(source, vocab_size: int) -> tuple[str, str]:
+    """Who the prompts came from, and what fixes an id outside the vocabulary there."""
+    if source is None:
+        return (f"the default prompts file {DEFAULT_PROMPTS} (used because no --prompts was given): ",
+                f"this model's vocabulary is smaller than the default prompts assume; pass --prompts FILE "
+                f"with token ids below {vocab_size}")
+    if str(source).startswith("golden"):
+        return f"{source}: ", "the golden was made with another vocabulary; regenerate it for this model"
+    return f"{source}: ", "check the prompts file"
+
+
 def validate_prompt_ids(spec, prompts, source=None) -> None:
-    where = f"{source or DEFAULT_PROMPTS}: "
+    where, fix = _where_and_fix(source, spec.vocab_size)
     allowed = set(spec.placeholder_token_ids)
     for k, prompt in enumerate(prompts):
         if not prompt:
@@ -73,7 +84,7 @@ def validate_prompt_ids(spec, prompts, source=None) -> None:
                 raise PromptError(f"{where}prompt {k}: {t!r} at position {pos} is not an integer token id")
             if not (0 <= t < spec.vocab_size) and t not in allowed:
                 raise PromptError(f"{where}prompt {k}: token id {t} at position {pos} is outside the "
-                                  f"vocabulary [0, {spec.vocab_size}); check the prompts file")
+                                  f"vocabulary [0, {spec.vocab_size}); {fix}")
 
 
 def validate_prompt_fit(prompts, new_tokens: int, source=None, buckets=None, kv_len: int | None = None,
