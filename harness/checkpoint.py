@@ -497,6 +497,10 @@ def tiny_checkpoint_path(seed: int = 0) -> Path:
     """Where the cached tiny checkpoint for `seed` lives (built or not)."""
     # The builder's version is part of the key: a change in how weights are drawn must not reuse
     # a checkpoint cached by an older build.
+    if not TINY_CONFIG.is_file():
+        raise InputFileError(f"{TINY_CONFIG}: the tiny model's config is not installed ({not_a_file(TINY_CONFIG)}): "
+                             "this gemma-parity was installed without its fixtures; reinstall it from the "
+                             "repository (pip install .) or run it from a checkout")
     digest = hashlib.sha256(TINY_CONFIG.read_bytes() + f"builder-{TINY_BUILDER_VERSION}".encode()).hexdigest()[:10]
     return cache_dir() / f"tiny-{digest}-seed{seed}"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness import FIXTURES_DIR
-from harness.errors import InputFileError, PromptError, read_json_file
+from harness.errors import InputFileError, PromptError, not_a_file, read_json_file
 
 DEFAULT_PROMPTS = FIXTURES_DIR / "prompts" / "default.json"
 DEFAULT_NEW_TOKENS = 8
@@ -26,6 +26,10 @@ def is_token_id(t) -> bool:
 def load_prompts(path=None, checkpoint_dir=None) -> list[list[int]]:
     """A JSON list of token-id lists, or of strings when the checkpoint has a tokenizer."""
     path = Path(path) if path else DEFAULT_PROMPTS
+    if path == DEFAULT_PROMPTS and not path.is_file():
+        raise InputFileError(f"{path}: the default prompts are not installed ({not_a_file(path)}): this "
+                             "gemma-parity was installed without its fixtures; pass --prompts FILE, or reinstall it "
+                             "from the repository (pip install .)")
     if path.is_dir():
         raise InputFileError(f"{path}: is a directory; give the prompts file (a JSON list of token-id lists)")
     items = _read_json(path)
