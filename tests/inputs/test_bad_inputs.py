@@ -322,7 +322,7 @@ case("unexpected-decoder-layer", f"{TEXT}layers.12.", "not used by the model", "
 case("v-proj-on-a-k-eq-v-layer", f"{TEXT}layers.5.self_attn.v_proj.weight", "attention_k_eq_v")(
     info_of(lambda c: rewrite_weights(c.ckpt(), lambda t: t.update({
         f"{TEXT}layers.5.self_attn.v_proj.weight": torch.zeros(32, 64)}))))
-case("explicit-weights-missing", "transformers_weights but missing")(
+case("explicit-weights-missing", "transformers_weights but not found")(
     info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg.update(transformers_weights="other.safetensors"))))
 for key, value, fragment in [("num_attention_heads", 0, "num_attention_heads=0"),
                              ("num_key_value_heads", 3, "must divide num_attention_heads=16"),
