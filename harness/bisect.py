@@ -1,9 +1,9 @@
 """First divergent layer: which layer of the port breaks parity with a golden, which part, and why.
 
-Two modes (DESIGN §5: extra graph outputs change what the compiler builds):
+Two modes (extra graph outputs change what the compiler builds, so a device may need the second):
 
-- capture (CPU): one run of the parity build gives every layer's cumulative error against the
-  golden. Each layer is then also run alone on the golden's input to it (Polygraphy's `debug
+- capture (CPU): the same run and judgement as `check` (harness.parity.check_port) gives every
+  layer's cumulative error against the golden, and the token counts, by construction the same. Each layer is then also run alone on the golden's input to it (Polygraphy's `debug
   reduce` idea: feed reference intermediates to the piece under test), which gives its *local*
   error: a layer that is itself wrong is told apart from error accumulated upstream. The first
   divergent layer is the first whose local error breaks compare.py's policy; its inner residual
@@ -20,11 +20,12 @@ from typing import Callable
 
 import torch
 
-from harness.compare import ENVELOPE_FACTOR, PointResult, compare_point, stack_prompts
+from harness.compare import ENVELOPE_FACTOR, PointResult, compare_point
 from harness.errors import HarnessInputError
-from harness.local import (LayerVerdict, PortRun, ReferenceLayers, _component, _finite_or_none, final_norm_points,
-                           first_nonfinite, intra_op_threads_for, local_verdicts, run_port_with_captures)
+from harness.local import (LayerVerdict, ReferenceLayers, _finite_or_none, final_norm_alone, first_nonfinite,
+                           intra_op_threads_for)
 from harness.model import rms_norm
+from harness.points import Point, first_component, locate
 from harness.progress import status
 from harness.reference import ReferenceResult
 
@@ -56,6 +57,8 @@ class BisectResult:
     # The fp32 structural stage (harness.parity): the port in fp32 against the golden's fp32
     # reference to fp32 precision. A structural bug inside bf16 noise fails here.
     fp32_stage: dict | None = None
+    # capture mode: the check this bisection read its layers, tokens and stages from (not JSON)
+    check: object = field(default=None, repr=False, compare=False)
 
     def _first_point(self) -> tuple[str, LayerVerdict | None] | None:
         """(name, layer) of the first point that breaks the policy, in this order: embeddings; the
@@ -68,7 +71,11 @@ class BisectResult:
                 return None
             bad = next(v for v in self.layers if v.index == self.first_failing_prefix - 1)
             return f"layers.{bad.index}", bad
+        found = self.check.divergent() if self.check is not None else None
         bad = next((v for v in self.layers if not v.passed), None)
+        if found is not None:  # the check's own rule: the first layer failing alone, else in the run
+            bad = next(v for v in self.layers if v.index == found[0])
+            return f"layers.{bad.index}", bad
         if bad is not None:
             return f"layers.{bad.index}", bad
         if self.final_norm and not self.final_norm[-1].passed:
@@ -100,7 +107,10 @@ class BisectResult:
         bad = self.first_bad
         if bad is None:
             return None
-        return bad.component or _component(bad.cumulative)
+        found = self.check.divergent() if self.check is not None else None
+        if found is not None and found[0] == bad.index:
+            return found[1]
+        return bad.component or first_component(bad.cumulative)
 
     @property
     def cause(self) -> str | None:
@@ -127,7 +137,8 @@ class BisectResult:
 
     @property
     def passed(self) -> bool:
-        return self._first_point() is None and (self.fp32_stage is None or self.fp32_stage["passed"])
+        return (self._first_point() is None and (self.fp32_stage is None or self.fp32_stage["passed"])
+                and (self.check is None or self.check.passed))
 
     def to_json(self) -> dict:
         layers = [v.to_json() for v in self.layers]
@@ -150,53 +161,55 @@ class BisectResult:
     def _locate_positions(self, points: list[dict]) -> None:
         """Points' worst_position indexes the prompts' stacked rows: say which prompt and position."""
         for p in points:
-            row = p["worst_position"]
-            for k, n in enumerate(self.prompt_lengths):
-                if row < n:
-                    p["worst_prompt"], p["worst_prompt_position"] = k, row
-                    break
-                row -= n
+            if p["worst_position"] < sum(self.prompt_lengths):
+                p["worst_prompt"], p["worst_prompt_position"] = locate(p["worst_position"], self.prompt_lengths)
 
 
-# ---- capture mode: the port's per-layer run on the golden's inputs ------------------------------
+def fp32_summary(fp32) -> dict:
+    """The fp32 structural stage (a check result) as bisect reports it."""
+    return {"passed": fp32.stage_passed, "failures": fp32.failures()[:20],
+            "first_divergent_layer": fp32.first_divergent_layer,
+            "first_divergent_component": fp32.first_divergent_component}
 
-def bisect_capture(checkpoint, engine, layer_backend, ref32: list[ReferenceResult],
-                   ref16: list[ReferenceResult], backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16",
-                   progress: bool = False, port_run: PortRun | None = None) -> BisectResult:
-    """Capture mode. `engine` runs the parity build (any backend) unless `port_run` already holds
-    its captures; `layer_backend` is a CPU backend whose rank modules run each layer alone on the
-    golden's input."""
+
+# ---- capture mode: the check's run, each layer alone on the golden's inputs --------------------
+
+def bisect_capture(checkpoint, engine, refs: tuple, layer_backend=None, run: dict | None = None) -> BisectResult:
+    """Capture mode: `check_port` on `engine` (any backend) against refs = (fp32, bf16) golden
+    results, with the local verdicts run by `layer_backend` (a CPU backend; the engine's own on
+    cpu); run = check_port's keyword options (backend, tp, dtype, progress, fp32_engine). Every
+    count and the first divergent layer are the check's."""
+    from harness.parity import check_port
+
+    run = dict(run or {})
     with intra_op_threads_for(checkpoint.spec):
-        return _bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype, progress,
-                               port_run)
+        check = check_port(checkpoint, engine, *refs, local=True, layer_backend=layer_backend, **run)
+        reference = ReferenceLayers(checkpoint)
+        golden_caps = [r.captures for r in refs[0]]
+        final = [check.final_norm, final_norm_alone(layer_backend or engine.backend, reference, golden_caps)]
+    return _capture_result(checkpoint.spec, check, refs, final)
 
 
-def _bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype, progress,
-                    port_run=None) -> BisectResult:
-    spec = checkpoint.spec
-    port_run = port_run or run_port_with_captures(engine, spec, ref32, ref16, progress)
-    golden_caps = [r.captures for r in ref32]
-    ref = {n: stack_prompts(golden_caps, n) for n in port_run.captures}
-    env = {n: stack_prompts([r.captures for r in ref16], n) for n in port_run.captures}
-    verdicts, local_nonfinite = local_verdicts(checkpoint, layer_backend, ref32, ref16, port_run, progress)
-    final_norm = final_norm_points(layer_backend, ReferenceLayers(checkpoint), golden_caps, port_run.captures,
-                                   ref, env)
-    embeddings = compare_point("embeddings", port_run.captures["embeddings"], ref["embeddings"], env["embeddings"])
-    nonfinite = first_nonfinite(spec, port_run.captures, [len(r.prompt) for r in ref32])
+def _capture_result(spec, check, refs: tuple, final_norm: list) -> BisectResult:
+    lengths = [len(r.prompt) for r in refs[0]]
+    captures = check.observation.dev if check.observation is not None else {}
+    nonfinite = first_nonfinite(spec, captures, lengths) if captures else None
     if nonfinite:
         nonfinite["where"] = "port run"
-    elif local_nonfinite:
-        nonfinite = dict(local_nonfinite, where="layer alone on the golden's input")
+    elif check.local_nonfinite:
+        nonfinite = dict(check.local_nonfinite, where="layer alone on the golden's input")
     notes = []
-    if backend != "cpu":
-        notes.append(f"cumulative errors come from the {backend} parity build; local runs use the port's "
+    if check.backend != "cpu":
+        notes.append(f"cumulative errors come from the {check.backend} parity build; local runs use the port's "
                      "layer code on the CPU backend, so a compiler fault shows only as cumulative "
                      "error: use --mode truncate to pin it on the device")
-    return BisectResult(mode="capture", backend=backend, tp=tp, dtype=dtype, num_layers=spec.num_layers,
-                        layers=verdicts, builds=1, nonfinite=nonfinite, seq_match=port_run.seq_match,
-                        near_tie_flips=port_run.near_ties, real_divergences=port_run.divergences, notes=notes,
-                        prompt_lengths=[len(r.prompt) for r in ref32], embeddings=embeddings,
-                        final_norm=final_norm)
+    stage = None if check.fp32 is None else fp32_summary(check.fp32)
+    return BisectResult(mode="capture", backend=check.backend, tp=check.tp, dtype=check.dtype,
+                        num_layers=spec.num_layers, layers=check.local_verdicts, builds=1, nonfinite=nonfinite,
+                        seq_match=check.seq_match if any(r.generated for r in refs[0]) else None,
+                        near_tie_flips=check.near_ties, real_divergences=check.divergences, notes=notes,
+                        prompt_lengths=lengths, embeddings=check.embeddings,
+                        final_norm=[p for p in final_norm if p is not None], fp32_stage=stage, check=check)
 
 
 # ---- truncate mode: binary search over builds of the first k layers -----------------------------
@@ -267,7 +280,7 @@ class PrefixCheckpoint:
         return self.base.file_hashes()
 
 
-def backend_prefix_build(checkpoint, backend: str = "cpu", tp: int = 2, dtype: torch.dtype = torch.bfloat16,
+def backend_prefix_build(checkpoint, backend: str = "cpu", *, tp: int = 2, dtype: torch.dtype = torch.bfloat16,
                          buckets=(64,), kv_len: int = 256, progress: bool = False) -> PrefixBuild:
     """Builds through the normal backend path (build_engine): on a device each prefix is a real
     compile of the perf graph, cached by the backend under its spec (which differs per k); the
@@ -293,7 +306,7 @@ def _readout(x: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
     return rms_norm(x.to(dtype), None, eps).float()
 
 
-def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult], build: PrefixBuild,
+def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult], build: PrefixBuild, *,
                     backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16", progress: bool = False,
                     name_component: bool = True) -> BisectResult:
     """Truncate mode: binary-search the first failing prefix of the port, judging each prefix's
@@ -339,11 +352,13 @@ def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceRes
 
 # ---- the library entry point ------------------------------------------------------------------------------------
 
-def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu", tp: int = 2,
+def run_bisect(checkpoint, golden, mode: str | None = None, *, backend: str = "cpu", tp: int = 2,
                dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
-               build: PrefixBuild | None = None, progress: bool = False) -> BisectResult:
+               build: PrefixBuild | None = None, progress: bool = False, fp32_stage: bool = False) -> BisectResult:
     """Bisect `checkpoint` (run on `backend`) against a golden read for the checkpoint's spec. The
-    golden may come from other weights (yesterday's): only the architecture must match."""
+    golden may come from other weights (yesterday's): only the architecture must match. Capture
+    mode runs the check's stages (the fp32 one when `fp32_stage`)."""
+    from harness.observe import build_port, layer_backend as cpu_layers
     from harness.reference import dtype_name
 
     mode = mode or ("capture" if backend == "cpu" else "truncate")
@@ -355,39 +370,35 @@ def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu"
         raise HarnessInputError(f"the golden's longest prompt has {longest} tokens, more than the largest "
                                 f"bucket {max(buckets)}; pass --buckets with a bucket >= {longest}")
     if mode == "truncate":
-        build = build or backend_prefix_build(checkpoint, backend, tp, dtype, buckets, kv_len, progress)
-        return bisect_truncate(checkpoint.spec, ref32, ref16, build, backend, tp, dtype_name(dtype), progress)
-    from harness.backends.cpu import CpuBackend
-    from harness.backends import build_engine
+        build = build or backend_prefix_build(checkpoint, backend, tp=tp, dtype=dtype, buckets=buckets,
+                                              kv_len=kv_len, progress=progress)
+        result = bisect_truncate(checkpoint.spec, ref32, ref16, build, backend=backend, tp=tp,
+                                 dtype=dtype_name(dtype), progress=progress)
+        if fp32_stage:
+            from harness.parity import PortRun, structural_stage
 
-    # capture=True asks a device backend for its parity build (captures as graph outputs)
-    engine = build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
-                          capture=True)
-    layer_backend = engine.backend if backend == "cpu" else CpuBackend(checkpoint, tp=tp, dtype=dtype,
-                                                                       max_len=kv_len)
-    return bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype_name(dtype),
-                          progress)
+            port = PortRun(backend, tp, dtype_name(dtype), progress)
+            result.fp32_stage = fp32_summary(structural_stage(checkpoint, (ref32, ref16), port, (buckets, kv_len)))
+        return result
+    engine = build_port(checkpoint, backend, tp, dtype, (tuple(buckets), kv_len))
+    layers = cpu_layers(checkpoint, engine, backend, tp, dtype, kv_len)
+    run = {"backend": backend, "tp": tp, "dtype": dtype_name(dtype), "progress": progress,
+           "fp32_engine": "auto" if fp32_stage else None}
+    return bisect_capture(checkpoint, engine, (ref32, ref16), layers, run)
 
 
-def bisect_golden(checkpoint, golden_path, mode: str | None = None, backend: str = "cpu", tp: int = 2,
-                  dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
-                  progress: bool = False, fp32_stage: bool = True) -> tuple[BisectResult, dict]:
+def bisect_golden(checkpoint, golden_path, mode: str | None = None, **options) -> tuple[BisectResult, dict]:
     """What `gemma-parity bisect` does: read the golden for the checkpoint's spec (or take the
-    Golden already read), bisect, and return the result with its JSON payload (which says whether
-    the golden came from these weights)."""
+    Golden already read), bisect (options: run_bisect's; the fp32 stage runs unless
+    fp32_stage=False), and return the result with its JSON payload (which says whether the golden
+    came from these weights)."""
     from harness.golden import Golden, read_golden, same_weights
-    from harness.parity import fp32_structural_stage
 
     golden = golden_path if isinstance(golden_path, Golden) else read_golden(golden_path,
                                                                              expected_spec=checkpoint.spec)
     same = bool(same_weights(golden, checkpoint))
-    result = run_bisect(checkpoint, golden, mode, backend, tp, dtype, buckets, kv_len, progress=progress)
-    if fp32_stage:
-        stage = fp32_structural_stage(checkpoint, golden.results("float32"), golden.results("bfloat16"),
-                                      backend, tp, buckets, kv_len, progress)
-        result.fp32_stage = {"passed": stage.stage_passed, "failures": stage.failures()[:20],
-                             "first_divergent_layer": stage.first_divergent_layer,
-                             "first_divergent_component": stage.first_divergent_component}
+    options.setdefault("fp32_stage", True)
+    result = run_bisect(checkpoint, golden, mode, **options)
     payload = result.to_json()
     payload["golden"] = str(golden.path)
     payload["golden_from_same_weights"] = same
