@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.numerics import bf16_ulp, softcap
+from harness.points import layer_points
 from harness.verdicts import (LayerResult, LogitsResult, NearTieCalibration, PointResult, ProbabilityResult,
                               TokenVerdict)
 
@@ -166,8 +167,6 @@ def stack_prompts(runs: list[dict], name: str) -> torch.Tensor:
 
 def compare_layers(spec, observed: tuple, judge: StageJudge = BF16, decode: bool = False) -> list[LayerResult]:
     """Every layer whose three points were observed: observed = (device, reference, envelope) dicts."""
-    from harness.points import layer_points
-
     dev, ref, env = observed
     out = []
     for layer in spec.layers:

@@ -182,3 +182,13 @@ def test_bf16_probability_judge_on_softmax_rows():
 def test_stage_settings_are_pinned():
     assert (BF16.factor, BF16.scale, BF16.floor, BF16.envelope_ties) == (4.0, 1.0, 2.0 ** -9, True)
     assert (FP32.factor, FP32.scale, FP32.floor, FP32.envelope_ties) == (16.0, 2.0 ** -16, 2.0 ** -25, False)
+
+
+def test_probability_distribution_is_judged_at_its_0_9_quantile_and_mean():
+    """Two rows of ten at 5x the envelope: the mean moves 1.8x, the 0.9 quantile 5x (fails)."""
+    env = torch.full((10,), 1e-4, dtype=torch.float64)
+    dev = env.clone()
+    dev[8:] = 5e-4
+    assert distribution_ratio(dev, env, 2e-6) == pytest.approx(5.0)
+    dev[9] = 1e-4
+    assert distribution_ratio(dev, env, 2e-6) == pytest.approx(1.4)  # one row at 5x: mean and q0.9 both 1.4
