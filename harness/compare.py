@@ -78,7 +78,7 @@ FP32_MASS_TOLERANCE = 2e-5
 # logits point's to catch (judged per position). Where from: over healthy ports of eight shapes and
 # seeds (tiny builder, transformers default init, 2 and 4 global KV heads, hidden 48 to 128) the
 # judged ratio stays at or below 1.3 (README, "How parity is judged"); every probability fault of
-# tests/faults lands at 40x or more. The factor is ENVELOPE_FACTOR.
+# tests/faults lands at 369x or more. The factor is ENVELOPE_FACTOR.
 PROBABILITY_QUANTILE = 0.9
 TOPK = 5
 
