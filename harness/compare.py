@@ -196,9 +196,11 @@ def calibrate_near_ties(pairs, quantile: float = NEAR_TIE_QUANTILE,
     rows and decode steps. The band is `factor` x the `quantile` of the margin shifts."""
     shifts = torch.cat([margin_shifts(r, e) for r, e in pairs] or [torch.empty(0, dtype=torch.double)])
     if shifts.numel() == 0:
-        return NearTieCalibration(quantile, factor, 0, 0.0, 0.0, 0.0)
+        return NearTieCalibration(quantile=quantile, factor=factor, samples=0, shift_at_quantile=0.0,
+                                  shift_max=0.0, band=0.0)
     at_q = float(torch.quantile(shifts, quantile))
-    return NearTieCalibration(quantile, factor, int(shifts.numel()), at_q, float(shifts.max()), factor * at_q)
+    return NearTieCalibration(quantile=quantile, factor=factor, samples=int(shifts.numel()), shift_at_quantile=at_q,
+                              shift_max=float(shifts.max()), band=factor * at_q)
 
 
 def classify_mismatch(position: int, ref_row: torch.Tensor, dev_token: int, band: float = 0.0,
@@ -217,7 +219,8 @@ def classify_mismatch(position: int, ref_row: torch.Tensor, dev_token: int, band
         kind, evidence = "near_tie", f"margin {margin:.4f} within the near-tie band {threshold:.4f}"
     else:
         kind, evidence = "divergence", f"margin {margin:.4f} above the near-tie band {threshold:.4f}"
-    return TokenVerdict(position, ref_token, int(dev_token), margin, threshold, kind, evidence)
+    return TokenVerdict(position=position, reference_token=ref_token, device_token=int(dev_token), margin=margin,
+                        threshold=threshold, kind=kind, evidence=evidence)
 
 
 def saturation_tie(ref_capped_row: torch.Tensor, dev_token: int) -> bool:
@@ -238,14 +241,17 @@ def classify_departure(reference, run, band: float, structural: set, judge: Stag
     s = next(i for i, (a, b) in enumerate(zip(ref, tokens)) if a != b)
     dev, own, forced_choice = tokens[s], int(run.free.step_logits[s].argmax()), int(run.forced.step_logits[s].argmax())
     if dev != own or dev != forced_choice:
-        return TokenVerdict(s, ref[s], dev, math.nan, math.nan, "unexplained",
-                            f"the free run chose {dev} at step {s}, but the argmax of its logits is {own} and "
-                            f"the same prefix teacher-forced gives {forced_choice}")
+        return TokenVerdict(position=s, reference_token=ref[s], device_token=dev, margin=math.nan,
+                            threshold=math.nan, kind="unexplained",
+                            evidence=f"the free run chose {dev} at step {s}, but the argmax of its logits is {own} "
+                                     f"and the same prefix teacher-forced gives {forced_choice}")
     capped = reference.captures.get("step_capped_logits")
     if capped is not None and saturation_tie(capped[s], dev):
-        return TokenVerdict(s, ref[s], dev, 0.0, 0.0, "saturation_tie",
-                            "the device's raw argmax is among the reference's capped maxima (softcap saturates)")
-    return classify_mismatch(s, reference.step_logits[s], dev, band, ref[s], s in structural, judge.envelope_ties)
+        return TokenVerdict(position=s, reference_token=ref[s], device_token=dev, margin=0.0, threshold=0.0,
+                            kind="saturation_tie", evidence="the device's raw argmax is among the reference's "
+                                                            "capped maxima (softcap saturates)")
+    return classify_mismatch(s, reference.step_logits[s], dev, band, ref_token=ref[s], structural=s in structural,
+                             ulp_floor=judge.envelope_ties)
 
 
 def compare_logits(device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tensor | None,
@@ -260,7 +266,7 @@ def compare_logits(device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tens
     back to the softcap of the raw logits."""
     n = ref.shape[0]
     if n == 0:
-        return LogitsResult(0, 1.0, 1.0, 0.0, 0.0)
+        return LogitsResult(positions=0, top1_agreement=1.0, topk_overlap=1.0, kl_mean=0.0, kl_max=0.0)
     if band is None:
         band = calibrate_near_ties([(ref, envelope)]).band if envelope is not None else 0.0
     ref_capped = softcap(ref, cap) if ref_capped is None else ref_capped.float()
@@ -273,11 +279,13 @@ def compare_logits(device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tens
     log_q = (torch.log_softmax(softcap(device, cap).double(), -1) if dev_probs is None
              else dev_probs.double().clamp_min(1e-300).log())
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
-    mismatches = [classify_mismatch(i, ref[i], int(dev_top1[i]), band, int(ref_top1[i]), i in structural, ulp_floor)
+    mismatches = [classify_mismatch(i, ref[i], int(dev_top1[i]), band, ref_token=int(ref_top1[i]),
+                                    structural=i in structural, ulp_floor=ulp_floor)
                   for i in range(n) if int(dev_top1[i]) != int(ref_top1[i])
                   and not saturation_tie(ref_capped[i], int(dev_top1[i]))]
     agree = 1.0 - len(mismatches) / n
-    return LogitsResult(n, agree, float(overlap.mean()), float(kl.mean()), float(kl.max()), mismatches)
+    return LogitsResult(positions=n, top1_agreement=agree, topk_overlap=float(overlap.mean()),
+                        kl_mean=float(kl.mean()), kl_max=float(kl.max()), mismatches=mismatches)
 
 
 # ---- host probabilities ----------------------------------------------------------------------------
@@ -321,5 +329,7 @@ def compare_probabilities(name: str, dev_probs: torch.Tensor, ref_capped: torch.
         ratio = max(distribution_ratio(kl, env_kl, FP32_KL_TOLERANCE),
                     distribution_ratio(mass, env_mass, FP32_MASS_TOLERANCE))
     worst = int(kl.nan_to_num(math.inf).argmax()) if kl.numel() else 0
-    return ProbabilityResult(name, float(kl.mean()), float(kl.max()), float(mass.max()), float(env_kl.max()),
-                             float(env_mass.max()), ratio, worst, math.isfinite(ratio) and ratio <= factor)
+    return ProbabilityResult(name=name, kl_mean=float(kl.mean()), kl_max=float(kl.max()),
+                             topk_mass_error=float(mass.max()), envelope_kl_max=float(env_kl.max()),
+                             envelope_topk_mass_error=float(env_mass.max()), ratio=ratio, worst_position=worst,
+                             passed=math.isfinite(ratio) and ratio <= factor)

@@ -41,16 +41,18 @@ def host_backend(backend: str) -> str:
 
 def build_fp32_port(checkpoint, backend: str, tp: int, shape: tuple):
     """The port in fp32 for the structural stage, on the host backend."""
-    return port_call("fp32 stage: building the fp32 port", build_port, checkpoint, host_backend(backend), tp,
-                     torch.float32, shape)
+    return port_call("fp32 stage: building the fp32 port",
+                     lambda: build_port(checkpoint, host_backend(backend), tp, torch.float32, shape))
 
 
-def layer_backend(checkpoint, engine, backend: str, tp: int, dtype, kv_len: int):
-    """A CPU backend whose rank modules run one layer alone (the engine's own on cpu)."""
+def layer_backend(checkpoint, engine, backend: str, port: tuple):
+    """A CPU backend whose rank modules run one layer alone (the engine's own on cpu); port =
+    (tp, dtype, kv_len)."""
     if backend == "cpu":
         return engine.backend
     from harness.backends.cpu import CpuBackend
 
+    tp, dtype, kv_len = port
     return CpuBackend(checkpoint, tp=tp, dtype=dtype, max_len=kv_len)
 
 

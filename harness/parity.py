@@ -68,7 +68,9 @@ def run_stage(stage: str, engine, checkpoint, refs: tuple, judged: tuple) -> Che
     return result
 
 
-def _fp32_stage(checkpoint, engine, refs: tuple, calibration, run: PortRun, fp32_engine) -> CheckResult:
+def _fp32_stage(checkpoint, engines: tuple, refs: tuple, calibration, run: PortRun) -> CheckResult:
+    """engines = (the port's engine, the fp32 engine or "auto" to build it)."""
+    engine, fp32_engine = engines
     try:
         if fp32_engine == "auto":
             start = time.perf_counter()
@@ -93,18 +95,19 @@ def structural_stage(checkpoint, refs: tuple, run: PortRun, shape: tuple) -> Che
         engine = build_fp32_port(checkpoint, run.backend, run.tp, (tuple(buckets), kv_len))
     except PortFailure as failure:
         return _failed_stage(run, "fp32", failure)
-    return _fp32_stage(checkpoint, engine, refs, near_tie_calibration(*refs), run, engine)
+    return _fp32_stage(checkpoint, (engine, engine), refs, near_tie_calibration(*refs), run)
 
 
 def _local(result: CheckResult, checkpoint, layer_backend, refs: tuple, run: PortRun) -> None:
     """Each layer alone on the reference's input, beside the stage's cumulative points."""
     start = time.perf_counter()
     captures = {n: t for n, t in result.observation.dev.items() if not n.startswith(("decode", "kv."))}
-    verdicts, nonfinite = port_call("bf16 stage: local layer verdicts", local_verdicts, checkpoint, layer_backend,
-                                    refs, captures, run.progress)
+    verdicts, nonfinite = port_call("bf16 stage: local layer verdicts",
+                                    lambda: local_verdicts(checkpoint, layer_backend, refs, captures, run.progress))
     result.local_verdicts, result.local_nonfinite = verdicts, nonfinite
-    result.local = [LocalLayer(v.index, v.passed, v.component, max(p.required_factor for p in v.local),
-                               v.local[-1].rel_l2, v.local[-1].envelope_rel_l2) for v in verdicts]
+    result.local = [LocalLayer(index=v.index, passed=v.passed, component=v.component,
+                               ratio=max(p.required_factor for p in v.local), rel_l2=v.local[-1].rel_l2,
+                               envelope_rel_l2=v.local[-1].envelope_rel_l2) for v in verdicts]
     result.seconds["local"] = round(time.perf_counter() - start, 2)
 
 
@@ -128,7 +131,7 @@ def _check_port(checkpoint, engine, refs: tuple, run: PortRun, options: dict) ->
     ref32, ref16 = refs
     check_inputs_fit(engine.buckets, engine.kv_len, [r.prompt for r in ref32], max((len(r.generated) for r in ref32), default=0))
     calibration = near_tie_calibration(ref32, ref16)
-    fp32 = None if fp32_engine is None else _fp32_stage(checkpoint, engine, refs, calibration, run, fp32_engine)
+    fp32 = None if fp32_engine is None else _fp32_stage(checkpoint, (engine, fp32_engine), refs, calibration, run)
     try:
         result = run_stage("bf16", engine, checkpoint, refs, (calibration, structural_flips(fp32), run))
         layer_backend = layer_backend or (engine.backend if hasattr(engine.backend, "on_ranks") else None)

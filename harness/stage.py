@@ -30,9 +30,10 @@ def structural_flips(fp32: CheckResult | None) -> dict:
     return flips
 
 
-def judge_tokens(obs, k: int, cap, band: float, structural: dict, judge: StageJudge = BF16) -> PromptOutcome:
+def judge_tokens(obs, k: int, cap, flips: tuple, judge: StageJudge = BF16) -> PromptOutcome:
     """Prompt k's tokens: prefill rows and teacher-forced steps flip by flip, and where the free run
-    departs; the same classifier for every command."""
+    departs; the same classifier for every command. flips = (calibrated band, structural flips)."""
+    band, structural = flips
     run, r32 = obs.runs[k], obs.ref32[k]
     band = judge.tie_band(band, r32.captures["logits"])
     prefill = compare_logits(run.forced.prefill.logits, r32.captures["logits"], None, cap, band=band,
@@ -91,7 +92,7 @@ def judge_stage(obs, spec, calibration: NearTieCalibration, structural: dict, po
         backend=backend, tp=tp, dtype=dtype, stage=obs.stage, judge=judge.describe(), embeddings_exact=exact,
         embeddings=point["embeddings"], layers=compare_layers(spec, (dev, ref, env), judge),
         final_norm=point["final_norm"], logits=point["logits"], decode_logits=point.get("decode_logits"),
-        prompts=[judge_tokens(obs, k, cap, calibration.band, structural, judge) for k in range(len(obs.runs))],
+        prompts=[judge_tokens(obs, k, cap, (calibration.band, structural), judge) for k in range(len(obs.runs))],
         calibration=calibration, decode_layers=compare_layers(spec, (dev, ref, env), judge, decode=True),
         decode_points=[point[n] for n in ("decode.embeddings", "decode.final_norm") if n in point],
         kv=[compare_point(n, dev[n], ref[n], env[n], judge) for n in dev if Point.parse(n).kind == "kv"],
