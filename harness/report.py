@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from harness.atomic import write_json_atomic, write_text_atomic
