@@ -21,6 +21,8 @@ def add_command(sub) -> None:
                    help=f"greedy tokens to decode (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--skip-fp32-stage", action="store_true",
                    help="skip the fp32 structural stage (it holds the model in fp32 on the host)")
+    p.add_argument("--verbose", action="store_true", help="print the wall time of each stage and phase "
+                   "(always in the JSON under \"seconds\")")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
     p.set_defaults(func=run, validate=validate)
 
@@ -75,5 +77,5 @@ def run(args) -> int:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
-    print(format_check(result))
+    print(format_check(result, verbose=args.verbose))
     return EXIT_OK if result.passed else EXIT_FAIL
