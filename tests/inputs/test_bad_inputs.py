@@ -116,8 +116,8 @@ def compare_argv(ctx: Ctx, *extra, baseline=None, current=None) -> list:
 for value in ("nan", "inf", "-inf", "0.5"):
     case(f"factor-{value}", f"--factor {float(value)}", "finite number in [1, ∞)")(
         lambda c, value=value: compare_argv(c, f"--factor={value}"))
-for value in ("0", "1", "1.5", "nan", "-0.1"):
-    case(f"alpha-{value}", f"--alpha {float(value)}", "(0, 1)")(lambda c, value=value: compare_argv(c, f"--alpha={value}"))
+for value in ("0", "0.5", "0.7", "1", "1.5", "nan", "-0.1"):
+    case(f"alpha-{value}", f"--alpha {float(value)}", "(0, 0.5)")(lambda c, value=value: compare_argv(c, f"--alpha={value}"))
 for value in ("prefill_ms=-1", "prefill_ms=0", "prefill_ms=nan", "prefill_ms=inf", "=5", "prefill_ms"):
     case(f"budget-{value}", f"--budget '{value}'")(lambda c, value=value: compare_argv(c, f"--budget={value}"))
 case("budget-twice", "--budget prefill_ms: given more than once")(
