@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _pytest(*args):
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)  # a hang guard, not a speed limit
 
 
 @pytest.mark.skipif(bool(list(Path("/dev").glob("neuron[0-9]*"))), reason="this host has NeuronCores")
