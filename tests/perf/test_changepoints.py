@@ -171,3 +171,22 @@ def test_trend_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypat
     comp = perf.compare_history(tmp_path, intervals=False)
     assert perf.draw_trend(comp, tmp_path / "x.png") is None and not (tmp_path / "x.png").exists()
     assert any("matplotlib is not installed" in n for n in comp.notes)
+
+
+def test_the_trend_plot_labels_at_most_twenty_runs_however_long_the_history():
+    """One label per run made a 10,000-run history's plot take minutes; the first and the newest
+    run are always labelled."""
+    pytest.importorskip("matplotlib", reason="the trend PNG needs the plot extra (matplotlib)")
+    from matplotlib.figure import Figure
+
+    from harness.perf import plot
+
+    assert plot.tick_positions(5) == [0, 1, 2, 3, 4]
+    for n in (21, 100, 999, 10_000):
+        ticks = plot.tick_positions(n)
+        assert len(ticks) <= 20 and ticks[0] == 0 and ticks[-1] == n - 1 and ticks == sorted(set(ticks))
+    points = [{"median": 100.0, "p10": 99.0, "p90": 101.0, "commit": f"{k:07d}"} for k in range(2000)]
+    ax = Figure().subplots()
+    plot._panel(ax, "prefill_ms", points, perf.Comparison("a", "b", 1.1, 0.01), None)
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert len(labels) <= 20 and labels[0] == "0000000" and labels[-1] == "0001999"
