@@ -73,15 +73,16 @@ def compare_outputs(baseline: dict, current: dict, baseline_label: str = "baseli
                     current_label: str = "current") -> tuple[str | None, list[str]]:
     """(the refusal, or None when the outputs agree or were not recorded; notes to print)."""
     notes = []
-    missing = [label for label, r in ((baseline_label, baseline), (current_label, current)) if "outputs" not in r]
-    for label, r in ((baseline_label, baseline), (current_label, current)):
-        if "outputs" in r and not r["outputs"].get("runs_agree", True):
+    sides = ((baseline_label, baseline), (current_label, current))
+    missing = [label for label, r in sides if "outputs" not in r]
+    recorded = {label: _valid(r["outputs"], label) for label, r in sides if "outputs" in r}
+    for label, r in sides:
+        if label in recorded and r["outputs"].get("runs_agree", True) is not True:
             notes.append(f"outputs of {label} varied between its runs: {r['outputs'].get('runs_differ')}")
     if missing:
         return None, notes + [f"outputs not recorded in {', '.join(missing)} (written before bench pinned its "
                               "outputs): the timings are compared without checking that the outputs agree"]
-    old = _valid(baseline["outputs"], baseline_label)
-    new = _valid(current["outputs"], current_label)
+    old, new = recorded[baseline_label], recorded[current_label]
     where = first_difference(old, new)
     if where is not None:
         k, s = where
