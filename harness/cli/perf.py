@@ -46,7 +46,10 @@ def add_command(subparsers) -> None:
     bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
     bench.add_argument("--history", metavar="DIR", help="also add the run to this history directory")
     bench.set_defaults(func=run_bench_command, validate=validate_bench, seed=0)
+    _add_compare(subparsers)
 
+
+def _add_compare(subparsers) -> None:
     perf = subparsers.add_parser("perf", help="compare benchmark results")
     perf_commands = perf.add_subparsers(dest="perf_command", metavar="{compare}", required=True)
     compare = perf_commands.add_parser(
