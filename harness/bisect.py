@@ -27,6 +27,7 @@ from harness.local import (LayerVerdict, PortRun, ReferenceLayers, _component, _
 from harness.model import rms_norm
 from harness.progress import status
 from harness.reference import ReferenceResult
+from harness.settings import RunSettings
 
 MODES = ("capture", "truncate")
 
@@ -161,19 +162,18 @@ class BisectResult:
 # ---- capture mode: the port's per-layer run on the golden's inputs ------------------------------
 
 def bisect_capture(checkpoint, engine, layer_backend, ref32: list[ReferenceResult],
-                   ref16: list[ReferenceResult], backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16",
-                   progress: bool = False, port_run: PortRun | None = None) -> BisectResult:
+                   ref16: list[ReferenceResult], progress: bool = False,
+                   port_run: PortRun | None = None) -> BisectResult:
     """Capture mode. `engine` runs the parity build (any backend) unless `port_run` already holds
     its captures; `layer_backend` is a CPU backend whose rank modules run each layer alone on the
     golden's input."""
     with intra_op_threads_for(checkpoint.spec):
-        return _bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype, progress,
-                               port_run)
+        return _bisect_capture(checkpoint, engine, layer_backend, (ref32, ref16), progress, port_run)
 
 
-def _bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype, progress,
-                    port_run=None) -> BisectResult:
-    spec = checkpoint.spec
+def _bisect_capture(checkpoint, engine, layer_backend, refs, progress, port_run=None) -> BisectResult:
+    (ref32, ref16), spec = refs, checkpoint.spec
+    backend, tp, dtype = engine.settings.backend, engine.settings.tp, engine.settings.dtype
     port_run = port_run or run_port_with_captures(engine, spec, ref32, ref16, progress)
     golden_caps = [r.captures for r in ref32]
     ref = {n: stack_prompts(golden_caps, n) for n in port_run.captures}
@@ -267,8 +267,7 @@ class PrefixCheckpoint:
         return self.base.file_hashes()
 
 
-def backend_prefix_build(checkpoint, backend: str = "cpu", tp: int = 2, dtype: torch.dtype = torch.bfloat16,
-                         buckets=(64,), kv_len: int = 256, progress: bool = False) -> PrefixBuild:
+def backend_prefix_build(checkpoint, settings: RunSettings, progress: bool = False) -> PrefixBuild:
     """Builds through the normal backend path (build_engine): on a device each prefix is a real
     compile of the perf graph, cached by the backend under its spec (which differs per k); the
     attention-only build of the same k has the same spec, so it reuses that compile with other
@@ -278,10 +277,10 @@ def backend_prefix_build(checkpoint, backend: str = "cpu", tp: int = 2, dtype: t
     say = status("bisect", progress)
 
     def build(k: int, part: str):
-        say(f"build {backend}: first {k} layer(s), read-out of layer {k - 1}'s "
+        say(f"build {settings.backend}: first {k} layer(s), read-out of layer {k - 1}'s "
             f"{'attention residual' if part == 'attention' else 'output'}")
         view = PrefixCheckpoint(checkpoint, k, part)
-        engine = build_engine(view, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
+        engine = build_engine(view, settings)
         hidden = checkpoint.spec.hidden_size
         return lambda prompt: engine.prefill(prompt).logits[:, :hidden]
 
@@ -294,7 +293,7 @@ def _readout(x: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult], build: PrefixBuild,
-                    backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16", progress: bool = False,
+                    settings: RunSettings = RunSettings(), progress: bool = False,
                     name_component: bool = True) -> BisectResult:
     """Truncate mode: binary-search the first failing prefix of the port, judging each prefix's
     read-out against the golden's (cumulative) output at its last layer. Each (k, part) is built
@@ -331,7 +330,8 @@ def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceRes
     notes = ["truncate mode: each build's read-out is the RMS-normalized last hidden state (no extra graph "
              "outputs); errors are cumulative, so the first failing prefix is where the error first breaks "
              "the policy; a fault that only rescales whole positions shows one layer later"]
-    return BisectResult(mode="truncate", backend=backend, tp=tp, dtype=dtype, num_layers=spec.num_layers,
+    return BisectResult(mode="truncate", backend=settings.backend, tp=settings.tp, dtype=settings.dtype,
+                        num_layers=spec.num_layers,
                         layers=verdicts, builds=len(builds), nonfinite=nonfinite, first_failing_prefix=first,
                         notes=notes,
                         prompt_lengths=[len(r.prompt) for r in ref32])
@@ -339,13 +339,11 @@ def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceRes
 
 # ---- the library entry point ------------------------------------------------------------------------------------
 
-def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu", tp: int = 2,
-               dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
+def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: str | None = None,
                build: PrefixBuild | None = None, progress: bool = False) -> BisectResult:
-    """Bisect `checkpoint` (run on `backend`) against a golden read for the checkpoint's spec. The
-    golden may come from other weights (yesterday's): only the architecture must match."""
-    from harness.reference import dtype_name
-
+    """Bisect `checkpoint` (run as `settings` say) against a golden read for the checkpoint's spec.
+    The golden may come from other weights (yesterday's): only the architecture must match."""
+    backend, buckets = settings.backend, settings.buckets
     mode = mode or ("capture" if backend == "cpu" else "truncate")
     if mode not in MODES:
         raise HarnessInputError(f"unknown bisect mode {mode!r}; choose one of {MODES}")
@@ -355,22 +353,18 @@ def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu"
         raise HarnessInputError(f"the golden's longest prompt has {longest} tokens, more than the largest "
                                 f"bucket {max(buckets)}; pass --buckets with a bucket >= {longest}")
     if mode == "truncate":
-        build = build or backend_prefix_build(checkpoint, backend, tp, dtype, buckets, kv_len, progress)
-        return bisect_truncate(checkpoint.spec, ref32, ref16, build, backend, tp, dtype_name(dtype), progress)
-    from harness.backends.cpu import CpuBackend
-    from harness.backends import build_engine
+        build = build or backend_prefix_build(checkpoint, settings, progress)
+        return bisect_truncate(checkpoint.spec, ref32, ref16, build, settings, progress)
+    from harness.backends import build_engine, make_backend
 
     # capture=True asks a device backend for its parity build (captures as graph outputs)
-    engine = build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
-                          capture=True)
-    layer_backend = engine.backend if backend == "cpu" else CpuBackend(checkpoint, tp=tp, dtype=dtype,
-                                                                       max_len=kv_len)
-    return bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype_name(dtype),
-                          progress)
+    engine = build_engine(checkpoint, settings, capture=True)
+    layer_backend = engine.backend if engine.backend.host_ranks else make_backend(
+        checkpoint, settings.but(backend="cpu", backend_options={}))
+    return bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, progress=progress)
 
 
-def bisect_golden(checkpoint, golden_path, mode: str | None = None, backend: str = "cpu", tp: int = 2,
-                  dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
+def bisect_golden(checkpoint, golden_path, settings: RunSettings = RunSettings(), mode: str | None = None,
                   progress: bool = False, fp32_stage: bool = True) -> tuple[BisectResult, dict]:
     """What `gemma-parity bisect` does: read the golden for the checkpoint's spec (or take the
     Golden already read), bisect, and return the result with its JSON payload (which says whether
@@ -381,10 +375,10 @@ def bisect_golden(checkpoint, golden_path, mode: str | None = None, backend: str
     golden = golden_path if isinstance(golden_path, Golden) else read_golden(golden_path,
                                                                              expected_spec=checkpoint.spec)
     same = bool(same_weights(golden, checkpoint))
-    result = run_bisect(checkpoint, golden, mode, backend, tp, dtype, buckets, kv_len, progress=progress)
+    result = run_bisect(checkpoint, golden, settings, mode, progress=progress)
     if fp32_stage:
         stage = fp32_structural_stage(checkpoint, golden.results("float32"), golden.results("bfloat16"),
-                                      backend, tp, buckets, kv_len, progress)
+                                      settings, progress)
         result.fp32_stage = {"passed": stage.stage_passed, "failures": stage.failures()[:20],
                              "first_divergent_layer": stage.first_divergent_layer,
                              "first_divergent_component": stage.first_divergent_component}

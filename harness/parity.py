@@ -22,7 +22,6 @@ import math
 import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -33,6 +32,7 @@ from harness.errors import PromptError
 from harness.local import PortRun, local_verdicts
 from harness.progress import status
 from harness.reference import ReferenceResult
+from harness.settings import RunSettings
 
 STAGES = ("fp32", "bf16")
 # fp32 stage: a token flip is a tie only when the reference's margin is within this fraction of the
@@ -321,9 +321,9 @@ class _PortPrompt:
 
 def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> _PortPrompt:
     n_new = len(r32.generated)
-    read = getattr(engine.backend, "read_cache", None)
     snaps = []
-    observe = (lambda written: snaps.append((written, read(written)))) if read else None
+    observe = (lambda written: snaps.append((written, engine.read_cache(written)))) if engine.backend.reads_cache \
+        else None
     forced = _port_call(f"{phase}: prefill and teacher-forced decode", engine.generate, r32.prompt, n_new,
                         capture=True, forced=r32.generated or None, observe=observe)
     free = _port_call(f"{phase}: free greedy decode", engine.generate, r32.prompt, n_new) if n_new else forced
@@ -478,12 +478,13 @@ def structural_flips(fp32: "CheckResult | None") -> dict:
 
 # ---- one stage ----------------------------------------------------------------------------------
 
-def run_stage(stage: str, engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
-              calibration: NearTieCalibration, structural: dict | None = None, backend: str = "cpu", tp: int = 2,
-              dtype: str = "bfloat16", progress: bool = False) -> CheckResult:
+def run_stage(stage: str, engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult], *,
+              calibration: NearTieCalibration, structural: dict | None = None,
+              progress: bool = False) -> CheckResult:
     """Every prompt through the engine (prefill with captures and cache reads, teacher-forced decode
     with captures, free greedy decode, host probabilities), judged by the stage's judge: fp32
     precision ("fp32") or the bf16 envelope ("bf16")."""
+    backend, tp, dtype = engine.settings.backend, engine.settings.tp, engine.settings.dtype
     say = status(f"{backend} {stage}", progress, total=len(ref32))
     runs, outcomes, points = [], [], _Points()
     for k, (r32, r16) in enumerate(zip(ref32, ref16)):
@@ -495,7 +496,7 @@ def run_stage(stage: str, engine, spec, ref32: list[ReferenceResult], ref16: lis
         outcomes.append(_tokens(stage, spec, k, run, r32, calibration.band, structural or {}))
     dev, ref, env = points.stacked()
     judge = _judge(stage)
-    notes = [] if hasattr(engine.backend, "read_cache") else [
+    notes = [] if engine.backend.reads_cache else [
         f"{stage} stage: the {backend} backend cannot read its KV cache; the cache is judged in the fp32 stage"]
     if not any(n.startswith("decode.layers.") for n in dev) and any(r.generated for r in ref32):
         notes.append(f"{stage} stage: the reference has no per-layer decode captures (an older golden?); "
@@ -518,7 +519,7 @@ def run_stage(stage: str, engine, spec, ref32: list[ReferenceResult], ref16: lis
 
 # ---- the check ----------------------------------------------------------------------------------
 
-def check_inputs_fit(engine, refs: list[ReferenceResult]) -> None:
+def check_inputs_fit(engine, refs: list[ReferenceResult]) -> None:  # an Engine or RunSettings
     """Bad input is told apart from a port failure before the port runs: every prompt fits a
     bucket and, with its new tokens, the KV length."""
     for k, r in enumerate(refs):
@@ -539,61 +540,62 @@ def near_tie_calibration(ref32: list[ReferenceResult], ref16: list[ReferenceResu
     return calibrate_near_ties(pairs)
 
 
-def build_fp32_engine(checkpoint, engine, backend: str):
+def fp32_settings(settings):
     """The port in fp32 for the structural stage: on the backend itself when it runs on the host
-    (cpu, xla), else on the CPU backend, with the engine's TP degree, buckets and KV length."""
+    (cpu, xla), else on the CPU backend, with the same TP degree, buckets and KV length."""
+    if settings.backend in ("cpu", "xla"):
+        return settings.but(dtype="float32")
+    return settings.but(backend="cpu", dtype="float32", backend_options={})  # the device's options are not cpu's
+
+
+def build_fp32_engine(checkpoint, settings):
     from harness.backends import build_engine
 
-    name = backend if backend in ("cpu", "xla") else "cpu"
-    return build_engine(checkpoint, backend=name, tp=getattr(engine.backend, "tp", 2), dtype=torch.float32,
-                        buckets=engine.buckets, kv_len=engine.kv_len, capture=True)  # a parity build
+    return build_engine(checkpoint, fp32_settings(settings), capture=True)  # a parity build
 
 
-def fp32_structural_stage(checkpoint, ref32, ref16, backend: str = "cpu", tp: int = 2, buckets=(64, 256),
-                          kv_len: int = 256, progress: bool = False) -> CheckResult:
+def fp32_structural_stage(checkpoint, ref32, ref16, settings, progress: bool = False) -> CheckResult:
     """The fp32 stage alone (what `bisect` adds to its search): the port in fp32 on the host
     backend against the fp32 reference; an exception inside the port is a failed stage."""
-    from harness.backends import build_engine
-
-    name = backend if backend in ("cpu", "xla") else "cpu"
     try:
-        engine = _port_call("fp32 stage: building the fp32 port", build_engine, checkpoint, backend=name, tp=tp,
-                            dtype=torch.float32, buckets=buckets, kv_len=kv_len, capture=True)  # a parity build
+        engine = _port_call("fp32 stage: building the fp32 port", build_fp32_engine, checkpoint, settings)
         check_inputs_fit(engine, ref32)
-        return run_stage("fp32", engine, checkpoint.spec, ref32, ref16, near_tie_calibration(ref32, ref16), None,
-                         backend, tp, "float32", progress)
+        return run_stage("fp32", engine, checkpoint.spec, ref32, ref16, calibration=near_tie_calibration(ref32, ref16),
+                         progress=progress)
     except PortFailure as failure:
-        return CheckResult(backend=backend, tp=tp, dtype="float32", stage="fp32", port_error=failure.describe())
+        return CheckResult(backend=settings.backend, tp=settings.tp, dtype="float32", stage="fp32",
+                           port_error=failure.describe())
 
 
-def _fp32_stage(checkpoint, engine, ref32, ref16, calibration, fp32_engine, backend, tp, dtype, progress):
+def _fp32_stage(checkpoint, engine, refs, calibration, fp32_engine, progress):
+    settings = engine.settings
     try:
         if fp32_engine == "auto":
-            fp32_engine = engine if dtype == "float32" else _port_call(
-                "fp32 stage: building the fp32 port", build_fp32_engine, checkpoint, engine, backend)
-        return run_stage("fp32", fp32_engine, checkpoint.spec, ref32, ref16, calibration, None, backend, tp,
-                         "float32", progress)
+            fp32_engine = engine if settings.dtype == "float32" else _port_call(
+                "fp32 stage: building the fp32 port", build_fp32_engine, checkpoint, settings)
+        return run_stage("fp32", fp32_engine, checkpoint.spec, *refs, calibration=calibration, progress=progress)
     except PortFailure as failure:
-        return CheckResult(backend=backend, tp=tp, dtype="float32", stage="fp32", port_error=failure.describe())
+        return CheckResult(backend=settings.backend, tp=settings.tp, dtype="float32", stage="fp32",
+                           port_error=failure.describe())
 
 
 def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
-               backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16", local: bool | None = None,
-               progress: bool = False, fp32_engine="auto") -> CheckResult:
+               local: bool | None = None, progress: bool = False, fp32_engine="auto") -> CheckResult:
     """Both stages: the fp32 structural stage (`fp32_engine`: "auto" builds it, None skips it),
     then the bf16 envelope stage on `engine` with flips the fp32 stage shows marked structural,
     plus (by default wherever the backend's ranks run on CPU) the local verdict of every layer. An
     exception inside the port is a failed result naming where it was raised."""
+    backend, tp, dtype = engine.settings.backend, engine.settings.tp, engine.settings.dtype
     check_inputs_fit(engine, ref32)
     calibration = near_tie_calibration(ref32, ref16)
     fp32 = None
     if fp32_engine is not None:
-        fp32 = _fp32_stage(checkpoint, engine, ref32, ref16, calibration, fp32_engine, backend, tp, dtype, progress)
+        fp32 = _fp32_stage(checkpoint, engine, (ref32, ref16), calibration, fp32_engine, progress)
     try:
-        result = run_stage("bf16", engine, checkpoint.spec, ref32, ref16, calibration, structural_flips(fp32),
-                           backend, tp, dtype, progress)
+        result = run_stage("bf16", engine, checkpoint.spec, ref32, ref16, calibration=calibration,
+                           structural=structural_flips(fp32), progress=progress)
         if local is None:
-            local = hasattr(engine.backend, "on_ranks")
+            local = engine.backend.host_ranks
         if local:
             port_run = PortRun(result.device_captures, result.seq_match, result.near_ties, result.divergences)
             verdicts, _ = _port_call("bf16 stage: local layer verdicts", local_verdicts, checkpoint, engine.backend,
@@ -640,24 +642,19 @@ def load_references(source, checkpoint_dir, new_tokens: int, progress: bool = Fa
     return refs["float32"], refs["bfloat16"]
 
 
-def run_parity_check(checkpoint, checkpoint_dir, golden=None, prompts=None, backend: str = "cpu", tp: int = 2,
-                     dtype: torch.dtype = torch.bfloat16, new_tokens: int = 8, buckets=(64, 256), kv_len: int = 256,
-                     progress: bool = False, fp32_stage: bool = True) -> CheckResult:
-    """What `gemma-parity check` does: the port on `backend` against the reference (recomputed
-    for `prompts`, or read from `golden`), judged in two stages."""
+def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=None, prompts=None,
+                     new_tokens: int = 8, progress: bool = False, fp32_stage: bool = True) -> CheckResult:
+    """What `gemma-parity check` does: the port run as `settings` say against the reference
+    (recomputed for `prompts`, or read from `golden`), judged in two stages."""
     from harness.backends import build_engine
-    from harness.reference import dtype_name
 
     source = load_reference_source(checkpoint, checkpoint_dir, golden, prompts)
     new = getattr(source, "new_tokens", new_tokens)
-    check_inputs_fit(SimpleNamespace(buckets=tuple(buckets), kv_len=kv_len),
-                     [ReferenceResult(p, "", {}, [0] * new) for p in getattr(source, "prompts", source)])
+    check_inputs_fit(settings, [ReferenceResult(p, "", {}, [0] * new) for p in getattr(source, "prompts", source)])
     # The backend before the reference: a missing SDK or a bad TP degree is reported before minutes
     # of reference work, and loading the shards checks every weight for NaN/Inf (Checkpoint.get)
     # before transformers (which does not) computes the reference. A parity build: the per-layer
     # captures are extra graph outputs on the device.
-    engine = build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
-                          capture=True)
+    engine = build_engine(checkpoint, settings, capture=True)
     ref32, ref16 = load_references(source, checkpoint_dir, new_tokens, progress)
-    return check_port(checkpoint, engine, ref32, ref16, backend=backend, tp=tp, dtype=dtype_name(dtype),
-                      progress=progress, fp32_engine="auto" if fp32_stage else None)
+    return check_port(checkpoint, engine, ref32, ref16, progress=progress, fp32_engine="auto" if fp32_stage else None)

@@ -49,7 +49,8 @@ from harness.graphs import (  # noqa: F401  (the device graphs, defined once for
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
     graph_inputs, graph_plan, graph_result, kv_buffer_names, tag_for_length, unpack_outputs)
 from harness.model import RankLinears
-from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts
+from harness.settings import RunSettings, directory, flag, positive_int
+from harness.sharding import plan_model, rank_state_dicts
 
 # ---- versions (DESIGN §5, NEURON.md): keep in step with pyproject's `neuron` extra --------------
 
@@ -469,15 +470,20 @@ class NeuronBackend:
 
     name = "neuron"
 
-    def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
-                 buckets=(64,), capture: bool = False, compiler_args=None, cache_dir=None,
-                 compile_workers: int | None = None, zero_on_reset: bool = True, **_ignored):
+    # The backend options (harness.backends.Backend): name -> converter of a --backend-option value.
+    OPTIONS = {"compiler_args": str, "cache_dir": directory, "compile_workers": positive_int,
+               "zero_on_reset": flag}
+    reads_cache, host_ranks = True, False
+
+    def __init__(self, checkpoint, settings: RunSettings, capture: bool = False, *, compiler_args=None,
+                 cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True):
+        tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.versions = check_neuron_packages()  # before anything imports the SDK
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here, before any compile
         self.graphs = graph_plan(buckets, max_len)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
-        self.capture = bool(capture)
+        self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.compiler_args = normalize_compiler_args(compiler_args)
         self.compile_workers = compile_workers
@@ -659,10 +665,6 @@ class NeuronBackend:
         out = self.nxd_model(*args, model_name=tag)
         return graph_result(out, self.capture_names if self.capture else None, args[0], capture,
                             self.last_row_only, last)
-
-    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), merged over ranks: per layer (k, v)."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""

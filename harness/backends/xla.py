@@ -32,7 +32,8 @@ from harness.errors import HarnessInputError
 from harness.graphs import (GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
                             graph_inputs, graph_plan, graph_result, kv_buffer_names)
 from harness.model import Collectives, RankLinears
-from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts
+from harness.settings import RunSettings
+from harness.sharding import plan_model, rank_state_dicts
 
 TORCH_XLA_VERSION = "2.9.0"  # keep in step with pyproject's `xla` extra
 INSTALL_COMMAND = (f"pip install torch=={TORCH_XLA_VERSION} torch-xla=={TORCH_XLA_VERSION} "
@@ -212,13 +213,16 @@ def graph_tensors(module: nn.Module, state: dict[str, torch.Tensor] | None = Non
 
 class XlaBackend:
     """Runs the port's device graphs through torch-xla on CPU at tensor parallel degree `tp` (same
-    interface as CpuBackend and NeuronBackend): one prefill graph per bucket and the decode graph,
-    a parity build (captures as extra outputs) when `capture=True`."""
+    interface as CpuBackend and NeuronBackend, harness.backends.Backend): one prefill graph per
+    bucket and the decode graph, a parity build (captures as extra outputs) when `capture=True`."""
 
     name = "xla"
 
-    def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
-                 buckets=(64,), capture: bool = False, **_ignored):
+    OPTIONS: dict = {}  # no backend options
+    reads_cache, host_ranks = True, False
+
+    def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
+        tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.rt = xla_runtime()  # before anything else: a missing torch-xla is reported first
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here
@@ -226,7 +230,7 @@ class XlaBackend:
             raise HarnessInputError(f"the xla backend runs tp=1 or tp={self.rt.devices} (one XLA CPU device per "
                                     f"rank; CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES')}), not tp={tp}")
         self.graphs = graph_plan(buckets, max_len)
-        self.capture = bool(capture)
+        self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture)
         self.kv_names = kv_buffer_names(self.module)
@@ -310,10 +314,6 @@ class XlaBackend:
         self.state = {n: self._to_global(new_state[n]) for n in self.kv_names}
         self.rt.torch_xla.sync()
         return [r.cpu()[0] for r in results]
-
-    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), merged over ranks: per layer (k, v)."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied to the host: [1, kv_heads, max_len, d]."""

@@ -66,7 +66,7 @@ def _dtype(args, allowed) -> None:
 
 def _port_options(args) -> None:
     """--tp, --kv-len, --buckets, --dtype, --seed of check and bisect."""
-    from harness.reference import DTYPES
+    from harness.settings import DTYPES
 
     _int_option(args, "tp", 1)
     _int_option(args, "kv_len", 1)

@@ -21,6 +21,7 @@ from harness import engine as port_engine
 from harness import model as port_model
 from harness import sharding as port_sharding
 from harness.compare import compare_logits
+from harness.settings import RunSettings
 
 TINY = "tiny0"  # the default tiny fixture (hidden 64)
 # A variant whose sqrt(hidden) is not a bf16 number, so that whether the scale is cast first
@@ -552,7 +553,7 @@ def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references, l
 
     if fault is not None:
         fault.inject(monkeypatch)
-    engine = build_engine(checkpoint, tp=2, dtype=torch.bfloat16, buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN)
+    engine = build_engine(checkpoint, RunSettings(buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN))
     if local is None:
         local = fault is None or fault.local
     return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=local)

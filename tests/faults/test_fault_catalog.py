@@ -10,6 +10,7 @@ import torch
 
 from harness import engine as port_engine
 from harness.engine import Engine
+from harness.settings import RunSettings
 from tests.faults.catalog import (CATALOG, TINY, TINY_INEXACT_SCALE, Caught, embed_scale_not_cast,
                                   failing_points, run_faulty_check, unmet)
 
@@ -74,7 +75,8 @@ def test_catalog_is_complete_and_consistent():
 
 def _embeddings(ckpt, ids, dtype=torch.bfloat16) -> torch.Tensor:
     # Host embeddings need no device: a backend-less Engine embeds exactly as the port does.
-    engine = Engine(ckpt.spec, backend=None, embed_weight=ckpt.embed_weight(dtype), buckets=(64,), kv_len=128)
+    engine = Engine(ckpt.spec, backend=None, embed_weight=ckpt.embed_weight(dtype),
+                    settings=RunSettings(buckets=(64,), kv_len=128))
     return engine.embed(torch.as_tensor(ids))[0].float()
 
 
@@ -118,7 +120,7 @@ def test_bisect_locates_gaps(request, monkeypatch, fault):
 
     ckpt, refs = _checkpoint_and_reference(request, fault.checkpoint)
     fault.inject(monkeypatch)
-    engine = build_engine(ckpt, tp=2, dtype=torch.bfloat16, buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN)
+    engine = build_engine(ckpt, RunSettings(buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN))
     result = bisect_capture(ckpt, engine, engine.backend, refs["float32"], refs["bfloat16"])
     assert result.first_divergent_layer == fault.expect.first_layer, result.first_divergent_layer
     assert result.component == fault.expect.component
@@ -149,7 +151,7 @@ def test_local_verdict_runs_the_decoders_own_wiring(monkeypatch, tiny0_ckpt, tin
     x, name = ref.captures["layers.4.output"], "layers.5.attn_residual"
 
     def local_error():
-        engine = build_engine(tiny0_ckpt, tp=2, dtype=torch.float32, buckets=(64,), kv_len=64)
+        engine = build_engine(tiny0_ckpt, RunSettings(dtype="float32", buckets=(64,), kv_len=64))
         return rel_l2(port_layer_captures(engine.backend, 5, x)[name], ref.captures[name])
 
     assert local_error() < 1e-5

@@ -9,12 +9,13 @@ import torch
 from harness.compare import rel_l2
 from harness.backends import build_engine
 from harness.errors import PromptError
+from harness.settings import RunSettings
 
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
 
 
 def _engine(ckpt, tp=2, dtype=torch.float32, buckets=(16, 32, 64, 256), kv_len=256):
-    return build_engine(ckpt, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
+    return build_engine(ckpt, RunSettings(tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

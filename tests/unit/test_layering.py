@@ -20,7 +20,7 @@ LAYERS = {
     "harness": 0,
     # 1: facts and plumbing every layer may use
     "harness.errors": 1, "harness.spec": 1, "harness.numerics": 1, "harness.atomic": 1, "harness.progress": 1,
-    "harness.hlo": 1,
+    "harness.hlo": 1, "harness.settings": 1,
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.sharding": 2, "harness.prompts": 2,
     # 3: the port
