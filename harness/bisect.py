@@ -1,6 +1,6 @@
 """First divergent layer: which layer of the port breaks parity with a golden, which part, and why.
 
-Two modes (DESIGN §5: extra graph outputs change what the compiler builds):
+Two modes (docs/design.md#backends: extra graph outputs change what the compiler builds):
 
 - capture (CPU): one run of the parity build gives every layer's cumulative error against the
   golden. Each layer is then also run alone on the golden's input to it (Polygraphy's `debug

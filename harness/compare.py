@@ -1,7 +1,7 @@
 """Metrics and the one tolerance policy used by the suites, `check` and `bisect`.
 
 The port (bf16 on the device) is judged against the CPU fp32 reference by the error that the same
-computation in bf16 on CPU already has at the same point: its noise envelope (DESIGN §6). A fixed
+computation in bf16 on CPU already has at the same point: its noise envelope (docs/design.md#tolerance-policy). A fixed
 atol/rtol at bf16 either fails healthy ports or hides broken ones; a ratio to the envelope does
 neither, and it carries over to checkpoints and configs the harness has never seen.
 """
@@ -38,8 +38,8 @@ ENVELOPE_FLOOR = 2.0 ** -9
 NEAR_TIE_QUANTILE = 0.99
 NEAR_TIE_FACTOR = 2.0
 NEAR_TIE_COMPETITORS = 4
-# The band never drops below this many bf16 ULPs at the top-1 logit's magnitude (DESIGN §6: "a
-# few ULPs"; at 18 a bf16 ULP is 0.125): two logits one rounding apart can always swap.
+# The band never drops below this many bf16 ULPs at the top-1 logit's magnitude (at 18 a bf16 ULP
+# is 0.125): two logits a few roundings apart can always swap.
 NEAR_TIE_ULPS = 4
 # The fp32 structural stage: the port in fp32 must equal the fp32 reference to fp32 precision. Its
 # envelope is the bf16 envelope scaled by the ratio of the two unit roundoffs (fp32 2^-24 over bf16

@@ -2,7 +2,7 @@
 
 The device (a backend) sees only `inputs_embeds` and absolute positions and returns raw logits.
 Word embeddings stay on the host; the softcap is applied here, only where probabilities are asked
-for (docs/design.md#the-model-facts-and-traps): greedy decode takes the argmax of the raw logits.
+for (docs/design.md#the-port): greedy decode takes the argmax of the raw logits.
 """
 
 from __future__ import annotations

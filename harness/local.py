@@ -145,7 +145,7 @@ class ReferenceLayers:
 
         self.hf, self.checkpoint, self.spec = hf, checkpoint, checkpoint.spec
         self.config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
-        self.config._attn_implementation = "eager"  # as the port runs (DESIGN §3, fix 3)
+        self.config._attn_implementation = "eager"  # as the port runs (docs/design.md#the-port)
         self.rotary = hf.Gemma4UnifiedTextRotaryEmbedding(self.config)
 
     def layer(self, index: int, dtype: torch.dtype):

@@ -11,7 +11,7 @@ explicit collectives) and traced with ModelBuilder v2 under NxDParallelState: on
 bucket and one decode graph (s=1). The KV cache buffers, reassigned in forward, become device state
 aliased between calls. Per-rank weights come from `harness.sharding.rank_state_dicts` and are
 loaded with NxDModel.set_weights + to_neuron. Compiled graphs are cached on disk under a key of
-everything that changes them (DESIGN §5); weights are never part of a cache entry.
+everything that changes them (docs/design.md#backends); weights are never part of a cache entry.
 
 NxD APIs used (signatures read in aws-neuron/neuronx-distributed's public source, Release 2.29
 (commit fbac349, the newest published; 0.19 / SDK 2.31 has no public source):
@@ -52,7 +52,7 @@ from harness.model import RankLinears
 from harness.settings import RunSettings, directory, flag, positive_int
 from harness.sharding import plan_model, rank_state_dicts
 
-# ---- versions (DESIGN §5, NEURON.md): keep in step with pyproject's `neuron` extra --------------
+# ---- versions (docs/design.md#backends): keep in step with pyproject's `neuron` extra ------------
 
 NEURON_SDK_RELEASE = "2.31"
 PINNED_VERSIONS = {
@@ -405,7 +405,7 @@ class NeuronLinears(RankLinears):
     def row(self, in_per_rank: int, out_features: int) -> nn.Module:
         from neuronx_distributed.parallel_layers.layers import RowParallelLinear
 
-        # Partial sums all-reduced in fp32, as the CPU backend does (DESIGN §5).
+        # Partial sums all-reduced in fp32, as the CPU backend does (docs/design.md#backends).
         return RowParallelLinear(in_per_rank * self.tp, out_features, bias=False, input_is_parallel=True,
                                  dtype=self.dtype, reduce_dtype=torch.float32)
 

@@ -116,7 +116,7 @@ def test_multimodal_placeholder_ids_become_pad(tiny0_dir, tiny0_ckpt):
     assert rel_l2(got, ref.captures["logits"]) < FP32_ROUNDING
 
 
-REAL_WINDOW = 1024  # the 12B's sliding window (DESIGN §2)
+REAL_WINDOW = 1024  # the 12B's sliding window (docs/design.md#the-model-facts-and-traps)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ class GlooCollectives(Collectives):
     """Collectives over the default torch.distributed group (gloo).
 
     The all-reduce runs in fp32 and casts back, as NxD does with its default reduce_dtype and as
-    the CPU backend's in-process group does (DESIGN §5: gloo has historically had no bf16 sum).
+    the CPU backend's in-process group does (docs/design.md#backends: gloo has historically had no bf16 sum).
     """
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

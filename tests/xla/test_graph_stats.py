@@ -35,7 +35,7 @@ def test_scaled_pieces_equal_the_whole_graph(tiny_spec, tp):
 
 
 def test_12b_decode_reads_its_weights_once_and_returns_one_row_of_logits():
-    """The 12B's real config at TP=2, decode graph only: weights per rank near DESIGN's ~12 GB,
+    """The 12B's real config at TP=2, decode graph only: weights per rank near docs/design.md#performance-facts's ~12 GB,
     2 FLOPs per weight per token, one bf16 vocab row back to the host, two all-reduces per layer."""
     from harness.spec import load_spec
 
