@@ -168,7 +168,8 @@ def bisect_capture(checkpoint, engine, layer_backend, ref32: list[ReferenceResul
     its captures; `layer_backend` is a CPU backend whose rank modules run each layer alone on the
     golden's input."""
     with intra_op_threads_for(checkpoint.spec):
-        return _bisect_capture(checkpoint, engine, layer_backend, (ref32, ref16), progress, port_run)
+        return _bisect_capture(checkpoint, engine, layer_backend, (ref32, ref16), progress=progress,
+                               port_run=port_run)
 
 
 def _bisect_capture(checkpoint, engine, layer_backend, refs, progress, port_run=None) -> BisectResult:
@@ -354,7 +355,7 @@ def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: 
                                 f"bucket {max(buckets)}; pass --buckets with a bucket >= {longest}")
     if mode == "truncate":
         build = build or backend_prefix_build(checkpoint, settings, progress)
-        return bisect_truncate(checkpoint.spec, ref32, ref16, build, settings, progress)
+        return bisect_truncate(checkpoint.spec, ref32, ref16, build, settings, progress=progress)
     from harness.backends import build_engine, make_backend
 
     # capture=True asks a device backend for its parity build (captures as graph outputs)

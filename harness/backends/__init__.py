@@ -34,6 +34,8 @@ class Backend(Protocol):
       reads_cache       kv_cache(layer, rank) reads the device KV cache back
       host_ranks        the ranks are modules on this host (`ranks`, `on_ranks`): a layer can be
                         run alone on them (the local verdict of check and bisect)
+    `compiler_args` are the flags its graphs were compiled with (empty where nothing is compiled
+    ahead of time); a bench result records them.
     """
 
     name: ClassVar[str]
@@ -44,6 +46,7 @@ class Backend(Protocol):
     last_row_only: bool
     reads_cache: bool
     host_ranks: bool
+    compiler_args: tuple | list
 
     def reset(self) -> None:
         """Zero (or forget) the KV cache before a new prompt."""

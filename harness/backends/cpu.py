@@ -57,6 +57,7 @@ class CpuBackend:
     name = "cpu"
     OPTIONS: dict = {}  # no backend options
     returns_captures, last_row_only, reads_cache, host_ranks = True, False, True, True
+    compiler_args = ()  # nothing is compiled ahead of time
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
         tp, dtype, max_len = settings.tp, settings.torch_dtype, settings.kv_len

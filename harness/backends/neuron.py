@@ -491,7 +491,7 @@ class NeuronBackend:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_key = artifact_cache_key(
             self.spec.spec_hash(), self.buckets, tp, toolchain_version(self.versions), self.compiler_args,
-            model_source_hash(), self.capture, max_len=max_len, dtype=dtype)
+            model_source_hash=model_source_hash(), capture=self.capture, max_len=max_len, dtype=dtype)
         self.artifact_dir = self.cache_dir / self.cache_key
         self.visible_cores = assign_visible_cores(tp)  # before the Neuron runtime starts
         self.compiled = False  # True when this process compiled the graphs (a cache miss)
@@ -660,11 +660,11 @@ class NeuronBackend:
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures
         when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
-        tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture, self.capture,
-                                 self.last_row_only, last)
+        tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
+                                 parity_build=self.capture, last_row_only=self.last_row_only, last=last)
         out = self.nxd_model(*args, model_name=tag)
         return graph_result(out, self.capture_names if self.capture else None, args[0], capture,
-                            self.last_row_only, last)
+                            self.last_row_only, last=last)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""

@@ -195,7 +195,8 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     xlac._set_all_reduce_token(str(device), None)  # nothing of this trace is ever executed
     names = ["logits"] + list(getattr(module, "capture_names", []) or [])[:len(outputs) - 1]
     names += [f"output{k}" for k in range(len(names), len(outputs))]
-    return LoweredGraph(tag, length, rank, hlo, params, names + state_out, host_transfers)
+    return LoweredGraph(tag, length, rank, hlo, params=params, outputs=names + state_out,
+                        host_transfers=host_transfers)
 
 
 def graph_tensors(module: nn.Module, state: dict[str, torch.Tensor] | None = None):
@@ -220,6 +221,7 @@ class XlaBackend:
 
     OPTIONS: dict = {}  # no backend options
     reads_cache, host_ranks = True, False
+    compiler_args = ()  # XLA's CPU compiler runs with its defaults
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
@@ -292,13 +294,13 @@ class XlaBackend:
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures on a
         parity build). s must be a bucket of the plan or 1 (decode), as on the device. A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
-        _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture,
-                                   self.capture, self.last_row_only, last)
+        _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
+                                   parity_build=self.capture, last_row_only=self.last_row_only, last=last)
         outputs = self._step(*graph_in)
         if self.capture and self.capture_names is None:
             self.capture_names = list(self.module.capture_names)
         return graph_result(outputs, self.capture_names if self.capture else None, graph_in[0], capture,
-                            self.last_row_only, last)
+                            self.last_row_only, last=last)
 
     def _step(self, *graph_inputs) -> list[torch.Tensor]:
         """Every rank's graph in one SPMD program (collectives in-graph), executed; outputs of rank 0."""
@@ -323,4 +325,5 @@ class XlaBackend:
     def lower_graphs(self, rank: int = 0) -> dict[str, LoweredGraph]:
         """Every graph of the plan, lowered for one rank on that rank's weights (not executed)."""
         tensors, roles = graph_tensors(self.module, rank_state_dicts(self.checkpoint, self.tp, self.dtype)[rank])
-        return {tag: lower_graph(self.module, tensors, roles, tag, length, rank) for tag, length in self.graphs.items()}
+        return {tag: lower_graph(self.module, tensors, roles, tag, length, rank=rank)
+                for tag, length in self.graphs.items()}

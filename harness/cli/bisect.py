@@ -34,8 +34,8 @@ def validate(args) -> None:
     inputs["--golden"] = v.input_path(args.golden, "--golden", want_dir=True)
     ckpt = v.port_run_outputs_and_checkpoint(args, inputs)
     golden = args.golden_read = v.check_golden_inputs(args, inputs, refuse_other_weights=False)
-    validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", args.buckets, args.kv_len,
-                        ckpt.spec.max_positions)
+    validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", buckets=args.settings.buckets,
+                        kv_len=args.settings.kv_len, max_positions=ckpt.spec.max_positions)
 
 
 def run(args) -> int:

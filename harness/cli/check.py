@@ -53,7 +53,8 @@ def validate(args) -> None:
         validate_prompt_ids(ckpt.spec, prompts, args.prompts)
         new_tokens, source = args.new_tokens, args.prompts
         args.reference_source, args.prompt_ids = None, prompts
-    validate_prompt_fit(prompts, new_tokens, source, args.buckets, args.kv_len, ckpt.spec.max_positions)
+    validate_prompt_fit(prompts, new_tokens, source, buckets=args.settings.buckets, kv_len=args.settings.kv_len,
+                        max_positions=ckpt.spec.max_positions)
 
 
 def run(args) -> int:

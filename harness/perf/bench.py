@@ -108,7 +108,7 @@ def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DE
              f"TPOT {statistics.fmean(steps):.1f} ms, E2E {e2e_ms:.1f} ms")
     settings = {"runs": runs, "warmup": warmup, "buckets": list(buckets), "new_tokens": new_tokens,
                 "kv_len": kv_len}
-    result = _result_record(checkpoint, engine, backend, tp, dtype, headline, timings, settings)
+    result = _result_record(checkpoint, engine, headline, timings, settings)
     if backend != "neuron":
         show("measuring this machine's memory bandwidth and matmul throughput for the floors")
     result["roofline"] = bench_roofline(result, checkpoint.spec)
@@ -117,20 +117,20 @@ def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DE
     return result
 
 
-def _result_record(checkpoint, engine, backend, tp, dtype, headline, timings, settings) -> dict:
-    decode_steps = timings["steps"]
+def _result_record(checkpoint, engine, headline: int, timings: dict, settings: dict) -> dict:
+    decode_steps, run = timings["steps"], engine.settings
     result = {
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         "git_commit": machine.git_commit(),
         "machine": machine.machine_info(),
         "versions": machine.package_versions(),
-        "compiler_args": list(getattr(engine.backend, "compiler_args", None) or []),
+        "compiler_args": list(engine.backend.compiler_args),
         "spec_hash": checkpoint.spec.spec_hash(),
         "checkpoint": str(checkpoint.path),
-        "backend": backend,
-        "tp": tp,
-        "dtype": dtype,
+        "backend": run.backend,
+        "tp": run.tp,
+        "dtype": run.short_dtype,
         "settings": settings,
         "prefill_bucket": headline,
         "metrics": {"prefill_ms": timings["prefill"][headline],
@@ -177,5 +177,5 @@ def bench_rates(backend: str, tp: int, dtype: str):
 def bench_roofline(result: dict, spec) -> dict:
     settings = result["settings"]
     rates = bench_rates(result["backend"], result["tp"], result["dtype"])
-    return roofline_block(spec, result["tp"], result["dtype"], settings["buckets"], settings["kv_len"], rates,
-                    graph_medians(result))
+    return roofline_block(spec, result["tp"], result["dtype"], settings["buckets"], settings["kv_len"], rates=rates,
+                          measured_ms=graph_medians(result))
