@@ -56,7 +56,7 @@ def dtype_arg(text: str) -> str:
 RUN_ARGS = ("backend", "tp", "dtype", "buckets", "kv_len", "backend_options")
 
 
-def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "") -> None:
+def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype") -> None:
     """The run-settings options `fields` of a command, their defaults taken from `defaults` (a
     RunSettings; the settings' own defaults when None). `run_settings(args)` reads them back."""
     from harness.backends import BACKENDS
@@ -64,13 +64,14 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "") -> None:
 
     d = defaults or RunSettings()
     if "backend" in fields:
-        p.add_argument("--backend", choices=list(BACKENDS), default=d.backend, help=f"default {d.backend}")
+        p.add_argument("--backend", choices=list(BACKENDS), default=d.backend,
+                       help=f"what runs the port: cpu (here and in CI), xla, neuron (inf2) (default {d.backend})")
     if "tp" in fields:
         p.add_argument("--tp", type=int, default=d.tp, help=f"tensor parallel degree (default {d.tp})")
     if "dtype" in fields:
         names = ", ".join(f"{name} ({short})" for name, (short, _) in DTYPES.items())
         p.add_argument("--dtype", type=dtype_arg, default=d.dtype, metavar="DTYPE",
-                       help=f"{purpose or 'port'} dtype: {names} (default {d.dtype})")
+                       help=f"{purpose}: {names} (default {d.dtype})")
     if "buckets" in fields:
         p.add_argument("--buckets", type=buckets_arg, default=d.buckets, metavar="16,64",
                        help=f"prefill buckets (default {','.join(map(str, d.buckets))})")

@@ -19,7 +19,7 @@ def add_command(sub) -> None:
                                    "the statistics by the layer counts. Exit 0, 1 when a contract breaks, "
                                    "2 on bad input or without torch-xla.")
     p.add_argument("--config", required=True, metavar="FILE", help="a config.json (no weights needed)")
-    add_run_args(p, GRAPHS_SETTINGS, ("tp", "dtype", "buckets", "kv_len"), purpose="graph")
+    add_run_args(p, GRAPHS_SETTINGS, ("tp", "dtype", "buckets", "kv_len"), purpose="graph dtype")
     p.add_argument("--json", metavar="FILE", help="also write the statistics as JSON")
     p.set_defaults(func=run, validate=validate)
 

@@ -12,7 +12,7 @@ def add_command(sub) -> None:
                        description="The resolved per-layer spec, the TP plan and device bytes per rank. "
                                    "Exit 0, or 2 on bad input.")
     add_model_args(p, config=True)
-    add_run_args(p, fields=("tp", "dtype", "kv_len"), purpose="device (for the memory estimate)")
+    add_run_args(p, fields=("tp", "dtype", "kv_len"), purpose="device dtype of the memory estimate")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
