@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.settings import DEFAULT_KV_LEN
 from harness.sharding import LayerPlan, plan_model
 from harness.spec import LayerSpec, ModelSpec
 
@@ -227,7 +228,7 @@ class RankDecoder(nn.Module):
     capture=True also a dict of the reference's capture points (full hidden on every rank).
     """
 
-    def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = 256, dtype=torch.bfloat16,
+    def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = DEFAULT_KV_LEN, dtype=torch.bfloat16,
                  linears: RankLinears | None = None):
         super().__init__()
         linears = linears or RankLinears()

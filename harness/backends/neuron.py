@@ -49,7 +49,7 @@ from harness.graphs import (  # noqa: F401  (the device graphs, defined once for
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
     graph_inputs, graph_plan, graph_result, kv_buffer_names, tag_for_length, unpack_outputs)
 from harness.model import RankLinears
-from harness.settings import RunSettings, directory, flag, positive_int
+from harness.settings import DEFAULT_KV_LEN, RunSettings, directory, flag, positive_int
 from harness.sharding import plan_model, rank_state_dicts
 
 # ---- versions (docs/design.md#backends): keep in step with pyproject's `neuron` extra ------------
@@ -320,7 +320,7 @@ def _dtype_name(dtype) -> str:
 
 
 def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, compiler_args,
-                       model_source_hash: str, capture: bool, *, max_len: int = 256,
+                       model_source_hash: str, capture: bool, *, max_len: int = DEFAULT_KV_LEN,
                        dtype=torch.bfloat16) -> str:
     """The cache directory name for one compiled build: readable prefix + hash of every input.
 
