@@ -321,9 +321,9 @@ class _PortPrompt:
 
 def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> _PortPrompt:
     n_new = len(r32.generated)
+    read = engine.read_cache if engine.backend.reads_cache else None
     snaps = []
-    observe = (lambda written: snaps.append((written, engine.read_cache(written)))) if engine.backend.reads_cache \
-        else None
+    observe = (lambda written: snaps.append((written, read(written)))) if read else None
     forced = _port_call(f"{phase}: prefill and teacher-forced decode", engine.generate, r32.prompt, n_new,
                         capture=True, forced=r32.generated or None, observe=observe)
     free = _port_call(f"{phase}: free greedy decode", engine.generate, r32.prompt, n_new) if n_new else forced
