@@ -13,7 +13,7 @@ from typing import Callable, ClassVar, Mapping, Protocol, runtime_checkable
 import torch
 
 from harness.engine import Engine
-from harness.errors import HarnessInputError, OptionError
+from harness.errors import OptionError
 from harness.settings import RunSettings
 
 BACKENDS = ("cpu", "neuron", "xla")

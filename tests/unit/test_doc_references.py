@@ -17,6 +17,8 @@ TOP_DIRS = r"(?:harness|tests|fixtures|docs|benchmarks|\.ci|\.github)"
 # A repository path (not part of a longer path such as /tmp/docs/x), with an optional #anchor.
 PATH = re.compile(rf"(?<![\w/.~$-]){TOP_DIRS}/[\w./-]*\w(?:#[\w-]+)?")
 SEE = re.compile(r"\bsee (?:`)?([\w.-]+(?:/[\w.-]+)+)", re.IGNORECASE)
+# Paths that exist only in a build: setup.py copies fixtures/ into the package as harness/fixtures.
+BUILT = {"harness/fixtures"}
 STALE = re.compile(r"DESIGN(?:\.md)? ?§|shared/DESIGN")
 
 
@@ -41,6 +43,8 @@ def resolves(root: Path, reference: str) -> bool:
     """A path exists (a module named with an attribute, harness/x.name, counts when harness/x.py
     does), and its #anchor, if any, is a heading of it."""
     target, _, anchor = reference.partition("#")
+    if target.rstrip("./") in BUILT:
+        return True
     path = root / target.rstrip(".")
     while not path.exists() and "." in path.name and path.with_suffix(".py") != path:
         if path.with_suffix(".py").exists():
