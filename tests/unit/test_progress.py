@@ -42,3 +42,13 @@ def test_a_status_line_on_a_terminal_and_nothing_when_disabled(monkeypatch):
     monkeypatch.setattr("sys.stderr", quiet)
     run_steps(enabled=False)
     assert quiet.getvalue() == ""
+
+
+def test_status_line_has_no_stray_separator(monkeypatch):
+    """The terminal line reads "[port] prompt 0/4", not tqdm's postfix form "[port] , prompt 0/4"."""
+    terminal = FakeTerminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with status("port", total=2) as say:
+        say("prompt 0/1")
+    shown = terminal.getvalue()
+    assert "[port] prompt 0/1" in shown and "[port] ," not in shown
