@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from harness.atomic import write_json_atomic, write_text_atomic
@@ -19,17 +18,25 @@ def format_info(payload: dict) -> str:
              l["q_heads_per_rank"], l["kv_heads_per_rank"], l["groups"], l["kv_layout"]]
             for l in payload["layers"]]
     mem = payload["memory"]
-    gb = 1e9
     return "\n".join([
         f"spec {payload['spec_hash']} from {payload['source']}",
-        payload["inert"],
+        *([payload["inert"]] if payload.get("inert") else []),
         f"{len(payload['layers'])} layers, hidden {payload['hidden_size']}, vocab {payload['vocab_size']}, "
         f"softcap {payload['final_logit_softcapping']}; sharding plan at tp={payload['tp']}:",
         table(["layer", "type", "head_dim", "q", "kv", "k=v", "window", "rope/rotated", "q/rank",
                 "kv/rank", "groups", "kv"], rows),
-        f"bytes per rank ({payload['dtype']}): {mem['total'] / gb:.2f} GB = weights {mem['weights'] / gb:.2f} GB "
-        f"+ KV cache {mem['kv_cache'] / gb:.3f} GB; host-side embeddings {mem['host_embeddings'] / gb:.2f} GB",
+        f"bytes per rank ({payload['dtype']}): {size_text(mem['total'])} = weights {size_text(mem['weights'])} "
+        f"+ KV cache {size_text(mem['kv_cache'])}; host-side embeddings {size_text(mem['host_embeddings'])}",
     ])
+
+
+def size_text(n_bytes: float) -> str:
+    """A byte count in the unit that fits it (decimal, as the published figures are): 11.97 GB,
+    1.23 MB, 786 B; never "0.00 GB" for a small model."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.2f} {unit}"
+    return f"{n_bytes:.0f} B"
 
 
 def layer_rows(layers: list[dict]) -> list[list]:

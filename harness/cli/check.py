@@ -50,6 +50,7 @@ def validate(args) -> None:
         prompts, new_tokens, source = golden.prompts, golden.new_tokens, f"golden {args.golden}"
         args.reference_source, args.prompt_ids = golden, None  # read and verified once, here
     else:
+        ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
         prompts = load_prompts(args.prompts, args.ckpt_dir)
         validate_prompt_ids(ckpt.spec, prompts, args.prompts)
         new_tokens, source = args.new_tokens, args.prompts
