@@ -322,7 +322,7 @@ case("unexpected-decoder-layer", f"{TEXT}layers.12.", "not used by the model", "
 case("v-proj-on-a-k-eq-v-layer", f"{TEXT}layers.5.self_attn.v_proj.weight", "attention_k_eq_v")(
     info_of(lambda c: rewrite_weights(c.ckpt(), lambda t: t.update({
         f"{TEXT}layers.5.self_attn.v_proj.weight": torch.zeros(32, 64)}))))
-case("explicit-weights-missing", "transformers_weights but missing")(
+case("explicit-weights-missing", "transformers_weights but not found")(
     info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg.update(transformers_weights="other.safetensors"))))
 for key, value, fragment in [("num_attention_heads", 0, "num_attention_heads=0"),
                              ("num_key_value_heads", 3, "must divide num_attention_heads=16"),
@@ -381,6 +381,20 @@ case("config-missing-hidden-size", "hidden_size=None is missing")(
 case("config-is-a-list", "expected a JSON object")(
     lambda c: ["info", "--config", c.file("config.json", [1, 2])])
 case("config-not-utf8", "{tmp}/config.json: not UTF-8")(lambda c: ["info", "--config", c.file("config.json", b"\xff{}")])
+case("config-nested-deeply", "{tmp}/config.json: JSON nested more than 200 levels deep")(
+    lambda c: ["info", "--config", c.file("config.json", '{"text_config":' * 100000)])
+case("checkpoint-config-nested-deeply", "{tmp}/ckpt/config.json: JSON nested more than 200 levels deep")(
+    info_of(lambda c: (k := c.ckpt(), (k / "config.json").write_text("[" * 5000 + "]" * 5000))[0]))
+case("index-nested-deeply", "model.safetensors.index.json: JSON nested more than 200 levels deep")(
+    info_of(lambda c: (k := c.ckpt(), split_weights(k, f"{TEXT}layers.3."),
+                       (k / "model.safetensors.index.json").write_text('{"weight_map":' * 3000))[0]))
+case("prompts-nested-deeply", "{tmp}/prompts.json: JSON nested more than 200 levels deep")(with_prompts("[" * 100000))
+NOT_UTF8 = os.fsdecode(b"\xff")  # a non-UTF-8 argument byte, as Python hands it over
+case("argv-not-utf8-config-missing", "--config {tmp}/c\\xff.json: not found")(
+    lambda c: ["info", "--config", c.tmp / f"c{NOT_UTF8}.json"])
+case("argv-not-utf8-golden-edited", "{tmp}/g\\xff/manifest.json", "do not match its golden_sha256")(
+    lambda c: check_golden(lambda c: edit_manifest_only(c, lambda m: m.update(created="x")).rename(
+        c.tmp / f"g{NOT_UTF8}"))(c))
 case("config-is-a-directory", "--config {tmp}: is a directory")(lambda c: ["info", "--config", c.tmp])
 case("checkpoint-missing", "--checkpoint {tmp}/nothing: not found")(lambda c: check_argv(c)[:1] + [
     "--checkpoint", c.tmp / "nothing"])
