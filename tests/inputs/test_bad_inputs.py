@@ -84,6 +84,13 @@ case("tp-negative-info", "--tp -2")(lambda c: ["info", "--config", c.tiny / "con
 case("tp-does-not-divide", "--tp 3", "does not split")(lambda c: check_argv(c, "--tp", 3))
 case("seed-negative", "--seed -1")(lambda c: ["check", "--model", "tiny", "--seed", -1])
 case("dtype-unknown", "--dtype 'int8'")(lambda c: check_argv(c, "--dtype", "int8"))
+case("dtype-unknown-bench", "--dtype 'half'", "bf16, bfloat16, float32, fp32")(
+    lambda c: ["bench", "--model", "tiny", "--dtype", "half", "--out", c.tmp / "b.json"])
+case("backend-option-unknown", "--backend-option compile_worker", "neuron backend has no such option")(
+    lambda c: check_argv(c, "--backend", "neuron", "--backend-option", "compile_worker=4"))
+case("backend-option-bad-value", "--backend-option zero_on_reset='maybe'", "true or false")(
+    lambda c: ["bench", "--model", "tiny", "--backend", "neuron", "--backend-option", "zero_on_reset=maybe",
+               "--out", c.tmp / "b.json"])
 case("bucket-beyond-kv", "bucket 512 exceeds --kv-len 256")(lambda c: check_argv(c, "--buckets", "16,512"))
 case("kv-beyond-max-positions", "--kv-len 4096", "max_position_embeddings 1024")(
     lambda c: check_argv(c, "--kv-len", 4096, "--buckets", 64))

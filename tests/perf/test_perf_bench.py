@@ -17,6 +17,7 @@ from harness import perf
 from harness.cli import main as cli_main
 from harness.checkpoint import Checkpoint, tiny_checkpoint
 from harness.errors import HarnessInputError
+from harness.settings import RunSettings
 
 RUNS, NEW_TOKENS = 3, 2
 BENCH_ARGS = ["--model", "tiny", "--backend", "cpu", "--runs", RUNS, "--warmup", 1, "--buckets", "8,16",
@@ -125,15 +126,13 @@ def test_bench_reports_floors_and_efficiency_per_graph(bench_runs, capsys):
 def test_bench_pins_the_tokens_it_generated(bench_runs, tiny0_ckpt):
     """The outputs block holds each prompt's greedy tokens, equal to a plain greedy decode of the
     same prompt by a fresh engine, and both bench runs generated the same ones."""
-    import torch
-
     from harness.backends import build_engine
 
     a, b = (perf.load_result(bench_runs[0] / name)["outputs"] for name in ("a.json", "b.json"))
     assert [p["bucket"] for p in a["prompts"]] == [8, 16]
     assert [len(p["tokens"]) for p in a["prompts"]] == [1, NEW_TOKENS + 1]
     assert a["runs_agree"] and a["prompts"] == b["prompts"] and a["fingerprint"] == b["fingerprint"]
-    engine = build_engine(tiny0_ckpt, backend="cpu", tp=2, dtype=torch.bfloat16, buckets=(8, 16), kv_len=32)
+    engine = build_engine(tiny0_ckpt, RunSettings(backend="cpu", tp=2, dtype="bf16", buckets=(8, 16), kv_len=32))
     for prompt in a["prompts"]:
         ids = perf.bench_prompt(tiny0_ckpt.spec.vocab_size, prompt["bucket"])
         decoded = engine.generate(ids, len(prompt["tokens"]))
@@ -187,8 +186,8 @@ def test_bench_refuses_to_overwrite_out_without_force(bench_runs, tmp_path, caps
 
 def test_bench_rejects_a_cache_too_short_for_the_decode_steps():
     with pytest.raises(HarnessInputError, match="exceed the KV length 32"):
-        perf.run_bench(Checkpoint.open(tiny_checkpoint(seed=0)), buckets=(16,), new_tokens=17, kv_len=32,
-                       progress=False)
+        perf.run_bench(Checkpoint.open(tiny_checkpoint(seed=0)), RunSettings(buckets=(16,), kv_len=32),
+                       new_tokens=17, progress=False)
 
 
 def test_bench_arguments_are_validated_by_argparse(tmp_path):
