@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,18 +48,19 @@ class Variant:
 
 
 def variants() -> list[Variant]:
-    import torch
-
+    """Each variant's backend options, as `--backend-option` would give them (text, converted by the
+    Neuron backend's declared OPTIONS)."""
     flags = list(BASE_FLAGS)
     return [
         Variant("baseline", "the shipped build"),
-        Variant("cc-overlap", "collective/compute overlap, pipeline tiling 2", {"compiler_args": [*flags, OVERLAP]}),
-        Variant("dge-offsets", "vector dynamic-offset DGE", {"compiler_args": [*flags, *DGE]}),
+        Variant("cc-overlap", "collective/compute overlap, pipeline tiling 2",
+                {"compiler_args": shlex.join([*flags, OVERLAP])}),
+        Variant("dge-offsets", "vector dynamic-offset DGE", {"compiler_args": shlex.join([*flags, *DGE])}),
         Variant("nxdi-gemma3", "NxD-Inference Gemma3 flags",
-                {"compiler_args": [*flags, "--enable-mixed-precision-accumulation", OVERLAP, *DGE]}),
+                {"compiler_args": shlex.join([*flags, "--enable-mixed-precision-accumulation", OVERLAP, *DGE])}),
         Variant("layout-prefill", "weight layout for the prefill graph", {"layout_priority": "prefill"}),
-        Variant("layout-none", "no weight layout optimisation", {"layout_priority": None}),
-        Variant("reduce-bf16", "row-parallel all-reduce in bf16", {"reduce_dtype": torch.bfloat16}),
+        Variant("layout-none", "no weight layout optimisation", {"layout_priority": "none"}),
+        Variant("reduce-bf16", "row-parallel all-reduce in bf16", {"reduce_dtype": "bf16"}),
         Variant("device-argmax", "greedy argmax on the device",
                 unavailable="needs an engine path that takes token ids from the device graph"),
         Variant("prompt-attention", "prefill attends over the prompt only",
@@ -68,15 +69,14 @@ def variants() -> list[Variant]:
 
 
 @contextlib.contextmanager
-def variant_backend(options: dict, built: list):
-    """Build every neuron backend made inside the block with `options`, recording each one. The
-    check's library entry takes no backend options, so they are passed where the backend is made."""
+def recording(built: list):
+    """Record every backend made inside the block (for its compile time and build facts)."""
     import harness.backends as backends
 
     real = backends.make_backend
 
-    def make(name, checkpoint, **kwargs):
-        backend = real(name, checkpoint, **({**kwargs, **options} if name == "neuron" else kwargs))
+    def make(*args, **kwargs):
+        backend = real(*args, **kwargs)
         built.append(backend)
         return backend
 
@@ -89,21 +89,22 @@ def variant_backend(options: dict, built: list):
 
 def run_variant(variant: Variant, ckpt, args, prompts) -> dict:
     """Parity (a parity build, judged by check) and speed (a perf build, benched) of one variant."""
-    import torch
-
     from harness.parity import run_parity_check
     from harness.perf import run_bench
+    from harness.settings import RunSettings
 
+    settings = RunSettings(backend=args.backend, tp=args.tp, dtype="bfloat16", buckets=args.buckets,
+                           kv_len=args.kv_len, backend_options=variant.options)
     built: list = []
-    with variant_backend(variant.options, built):
-        check = run_parity_check(ckpt, args.checkpoint_dir, prompts=prompts, backend=args.backend, tp=args.tp,
-                                 dtype=torch.bfloat16, new_tokens=args.new_tokens, buckets=args.buckets,
-                                 kv_len=args.kv_len, fp32_stage=False)
-        bench = run_bench(ckpt, backend=args.backend, runs=args.runs, warmup=args.warmup, buckets=args.buckets,
-                          new_tokens=args.new_tokens, tp=args.tp, dtype="bf16", kv_len=args.kv_len, progress=False)
-    compile_s = sum(be.timings.get("build_s", 0.0) for be in built if hasattr(be, "timings"))
+    with recording(built):
+        check = run_parity_check(ckpt, args.checkpoint_dir, settings, prompts=prompts, new_tokens=args.new_tokens,
+                                 fp32_stage=False)
+        bench = run_bench(ckpt, settings, runs=args.runs, warmup=args.warmup, new_tokens=args.new_tokens,
+                          progress=False)
+    neuron = [be for be in built if getattr(be, "name", None) == "neuron"]
     return {"variant": variant.name, "change": variant.change, "passed": bool(check.passed), "bench": bench,
-            "compile_s": compile_s, "compiled": any(getattr(be, "compiled", False) for be in built)}
+            "compile_s": sum(be.timings.get("build_s", 0.0) for be in neuron),
+            "compiled": any(be.compiled for be in neuron), "builds": len(neuron)}
 
 
 def _p50(result: dict, metric: str) -> float:
@@ -145,7 +146,7 @@ def table(rows: list[dict], baseline: dict | None, buckets) -> str:
 
 
 def parse_args(argv=None):
-    from harness.cli.common import buckets_arg
+    from harness.settings import parse_buckets
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -155,7 +156,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", help="comma-separated names to run (default: all available; baseline always)")
     p.add_argument("--prompts", metavar="FILE", help="prompts judged by check (default: the check's defaults)")
     p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--buckets", type=buckets_arg, default=(64, 256))
+    p.add_argument("--buckets", type=parse_buckets, default=(64, 256))
     p.add_argument("--kv-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--runs", type=int, default=20)

@@ -13,7 +13,7 @@ explicit collectives) and traced with ModelBuilder v2 under NxDParallelState: on
 bucket and one decode graph (s=1). The KV cache buffers, reassigned in forward, become device state
 aliased between calls. Per-rank weights come from `harness.sharding.rank_state_dicts` and are
 loaded with NxDModel.set_weights + to_neuron. Compiled graphs are cached on disk under a key of
-everything that changes them (DESIGN §5); weights are never part of a cache entry.
+everything that changes them (docs/design.md#backends); weights are never part of a cache entry.
 
 NxD APIs used (signatures read in aws-neuron/neuronx-distributed's public source, Release 2.29
 (commit fbac349, the newest published; 0.19 / SDK 2.31 has no public source):
@@ -52,7 +52,8 @@ from harness.graphs import (  # noqa: F401  (the device graphs, defined once for
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
     graph_inputs, graph_plan, graph_result, kv_buffer_names, tag_for_length, unpack_outputs)
 from harness.model import RankLinears
-from harness.sharding import bytes_per_rank, merge_rank_caches, plan_model, rank_state_dicts
+from harness.settings import RunSettings, directory, flag, positive_int, torch_dtype
+from harness.sharding import bytes_per_rank, plan_model, rank_state_dicts
 
 # Tracing or compiling a graph failed (not bad input: the compiler or the model code); one error
 # type whatever lowers the graph (harness/graphs.py).
@@ -135,6 +136,16 @@ def _checkpoint_key(tensor_meta) -> str:
     return key.decode("utf-8") if isinstance(key, bytes) else str(key)
 
 
+def _layout_priority(value) -> str | None:
+    """The --backend-option layout_priority value: decode, prefill, or none (no layout optimisation)."""
+    text = None if value is None else str(value).strip().lower()
+    if text in (None, "none"):
+        return None
+    if text not in ("decode", "prefill"):
+        raise ValueError("choose decode, prefill or none")
+    return text
+
+
 # ==== the backend ==================================================================================
 
 class NeuronBackend:
@@ -151,17 +162,22 @@ class NeuronBackend:
 
     name = "neuron"
 
-    def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
-                 buckets=(64,), capture: bool = False, compiler_args=None, cache_dir=None,
-                 compile_workers: int | None = None, zero_on_reset: bool = True,
-                 layout_priority: str | None = "decode", reduce_dtype: torch.dtype = torch.float32, **_ignored):
+    # The backend options (harness.backends.Backend): name -> converter of a --backend-option value.
+    OPTIONS = {"compiler_args": str, "cache_dir": directory, "compile_workers": positive_int,
+               "zero_on_reset": flag, "layout_priority": _layout_priority, "reduce_dtype": torch_dtype}
+    reads_cache, host_ranks = True, False
+
+    def __init__(self, checkpoint, settings: RunSettings, capture: bool = False, *, compiler_args=None,
+                 cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True,
+                 layout_priority: str | None = "decode", reduce_dtype: torch.dtype = torch.float32):
+        tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.versions = check_neuron_packages()  # before anything imports the SDK
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here, before any compile
         self.visible_cores = assign_visible_cores(tp)  # a core list smaller than tp fails here, before any build
         self.graphs = graph_plan(buckets, max_len)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
-        self.capture = bool(capture)
+        self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.compiler_args = normalize_compiler_args(compiler_args)
         self.priority_key = _priority_key(layout_priority, self.graphs)
@@ -344,15 +360,11 @@ class NeuronBackend:
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures
         when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
-        tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture, self.capture,
-                                 self.last_row_only, last)
+        tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
+                                 parity_build=self.capture, last_row_only=self.last_row_only, last=last)
         out = self.nxd_model(*args, model_name=tag)
         return graph_result(out, self.capture_names if self.capture else None, args[0], capture,
-                            self.last_row_only, last)
-
-    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), merged over ranks: per layer (k, v)."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
+                            self.last_row_only, last=last)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""

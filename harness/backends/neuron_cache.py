@@ -22,6 +22,7 @@ import torch
 from harness.atomic import atomic_directory
 from harness.errors import HarnessInputError
 from harness.graphs import GraphBuildError
+from harness.settings import DEFAULT_KV_LEN
 
 # ---- compiler flags -----------------------------------------------------------------------------
 
@@ -124,7 +125,7 @@ def _dtype_name(dtype) -> str:
 
 
 def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, compiler_args,
-                       model_source_hash: str, capture: bool, *, max_len: int = 256,
+                       model_source_hash: str, capture: bool, *, max_len: int = DEFAULT_KV_LEN,
                        dtype=torch.bfloat16, environment: dict | None = None) -> str:
     """The cache directory name for one compiled build: readable prefix + hash of every input.
 

@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from harness.errors import HarnessInputError
+from harness.settings import DEFAULT_KV_LEN, PUBLISHED_BUCKET
 from harness.sharding import bytes_per_rank, plan_layer, plan_model
 from harness.spec import ModelSpec, dtype_bytes
 
@@ -41,8 +42,8 @@ CHIP_SOURCE = ("AWS Neuron docs, Inferentia2 Architecture / Amazon EC2 Inf2 Arch
 # Inferentia2 chips per instance type (same source, the Inf2 instance table).
 INSTANCE_CHIPS = {"inf2.xlarge": 1, "inf2.8xlarge": 1, "inf2.24xlarge": 6, "inf2.48xlarge": 12}
 DEFAULT_INSTANCE = "inf2.8xlarge"
-# The published port's first-token prefill of the real 12B at TP=2 (DESIGN §3, §9).
-PUBLISHED_PREFILL_MS, PUBLISHED_PREFILL_BUCKET = 101.0, 64
+# The published port's first-token prefill of the real 12B at TP=2 (docs/design.md#performance-facts).
+PUBLISHED_PREFILL_MS, PUBLISHED_PREFILL_BUCKET = 101.0, PUBLISHED_BUCKET
 # `--instance-rates`: the keys a file of one's own figures must give (per chip, like CHIP).
 RATE_KEYS = ("cores", "hbm_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp32_flops_per_s", "chips")
 
@@ -226,10 +227,10 @@ def neuron_instance_rates(instance: str | None, tp: int, dtype: str, environ=Non
     return instance_rates(instance or DEFAULT_INSTANCE, tp, dtype)
 
 
-def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = 256, buckets=(64,),
-                instance: str = DEFAULT_INSTANCE, chip: dict | None = None) -> dict:
+def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = DEFAULT_KV_LEN,
+                buckets=(PUBLISHED_BUCKET,), instance: str = DEFAULT_INSTANCE, chip: dict | None = None) -> dict:
     """`gemma-parity info --perf`: the instance's floors and HBM fit, nothing run or measured, beside
-    the published port's prefill (DESIGN §3: about 101 ms at bucket 64)."""
+    the published port's prefill (docs/design.md#performance-facts: about 101 ms at bucket 64)."""
     out = roofline_block(spec, tp, dtype, buckets, kv_len, instance_rates(instance, tp, dtype, chip))
     out["published_ms"] = {f"prefill[{PUBLISHED_PREFILL_BUCKET}]": PUBLISHED_PREFILL_MS}
     out["hbm"] = hbm_fit(spec, tp, dtype, kv_len, chip)

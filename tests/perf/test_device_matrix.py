@@ -39,14 +39,14 @@ def test_the_matrix_runs_every_variant_and_writes_one_table(double, tmp_path, mo
     matrix = _matrix_module()
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([list(range(3, 10)), list(range(20, 32))]))
-    built = []
-    real = matrix.variant_backend
+    sinks = []  # the backends each variant built, in variant order
+    real = matrix.recording
 
-    def recording(options, sink):
-        built.append((dict(options), sink))
-        return real(options, sink)
+    def recording(built):
+        sinks.append(built)
+        return real(built)
 
-    monkeypatch.setattr(matrix, "variant_backend", recording)
+    monkeypatch.setattr(matrix, "recording", recording)
     out, js = tmp_path / "matrix.md", tmp_path / "matrix.json"
     rc = matrix.main(["--model", "tiny", "--variants", "reduce-bf16,device-argmax", "--prompts",
                       str(prompts), "--buckets", "16", "--kv-len", "32", "--new-tokens", "3", "--runs", "2",
@@ -61,10 +61,9 @@ def test_the_matrix_runs_every_variant_and_writes_one_table(double, tmp_path, mo
         assert cells[4].endswith("(too few runs)") or "x (" in cells[4]
         assert cells[6].endswith("%") and cells[7].endswith("%")
     assert "not yet available" in rows["device-argmax"]
-    # each variant's backends were built with its options: two builds (parity, perf) per variant
-    by_options = {str(opts): sink for opts, sink in built}
-    assert {be.reduce_dtype for be in by_options[str({})]} == {torch.float32}
-    bf16 = by_options[str({"reduce_dtype": torch.bfloat16})]
+    # each variant's backends were built with its options: two neuron builds (parity, perf) per variant
+    baseline, bf16 = ([be for be in sink if be.name == "neuron"] for sink in sinks)
+    assert {be.reduce_dtype for be in baseline} == {torch.float32} and {be.capture for be in baseline} == {True, False}
     assert {be.reduce_dtype for be in bf16} == {torch.bfloat16} and {be.capture for be in bf16} == {True, False}
     saved = json.loads(js.read_text())
     assert [v["variant"] for v in saved["variants"]] == list(rows)

@@ -14,6 +14,7 @@ import torch
 
 from harness.backends import neuron, neuron_cache, neuron_env
 from harness.errors import HarnessInputError
+from harness.settings import RunSettings
 from harness.sharding import bytes_per_rank
 from harness.spec import load_spec
 
@@ -45,7 +46,7 @@ def test_the_backend_refuses_the_core_list_before_anything_is_built(monkeypatch,
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     checkpoint = types.SimpleNamespace(spec=load_spec("fixtures/configs/gemma-4-tiny.json"))
     with pytest.raises(HarnessInputError, match="tp=2 needs 2"):
-        neuron.NeuronBackend(checkpoint, tp=2, cache_dir=tmp_path)
+        neuron.NeuronBackend(checkpoint, RunSettings(backend="neuron", tp=2), cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == [] and "neuronx_distributed" not in sys.modules
 
 
