@@ -282,7 +282,7 @@ def test_layout_priority_choices_and_the_layout_transformer(nxd, tiny0_ckpt, tmp
     assert len({decode.cache_key, prefill.cache_key, none.cache_key}) == 3
     x = torch.randn(1, 16, decode.spec.hidden_size).bfloat16()
     pos = torch.arange(16)[None]
-    outs = [be.forward(x, pos, last=15) for be in (decode, prefill, none)]
+    outs = [be.forward(x, pos, last=15)[0] for be in (decode, prefill, none)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])  # layout never changes numbers
     with pytest.raises(HarnessInputError, match="choose decode, prefill or none"):
         _build(tiny0_ckpt, tmp_path, layout_priority="tokens")
@@ -319,7 +319,7 @@ def test_rule_rank_dependent_python_is_baked_as_rank_0(nxd, tiny0_ckpt, tmp_path
     assert baked.compiled
     x = torch.randn(1, 16, healthy.spec.hidden_size).bfloat16()
     pos = torch.arange(16)[None]
-    want, got = healthy.forward(x, pos, last=15), baked.forward(x, pos, last=15)
+    want, got = healthy.forward(x, pos, last=15)[0], baked.forward(x, pos, last=15)[0]
     half = want.shape[-1] // 2
     assert torch.count_nonzero(got[..., half:]) == 0  # rank 1's slice never reached its place
     assert not torch.allclose(got[..., :half].float(), want[..., :half].float(), atol=1e-2)
