@@ -341,7 +341,7 @@ def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceRes
 
 def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu", tp: int = 2,
                dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
-               build: PrefixBuild | None = None, progress: bool = False) -> BisectResult:
+               build: PrefixBuild | None = None, progress: bool = False, sliding_cache: str = "linear") -> BisectResult:
     """Bisect `checkpoint` (run on `backend`) against a golden read for the checkpoint's spec. The
     golden may come from other weights (yesterday's): only the architecture must match."""
     from harness.reference import dtype_name
@@ -350,10 +350,6 @@ def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu"
     if mode not in MODES:
         raise HarnessInputError(f"unknown bisect mode {mode!r}; choose one of {MODES}")
     ref32, ref16 = golden.results("float32"), golden.results("bfloat16")
-    longest = max(len(r.prompt) for r in ref32)
-    if longest > max(buckets):
-        raise HarnessInputError(f"the golden's longest prompt has {longest} tokens, more than the largest "
-                                f"bucket {max(buckets)}; pass --buckets with a bucket >= {longest}")
     if mode == "truncate":
         build = build or backend_prefix_build(checkpoint, backend, tp, dtype, buckets, kv_len, progress)
         return bisect_truncate(checkpoint.spec, ref32, ref16, build, backend, tp, dtype_name(dtype), progress)
@@ -362,16 +358,17 @@ def run_bisect(checkpoint, golden, mode: str | None = None, backend: str = "cpu"
 
     # capture=True asks a device backend for its parity build (captures as graph outputs)
     engine = build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
-                          capture=True)
+                          capture=True, sliding_cache=sliding_cache)
     layer_backend = engine.backend if backend == "cpu" else CpuBackend(checkpoint, tp=tp, dtype=dtype,
-                                                                       max_len=kv_len)
+                                                                       max_len=kv_len, sliding_cache=sliding_cache)
     return bisect_capture(checkpoint, engine, layer_backend, ref32, ref16, backend, tp, dtype_name(dtype),
                           progress)
 
 
 def bisect_golden(checkpoint, golden_path, mode: str | None = None, backend: str = "cpu", tp: int = 2,
                   dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
-                  progress: bool = False, fp32_stage: bool = True) -> tuple[BisectResult, dict]:
+                  progress: bool = False, fp32_stage: bool = True,
+                  sliding_cache: str = "linear") -> tuple[BisectResult, dict]:
     """What `gemma-parity bisect` does: read the golden for the checkpoint's spec (or take the
     Golden already read), bisect, and return the result with its JSON payload (which says whether
     the golden came from these weights)."""
@@ -381,10 +378,11 @@ def bisect_golden(checkpoint, golden_path, mode: str | None = None, backend: str
     golden = golden_path if isinstance(golden_path, Golden) else read_golden(golden_path,
                                                                              expected_spec=checkpoint.spec)
     same = bool(same_weights(golden, checkpoint))
-    result = run_bisect(checkpoint, golden, mode, backend, tp, dtype, buckets, kv_len, progress=progress)
+    result = run_bisect(checkpoint, golden, mode, backend, tp, dtype, buckets, kv_len, progress=progress,
+                        sliding_cache=sliding_cache)
     if fp32_stage:
         stage = fp32_structural_stage(checkpoint, golden.results("float32"), golden.results("bfloat16"),
-                                      backend, tp, buckets, kv_len, progress)
+                                      backend, tp, buckets, kv_len, progress, sliding_cache)
         result.fp32_stage = {"passed": stage.stage_passed, "failures": stage.failures()[:20],
                              "first_divergent_layer": stage.first_divergent_layer,
                              "first_divergent_component": stage.first_divergent_component}

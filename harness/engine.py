@@ -29,6 +29,24 @@ def choose_bucket(length: int, buckets) -> int:
     )
 
 
+def chunk_plan(n: int, buckets, kv_len: int) -> list[tuple[int, int, int]]:
+    """(start, length, bucket) of each prefill chunk of an n-token prompt: the largest bucket while
+    the rest is longer, then the smallest bucket that holds the rest. A chunk's padded slots must
+    stay inside the linear cache (start + bucket <= kv_len): where no bucket fits there, the tail
+    goes through the largest bucket that does, down to the decode graph (bucket 1)."""
+    if n > kv_len:
+        raise PromptError(f"prompt of {n} tokens is longer than the KV length {kv_len}; raise --kv-len "
+                          "or shorten the prompt")
+    plan, start = [], 0
+    while start < n:
+        rest, fits = n - start, [b for b in sorted(buckets) if start + b <= kv_len] + [1]
+        holding = [b for b in fits if b >= rest]
+        bucket = min(holding) if holding else max(fits)
+        plan.append((start, min(rest, bucket), bucket))
+        start += min(rest, bucket)
+    return plan
+
+
 @dataclass
 class PrefillResult:
     # [n, vocab] raw fp32 logits at the real positions; [1, vocab] (the last one only) from a build
@@ -82,21 +100,28 @@ class Engine:
 
     # -- device steps ----------------------------------------------------------------------------
     def prefill(self, ids, capture: bool = False) -> PrefillResult:
-        """Right-pad to the bucket, run the prefill graph, keep only the real positions (only the last
-        one when the backend is a `last_row_only` build and no captures are asked for)."""
+        """Prefill chunk by chunk (chunk_plan): each chunk right-padded to its bucket, its real rows
+        at their absolute positions and its padded rows at position -1 (they attend to nothing and
+        write nothing a later query reads). Keeps only the real positions (only the last one when
+        the backend is a `last_row_only` build and no captures are asked for)."""
         ids = self.validate_ids(ids)
         n = ids.numel()
-        bucket = choose_bucket(n, self.buckets)
-        padded = torch.cat([ids, torch.full((bucket - n,), self.spec.pad_token_id, dtype=torch.long)])
-        positions = torch.arange(bucket)[None]  # padded slots sit after every real key: masked by causality
         self.backend.reset()
         last_only = not capture and getattr(self.backend, "last_row_only", False)
-        extra = {"last": n - 1} if last_only else {}
-        out = self.backend.forward(self.embed(padded), positions, capture=capture, **extra)
-        logits, captures = out if capture else (out, {})
+        logits, captures, bucket = [], {}, 0
+        for start, length, bucket in chunk_plan(n, self.buckets, self.kv_len):
+            pad = bucket - length
+            chunk = torch.cat([ids[start:start + length], torch.full((pad,), self.spec.pad_token_id, dtype=torch.long)])
+            positions = torch.cat([torch.arange(start, start + length), torch.full((pad,), -1)])[None]
+            extra = {"last": length - 1} if last_only else {}
+            out = self.backend.forward(self.embed(chunk), positions, capture=capture, **extra)
+            chunk_logits, chunk_caps = out if capture else (out, {})
+            logits.append(chunk_logits[0, -1:].float() if last_only else chunk_logits[0, :length].float())
+            for name, value in chunk_caps.items():
+                captures.setdefault(name, []).append(value[0, :length].float())
         return PrefillResult(
-            logits=logits[0, -1:].float() if last_only else logits[0, :n].float(),
-            captures={k: v[0, :n].float() for k, v in captures.items()},
+            logits=logits[-1] if last_only else torch.cat(logits),
+            captures={k: torch.cat(v) for k, v in captures.items()},
             bucket=bucket,
         )
 

@@ -49,8 +49,8 @@ class TracedDecoder(RankDecoder):
     """
 
     def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears: RankLinears,
-                 with_captures: bool = False, last_row_only: bool = False):
-        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears)
+                 with_captures: bool = False, last_row_only: bool = False, sliding_cache: str = "linear"):
+        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears, sliding_cache=sliding_cache)
         if with_captures and last_row_only:
             raise ValueError("a parity build (captures) returns every row; last_row_only is for perf builds")
         self.with_captures, self.last_row_only = with_captures, last_row_only

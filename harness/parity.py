@@ -371,7 +371,9 @@ def _prefill_points(points: _Points, spec, k: int, run: _PortPrompt, r32, r16) -
         for i, (k_, v_) in enumerate(cache):
             for side, t in (("k", k_), ("v", v_)):
                 name = f"kv.{i}.{side}"
-                points.add(name, _rows(t), r32.captures[name][:written], r16.captures[name][:written], labels)
+                held = written - t.shape[1]  # a ring layer holds only its last window positions
+                points.add(name, _rows(t), r32.captures[name][held:written], r16.captures[name][held:written],
+                           labels[held:])
 
 
 def _decode_points(points: _Points, spec, k: int, run: _PortPrompt, r32, r16) -> None:
@@ -391,10 +393,12 @@ def _decode_points(points: _Points, spec, k: int, run: _PortPrompt, r32, r16) ->
             rows = range(0 if s == len(run.kv) - 1 else n, written)
             labels = [f"prompt {k} position {p} after decode step {s}" for p in rows]
             for i, (k_, v_) in enumerate(cache):
+                first = written - k_.shape[1]  # a ring layer holds only its last window positions
+                start = max(rows.start, first)
                 for side, t in (("k", k_), ("v", v_)):
                     ref_name = f"kv.{i}.{side}"
-                    points.add(f"decode.{ref_name}", _rows(t)[rows.start:], r32.captures[ref_name][rows.start:written],
-                               r16.captures[ref_name][rows.start:written], labels)
+                    points.add(f"decode.{ref_name}", _rows(t)[start - first:], r32.captures[ref_name][start:written],
+                               r16.captures[ref_name][start:written], labels[start - rows.start:])
 
 
 def _judge(stage: str):
@@ -519,14 +523,10 @@ def run_stage(stage: str, engine, spec, ref32: list[ReferenceResult], ref16: lis
 # ---- the check ----------------------------------------------------------------------------------
 
 def check_inputs_fit(engine, refs: list[ReferenceResult]) -> None:
-    """Bad input is told apart from a port failure before the port runs: every prompt fits a
-    bucket and, with its new tokens, the KV length."""
+    """Bad input is told apart from a port failure before the port runs: every prompt, with its
+    new tokens, fits the KV length (a prompt longer than the largest bucket is prefilled in chunks)."""
     for k, r in enumerate(refs):
         n, new = len(r.prompt), len(r.generated)
-        if n > max(engine.buckets):
-            raise PromptError(f"prompt {k} has {n} tokens, more than the largest prefill bucket "
-                              f"({max(engine.buckets)}); pass --buckets with a bucket of at least {n} "
-                              f"(and a --kv-len that holds it) or shorten the prompt")
         if n + new > engine.kv_len + 1:
             raise PromptError(f"prompt {k}: {n} tokens + {new} new tokens exceed the KV length "
                               f"{engine.kv_len}; pass a larger --kv-len or fewer --new-tokens")
@@ -546,11 +546,12 @@ def build_fp32_engine(checkpoint, engine, backend: str):
 
     name = backend if backend in ("cpu", "xla") else "cpu"
     return build_engine(checkpoint, backend=name, tp=getattr(engine.backend, "tp", 2), dtype=torch.float32,
-                        buckets=engine.buckets, kv_len=engine.kv_len, capture=True)  # a parity build
+                        buckets=engine.buckets, kv_len=engine.kv_len, capture=True,  # a parity build
+                        sliding_cache=getattr(engine.backend, "sliding_cache", "linear"))
 
 
 def fp32_structural_stage(checkpoint, ref32, ref16, backend: str = "cpu", tp: int = 2, buckets=(64, 256),
-                          kv_len: int = 256, progress: bool = False) -> CheckResult:
+                          kv_len: int = 256, progress: bool = False, sliding_cache: str = "linear") -> CheckResult:
     """The fp32 stage alone (what `bisect` adds to its search): the port in fp32 on the host
     backend against the fp32 reference; an exception inside the port is a failed stage."""
     from harness.backends import build_engine
@@ -558,7 +559,8 @@ def fp32_structural_stage(checkpoint, ref32, ref16, backend: str = "cpu", tp: in
     name = backend if backend in ("cpu", "xla") else "cpu"
     try:
         engine = _port_call("fp32 stage: building the fp32 port", build_engine, checkpoint, backend=name, tp=tp,
-                            dtype=torch.float32, buckets=buckets, kv_len=kv_len, capture=True)  # a parity build
+                            dtype=torch.float32, buckets=buckets, kv_len=kv_len, capture=True,  # a parity build
+                            sliding_cache=sliding_cache)
         check_inputs_fit(engine, ref32)
         return run_stage("fp32", engine, checkpoint.spec, ref32, ref16, near_tie_calibration(ref32, ref16), None,
                          backend, tp, "float32", progress)
@@ -642,7 +644,7 @@ def load_references(source, checkpoint_dir, new_tokens: int, progress: bool = Fa
 
 def run_parity_check(checkpoint, checkpoint_dir, golden=None, prompts=None, backend: str = "cpu", tp: int = 2,
                      dtype: torch.dtype = torch.bfloat16, new_tokens: int = 8, buckets=(64, 256), kv_len: int = 256,
-                     progress: bool = False, fp32_stage: bool = True) -> CheckResult:
+                     progress: bool = False, fp32_stage: bool = True, sliding_cache: str = "linear") -> CheckResult:
     """What `gemma-parity check` does: the port on `backend` against the reference (recomputed
     for `prompts`, or read from `golden`), judged in two stages."""
     from harness.backends import build_engine
@@ -657,7 +659,7 @@ def run_parity_check(checkpoint, checkpoint_dir, golden=None, prompts=None, back
     # before transformers (which does not) computes the reference. A parity build: the per-layer
     # captures are extra graph outputs on the device.
     engine = build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
-                          capture=True)
+                          capture=True, sliding_cache=sliding_cache)
     ref32, ref16 = load_references(source, checkpoint_dir, new_tokens, progress)
     return check_port(checkpoint, engine, ref32, ref16, backend=backend, tp=tp, dtype=dtype_name(dtype),
                       progress=progress, fp32_engine="auto" if fp32_stage else None)

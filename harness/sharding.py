@@ -176,17 +176,37 @@ def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None) -> l
     return states
 
 
-def merge_rank_caches(spec: ModelSpec, tp: int, kv_cache, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's KV cache at positions [0, written), merged over ranks by the plan into the
-    model's KV head order (one copy of a replicated head): per layer (k, v), each [kv_heads,
-    written, head_dim] fp32. `kv_cache(layer, rank)` gives one rank's (k, v), [1, heads, len, d]."""
+def ring_windows(spec: ModelSpec, sliding_cache: str, max_len: int) -> dict[int, int]:
+    """Layer index -> window of the layers kept in a ring of `window` slots (model.make_cache)."""
+    if sliding_cache != "ring":
+        return {}
+    return {layer.index: layer.window for layer in spec.layers if layer.is_sliding and layer.window < max_len}
+
+
+def cache_slots(written: int, window: int | None) -> torch.Tensor:
+    """Cache slots holding the positions a cache still has after `written` writes, oldest first:
+    [0, written) of a linear cache; the last `window` positions of a ring (position p in slot
+    p % window), so a ring reads back in absolute-position order."""
+    if window is None:
+        return torch.arange(written)
+    return torch.arange(max(written - window, 0), written) % window
+
+
+def merge_rank_caches(spec: ModelSpec, tp: int, kv_cache, written: int,
+                      rings: dict[int, int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's KV cache at the positions it holds after `written` writes ([0, written) for a
+    linear cache, the last window positions of a ring layer in `rings`: layer -> window), merged
+    over ranks by the plan into the model's KV head order (one copy of a replicated head): per
+    layer (k, v), each [kv_heads, held, head_dim] fp32, oldest position first. `kv_cache(layer,
+    rank)` gives one rank's (k, v), [1, heads, slots, d]."""
     merged = []
     for i, plan in enumerate(plan_model(spec, tp)):
+        slots = cache_slots(written, (rings or {}).get(i))
         parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for rank in range(tp):
             k, v = kv_cache(i, rank)
             for slot, head in enumerate(kv_heads_for_rank(plan, rank)):
-                parts.setdefault(head, (k[0, slot, :written], v[0, slot, :written]))
+                parts.setdefault(head, (k[0, slot, slots], v[0, slot, slots]))
         heads = sorted(parts)
         merged.append((torch.stack([parts[h][0] for h in heads]).float(),
                        torch.stack([parts[h][1] for h in heads]).float()))

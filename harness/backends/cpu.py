@@ -13,7 +13,7 @@ import threading
 import torch
 
 from harness.model import Collectives, RankDecoder, RankLinears
-from harness.sharding import merge_rank_caches, rank_state_dicts
+from harness.sharding import merge_rank_caches, rank_state_dicts, ring_windows
 
 COLLECTIVE_TIMEOUT_S = 600.0
 
@@ -55,14 +55,15 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
-                 buckets=None, **_ignored):
+                 buckets=None, sliding_cache: str = "linear", **_ignored):
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
+        self.sliding_cache, self.rings = sliding_cache, ring_windows(self.spec, sliding_cache, max_len)
         self.group = ThreadGroup(tp)
         states = rank_state_dicts(checkpoint, tp, dtype)
         self.ranks = []
         for rank in range(tp):
             module = RankDecoder(self.spec, tp=tp, max_len=max_len, dtype=dtype,
-                                 linears=RankLinears(RankCollectives(self.group, rank)))
+                                 linears=RankLinears(RankCollectives(self.group, rank)), sliding_cache=sliding_cache)
             module.load_state_dict(states[rank], strict=True)
             module.eval()
             self.ranks.append(module)
@@ -101,11 +102,12 @@ class CpuBackend:
         return self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of one layer's cache on one rank: [1, kv_heads, max_len, d]."""
+        """(k, v) of one layer's cache on one rank: [1, kv_heads, slots, d] (max_len slots, or a ring's window)."""
         cache = self.ranks[rank].layers[layer].self_attn.cache
         return cache.k, cache.v
 
     def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), as the port stores it (keys after norm
-        and rope, values after v_norm), merged over ranks: per layer (k, v), [kv_heads, written, d]."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
+        """Every layer's KV cache at the positions it holds after `written` writes, as the port stores
+        it (keys after norm and rope, values after v_norm), merged over ranks, oldest position first
+        (a ring unrolled): per layer (k, v), [kv_heads, held, d]."""
+        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written, self.rings)

@@ -49,7 +49,7 @@ from harness.graphs import (  # noqa: F401  (the device graphs, defined once for
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
     graph_inputs, graph_plan, graph_result, kv_buffer_names, tag_for_length, unpack_outputs)
 from harness.model import RankLinears
-from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts
+from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts, ring_windows
 
 # ---- versions (DESIGN §5, NEURON.md): keep in step with pyproject's `neuron` extra --------------
 
@@ -320,7 +320,7 @@ def _dtype_name(dtype) -> str:
 
 def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, compiler_args,
                        model_source_hash: str, capture: bool, *, max_len: int = 256,
-                       dtype=torch.bfloat16) -> str:
+                       dtype=torch.bfloat16, sliding_cache: str = "linear") -> str:
     """The cache directory name for one compiled build: readable prefix + hash of every input.
 
     Bucket order does not matter (the same graphs are built); compiler flag order does (neuronx-cc
@@ -334,6 +334,8 @@ def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, 
         "model_source": str(model_source_hash), "capture": bool(capture), "max_len": int(max_len),
         "dtype": _dtype_name(dtype),
     }
+    if sliding_cache != "linear":  # a ring changes the sliding layers' state shapes and graphs
+        payload["sliding_cache"] = str(sliding_cache)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
     kind = "parity" if capture else "perf"
     return f"{kind}-tp{int(tp)}-b{'_'.join(map(str, buckets))}-kv{int(max_len)}-{digest}"
@@ -471,9 +473,11 @@ class NeuronBackend:
 
     def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
                  buckets=(64,), capture: bool = False, compiler_args=None, cache_dir=None,
-                 compile_workers: int | None = None, zero_on_reset: bool = True, **_ignored):
+                 compile_workers: int | None = None, zero_on_reset: bool = True, sliding_cache: str = "linear",
+                 **_ignored):
         self.versions = check_neuron_packages()  # before anything imports the SDK
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
+        self.sliding_cache, self.rings = sliding_cache, ring_windows(self.spec, sliding_cache, max_len)
         plan_model(self.spec, tp)  # a layout that cannot shard fails here, before any compile
         self.graphs = graph_plan(buckets, max_len)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
@@ -485,7 +489,7 @@ class NeuronBackend:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_key = artifact_cache_key(
             self.spec.spec_hash(), self.buckets, tp, toolchain_version(self.versions), self.compiler_args,
-            model_source_hash(), self.capture, max_len=max_len, dtype=dtype)
+            model_source_hash(), self.capture, max_len=max_len, dtype=dtype, sliding_cache=sliding_cache)
         self.artifact_dir = self.cache_dir / self.cache_key
         self.visible_cores = assign_visible_cores(tp)  # before the Neuron runtime starts
         self.compiled = False  # True when this process compiled the graphs (a cache miss)
@@ -564,7 +568,8 @@ class NeuronBackend:
             # target), which fails on a build host without a Neuron device.
             with NxDParallelState(world_size=self.tp, tensor_model_parallel_size=self.tp, lnc_size=INF2_LNC):
                 module = TracedDecoder(self.spec, self.tp, self.max_len, self.dtype, NeuronLinears(self.tp, self.dtype),
-                                       with_captures=self.capture, last_row_only=self.last_row_only)
+                                       with_captures=self.capture, last_row_only=self.last_row_only,
+                                       sliding_cache=self.sliding_cache)
                 module.eval()
                 module.requires_grad_(False)
                 constants, kv_names = constant_buffers(module), kv_buffer_names(module)  # before tracing
@@ -661,8 +666,9 @@ class NeuronBackend:
                             self.last_row_only, last)
 
     def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), merged over ranks: per layer (k, v)."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
+        """Every layer's KV cache at the positions it holds after `written` writes (a ring unrolled),
+        merged over ranks: per layer (k, v)."""
+        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written, self.rings)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""

@@ -32,7 +32,7 @@ from harness.errors import HarnessInputError
 from harness.graphs import (GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
                             graph_inputs, graph_plan, graph_result, kv_buffer_names)
 from harness.model import Collectives, RankLinears
-from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts
+from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts, ring_windows
 
 TORCH_XLA_VERSION = "2.9.0"  # keep in step with pyproject's `xla` extra
 INSTALL_COMMAND = (f"pip install torch=={TORCH_XLA_VERSION} torch-xla=={TORCH_XLA_VERSION} "
@@ -88,12 +88,12 @@ class XlaCollectives(Collectives):
 
 
 def build_graph_module(spec, tp: int, max_len: int, dtype: torch.dtype, capture: bool = False,
-                       module_cls=TracedDecoder) -> nn.Module:
+                       module_cls=TracedDecoder, sliding_cache: str = "linear") -> nn.Module:
     """The traced module of harness/graphs.py with XLA collectives, in eval mode without grads: a
     parity build (captures) or, as the Neuron backend builds it, a perf build returning only the
     last real row's logits."""
     module = module_cls(spec, tp, max_len, dtype, RankLinears(XlaCollectives(tp)), with_captures=capture,
-                        last_row_only=not capture)
+                        last_row_only=not capture, sliding_cache=sliding_cache)
     module.eval()
     module.requires_grad_(False)
     return module
@@ -218,9 +218,10 @@ class XlaBackend:
     name = "xla"
 
     def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
-                 buckets=(64,), capture: bool = False, **_ignored):
+                 buckets=(64,), capture: bool = False, sliding_cache: str = "linear", **_ignored):
         self.rt = xla_runtime()  # before anything else: a missing torch-xla is reported first
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
+        self.sliding_cache, self.rings = sliding_cache, ring_windows(self.spec, sliding_cache, max_len)
         plan_model(self.spec, tp)  # a layout that cannot shard fails here
         if tp not in (1, self.rt.devices):
             raise HarnessInputError(f"the xla backend runs tp=1 or tp={self.rt.devices} (one XLA CPU device per "
@@ -228,7 +229,8 @@ class XlaBackend:
         self.graphs = graph_plan(buckets, max_len)
         self.capture = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
-        self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture)
+        self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture,
+                                         sliding_cache=sliding_cache)
         self.kv_names = kv_buffer_names(self.module)
         self.capture_names: list[str] | None = None
         xs = self.rt.xs
@@ -312,8 +314,9 @@ class XlaBackend:
         return [r.cpu()[0] for r in results]
 
     def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), merged over ranks: per layer (k, v)."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
+        """Every layer's KV cache at the positions it holds after `written` writes (a ring unrolled),
+        merged over ranks: per layer (k, v)."""
+        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written, self.rings)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied to the host: [1, kv_heads, max_len, d]."""

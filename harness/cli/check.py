@@ -66,7 +66,7 @@ def run(args) -> int:
                               backend=args.backend,
                               tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
                               buckets=args.buckets, kv_len=args.kv_len, progress=True,
-                              fp32_stage=not args.skip_fp32_stage)
+                              fp32_stage=not args.skip_fp32_stage, sliding_cache=args.sliding_cache)
     payload = with_generator(result.to_json(), "check")
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.

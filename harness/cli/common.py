@@ -52,6 +52,8 @@ def add_port_args(p, report_help: str) -> None:
     p.add_argument("--buckets", type=buckets_arg, default=(64, 256),
                    help="prefill buckets, e.g. 16,64 (default 64,256: the default prompts reach position 247)")
     p.add_argument("--kv-len", type=int, default=256, help="KV cache length (default 256)")
+    p.add_argument("--sliding-cache", choices=["linear", "ring"], default="linear",
+                   help="sliding layers' cache: linear (kv-len slots, default) or ring (window slots); README, 'KV cache'")
     p.add_argument("--json", metavar="FILE", help="write the result as JSON (replaces only a result "
                    "gemma-parity wrote)")
     p.add_argument("--report", metavar="DIR", help=report_help)
