@@ -47,6 +47,11 @@ def chunk_plan(n: int, buckets, kv_len: int) -> list[tuple[int, int, int]]:
     return plan
 
 
+def chunk_positions(start: int, length: int, bucket: int) -> torch.Tensor:
+    """[1, bucket] positions of a chunk: its real rows at start.., its padded rows at -1."""
+    return torch.cat([torch.arange(start, start + length), torch.full((bucket - length,), -1)])[None]
+
+
 @dataclass
 class PrefillResult:
     # [n, vocab] raw fp32 logits at the real positions; [1, vocab] (the last one only) from a build
@@ -112,7 +117,7 @@ class Engine:
         for start, length, bucket in chunk_plan(n, self.buckets, self.kv_len):
             pad = bucket - length
             chunk = torch.cat([ids[start:start + length], torch.full((pad,), self.spec.pad_token_id, dtype=torch.long)])
-            positions = torch.cat([torch.arange(start, start + length), torch.full((pad,), -1)])[None]
+            positions = chunk_positions(start, length, bucket)
             extra = {"last": length - 1} if last_only else {}
             out = self.backend.forward(self.embed(chunk), positions, capture=capture, **extra)
             chunk_logits, chunk_caps = out if capture else (out, {})

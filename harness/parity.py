@@ -190,8 +190,7 @@ class CheckResult:
         return out
 
     def _row_label(self, name: str, row: int) -> str:
-        key = _label_group(name)
-        labels = self.row_labels.get(key, [])
+        labels = self.row_labels.get(name) or self.row_labels.get(_label_group(name), [])
         return labels[row] if 0 <= row < len(labels) else f"row {row}"
 
     @property
@@ -352,6 +351,8 @@ class _Points:
         group = _label_group(name)
         if name in ("embeddings", "decode.embeddings", "decode_logits", "decode.kv.0.k"):
             self.labels.setdefault(group, []).extend(labels)
+        if name.startswith(("kv.", "decode.kv.")):  # a ring layer holds fewer rows than its group
+            self.labels.setdefault(name, []).extend(labels)
 
     def stacked(self):
         cat = {n: torch.cat(v) for n, v in self.dev.items()}

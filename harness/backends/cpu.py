@@ -58,6 +58,7 @@ class CpuBackend:
                  buckets=None, sliding_cache: str = "linear", **_ignored):
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         self.sliding_cache, self.rings = sliding_cache, ring_windows(self.spec, sliding_cache, max_len)
+        self.buckets = tuple(sorted(buckets)) if buckets else None  # the local verdict follows its prefill chunks
         self.group = ThreadGroup(tp)
         states = rank_state_dicts(checkpoint, tp, dtype)
         self.ranks = []
