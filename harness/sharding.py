@@ -242,6 +242,43 @@ def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: in
     }
 
 
+def kv_cache_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", sliding_cache: str = "linear") -> dict:
+    """One rank's KV cache cost: `per_token` bytes of the layers with a linear cache (every layer, or
+    the full layers only when sliding layers keep a ring) and the `ring` bytes of the sliding layers'
+    rings, fixed at window slots whatever the context."""
+    nbytes, per_token, ring = dtype_bytes(dtype), 0, 0
+    for layer in spec.layers:
+        row = 2 * plan_layer(layer, tp).kv_heads_per_rank * layer.head_dim * nbytes  # k and v of one position
+        if sliding_cache == "ring" and layer.is_sliding:
+            ring += row * layer.window
+        else:
+            per_token += row
+    return {"per_token": per_token, "ring": ring}
+
+
+def memory_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, device_bytes: int, ranks_per_device: int,
+                device: str) -> dict:
+    """Device memory of one `device` (`device_bytes` shared by `ranks_per_device` ranks) for both
+    sliding caches: weights, KV bytes per token, the rings' fixed bytes, the KV bytes at kv_len and
+    the longest context that fits next to the weights (capped at the model's positions). Nothing is
+    reserved for activations or runtime scratch: the real limit is lower."""
+    weights = bytes_per_rank(spec, tp, dtype, 0)["weights"] * ranks_per_device
+    caches = {}
+    for kind in ("linear", "ring"):
+        cost = {k: v * ranks_per_device for k, v in kv_cache_bytes(spec, tp, dtype, kind).items()}
+        room = device_bytes - weights - cost["ring"]
+        by_memory = max(room // cost["per_token"], 0) if cost["per_token"] else 0
+        longest = by_memory if spec.max_positions is None else min(by_memory, spec.max_positions)
+        total = weights + cost["ring"] + cost["per_token"] * kv_len
+        caches[kind] = {"kv_bytes_per_token": cost["per_token"], "ring_bytes": cost["ring"],
+                        "kv_bytes_at_kv_len": cost["ring"] + cost["per_token"] * kv_len,
+                        "total_bytes": total, "longest_by_memory": int(by_memory),
+                        "longest_context": int(longest), "fits": kv_len <= longest}
+    return {"device": device, "device_bytes": device_bytes, "ranks_per_device": ranks_per_device,
+            "max_positions": spec.max_positions,
+            "weights_bytes": weights, "kv_len": kv_len, "caches": caches}
+
+
 def plan_summary(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256) -> dict:
     """The resolved spec with each layer's TP plan and the device bytes per rank (what `info` shows)."""
     layers = []

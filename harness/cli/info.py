@@ -14,7 +14,10 @@ def add_command(sub) -> None:
     add_model_args(p, config=True)
     p.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
     p.add_argument("--dtype", default="bfloat16", help="device dtype for the memory estimate")
-    p.add_argument("--kv-len", type=int, default=256, help="KV cache length for the memory estimate")
+    p.add_argument("--kv-len", type=int, default=256, help="KV cache length for the memory estimate; refused "
+                   "(exit 2) when it does not fit one inf2.8xlarge chip next to the weights")
+    p.add_argument("--sliding-cache", choices=["linear", "ring"], default="linear",
+                   help="sliding layers' cache the --kv-len fit is judged for (both are shown)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
@@ -39,6 +42,7 @@ def validate(args) -> None:
         args.spec = v.open_checkpoint(args).spec
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
+    v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
 
 
 def run(args) -> int:
@@ -47,8 +51,13 @@ def run(args) -> int:
 
     if args.ckpt is not None:
         print(args.ckpt.describe())
+    from harness.perf.memory import instance_memory_plan, render_memory_plan
+
     payload = plan_summary(args.spec, args.tp, args.dtype, args.kv_len)
     print(format_info(payload))
+    payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len)
+    payload["memory_plan"]["sliding_cache"] = args.sliding_cache
+    print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
     if args.perf:
         from harness.perf import info_floors, render_roofline
 
