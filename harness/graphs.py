@@ -99,6 +99,37 @@ def graph_plan(buckets, max_len: int) -> dict[str, int]:
     return plan
 
 
+def kv_buckets(buckets, max_len: int) -> tuple[int, ...]:
+    """KV lengths the graphs read (their KV buckets): powers of two from the smallest prefill
+    bucket (at least 16) up to the KV length, and the KV length itself. A graph reads the smallest
+    KV bucket that holds every position written so far, so a decode step at position 300 reads 512
+    slots, not a 128K cache."""
+    size = 16
+    while size < min(int(b) for b in buckets):
+        size *= 2
+    out = []
+    while size < max_len:
+        out.append(size)
+        size *= 2
+    return tuple(out) + (max_len,)
+
+
+def kv_read_length(positions: torch.Tensor, kv_lengths) -> int:
+    """The KV bucket a call reads: the smallest that holds its first position plus its real rows."""
+    needed = int(positions[0, 0]) + int((positions[0] >= 0).sum())
+    for size in sorted(kv_lengths):
+        if size >= needed:
+            return size
+    raise HarnessInputError(f"positions up to {needed - 1} are past the KV length {max(kv_lengths)}")
+
+
+def kv_graph_plan(buckets, max_len: int) -> list[tuple[str, int, int]]:
+    """(tag, sequence length, KV bucket) of every graph a build with KV buckets holds: each prefill
+    bucket at each KV bucket that holds it, and decode at every KV bucket."""
+    plan = graph_plan(buckets, max_len)
+    return [(tag, length, kv) for tag, length in plan.items() for kv in kv_buckets(buckets, max_len) if kv >= length]
+
+
 def tag_for_length(length: int, graphs: dict[str, int]) -> str:
     for tag, size in graphs.items():
         if size == length:

@@ -153,17 +153,22 @@ class KVCache(nn.Module):
         super().__init__()
         self.register_buffer("k", torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
+        # Slots attention reads: the graph's KV bucket (graphs.kv_read_length), a static length per
+        # graph; None reads the whole cache.
+        self.read_len: int | None = None
 
     def key_positions(self, positions: torch.Tensor):
-        """What attention_mask needs for the keys update returns: the cache length (slot = position)."""
-        return self.k.shape[2]
+        """What attention_mask needs for the keys update returns: their count (slot = position)."""
+        return self.read_len or self.k.shape[2]
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # Reassigning the buffers (not in-place) is what NxD turns into aliased device state.
         rows = chunk_rows(positions)
         self.k = self.k.index_copy(2, rows, k)
         self.v = self.v.index_copy(2, rows, v)
-        return self.k, self.v
+        if self.read_len is None:
+            return self.k, self.v
+        return self.k[:, :, :self.read_len], self.v[:, :, :self.read_len]
 
 
 def ring_slot_positions(next_position: torch.Tensor, window: int) -> torch.Tensor:
@@ -316,6 +321,13 @@ class RankDecoder(nn.Module):
         for layer in self.layers:
             layer.self_attn.cache.k.zero_()
             layer.self_attn.cache.v.zero_()
+        self.set_kv_read(None)
+
+    def set_kv_read(self, length: int | None) -> None:
+        """Linear caches read their first `length` slots (None: all) until told otherwise: the KV
+        bucket of the graph about to run. A ring always reads its window plus the chunk."""
+        for layer in self.layers:
+            layer.self_attn.cache.read_len = length
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
         captures = {"embeddings": inputs_embeds} if capture else None

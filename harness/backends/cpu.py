@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from harness.graphs import kv_buckets, kv_read_length
 from harness.model import Collectives, RankDecoder, RankLinears
 from harness.sharding import merge_rank_caches, rank_state_dicts, ring_windows
 
@@ -59,6 +60,7 @@ class CpuBackend:
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         self.sliding_cache, self.rings = sliding_cache, ring_windows(self.spec, sliding_cache, max_len)
         self.buckets = tuple(sorted(buckets)) if buckets else None  # the local verdict follows its prefill chunks
+        self.kv_lengths = kv_buckets(self.buckets or (max_len,), max_len)
         self.group = ThreadGroup(tp)
         states = rank_state_dicts(checkpoint, tp, dtype)
         self.ranks = []
@@ -99,7 +101,11 @@ class CpuBackend:
         return results
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
-        """Every rank runs the same step; rank 0's (gathered, identical) outputs are returned."""
+        """Every rank runs the same step, reading the KV bucket a compiled graph of this call would
+        read (graphs.kv_read_length); rank 0's (gathered, identical) outputs are returned."""
+        read = kv_read_length(positions, self.kv_lengths)
+        for module in self.ranks:
+            module.set_kv_read(read)
         return self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from torch import nn
 
 from harness.errors import HarnessInputError
 from harness.graphs import (GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
-                            graph_inputs, graph_plan, graph_result, kv_buffer_names)
+                            graph_inputs, graph_plan, graph_result, kv_buffer_names, kv_buckets, kv_read_length)
 from harness.model import Collectives, RankLinears
 from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts, ring_windows
 
@@ -227,6 +227,7 @@ class XlaBackend:
             raise HarnessInputError(f"the xla backend runs tp=1 or tp={self.rt.devices} (one XLA CPU device per "
                                     f"rank; CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES')}), not tp={tp}")
         self.graphs = graph_plan(buckets, max_len)
+        self.kv_lengths = kv_buckets(buckets, max_len)
         self.capture = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture,
@@ -292,6 +293,7 @@ class XlaBackend:
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
         _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture,
                                    self.capture, self.last_row_only, last)
+        self.module.set_kv_read(kv_read_length(positions, self.kv_lengths))  # one graph per KV bucket
         outputs = self._step(*graph_in)
         if self.capture and self.capture_names is None:
             self.capture_names = list(self.module.capture_names)

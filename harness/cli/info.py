@@ -63,6 +63,22 @@ def run(args) -> int:
 
         payload["roofline"] = info_floors(args.spec, args.tp, args.dtype, args.kv_len)
         print(render_roofline(payload["roofline"]), end="")
+        _print_floors_at_length(args, payload)
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))
     return EXIT_OK
+
+
+def _print_floors_at_length(args, payload) -> None:
+    """TTFT and TPOT floors at 1K..128K with the chosen sliding cache, in a build whose KV length is
+    the longest context that fits (harness/perf/context.py)."""
+    from harness.perf.context import floors_at_length, render_floors_at_length
+    from harness.perf.roofline import instance_rates
+
+    plan = payload["memory_plan"]
+    longest = plan["caches"][args.sliding_cache]["longest_context"]
+    rates = instance_rates(plan["instance"], args.tp, args.dtype)
+    rows = floors_at_length(args.spec, args.tp, args.dtype, (64, 256), longest, rates, args.sliding_cache)
+    payload["floors_at_length"] = rows
+    print(f"floors at length ({args.sliding_cache} sliding cache, buckets 64,256, KV length {longest}):")
+    print(render_floors_at_length(rows), end="")

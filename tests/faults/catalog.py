@@ -21,6 +21,7 @@ from torch import nn
 from harness import engine as port_engine
 from harness import model as port_model
 from harness import sharding as port_sharding
+from harness.backends import cpu as port_cpu
 from harness.compare import compare_logits
 
 TINY = "tiny0"  # the default tiny fixture (hidden 64)
@@ -366,7 +367,8 @@ def full_layers_get_sliding_mask(monkeypatch):
 
     def run_layers(self, x, positions, start, stop, captures=None):
         window = self.spec.layers[0].window
-        mask = port_model.attention_mask(positions, self.max_len, window, x.dtype)
+        mask = port_model.attention_mask(positions, self.layers[0].self_attn.cache.key_positions(positions),
+                                         window, x.dtype)
         for i in range(start, stop):
             cos, sin = port_model.rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, x.dtype)
             x = self.layers[i](x, cos, sin, positions, mask, captures, f"layers.{i}.")
@@ -486,6 +488,22 @@ def chunk_ignores_cached_prefix(monkeypatch):
         return original(positions, keys, window, dtype)
 
     monkeypatch.setattr(port_model, "attention_mask", mask)
+
+
+def decode_kv_bucket_one_too_small(monkeypatch):
+    """Decode steps read the KV bucket below the one that holds their positions (where there is
+    one): the newest keys, the step's own included, drop out of attention."""
+    from harness import graphs as port_graphs
+
+    original = port_graphs.kv_read_length
+
+    def read_length(positions, kv_lengths):
+        size = original(positions, kv_lengths)
+        smaller = [b for b in kv_lengths if b < size]
+        return max(smaller) if positions.shape[-1] == 1 and smaller else size
+
+    for module in (port_graphs, port_cpu):
+        monkeypatch.setattr(module, "kv_read_length", read_length)
 
 
 def chunk_reads_overwritten_keys(monkeypatch):
@@ -645,6 +663,10 @@ CATALOG: list[Fault] = [
           "early queries read keys the chunk's later rows just overwrote",
           chunk_reads_overwritten_keys, Expectation(_attn(0), 0, "attention", min_position=LONG_BUCKETS[-1],
                                                     fp32_point=_attn(0)), checkpoint=LONG),
+    Fault("decode-kv-bucket-one-too-small", "§3 buckets", "decode steps read the KV bucket below the one "
+          "holding their positions: the newest keys drop out",
+          decode_kv_bucket_one_too_small, Expectation("decode.layers.0.attn_residual", 0, "attention",
+                                                      fp32_point="decode.layers.0.attn_residual")),
 ]
 
 BY_NAME = {fault.name: fault for fault in CATALOG}

@@ -78,3 +78,22 @@ def test_info_prints_the_plan_and_refuses_a_kv_len_that_does_not_fit(spec12b, tm
     assert f"--kv-len {linear + 1} does not fit" in err and f"at most {linear} tokens" in err
     assert "--sliding-cache ring" in err
     assert main(args + ["--kv-len", "131072", "--sliding-cache", "ring"]) == EXIT_OK
+
+
+def test_floors_at_length_follow_the_kv_buckets(spec12b):
+    """A decode step reads its KV bucket: the ring's TPOT floor grows only with the 8 full layers'
+    KV, the linear cache's with every layer's, so at the same context the ring's floor is lower; a
+    long prompt's TTFT is the sum of its chunks' floors (each at its own bucket), so 8K costs more
+    than 8 x 1K."""
+    from harness.perf.context import call_costs, context_floors
+    from harness.perf.roofline import floors, graph_costs, instance_rates
+
+    rates = instance_rates("inf2.8xlarge", 2, "bf16")
+    ring = [context_floors(spec12b, 2, "bf16", n, (64, 256), 262144, rates, "ring") for n in (1024, 8192)]
+    linear = context_floors(spec12b, 2, "bf16", 8192, (64, 256), 262144, rates, "linear")
+    assert ring[0]["decode_kv_bucket"] == 2048 and ring[1]["decode_kv_bucket"] == 16384
+    assert ring[0]["tpot_ms"] < ring[1]["tpot_ms"] < linear["tpot_ms"]
+    assert ring[1]["ttft_ms"] > 8 * ring[0]["ttft_ms"] * 0.99
+    # the linear cache's costs are roofline.graph_costs' at the KV bucket
+    assert call_costs(spec12b, 2, "bf16", 1, 16384, "linear") == graph_costs(spec12b, 2, "bf16", 1, 16384)
+    assert linear["tpot_ms"] == floors(graph_costs(spec12b, 2, "bf16", 1, 16384), rates)["floor_ms"]
