@@ -21,6 +21,8 @@ def add_command(sub) -> None:
                    help=f"greedy tokens to decode (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--skip-fp32-stage", action="store_true",
                    help="skip the fp32 structural stage (it holds the model in fp32 on the host)")
+    p.add_argument("--verbose", action="store_true", help="print the wall time of each stage and phase "
+                   "(always in the JSON under \"seconds\")")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
     p.set_defaults(func=run, validate=validate)
 
@@ -48,6 +50,7 @@ def validate(args) -> None:
         prompts, new_tokens, source = golden.prompts, golden.new_tokens, f"golden {args.golden}"
         args.reference_source, args.prompt_ids = golden, None  # read and verified once, here
     else:
+        ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
         prompts = load_prompts(args.prompts, args.ckpt_dir)
         validate_prompt_ids(ckpt.spec, prompts, args.prompts)
         new_tokens, source = args.new_tokens, args.prompts
@@ -74,5 +77,5 @@ def run(args) -> int:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
-    print(format_check(result))
+    print(format_check(result, verbose=args.verbose))
     return EXIT_OK if result.passed else EXIT_FAIL

@@ -717,7 +717,7 @@ def first_failure(stage) -> dict | None:
 def _worst_position(result, point, prompt_lengths: list[int]) -> int:
     """Position in its prompt of a prefill point's worst row: from the check's own row label (a ring
     layer's KV rows are only the last window positions), else counted over the prompts' rows."""
-    label = result._row_label(point.name, point.worst_position)
+    label = result.row_label(point.name, point.worst_position)
     if "position " in label:
         return int(label.rsplit("position ", 1)[1].split()[0])
     return prompt_position(point.worst_position, prompt_lengths)
