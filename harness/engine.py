@@ -39,9 +39,9 @@ def chunk_plan(n: int, buckets, kv_len: int) -> list[tuple[int, int, int]]:
                           "or shorten the prompt")
     plan, start = [], 0
     while start < n:
-        rest, fits = n - start, [b for b in sorted(buckets) if start + b <= kv_len] + [1]
+        rest, fits = n - start, [b for b in sorted(buckets) if start + b <= kv_len]
         holding = [b for b in fits if b >= rest]
-        bucket = min(holding) if holding else max(fits)
+        bucket = min(holding) if holding else max(fits, default=1)
         plan.append((start, min(rest, bucket), bucket))
         start += min(rest, bucket)
     return plan
