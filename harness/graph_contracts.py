@@ -145,7 +145,7 @@ def eager_attention(module: HloModule, sig: GraphSignature, exp: Expectation) ->
     most = max(exp.reads or {exp.max_len: 1})
     out += [Violation("eager_attention", f"attention dot {d.name} reads {d.shape[0].dims[-1]} keys, more than the "
                       f"{most} this graph needs") for d in dots
-            if len(d.shape[0].dims) == 4 and d.shape[0].dims[-2] == exp.length and d.shape[0].dims[-1] > most]
+            if len(d.shape[0].dims) >= 3 and d.shape[0].dims[-2] == exp.length and d.shape[0].dims[-1] > most]
     return out
 
 

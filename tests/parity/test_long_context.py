@@ -91,6 +91,6 @@ def test_bisect_names_layer_zero(request, monkeypatch, long_ckpt, long_reference
 
     fault.inject(monkeypatch)
     engine = build_engine(long_ckpt, tp=2, dtype=torch.bfloat16, **engine_options(LONG))
-    result = bisect_capture(long_ckpt, engine, engine.backend, long_reference["float32"], long_reference["bfloat16"])
+    result = bisect_capture(long_ckpt, engine, (long_reference["float32"], long_reference["bfloat16"]))
     assert result.first_divergent_layer == 0, result.first_divergent_layer
     assert result.component == "attention"
