@@ -256,7 +256,7 @@ def kv_cache_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", sliding_ca
     return {"per_token": per_token, "ring": ring}
 
 
-def memory_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, device_bytes: int, ranks_per_device: int,
+def memory_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, *, device_bytes: int, ranks_per_device: int,
                 device: str) -> dict:
     """Device memory of one `device` (`device_bytes` shared by `ranks_per_device` ranks) for both
     sliding caches: weights, KV bytes per token, the rings' fixed bytes, the KV bytes at kv_len and

@@ -89,7 +89,8 @@ def _print_floors_at_length(args, payload) -> None:
     plan = payload["memory_plan"]
     longest = plan["caches"][args.sliding_cache]["longest_context"]
     rates = instance_rates(plan["instance"], args.tp, args.dtype)
-    rows = floors_at_length(args.spec, args.tp, args.dtype, (64, 256), longest, rates, args.sliding_cache)
+    rows = floors_at_length(args.spec, args.tp, args.dtype, buckets=(64, 256), longest=longest, rates=rates,
+                            sliding_cache=args.sliding_cache)
     payload["floors_at_length"] = rows
     print(f"floors at length ({args.sliding_cache} sliding cache, buckets 64,256, KV length {longest}):")
     print(render_floors_at_length(rows), end="")

@@ -15,7 +15,7 @@ from harness.sharding import kv_cache_bytes, plan_layer
 from harness.spec import dtype_bytes
 
 
-def call_costs(spec, tp: int, dtype: str, tokens: int, kv_read: int, sliding_cache: str) -> dict:
+def call_costs(spec, tp: int, dtype: str, tokens: int, *, kv_read: int, sliding_cache: str) -> dict:
     """graph_costs of one call of `tokens` rows reading `kv_read` slots of the linear caches."""
     costs = graph_costs(spec, tp, dtype, tokens, kv_read)
     if sliding_cache != "ring":
@@ -33,7 +33,7 @@ def call_costs(spec, tp: int, dtype: str, tokens: int, kv_read: int, sliding_cac
             "flops": costs["flops"] - tp * (linear_attention - attention)}
 
 
-def context_floors(spec, tp: int, dtype: str, context: int, buckets, max_len: int, rates,
+def context_floors(spec, tp: int, dtype: str, context: int, *, buckets, max_len: int, rates,
                    sliding_cache: str = "ring") -> dict:
     """TTFT floor of a `context`-token prompt (its chunks, each at its KV bucket) and the TPOT floor
     of a decode step at position `context` (its KV bucket), in ms."""
@@ -41,9 +41,9 @@ def context_floors(spec, tp: int, dtype: str, context: int, buckets, max_len: in
     ttft = 0.0
     for start, length, bucket in chunk_plan(context, buckets, max_len):
         read = min(s for s in sizes if s >= start + length)
-        ttft += floors(call_costs(spec, tp, dtype, bucket, read, sliding_cache), rates)["floor_ms"]
+        ttft += floors(call_costs(spec, tp, dtype, bucket, kv_read=read, sliding_cache=sliding_cache), rates)["floor_ms"]
     read = min(s for s in sizes if s >= min(context + 1, max_len))
-    decode = floors(call_costs(spec, tp, dtype, 1, read, sliding_cache), rates)
+    decode = floors(call_costs(spec, tp, dtype, 1, kv_read=read, sliding_cache=sliding_cache), rates)
     return {"context": context, "sliding_cache": sliding_cache, "ttft_ms": ttft, "tpot_ms": decode["floor_ms"],
             "tpot_bound": decode["bound"], "decode_kv_bucket": read}
 
@@ -51,10 +51,10 @@ def context_floors(spec, tp: int, dtype: str, context: int, buckets, max_len: in
 CONTEXTS = (1024, 8192, 32768, 131072)
 
 
-def floors_at_length(spec, tp: int, dtype: str, buckets, longest: int, rates, sliding_cache: str) -> list[dict]:
+def floors_at_length(spec, tp: int, dtype: str, *, buckets, longest: int, rates, sliding_cache: str) -> list[dict]:
     """context_floors at 1K/8K/32K/128K (those up to `longest`, the longest context that fits) in a
     build whose KV length is `longest`."""
-    return [context_floors(spec, tp, dtype, n, buckets, longest, rates, sliding_cache)
+    return [context_floors(spec, tp, dtype, n, buckets=buckets, max_len=longest, rates=rates, sliding_cache=sliding_cache)
             for n in CONTEXTS if n < longest]
 
 

@@ -35,8 +35,8 @@ def instance_memory_plan(spec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
     if chips > INSTANCE_CHIPS[instance]:
         raise HarnessInputError(f"--tp {tp} needs {chips} Inferentia2 chips ({CHIP['cores']} cores each); "
                                 f"{instance} has {INSTANCE_CHIPS[instance]}")
-    plan = memory_plan(spec, tp, dtype, kv_len, CHIP["hbm_bytes"], min(tp, CHIP["cores"]),
-                       f"one Inferentia2 chip of {instance}")
+    plan = memory_plan(spec, tp, dtype, kv_len, device_bytes=CHIP["hbm_bytes"], ranks_per_device=min(tp, CHIP["cores"]),
+                       device=f"one Inferentia2 chip of {instance}")
     return {**plan, "instance": instance}
 
 

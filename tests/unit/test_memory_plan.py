@@ -89,11 +89,13 @@ def test_floors_at_length_follow_the_kv_buckets(spec12b):
     from harness.perf.roofline import floors, graph_costs, instance_rates
 
     rates = instance_rates("inf2.8xlarge", 2, "bf16")
-    ring = [context_floors(spec12b, 2, "bf16", n, (64, 256), 262144, rates, "ring") for n in (1024, 8192)]
-    linear = context_floors(spec12b, 2, "bf16", 8192, (64, 256), 262144, rates, "linear")
+    shape = {"buckets": (64, 256), "max_len": 262144, "rates": rates}
+    ring = [context_floors(spec12b, 2, "bf16", n, **shape, sliding_cache="ring") for n in (1024, 8192)]
+    linear = context_floors(spec12b, 2, "bf16", 8192, **shape, sliding_cache="linear")
     assert ring[0]["decode_kv_bucket"] == 2048 and ring[1]["decode_kv_bucket"] == 16384
     assert ring[0]["tpot_ms"] < ring[1]["tpot_ms"] < linear["tpot_ms"]
     assert ring[1]["ttft_ms"] > 8 * ring[0]["ttft_ms"] * 0.99
     # the linear cache's costs are roofline.graph_costs' at the KV bucket
-    assert call_costs(spec12b, 2, "bf16", 1, 16384, "linear") == graph_costs(spec12b, 2, "bf16", 1, 16384)
+    assert call_costs(spec12b, 2, "bf16", 1, kv_read=16384, sliding_cache="linear") == graph_costs(
+        spec12b, 2, "bf16", 1, 16384)
     assert linear["tpot_ms"] == floors(graph_costs(spec12b, 2, "bf16", 1, 16384), rates)["floor_ms"]
