@@ -7,7 +7,7 @@ measurement: the README's plot is drawn from it with
 
     python benchmarks/synthetic_history.py --out /tmp/synthetic-history
     gemma-parity perf compare --history /tmp/synthetic-history --budget ttft_ms=101 --budget tpot_ms=56 \\
-        --markdown docs/perf-trend.md --plot docs/perf-trend.png
+        --markdown /tmp/perf-trend.md --plot docs/perf-trend.png
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ input or an environment problem), never to 1, which means "parity fails" and not
 """
 
 import codecs as _codecs
+import re as _re
 import errno as _errno
 
 
@@ -129,29 +130,22 @@ def read_problem(exc: OSError, path, what: str = "file") -> str:
 MAX_JSON_DEPTH = 200  # far beyond any file this tool reads; deeper nesting is refused, not recursed into
 
 
+_JSON_STRING = _re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKET = _re.compile(r"[\[\]{}]")
+
+
 def _depth_problem(text: str) -> int | None:
     """The offset where brackets nest deeper than MAX_JSON_DEPTH (outside strings), or None.
     Checked before parsing: the json module recurses once per level and a deep enough file
     exhausts Python's stack (RecursionError), which no caller should have to expect."""
     if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
         return None  # too few brackets to nest that deep: no scan needed
-    depth, in_string, escaped = 0, False, False
-    for offset, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                return offset
-        elif ch in "]}":
-            depth -= 1
+    blanked = _JSON_STRING.sub(lambda m: " " * len(m.group()), text)  # brackets inside strings do not nest
+    depth = 0
+    for found in _BRACKET.finditer(blanked):
+        depth += 1 if found.group() in "[{" else -1
+        if depth > MAX_JSON_DEPTH:
+            return found.start()
     return None
 
 

@@ -14,7 +14,8 @@ import torch
 
 from harness.graphs import kv_buckets, kv_read_length
 from harness.model import Collectives, RankDecoder, RankLinears
-from harness.sharding import merge_rank_caches, rank_state_dicts, ring_windows
+from harness.settings import RunSettings
+from harness.sharding import rank_state_dicts
 
 COLLECTIVE_TIMEOUT_S = 600.0
 
@@ -51,16 +52,20 @@ class RankCollectives(Collectives):
 
 
 class CpuBackend:
-    """Runs the port on CPU at tensor parallel degree `tp`, in bf16 unless told otherwise."""
+    """Runs the port on CPU at the settings' tensor parallel degree and dtype. Every build returns
+    captures when asked (the rank modules are plain torch), so `capture` changes nothing here."""
 
     name = "cpu"
+    OPTIONS: dict = {}  # no backend options
+    returns_captures, last_row_only, reads_cache, host_ranks = True, False, True, True
+    compiler_args = ()  # nothing is compiled ahead of time
 
-    def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
-                 buckets=None, sliding_cache: str = "linear", **_ignored):
+    def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
+        tp, dtype, max_len = settings.tp, settings.torch_dtype, settings.kv_len
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
-        self.sliding_cache, self.rings = sliding_cache, ring_windows(self.spec, sliding_cache, max_len)
-        self.buckets = tuple(sorted(buckets)) if buckets else None  # the local verdict follows its prefill chunks
-        self.kv_lengths = kv_buckets(self.buckets or (max_len,), max_len)
+        self.sliding_cache = sliding_cache = settings.sliding_cache
+        self.buckets = settings.buckets  # the local verdict follows the engine's prefill chunks
+        self.kv_lengths = kv_buckets(self.buckets, max_len)
         self.group = ThreadGroup(tp)
         states = rank_state_dicts(checkpoint, tp, dtype)
         self.ranks = []
@@ -100,21 +105,19 @@ class CpuBackend:
             raise (real or errors)[0]
         return results
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
+                last: int | None = None):
         """Every rank runs the same step, reading the KV bucket a compiled graph of this call would
-        read (graphs.kv_read_length); rank 0's (gathered, identical) outputs are returned."""
+        read (graphs.kv_read_length); rank 0's (gathered, identical) outputs are returned:
+        (logits, captures), captures empty unless asked for; only row `last` when it is given."""
         read = kv_read_length(positions, self.kv_lengths)
         for module in self.ranks:
             module.set_kv_read(read)
-        return self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
+        out = self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
+        logits, captures = out if capture else (out, {})
+        return (logits if last is None else logits[:, last:last + 1]), captures
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank: [1, kv_heads, slots, d] (max_len slots, or a ring's window)."""
         cache = self.ranks[rank].layers[layer].self_attn.cache
         return cache.k, cache.v
-
-    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at the positions it holds after `written` writes, as the port stores
-        it (keys after norm and rope, values after v_norm), merged over ranks, oldest position first
-        (a ring unrolled): per layer (k, v), [kv_heads, held, d]."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written, self.rings)

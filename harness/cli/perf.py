@@ -7,17 +7,17 @@ from pathlib import Path
 
 from harness.atomic import claim_output
 from harness.cli import validate as v
-from harness.cli.common import EXIT_FAIL, EXIT_OK, buckets_arg, with_generator
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
 from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
 from harness.perf.results import history_files, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP,
-                          PUBLISHED_BUCKET, append_history, compare_files, compare_history, draw_trend, parse_budgets,
+                          append_history, compare_files, compare_history, draw_trend, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
 
 
 def add_command(subparsers) -> None:
     """Add `bench` and `perf compare`; each sets `func(args) -> exit code` and its `validate`."""
-    from harness.backends import BACKENDS
+    from harness.perf.bench import BENCH_SETTINGS
 
     bench = subparsers.add_parser(
         "bench", help="time prefill and decode; write a result file (and add it to a history)",
@@ -25,14 +25,12 @@ def add_command(subparsers) -> None:
     source = bench.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (safetensors)")
     source.add_argument("--model", choices=("tiny",), help="the cached tiny fixture model")
-    bench.add_argument("--backend", choices=BACKENDS, default="cpu")
+    add_run_args(bench, BENCH_SETTINGS)
     bench.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed runs (default %(default)s)")
-    bench.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="discarded runs first")
-    bench.add_argument("--buckets", type=buckets_arg, default=(PUBLISHED_BUCKET,), metavar="16,64")
-    bench.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="decode steps per run")
-    bench.add_argument("--tp", type=int, default=2)
-    bench.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    bench.add_argument("--kv-len", type=int, default=None, help="KV cache length (default: the engine's)")
+    bench.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                       help="discarded runs first (default %(default)s)")
+    bench.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                       help="decode steps per run (default %(default)s)")
     bench.add_argument("--out", required=True, metavar="FILE", help="result JSON (never overwritten "
                        "without --force, and then only a result file bench wrote)")
     bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
@@ -77,14 +75,13 @@ def _is_bench_result(path: Path) -> bool:
 
 
 def validate_bench(args) -> None:
-    from harness.engine import DEFAULT_KV_LEN
-
     v._int_option(args, "runs", 1)
     v._int_option(args, "warmup", 0)
     v._int_option(args, "new_tokens", 1)
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
-    kv_len = DEFAULT_KV_LEN if args.kv_len is None else args.kv_len
+    args.settings = run_settings(args)
+    kv_len = args.kv_len
     if max(args.buckets) + args.new_tokens > kv_len:
         raise OptionError(f"--buckets {max(args.buckets)} + --new-tokens {args.new_tokens} exceed the KV length "
                           f"{kv_len}; use --kv-len {max(args.buckets) + args.new_tokens}, fewer new tokens or "
@@ -197,8 +194,7 @@ def validate_compare(args) -> None:
 # ---- running -------------------------------------------------------------------------------------
 
 def run_bench_command(args) -> int:
-    result = run_bench(args.ckpt, backend=args.backend, runs=args.runs, warmup=args.warmup, buckets=args.buckets,
-                       new_tokens=args.new_tokens, tp=args.tp, dtype=args.dtype, kv_len=args.kv_len,
+    result = run_bench(args.ckpt, args.settings, runs=args.runs, warmup=args.warmup, new_tokens=args.new_tokens,
                        progress=True)
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")

@@ -18,13 +18,15 @@ from datetime import datetime, timezone
 
 from harness.errors import HarnessInputError
 from harness.perf import machine
-from harness.perf.results import FORMAT, dtype_name, latency_samples, metric_samples
+from harness.perf.results import FORMAT, latency_samples, metric_samples
 from harness.perf.roofline import DEFAULT_INSTANCE, INSTANCE_CHIPS, instance_rates, measured_rates, roofline_block
 from harness.perf.stats import summarize
 from harness.progress import status
+from harness.settings import PUBLISHED_BUCKET, RunSettings
 
 DEFAULT_RUNS, DEFAULT_WARMUP, DEFAULT_NEW_TOKENS = 20, 3, 16
-PUBLISHED_BUCKET = 64  # the bucket the published prefill figure was measured at
+# What bench runs unless told: the published port's prefill bucket (the one its figure was measured at).
+BENCH_SETTINGS = RunSettings(buckets=(PUBLISHED_BUCKET,))
 
 
 def bench_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
@@ -52,7 +54,7 @@ def _bench_run(engine, prompts: dict[int, list[int]], headline: int, new_tokens:
             ttft_ms[bucket] = _ms_since(start)
         for step in range(new_tokens):
             step_start = time.perf_counter()
-            token = int(engine.decode_step(token, headline + step).argmax())
+            token = int(engine.decode_step(token, headline + step).logits.argmax())
             steps.append(_ms_since(step_start))
         e2e_ms = _ms_since(start)  # `start` is the headline prefill's
     finally:
@@ -71,30 +73,24 @@ def _check_bench_options(runs, warmup, buckets, new_tokens, kv_len) -> None:
                                 f"{kv_len}; use fewer --new-tokens or a smaller bucket")
 
 
-def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup: int = DEFAULT_WARMUP,
-              buckets=(PUBLISHED_BUCKET,), new_tokens: int = DEFAULT_NEW_TOKENS, tp: int = 2,
-              dtype="bf16", kv_len: int | None = None, progress: bool = True, **backend_kwargs) -> dict:
+def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DEFAULT_RUNS,
+              warmup: int = DEFAULT_WARMUP, new_tokens: int = DEFAULT_NEW_TOKENS, progress: bool = True) -> dict:
     """Time `runs` prefills per bucket and `runs` x `new_tokens` decode steps after `warmup`
-    discarded runs. Each decode_ms_per_token sample is one run's mean ms per token."""
-    import torch
-
+    discarded runs, on a perf build made as `settings` say. Each decode_ms_per_token sample is one
+    run's mean ms per token."""
     from harness.backends import build_engine
-    from harness.engine import DEFAULT_KV_LEN
 
-    kv_len = DEFAULT_KV_LEN if kv_len is None else kv_len
-    buckets = tuple(sorted({int(b) for b in buckets}))
+    backend, tp, buckets, kv_len = settings.backend, settings.tp, settings.buckets, settings.kv_len
     _check_bench_options(runs, warmup, buckets, new_tokens, kv_len)
-    dtype = dtype_name(dtype)
+    dtype = settings.short_dtype
     show = status("bench", progress)
     show(f"building the {backend} engine (tp {tp}, {dtype}, buckets {list(buckets)})"
          + ("; a first compile takes many minutes" if backend == "neuron" else ""))
     if backend == "neuron":
         # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
         # cache out of the timed prefill, as a serving loop would.
-        backend_kwargs.setdefault("zero_on_reset", False)
-    engine = build_engine(checkpoint, backend=backend, tp=tp,
-                          dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
-                          buckets=buckets, kv_len=kv_len, **backend_kwargs)
+        settings = settings.but(backend_options={"zero_on_reset": False, **settings.backend_options})
+    engine = build_engine(checkpoint, settings)
     headline = PUBLISHED_BUCKET if PUBLISHED_BUCKET in buckets else max(buckets)
     prompts = {b: bench_prompt(checkpoint.spec.vocab_size, b) for b in buckets}
     for k in range(warmup):
@@ -112,7 +108,7 @@ def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup
              f"TPOT {statistics.fmean(steps):.1f} ms, E2E {e2e_ms:.1f} ms")
     settings = {"runs": runs, "warmup": warmup, "buckets": list(buckets), "new_tokens": new_tokens,
                 "kv_len": kv_len}
-    result = _result_record(checkpoint, engine, backend, tp, dtype, headline, timings, settings)
+    result = _result_record(checkpoint, engine, headline, timings, settings)
     if backend != "neuron":
         show("measuring this machine's memory bandwidth and matmul throughput for the floors")
     result["roofline"] = bench_roofline(result, checkpoint.spec)
@@ -121,20 +117,20 @@ def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup
     return result
 
 
-def _result_record(checkpoint, engine, backend, tp, dtype, headline, timings, settings) -> dict:
-    decode_steps = timings["steps"]
+def _result_record(checkpoint, engine, headline: int, timings: dict, settings: dict) -> dict:
+    decode_steps, run = timings["steps"], engine.settings
     result = {
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         "git_commit": machine.git_commit(),
         "machine": machine.machine_info(),
         "versions": machine.package_versions(),
-        "compiler_args": list(getattr(engine.backend, "compiler_args", None) or []),
+        "compiler_args": list(engine.backend.compiler_args),
         "spec_hash": checkpoint.spec.spec_hash(),
         "checkpoint": str(checkpoint.path),
-        "backend": backend,
-        "tp": tp,
-        "dtype": dtype,
+        "backend": run.backend,
+        "tp": run.tp,
+        "dtype": run.short_dtype,
         "settings": settings,
         "prefill_bucket": headline,
         "metrics": {"prefill_ms": timings["prefill"][headline],
@@ -181,5 +177,5 @@ def bench_rates(backend: str, tp: int, dtype: str):
 def bench_roofline(result: dict, spec) -> dict:
     settings = result["settings"]
     rates = bench_rates(result["backend"], result["tp"], result["dtype"])
-    return roofline_block(spec, result["tp"], result["dtype"], settings["buckets"], settings["kv_len"], rates,
-                    graph_medians(result))
+    return roofline_block(spec, result["tp"], result["dtype"], settings["buckets"], settings["kv_len"], rates=rates,
+                          measured_ms=graph_medians(result))

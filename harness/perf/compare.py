@@ -25,12 +25,13 @@ from harness.perf.results import load_result, metric_samples, mismatches, budget
 
 # Absolute ceilings on the median, in ms, for the real 12B on one inf2 chip at TP=2, bf16, bucket 64.
 BUDGETS = {
-    # The published port's first-token prefill: about 101 ms at the 64-token bucket (DESIGN §3, §9).
+    # The published port's first-token prefill: about 101 ms at the 64-token bucket
+    # (docs/design.md#performance-facts).
     "ttft_ms": 101.0,
     # No decode figure is published. The floor is one read of the ~23.8 GB of bf16 device weights
-    # (both ranks) at the chip's HBM bandwidth, about 27 ms per step (roofline.py; DESIGN §9 says
-    # 28). Budget = 2x that floor: a memory-bound step at 50% of peak bandwidth, leaving room for
-    # the KV read, the all-reduces between the two cores and the host round trip per token.
+    # (both ranks) at the chip's HBM bandwidth, about 27 ms per step (roofline.py;
+    # docs/design.md#performance-facts rounds it to 28). Budget = 2x that floor: a memory-bound
+    # step at 50% of peak bandwidth, leaving room for the KV read, the all-reduces between the two cores and the host round trip per token.
     "tpot_ms": 56.0,
 }
 DEFAULT_FACTOR = 1.1

@@ -54,6 +54,8 @@ def render_memory_plan(plan: dict, sliding_cache: str) -> str:
     """The plan as text lines: the arithmetic behind each cache's longest context."""
     lines = [f"memory plan: {plan['device']}, {gib(plan['device_bytes'])} for {plan['ranks_per_device']} "
              f"rank(s); weights {gib(plan['weights_bytes'])} (nothing reserved for activations or runtime scratch)"]
+    if plan["weights_bytes"] >= plan["device_bytes"]:
+        lines.append(f"  the weights alone exceed {gib(plan['device_bytes'])}: this TP and dtype do not fit the chip")
     for kind, c in plan["caches"].items():
         chosen = " (chosen)" if kind == sliding_cache else ""
         lines.append(
@@ -68,8 +70,8 @@ def render_memory_plan(plan: dict, sliding_cache: str) -> str:
 def refuse_unfit_kv_len(plan: dict, sliding_cache: str) -> None:
     """--kv-len beyond what the chip holds next to the weights is bad input, with the numbers."""
     c = plan["caches"][sliding_cache]
-    if c["fits"]:
-        return
+    if c["fits"] or plan["weights_bytes"] + c["ring_bytes"] >= plan["device_bytes"]:
+        return  # fits, or the weights alone do not (no --kv-len would: the plan says so, info still shows it)
     other = "ring" if sliding_cache == "linear" else "linear"
     hint = (f"; the ring sliding cache holds {plan['caches'][other]['longest_context']} (--sliding-cache ring)"
             if other == "ring" and plan["caches"]["ring"]["longest_context"] > c["longest_context"] else "")

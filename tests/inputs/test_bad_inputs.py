@@ -82,6 +82,13 @@ case("tp-negative-info", "--tp -2")(lambda c: ["info", "--config", c.tiny / "con
 case("tp-does-not-divide", "--tp 3", "does not split")(lambda c: check_argv(c, "--tp", 3))
 case("seed-negative", "--seed -1")(lambda c: ["check", "--model", "tiny", "--seed", -1])
 case("dtype-unknown", "--dtype 'int8'")(lambda c: check_argv(c, "--dtype", "int8"))
+case("dtype-unknown-bench", "--dtype 'half'", "bf16, bfloat16, float32, fp32")(
+    lambda c: ["bench", "--model", "tiny", "--dtype", "half", "--out", c.tmp / "b.json"])
+case("backend-option-unknown", "--backend-option compile_worker", "neuron backend has no such option")(
+    lambda c: check_argv(c, "--backend", "neuron", "--backend-option", "compile_worker=4"))
+case("backend-option-bad-value", "--backend-option zero_on_reset='maybe'", "true or false")(
+    lambda c: ["bench", "--model", "tiny", "--backend", "neuron", "--backend-option", "zero_on_reset=maybe",
+               "--out", c.tmp / "b.json"])
 case("bucket-beyond-kv", "bucket 512 exceeds --kv-len 256")(lambda c: check_argv(c, "--buckets", "16,512"))
 case("kv-beyond-max-positions", "--kv-len 4096", "max_position_embeddings 1024")(
     lambda c: check_argv(c, "--kv-len", 4096, "--buckets", 64))
@@ -321,7 +328,7 @@ case("unexpected-decoder-layer", f"{TEXT}layers.12.", "not used by the model", "
 case("v-proj-on-a-k-eq-v-layer", f"{TEXT}layers.5.self_attn.v_proj.weight", "attention_k_eq_v")(
     info_of(lambda c: rewrite_weights(c.ckpt(), lambda t: t.update({
         f"{TEXT}layers.5.self_attn.v_proj.weight": torch.zeros(32, 64)}))))
-case("explicit-weights-missing", "transformers_weights but missing")(
+case("explicit-weights-missing", "transformers_weights but not found")(
     info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg.update(transformers_weights="other.safetensors"))))
 for key, value, fragment in [("num_attention_heads", 0, "num_attention_heads=0"),
                              ("num_key_value_heads", 3, "must divide num_attention_heads=16"),
@@ -380,6 +387,20 @@ case("config-missing-hidden-size", "hidden_size=None is missing")(
 case("config-is-a-list", "expected a JSON object")(
     lambda c: ["info", "--config", c.file("config.json", [1, 2])])
 case("config-not-utf8", "{tmp}/config.json: not UTF-8")(lambda c: ["info", "--config", c.file("config.json", b"\xff{}")])
+case("config-nested-deeply", "{tmp}/config.json: JSON nested more than 200 levels deep")(
+    lambda c: ["info", "--config", c.file("config.json", '{"text_config":' * 100000)])
+case("checkpoint-config-nested-deeply", "{tmp}/ckpt/config.json: JSON nested more than 200 levels deep")(
+    info_of(lambda c: (k := c.ckpt(), (k / "config.json").write_text("[" * 5000 + "]" * 5000))[0]))
+case("index-nested-deeply", "model.safetensors.index.json: JSON nested more than 200 levels deep")(
+    info_of(lambda c: (k := c.ckpt(), split_weights(k, f"{TEXT}layers.3."),
+                       (k / "model.safetensors.index.json").write_text('{"weight_map":' * 3000))[0]))
+case("prompts-nested-deeply", "{tmp}/prompts.json: JSON nested more than 200 levels deep")(with_prompts("[" * 100000))
+NOT_UTF8 = os.fsdecode(b"\xff")  # a non-UTF-8 argument byte, as Python hands it over
+case("argv-not-utf8-config-missing", "--config {tmp}/c\\xff.json: not found")(
+    lambda c: ["info", "--config", c.tmp / f"c{NOT_UTF8}.json"])
+case("argv-not-utf8-golden-edited", "{tmp}/g\\xff/manifest.json", "do not match its golden_sha256")(
+    lambda c: check_golden(lambda c: edit_manifest_only(c, lambda m: m.update(created="x")).rename(
+        c.tmp / f"g{NOT_UTF8}"))(c))
 case("config-is-a-directory", "--config {tmp}: is a directory")(lambda c: ["info", "--config", c.tmp])
 case("checkpoint-missing", "--checkpoint {tmp}/nothing: not found")(lambda c: check_argv(c)[:1] + [
     "--checkpoint", c.tmp / "nothing"])

@@ -425,7 +425,7 @@ def test_a_second_run_for_the_same_new_output_is_refused_before_its_work(tmp_pat
         raise AssertionError("model work started although the output was claimed by another run")
 
     monkeypatch.setattr(harness.reference, "run_reference", no_model_work)
-    monkeypatch.setattr("harness.perf.bench.run_bench", no_model_work, raising=False)
+    monkeypatch.setattr("harness.cli.perf.run_bench", no_model_work)
     out = tmp_path / ("golden" if command == "reference" else "bench.json")
     harness.atomic.claim_output(out, "--out")  # another run's claim (a second open file: flock conflicts)
     claimed = _claim_file(out)

@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from harness.settings import RunSettings
+
 SEEDS = (0, 1)
 
 
@@ -37,7 +39,7 @@ def test_default_init_checkpoint_passes_with_every_flip_a_near_tie(default_init)
     from harness.parity import check_port
 
     ckpt, refs = default_init
-    engine = build_engine(ckpt, tp=2, dtype=torch.bfloat16, buckets=(64, 256), kv_len=256)
+    engine = build_engine(ckpt, RunSettings(buckets=(64, 256), kv_len=256))
     result = check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
     print(result.calibration.describe())
     assert result.passed, (result.fp32.failures()[:3], result.failures()[:3])

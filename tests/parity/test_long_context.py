@@ -13,6 +13,7 @@ from harness.backends import build_engine
 from harness.compare import rel_l2
 from harness.engine import chunk_plan
 from harness.parity import check_port
+from harness.settings import RunSettings
 from tests.faults.catalog import (CATALOG, LONG, LONG_BUCKETS, LONG_KV_LEN, LONG_WINDOW, engine_options,
                                   run_faulty_check)
 
@@ -21,7 +22,8 @@ LONG_FAULTS = [f for f in CATALOG if f.checkpoint == LONG]
 
 
 def _engine(ckpt, tp=2, dtype=torch.float32, sliding_cache="ring", kv_len=LONG_KV_LEN):
-    return build_engine(ckpt, tp=tp, dtype=dtype, buckets=LONG_BUCKETS, kv_len=kv_len, sliding_cache=sliding_cache)
+    settings = RunSettings(tp=tp, dtype=dtype, buckets=LONG_BUCKETS, kv_len=kv_len, sliding_cache=sliding_cache)
+    return build_engine(ckpt, settings, capture=True)
 
 
 def test_fixture_spans_windows_and_chunks(long_ckpt, long_prompts):
@@ -42,8 +44,8 @@ def test_long_prompts_pass_in_fp32_token_for_token(long_ckpt, long_reference, tp
     window edges at 8, 16, 24, 32), the KV cache after prefill and after every decode step (a ring
     read back in absolute positions), and the same greedy tokens."""
     engine = _engine(long_ckpt, tp=tp, sliding_cache=sliding_cache)
-    result = check_port(long_ckpt, engine, long_reference["float32"], long_reference["bfloat16"], tp=tp,
-                        dtype="float32", local=False, fp32_engine=None)
+    result = check_port(long_ckpt, engine, long_reference["float32"], long_reference["bfloat16"], local=False,
+                        fp32_engine=None)
     assert result.stage_passed, result.failures()[:3]
     assert result.kv and any(p.name.startswith("decode.kv.") for p in result.kv)
     for ref in long_reference["float32"]:
@@ -90,7 +92,7 @@ def test_bisect_names_layer_zero(request, monkeypatch, long_ckpt, long_reference
     from harness.bisect import bisect_capture
 
     fault.inject(monkeypatch)
-    engine = build_engine(long_ckpt, tp=2, dtype=torch.bfloat16, **engine_options(LONG))
+    engine = build_engine(long_ckpt, RunSettings(**engine_options(LONG)), capture=True)
     result = bisect_capture(long_ckpt, engine, (long_reference["float32"], long_reference["bfloat16"]))
     assert result.first_divergent_layer == 0, result.first_divergent_layer
     assert result.component == "attention"

@@ -19,6 +19,7 @@ from harness import graphs
 from harness import model as port_model
 from harness.backends import neuron
 from harness.errors import HarnessInputError
+from harness.settings import RunSettings
 from tests.nxd_double import installed
 from tests.parity import test_neuron_device as device
 
@@ -127,7 +128,7 @@ def test_bench_backend_neuron_runs_through_the_cli(nxd, tmp_path):
 # ---- each rule of the double, broken on purpose: the build or the run fails -------------------------
 
 def _build(tiny0_ckpt, tmp_path, **kwargs):
-    return neuron.NeuronBackend(tiny0_ckpt, tp=2, dtype=torch.bfloat16, max_len=32, buckets=(16,),
+    return neuron.NeuronBackend(tiny0_ckpt, RunSettings(backend="neuron", buckets=(16,), kv_len=32),
                                 cache_dir=tmp_path, **kwargs)
 
 

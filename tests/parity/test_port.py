@@ -9,12 +9,13 @@ import torch
 from harness.compare import rel_l2
 from harness.backends import build_engine
 from harness.errors import PromptError
+from harness.settings import RunSettings
 
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
 
 
 def _engine(ckpt, tp=2, dtype=torch.float32, buckets=(16, 32, 64, 256), kv_len=256):
-    return build_engine(ckpt, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
+    return build_engine(ckpt, RunSettings(tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -82,8 +83,8 @@ def test_prompt_longer_than_largest_bucket_is_prefilled_in_chunks(tiny0_ckpt, sl
     one 64-token bucket; a prompt longer than the KV length is refused."""
     prompt = list(range(40, 73))
     whole = _engine(tiny0_ckpt, buckets=(64,), kv_len=64).prefill(prompt)
-    engine = build_engine(tiny0_ckpt, tp=2, dtype=torch.float32, buckets=(8, 16), kv_len=64,
-                          sliding_cache=sliding_cache)
+    engine = build_engine(tiny0_ckpt, RunSettings(tp=2, dtype=torch.float32, buckets=(8, 16), kv_len=64,
+                                                  sliding_cache=sliding_cache))
     chunked = engine.prefill(prompt)
     assert chunked.logits.shape == whole.logits.shape
     assert rel_l2(chunked.logits, whole.logits) < FP32_ROUNDING
@@ -124,7 +125,7 @@ def test_multimodal_placeholder_ids_become_pad(tiny0_dir, tiny0_ckpt):
     assert rel_l2(got, ref.captures["logits"]) < FP32_ROUNDING
 
 
-REAL_WINDOW = 1024  # the 12B's sliding window (DESIGN §2)
+REAL_WINDOW = 1024  # the 12B's sliding window (docs/design.md#the-model-facts-and-traps)
 
 
 @pytest.fixture(scope="module")

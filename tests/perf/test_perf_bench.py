@@ -17,6 +17,7 @@ from harness import perf
 from harness.cli import main as cli_main
 from harness.checkpoint import Checkpoint, tiny_checkpoint
 from harness.errors import HarnessInputError
+from harness.settings import RunSettings
 
 RUNS, NEW_TOKENS = 3, 2
 BENCH_ARGS = ["--model", "tiny", "--backend", "cpu", "--runs", RUNS, "--warmup", 1, "--buckets", "8,16",
@@ -151,8 +152,8 @@ def test_bench_refuses_to_overwrite_out_without_force(bench_runs, tmp_path, caps
 
 def test_bench_rejects_a_cache_too_short_for_the_decode_steps():
     with pytest.raises(HarnessInputError, match="exceed the KV length 32"):
-        perf.run_bench(Checkpoint.open(tiny_checkpoint(seed=0)), buckets=(16,), new_tokens=17, kv_len=32,
-                       progress=False)
+        perf.run_bench(Checkpoint.open(tiny_checkpoint(seed=0)), RunSettings(buckets=(16,), kv_len=32),
+                       new_tokens=17, progress=False)
 
 
 def test_bench_arguments_are_validated_by_argparse(tmp_path):

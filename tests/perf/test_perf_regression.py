@@ -161,7 +161,7 @@ def test_budget_on_unknown_metric_names_the_metrics():
 
 def test_published_budgets_live_in_one_place():
     assert perf.BUDGETS["ttft_ms"] == 101.0
-    # decode: headroom over the 28 ms weight-read floor (23 GB at 820 GB/s), DESIGN §9
+    # decode: headroom over the 28 ms weight-read floor (23 GB at 820 GB/s), docs/design.md#performance-facts
     assert 23e9 / 820e9 * 1e3 < perf.BUDGETS["tpot_ms"] <= 3 * 28.0
 
 

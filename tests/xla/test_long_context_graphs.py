@@ -11,6 +11,7 @@ from harness.backends import build_engine
 from harness.graph_contracts import GraphSignature, check_graph, expectation_for
 from harness.graphs import TracedDecoder, kv_buckets
 from harness.parity import check_port
+from harness.settings import RunSettings
 from tests.faults.catalog import LONG_BUCKETS, LONG_KV_LEN
 from tests.xla.conftest import BUCKET, KV_LEN
 
@@ -60,8 +61,9 @@ def test_ring_build_state_is_its_window(tiny_spec):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_long_prompts_pass_on_the_xla_backend(long_ckpt, long_reference, tp):
     """The long prompts through chunked prefill and the ring on the xla backend: fp32, token for token."""
-    engine = build_engine(long_ckpt, backend="xla", tp=tp, dtype=torch.float32, buckets=LONG_BUCKETS,
-                          kv_len=LONG_KV_LEN, sliding_cache="ring", capture=True)
-    result = check_port(long_ckpt, engine, long_reference["float32"], long_reference["bfloat16"], backend="xla",
-                        tp=tp, dtype="float32", local=False, fp32_engine=None)
+    settings = RunSettings(backend="xla", tp=tp, dtype=torch.float32, buckets=LONG_BUCKETS, kv_len=LONG_KV_LEN,
+                           sliding_cache="ring")
+    engine = build_engine(long_ckpt, settings, capture=True)
+    result = check_port(long_ckpt, engine, long_reference["float32"], long_reference["bfloat16"], local=False,
+                        fp32_engine=None)
     assert result.stage_passed, result.failures()[:3]
