@@ -79,7 +79,7 @@ def test_ring_reads_back_the_linear_caches_last_window(long_ckpt, long_prompts):
     for engine in (ring, linear):
         engine.generate(prompt, 3)
     written = len(prompt) + 2
-    for i, ((rk, rv), (lk, lv)) in enumerate(zip(ring.backend.read_cache(written), linear.backend.read_cache(written))):
+    for i, ((rk, rv), (lk, lv)) in enumerate(zip(ring.read_cache(written), linear.read_cache(written))):
         held = LONG_WINDOW if long_ckpt.spec.layers[i].is_sliding else written
         assert rk.shape[1] == held
         assert rel_l2(rk, lk[:, written - held:]) < FP32_ROUNDING and rel_l2(rv, lv[:, written - held:]) < FP32_ROUNDING
