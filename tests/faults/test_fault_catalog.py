@@ -42,7 +42,7 @@ def test_clean_port_passes(request, monkeypatch, key):
 # stage sees, attention and KV, the sliding window, decode, host probabilities); the whole catalog,
 # about 6 CPU-seconds a fault, runs in the slow lane (`pytest -m slow`, run by .ci/run).
 DEFAULT_LANE = ("exact-gelu", "rope-angles-activation-dtype", "kv-heads-wrong-rank", "window-one-too-wide",
-                "decode-token-off-by-one", "host-probabilities-uncapped")
+                "decode-token-off-by-one", "host-probabilities-uncapped", "chunk-reads-overwritten-keys")
 
 
 def lane(fault):
