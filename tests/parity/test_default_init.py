@@ -13,7 +13,9 @@ from harness.settings import RunSettings
 SEEDS = (0, 1)
 
 
-@pytest.fixture(scope="module", params=SEEDS, ids=lambda s: f"default-init-seed{s}")
+# the second seed (a checkpoint build and both references) is in the slow lane
+@pytest.fixture(scope="module", params=[pytest.param(s, id=f"default-init-seed{s}", marks=() if s == SEEDS[0]
+                                                     else pytest.mark.slow) for s in SEEDS])
 def default_init(request, tmp_path_factory, default_prompts):
     """A tiny checkpoint as transformers' class initialises it (no margin-widening builder), and
     its fp32 and bf16 references for the default prompts."""

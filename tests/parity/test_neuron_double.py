@@ -98,6 +98,7 @@ def test_embeddings_capture_is_the_input_the_device_was_fed(parity, cpu16):
 
 # ---- the CLI with --backend neuron -----------------------------------------------------------------
 
+@pytest.mark.slow  # a whole `check` (both references, both stages) through the double
 def test_check_backend_neuron_passes_through_the_cli(nxd, tmp_path, capsys):
     from harness.cli import main
 

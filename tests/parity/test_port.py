@@ -133,6 +133,7 @@ def real_window_ckpt(tmp_path_factory):
     return Checkpoint.open(build_tiny_checkpoint(out / "ckpt", seed=0, config_path=out / "config.json"))
 
 
+@pytest.mark.slow  # an 1100-token prompt through transformers and the port twice
 def test_real_sliding_window_is_reachable(real_window_ckpt, monkeypatch):
     """With the README's configuration for the 12B's window (a bucket of 1280 in a 1296-slot cache)
     a 1100-token prompt reaches past position 1024, where a sliding query first loses key 0: the

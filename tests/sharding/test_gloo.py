@@ -21,7 +21,7 @@ from harness.sharding import rank_state_dicts
 
 WORLD_SIZE = 2
 MAX_LEN = 32
-RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
+RENDEZVOUS_TIMEOUT = timedelta(seconds=900)  # a hang guard: a loaded machine may start one rank minutes late
 
 
 class GlooCollectives(Collectives):
