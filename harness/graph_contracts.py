@@ -94,9 +94,10 @@ def expectation_for(spec, tp: int, max_len: int, length: int, dtype: torch.dtype
                 rings.add(name)
         keys = slots + length if layer.index in windows else (kv_read or max_len)
         reads[keys] = reads.get(keys, 0) + 1
-    return Expectation(length, max_len, spec.hidden_size, spec.num_layers, HLO_DTYPES[dtype],
-                       frozenset({spec.vocab_size, spec.vocab_size // tp}), plan_weight_shapes(spec, tp, rank), kv,
-                       reads, frozenset(rings))
+    return Expectation(length, max_len, spec.hidden_size, spec.num_layers, dtype=HLO_DTYPES[dtype],
+                       vocab_sizes=frozenset({spec.vocab_size, spec.vocab_size // tp}),
+                       weight_shapes=plan_weight_shapes(spec, tp, rank), kv_shapes=kv, reads=reads,
+                       rings=frozenset(rings))
 
 
 def _target(inst: Instruction) -> str:
