@@ -171,6 +171,7 @@ class NeuronBackend:
                  cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True,
                  layout_priority: str | None = "decode", reduce_dtype: torch.dtype = torch.float32):
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
+        self.sliding_cache = settings.sliding_cache
         self.versions = check_neuron_packages()  # before anything imports the SDK
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here, before any compile
@@ -189,7 +190,7 @@ class NeuronBackend:
         self.cache_key = artifact_cache_key(
             spec_hash=self.spec.spec_hash(), buckets=self.buckets, tp=tp, compiler_version=toolchain_version(self.versions),
             compiler_args=self.compiler_args, model_source_hash=model_source_hash(), capture=self.capture,
-            max_len=max_len, dtype=dtype, environment={**compile_environment(neuron_runtime_version()),
+            max_len=max_len, dtype=dtype, sliding_cache=settings.sliding_cache, environment={**compile_environment(neuron_runtime_version()),
                                                        "layout_priority": str(self.priority_key),
                                                        "reduce_dtype": _dtype_key(reduce_dtype)})
         self.artifact_dir = self.cache_dir / self.cache_key
@@ -255,7 +256,8 @@ class NeuronBackend:
     def _traced_module(self) -> TracedDecoder:
         module = TracedDecoder(self.spec, self.tp, self.max_len, self.dtype,
                                NeuronLinears(self.tp, self.dtype, self.reduce_dtype),
-                               with_captures=self.capture, last_row_only=self.last_row_only)
+                               with_captures=self.capture, last_row_only=self.last_row_only,
+                               sliding_cache=self.sliding_cache)
         module.eval()
         module.requires_grad_(False)
         extra = sorted(constant_buffers(module))

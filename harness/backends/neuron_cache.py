@@ -126,7 +126,7 @@ def _dtype_name(dtype) -> str:
 
 def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, compiler_args,
                        model_source_hash: str, capture: bool, *, max_len: int = DEFAULT_KV_LEN,
-                       dtype=torch.bfloat16, environment: dict | None = None) -> str:
+                       dtype=torch.bfloat16, environment: dict | None = None, sliding_cache: str = "linear") -> str:
     """The cache directory name for one compiled build: readable prefix + hash of every input.
 
     Bucket order does not matter (the same graphs are built); compiler flag order does (neuronx-cc
@@ -140,6 +140,8 @@ def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, 
         "model_source": str(model_source_hash), "capture": bool(capture), "max_len": int(max_len),
         "dtype": _dtype_name(dtype), "environment": dict(sorted((environment or {}).items())),
     }
+    if sliding_cache != "linear":  # a ring changes the sliding layers' state shapes and graphs
+        payload["sliding_cache"] = str(sliding_cache)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
     kind = "parity" if capture else "perf"
     return f"{kind}-tp{int(tp)}-b{'_'.join(map(str, buckets))}-kv{int(max_len)}-{digest}"
