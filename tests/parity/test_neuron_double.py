@@ -327,14 +327,17 @@ def test_rule_rank_dependent_python_is_baked_as_rank_0(nxd, tiny0_ckpt, tmp_path
 
 def test_rule_parameters_are_never_state(nxd, tiny0_ckpt, tmp_path, monkeypatch):
     """A KV cache kept as Parameters and reassigned in forward is refused (not supported by NxD)."""
-    def init(self, kv_heads, max_len, head_dim, dtype):
-        torch.nn.Module.__init__(self)
-        self.k = torch.nn.Parameter(torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), requires_grad=False)
-        self.v = torch.nn.Parameter(torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), requires_grad=False)
+    real_init = port_model.KVCache.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        for name in ("k", "v"):
+            setattr(self, name, torch.nn.Parameter(self._buffers.pop(name), requires_grad=False))
 
     def update(self, positions, k, v):
-        self.k = torch.nn.Parameter(self.k.index_copy(2, positions[0], k), requires_grad=False)
-        self.v = torch.nn.Parameter(self.v.index_copy(2, positions[0], v), requires_grad=False)
+        rows = port_model.chunk_rows(positions)
+        self.k = torch.nn.Parameter(self.k.index_copy(2, rows, k), requires_grad=False)
+        self.v = torch.nn.Parameter(self.v.index_copy(2, rows, v), requires_grad=False)
         return self.k, self.v
 
     monkeypatch.setattr(port_model.KVCache, "__init__", init)
