@@ -9,7 +9,7 @@ from harness.atomic import claim_output
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
 from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
-from harness.perf.results import history_files, skipped_history_entries, validate_result
+from harness.perf.results import history_files, length_lists, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
                           append_history, compare_files, compare_history, draw_length, draw_trend, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
@@ -161,6 +161,7 @@ def _sample_problem(data, source: str) -> str | None:
         data.get("metrics"), dict) else {}
     if isinstance(data.get("prefill_ms_by_bucket"), dict):
         lists.update({f"prefill_ms_by_bucket.{b}": val for b, val in data["prefill_ms_by_bucket"].items()})
+    lists.update(length_lists(data))
     for name, values in lists.items():
         for i, x in enumerate(values if isinstance(values, list) else []):
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 or x == float("inf"):

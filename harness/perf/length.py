@@ -108,8 +108,8 @@ def pin_length_outputs(baseline: dict, current: dict, labels: tuple[str, str]) -
     """outputs.compare_outputs on the lengths' pinned tokens, when both results have them."""
     if "at_length" not in baseline or "at_length" not in current:
         return None, []
-    refusal, notes = outputs.compare_outputs({"outputs": baseline["at_length"]["outputs"]},
-                                             {"outputs": current["at_length"]["outputs"]}, *labels)
+    sides = [{k: v for k, v in r["at_length"].items() if k == "outputs"} for r in (baseline, current)]
+    refusal, notes = outputs.compare_outputs(*sides, *labels)
     lengths = [r["length"] for r in current["at_length"]["lengths"]]
     where = f"at length (prompts {', '.join(map(str, lengths))}): "
     return (None if refusal is None else where + refusal), [where + n for n in notes]
