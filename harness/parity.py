@@ -104,6 +104,7 @@ class CheckResult:
     port_error: dict | None = None  # an exception raised inside the port: a parity failure
     fp32: "CheckResult | None" = None  # the structural stage, on the bf16 stage's result
     row_labels: dict[str, list[str]] = field(default_factory=dict, repr=False)
+    served: object = None  # harness.served.ServedResult: the perf build bench times, judged (issue 20)
 
     @property
     def seq_match(self) -> bool:
@@ -202,12 +203,14 @@ class CheckResult:
     def passed(self) -> bool:
         """Every capture point of both stages within its judge, every token mismatch accounted for
         (a near tie or a saturation tie), and no exception inside the port."""
-        return self.stage_passed and (self.fp32 is None or self.fp32.passed)
+        return (self.stage_passed and (self.fp32 is None or self.fp32.passed)
+                and (self.served is None or self.served.passed))
 
     @property
     def failed_stages(self) -> list[str]:
         stages = [s for s in (self.fp32,) if s is not None and not s.stage_passed]
-        return [s.stage for s in stages] + ([self.stage] if not self.stage_passed else [])
+        served = ["served"] if self.served is not None and not self.served.passed else []
+        return [s.stage for s in stages] + ([self.stage] if not self.stage_passed else []) + served
 
     def _layer_json(self, layer: LayerResult) -> dict:
         out = layer.to_json()
@@ -236,7 +239,7 @@ class CheckResult:
             return p.__dict__ if p is not None else None
 
         stages = {s.stage: s.stage_json() for s in (self.fp32, self) if s is not None}
-        failures = [f for s in (self.fp32, self) if s is not None for f in s.failures()]
+        failures = [f for s in (self.fp32, self, self.served) if s is not None for f in s.failures()]
         out = {"passed": self.passed, "seq_match": self.seq_match, "backend": self.backend,
                "tp": self.tp, "dtype": self.dtype, "first_divergent_layer": self.first_divergent_layer,
                "first_divergent_component": self.first_divergent_component, "local_layers": self.local,
@@ -249,7 +252,8 @@ class CheckResult:
                "failed_stage": self.failed_stages[0] if self.failed_stages else None,
                "first_failure": failures[0] if failures else None,
                "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
-               "port_error": self.port_error or (self.fp32.port_error if self.fp32 else None)}
+               "port_error": self.port_error or (self.fp32.port_error if self.fp32 else None),
+               "served_build": self.served.to_json() if self.served is not None else None}
         return out
 
 
@@ -642,7 +646,7 @@ def load_references(source, checkpoint_dir, new_tokens: int, progress: bool = Fa
 
 def run_parity_check(checkpoint, checkpoint_dir, golden=None, prompts=None, backend: str = "cpu", tp: int = 2,
                      dtype: torch.dtype = torch.bfloat16, new_tokens: int = 8, buckets=(64, 256), kv_len: int = 256,
-                     progress: bool = False, fp32_stage: bool = True) -> CheckResult:
+                     progress: bool = False, fp32_stage: bool = True, served_build: bool = True) -> CheckResult:
     """What `gemma-parity check` does: the port on `backend` against the reference (recomputed
     for `prompts`, or read from `golden`), judged in two stages."""
     from harness.backends import build_engine
@@ -659,5 +663,11 @@ def run_parity_check(checkpoint, checkpoint_dir, golden=None, prompts=None, back
     engine = build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
                           capture=True)
     ref32, ref16 = load_references(source, checkpoint_dir, new_tokens, progress)
-    return check_port(checkpoint, engine, ref32, ref16, backend=backend, tp=tp, dtype=dtype_name(dtype),
-                      progress=progress, fp32_engine="auto" if fp32_stage else None)
+    result = check_port(checkpoint, engine, ref32, ref16, backend=backend, tp=tp, dtype=dtype_name(dtype),
+                        progress=progress, fp32_engine="auto" if fp32_stage else None)
+    del engine  # a device holds one build at a time: the served build loads next
+    from harness.served import check_served_build  # the perf build bench times, judged too
+
+    result.served = check_served_build(checkpoint, ref32, ref16, result, backend=backend, tp=tp, dtype=dtype,
+                                       buckets=buckets, kv_len=kv_len, progress=progress, skip=not served_build)
+    return result

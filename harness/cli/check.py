@@ -21,6 +21,8 @@ def add_command(sub) -> None:
                    help=f"greedy tokens to decode (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--skip-fp32-stage", action="store_true",
                    help="skip the fp32 structural stage (it holds the model in fp32 on the host)")
+    p.add_argument("--skip-served-build", action="store_true",
+                   help="do not run and judge the perf build bench times (the served build); said in the result")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
     p.set_defaults(func=run, validate=validate)
 
@@ -66,7 +68,7 @@ def run(args) -> int:
                               backend=args.backend,
                               tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
                               buckets=args.buckets, kv_len=args.kv_len, progress=True,
-                              fp32_stage=not args.skip_fp32_stage)
+                              fp32_stage=not args.skip_fp32_stage, served_build=not args.skip_served_build)
     payload = with_generator(result.to_json(), "check")
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.
@@ -74,5 +76,7 @@ def run(args) -> int:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
+    if result.served is not None:
+        print(result.served.describe())
     print(format_check(result))
     return EXIT_OK if result.passed else EXIT_FAIL

@@ -71,6 +71,20 @@ def _check_bench_options(runs, warmup, buckets, new_tokens, kv_len) -> None:
                                 f"{kv_len}; use fewer --new-tokens or a smaller bucket")
 
 
+def perf_engine(checkpoint, backend: str, tp: int, dtype, buckets, kv_len: int, **backend_kwargs):
+    """The perf build `bench` times and serving runs: no capture outputs (on a compiled backend its
+    prefill graphs return only the last real row). `check` judges this same build
+    (harness/served.py), so what is timed is what is judged."""
+    from harness.backends import build_engine
+
+    if backend == "neuron":
+        # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
+        # cache out of the timed prefill, as a serving loop would.
+        backend_kwargs.setdefault("zero_on_reset", False)
+    return build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
+                        **backend_kwargs)
+
+
 def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup: int = DEFAULT_WARMUP,
               buckets=(PUBLISHED_BUCKET,), new_tokens: int = DEFAULT_NEW_TOKENS, tp: int = 2,
               dtype="bf16", kv_len: int | None = None, progress: bool = True, **backend_kwargs) -> dict:
@@ -78,7 +92,6 @@ def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup
     discarded runs. Each decode_ms_per_token sample is one run's mean ms per token."""
     import torch
 
-    from harness.backends import build_engine
     from harness.engine import DEFAULT_KV_LEN
 
     kv_len = DEFAULT_KV_LEN if kv_len is None else kv_len
@@ -88,13 +101,8 @@ def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup
     show = status("bench", progress)
     show(f"building the {backend} engine (tp {tp}, {dtype}, buckets {list(buckets)})"
          + ("; a first compile takes many minutes" if backend == "neuron" else ""))
-    if backend == "neuron":
-        # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
-        # cache out of the timed prefill, as a serving loop would.
-        backend_kwargs.setdefault("zero_on_reset", False)
-    engine = build_engine(checkpoint, backend=backend, tp=tp,
-                          dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
-                          buckets=buckets, kv_len=kv_len, **backend_kwargs)
+    engine = perf_engine(checkpoint, backend, tp=tp, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+                         buckets=buckets, kv_len=kv_len, **backend_kwargs)
     headline = PUBLISHED_BUCKET if PUBLISHED_BUCKET in buckets else max(buckets)
     prompts = {b: bench_prompt(checkpoint.spec.vocab_size, b) for b in buckets}
     for k in range(warmup):
