@@ -1,4 +1,4 @@
-"""The `gemma-parity` command: info, reference, check, bisect, bench, perf compare and graphs.
+"""The `gemma-parity` command: info, reference, check, bisect, bench, perf compare, graphs and quality.
 
 The top layer (DESIGN §4): argument parsing, printing and exit codes. Each command module adds its
 subparser with a `validate` (the one validation pass, before any model work) and a `run` (one
@@ -20,12 +20,12 @@ import sys
 import tempfile
 import traceback
 
-from harness.cli import bisect, check, graphs, info, perf, reference
+from harness.cli import bisect, check, graphs, info, perf, quality, reference
 from harness.cli.common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                                 EXIT_TERMINATED)
 from harness.errors import HarnessInputError, os_problem
 
-COMMANDS = (info, reference, check, bisect, perf, graphs)
+COMMANDS = (info, reference, check, bisect, perf, graphs, quality)
 
 
 class Terminated(BaseException):

@@ -31,9 +31,9 @@ LAYERS = {
     "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.graph_contracts": 5,
     # 6: workflows as library functions with result objects
     "harness.parity": 6, "harness.bisect": 6, "harness.perf": 6, "harness.graph_stats": 6,
-    "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6,
+    "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,
     # 7: presentation and commands; nothing imports these from below
-    "harness.report": 7, "harness.cli": 8,
+    "harness.report": 7, "harness.quality_report": 7, "harness.cli": 8,
 }
 TOP = ("harness.cli",)
 
