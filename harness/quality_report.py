@@ -30,7 +30,7 @@ def _rows(payload: dict) -> list[tuple[str, str, str]]:
 def _failed_checks(payload: dict) -> list[str]:
     return [f"{c['metric']} {c['statistic']}: port {c['port']:.3e} > limit {c['limit']:.3e} "
             f"({payload['verdict']['factor']:g} x bf16 {c['bf16']:.3e})"
-            for c in payload["verdict"]["checks"] if not c["passed"]]
+            for c in payload["verdict"]["checks"] if c["judged"] and not c["passed"]]
 
 
 def format_quality(payload: dict) -> str:

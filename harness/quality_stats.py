@@ -19,9 +19,11 @@ import torch
 
 DEFAULT_TOPK = 32
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999))
-# The verdict: at the mean, at every quantile and at the max, the port's KL and |delta-p| are at
-# most QUALITY_FACTOR x the bf16 reference's (floored: a quantile where bf16 is exact is judged
-# against one rounding's worth). Where from: on the healthy tiny ports (seeds 0 and 1, bf16, TP=2,
+# The verdict: at the mean and at every quantile with at least MIN_TAIL positions beyond it, the
+# port's KL and |delta-p| are at most QUALITY_FACTOR x the bf16 reference's (floored: a quantile
+# where bf16 is exact is judged against one rounding's worth). A quantile with fewer positions
+# beyond it, and the max, are one or two samples: reported, not judged (at 20K positions p99.9
+# has 20 beyond it and is judged). Where from: on the healthy tiny ports (seeds 0 and 1, bf16, TP=2,
 # 20,160 positions of a seeded corpus in windows of 64) the largest port/bf16 ratio over every
 # quantile of both metrics is 1.26 (seed 0) and 1.28 (seed 1), printed by
 # tests/quality/test_quality.py; the three catalog faults it is tested on land at 30x or more.
@@ -29,6 +31,7 @@ QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999))
 QUALITY_FACTOR = 2.0
 FLOORS = {"kl": 1e-7, "abs_dp": 2.0 ** -16}
 METRICS = ("kl", "abs_dp")
+MIN_TAIL = 10
 
 
 def reference_stats(capped_logits: torch.Tensor, targets: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
@@ -88,16 +91,25 @@ def summarize(kl: torch.Tensor, dp: torch.Tensor, top1: torch.Tensor, nll: torch
             "perplexity": ppl, "perplexity_ratio": ppl / ref_ppl}
 
 
+def judged_statistics(positions: int) -> list[str]:
+    """The mean, and each quantile with at least MIN_TAIL of `positions` beyond it."""
+    return ["mean"] + [name for name, q in QUANTILES if positions * (1 - q) >= MIN_TAIL]
+
+
 def verdict(port: dict, bf16: dict, factor: float = QUALITY_FACTOR) -> dict:
-    """Every statistic of KL and |delta-p| (mean, quantiles, max): port <= factor x bf16 (floored)."""
-    checks = []
+    """KL and |delta-p| at every judged statistic: port <= factor x bf16 (floored); the others
+    (quantiles with too few positions beyond them, the max) are listed with judged = False."""
+    checks, judged = [], judged_statistics(port.get("positions", 0))
     for metric in METRICS:
         for stat, value in port[metric].items():
             limit = factor * max(bf16[metric][stat], FLOORS[metric])
-            ok = math.isfinite(value) and value <= limit
+            within = math.isfinite(value) and value <= limit
             checks.append({"metric": metric, "statistic": stat, "port": value, "bf16": bf16[metric][stat],
                            "limit": limit, "ratio": value / max(bf16[metric][stat], FLOORS[metric])
-                           if math.isfinite(value) else None, "passed": ok})
-    return {"factor": factor, "floors": FLOORS, "checks": checks, "passed": all(c["passed"] for c in checks),
-            "rule": f"at the mean, each of {[n for n, _ in QUANTILES]} and the max, the port's KL and |delta-p| "
-                    f"against fp32 are at most {factor:g}x the bf16 reference's (floors {FLOORS})"}
+                           if math.isfinite(value) else None, "judged": stat in judged,
+                           "passed": within if stat in judged else None})
+    return {"factor": factor, "floors": FLOORS, "judged": judged, "checks": checks,
+            "passed": all(c["passed"] for c in checks if c["judged"]),
+            "rule": f"at {', '.join(judged)} (the quantiles with at least {MIN_TAIL} positions beyond them), the "
+                    f"port's KL and |delta-p| against fp32 are at most {factor:g}x the bf16 reference's "
+                    f"(floors {FLOORS}); the other statistics and the max are reported, not judged"}
