@@ -1,6 +1,7 @@
 """Progress of long runs (reference, check, bisect, bench): one tqdm status line on stderr.
 
-Shown only when stderr is a terminal, so logs, pipes and CI output stay clean; with
+Shown only when stderr is a terminal, so logs, pipes and CI output stay clean (transformers' own
+bars too: third_party_bars); with
 GEMMA_PARITY_PROGRESS=1 a plain "[label] text" line per step is written instead where stderr is not a
 terminal (a CI log that wants them). `enabled=False` silences it everywhere (library callers, tests).
 """
@@ -51,6 +52,17 @@ class Status:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def third_party_bars() -> None:
+    """transformers' own bars ("Loading weights", "Writing model shards") follow the same policy:
+    where stderr is not a terminal they are silenced (the harness's own lines, with
+    GEMMA_PARITY_PROGRESS=1, say what runs); on a terminal they are left as they are."""
+    if interactive():
+        return
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
 
 
 def status(label: str, enabled: bool = True, total: int | None = None) -> Status:

@@ -54,6 +54,9 @@ def load_reference_model(checkpoint_dir, dtype=torch.float32):
     """transformers' own class for the checkpoint, eager attention (as the port runs)."""
     from transformers import AutoConfig, Gemma4UnifiedForCausalLM, Gemma4UnifiedForConditionalGeneration
 
+    from harness.progress import third_party_bars
+
+    third_party_bars()
     config = AutoConfig.from_pretrained(checkpoint_dir)
     cls = Gemma4UnifiedForConditionalGeneration if config.model_type == "gemma4_unified" else Gemma4UnifiedForCausalLM
     model = cls.from_pretrained(checkpoint_dir, dtype=torch_dtype(dtype), attn_implementation="eager")

@@ -59,6 +59,7 @@ class ServedPrompt:
 class ServedResult:
     """The served-build stage of `check`."""
 
+    stage = "served"
     backend: str
     ran: bool
     same_code: bool = False
@@ -205,3 +206,20 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
                          f"{p.differs_from_parity_at} ({p.departure.kind if p.departure else 'the parity build departed'}: accounted)")
     return ServedResult(backend=backend, ran=True, same_code=same_code, last_row_only=last_row, prompts=prompts,
                         step_logits=point, row_labels=labels, notes=notes)
+
+
+def served_stage(*, backend: str = "cpu", tp: int = 2, dtype: torch.dtype = torch.bfloat16, buckets=(64, 256),
+                 kv_len: int = 256, progress: bool = False, skip: bool = False):
+    """The served-build stage as one of parity's extra checks: called with the finished result
+    and the checkpoint, it judges the perf build on the references the check observed and adds
+    itself to `result.extra_stages`."""
+    def check(result, checkpoint) -> None:
+        observed = result.observation or getattr(result.fp32, "observation", None)
+        if observed is None and not skip:  # the port raised before any stage observed it: already failed
+            result.extra_stages.append(ServedResult(backend=backend, ran=False, notes=[
+                "served build not judged: no stage of the check observed the port (it raised first)"]))
+            return
+        refs = (observed.ref32, observed.ref16) if observed is not None else ([], [])
+        result.extra_stages.append(check_served_build(checkpoint, *refs, result, backend=backend, tp=tp, dtype=dtype,
+                                                      buckets=buckets, kv_len=kv_len, progress=progress, skip=skip))
+    return check

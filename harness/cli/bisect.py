@@ -44,8 +44,9 @@ def run(args) -> int:
 
     ckpt = args.ckpt
     print(ckpt.describe())
-    result, payload = bisect_golden(ckpt, args.golden_read, args.mode, args.backend, args.tp, torch_dtype(args.dtype),
-                                    args.buckets, args.kv_len, progress=True)
+    result, payload = bisect_golden(ckpt, args.golden_read, args.mode, backend=args.backend, tp=args.tp,
+                                    dtype=torch_dtype(args.dtype), buckets=args.buckets, kv_len=args.kv_len,
+                                    progress=True)
     text = format_bisect(payload)
     payload = with_generator(payload, "bisect")
     if args.json is not None:  # the files first: a verdict is printed only once they are written

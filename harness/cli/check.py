@@ -23,6 +23,8 @@ def add_command(sub) -> None:
                    help="skip the fp32 structural stage (it holds the model in fp32 on the host)")
     p.add_argument("--skip-served-build", action="store_true",
                    help="do not run and judge the perf build bench times (the served build); said in the result")
+    p.add_argument("--verbose", action="store_true", help="print the wall time of each stage and phase "
+                   "(always in the JSON under \"seconds\")")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
     p.set_defaults(func=run, validate=validate)
 
@@ -50,6 +52,7 @@ def validate(args) -> None:
         prompts, new_tokens, source = golden.prompts, golden.new_tokens, f"golden {args.golden}"
         args.reference_source, args.prompt_ids = golden, None  # read and verified once, here
     else:
+        ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
         prompts = load_prompts(args.prompts, args.ckpt_dir)
         validate_prompt_ids(ckpt.spec, prompts, args.prompts)
         new_tokens, source = args.new_tokens, args.prompts
@@ -61,6 +64,7 @@ def run(args) -> int:
     from harness.parity import run_parity_check
     from harness.reference import torch_dtype
     from harness.report import format_check, write_report
+    from harness.served import served_stage
 
     ckpt = args.ckpt
     print(ckpt.describe())
@@ -68,7 +72,10 @@ def run(args) -> int:
                               backend=args.backend,
                               tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
                               buckets=args.buckets, kv_len=args.kv_len, progress=True,
-                              fp32_stage=not args.skip_fp32_stage, served_build=not args.skip_served_build)
+                              fp32_stage=not args.skip_fp32_stage,
+                              extra_checks=(served_stage(backend=args.backend, tp=args.tp, dtype=torch_dtype(args.dtype),
+                                                         buckets=args.buckets, kv_len=args.kv_len, progress=True,
+                                                         skip=args.skip_served_build),))
     payload = with_generator(result.to_json(), "check")
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.
@@ -76,7 +83,7 @@ def run(args) -> int:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
-    if result.served is not None:
-        print(result.served.describe())
-    print(format_check(result))
+    for stage in result.extra_stages:  # the served build
+        print(stage.describe())
+    print(format_check(result, verbose=args.verbose))
     return EXIT_OK if result.passed else EXIT_FAIL

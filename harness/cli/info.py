@@ -41,18 +41,29 @@ def validate(args) -> None:
     v.check_kv_len(args.spec, args.kv_len)
 
 
+def _is_published_model(spec) -> bool:
+    """Whether the spec is the model the published latency was measured on (the 12B, whose config
+    the repository ships): only then is "floor / published" a comparison of like with like."""
+    from harness import FIXTURES_DIR
+    from harness.spec import load_spec
+
+    return spec.spec_hash() == load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json").spec_hash()
+
+
 def run(args) -> int:
     from harness.report import format_info
     from harness.sharding import plan_summary
 
     if args.ckpt is not None:
-        print(args.ckpt.describe())
+        print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
     payload = plan_summary(args.spec, args.tp, args.dtype, args.kv_len)
-    print(format_info(payload))
+    print(format_info({**payload, "inert": None} if args.ckpt is not None else payload))
     if args.perf:
         from harness.perf import info_floors, render_roofline
 
         payload["roofline"] = info_floors(args.spec, args.tp, args.dtype, args.kv_len)
+        if not _is_published_model(args.spec):
+            payload["roofline"].pop("published_ms", None)  # the published latency is the 12B's, not this model's
         print(render_roofline(payload["roofline"]), end="")
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))

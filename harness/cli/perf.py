@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from harness.atomic import claim_output
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, buckets_arg, with_generator
-from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError
+from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
+from harness.perf.results import history_files, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP,
                           PUBLISHED_BUCKET, append_history, compare_files, compare_history, draw_trend, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
@@ -66,9 +67,11 @@ def add_command(subparsers) -> None:
 # ---- validation ----------------------------------------------------------------------------------
 
 def _is_bench_result(path: Path) -> bool:
+    if not path.is_file():
+        return False
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json_file(path, "file", HarnessInputError, "")
+    except HarnessInputError:
         return False
     return isinstance(data, dict) and data.get("format") == 1 and {"machine", "metrics"} <= data.keys()
 
@@ -96,6 +99,7 @@ def validate_bench(args) -> None:
     if args.history is not None:
         v.output_location(args.history, "--history", True, inputs, outputs)
     v.clean_leftovers(outputs.values())
+    claim_output(out, "--out")  # a second bench for the same --out is refused now, not after its runs
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, kv_len)
@@ -143,13 +147,11 @@ def _sample_problem(data, source: str) -> str | None:
 
 
 def _check_result_file(path: Path) -> None:
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError):
-        return  # perf.load_result reports unreadable or invalid JSON with the path
+    data = read_json_file(path, "perf result", HarnessInputError, "delete it or re-run the benchmark")
     problem = _sample_problem(data, str(path))
     if problem:
         raise HarnessInputError(problem)
+    validate_result(data, str(path))
 
 
 def validate_compare(args) -> None:
@@ -166,7 +168,9 @@ def validate_compare(args) -> None:
                                  f"`gemma-parity bench ... --history {args.history}`")
         history = v.input_path(args.history, "--history", want_dir=True)
         inputs = {"--history": history}
-        files = sorted(history.glob("*.json"))
+        files = history_files(history)
+        for entry in skipped_history_entries(history):
+            print(f"gemma-parity: note: {entry}: not a regular file, so not a run; skipped", file=sys.stderr)
     elif args.baseline and args.current and not args.history:
         inputs = {flag: v.input_path(val, flag, want_dir=False)
                   for flag, val in (("--baseline", args.baseline), ("--current", args.current))}

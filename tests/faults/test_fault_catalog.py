@@ -119,7 +119,7 @@ def test_bisect_locates_gaps(request, monkeypatch, fault):
     ckpt, refs = _checkpoint_and_reference(request, fault.checkpoint)
     fault.inject(monkeypatch)
     engine = build_engine(ckpt, tp=2, dtype=torch.bfloat16, buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN)
-    result = bisect_capture(ckpt, engine, engine.backend, refs["float32"], refs["bfloat16"])
+    result = bisect_capture(ckpt, engine, (refs["float32"], refs["bfloat16"]))
     assert result.first_divergent_layer == fault.expect.first_layer, result.first_divergent_layer
     assert result.component == fault.expect.component
 

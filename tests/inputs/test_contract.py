@@ -66,6 +66,49 @@ def test_a_full_disk_exits_2_naming_the_users_path(tmp_path, monkeypatch, capsys
     assert list(tmp_path.iterdir()) == []
 
 
+
+class _SafetensorsDiskFull(Exception):
+    """What safetensors' Rust writer raises on a full disk (its own type, not an OSError)."""
+
+
+def _tensors_disk_full(tensors, filename, *args, **kwargs):
+    Path(filename).write_bytes(b"half a tensor file")  # what a full disk leaves: a partial file
+    raise _SafetensorsDiskFull("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _manifest_disk_full(fd):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["golden-tensors", "golden-manifest", "tiny-cache"])
+def test_a_full_disk_while_writing_a_golden_or_the_cache_is_exit_2_with_nothing_half_written(
+        tmp_path, monkeypatch, capsys, where):
+    """ENOSPC in each writer of big files (safetensors' own error type included): exit 2 naming
+    the user's location and that the disk is full, no traceback, and no partial file or temp
+    directory left behind."""
+    import harness.golden
+
+    prompts = tmp_path / "p.json"
+    prompts.write_text("[[5, 6, 7]]")
+    out = tmp_path / "golden"
+    argv = ["reference", "--model", "tiny", "--prompts", prompts, "--new-tokens", 1, "--out", out]
+    if where == "golden-tensors":
+        monkeypatch.setattr(harness.golden, "save_file", _tensors_disk_full)
+    elif where == "golden-manifest":
+        monkeypatch.setattr(harness.golden.os, "fsync", _manifest_disk_full)
+    else:
+        monkeypatch.setenv("GEMMA_PARITY_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setattr("transformers.modeling_utils.safe_save_file", _tensors_disk_full)
+        argv = ["info", "--model", "tiny"]
+        out = tmp_path / "cache"
+    before = snapshot(tmp_path)
+    outcome = run_inprocess(argv, capsys)
+    assert outcome.code == 2, outcome.err
+    assert f"{out}" in outcome.err and "the disk is full" in outcome.err, outcome.err
+    assert "Traceback" not in outcome.err and "internal error" not in outcome.err
+    left = {k: v for k, v in snapshot(tmp_path).items() if k not in before and not Path(k).name.startswith(".lock-")}
+    assert set(left) <= {str(tmp_path / "cache")}, left  # the cache directory itself may be created
+
 def test_permission_denied_on_a_shard_is_not_called_corruption(tmp_path, tiny0_dir, monkeypatch, capsys):
     """An unreadable shard (simulated: the tests run as root) is reported as a permission problem,
     never as 'truncated or corrupted, download it again'."""
@@ -367,3 +410,38 @@ def test_replace_swaps_in_the_new_directory_either_way(tmp_path, monkeypatch, ex
         (tmp / "new-only").write_text("new")
     assert sorted(p.name for p in target.iterdir()) == ["new-only"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("command", ["reference", "bench"])
+def test_a_second_run_for_the_same_new_output_is_refused_before_its_work(tmp_path, monkeypatch, capsys, command):
+    """While one run holds the claim on a new --out (here: this test, through the same lock a run
+    takes), a second run for the same --out is refused at validation (exit 2, naming it), without
+    loading a model or computing anything, and leaves the disk as it was; once released, the
+    claim file is gone and the output can be claimed again."""
+    import harness.reference
+    from harness.atomic import _claim_file
+
+    def no_model_work(*args, **kwargs):
+        raise AssertionError("model work started although the output was claimed by another run")
+
+    monkeypatch.setattr(harness.reference, "run_reference", no_model_work)
+    monkeypatch.setattr("harness.cli.perf.run_bench", no_model_work)
+    out = tmp_path / ("golden" if command == "reference" else "bench.json")
+    harness.atomic.claim_output(out, "--out")  # another run's claim (a second open file: flock conflicts)
+    claimed = _claim_file(out)
+    fd, path = harness.atomic._claims.pop()  # keep holding it, outside this process's own release
+    try:
+        before = snapshot(tmp_path)
+        argv = (["reference", "--model", "tiny", "--new-tokens", 1, "--out", out] if command == "reference"
+                else ["bench", "--model", "tiny", "--runs", 1, "--warmup", 0, "--new-tokens", 1, "--out", out])
+        outcome = run_inprocess(argv, capsys)
+        assert outcome.code == 2, outcome.err
+        assert f"--out {out}: another gemma-parity run is writing it right now" in outcome.err
+        assert snapshot(tmp_path) == before
+    finally:
+        harness.atomic._claims.append((fd, path))
+        harness.atomic.release_claims()
+    assert not claimed.exists()
+    harness.atomic.claim_output(out, "--out")  # free again
+    harness.atomic.release_claims()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -107,7 +107,7 @@ def test_check_cli_fails_on_a_perf_only_fault_and_skip_served_build_says_so(tmp_
     skipped = tmp_path / "skip.json"
     assert main(common + ["--skip-served-build", "--json", str(skipped)]) == 0
     payload = json.loads(skipped.read_text())
-    assert payload["served_build"]["ran"] is False and payload["served_build"]["notes"] == [SKIPPED_NOTE]
+    assert payload["extra_stages"]["served"]["ran"] is False and payload["extra_stages"]["served"]["notes"] == [SKIPPED_NOTE]
     assert "--skip-served-build" in capsys.readouterr().out
 
 

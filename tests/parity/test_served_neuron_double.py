@@ -40,7 +40,7 @@ def _check(tmp_path, extra=()):
 
 def test_healthy_served_build_passes_through_check(nxd, tmp_path):
     rc, payload = _check(tmp_path)
-    served = payload["served_build"]
+    served = payload["extra_stages"]["served"]
     assert rc == 0, payload["first_failure"]
     assert served["ran"] and served["passed"] and served["last_row_only"] and not served["same_code_as_parity_build"]
     assert [p["tokens"] for p in served["prompts"]] == [p["device_tokens"] for p in payload["prompts"]]

@@ -20,7 +20,7 @@ LAYERS = {
     "harness": 0,
     # 1: facts and plumbing every layer may use
     "harness.errors": 1, "harness.spec": 1, "harness.numerics": 1, "harness.atomic": 1, "harness.progress": 1,
-    "harness.hlo": 1,
+    "harness.hlo": 1, "harness.points": 1,
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.sharding": 2, "harness.prompts": 2,
     # 3: the port
@@ -28,14 +28,19 @@ LAYERS = {
     # 4: execution: the backends, and the reference (transformers only)
     "harness.backends": 4, "harness.reference": 4,
     # 5: judgement
-    "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.graph_contracts": 5,
+    # (observe runs the port and the references for the judge; stage judges what it observed)
+    "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5,
+    "harness.graph_contracts": 5, "harness.verdicts": 5, "harness.observe": 5, "harness.stage": 5,
+    "harness.results": 5, "harness.bisect_result": 5,
     # 6: workflows as library functions with result objects
-    "harness.parity": 6, "harness.bisect": 6, "harness.perf": 6, "harness.graph_stats": 6,
+    "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
     "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,
     # 7: presentation and commands; nothing imports these from below
-    "harness.report": 7, "harness.quality_report": 7, "harness.cli": 8,
+    "harness.report": 7, "harness.report_bisect": 7, "harness.report_plot": 7, "harness.report_table": 7,
+    "harness.quality_report": 7,
+    "harness.cli": 8, "harness.entry": 8, "harness.__main__": 8,
 }
-TOP = ("harness.cli",)
+TOP = ("harness.cli", "harness.entry", "harness.__main__")
 
 
 def module_name(path: Path) -> str:
