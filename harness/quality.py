@@ -107,13 +107,14 @@ def _tokenize(path: Path, text: str, checkpoint_dir) -> list[int]:
     return list(AutoTokenizer.from_pretrained(checkpoint_dir)(text, add_special_tokens=False)["input_ids"])
 
 
-def golden_settings(checkpoint, ids: list[int], window: int, topk: int, shards: int,
-                    windows_per_part: int) -> GoldenSettings:
+def golden_settings(checkpoint, ids: list[int], window: int, *, topk: int = DEFAULT_TOPK, shards: int = 1,
+                    windows_per_part: int = DEFAULT_WINDOWS_PER_PART) -> GoldenSettings:
     if window < 2 or len(ids) < window:
         raise HarnessInputError(f"--window {window}: need a window of at least 2 tokens and a corpus of at least "
                                 f"one window (the corpus has {len(ids)} ids)")
-    settings = GoldenSettings(corpus_hash(ids), len(ids), window, topk, shards, windows_per_part,
-                              checkpoint.spec.spec_hash(), checkpoint.file_hashes())
+    settings = GoldenSettings(corpus_sha256=corpus_hash(ids), corpus_ids=len(ids), window=window, topk=topk,
+                              shards=shards, windows_per_part=windows_per_part,
+                              spec_hash=checkpoint.spec.spec_hash(), weights=checkpoint.file_hashes())
     if shards > settings.windows:
         raise HarnessInputError(f"--shard .../{shards}: more shards than windows ({settings.windows})")
     return settings

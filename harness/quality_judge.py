@@ -38,17 +38,15 @@ def port_window_logits(engine, window: list[int]) -> torch.Tensor:
     return torch.cat(rows)[: len(window) - 1]
 
 
-def _port_engine(checkpoint, backend, tp, dtype, buckets, kv_len):
+def _port_engine(checkpoint, backend: str, **port):
     from harness.backends import build_engine
 
     # capture=True: on a compiled backend the parity build, which returns every row's logits
-    return build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
-                        capture=backend != "cpu")
+    return build_engine(checkpoint, backend=backend, capture=backend != "cpu", **port)
 
 
 def _collect(engine, golden_dir, settings, progress) -> dict[str, list]:
-    parts = sum(1 for _ in range(settings.windows)) // settings.windows_per_part + settings.shards
-    say = status("quality port", progress, total=parts)
+    say = status("quality port", progress, total=settings.windows // settings.windows_per_part + settings.shards)
     cols: dict[str, list] = {}
     for part, g in read_golden_parts(golden_dir, settings):
         say(f"windows {part.start}-{part.stop - 1} of {settings.windows}")
@@ -70,19 +68,15 @@ def _collect(engine, golden_dir, settings, progress) -> dict[str, list]:
 
 
 def _worst(cols: dict, window: int, n: int) -> list[dict]:
-    kl = torch.cat(cols["kl"])
-    order = kl.argsort(descending=True)[:n]
-    tokens = cols["tokens"]
+    cat = {name: torch.cat(cols[name]) for name in ("kl", "window", "ref_top1_id", "port_top1_id", "bf16_kl", "dp")}
     out = []
-    for i in order.tolist():
-        w, p = divmod(i, window - 1)
-        seq = tokens[w].tolist()
-        out.append({"window": int(torch.cat(cols["window"])[i]), "position": p,
-                    "corpus_offset": int(torch.cat(cols["window"])[i]) * window + p,
+    for i in cat["kl"].argsort(descending=True)[:n].tolist():
+        k, p = divmod(i, window - 1)  # k: the k-th window judged; p: the position in it
+        seq, w = cols["tokens"][k].tolist(), int(cat["window"][i])
+        out.append({"window": w, "position": p, "corpus_offset": w * window + p,
                     "context": seq[max(0, p + 1 - CONTEXT):p + 1], "target": seq[p + 1],
-                    "reference_top1": int(torch.cat(cols["ref_top1_id"])[i]),
-                    "port_top1": int(torch.cat(cols["port_top1_id"])[i]), "kl": float(kl[i]),
-                    "bf16_kl": float(torch.cat(cols["bf16_kl"])[i]), "dp": float(torch.cat(cols["dp"])[i]),
+                    "reference_top1": int(cat["ref_top1_id"][i]), "port_top1": int(cat["port_top1_id"][i]),
+                    "kl": float(cat["kl"][i]), "bf16_kl": float(cat["bf16_kl"][i]), "dp": float(cat["dp"][i]),
                     "prompt": seq[:p + 1]})
     return out
 
@@ -92,7 +86,7 @@ def judge_corpus(checkpoint, golden_dir, settings, *, backend: str = "cpu", tp: 
                  factor: float = QUALITY_FACTOR, engine=None) -> dict:
     """The port over the golden's windows: its statistics and the bf16 reference's against fp32,
     the verdict, the worst positions (with the prompt that reproduces each) and the KL values."""
-    engine = engine or _port_engine(checkpoint, backend, tp, dtype, buckets, kv_len)
+    engine = engine or _port_engine(checkpoint, backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
     cols = _collect(engine, golden_dir, settings, progress)
     cat = {name: torch.cat(ts) for name, ts in cols.items() if name != "tokens"}
     ref_nll = -cat["target_logprob"].double()

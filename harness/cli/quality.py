@@ -101,7 +101,8 @@ def validate(args) -> None:
     check_window_fits(args.window, args.buckets, args.kv_len)
     args.corpus_ids = load_corpus(args.corpus, args.ckpt_dir, ckpt.spec)
     shards = args.shard_pair[1] if args.shard_pair else existing.get("shards", 1)
-    args.settings = golden_settings(ckpt, args.corpus_ids, args.window, args.topk, shards, args.windows_per_part)
+    args.settings = golden_settings(ckpt, args.corpus_ids, args.window, topk=args.topk, shards=shards,
+                                    windows_per_part=args.windows_per_part)
 
 
 def run(args) -> int:

@@ -73,7 +73,7 @@ def small_golden(tiny0_ckpt, tmp_path_factory):
     """256 ids, windows of 32: 8 windows, 248 positions, one part."""
     ids = corpus_ids(256)
     directory = tmp_path_factory.mktemp("quality") / "golden"
-    settings = quality.golden_settings(tiny0_ckpt, ids, SMALL_WINDOW, 32, 1, 8)
+    settings = quality.golden_settings(tiny0_ckpt, ids, SMALL_WINDOW, windows_per_part=8)
     quality.prepare_golden_dir(directory, settings)
     quality.write_shard(tiny0_ckpt, ids, directory, settings, 0)
     return directory, settings
@@ -116,7 +116,7 @@ TINY_ARGS = ["--window", "8", "--buckets", "8", "--kv-len", "16"]
 
 def test_interrupted_reference_pass_resumes_to_the_same_bytes(tiny0_ckpt, tmp_path, monkeypatch):
     ids = corpus_ids(2 * 8)
-    settings = quality.golden_settings(tiny0_ckpt, ids, 8, 32, 1, 1)  # one window per part
+    settings = quality.golden_settings(tiny0_ckpt, ids, 8, windows_per_part=1)  # one window per part
 
     def reference_pass(directory):
         quality.prepare_golden_dir(directory, settings)

@@ -22,7 +22,7 @@ FAULTS = ("rmsnorm-one-plus-weight", "missing-v-norm", "rope-interleaved-pairs")
 def golden(tiny0_ckpt, tmp_path_factory):
     ids = corpus_ids(20_480)
     directory = tmp_path_factory.mktemp("corpus") / "golden"
-    settings = quality.golden_settings(tiny0_ckpt, ids, 64, 32, 1, 32)
+    settings = quality.golden_settings(tiny0_ckpt, ids, 64, windows_per_part=32)
     quality.prepare_golden_dir(directory, settings)
     quality.write_shard(tiny0_ckpt, ids, directory, settings, 0)
     return directory, settings
