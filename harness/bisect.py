@@ -14,11 +14,10 @@ Two modes (extra graph outputs change what the compiler builds, so a device may 
 
 from __future__ import annotations
 
-import torch
-
 from harness.bisect_result import BisectResult, fp32_summary
 from harness.errors import HarnessInputError
 from harness.local import ReferenceLayers, final_norm_alone, first_nonfinite, intra_op_threads_for
+from harness.settings import RunSettings
 from harness.truncate import (PrefixBuild, PrefixCheckpoint, backend_prefix_build, bisect_truncate,  # noqa: F401
                               first_failing_prefix)
 
@@ -30,7 +29,7 @@ MODES = ("capture", "truncate")
 def bisect_capture(checkpoint, engine, refs: tuple, layer_backend=None, run: dict | None = None) -> BisectResult:
     """Capture mode: `check_port` on `engine` (any backend) against refs = (fp32, bf16) golden
     results, with the local verdicts run by `layer_backend` (a CPU backend; the engine's own on
-    cpu); run = check_port's keyword options (backend, tp, dtype, progress, fp32_engine). Every
+    cpu); run = check_port's keyword options (progress, fp32_engine). Every
     count and the first divergent layer are the check's."""
     from harness.parity import check_port
 
@@ -67,15 +66,14 @@ def _capture_result(spec, check, refs: tuple, final_norm: list) -> BisectResult:
 
 # ---- the library entry point ------------------------------------------------------------------------------------
 
-def run_bisect(checkpoint, golden, mode: str | None = None, *, backend: str = "cpu", tp: int = 2,
-               dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
+def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: str | None = None, *,
                build: PrefixBuild | None = None, progress: bool = False, fp32_stage: bool = False) -> BisectResult:
-    """Bisect `checkpoint` (run on `backend`) against a golden read for the checkpoint's spec. The
-    golden may come from other weights (yesterday's): only the architecture must match. Capture
+    """Bisect `checkpoint` (run as `settings` say) against a golden read for the checkpoint's spec.
+    The golden may come from other weights (yesterday's): only the architecture must match. Capture
     mode runs the check's stages (the fp32 one when `fp32_stage`)."""
     from harness.observe import build_port, layer_backend as cpu_layers
-    from harness.reference import dtype_name
 
+    backend, buckets = settings.backend, settings.buckets
     mode = mode or ("capture" if backend == "cpu" else "truncate")
     if mode not in MODES:
         raise HarnessInputError(f"unknown bisect mode {mode!r}; choose one of {MODES}")
@@ -85,24 +83,21 @@ def run_bisect(checkpoint, golden, mode: str | None = None, *, backend: str = "c
         raise HarnessInputError(f"the golden's longest prompt has {longest} tokens, more than the largest "
                                 f"bucket {max(buckets)}; pass --buckets with a bucket >= {longest}")
     if mode == "truncate":
-        build = build or backend_prefix_build(checkpoint, backend, tp=tp, dtype=dtype, buckets=buckets,
-                                              kv_len=kv_len, progress=progress)
-        result = bisect_truncate(checkpoint.spec, ref32, ref16, build, backend=backend, tp=tp,
-                                 dtype=dtype_name(dtype), progress=progress)
+        build = build or backend_prefix_build(checkpoint, settings, progress=progress)
+        result = bisect_truncate(checkpoint.spec, ref32, ref16, build, settings=settings, progress=progress)
         if fp32_stage:
-            from harness.parity import PortRun, structural_stage
+            from harness.parity import structural_stage
 
-            port = PortRun(backend, tp, dtype_name(dtype), progress)
-            result.fp32_stage = fp32_summary(structural_stage(checkpoint, (ref32, ref16), port, (buckets, kv_len)))
+            result.fp32_stage = fp32_summary(structural_stage(checkpoint, (ref32, ref16), settings, progress))
         return result
-    engine = build_port(checkpoint, backend, tp, dtype, (tuple(buckets), kv_len))
-    layers = cpu_layers(checkpoint, engine, backend, (tp, dtype, kv_len))
-    run = {"backend": backend, "tp": tp, "dtype": dtype_name(dtype), "progress": progress,
-           "fp32_engine": "auto" if fp32_stage else None}
+    engine = build_port(checkpoint, settings)
+    layers = cpu_layers(checkpoint, engine)
+    run = {"progress": progress, "fp32_engine": "auto" if fp32_stage else None}
     return bisect_capture(checkpoint, engine, (ref32, ref16), layers, run)
 
 
-def bisect_golden(checkpoint, golden_path, mode: str | None = None, **options) -> tuple[BisectResult, dict]:
+def bisect_golden(checkpoint, golden_path, settings: RunSettings = RunSettings(), mode: str | None = None,
+                  **options) -> tuple[BisectResult, dict]:
     """What `gemma-parity bisect` does: read the golden for the checkpoint's spec (or take the
     Golden already read), bisect (options: run_bisect's; the fp32 stage runs unless
     fp32_stage=False), and return the result with its JSON payload (which says whether the golden
@@ -113,7 +108,7 @@ def bisect_golden(checkpoint, golden_path, mode: str | None = None, **options) -
                                                                              expected_spec=checkpoint.spec)
     same = bool(same_weights(golden, checkpoint))
     options.setdefault("fp32_stage", True)
-    result = run_bisect(checkpoint, golden, mode, **options)
+    result = run_bisect(checkpoint, golden, settings, mode, **options)
     payload = result.to_json()
     payload["golden"] = str(golden.path)
     payload["golden_from_same_weights"] = same

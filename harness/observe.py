@@ -20,40 +20,39 @@ from harness.local import intra_op_threads_for
 from harness.points import KV_PARTS, Point, kv_points, layer_points
 from harness.progress import status
 from harness.reference import ReferenceResult
+from harness.settings import RunSettings
 
 
 # ---- engines: the one place run settings reach a backend ---------------------------------------
 
-def build_port(checkpoint, backend: str, tp: int, dtype, shape: tuple):
-    """The parity build of the port (captures as extra outputs) on `backend`; shape = (buckets,
-    kv_len)."""
+def build_port(checkpoint, settings: RunSettings):
+    """The parity build of the port (captures as extra outputs), run as `settings` say."""
     from harness.backends import build_engine
 
-    buckets, kv_len = shape
-    return build_engine(checkpoint, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len,
-                        capture=True)
+    return build_engine(checkpoint, settings, capture=True)
 
 
-def host_backend(backend: str) -> str:
-    """Where the fp32 stage runs: on the backend itself when it runs on the host, else on cpu."""
-    return backend if backend in ("cpu", "xla") else "cpu"
+def fp32_settings(settings: RunSettings) -> RunSettings:
+    """Where the fp32 stage runs: on the backend itself when it runs on the host (cpu, xla), else
+    on cpu (without the device's options), in fp32, with the same TP degree, buckets and KV length."""
+    if settings.backend in ("cpu", "xla"):
+        return settings.but(dtype="float32")
+    return settings.but(backend="cpu", dtype="float32", backend_options={})
 
 
-def build_fp32_port(checkpoint, backend: str, tp: int, shape: tuple):
+def build_fp32_port(checkpoint, settings: RunSettings):
     """The port in fp32 for the structural stage, on the host backend."""
-    return port_call("fp32 stage: building the fp32 port",
-                     lambda: build_port(checkpoint, host_backend(backend), tp, torch.float32, shape))
+    return port_call("fp32 stage: building the fp32 port", lambda: build_port(checkpoint, fp32_settings(settings)))
 
 
-def layer_backend(checkpoint, engine, backend: str, port: tuple):
-    """A CPU backend whose rank modules run one layer alone (the engine's own on cpu); port =
-    (tp, dtype, kv_len)."""
-    if backend == "cpu":
+def layer_backend(checkpoint, engine):
+    """A backend whose rank modules run one layer alone: the engine's own when its ranks live on
+    this host, else a CPU backend of the engine's settings."""
+    if engine.backend.host_ranks:
         return engine.backend
-    from harness.backends.cpu import CpuBackend
+    from harness.backends import make_backend
 
-    tp, dtype, kv_len = port
-    return CpuBackend(checkpoint, tp=tp, dtype=dtype, max_len=kv_len)
+    return make_backend(checkpoint, engine.settings.but(backend="cpu", backend_options={}))
 
 
 # ---- the reference ------------------------------------------------------------------------------
@@ -147,7 +146,7 @@ class PortPrompt:
 
 def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
     n_new = len(r32.generated)
-    read = getattr(engine.backend, "read_cache", None)
+    read = engine.read_cache if engine.backend.reads_cache else None
     snaps = []
     observe = (lambda written: snaps.append((written, read(written)))) if read else None
     forced = port_call(f"{phase}: prefill and teacher-forced decode", engine.generate, r32.prompt, n_new,
@@ -198,7 +197,7 @@ def observe_stage(stage: str, engine, spec, refs: tuple, progress: bool = False)
     decode with captures, free greedy decode, host probabilities) next to refs = (fp32, bf16)."""
     ref32, ref16 = refs
     start = time.perf_counter()
-    obs = StageObservation(stage, [], ref32, ref16, reads_cache=hasattr(engine.backend, "read_cache"))
+    obs = StageObservation(stage, [], ref32, ref16, reads_cache=engine.backend.reads_cache)
     say = status(f"port {stage}", progress, total=len(ref32))
     with intra_op_threads_for(spec):
         for k, (r32, r16) in enumerate(zip(ref32, ref16)):

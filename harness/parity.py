@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 
 from harness.local import intra_op_threads_for, local_verdicts
 from harness.observe import (PortFailure, build_fp32_port, build_port, check_inputs_fit, load_reference_source,
                              load_references, observe_stage, port_call)
-from harness.reference import ReferenceResult, dtype_name
+from harness.reference import ReferenceResult
 from harness.results import CheckResult, LocalLayer
+from harness.settings import RunSettings
 from harness.stage import judge_stage, near_tie_calibration, structural_flips
 
 # A further check of a finished result (the served build, ...): called with the result and the
@@ -39,12 +39,17 @@ ExtraCheck = Callable[[CheckResult, object], None]
 
 @dataclass(frozen=True)
 class PortRun:
-    """How the port runs for one check: backend, TP degree, dtype (name) and progress."""
+    """What a check's results are labelled with (the run settings' backend, TP degree and dtype
+    name) and whether it shows progress."""
 
-    backend: str = "cpu"
-    tp: int = 2
-    dtype: str = "bfloat16"
+    backend: str
+    tp: int
+    dtype: str
     progress: bool = False
+
+    @classmethod
+    def of(cls, settings: RunSettings, progress: bool = False) -> "PortRun":
+        return cls(settings.backend, settings.tp, settings.dtype, progress)
 
     @property
     def label(self) -> tuple:
@@ -74,8 +79,7 @@ def _fp32_stage(checkpoint, engines: tuple, refs: tuple, calibration, run: PortR
     try:
         if fp32_engine == "auto":
             start = time.perf_counter()
-            fp32_engine = engine if run.dtype == "float32" else build_fp32_port(
-                checkpoint, run.backend, run.tp, (engine.buckets, engine.kv_len))
+            fp32_engine = engine if run.dtype == "float32" else build_fp32_port(checkpoint, engine.settings)
             built = round(time.perf_counter() - start, 2)
         else:
             built = 0.0
@@ -86,13 +90,14 @@ def _fp32_stage(checkpoint, engines: tuple, refs: tuple, calibration, run: PortR
         return _failed_stage(run, "fp32", failure)
 
 
-def structural_stage(checkpoint, refs: tuple, run: PortRun, shape: tuple) -> CheckResult:
+def structural_stage(checkpoint, refs: tuple, settings: RunSettings, progress: bool = False) -> CheckResult:
     """The fp32 stage alone (what truncate-mode bisect adds): the port in fp32 on the host backend
-    against the fp32 reference; shape = (buckets, kv_len)."""
-    buckets, kv_len = shape
-    check_inputs_fit(buckets, kv_len, [r.prompt for r in refs[0]], max((len(r.generated) for r in refs[0]), default=0))
+    against the fp32 reference."""
+    run = PortRun.of(settings, progress)
+    check_inputs_fit(settings.buckets, settings.kv_len, [r.prompt for r in refs[0]],
+                     max((len(r.generated) for r in refs[0]), default=0))
     try:
-        engine = build_fp32_port(checkpoint, run.backend, run.tp, (tuple(buckets), kv_len))
+        engine = build_fp32_port(checkpoint, settings)
     except PortFailure as failure:
         return _failed_stage(run, "fp32", failure)
     return _fp32_stage(checkpoint, (engine, engine), refs, near_tie_calibration(*refs), run)
@@ -112,16 +117,15 @@ def _local(result: CheckResult, checkpoint, layer_backend, refs: tuple, run: Por
 
 
 def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
-               backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16", local: bool | None = None,
-               progress: bool = False, fp32_engine="auto", layer_backend=None,
+               local: bool | None = None, progress: bool = False, fp32_engine="auto", layer_backend=None,
                extra_checks: tuple[ExtraCheck, ...] = ()) -> CheckResult:
     """Both stages: the fp32 structural stage (`fp32_engine`: "auto" builds it, None skips it),
     then the bf16 envelope stage on `engine` with flips the fp32 stage shows marked structural,
     plus (by default wherever the backend's ranks run on CPU; `layer_backend` runs them elsewhere)
     the local verdict of every layer, then `extra_checks`. An exception inside the port is a failed
-    result naming where it was raised."""
+    result naming where it was raised. The result is labelled with the engine's run settings."""
     with intra_op_threads_for(checkpoint.spec):  # the whole check: small models run faster on one thread
-        return _check_port(checkpoint, engine, (ref32, ref16), PortRun(backend, tp, dtype, progress),
+        return _check_port(checkpoint, engine, (ref32, ref16), PortRun.of(engine.settings, progress),
                            dict(local=local, fp32_engine=fp32_engine, layer_backend=layer_backend,
                                 extra_checks=extra_checks))
 
@@ -134,7 +138,7 @@ def _check_port(checkpoint, engine, refs: tuple, run: PortRun, options: dict) ->
     fp32 = None if fp32_engine is None else _fp32_stage(checkpoint, (engine, fp32_engine), refs, calibration, run)
     try:
         result = run_stage("bf16", engine, checkpoint, refs, (calibration, structural_flips(fp32), run))
-        layer_backend = layer_backend or (engine.backend if hasattr(engine.backend, "on_ranks") else None)
+        layer_backend = layer_backend or (engine.backend if engine.backend.host_ranks else None)
         if local is None:
             local = layer_backend is not None
         if local:
@@ -152,25 +156,24 @@ def _check_port(checkpoint, engine, refs: tuple, run: PortRun, options: dict) ->
     return result
 
 
-def run_parity_check(checkpoint, checkpoint_dir, golden=None, prompts=None, backend: str = "cpu", tp: int = 2,
-                     dtype: torch.dtype = torch.bfloat16, new_tokens: int = 8, buckets=(64, 256), kv_len: int = 256,
-                     progress: bool = False, fp32_stage: bool = True,
+def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=None, prompts=None,
+                     new_tokens: int = 8, progress: bool = False, fp32_stage: bool = True,
                      extra_checks: tuple[ExtraCheck, ...] = ()) -> CheckResult:
-    """What `gemma-parity check` does: the port on `backend` against the reference (recomputed
-    for `prompts`, or read from `golden`), judged in two stages."""
+    """What `gemma-parity check` does: the port run as `settings` say against the reference
+    (recomputed for `prompts`, or read from `golden`), judged in two stages."""
     start = time.perf_counter()
     source = load_reference_source(checkpoint, checkpoint_dir, golden, prompts)
     new = getattr(source, "new_tokens", new_tokens)
-    check_inputs_fit(tuple(buckets), kv_len, list(getattr(source, "prompts", source)), new)
+    check_inputs_fit(settings.buckets, settings.kv_len, list(getattr(source, "prompts", source)), new)
     # The backend before the reference: a missing SDK or a bad TP degree is reported before minutes
     # of reference work, and loading the shards checks every weight for NaN/Inf (Checkpoint.get)
     # before transformers (which does not) computes the reference.
-    engine = build_port(checkpoint, backend, tp, dtype, (tuple(buckets), kv_len))
+    engine = build_port(checkpoint, settings)
     built = time.perf_counter()
     ref32, ref16 = load_references(source, checkpoint, new_tokens, progress)
     referenced = time.perf_counter()
-    result = check_port(checkpoint, engine, ref32, ref16, backend=backend, tp=tp, dtype=dtype_name(dtype),
-                        progress=progress, fp32_engine="auto" if fp32_stage else None, extra_checks=extra_checks)
+    result = check_port(checkpoint, engine, ref32, ref16, progress=progress,
+                        fp32_engine="auto" if fp32_stage else None, extra_checks=extra_checks)
     result.run_seconds = {"build": round(built - start, 2), "reference": round(referenced - built, 2),
                           "total": round(time.perf_counter() - start, 2)}
     return result

@@ -33,14 +33,18 @@ class Status:
 
     def __call__(self, text: str, advance: int = 1) -> None:
         if self.lines:
-            print(f"[{self.label}] {text}", file=sys.stderr, flush=True)
+            print(self.line(text), file=sys.stderr, flush=True)
         if not self.enabled:
             return
         if self._bar is None:
             self._bar = tqdm(total=self.total, desc=f"[{self.label}]", file=sys.stderr, leave=False,
-                             dynamic_ncols=True, bar_format="{desc} {postfix} ({elapsed})")
+                             dynamic_ncols=True, bar_format="{desc} ({elapsed})")
         self._bar.update(advance)
-        self._bar.set_postfix_str(text)  # redrawn on every step: steps are layers and prompts, not ops
+        # The text goes into the description: tqdm prefixes a postfix with ", " ("[port] , prompt 1/5").
+        self._bar.set_description_str(self.line(text))  # redrawn on every step: layers and prompts, not ops
+
+    def line(self, text: str) -> str:
+        return f"[{self.label}] {text}"
 
     def close(self) -> None:
         if self._bar is not None:

@@ -34,15 +34,15 @@ def port_window_logits(engine, window: list[int]) -> torch.Tensor:
     first = min(len(window), max(engine.buckets))
     rows = [engine.prefill(window[:first]).logits]
     for pos in range(first, len(window) - 1):
-        rows.append(engine.decode_step(window[pos], pos)[None])
+        rows.append(engine.decode_step(window[pos], pos).logits[None])
     return torch.cat(rows)[: len(window) - 1]
 
 
-def _port_engine(checkpoint, backend: str, **port):
+def _port_engine(checkpoint, settings):
     from harness.backends import build_engine
 
     # capture=True: on a compiled backend the parity build, which returns every row's logits
-    return build_engine(checkpoint, backend=backend, capture=backend != "cpu", **port)
+    return build_engine(checkpoint, settings, capture=settings.backend != "cpu")
 
 
 def _collect(engine, golden_dir, settings, progress) -> dict[str, list]:
@@ -81,12 +81,14 @@ def _worst(cols: dict, window: int, n: int) -> list[dict]:
     return out
 
 
-def judge_corpus(checkpoint, golden_dir, settings, *, backend: str = "cpu", tp: int = 2,
-                 dtype: torch.dtype = torch.bfloat16, buckets=(64,), kv_len: int = 256, progress: bool = False,
+def judge_corpus(checkpoint, golden_dir, settings, run=None, *, progress: bool = False,
                  factor: float = QUALITY_FACTOR, engine=None) -> dict:
     """The port over the golden's windows: its statistics and the bf16 reference's against fp32,
     the verdict, the worst positions (with the prompt that reproduces each) and the KL values."""
-    engine = engine or _port_engine(checkpoint, backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
+    from harness.settings import RunSettings
+
+    run = run or RunSettings()
+    engine = engine or _port_engine(checkpoint, run)
     cols = _collect(engine, golden_dir, settings, progress)
     cat = {name: torch.cat(ts) for name, ts in cols.items() if name != "tokens"}
     ref_nll = -cat["target_logprob"].double()
@@ -94,7 +96,7 @@ def judge_corpus(checkpoint, golden_dir, settings, *, backend: str = "cpu", tp: 
     bf16 = summarize(cat["bf16_kl"], cat["bf16_dp"], cat["bf16_top1"].bool(), cat["bf16_nll"], ref_nll)
     judged = verdict(port, bf16, factor)
     size = golden_bytes(golden_dir)
-    return {"passed": judged["passed"], "backend": backend, "tp": tp, "dtype": str(dtype).replace("torch.", ""),
+    return {"passed": judged["passed"], "backend": run.backend, "tp": run.tp, "dtype": run.dtype,
             "settings": {k: v for k, v in settings.to_json().items() if k != "weights"},
             "golden": {"path": str(golden_dir), "bytes": size, "positions": port["positions"],
                        "bytes_per_position": size / max(port["positions"], 1)},

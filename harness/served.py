@@ -166,14 +166,16 @@ def judge_served(runs: list, ref32: list, ref16: list, parity_tokens: list | Non
     return prompts, point, labels
 
 
-def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None, *, backend: str = "cpu",
-                       tp: int = 2, dtype: torch.dtype = torch.bfloat16, buckets=(64, 256), kv_len: int = 256,
+def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None, *, settings=None,
                        progress: bool = False, skip: bool = False) -> ServedResult:
     """Build the perf build exactly as `bench` does, run free greedy decode on every reference
     prompt, judge it (judge_served). `parity_result`: the check's result (its bf16 stage's tokens
     and calibrated near-tie band); None judges against the reference alone."""
     from harness.perf.bench import perf_engine
+    from harness.settings import RunSettings
 
+    settings = settings or RunSettings()
+    backend = settings.backend
     if skip:
         return ServedResult(backend=backend, ran=False, notes=[SKIPPED_NOTE])
     calibration = getattr(parity_result, "calibration", None)
@@ -186,7 +188,7 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
     say = status(f"{backend} served build", progress, total=len(ref32) + 1)
     say("building the perf build as bench builds it")
     try:
-        engine = perf_engine(checkpoint, backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
+        engine = perf_engine(checkpoint, settings)
         runs = []
         for k, r in enumerate(ref32):
             say(f"prompt {k + 1}/{len(ref32)}: free greedy decode of {len(r.generated)} tokens")
@@ -196,7 +198,7 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
     finally:
         say.close()
     prompts, point, labels = judge_served(runs, ref32, ref16, parity_tokens, calibration.band,
-                                          ulp_floor=dtype != torch.float32)
+                                          ulp_floor=settings.torch_dtype != torch.float32)
     same_code = getattr(engine.backend, "name", backend) == "cpu"
     last_row = bool(getattr(engine.backend, "last_row_only", False))
     notes = [SAME_CODE_NOTE.format(backend=backend)] if same_code else []
@@ -208,18 +210,17 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
                         step_logits=point, row_labels=labels, notes=notes)
 
 
-def served_stage(*, backend: str = "cpu", tp: int = 2, dtype: torch.dtype = torch.bfloat16, buckets=(64, 256),
-                 kv_len: int = 256, progress: bool = False, skip: bool = False):
+def served_stage(settings, progress: bool = False, skip: bool = False):
     """The served-build stage as one of parity's extra checks: called with the finished result
     and the checkpoint, it judges the perf build on the references the check observed and adds
     itself to `result.extra_stages`."""
     def check(result, checkpoint) -> None:
         observed = result.observation or getattr(result.fp32, "observation", None)
         if observed is None and not skip:  # the port raised before any stage observed it: already failed
-            result.extra_stages.append(ServedResult(backend=backend, ran=False, notes=[
+            result.extra_stages.append(ServedResult(backend=settings.backend, ran=False, notes=[
                 "served build not judged: no stage of the check observed the port (it raised first)"]))
             return
         refs = (observed.ref32, observed.ref16) if observed is not None else ([], [])
-        result.extra_stages.append(check_served_build(checkpoint, *refs, result, backend=backend, tp=tp, dtype=dtype,
-                                                      buckets=buckets, kv_len=kv_len, progress=progress, skip=skip))
+        result.extra_stages.append(check_served_build(checkpoint, *refs, result, settings=settings,
+                                                      progress=progress, skip=skip))
     return check

@@ -14,7 +14,8 @@ from harness.errors import ConfigError, not_a_file, read_json_file
 SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-# The multimodal wrapper swaps these placeholder ids for the pad id before embedding (DESIGN §2.7).
+# The multimodal wrapper swaps these placeholder ids for the pad id before embedding
+# (docs/design.md#the-model-facts-and-traps, trap 7).
 DEFAULT_PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "audio_token_id")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 

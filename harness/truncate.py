@@ -17,6 +17,7 @@ from harness.local import LayerVerdict, intra_op_threads_for
 from harness.model import rms_norm
 from harness.progress import status
 from harness.reference import ReferenceResult
+from harness.settings import RunSettings
 
 
 # build(k, part) -> a callable prompt -> [n, hidden] fp32 read-out of layer k-1's output ("layer")
@@ -85,8 +86,7 @@ class PrefixCheckpoint:
         return self.base.file_hashes()
 
 
-def backend_prefix_build(checkpoint, backend: str = "cpu", *, tp: int = 2, dtype: torch.dtype = torch.bfloat16,
-                         buckets=(64,), kv_len: int = 256, progress: bool = False) -> PrefixBuild:
+def backend_prefix_build(checkpoint, settings: RunSettings, progress: bool = False) -> PrefixBuild:
     """Builds through the normal backend path (build_engine): on a device each prefix is a real
     compile of the perf graph, cached by the backend under its spec (which differs per k); the
     attention-only build of the same k has the same spec, so it reuses that compile with other
@@ -96,10 +96,10 @@ def backend_prefix_build(checkpoint, backend: str = "cpu", *, tp: int = 2, dtype
     say = status("bisect", progress)
 
     def build(k: int, part: str):
-        say(f"build {backend}: first {k} layer(s), read-out of layer {k - 1}'s "
+        say(f"build {settings.backend}: first {k} layer(s), read-out of layer {k - 1}'s "
             f"{'attention residual' if part == 'attention' else 'output'}")
         view = PrefixCheckpoint(checkpoint, k, part)
-        engine = build_engine(view, backend=backend, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
+        engine = build_engine(view, settings)  # a perf build: the graph the device times
         hidden = checkpoint.spec.hidden_size
         return lambda prompt: engine.prefill(prompt).logits[:, :hidden]
 
@@ -112,7 +112,7 @@ def _readout(x: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult], build: PrefixBuild, *,
-                    backend: str = "cpu", tp: int = 2, dtype: str = "bfloat16", progress: bool = False,
+                    settings: RunSettings = RunSettings(), progress: bool = False,
                     name_component: bool = True) -> BisectResult:
     """Truncate mode: binary-search the first failing prefix of the port, judging each prefix's
     read-out against the golden's (cumulative) output at its last layer. Each (k, part) is built
@@ -149,7 +149,8 @@ def bisect_truncate(spec, ref32: list[ReferenceResult], ref16: list[ReferenceRes
     notes = ["truncate mode: each build's read-out is the RMS-normalized last hidden state (no extra graph "
              "outputs); errors are cumulative, so the first failing prefix is where the error first breaks "
              "the policy; a fault that only rescales whole positions shows one layer later"]
-    return BisectResult(mode="truncate", backend=backend, tp=tp, dtype=dtype, num_layers=spec.num_layers,
+    return BisectResult(mode="truncate", backend=settings.backend, tp=settings.tp, dtype=settings.dtype,
+                        num_layers=spec.num_layers,
                         layers=verdicts, builds=len(builds), nonfinite=nonfinite, first_failing_prefix=first,
                         notes=notes,
                         prompt_lengths=[len(r.prompt) for r in ref32])

@@ -1,6 +1,6 @@
 """The `gemma-parity` command: info, reference, check, bisect, bench, perf compare, graphs and quality.
 
-The top layer (DESIGN §4): argument parsing, printing and exit codes. Each command module adds its
+The top layer (docs/design.md#import-layers): argument parsing, printing and exit codes. Each command module adds its
 subparser with a `validate` (the one validation pass, before any model work) and a `run` (one
 library call); nothing in `harness` below this package imports it.
 

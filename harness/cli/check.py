@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness.atomic import write_json_atomic
 from harness.cli import validate as v
-from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, with_generator
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 from harness.errors import OptionError
 from harness.prompts import DEFAULT_NEW_TOKENS
 
@@ -42,6 +42,7 @@ def validate(args) -> None:
         args.new_tokens = DEFAULT_NEW_TOKENS
     v._int_option(args, "new_tokens", 0)
     v._port_options(args)
+    args.settings = run_settings(args)
     inputs = v.model_inputs(args)
     inputs.update({flag: v.input_path(val, flag, want_dir)
                    for flag, val, want_dir in (("--golden", args.golden, True), ("--prompts", args.prompts, False))
@@ -57,25 +58,21 @@ def validate(args) -> None:
         validate_prompt_ids(ckpt.spec, prompts, args.prompts)
         new_tokens, source = args.new_tokens, args.prompts
         args.reference_source, args.prompt_ids = None, prompts
-    validate_prompt_fit(prompts, new_tokens, source, args.buckets, args.kv_len, ckpt.spec.max_positions)
+    validate_prompt_fit(prompts, new_tokens, source, buckets=args.settings.buckets, kv_len=args.settings.kv_len,
+                        max_positions=ckpt.spec.max_positions)
 
 
 def run(args) -> int:
     from harness.parity import run_parity_check
-    from harness.reference import torch_dtype
     from harness.report import format_check, write_report
     from harness.served import served_stage
 
     ckpt = args.ckpt
     print(ckpt.describe())
-    result = run_parity_check(ckpt, args.ckpt_dir, golden=args.reference_source, prompts=args.prompt_ids,
-                              backend=args.backend,
-                              tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
-                              buckets=args.buckets, kv_len=args.kv_len, progress=True,
+    result = run_parity_check(ckpt, args.ckpt_dir, args.settings, golden=args.reference_source,
+                              prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
                               fp32_stage=not args.skip_fp32_stage,
-                              extra_checks=(served_stage(backend=args.backend, tp=args.tp, dtype=torch_dtype(args.dtype),
-                                                         buckets=args.buckets, kv_len=args.kv_len, progress=True,
-                                                         skip=args.skip_served_build),))
+                              extra_checks=(served_stage(args.settings, progress=True, skip=args.skip_served_build),))
     payload = with_generator(result.to_json(), "check")
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.

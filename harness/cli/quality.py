@@ -8,7 +8,7 @@ from pathlib import Path
 
 from harness.atomic import write_json_atomic
 from harness.cli import validate as v
-from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, with_generator
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 from harness.errors import GoldenError, OptionError, OutputError
 
 
@@ -83,6 +83,7 @@ def validate(args) -> None:
     from harness.quality_stats import DEFAULT_TOPK
 
     v._port_options(args)
+    args.settings = run_settings(args)
     args.shard_pair = _shard(args.shard)
     existing = _existing_settings(Path(args.golden))
     for name, default in (("window", DEFAULT_WINDOW), ("topk", DEFAULT_TOPK), ("windows_per_part", DEFAULT_WINDOWS_PER_PART)):
@@ -101,7 +102,7 @@ def validate(args) -> None:
     check_window_fits(args.window, args.buckets, args.kv_len)
     args.corpus_ids = load_corpus(args.corpus, args.ckpt_dir, ckpt.spec)
     shards = args.shard_pair[1] if args.shard_pair else existing.get("shards", 1)
-    args.settings = golden_settings(ckpt, args.corpus_ids, args.window, topk=args.topk, shards=shards,
+    args.golden_settings = golden_settings(ckpt, args.corpus_ids, args.window, topk=args.topk, shards=shards,
                                     windows_per_part=args.windows_per_part)
 
 
@@ -109,9 +110,8 @@ def run(args) -> int:
     from harness.quality import golden_bytes, missing_shards, prepare_golden_dir, write_shard
     from harness.quality_judge import judge_corpus
     from harness.quality_report import format_quality, write_quality_report
-    from harness.reference import torch_dtype
 
-    ckpt, settings = args.ckpt, args.settings
+    ckpt, settings = args.ckpt, args.golden_settings
     print(ckpt.describe())
     prepare_golden_dir(args.golden, settings)
     todo = [args.shard_pair[0]] if args.shard_pair else missing_shards(args.golden, settings)
@@ -124,8 +124,7 @@ def run(args) -> int:
         print(f"reference pass done; shards still missing: {left or 'none'}"
               + ("" if left else f"; judge with `gemma-parity quality --golden {args.golden} ...`"))
         return EXIT_OK
-    payload = judge_corpus(ckpt, args.golden, settings, backend=args.backend, tp=args.tp,
-                           dtype=torch_dtype(args.dtype), buckets=args.buckets, kv_len=args.kv_len, progress=True)
+    payload = judge_corpus(ckpt, args.golden, settings, args.settings, progress=True)
     kl_values = payload.pop("kl_values")
     payload = with_generator(payload, "quality")
     if args.json is not None:  # the files first: a verdict is printed only once they are written

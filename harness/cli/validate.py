@@ -1,9 +1,9 @@
 """The one validation pass every command runs before any model work.
 
-`prepare(args)` checks every option and input of the command in a fixed order, cheapest first:
-numbers and flag conflicts; output locations (the right kind, writable, not an input, nothing of
-the user's replaced); then the checkpoint (opened, which builds the tiny model on first use) and
-everything judged against its spec: prompt ids, bucket and KV-length fit, a golden's integrity and
+Each command's `validate(args)` checks every option and input with these, in a fixed order,
+cheapest first: numbers and flag conflicts (and the run settings built from them); output
+locations (the right kind, writable, not an input, nothing of the user's replaced); then the
+checkpoint (opened, which builds the tiny model on first use) and everything judged against its spec: prompt ids, bucket and KV-length fit, a golden's integrity and
 provenance. A refusal is a HarnessInputError (exit 2) naming the option, path or key and the fix.
 What it opens is left on `args` for the command (`args.ckpt`, `args.prompt_ids`, ...), so nothing
 is validated twice and nothing expensive starts before every check has passed.
@@ -65,7 +65,7 @@ def _dtype(args, allowed) -> None:
 
 def _port_options(args) -> None:
     """--tp, --kv-len, --buckets, --dtype, --seed of check and bisect."""
-    from harness.reference import DTYPES
+    from harness.settings import DTYPES
 
     _int_option(args, "tp", 1)
     _int_option(args, "kv_len", 1)

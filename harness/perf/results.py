@@ -14,10 +14,10 @@ from pathlib import Path
 
 from harness.atomic import write_json_atomic, write_text_atomic
 from harness.errors import HarnessInputError, read_json_file
+from harness.settings import short_dtype_name
 
 FORMAT = 1
 BASELINE_FILE = "baseline.json"
-DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
 # Timings are only comparable when these agree (--allow-mismatch overrides).
 COMPARABLE_FIELDS = ("machine.cpu_model", "machine.neuron_cores", "spec_hash", "backend", "tp",
                      "dtype", "prefill_bucket")
@@ -25,10 +25,8 @@ REQUIRED_KEYS = ("machine", "spec_hash", "backend", "tp", "dtype", "created", "p
 
 
 def dtype_name(dtype) -> str:
-    name = str(dtype).replace("torch.", "")
-    if name not in DTYPE_NAMES:
-        raise HarnessInputError(f"unknown dtype {dtype!r}; use bf16 or fp32")
-    return DTYPE_NAMES[name]
+    """"bf16" or "fp32", the name a bench result records, from any name of the vocabulary."""
+    return short_dtype_name(dtype)
 
 
 def metric_samples(result: dict) -> dict[str, list[float]]:

@@ -22,7 +22,7 @@ import torch
 import harness.atomic
 import harness.checkpoint
 from harness.atomic import TEMP_MARK, atomic_directory, clean_stale_temps, temp_prefix
-from tests.inputs.scenarios import (FAST_S, TEXT, WEIGHTS, cli_env, copy_checkpoint, rewrite_weights,
+from tests.inputs.scenarios import (REPO, TEXT, WEIGHTS, cli_env, copy_checkpoint, rewrite_weights,
                                     run_inprocess, small_golden, snapshot, split_weights)
 
 
@@ -158,7 +158,7 @@ def test_interrupt_exits_with_one_line_and_leaves_no_temp(tmp_path, tiny0_dir, s
         assert line, f"the command ended before the reference started: {seen}"
         seen += line
     proc.send_signal(sig)
-    rest = proc.communicate(timeout=120)[1]
+    rest = proc.communicate(timeout=900)[1]
     assert proc.returncode == code, seen + rest
     tail = [line for line in rest.splitlines() if line.startswith("gemma-parity")]
     assert len(tail) == 1 and ("interrupted" in tail[0] or "terminated" in tail[0]), rest
@@ -344,16 +344,18 @@ def test_a_result_this_tool_wrote_is_replaced(tmp_path, capsys):
 
 def test_refusals_need_no_model_work_even_for_a_huge_decode(tmp_path, tiny0_dir):
     """The issue's slowest case, end to end in a fresh process: --new-tokens 1000000 used to decode
-    for many minutes before being refused; now the refusal is immediate and names the fix."""
+    for many minutes before being refused; now the refusal comes before any model work (counted in
+    the child by tests/model_work.py: no weight read, no model loaded, no forward) and names the fix."""
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([list(range(3, 63))]))
+    log = tmp_path.parent / f"{tmp_path.name}-work.log"
     before = snapshot(tmp_path)
-    from tests.inputs.scenarios import run_subprocess
-
-    outcome = run_subprocess(["check", "--checkpoint", tiny0_dir, "--prompts", prompts, "--new-tokens", 1000000,
-                              "--json", tmp_path / "c.json"])
-    assert outcome.code == 2 and "--kv-len" in outcome.err and str(prompts) in outcome.err
-    assert outcome.seconds < FAST_S
+    proc = subprocess.run([sys.executable, "-m", "tests.model_work", str(log), "check", "--checkpoint",
+                           str(tiny0_dir), "--prompts", str(prompts), "--new-tokens", "1000000", "--json",
+                           str(tmp_path / "c.json")], capture_output=True, text=True, timeout=600,
+                          env=cli_env(), cwd=REPO)
+    assert proc.returncode == 2 and "--kv-len" in proc.stderr and str(prompts) in proc.stderr, proc.stderr
+    assert log.read_text() == "", f"refused only after model work: {log.read_text()}"
     assert snapshot(tmp_path) == before
 
 

@@ -50,10 +50,10 @@ def cpu_perf_engine_off_by_one(monkeypatch) -> None:
         forward = engine.backend.forward
 
         def shifted(inputs_embeds, positions, capture=False, **kw):
-            out = forward(inputs_embeds, positions, capture=capture, **kw)
+            logits, captures = forward(inputs_embeds, positions, capture=capture, **kw)
             if capture or inputs_embeds.shape[1] == 1:
-                return out
-            return torch.cat([out[:, :1], out[:, :-1]], dim=1)
+                return logits, captures
+            return torch.cat([logits[:, :1], logits[:, :-1]], dim=1), captures
 
         engine.backend.forward = shifted
         return engine

@@ -125,7 +125,7 @@ def test_healthy_port_sits_near_envelope(port_check):
 
 
 def test_logit_margins_show_clear_top1(tiny_reference):
-    """Fixture sanity (DESIGN §6): the tiny model's reference top-1 margins sit mostly well above
+    """Fixture sanity (docs/design.md#tolerance-policy): the tiny model's reference top-1 margins sit mostly well above
     bf16 noise, so agreement tests measure the port, not coin flips. Prints the distribution."""
     import torch
 

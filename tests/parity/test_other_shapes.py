@@ -37,10 +37,11 @@ def test_healthy_port_of_another_shape_passes(other_shape):
     """Both stages pass, every probability within the judge with room (a healthy host sits near 1)."""
     from harness.backends import build_engine
     from harness.parity import check_port
+    from harness.settings import RunSettings
 
     ckpt, refs = other_shape
     assert ckpt.spec.hidden_size == 96
-    engine = build_engine(ckpt, tp=2, dtype=torch.bfloat16, buckets=(64,), kv_len=80, capture=True)
+    engine = build_engine(ckpt, RunSettings(buckets=(64,), kv_len=80), capture=True)
     result = check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
     assert result.passed, (result.fp32.failures()[:3], result.failures()[:3])
     assert all(p.ratio < 2.0 for p in result.probabilities), [p.explain() for p in result.probabilities]

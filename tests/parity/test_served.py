@@ -11,14 +11,16 @@ import torch
 
 from harness.reference import ReferenceResult
 from harness.served import SKIPPED_NOTE, check_served_build, judge_served
+from harness.settings import RunSettings
 from tests.parity import served_faults
 
+CPU = RunSettings(backend="cpu", buckets=(64, 256), kv_len=256)
 SHORT_PROMPTS = [[2, 17, 93, 41, 250, 8, 77], [2] + list(range(30, 53))]  # two default-sized prompts
 
 
 def test_cpu_served_build_runs_says_it_is_the_same_code_and_passes(tiny0_ckpt, tiny0_reference):
     ref32, ref16 = tiny0_reference["float32"], tiny0_reference["bfloat16"]
-    result = check_served_build(tiny0_ckpt, ref32, ref16, None, backend="cpu", buckets=(64, 256), kv_len=256)
+    result = check_served_build(tiny0_ckpt, ref32, ref16, None, settings=CPU)
     assert result.ran and result.same_code and not result.last_row_only
     assert "same code as the parity build" in result.describe()
     assert result.passed, result.failures()
@@ -34,7 +36,7 @@ def test_cpu_perf_only_fault_fails_naming_the_served_build(tiny0_ckpt, tiny0_ref
     ref32, ref16 = tiny0_reference["float32"], tiny0_reference["bfloat16"]
     parity_tokens = type("P", (), {"prompts": [type("O", (), {"device_tokens": r.generated})() for r in ref32],
                                    "calibration": None})()
-    result = check_served_build(tiny0_ckpt, ref32, ref16, parity_tokens, backend="cpu", buckets=(64, 256), kv_len=256)
+    result = check_served_build(tiny0_ckpt, ref32, ref16, parity_tokens, settings=CPU)
     assert not result.passed
     failures = result.failures()
     assert {f["stage"] for f in failures} == {"served"}
@@ -120,10 +122,14 @@ def test_nonfinite_served_logits_fail(tiny0_ckpt, tiny0_reference, monkeypatch):
     def nan_engine(*args, **kwargs):
         engine = original(*args, **kwargs)
         forward = engine.backend.forward
-        engine.backend.forward = lambda *a, **kw: forward(*a, **kw) * math.nan
+        def nan_forward(*a, **kw):
+            logits, captures = forward(*a, **kw)
+            return logits * math.nan, captures
+
+        engine.backend.forward = nan_forward
         return engine
 
     monkeypatch.setattr(bench, "perf_engine", nan_engine)
     ref32, ref16 = tiny0_reference["float32"][:1], tiny0_reference["bfloat16"][:1]
-    result = check_served_build(tiny0_ckpt, ref32, ref16, None, backend="cpu", buckets=(64, 256), kv_len=256)
+    result = check_served_build(tiny0_ckpt, ref32, ref16, None, settings=CPU)
     assert not result.passed and not result.step_logits.finite

@@ -13,6 +13,7 @@ import torch
 from harness import FIXTURES_DIR, quality
 from harness.cli import main
 from harness.quality_judge import judge_corpus
+from harness.settings import RunSettings
 from harness.quality_stats import FLOORS, position_metrics, reference_stats, verdict
 
 SMALL_WINDOW = 32
@@ -83,13 +84,13 @@ def test_the_healthy_port_passes_and_a_catalog_fault_fails(tiny0_ckpt, small_gol
     from tests.faults.catalog import BY_NAME
 
     directory, settings = small_golden
-    healthy = judge_corpus(tiny0_ckpt, directory, settings, buckets=(SMALL_WINDOW,), kv_len=64)
+    healthy = judge_corpus(tiny0_ckpt, directory, settings, RunSettings(buckets=(SMALL_WINDOW,), kv_len=64))
     assert healthy["passed"], [c for c in healthy["verdict"]["checks"] if c["passed"] is False]
     assert healthy["golden"]["positions"] == 8 * (SMALL_WINDOW - 1)
     # the bf16 reference is not exact against fp32, so the comparison is not against zero
     assert healthy["bf16_reference"]["kl"]["mean"] > 0 and healthy["port"]["kl"]["mean"] > 0
     BY_NAME["rmsnorm-one-plus-weight"].inject(monkeypatch)
-    faulty = judge_corpus(tiny0_ckpt, directory, settings, buckets=(SMALL_WINDOW,), kv_len=64)
+    faulty = judge_corpus(tiny0_ckpt, directory, settings, RunSettings(buckets=(SMALL_WINDOW,), kv_len=64))
     assert not faulty["passed"]
     kl_mean = next(c for c in faulty["verdict"]["checks"] if (c["metric"], c["statistic"]) == ("kl", "mean"))
     assert kl_mean["ratio"] > 10 and faulty["port"]["top1_agreement"] < healthy["port"]["top1_agreement"]
@@ -107,7 +108,7 @@ def test_windows_beyond_the_largest_bucket_run_as_decode_steps(tiny0_ckpt, small
     """A bucket of 16 and windows of 32: the second half of each window is teacher-forced decode
     on the KV cache; it is judged the same (and passes on the healthy port)."""
     directory, settings = small_golden
-    chunked = judge_corpus(tiny0_ckpt, directory, settings, buckets=(16,), kv_len=64)
+    chunked = judge_corpus(tiny0_ckpt, directory, settings, RunSettings(buckets=(16,), kv_len=64))
     assert chunked["passed"] and chunked["golden"]["positions"] == 8 * (SMALL_WINDOW - 1)
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from harness import quality
 from harness.quality_judge import judge_corpus
+from harness.settings import RunSettings
 from tests.faults.catalog import BY_NAME
 from tests.quality.test_quality import corpus_ids
 
@@ -29,7 +30,7 @@ def golden(tiny0_ckpt, tmp_path_factory):
 
 
 def _judge(ckpt, golden):
-    return judge_corpus(ckpt, *golden, buckets=(64,), kv_len=256)
+    return judge_corpus(ckpt, *golden, RunSettings(buckets=(64,), kv_len=256))
 
 
 def test_healthy_port_passes_over_20k_positions_and_the_golden_is_compact(tiny0_ckpt, golden):

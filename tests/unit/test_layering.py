@@ -1,4 +1,4 @@
-"""The package's imports flow one way (DESIGN §4): from the model facts at the bottom to the
+"""The package's imports flow one way (docs/design.md#import-layers): from the model facts at the bottom to the
 commands at the top. Every import of a harness module, at module level or inside a function, is an
 edge; an edge may only point to a lower or the same layer, the same-layer edges form no cycle, and
 nothing below the command layer imports it."""
@@ -20,7 +20,7 @@ LAYERS = {
     "harness": 0,
     # 1: facts and plumbing every layer may use
     "harness.errors": 1, "harness.spec": 1, "harness.numerics": 1, "harness.atomic": 1, "harness.progress": 1,
-    "harness.hlo": 1, "harness.points": 1,
+    "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.sharding": 2, "harness.prompts": 2,
     # 3: the port
@@ -125,7 +125,7 @@ def test_imports_flow_one_way():
 
 
 def test_only_the_neuron_backend_imports_the_neuron_sdk():
-    """DESIGN §5: only backends/neuron.py knows Neuron exists."""
+    """Only backends/neuron.py knows Neuron exists (docs/design.md#backends)."""
     for path in PACKAGE.rglob("*.py"):
         names = set()
         for node in ast.walk(ast.parse(path.read_text())):

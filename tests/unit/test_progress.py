@@ -44,6 +44,16 @@ def test_a_status_line_on_a_terminal_and_nothing_when_disabled(monkeypatch):
     assert quiet.getvalue() == ""
 
 
+def test_status_line_has_no_stray_separator(monkeypatch):
+    """The terminal line reads "[port] prompt 0/4", not tqdm's postfix form "[port] , prompt 0/4"."""
+    terminal = FakeTerminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with status("port", total=2) as say:
+        say("prompt 0/1")
+    shown = terminal.getvalue()
+    assert "[port] prompt 0/1" in shown and "[port] ," not in shown
+
+
 def test_transformers_bars_are_silent_where_stderr_is_not_a_terminal(tmp_path, monkeypatch, capsys):
     """Loading a model through transformers (its "Loading weights" bar) and saving one (its
     "Writing model shards" bar) print nothing to a stderr that is not a terminal, even with

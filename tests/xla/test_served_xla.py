@@ -5,10 +5,10 @@ healthy port, and fails naming the served build when only the perf graph is wron
 from __future__ import annotations
 
 import pytest
-import torch
 
 from harness.reference import run_reference
 from harness.served import check_served_build
+from harness.settings import RunSettings
 from tests.parity import served_faults
 
 pytestmark = pytest.mark.xla
@@ -23,8 +23,8 @@ def refs(tiny0_dir):
 
 
 def _served(ckpt, refs):
-    return check_served_build(ckpt, *refs, None, backend="xla", tp=2, dtype=torch.bfloat16, buckets=BUCKETS,
-                              kv_len=KV_LEN)
+    return check_served_build(ckpt, *refs, None, settings=RunSettings(backend="xla", tp=2, dtype="bfloat16",
+                                                                      buckets=BUCKETS, kv_len=KV_LEN))
 
 
 def test_healthy_perf_graphs_pass_and_are_a_separate_build(tiny0_ckpt, refs):
