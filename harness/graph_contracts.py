@@ -79,8 +79,9 @@ def expectation_for(spec, tp: int, max_len: int, length: int, dtype: torch.dtype
     for layer, plan in zip(spec.layers, plan_model(spec, tp)):
         for buf in ("k", "v"):
             kv[f"layers.{layer.index}.self_attn.cache.{buf}"] = (1, plan.kv_heads_per_rank, max_len, layer.head_dim)
-    return Expectation(length, max_len, spec.hidden_size, spec.num_layers, HLO_DTYPES[dtype],
-                       frozenset({spec.vocab_size, spec.vocab_size // tp}), plan_weight_shapes(spec, tp, rank), kv)
+    return Expectation(length, max_len, spec.hidden_size, spec.num_layers, dtype=HLO_DTYPES[dtype],
+                       vocab_sizes=frozenset({spec.vocab_size, spec.vocab_size // tp}),
+                       weight_shapes=plan_weight_shapes(spec, tp, rank), kv_shapes=kv)
 
 
 def _target(inst: Instruction) -> str:

@@ -147,7 +147,7 @@ def with_efficiency(rows: list[dict], measured_ms: dict[str, float]) -> list[dic
 def roofline_block(spec: ModelSpec, tp: int, dtype: str, buckets, kv_len: int, rates: Rates,
              measured_ms: dict[str, float] | None = None) -> dict:
     """The roofline block of a bench result (and of `info --perf`)."""
-    rows = graph_floors(spec, tp, dtype, buckets, kv_len, rates)
+    rows = graph_floors(spec, tp, dtype, buckets, kv_len, rates=rates)
     return {"rates": rates.to_dict(), "tp": tp, "dtype": dtype,
             "graphs": with_efficiency(rows, measured_ms or {})}
 
@@ -156,6 +156,6 @@ def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = DEF
                 buckets=(PUBLISHED_BUCKET,), instance: str = DEFAULT_INSTANCE) -> dict:
     """`gemma-parity info --perf`: the published instance's floors, nothing run or measured, beside
     the published port's prefill (docs/design.md#performance-facts: about 101 ms at bucket 64)."""
-    out = roofline_block(spec, tp, dtype, buckets, kv_len, instance_rates(instance, tp, dtype))
+    out = roofline_block(spec, tp, dtype, buckets, kv_len, rates=instance_rates(instance, tp, dtype))
     out["published_ms"] = {f"prefill[{PUBLISHED_PREFILL_BUCKET}]": PUBLISHED_PREFILL_MS}
     return out
