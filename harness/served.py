@@ -135,14 +135,16 @@ def _departure(r32, tokens: list[int], step_logits: torch.Tensor, band: float, u
         return None
     dev = tokens[s]
     if dev != int(step_logits[s].argmax()):
-        return TokenVerdict(s, r32.generated[s], dev, math.nan, math.nan, "unexplained",
-                            f"the served build chose {dev} at step {s} but the argmax of its logits is "
-                            f"{int(step_logits[s].argmax())}")
+        evidence = (f"the served build chose {dev} at step {s} but the argmax of its logits is "
+                    f"{int(step_logits[s].argmax())}")
+        return TokenVerdict(position=s, reference_token=r32.generated[s], device_token=dev, margin=math.nan,
+                            threshold=math.nan, kind="unexplained", evidence=evidence)
     capped = r32.captures.get("step_capped_logits")
     if capped is not None and saturation_tie(capped[s], dev):
-        return TokenVerdict(s, r32.generated[s], dev, 0.0, 0.0, "saturation_tie",
-                            "the served build's raw argmax is among the reference's capped maxima (softcap saturates)")
-    return classify_mismatch(s, r32.step_logits[s], dev, band, r32.generated[s], False, ulp_floor)
+        evidence = "the served build's raw argmax is among the reference's capped maxima (softcap saturates)"
+        return TokenVerdict(position=s, reference_token=r32.generated[s], device_token=dev, margin=0.0,
+                            threshold=0.0, kind="saturation_tie", evidence=evidence)
+    return classify_mismatch(s, r32.step_logits[s], dev, band=band, ref_token=r32.generated[s], ulp_floor=ulp_floor)
 
 
 def judge_served(runs: list, ref32: list, ref16: list, parity_tokens: list | None, band: float,
