@@ -13,6 +13,8 @@ from harness.backends import neuron
 from tests.nxd_double import installed
 from tests.parity import served_faults
 
+pytestmark = pytest.mark.slow  # `check` through the NxD double: the slow lane, as in test_neuron_double
+
 PROMPTS = [[2, 17, 93, 41, 250, 8, 77], [2] + list(range(30, 53))]
 
 
