@@ -112,13 +112,25 @@ def _check_bench_options(runs, warmup, buckets, new_tokens, kv_len) -> None:
                                 f"{kv_len}; use fewer --new-tokens or a smaller bucket")
 
 
+def perf_engine(checkpoint, settings: RunSettings):
+    """The perf build `bench` times and serving runs: no capture outputs (on a compiled backend its
+    prefill graphs return only the last real row). `check` judges this same build
+    (harness/served.py), so what is timed is what is judged."""
+    from harness.backends import build_engine
+
+    if settings.backend == "neuron":
+        # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
+        # cache out of the timed prefill, as a serving loop would.
+        settings = settings.but(backend_options={"zero_on_reset": False, **settings.backend_options})
+    return build_engine(checkpoint, settings)
+
+
 def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DEFAULT_RUNS,
               warmup: int = DEFAULT_WARMUP, new_tokens: int = DEFAULT_NEW_TOKENS, progress: bool = True,
               lengths=()) -> dict:
     """Time `runs` prefills per bucket and `runs` x `new_tokens` decode steps after `warmup`
     discarded runs, on a perf build made as `settings` say. Each decode_ms_per_token sample is one
     run's mean ms per token. `lengths` adds TTFT and TPOT at those prompt lengths (length.py)."""
-    from harness.backends import build_engine
 
     backend, tp, buckets, kv_len = settings.backend, settings.tp, settings.buckets, settings.kv_len
     _check_bench_options(runs, warmup, buckets, new_tokens, kv_len)
@@ -129,10 +141,7 @@ def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DE
          + ("; a first compile takes many minutes" if backend == "neuron" else ""))
     if backend == "neuron":
         bench_rates(backend, tp, dtype)  # an instance type without known rates fails here, before the build
-        # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
-        # cache out of the timed prefill, as a serving loop would.
-        settings = settings.but(backend_options={"zero_on_reset": False, **settings.backend_options})
-    engine = build_engine(checkpoint, settings)
+    engine = perf_engine(checkpoint, settings)
     engine.backend = _TimedBackend(engine.backend)
     headline = PUBLISHED_BUCKET if PUBLISHED_BUCKET in buckets else max(buckets)
     prompts = {b: bench_prompt(checkpoint.spec.vocab_size, b) for b in buckets}
