@@ -133,3 +133,28 @@ def test_nonfinite_served_logits_fail(tiny0_ckpt, tiny0_reference, monkeypatch):
     ref32, ref16 = tiny0_reference["float32"][:1], tiny0_reference["bfloat16"][:1]
     result = check_served_build(tiny0_ckpt, ref32, ref16, None, settings=CPU)
     assert not result.passed and not result.step_logits.finite
+
+
+def test_the_parity_build_is_released_before_an_extra_stage_builds_its_own(tiny0_ckpt, monkeypatch):
+    """A device holds one build at a time: two builds of the 12B do not fit one inf2 chip's HBM, so
+    `run_parity_check` drops its parity engine before the served build (an extra stage) is made."""
+    import gc
+    import weakref
+
+    from harness import parity
+
+    built = []
+    real_build = parity.build_port
+    monkeypatch.setattr(parity, "build_port", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
+    seen = []
+
+    def extra(result, checkpoint):
+        gc.collect()
+        seen.append(refs[0]() is None)
+
+    refs = []
+    monkeypatch.setattr(parity, "check_port", lambda ck, engine, *a, **k: refs.append(weakref.ref(engine))
+                        or built.clear() or parity.CheckResult.__new__(parity.CheckResult))
+    parity.run_parity_check(tiny0_ckpt, tiny0_ckpt.path, CPU, prompts=[[2, 17, 93]], new_tokens=1,
+                            fp32_stage=False, extra_checks=(extra,))
+    assert seen == [True], "the parity engine was still alive when the extra stage ran"
