@@ -52,7 +52,7 @@ class Engine:
     """Drives a backend: host embeddings, bucketed prefill, decode with the device KV cache."""
 
     def __init__(self, spec, backend, embed_weight: torch.Tensor, buckets=DEFAULT_BUCKETS,
-                 kv_len: int = DEFAULT_KV_LEN):
+                 kv_len: int = DEFAULT_KV_LEN, per_layer_table: torch.Tensor | None = None):
         if max(buckets) > kv_len:
             raise PromptError(f"bucket {max(buckets)} exceeds the KV length {kv_len}; "
                               "buckets must fit in the cache")
@@ -60,6 +60,10 @@ class Engine:
         self.embed_weight = embed_weight
         self.scale = embed_scale(spec.hidden_size, embed_weight.dtype)
         self.placeholders = torch.tensor(spec.placeholder_token_ids or [-1])
+        # E2B/E4B: the packed per-layer table, host-side like the word embeddings (vocabulary-sized)
+        self.per_layer_table = per_layer_table
+        if spec.per_layer_input_size and per_layer_table is None:
+            raise ValueError("this model has per-layer input embeddings: pass per_layer_table")
 
     # -- host embeddings ---------------------------------------------------------------------
     def validate_ids(self, ids) -> torch.Tensor:
@@ -78,7 +82,13 @@ class Engine:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[n] ids -> [1, n, hidden]; multimodal placeholder ids become pad, as the wrapper does."""
         ids = torch.where(torch.isin(ids, self.placeholders), self.spec.pad_token_id, ids)
-        return (self.embed_weight[ids] * self.scale)[None]
+        embeds = (self.embed_weight[ids] * self.scale)[None]
+        if self.per_layer_table is None:
+            return embeds
+        # Each token's row of the per-layer table, scaled by sqrt(per_layer_input) in the table's
+        # dtype (transformers' scaled embedding), appended: the device's input is [1, n, hidden + L*P].
+        rows = self.per_layer_table[ids] * embed_scale(self.spec.per_layer_input_size, self.per_layer_table.dtype)
+        return torch.cat([embeds, rows.to(embeds.dtype)[None]], dim=-1)
 
     # -- device steps ----------------------------------------------------------------------------
     def prefill(self, ids, capture: bool = False) -> PrefillResult:

@@ -52,12 +52,22 @@ class ReferenceResult:
 
 def load_reference_model(checkpoint_dir, dtype=torch.float32):
     """transformers' own class for the checkpoint, eager attention (as the port runs)."""
-    from transformers import AutoConfig, Gemma4UnifiedForCausalLM, Gemma4UnifiedForConditionalGeneration
+    import transformers
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(checkpoint_dir)
-    cls = Gemma4UnifiedForConditionalGeneration if config.model_type == "gemma4_unified" else Gemma4UnifiedForCausalLM
-    model = cls.from_pretrained(checkpoint_dir, dtype=torch_dtype(dtype), attn_implementation="eager")
+    name, kwargs = REFERENCE_CLASSES.get(config.model_type, REFERENCE_CLASSES["gemma4_unified_text"]), {}
+    if config.model_type in ("gemma4", "gemma4_text"):
+        kwargs["experts_implementation"] = "eager"  # the plain per-expert loop, not a fused kernel
+    model = getattr(transformers, name).from_pretrained(checkpoint_dir, dtype=torch_dtype(dtype),
+                                                        attn_implementation="eager", **kwargs)
     return model.eval()
+
+
+# transformers' own class for each model type: the unified 12B's, or modeling_gemma4's family.
+REFERENCE_CLASSES = {"gemma4_unified": "Gemma4UnifiedForConditionalGeneration",
+                     "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
+                     "gemma4": "Gemma4ForConditionalGeneration", "gemma4_text": "Gemma4ForCausalLM"}
 
 
 def text_model(model):

@@ -35,4 +35,5 @@ def build_engine(checkpoint, backend: str = "cpu", tp: int = 2, dtype: torch.dty
     """The host engine over a `backend` built for this checkpoint (per-rank weights, TP, buckets)."""
     be = make_backend(backend, checkpoint, tp=tp, dtype=dtype, max_len=kv_len, buckets=tuple(buckets),
                       **backend_kwargs)
-    return Engine(checkpoint.spec, be, checkpoint.embed_weight(dtype), buckets=buckets, kv_len=kv_len)
+    return Engine(checkpoint.spec, be, checkpoint.embed_weight(dtype), buckets=buckets, kv_len=kv_len,
+                  per_layer_table=checkpoint.per_layer_table(dtype))

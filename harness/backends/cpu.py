@@ -12,7 +12,8 @@ import threading
 
 import torch
 
-from harness.model import Collectives, RankDecoder, RankLinears
+from harness.model import Collectives, RankLinears
+from harness.model_blocks import rank_decoder
 from harness.sharding import merge_rank_caches, rank_state_dicts
 
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -61,7 +62,7 @@ class CpuBackend:
         states = rank_state_dicts(checkpoint, tp, dtype)
         self.ranks = []
         for rank in range(tp):
-            module = RankDecoder(self.spec, tp=tp, max_len=max_len, dtype=dtype,
+            module = rank_decoder(self.spec, tp=tp, max_len=max_len, dtype=dtype,
                                  linears=RankLinears(RankCollectives(self.group, rank)))
             module.load_state_dict(states[rank], strict=True)
             module.eval()
@@ -102,7 +103,8 @@ class CpuBackend:
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank: [1, kv_heads, max_len, d]."""
-        cache = self.ranks[rank].layers[layer].self_attn.cache
+        attn = self.ranks[rank].layers[layer].self_attn
+        cache = getattr(attn, "cache", None) or attn.source_cache  # a KV-shared layer: its source's
         return cache.k, cache.v
 
     def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
