@@ -35,6 +35,7 @@ def format_info(payload: dict) -> str:
                 "kv/rank", "groups", "kv"], rows),
         f"bytes per rank ({payload['dtype']}): {mem['total'] / gb:.2f} GB = weights {mem['weights'] / gb:.2f} GB "
         f"+ KV cache {mem['kv_cache'] / gb:.3f} GB; host-side embeddings {mem['host_embeddings'] / gb:.2f} GB",
+        *payload.get("notes", []),
     ])
 
 

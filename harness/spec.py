@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness.errors import ConfigError, read_json_file
+from harness.spec_family import MoESpec, family_fields, refuse_family_features, validate_family_keys
 
 SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text", "gemma4", "gemma4_text")
 # Model types whose text decoder is transformers' modeling_gemma4 (31B, E2B/E4B, 26B-A4B); the
@@ -53,15 +54,6 @@ class LayerSpec:
         if self.rope_type == "proportional":
             return int(self.partial_rotary_factor * self.head_dim // 2)
         return self.head_dim // 2
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """The 26B-A4B's mixture-of-experts block, beside the dense MLP of every layer."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int  # per expert
 
 
 @dataclass(frozen=True)
@@ -232,8 +224,6 @@ def _validate_text_config(text: dict, source: str, family: bool = False) -> None
     if text.get("use_bidirectional_attention") == "all":
         raise _unsupported(source, "use_bidirectional_attention", "all",
                            "the port is a causal decoder; only None or \"vision\" are supported")
-    from harness.spec_family import refuse_family_features, validate_family_keys
-
     (validate_family_keys if family else refuse_family_features)(text, source)
     if text.get("attention_bias"):
         raise _unsupported(source, "attention_bias", True, "the port's projections have no bias")
@@ -316,8 +306,6 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
     layers = [_layer_spec(tc, i, t, source) for i, t in enumerate(tc.layer_types)]
     extra: dict = {}
     if family:
-        from harness.spec_family import family_fields
-
         layers, extra = family_fields(tc, layers, source)
     eos = tc.eos_token_id
     eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

@@ -5,9 +5,18 @@ configuration_gemma4 (Gemma4TextConfig.kv_sharing_modes, Gemma4TextMLP, Gemma4Te
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from harness.errors import ConfigError
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The 26B-A4B's mixture-of-experts block, beside the dense MLP of every layer."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+
 
 PLE_KEYS = ("hidden_size_per_layer_input", "vocab_size_per_layer_input")
 MOE_KEYS = ("num_experts", "top_k_experts", "moe_intermediate_size")
@@ -92,8 +101,6 @@ def kv_sources(layer_types: list[str], shared: int, source: str) -> list[int | N
 
 def family_fields(tc, layers: list, source: str) -> tuple[list, dict]:
     """Layers with their KV source and MLP width, and the ModelSpec fields of PLE and MoE."""
-    from harness.spec import MoESpec
-
     sources = kv_sources(list(tc.layer_types), int(tc.num_kv_shared_layers or 0), source)
     wide = 2 * int(tc.intermediate_size) if tc.use_double_wide_mlp else None
     layers = [replace(layer, kv_source=src, intermediate_size=wide if src is not None else None)

@@ -39,6 +39,9 @@ def validate(args) -> None:
         args.spec = v.open_checkpoint(args).spec
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
+    from harness.instances import check_fits
+
+    args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len)
 
 
 def run(args) -> int:
@@ -47,7 +50,11 @@ def run(args) -> int:
 
     if args.ckpt is not None:
         print(args.ckpt.describe())
+    from harness.instances import plan_notes
+
     payload = plan_summary(args.spec, args.tp, args.dtype, args.kv_len)
+    payload["placement"] = args.placement
+    payload["notes"] = plan_notes(args.spec, args.placement)
     print(format_info(payload))
     if args.perf:
         from harness.perf import info_floors, render_roofline
