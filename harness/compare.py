@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from harness.numerics import bf16_ulp, softcap
+from harness.spec_family import layer_points_for, part_of_point
 
 # A point passes while its error is at most this multiple of the bf16 envelope. Where from: two
 # bf16 computations that differ only in summation order (TP=2 partial sums reduced in fp32 vs one
@@ -176,7 +177,7 @@ class LayerResult:
         point) or mlp (only the MLP residual or the scaled output)."""
         if self.passed:
             return None
-        return "attention" if not self.points[0].passed else "mlp"
+        return part_of_point(next(p.name for p in self.points if not p.passed))
 
     def to_json(self) -> dict:
         out = self.output
@@ -193,7 +194,7 @@ def stack_prompts(runs: list[dict], name: str) -> torch.Tensor:
 
 def compare_layers(spec, device: dict, ref: dict, envelope: dict) -> list[LayerResult]:
     return [LayerResult(layer.index, layer.type,
-                        [compare_point(n, device[n], ref[n], envelope[n]) for n in layer_points(layer.index)])
+                        [compare_point(n, device[n], ref[n], envelope[n]) for n in layer_points_for(spec, layer.index)])
             for layer in spec.layers]
 
 

@@ -33,6 +33,7 @@ from harness.errors import PromptError
 from harness.local import PortRun, local_verdicts
 from harness.progress import status
 from harness.reference import ReferenceResult
+from harness.spec_family import layer_points_for, part_of_point
 
 STAGES = ("fp32", "bf16")
 # fp32 stage: a token flip is a tie only when the reference's margin is within this fraction of the
@@ -115,8 +116,7 @@ class CheckResult:
         for p in self.all_points():
             parts = p.name.removeprefix("decode.").split(".")
             if not p.passed and parts[0] in ("layers", "kv"):
-                mlp = parts[0] == "layers" and parts[2] in ("mlp_residual", "output")
-                return int(parts[1]), "mlp" if mlp else "attention"
+                return int(parts[1]), part_of_point(p.name)
         return None
 
     def _divergent(self) -> tuple[int, str] | None:
@@ -363,15 +363,20 @@ def _prefill_points(points: _Points, spec, k: int, run: _PortPrompt, r32, r16) -
     dev = dict(pre.captures, logits=pre.logits)
     n = pre.logits.shape[0]
     labels = [f"prompt {k} position {p}" for p in range(n)]
-    names = ["embeddings"] + [n_ for layer in spec.layers for n_ in layer_points(layer.index)] + ["final_norm", "logits"]
+    names = (["embeddings"] + [n_ for layer in spec.layers for n_ in layer_points_for(spec, layer.index)]
+             + ["final_norm", "logits"])
     for name in names:
         points.add(name, dev[name], r32.captures[name], r16.captures[name], labels)
-    if run.kv and all(f"kv.{i}.k" in r32.captures for i in range(spec.num_layers)):
+    if run.kv and all(f"kv.{i}.k" in r32.captures for i, c in enumerate(run.kv[0][1]) if c is not None):
         written, cache = run.kv[0]
-        for i, (k_, v_) in enumerate(cache):
+        for i, (k_, v_) in _own_caches(cache):  # a KV-shared layer has none (its source's is judged)
             for side, t in (("k", k_), ("v", v_)):
                 name = f"kv.{i}.{side}"
                 points.add(name, _rows(t), r32.captures[name][:written], r16.captures[name][:written], labels)
+
+
+def _own_caches(cache: list) -> list:
+    return [(i, c) for i, c in enumerate(cache) if c is not None]
 
 
 def _decode_points(points: _Points, spec, k: int, run: _PortPrompt, r32, r16) -> None:
@@ -390,7 +395,7 @@ def _decode_points(points: _Points, spec, k: int, run: _PortPrompt, r32, r16) ->
             # written slot (a step that overwrote a prefill slot shows there)
             rows = range(0 if s == len(run.kv) - 1 else n, written)
             labels = [f"prompt {k} position {p} after decode step {s}" for p in rows]
-            for i, (k_, v_) in enumerate(cache):
+            for i, (k_, v_) in _own_caches(cache):
                 for side, t in (("k", k_), ("v", v_)):
                     ref_name = f"kv.{i}.{side}"
                     points.add(f"decode.{ref_name}", _rows(t)[rows.start:], r32.captures[ref_name][rows.start:written],
@@ -403,10 +408,10 @@ def _judge(stage: str):
     return compare_point
 
 
-def _layers(spec, judge, dev, ref, env, prefix: str = "") -> list[LayerResult]:
+def _layers(spec, judge, dev, ref, env, prefix: str = "", routing: bool = True) -> list[LayerResult]:
     out = []
     for layer in spec.layers:
-        names = [prefix + n for n in layer_points(layer.index)]
+        names = [prefix + n for n in layer_points_for(spec, layer.index, routing)]
         if all(n in dev for n in names):
             out.append(LayerResult(layer.index, layer.type, [judge(n, dev[n], ref[n], env[n]) for n in names]))
     return out
@@ -507,9 +512,10 @@ def run_stage(stage: str, engine, spec, ref32: list[ReferenceResult], ref16: lis
                                                           "decode.embeddings", "decode.final_norm") if n in dev}
     return CheckResult(
         backend=backend, tp=tp, dtype=dtype, stage=stage, embeddings_exact=exact, embeddings=point["embeddings"],
-        layers=_layers(spec, judge, dev, ref, env), final_norm=point["final_norm"], logits=point["logits"],
+        layers=_layers(spec, judge, dev, ref, env, routing=stage == "fp32"), final_norm=point["final_norm"],
+        logits=point["logits"],
         decode_logits=point.get("decode_logits"), prompts=outcomes, calibration=calibration,
-        decode_layers=_layers(spec, judge, dev, ref, env, "decode."),
+        decode_layers=_layers(spec, judge, dev, ref, env, "decode.", routing=stage == "fp32"),
         decode_points=[point[n] for n in ("decode.embeddings", "decode.final_norm") if n in point],
         kv=[judge(n, dev[n], ref[n], env[n]) for n in dev if n.startswith(("kv.", "decode.kv."))],
         probabilities=_probabilities(stage, runs, ref32, ref16), row_labels=points.labels, notes=notes,
@@ -599,7 +605,7 @@ def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[Ref
             verdicts, _ = _port_call("bf16 stage: local layer verdicts", local_verdicts, checkpoint, engine.backend,
                                      ref32, ref16, port_run, progress)
             result.local = [{"index": v.index, "pass": v.passed, "component": v.component,
-                             "ratio": max(p.required_factor for p in v.local)} for v in verdicts]
+                             "ratio": max(p.required_factor for p in v.judged)} for v in verdicts]
         else:
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")
