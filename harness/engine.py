@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.errors import PromptError
+from harness.model_blocks import per_layer_rows
 from harness.numerics import embed_scale, softcap
 
 DEFAULT_KV_LEN = 256  # the published port's KV length
@@ -87,7 +88,7 @@ class Engine:
             return embeds
         # Each token's row of the per-layer table, scaled by sqrt(per_layer_input) in the table's
         # dtype (transformers' scaled embedding), appended: the device's input is [1, n, hidden + L*P].
-        rows = self.per_layer_table[ids] * embed_scale(self.spec.per_layer_input_size, self.per_layer_table.dtype)
+        rows = per_layer_rows(self.per_layer_table, ids, self.spec.per_layer_input_size)
         return torch.cat([embeds, rows.to(embeds.dtype)[None]], dim=-1)
 
     # -- device steps ----------------------------------------------------------------------------

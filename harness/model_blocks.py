@@ -26,6 +26,12 @@ from harness.spec import LayerSpec, ModelSpec
 PLE_COMBINE = 2.0 ** -0.5  # (projection + table row) / sqrt(2): transformers' per_layer_input_scale
 
 
+def per_layer_rows(table: torch.Tensor, ids: torch.Tensor, width: int) -> torch.Tensor:
+    """Host side: each token's row of the packed per-layer table, times sqrt(per_layer_input)
+    cast to the table's dtype first (transformers' scaled embedding)."""
+    return table[ids] * torch.tensor(width ** 0.5).to(table.dtype)
+
+
 class PerLayerInputs(nn.Module):
     """The context half of the per-layer inputs, combined with the token half from the host:
     norm(W e / sqrt(hidden)) reshaped per layer, plus the table row, times 1/sqrt(2)."""
@@ -186,7 +192,16 @@ class FamilyRankDecoder(RankDecoder):
         self.per_layer = PerLayerInputs(spec).to(dtype) if spec.per_layer_input_size else None
         for layer in spec.layers:
             if layer.kv_source is not None:
-                self.layers[layer.index].self_attn.bind(self.layers[layer.kv_source].self_attn)
+                self.layers[layer.index].self_attn.bind(self.layers[self.source_of(layer)].self_attn)
+
+    def source_of(self, layer: LayerSpec) -> int:
+        """The layer whose cache a KV-shared layer reads (the spec's, derived as transformers does)."""
+        return layer.kv_source
+
+    @staticmethod
+    def layer_input(per_layer: torch.Tensor, index: int) -> torch.Tensor:
+        """Layer `index`'s slice [b, s, per_layer_input] of the combined per-layer inputs."""
+        return per_layer[:, :, index]
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # The checkpoint names the PLE projection at the decoder's top level; here it sits in per_layer.
@@ -215,7 +230,7 @@ class FamilyRankDecoder(RankDecoder):
             if window not in masks:
                 masks[window] = attention_mask(positions, self.max_len, window, x.dtype)
             cos, sin = rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, x.dtype)
-            ple = per_layer[:, :, i] if per_layer is not None else None
+            ple = self.layer_input(per_layer, i) if per_layer is not None else None
             x = self.layers[i](x, cos, sin, positions, masks[window], captures, f"layers.{i}.", per_layer_input=ple)
             if captures is not None:
                 captures[f"layers.{i}.output"] = x
