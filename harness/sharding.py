@@ -189,7 +189,8 @@ def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None) -> l
         del weights
     norm = checkpoint.final_norm_weight(dtype)
     lm_head = checkpoint.lm_head_weight(dtype)
-    model_level = checkpoint.device_model_weights(dtype)  # the per-layer inputs' projection (E2B/E4B)
+    # The per-layer inputs' projection (E2B/E4B); checkpoint-like wrappers without it have none.
+    model_level = checkpoint.device_model_weights(dtype) if checkpoint.spec.per_layer_input_size else {}
     for rank in range(tp):
         states[rank]["norm.weight"] = norm.clone()
         states[rank]["lm_head.weight"] = shard_lm_head(lm_head, tp, rank)

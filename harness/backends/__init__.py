@@ -36,4 +36,4 @@ def build_engine(checkpoint, backend: str = "cpu", tp: int = 2, dtype: torch.dty
     be = make_backend(backend, checkpoint, tp=tp, dtype=dtype, max_len=kv_len, buckets=tuple(buckets),
                       **backend_kwargs)
     return Engine(checkpoint.spec, be, checkpoint.embed_weight(dtype), buckets=buckets, kv_len=kv_len,
-                  per_layer_table=checkpoint.per_layer_table(dtype))
+                  per_layer_table=checkpoint.per_layer_table(dtype) if checkpoint.spec.per_layer_input_size else None)
