@@ -41,3 +41,24 @@ def test_family_catalog_covers_every_new_part():
     parts = {f.expect.component for f in FAMILY_CATALOG}
     assert {"per-layer input", "attention", "moe router", "mlp"} <= parts
     assert len({f.name for f in FAMILY_CATALOG}) == len(FAMILY_CATALOG) == 9
+
+
+BISECTED = {"ple-wrong-layer-slice": (0, "per-layer input"), "kv-shared-source-off-by-one": (8, "attention"),
+            "moe-sum-without-norms": (0, "mlp")}
+
+
+@pytest.mark.parametrize("name", list(BISECTED))
+def test_bisect_names_the_family_fault(monkeypatch, name):
+    """bisect (capture mode) names the layer and part: per-layer inputs and shared layers by their
+    cumulative points (they cannot run alone), the MoE layer by its local run."""
+    from harness.backends import build_engine
+    from harness.bisect import bisect_capture
+    from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN
+
+    fault = next(f for f in FAMILY_CATALOG if f.name == name)
+    ckpt, refs = family_checkpoint(_variant(fault.checkpoint)), family_reference(_variant(fault.checkpoint))
+    fault.inject(monkeypatch)
+    engine = build_engine(ckpt, tp=2, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN, capture=True)
+    layers = build_engine(ckpt, tp=2, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN).backend
+    result = bisect_capture(ckpt, engine, layers, refs["float32"], refs["bfloat16"])
+    assert (result.first_divergent_layer, result.component, result.cause) == (*BISECTED[name], "port")
