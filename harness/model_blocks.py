@@ -203,11 +203,6 @@ class FamilyRankDecoder(RankDecoder):
         """Layer `index`'s slice [b, s, per_layer_input] of the combined per-layer inputs."""
         return per_layer[:, :, index]
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        # The checkpoint names the PLE projection at the decoder's top level; here it sits in per_layer.
-        state = {(f"per_layer.{k}" if k.startswith("per_layer_") else k): v for k, v in state_dict.items()}
-        return super().load_state_dict(state, strict=strict, assign=assign)
-
     def reset_cache(self):
         for layer in self.layers:
             cache = getattr(layer.self_attn, "cache", None)
@@ -215,11 +210,20 @@ class FamilyRankDecoder(RankDecoder):
                 cache.k.zero_()
                 cache.v.zero_()
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
+    def _split(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The word embeddings of a device input; its per-layer rows become this call's per-layer inputs."""
         h = self.spec.hidden_size
-        embeds, rows = inputs_embeds[..., :h], inputs_embeds[..., h:]
-        self._per_layer_inputs = self.per_layer(embeds, rows) if self.per_layer is not None else None
-        return super().forward(embeds, positions, capture)
+        embeds = inputs[..., :h]
+        self._per_layer_inputs = self.per_layer(embeds, inputs[..., h:]) if self.per_layer is not None else None
+        return embeds
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
+        return super().forward(self._split(inputs_embeds), positions, capture)
+
+    def final_hidden(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, captures=None) -> torch.Tensor:
+        if inputs_embeds.shape[-1] != self.spec.hidden_size:  # called directly with the device input
+            inputs_embeds = self._split(inputs_embeds)
+        return super().final_hidden(inputs_embeds, positions, captures)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, start: int, stop: int,
                    captures: dict | None = None) -> torch.Tensor:

@@ -194,7 +194,7 @@ def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None) -> l
     for rank in range(tp):
         states[rank]["norm.weight"] = norm.clone()
         states[rank]["lm_head.weight"] = shard_lm_head(lm_head, tp, rank)
-        states[rank].update({name: w.clone() for name, w in model_level.items()})
+        states[rank].update({f"per_layer.{name}": w.clone() for name, w in model_level.items()})  # model_blocks
     return states
 
 
