@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from harness.settings import torch_dtype
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_reference import build_checkpoint, checkpoint_dir, warm_page_cache  # noqa: E402
 
@@ -50,13 +52,14 @@ def _timed(fn, repeats: int) -> tuple[list[float], list[float]]:
 def measure(side: str, path: Path, dtype_name: str, repeats: int) -> dict:
     from harness.checkpoint import Checkpoint
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    dtype = torch_dtype(dtype_name)
     prompt = bench_prompt(Checkpoint.open(path).spec.vocab_size, BUCKET)
     if side == "port":
         from harness.backends import build_engine
 
-        engine = build_engine(Checkpoint.open(path), backend="cpu", tp=2, dtype=dtype, buckets=(BUCKET,),
-                              kv_len=BUCKET + 16)
+        from harness.settings import RunSettings
+
+        engine = build_engine(Checkpoint.open(path), RunSettings(dtype=dtype, buckets=(BUCKET,), kv_len=BUCKET + 16))
         samples = _timed(lambda: engine.prefill(prompt), repeats)
     else:
         from harness.reference import load_reference_model

@@ -7,7 +7,7 @@ measurement: the README's plot is drawn from it with
 
     python benchmarks/synthetic_history.py --out /tmp/synthetic-history
     gemma-parity perf compare --history /tmp/synthetic-history --budget ttft_ms=101 --budget tpot_ms=56 \\
-        --markdown docs/perf-trend.md --plot docs/perf-trend.png
+        --markdown /tmp/perf-trend.md --plot docs/perf-trend.png
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from harness.perf import FORMAT, append_history
+from harness.perf import FORMAT, append_history, outputs
 from harness.perf.bench import latency_summary
 
 RUNS, STEP_AT, STEP = 24, 15, 1.12
@@ -50,6 +50,10 @@ def synthetic_run(i: int, rng: random.Random, start: datetime) -> dict:
                     "e2e_ms": [t + sum(s) for t, s in zip(ttft, steps)], "generated_tokens": NEW_TOKENS + 1},
     }
     result["latency_summary"] = latency_summary(result)
+    # the same (invented) tokens every run: the step is a slowdown, not a change of output
+    prompt = {"bucket": 64, "tokens": [(7 * k) % 1000 + 3 for k in range(NEW_TOKENS + 1)],
+              "margins": [1.5] * (NEW_TOKENS + 1)}
+    result["outputs"] = {"prompts": [prompt], "fingerprint": outputs.fingerprint([prompt]), "runs_agree": True}
     return result
 
 

@@ -4,5 +4,7 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-# fixtures/ sits beside the package in the repository (the README installs with `pip install -e .`).
-FIXTURES_DIR = Path(__file__).resolve().parent.parent / "fixtures"
+# fixtures/ sits beside the package in the repository (`pip install -e .`, or PYTHONPATH); a built
+# wheel carries it inside the package (setup.py), so a non-editable install finds it there.
+_PACKAGED_FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FIXTURES_DIR = _PACKAGED_FIXTURES if _PACKAGED_FIXTURES.is_dir() else Path(__file__).resolve().parent.parent / "fixtures"

@@ -28,7 +28,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.errors import HarnessInputError, OutputError, os_problem
+from harness.errors import SHOW_BYTES, HarnessInputError, OutputError, os_problem
 
 TEMP_MARK = ".partial-"  # temp names start with this, so leftovers of a killed run are recognisable
 FILE_MODE = 0o644  # what a user's umask normally gives; mkstemp alone would leave 0600
@@ -112,7 +112,8 @@ def _link_no_clobber(tmp: Path, path: Path) -> None:
 
 
 def write_text_atomic(path, text: str, no_clobber: bool = False) -> Path:
-    return write_bytes_atomic(path, text.encode("utf-8"), no_clobber=no_clobber)
+    # a path with bytes that are not UTF-8 (argv decoded with surrogateescape) is written as \xNN
+    return write_bytes_atomic(path, text.encode("utf-8", SHOW_BYTES), no_clobber=no_clobber)
 
 
 def write_json_atomic(path, payload, no_clobber: bool = False, indent: int = 2,
@@ -194,6 +195,78 @@ def _rename_into_place(tmp: Path, out_dir: Path, replace: bool) -> None:
     os.replace(tmp, out_dir)
 
 
+# ---- claiming a new output before the work that fills it --------------------------------------
+
+CLAIM_SUFFIX = ".claim"
+_claims: list[tuple[int, Path]] = []  # this process's claims: (locked fd, claim file)
+
+
+def _claim_file(path: Path) -> Path:
+    return path.parent / f"{TEMP_MARK}{path.name[:80]}{CLAIM_SUFFIX}"
+
+
+def claim_output(path: Path, flag: str) -> None:
+    """Claim the new output `path` for this run, before its model work: a second run asking for
+    the same output is refused at once (exit 2) instead of losing the race at its final rename,
+    minutes later. The claim is an exclusive lock on a file beside the output, which the kernel
+    drops when the process ends (a killed run leaves no live claim); release_claims removes it.
+    Nothing is claimed where the parent directory does not exist yet (nothing is created to
+    claim it)."""
+    import fcntl
+
+    claim = _claim_file(path)
+    if not path.parent.is_dir():
+        return
+    for _ in range(3):  # the claim file may be removed between our open and our lock: retry
+        try:
+            fd = os.open(claim, os.O_RDWR | os.O_CREAT, _apply_umask(FILE_MODE))
+        except OSError as exc:
+            raise OutputError(f"{flag} " + os_problem(exc, path)) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError(f"{flag} {path}: another gemma-parity run is writing it right now; wait for it "
+                              "to finish, or choose another location") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(claim).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            _claims.append((fd, claim))
+            return
+        os.close(fd)
+    raise OutputError(f"{flag} {path}: cannot claim it (other runs keep taking it); try again")
+
+
+def release_claims() -> None:
+    """Remove this process's claims (while still holding them, so no other run holds a removed one)."""
+    while _claims:
+        fd, claim = _claims.pop()
+        try:
+            os.unlink(claim)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _stale_claim(entry: Path) -> bool:
+    """A claim file nobody holds (its run was killed): taking the lock without waiting proves it."""
+    import fcntl
+
+    try:
+        fd = os.open(entry, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
 # ---- leftovers of killed runs ------------------------------------------------------------------
 
 def _pid_alive(pid: int) -> bool:
@@ -253,6 +326,9 @@ def clean_stale_temps(directory) -> list[str]:
         return []
     done = []
     for entry in entries:
+        if entry.name.endswith(CLAIM_SUFFIX) and entry.is_file() and _stale_claim(entry):
+            entry.unlink(missing_ok=True)
+            continue
         if is_stale(entry):
             try:
                 done.append(_restore_or_remove(entry))

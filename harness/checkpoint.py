@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +15,7 @@ from safetensors import safe_open
 from harness import FIXTURES_DIR
 from harness.atomic import atomic_directory, clean_stale_temps
 from harness.errors import (CheckpointError, HarnessInputError, InputFileError, NumericsError, OutputError, os_problem,
-                            read_problem)
+                            not_a_file, read_json_file, read_problem, wrapped_os_error)
 from harness.spec import LayerSpec, ModelSpec, load_spec
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -254,6 +253,28 @@ class Checkpoint:
         for key in self.expected_shapes():
             self.get(key)
 
+    def check_inert_parts(self) -> None:
+        """The tensors outside the text decoder have the shapes transformers' class gives them.
+        The port never reads them, but the reference loads the whole model with from_pretrained,
+        which refuses any mismatch (a zero-sized audio projection, say): refused here, before any
+        model work, rather than by transformers after the port has run."""
+        if not self.ignored_keys:
+            return
+        expected = _transformers_shapes(self.path)
+        by_file: dict[Path, list[str]] = {}
+        for key in self.ignored_keys:
+            if key in expected:
+                by_file.setdefault(self.key_to_file[key], []).append(key)
+        for file, keys in by_file.items():
+            with self._open(file) as f:
+                for key in keys:
+                    got = tuple(f.get_slice(key).get_shape())
+                    if got != expected[key]:
+                        raise CheckpointError(
+                            f"{file}: {key} has shape {got} but transformers' model for config.json has "
+                            f"{expected[key]}; the port ignores this inert tensor, but the reference cannot load "
+                            "the checkpoint. Use the config the weights were saved with, or re-save them.")
+
     def weight_files(self) -> list[Path]:
         return sorted(set(self.key_to_file.values()))
 
@@ -264,6 +285,21 @@ class Checkpoint:
             files = sorted(set(self.weight_files()) | {self.path / "config.json"})
             self._hashes = {p.name: sha256_file(p) for p in files}
         return dict(self._hashes)
+
+
+def _transformers_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape in transformers' class for the config, built on the meta device
+    (no memory, no weights read)."""
+    from transformers import AutoConfig, Gemma4UnifiedForCausalLM, Gemma4UnifiedForConditionalGeneration
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises several types for configs it cannot read
+        raise CheckpointError(f"{path / 'config.json'}: transformers cannot read it ({exc})") from None
+    cls = Gemma4UnifiedForConditionalGeneration if config.model_type == "gemma4_unified" else Gemma4UnifiedForCausalLM
+    with torch.device("meta"):
+        model = cls(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def _check_stored(file: Path, key: str, view, shape: tuple[int, ...]) -> None:
@@ -319,6 +355,10 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, list[s
     entries = _list_dir(path)
     names = [e.name for e in entries if e.name.endswith(".safetensors") or e.name == INDEX_FILE]
     explicit = _explicit_weights(path)
+    for name in (SINGLE_FILE, INDEX_FILE):  # what transformers would pick, if it is there at all
+        if explicit is None and os.path.lexists(path / name) and not (path / name).is_file():
+            raise CheckpointError(f"{path / name}: {not_a_file(path / name)}, not a file; transformers would "
+                                  "try to load it. Give the checkpoint's weights as regular files.")
     if explicit is not None:
         chosen = explicit
     elif (path / SINGLE_FILE).is_file():
@@ -338,8 +378,8 @@ def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, list[s
 def _explicit_weights(path: Path) -> Path | None:
     """config.json's `transformers_weights`, which from_pretrained loads instead of the defaults."""
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        config = read_json_file(path / "config.json", "config", CheckpointError, "")
+    except HarnessInputError:
         return None  # load_spec has already refused an unreadable config
     name = config.get("transformers_weights") if isinstance(config, dict) else None
     if name is None:
@@ -349,7 +389,7 @@ def _explicit_weights(path: Path) -> Path | None:
                               "*.safetensors file or a *.safetensors.index.json inside the directory")
     file = _inside(path, name, path / "config.json")
     if not file.is_file():
-        raise CheckpointError(f"{file}: named by config.json's transformers_weights but missing")
+        raise CheckpointError(f"{file}: named by config.json's transformers_weights but {not_a_file(file)}")
     return file
 
 
@@ -380,13 +420,8 @@ def _inside(path: Path, name, source: Path) -> Path:
 
 
 def _read_index(index_file: Path) -> dict[str, str]:
-    try:
-        index = json.loads(index_file.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, index_file, "safetensors index")) from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise CheckpointError(f"{index_file}: not a valid safetensors index ({exc}); download it "
-                              "again or re-save the checkpoint") from None
+    index = read_json_file(index_file, "safetensors index", CheckpointError,
+                           "not a valid safetensors index: download it again or re-save the checkpoint")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -402,8 +437,8 @@ def _key_map(path: Path, files: list[Path], weight_map: dict[str, str] | None) -
     for file in files:
         if not file.is_file():
             key = next((k for k, v in (weight_map or {}).items() if v == file.name), "?")
-            raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} for key {key} is "
-                                  "missing. Download the missing shard or re-save the checkpoint.")
+            raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} for key {key}: {not_a_file(file)}, not a "
+                                  "safetensors file. Download the missing shard or re-save the checkpoint.")
         with _safe_open(file) as f:
             for key in f.keys():
                 if key in found:
@@ -447,7 +482,7 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, config_path: str |
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise CheckpointError(f"{out_dir}: already exists and is not empty; choose a new directory "
                               "(a checkpoint is never overwritten silently)")
-    config = json.loads(Path(config_path).read_text())
+    config = read_json_file(Path(config_path), "config", CheckpointError, "pass a Gemma-4 unified config.json")
     config.pop("architectures", None)
     config.pop("transformers_version", None)
     torch.manual_seed(seed)  # parts randomize_for_margins leaves alone (inert embedders) too
@@ -500,9 +535,17 @@ def randomize_for_margins(model, seed: int, logit_scale: float = 1.0) -> None:
 
 def _save_atomically(model, out_dir: Path, overwrite: bool) -> None:
     """save_pretrained into a temp dir beside out_dir, then rename: nothing half written remains."""
+    from harness.progress import third_party_bars
+
+    third_party_bars()
     try:
         with atomic_directory(out_dir, replace=overwrite) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
+            try:
+                model.save_pretrained(tmp, safe_serialization=True)
+            except Exception as exc:  # safetensors' own error type for a full disk
+                if wrapped_os_error(exc) is None:
+                    raise
+                raise _cache_problem(wrapped_os_error(exc), out_dir) from None
     except HarnessInputError:
         # Another process (a pytest-xdist worker) finished the same deterministic build first.
         if not (out_dir / "config.json").is_file():
@@ -513,6 +556,10 @@ def tiny_checkpoint_path(seed: int = 0, config_path: Path = TINY_CONFIG) -> Path
     """Where the cached tiny checkpoint for `seed` (and config) lives (built or not)."""
     # The builder's version is part of the key: a change in how weights are drawn must not reuse
     # a checkpoint cached by an older build.
+    if not TINY_CONFIG.is_file():
+        raise InputFileError(f"{TINY_CONFIG}: the tiny model's config is not installed ({not_a_file(TINY_CONFIG)}): "
+                             "this gemma-parity was installed without its fixtures; reinstall it from the "
+                             "repository (pip install .) or run it from a checkout")
     digest = hashlib.sha256(config_path.read_bytes() + f"builder-{TINY_BUILDER_VERSION}".encode()).hexdigest()[:10]
     stem = "tiny" if config_path == TINY_CONFIG else config_path.stem
     return cache_dir() / f"{stem}-{digest}-seed{seed}"

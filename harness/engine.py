@@ -2,21 +2,21 @@
 
 The device (a backend) sees only `inputs_embeds` and absolute positions and returns raw logits.
 Word embeddings stay on the host; the softcap is applied here, only where probabilities are asked
-for (DESIGN §3, fix 2): greedy decode takes the argmax of the raw logits.
+for (docs/design.md#the-port): greedy decode takes the argmax of the raw logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from harness.errors import PromptError
+from harness.errors import HarnessInputError, PromptError
 from harness.model_blocks import per_layer_rows
 from harness.numerics import embed_scale, softcap
-
-DEFAULT_KV_LEN = 256  # the published port's KV length
-DEFAULT_BUCKETS = (64,)  # the published port's prefill bucket
+from harness.settings import RunSettings
+from harness.sharding import merge_rank_caches
 
 
 def choose_bucket(length: int, buckets) -> int:
@@ -39,6 +39,14 @@ class PrefillResult:
     bucket: int = 0
 
 
+class Step(NamedTuple):
+    """One decode step: raw fp32 logits [vocab] and its capture points (name -> [1, ...]; empty
+    unless asked for)."""
+
+    logits: torch.Tensor
+    captures: dict[str, torch.Tensor]
+
+
 @dataclass
 class DecodeResult:
     tokens: list[int]  # the new tokens
@@ -52,12 +60,14 @@ class DecodeResult:
 class Engine:
     """Drives a backend: host embeddings, bucketed prefill, decode with the device KV cache."""
 
-    def __init__(self, spec, backend, embed_weight: torch.Tensor, buckets=DEFAULT_BUCKETS,
-                 kv_len: int = DEFAULT_KV_LEN, per_layer_table: torch.Tensor | None = None):
-        if max(buckets) > kv_len:
-            raise PromptError(f"bucket {max(buckets)} exceeds the KV length {kv_len}; "
+    def __init__(self, spec, backend, embed_weight: torch.Tensor, settings: RunSettings = RunSettings(),
+                 per_layer_table: torch.Tensor | None = None):
+        """`backend` built from `settings` (harness.backends.build_engine builds both)."""
+        if max(settings.buckets) > settings.kv_len:
+            raise PromptError(f"bucket {max(settings.buckets)} exceeds the KV length {settings.kv_len}; "
                               "buckets must fit in the cache")
-        self.spec, self.backend, self.buckets, self.kv_len = spec, backend, tuple(sorted(buckets)), kv_len
+        self.spec, self.backend, self.settings = spec, backend, settings
+        self.buckets, self.kv_len = settings.buckets, settings.kv_len
         self.embed_weight = embed_weight
         self.scale = embed_scale(spec.hidden_size, embed_weight.dtype)
         self.placeholders = torch.tensor(spec.placeholder_token_ids or [-1])
@@ -100,27 +110,38 @@ class Engine:
         bucket = choose_bucket(n, self.buckets)
         padded = torch.cat([ids, torch.full((bucket - n,), self.spec.pad_token_id, dtype=torch.long)])
         positions = torch.arange(bucket)[None]  # padded slots sit after every real key: masked by causality
+        self._check_capture(capture)
         self.backend.reset()
-        last_only = not capture and getattr(self.backend, "last_row_only", False)
-        extra = {"last": n - 1} if last_only else {}
-        out = self.backend.forward(self.embed(padded), positions, capture=capture, **extra)
-        logits, captures = out if capture else (out, {})
+        last_only = not capture and self.backend.last_row_only
+        logits, captures = self.backend.forward(self.embed(padded), positions, capture=capture,
+                                                last=n - 1 if last_only else None)
         return PrefillResult(
             logits=logits[0, -1:].float() if last_only else logits[0, :n].float(),
             captures={k: v[0, :n].float() for k, v in captures.items()},
             bucket=bucket,
         )
 
-    def decode_step(self, token: int, position: int, capture: bool = False):
-        """Raw logits [vocab] of one decode step; with capture also its capture points (name -> [1, ...])."""
+    def decode_step(self, token: int, position: int, capture: bool = False) -> Step:
+        """One decode step: raw logits [vocab] and (with capture) its capture points."""
         if position >= self.kv_len:
             raise PromptError(f"position {position} is past the KV length {self.kv_len}; "
                               "ask for fewer new tokens or compile a longer cache")
-        out = self.backend.forward(self.embed(torch.tensor([token])), torch.tensor([[position]]), capture=capture)
-        if not capture:
-            return out[0, -1].float()
-        logits, captures = out
-        return logits[0, -1].float(), {k: v[0, -1:].float() for k, v in captures.items()}
+        self._check_capture(capture)
+        logits, captures = self.backend.forward(self.embed(torch.tensor([token])), torch.tensor([[position]]),
+                                                capture=capture)
+        return Step(logits[0, -1].float(), {k: v[0, -1:].float() for k, v in captures.items()})
+
+    def _check_capture(self, capture: bool) -> None:
+        if capture and not self.backend.returns_captures:
+            raise HarnessInputError(f"the {self.backend.name} backend was built without captures (a perf "
+                                    "build); build it with capture=True for a parity run")
+
+    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's KV cache at positions [0, written), as the port stores it (keys after norm
+        and rope, values after v_norm), merged over ranks: per layer (k, v), [kv_heads, written, d]."""
+        if not self.backend.reads_cache:
+            raise HarnessInputError(f"the {self.backend.name} backend cannot read its KV cache back")
+        return merge_rank_caches(self.spec, self.backend.tp, self.backend.kv_cache, written)
 
     def generate(self, ids, new_tokens: int, capture: bool = False,
                  forced: list[int] | None = None, observe=None) -> DecodeResult:
@@ -143,10 +164,9 @@ class Engine:
             if step == new_tokens - 1:
                 break
             fed = forced[step] if forced is not None else chosen
-            out = self.decode_step(fed, ids.numel() + step, capture=capture)
-            logits = out[0] if capture else out
+            logits, captures = self.decode_step(fed, ids.numel() + step, capture=capture)
             if capture:
-                step_caps.append(out[1])
+                step_caps.append(captures)
             if observe is not None:
                 observe(ids.numel() + step + 1)
         step_logits = torch.stack(steps) if steps else torch.empty(0, self.spec.vocab_size)

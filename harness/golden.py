@@ -22,7 +22,10 @@ from safetensors.torch import load_file, save_file
 
 from harness.atomic import atomic_directory
 from harness.checkpoint import sha256_file
-from harness.errors import GoldenError, InputFileError, OutputError, read_json_file, read_problem
+from harness.errors import (GoldenError, HarnessInputError, InputFileError, OutputError, os_problem, read_json_file,
+                            not_a_file, read_problem, wrapped_os_error)
+from harness.golden_layout import (check_no_stray_tensors, check_prompt_tensors, check_same_groups, check_tokens,
+                                   inconsistent)
 from harness.reference import ReferenceResult
 
 FORMAT_VERSION = 2  # 2: the manifest is covered by the hash (golden_sha256)
@@ -50,9 +53,12 @@ def golden_hash(manifest: dict, tensors_sha256: str) -> str:
 
 def is_golden_dir(path: Path) -> bool:
     """A directory this tool wrote as a golden: its manifest is a golden manifest."""
+    file = Path(path) / MANIFEST
+    if not file.is_file():  # a pipe or device called manifest.json would block or never end
+        return False
     try:
-        manifest = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        manifest = read_json_file(file, "golden manifest", GoldenError, "")
+    except HarnessInputError:
         return False
     return isinstance(manifest, dict) and "format_version" in manifest and "tensors_sha256" in manifest
 
@@ -111,7 +117,7 @@ def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_t
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     with atomic_directory(out_dir, replace=overwrite) as tmp:
-        save_file(tensors, str(tmp / TENSORS))
+        _save_tensors(tensors, tmp / TENSORS, out_dir)
         _verify_written(tmp / TENSORS, tensors, out_dir)
         manifest["tensors_sha256"] = sha256_file(tmp / TENSORS)
         manifest["golden_sha256"] = golden_hash(manifest, manifest["tensors_sha256"])
@@ -120,6 +126,17 @@ def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_t
             f.flush()
             os.fsync(f.fileno())
     return out_dir
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], file: Path, out_dir: Path) -> None:
+    """save_file, with a write error (a full disk) reported as one about the user's --out."""
+    try:
+        save_file(tensors, str(file))
+    except Exception as exc:  # safetensors raises its own error type for I/O failures
+        os_error = wrapped_os_error(exc)
+        if os_error is None:
+            raise
+        raise OutputError(os_problem(os_error, out_dir)) from None
 
 
 def _verify_written(file: Path, tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
@@ -134,6 +151,8 @@ def _verify_written(file: Path, tensors: dict[str, torch.Tensor], out_dir: Path)
             size = f.tell()
             os.fsync(f.fileno())
     except Exception as exc:
+        if isinstance(exc, OSError):
+            raise OutputError(os_problem(exc, out_dir)) from None
         raise OutputError(f"{out_dir}: the golden's tensors could not be written completely ({exc}); "
                           "check free disk space and write permission, then run again") from None
     data = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -179,7 +198,10 @@ def _read_manifest(path: Path) -> dict:
     if not path.is_dir():
         raise GoldenError(f"{path}: not a directory; pass the golden directory written by `gemma-parity reference`")
     if not manifest_file.is_file():
-        raise GoldenError(f"{path}: no {MANIFEST}. Pass a directory written by `gemma-parity reference`.")
+        if not os.path.lexists(manifest_file):
+            raise GoldenError(f"{path}: no {MANIFEST}. Pass a directory written by `gemma-parity reference`.")
+        raise GoldenError(f"{manifest_file}: {not_a_file(manifest_file)}, not the golden's manifest file; pass a "
+                          "directory written by `gemma-parity reference`")
     manifest = read_json_file(manifest_file, "golden manifest", GoldenError,
                               "the golden is corrupted, regenerate it with `gemma-parity reference`")
     if not isinstance(manifest, dict):
@@ -194,7 +216,8 @@ def _read_manifest(path: Path) -> dict:
 def _verify_hashes(path: Path, manifest: dict) -> Path:
     tensor_file = path / TENSORS
     if not tensor_file.is_file():
-        raise GoldenError(f"{tensor_file}: missing; the golden is incomplete, regenerate it")
+        raise GoldenError(f"{tensor_file}: {not_a_file(tensor_file)}, not the golden's tensor file; the golden is "
+                          "incomplete or damaged: regenerate it")
     try:
         actual = sha256_file(tensor_file)
     except OSError as exc:
@@ -231,51 +254,39 @@ def read_golden(path, expected_spec=None) -> Golden:
     return Golden(path, manifest, tensors)
 
 
-def _inconsistent(path: Path, what: str) -> GoldenError:
-    return GoldenError(f"{path}: inconsistent golden: {what}; it was not written whole by `gemma-parity "
-                       "reference`: regenerate it")
-
-
 def _check_consistency(path: Path, manifest: dict, tensors: dict, spec) -> None:
     from harness.prompts import is_token_id
 
     prompts, new_tokens, results = manifest.get("prompts"), manifest.get("new_tokens"), manifest.get("results")
     if not isinstance(prompts, list) or not prompts or not all(
             isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in prompts):
-        raise _inconsistent(path, "prompts must be a non-empty list of non-empty token-id lists")
+        raise inconsistent(path, "prompts must be a non-empty list of non-empty token-id lists")
     if not is_token_id(new_tokens) or new_tokens < 0:
-        raise _inconsistent(path, f"new_tokens {new_tokens!r} is not a non-negative integer")
+        raise inconsistent(path, f"new_tokens {new_tokens!r} is not a non-negative integer")
     if not isinstance(results, dict) or "float32" not in results or set(results) - set(DTYPES):
-        raise _inconsistent(path, "results must hold float32 (and bfloat16), nothing else")
+        raise inconsistent(path, "results must hold float32 (and bfloat16), nothing else")
     num_layers = manifest.get("num_layers")
     if not is_token_id(num_layers) or num_layers < 1 or (spec is not None and num_layers != spec.num_layers):
-        raise _inconsistent(path, f"num_layers {num_layers!r} is not the spec's layer count")
+        raise inconsistent(path, f"num_layers {num_layers!r} is not the spec's layer count")
+    accounted: set[str] = set()
+    held: dict[str, frozenset[str]] = {}
     for dtype in sorted(results):
         runs = results[dtype]
         if not isinstance(runs, list) or len(runs) != len(prompts):
-            raise _inconsistent(path, f"results.{dtype} must have one entry per prompt ({len(prompts)})")
+            raise inconsistent(path, f"results.{dtype} must have one entry per prompt ({len(prompts)})")
         for k, (prompt, run) in enumerate(zip(prompts, runs)):
             generated = run.get("generated") if isinstance(run, dict) else None
             vocab = spec.vocab_size if spec is not None else float("inf")
             if not isinstance(generated, list) or len(generated) != new_tokens or not all(
                     is_token_id(t) and 0 <= t < vocab for t in generated):
-                raise _inconsistent(path, f"results.{dtype}[{k}].generated must be {new_tokens} token ids")
-            _check_prompt_tensors(path, tensors, f"{dtype}.p{k}.", len(prompt), new_tokens, num_layers, spec)
-
-
-def _check_prompt_tensors(path: Path, tensors: dict, prefix: str, n: int, new_tokens: int, num_layers: int,
-                          spec) -> None:
-    hidden = ["embeddings", "final_norm"] + [f"layers.{i}.{part}" for i in range(num_layers)
-                                             for part in ("attn_residual", "mlp_residual", "output")]
-    for name in hidden + ["logits", "step_logits"]:
-        key = prefix + name
-        if key not in tensors:
-            raise _inconsistent(path, f"tensor {key} is missing")
-        t = tensors[key]
-        rows = new_tokens if name == "step_logits" else n
-        width = (spec.vocab_size if name.endswith("logits") else spec.hidden_size) if spec else t.shape[-1]
-        if t.dim() != 2 or tuple(t.shape) != (rows, width) and not (rows == 0 and t.shape[0] == 0):
-            raise _inconsistent(path, f"tensor {key} has shape {tuple(t.shape)}, expected ({rows}, {width})")
+                raise inconsistent(path, f"results.{dtype}[{k}].generated must be {new_tokens} token ids")
+            prefix = f"{dtype}.p{k}."
+            seen, held[prefix.rstrip(".")] = check_prompt_tensors(path, tensors, prefix, len(prompt), new_tokens,
+                                                                  num_layers, spec)
+            accounted |= seen
+            check_tokens(path, tensors, prefix, generated, f"results.{dtype}[{k}].generated")
+    check_no_stray_tensors(path, tensors, accounted)
+    check_same_groups(path, held)
 
 
 def same_weights(golden: Golden, checkpoint) -> bool | None:

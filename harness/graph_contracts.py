@@ -1,6 +1,6 @@
 """Graph contracts: the port's device-graph properties, asserted on lowered HLO text from either lane.
 
-The seed's fixes as properties of the graph, not of our intentions (DESIGN §3): no softcap tanh over
+The seed's fixes as properties of the graph, not of our intentions (docs/design.md#the-port): no softcap tanh over
 a vocabulary-sized tensor; attention as plain dots in the activation dtype with an fp32 softmax and
 no fused-attention custom call; static shapes and no host round trip; every KV cache an input
 aliased to an output of the same shape and dtype, computed from that input; each graph writes

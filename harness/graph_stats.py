@@ -18,6 +18,7 @@ import torch
 from harness.graph_contracts import GraphSignature, GraphStats, check_graph, expectation_for, graph_stats
 from harness.graphs import graph_plan
 from harness.progress import status
+from harness.settings import RunSettings
 
 PIECES = ("ends", "sliding_attention", "full_attention")
 SUMMED = ("dot_flops", "weight_bytes", "constant_bytes", "state_bytes")
@@ -81,10 +82,11 @@ def _combine(pieces: dict[str, GraphStats], counts: dict[str, int]) -> dict:
     return total
 
 
-def model_graph_stats(spec, tp: int = 2, max_len: int = 256, buckets=(64,), dtype=torch.bfloat16,
-                      progress: bool = False) -> dict:
-    """Statistics of every graph of the plan for `spec` at TP=tp (one rank), machine-readable."""
-    graphs = graph_plan(buckets, max_len)
+def model_graph_stats(spec, settings: RunSettings, progress: bool = False) -> dict:
+    """Statistics of every graph of the plan for `spec` at the settings' TP degree (one rank), buckets,
+    KV length and dtype, machine-readable."""
+    tp, max_len, dtype = settings.tp, settings.kv_len, settings.torch_dtype
+    graphs = graph_plan(settings.buckets, max_len)
     counts = {piece: sum(1 for layer in spec.layers if layer.type == piece) for piece in PIECES[1:]}
     per_piece = {}
     say = status("graphs", progress)

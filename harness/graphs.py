@@ -176,9 +176,9 @@ def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, posi
 
 def graph_result(out, capture_names: list[str] | None, inputs_embeds: torch.Tensor, capture: bool,
                  last_row_only: bool, last: int | None):
-    """What a backend's forward returns from the graph's outputs: logits (only row `last` when
-    asked), with the captures when `capture`."""
+    """What a backend's forward returns from the graph's outputs: (logits (only row `last` when
+    asked), captures (empty unless `capture`))."""
     logits, captures = unpack_outputs(out, capture_names, inputs_embeds=inputs_embeds)
     if last is not None and not last_row_only:
         logits = logits[:, last:last + 1]
-    return (logits, captures) if capture else logits
+    return logits, (captures if capture else {})

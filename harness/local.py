@@ -14,11 +14,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from harness.compare import (ENVELOPE_FACTOR, LayerResult, PointResult, calibrate_near_ties, classify_mismatch,
-                             compare_layers, compare_logits, compare_point, layer_points, rel_l2, stack_prompts)
+from harness.compare import ENVELOPE_FACTOR, LayerResult, PointResult, compare_layers, compare_point, rel_l2, stack_prompts
+from harness.points import Point, first_component, layer_points, locate, prefill_order
 from harness.progress import status
-from harness.reference import ReferenceResult
-from harness.spec_family import layer_points_for, part_of_point, runs_alone
 
 
 def _finite_or_none(value):
@@ -80,7 +78,7 @@ class LayerVerdict:
     def component(self) -> str | None:
         """attention when the attention residual breaks the policy; mlp when only the MLP residual
         or the scaled output does (the attention half was fine on the same input)."""
-        return _component(self.judged)
+        return first_component(self.judged)
 
     @property
     def finite(self) -> bool:
@@ -108,15 +106,6 @@ class LayerVerdict:
         return _finite_or_none(out)
 
 
-def _component(points: list[PointResult]) -> str | None:
-    """Without an attention-residual point (a truncate read-out of the output alone) the component
-    is not known."""
-    attention = [p for p in points if p.name.endswith(".attn_residual")]
-    if all(p.passed for p in points) or not attention:
-        return None
-    return part_of_point(next(p.name for p in points if not p.passed))
-
-
 # ---- the port's layers alone on the golden's inputs -------------------------------------------
 
 def port_layer_captures(backend, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -142,23 +131,21 @@ class ReferenceLayers:
 
     def __init__(self, checkpoint):
         from transformers import AutoConfig
+        from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
 
-        from harness.reference import hf_decoder_parts
-
-        self.hf, self.checkpoint, self.spec = hf_decoder_parts(checkpoint.spec), checkpoint, checkpoint.spec
+        self.hf, self.checkpoint, self.spec = hf, checkpoint, checkpoint.spec
         self.config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
-        self.config._attn_implementation = "eager"  # as the port runs (DESIGN §3, fix 3)
-        self.config._experts_implementation = "eager"
-        self.rotary = self.hf.rotary(self.config)
+        self.config._attn_implementation = "eager"  # as the port and the reference run
+        self.rotary = hf.Gemma4UnifiedTextRotaryEmbedding(self.config)
 
     def layer(self, index: int, dtype: torch.dtype):
         with torch.device("meta"):
-            layer = self.hf.layer(self.config, index)
+            layer = self.hf.Gemma4UnifiedTextDecoderLayer(self.config, index)
         layer.load_state_dict(self.checkpoint.layer_weights(index, dtype), assign=True, strict=True)
         return layer.eval()
 
     def final_norm(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        norm = self.hf.norm(self.spec.hidden_size, eps=self.spec.rms_norm_eps)
+        norm = self.hf.Gemma4UnifiedRMSNorm(self.spec.hidden_size, eps=self.spec.rms_norm_eps)
         norm.weight.data = self.checkpoint.final_norm_weight(dtype)
         with torch.no_grad():
             return norm(x.to(dtype)).float()
@@ -193,12 +180,13 @@ class ReferenceLayers:
                 prefix + "output": out[0].float()}
 
 
-def judge_layer_alone(spec, index: int, port: list[dict], golden: list[dict], ref32: list[dict],
-                 ref16: list[dict], cumulative: LayerResult, device_out: torch.Tensor) -> LayerVerdict:
+def judge_layer_alone(spec, index: int, runs: tuple, cumulative: LayerResult, device_out: torch.Tensor) -> LayerVerdict:
     """Judge one layer's local run. The error is the port against the golden; the envelope is the
     bf16-vs-fp32 noise of transformers' layer on the same input, added to the golden's value so
     compare_point applies the same policy (floor, per-position ratio) as everywhere else. Using
-    this checkpoint's own bf16 output as the envelope would hide a weight change in the envelope."""
+    this checkpoint's own bf16 output as the envelope would hide a weight change in the envelope.
+    runs = (port, golden, transformers fp32, transformers bf16) captures per prompt."""
+    port, golden, ref32, ref16 = runs
     local, against_checkpoint = [], []
     for name in layer_points(index):
         dev, gold = stack_prompts(port, name), stack_prompts(golden, name)
@@ -215,16 +203,6 @@ def judge_layer_alone(spec, index: int, port: list[dict], golden: list[dict], re
     )
 
 
-def _prompt_positions(rows: list[int], prompt_lengths: list[int]) -> list[list[int]]:
-    """Rows of the prompts' stacked positions -> [prompt, position] pairs."""
-    starts = [sum(prompt_lengths[:k]) for k in range(len(prompt_lengths))]
-    out = []
-    for row in rows:
-        k = max(i for i, start in enumerate(starts) if start <= row)
-        out.append([k, row - starts[k]])
-    return out
-
-
 def _shifted_envelope(golden: torch.Tensor, r32: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
     """The golden plus the bf16-vs-fp32 noise of transformers on this checkpoint: compare_point
     then judges the port against the golden by the local bf16 noise, with its usual floor and
@@ -233,75 +211,31 @@ def _shifted_envelope(golden: torch.Tensor, r32: torch.Tensor, r16: torch.Tensor
     return golden + (r16 - r32)
 
 
-def final_norm_points(layer_backend, reference: ReferenceLayers, golden_caps: list[dict],
-                      port: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
-                      env: dict[str, torch.Tensor]) -> list[PointResult]:
-    """The final norm in the port's run (judged by the golden's bf16 run), and alone on the
-    golden's last layer output (rank 0's norm: replicated, no collective)."""
+def final_norm_alone(layer_backend, reference: ReferenceLayers, golden_caps: list[dict]) -> PointResult:
+    """The port's final norm alone on the golden's last layer output (rank 0's norm: replicated,
+    no collective), judged against the golden's final norm by transformers' local bf16 noise."""
     last = f"layers.{reference.spec.num_layers - 1}.output"
     module = layer_backend.ranks[0]
     with torch.no_grad():
         alone = torch.cat([module.norm(caps[last].to(module.dtype)).float() for caps in golden_caps])
     r32 = torch.cat([reference.final_norm(caps[last], torch.float32) for caps in golden_caps])
     r16 = torch.cat([reference.final_norm(caps[last], torch.bfloat16) for caps in golden_caps])
-    gold = ref["final_norm"]
-    return [compare_point("final_norm", port["final_norm"], gold, env["final_norm"]),
-            compare_point("final_norm", alone, gold, _shifted_envelope(gold, r32, r16))]
+    gold = stack_prompts(golden_caps, "final_norm")
+    return compare_point("final_norm", alone, gold, _shifted_envelope(gold, r32, r16))
 
 
 def first_nonfinite(spec, captures: dict[str, torch.Tensor], prompt_lengths: list[int]) -> dict | None:
     """The first capture point, in execution order, holding NaN or Inf, and at which [prompt,
     position] pairs (the first 16)."""
-    order = ["embeddings"] + [n for layer in spec.layers for n in layer_points(layer.index)] + ["final_norm"]
-    for name in order:
+    for name in prefill_order(spec):
         t = captures.get(name)
         if t is not None and not bool(torch.isfinite(t).all()):
             bad = ~torch.isfinite(t)
             rows = bad.reshape(bad.shape[0], -1).any(-1).nonzero().flatten().tolist()
-            layer = int(name.split(".")[1]) if name.startswith("layers.") else None
-            return {"layer": layer, "point": name, "nan": bool(torch.isnan(t).any()),
-                    "inf": bool(torch.isinf(t).any()), "positions": _prompt_positions(rows[:16], prompt_lengths)}
+            return {"layer": Point.parse(name).layer, "point": name, "nan": bool(torch.isnan(t).any()),
+                    "inf": bool(torch.isinf(t).any()),
+                    "positions": [list(locate(row, prompt_lengths)) for row in rows[:16]]}
     return None
-
-
-@dataclass
-class PortRun:
-    captures: dict[str, torch.Tensor]  # stacked over prompts
-    seq_match: bool | None
-    near_ties: int
-    divergences: int
-
-
-def run_port_with_captures(engine, spec, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
-                           progress: bool = False) -> PortRun:
-    """The parity build once per golden prompt: captures at every point, and greedy decode for as
-    many tokens as the golden has (SEQ_MATCH, and near-tie flips vs real divergences)."""
-    runs, near, real, seq_match = [], 0, 0, True
-    say = status("port", progress)
-    cap = spec.final_logit_softcapping
-    pairs = [(r32.captures["logits"], r16.captures["logits"]) for r32, r16 in zip(ref32, ref16)]
-    band = calibrate_near_ties(pairs + [(a.step_logits, b.step_logits) for a, b in zip(ref32, ref16)]).band
-    for k, (r32, r16) in enumerate(zip(ref32, ref16)):
-        say(f"prompt {k + 1}/{len(ref32)} ({len(r32.prompt)} tokens): port run with captures")
-        n_new = len(r32.generated)
-        if n_new:
-            result = engine.generate(r32.prompt, n_new, capture=True)
-            pre, tokens = result.prefill, result.tokens
-        else:
-            pre, tokens = engine.prefill(r32.prompt, capture=True), []
-        runs.append(pre.captures)
-        logits = compare_logits(pre.logits, r32.captures["logits"], None, cap, band=band,
-                                ref_capped=r32.captures.get("capped_logits"))
-        near, real = near + logits.near_ties, real + logits.divergences
-        if tokens != r32.generated:
-            seq_match = False
-            step = next(i for i, (a, b) in enumerate(zip(r32.generated, tokens)) if a != b)
-            # the first departing step saw the same prefix on both sides, so its logits compare
-            verdict = classify_mismatch(step, r32.step_logits[step], tokens[step], band, r32.generated[step])
-            near, real = near + (verdict.kind == "near_tie"), real + (verdict.kind == "divergence")
-    names = ["embeddings", "final_norm"] + [n for layer in spec.layers for n in layer_points_for(spec, layer.index)]
-    return PortRun({n: stack_prompts(runs, n) for n in names}, seq_match if any(r.generated for r in ref32) else None,
-                   near, real)
 
 
 # Below this width a layer's ops are too small for intra-op threads to repay their synchronization:
@@ -322,40 +256,41 @@ def intra_op_threads_for(spec):
         torch.set_num_threads(before)
 
 
-def local_layer(spec, layer_spec, golden_caps, layer_backend, reference, cumulative, port_run):
-    """One layer alone on the golden's input: the port's ranks and transformers' fp32 and bf16."""
-    i = layer_spec.index
+def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative: list[LayerResult],
+                captures: dict) -> tuple:
+    """One layer alone on the golden's input: the port's ranks and transformers' fp32 and bf16;
+    runners = (the CPU backend whose ranks run the port's layer, ReferenceLayers)."""
+    layer_backend, reference = runners
+    spec, i = reference.spec, layer_spec.index
     inputs = [caps[_layer_input_name(i)] for caps in golden_caps]
     port = [port_layer_captures(layer_backend, i, x) for x in inputs]
     ref_layers = {dt: reference.layer(i, dt) for dt in (torch.float32, torch.bfloat16)}
     r32 = [reference.captures(ref_layers[torch.float32], i, x, torch.float32) for x in inputs]
     r16 = [reference.captures(ref_layers[torch.bfloat16], i, x, torch.bfloat16) for x in inputs]
-    verdict = judge_layer_alone(spec, i, port, golden_caps, r32, r16, cumulative[i],
-                           port_run.captures[f"layers.{i}.output"])
+    verdict = judge_layer_alone(spec, i, (port, golden_caps, r32, r16), cumulative[i], captures[f"layers.{i}.output"])
     lengths = [caps["embeddings"].shape[0] for caps in golden_caps]
     return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i)}, lengths)
 
 
-def local_verdicts(checkpoint, layer_backend, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
-                   port_run: PortRun, progress: bool = False) -> tuple[list[LayerVerdict], dict | None]:
+def local_verdicts(checkpoint, layer_backend, refs: tuple, captures: dict[str, torch.Tensor],
+                   progress: bool = False) -> tuple[list[LayerVerdict], dict | None]:
     """Every layer of the port alone on the reference's (golden's) input to it, judged by the
-    policy, next to its cumulative points from `port_run`: the verdicts and the first non-finite
-    local capture (or None)."""
+    policy, next to its cumulative points (`captures`: the port's prefill captures stacked over
+    prompts); refs = (fp32, bf16) references. The verdicts and the first non-finite local capture
+    (or None)."""
+    ref32, ref16 = refs
     spec = checkpoint.spec
     golden_caps = [r.captures for r in ref32]
-    ref = {n: stack_prompts(golden_caps, n) for n in port_run.captures}
-    env = {n: stack_prompts([r.captures for r in ref16], n) for n in port_run.captures}
-    cumulative = compare_layers(spec, port_run.captures, ref, env)
-    reference = ReferenceLayers(checkpoint)
+    ref = {n: stack_prompts(golden_caps, n) for n in captures}
+    env = {n: stack_prompts([r.captures for r in ref16], n) for n in captures}
+    cumulative = compare_layers(spec, (captures, ref, env))
+    runners = (layer_backend, ReferenceLayers(checkpoint))
     verdicts, local_nonfinite = [], None
     with status("local", progress, total=spec.num_layers) as say, intra_op_threads_for(spec):
         for layer_spec in spec.layers:
-            if not runs_alone(spec, layer_spec.index):  # judged by its cumulative points only
-                verdicts.append(LayerVerdict(layer_spec.index, layer_spec.type, cumulative[layer_spec.index].points))
-                continue
-            say(f"layer {layer_spec.index + 1}/{spec.num_layers} ({layer_spec.type}) alone on the reference's input")
-            verdict, nonfinite = local_layer(spec, layer_spec, golden_caps, layer_backend, reference,
-                                             cumulative, port_run)
+            say(f"layer {layer_spec.index} of 0..{spec.num_layers - 1} ({layer_spec.type}) alone on the "
+                "reference's input")
+            verdict, nonfinite = local_layer(layer_spec, golden_caps, runners, cumulative, captures)
             verdicts.append(verdict)
             local_nonfinite = local_nonfinite or nonfinite
     return verdicts, local_nonfinite

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.settings import DEFAULT_KV_LEN
 from harness.sharding import LayerPlan, plan_model
 from harness.spec import LayerSpec, ModelSpec
 
@@ -89,7 +90,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(layer: LayerSpec) -> torch.Tensor:
     """head_dim/2 inverse frequencies; proportional rope rotates only the first few.
 
-    The exponent's denominator is the full head_dim even for proportional rope (DESIGN §2.4).
+    The exponent's denominator is the full head_dim even for proportional rope
+    (docs/design.md#the-model-facts-and-traps, trap 4).
     """
     d = layer.head_dim
     n_rot = layer.rotated_freqs
@@ -155,7 +157,7 @@ class Attention(nn.Module):
         self.q_heads, self.kv_heads = plan.q_heads_per_rank, plan.kv_heads_per_rank
         self.q_proj = linears.column(h, self.q_heads * d)
         # Sharded KV heads are column-parallel; a replicated KV head (the 12B's full layers) is a
-        # whole copy on each rank, which a parallel layer would split (DESIGN §3, fix 1).
+        # whole copy on each rank, which a parallel layer would split (docs/design.md#the-port).
         kv_linear = linears.replicated if plan.kv_layout == "replicate" else linears.column
         self.k_proj = kv_linear(h, self.kv_heads * d)
         # Full layers of the 12B have no v_proj: the value is the raw k_proj output.
@@ -176,7 +178,7 @@ class Attention(nn.Module):
         v = self.v_norm(v).transpose(1, 2)
         k_all, v_all = self.cache.update(positions, k, v)
         # Eager attention: matmul, fp32 softmax, matmul. No fused kernel: at window 1024 the
-        # flash kernel's working set overflows SBUF on inf2 (DESIGN §3, fix 3).
+        # flash kernel's working set overflows SBUF on inf2 (docs/design.md#the-port).
         k_all = k_all.repeat_interleave(self.groups, dim=1)
         v_all = v_all.repeat_interleave(self.groups, dim=1)
         scores = torch.matmul(q, k_all.transpose(2, 3)) * attention_scale(self.head_dim) + mask
@@ -232,7 +234,7 @@ class RankDecoder(nn.Module):
 
     layer_class = DecoderLayer  # model_blocks.FamilyRankDecoder runs the gemma4 family's layers
 
-    def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = 256, dtype=torch.bfloat16,
+    def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = DEFAULT_KV_LEN, dtype=torch.bfloat16,
                  linears: RankLinears | None = None):
         super().__init__()
         linears = linears or RankLinears()

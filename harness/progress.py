@@ -1,6 +1,7 @@
 """Progress of long runs (reference, check, bisect, bench): one tqdm status line on stderr.
 
-Shown only when stderr is a terminal, so logs, pipes and CI output stay clean; with
+Shown only when stderr is a terminal, so logs, pipes and CI output stay clean (transformers' own
+bars too: third_party_bars); with
 GEMMA_PARITY_PROGRESS=1 a plain "[label] text" line per step is written instead where stderr is not a
 terminal (a CI log that wants them). `enabled=False` silences it everywhere (library callers, tests).
 """
@@ -32,14 +33,18 @@ class Status:
 
     def __call__(self, text: str, advance: int = 1) -> None:
         if self.lines:
-            print(f"[{self.label}] {text}", file=sys.stderr, flush=True)
+            print(self.line(text), file=sys.stderr, flush=True)
         if not self.enabled:
             return
         if self._bar is None:
             self._bar = tqdm(total=self.total, desc=f"[{self.label}]", file=sys.stderr, leave=False,
-                             dynamic_ncols=True, bar_format="{desc} {postfix} ({elapsed})")
+                             dynamic_ncols=True, bar_format="{desc} ({elapsed})")
         self._bar.update(advance)
-        self._bar.set_postfix_str(text)  # redrawn on every step: steps are layers and prompts, not ops
+        # The text goes into the description: tqdm prefixes a postfix with ", " ("[port] , prompt 1/5").
+        self._bar.set_description_str(self.line(text))  # redrawn on every step: layers and prompts, not ops
+
+    def line(self, text: str) -> str:
+        return f"[{self.label}] {text}"
 
     def close(self) -> None:
         if self._bar is not None:
@@ -51,6 +56,17 @@ class Status:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def third_party_bars() -> None:
+    """transformers' own bars ("Loading weights", "Writing model shards") follow the same policy:
+    where stderr is not a terminal they are silenced (the harness's own lines, with
+    GEMMA_PARITY_PROGRESS=1, say what runs); on a terminal they are left as they are."""
+    if interactive():
+        return
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
 
 
 def status(label: str, enabled: bool = True, total: int | None = None) -> Status:

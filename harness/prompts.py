@@ -3,30 +3,19 @@ the spec's vocabulary, the prefill buckets and the KV length before any model wo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from harness import FIXTURES_DIR
-from harness.errors import InputFileError, PromptError, read_problem
+from harness.errors import InputFileError, PromptError, not_a_file, read_json_file
 
 DEFAULT_PROMPTS = FIXTURES_DIR / "prompts" / "default.json"
 DEFAULT_NEW_TOKENS = 8
 
 
 def _read_json(path: Path):
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, path, "prompts file")) from None
-    try:
-        text = data.decode("utf-8-sig")  # a byte-order mark is harmless
-    except UnicodeDecodeError as exc:
-        raise PromptError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); save the prompts "
-                          "file as UTF-8 JSON") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise PromptError(f"{path}: not valid JSON ({exc}); expected a list of token-id lists") from None
+    # utf-8-sig: a byte-order mark is harmless
+    return read_json_file(path, "prompts file", PromptError, "save the prompts file as UTF-8 JSON: a list of "
+                          "token-id lists", "utf-8-sig")
 
 
 def is_token_id(t) -> bool:
@@ -37,6 +26,10 @@ def is_token_id(t) -> bool:
 def load_prompts(path=None, checkpoint_dir=None) -> list[list[int]]:
     """A JSON list of token-id lists, or of strings when the checkpoint has a tokenizer."""
     path = Path(path) if path else DEFAULT_PROMPTS
+    if path == DEFAULT_PROMPTS and not path.is_file():
+        raise InputFileError(f"{path}: the default prompts are not installed ({not_a_file(path)}): this "
+                             "gemma-parity was installed without its fixtures; pass --prompts FILE, or reinstall it "
+                             "from the repository (pip install .)")
     if path.is_dir():
         raise InputFileError(f"{path}: is a directory; give the prompts file (a JSON list of token-id lists)")
     items = _read_json(path)
@@ -73,8 +66,19 @@ def _tokenize(text, checkpoint_dir, path, k) -> list[int]:
                           f"({type(exc).__name__}: {exc}); fix the tokenizer files or give token ids") from None
 
 
+def _where_and_fix(source, vocab_size: int) -> tuple[str, str]:
+    """Who the prompts came from, and what fixes an id outside the vocabulary there."""
+    if source is None:
+        return (f"the default prompts file {DEFAULT_PROMPTS} (used because no --prompts was given): ",
+                f"this model's vocabulary is smaller than the default prompts assume; pass --prompts FILE "
+                f"with token ids below {vocab_size}")
+    if str(source).startswith("golden"):
+        return f"{source}: ", "the golden was made with another vocabulary; regenerate it for this model"
+    return f"{source}: ", "check the prompts file"
+
+
 def validate_prompt_ids(spec, prompts, source=None) -> None:
-    where = f"{source or DEFAULT_PROMPTS}: "
+    where, fix = _where_and_fix(source, spec.vocab_size)
     allowed = set(spec.placeholder_token_ids)
     for k, prompt in enumerate(prompts):
         if not prompt:
@@ -84,7 +88,7 @@ def validate_prompt_ids(spec, prompts, source=None) -> None:
                 raise PromptError(f"{where}prompt {k}: {t!r} at position {pos} is not an integer token id")
             if not (0 <= t < spec.vocab_size) and t not in allowed:
                 raise PromptError(f"{where}prompt {k}: token id {t} at position {pos} is outside the "
-                                  f"vocabulary [0, {spec.vocab_size}); check the prompts file")
+                                  f"vocabulary [0, {spec.vocab_size}); {fix}")
 
 
 def validate_prompt_fit(prompts, new_tokens: int, source=None, buckets=None, kv_len: int | None = None,

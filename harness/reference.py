@@ -21,22 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def torch_dtype(name) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    from harness.errors import HarnessInputError
-
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise HarnessInputError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+# The dtype vocabulary is the run settings' (one parser for every command and library function).
+from harness.settings import DTYPES, dtype_name, torch_dtype  # noqa: F401
 
 
 @dataclass
@@ -55,6 +41,9 @@ def load_reference_model(checkpoint_dir, dtype=torch.float32):
     import transformers
     from transformers import AutoConfig
 
+    from harness.progress import third_party_bars
+
+    third_party_bars()
     config = AutoConfig.from_pretrained(checkpoint_dir)
     name, kwargs = REFERENCE_CLASSES.get(config.model_type, REFERENCE_CLASSES["gemma4_unified_text"]), {}
     if config.model_type in ("gemma4", "gemma4_text"):

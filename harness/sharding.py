@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.errors import ShardingError
+from harness.settings import DEFAULT_DTYPE, DEFAULT_KV_LEN
 from harness.spec import LayerSpec, ModelSpec, dtype_bytes
 
 # Weights split by output rows (per head for attention), by input columns, or copied to every rank.
@@ -238,7 +239,7 @@ def layer_params_per_rank(spec: ModelSpec, layer: LayerSpec, tp: int) -> int:
     return q + kv + mlp + norms + ple + moe
 
 
-def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256) -> dict:
+def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = DEFAULT_DTYPE, kv_len: int = DEFAULT_KV_LEN) -> dict:
     """Device bytes per rank: weights (lm_head split by vocab) plus the KV cache at kv_len."""
     nbytes = dtype_bytes(dtype)
     weights = sum(layer_params_per_rank(spec, layer, tp) for layer in spec.layers)
@@ -258,7 +259,7 @@ def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: in
     }
 
 
-def plan_summary(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256) -> dict:
+def plan_summary(spec: ModelSpec, tp: int, dtype: str = DEFAULT_DTYPE, kv_len: int = DEFAULT_KV_LEN) -> dict:
     """The resolved spec with each layer's TP plan and the device bytes per rank (what `info` shows)."""
     layers = []
     for layer in spec.layers:

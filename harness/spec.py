@@ -9,7 +9,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from harness.errors import ConfigError, read_json_file
+from harness.errors import ConfigError, not_a_file, read_json_file
 from harness.spec_family import MoESpec, family_fields, refuse_family_features, validate_family_keys
 
 SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text", "gemma4", "gemma4_text")
@@ -19,7 +19,8 @@ FAMILY_MODEL_TYPES = ("gemma4", "gemma4_text")
 DRAFTER_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 SLIDING = "sliding_attention"
 FULL = "full_attention"
-# The multimodal wrapper swaps these placeholder ids for the pad id before embedding (DESIGN §2.7).
+# The multimodal wrapper swaps these placeholder ids for the pad id before embedding
+# (docs/design.md#the-model-facts-and-traps, trap 7).
 DEFAULT_PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "audio_token_id")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
@@ -200,6 +201,7 @@ def _validate_dimensions(text: dict, source: str) -> None:
     for dim_key in ("head_dim", "global_head_dim"):
         if dims[dim_key] is not None and dims[dim_key] % 2:
             raise _bad_value(source, dim_key, dims[dim_key], "must be even (rotary embeddings pair lanes)")
+    _validate_per_layer(text.get("per_layer_config"), dims, source)
     _positive_number(text, "rms_norm_eps", source)
     _positive_number(text, "final_logit_softcapping", source)
     for id_key in ("pad_token_id", "bos_token_id", "eos_token_id"):
@@ -217,6 +219,41 @@ def _validate_dimensions(text: dict, source: str) -> None:
                                            or not 0 < factor <= 1):
                     raise _bad_value(source, f"rope_parameters.{kind}.partial_rotary_factor", factor,
                                      "must be in (0, 1]")
+
+
+# What a layer may override (transformers' per_layer_config, as save_pretrained writes it: layer
+# index -> attributes); the port reads exactly these per layer, so any other override would be
+# honoured by the reference and not by the port.
+PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")
+
+
+def _validate_per_layer(overrides, dims: dict, source: str) -> None:
+    """per_layer_config validated like the top level: layer indices in range and given once, each
+    override a positive integer, KV heads dividing the query heads, head dims even."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise _bad_value(source, "per_layer_config", overrides, "must be an object of layer index -> overrides")
+    layers, seen = dims["num_hidden_layers"], {}
+    for key, values in overrides.items():
+        where = f"{source}: per_layer_config[{key!r}]"
+        index = int(key) if isinstance(key, str) and key.strip().isdigit() else None
+        if index is None or index >= layers or index in seen:
+            why = f"is given twice (also as {seen[index]!r})" if index in seen else f"is not a layer index in [0, {layers})"
+            raise ConfigError(f"{where}: the key {why}. Fix config.json (use the one the weights were saved with).")
+        seen[index] = key
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: must be an object of overrides, got {values!r}. Fix config.json.")
+        unknown = sorted(set(values) - set(PER_LAYER_KEYS))
+        if unknown:
+            raise _unsupported(where, unknown[0], values[unknown[0]], f"the port overrides only "
+                               f"{' and '.join(PER_LAYER_KEYS)} per layer")
+        layer = {k: _positive_int(values, k, where, False) for k in PER_LAYER_KEYS}
+        if layer["num_key_value_heads"] and dims["num_attention_heads"] % layer["num_key_value_heads"]:
+            raise _bad_value(where, "num_key_value_heads", layer["num_key_value_heads"],
+                             f"must divide num_attention_heads={dims['num_attention_heads']}")
+        if layer["head_dim"] and layer["head_dim"] % 2:
+            raise _bad_value(where, "head_dim", layer["head_dim"], "must be even (rotary embeddings pair lanes)")
 
 
 def _validate_text_config(text: dict, source: str, family: bool = False) -> None:
@@ -355,7 +392,7 @@ def load_spec(path: str | Path) -> ModelSpec:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(
-            f"{path}: config.json not found. Pass a checkpoint directory that holds config.json "
+            f"{path}: config.json {not_a_file(path)}. Pass a checkpoint directory that holds config.json "
             "(as written by save_pretrained) or --config pointing at the file."
         )
     config = read_json_file(path, "config", ConfigError, "re-download or re-save the config", "utf-8-sig")

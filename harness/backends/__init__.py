@@ -1,39 +1,109 @@
 """Backends run the per-rank decoder: `cpu` here and in CI, `neuron` on inf2 (the only Neuron code),
 `xla` (the device graphs through torch-xla on CPU, on the Neuron host's torch 2.9).
 
-`build_engine` puts a backend behind the host engine: what every workflow runs.
+`Backend` is the interface every backend implements, with its capabilities stated as attributes
+(no caller probes with hasattr). `build_engine` puts a backend, built from a `RunSettings`, behind
+the host engine: what every workflow runs. docs/design.md#backends describes the three.
 """
+
+from __future__ import annotations
+
+from typing import Callable, ClassVar, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from harness.engine import DEFAULT_BUCKETS, DEFAULT_KV_LEN, Engine
+from harness.engine import Engine
+from harness.errors import OptionError
+from harness.settings import RunSettings
 
 BACKENDS = ("cpu", "neuron", "xla")
 
 
-def make_backend(name: str, checkpoint, **kwargs):
-    """Build a backend by name; the Neuron one is imported only when asked for."""
+@runtime_checkable
+class Backend(Protocol):
+    """What the engine and the workflows may ask of a backend.
+
+    Built as `Cls(checkpoint, settings, capture=..., **options)`: `capture=True` asks for a parity
+    build (captures as extra graph outputs), otherwise a perf build; `options` are the backend's
+    own, declared in `OPTIONS` (name -> converter from the command line's text).
+
+    Capabilities:
+      returns_captures  forward(capture=True) returns the capture points (a parity build)
+      last_row_only     forward returns only row `last` of the logits (a perf build of a compiled
+                        backend); the engine then passes `last`
+      reads_cache       kv_cache(layer, rank) reads the device KV cache back
+      host_ranks        the ranks are modules on this host (`ranks`, `on_ranks`): a layer can be
+                        run alone on them (the local verdict of check and bisect)
+    `compiler_args` are the flags its graphs were compiled with (empty where nothing is compiled
+    ahead of time); a bench result records them.
+    """
+
+    name: ClassVar[str]
+    OPTIONS: ClassVar[Mapping[str, Callable]]
+    spec: object
+    tp: int
+    returns_captures: bool
+    last_row_only: bool
+    reads_cache: bool
+    host_ranks: bool
+    compiler_args: tuple | list
+
+    def reset(self) -> None:
+        """Zero (or forget) the KV cache before a new prompt."""
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
+                last: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """inputs_embeds [1, s, hidden], positions [1, s] -> (raw logits [1, s, vocab] (or [1, 1,
+        vocab], row `last`, on a last_row_only build), captures name -> [1, s, ...]); the captures
+        are empty unless `capture` is asked of a build that returns them."""
+
+    def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of one layer's cache on one rank, on the host: [1, kv_heads, kv_len, head_dim]."""
+
+
+def backend_class(name: str) -> type:
+    """The class of a backend by name; the Neuron one is imported only when asked for (importing
+    it needs no SDK)."""
     if name == "cpu":
         from harness.backends.cpu import CpuBackend
 
-        return CpuBackend(checkpoint, **kwargs)
+        return CpuBackend
     if name == "neuron":
         from harness.backends.neuron import NeuronBackend
 
-        return NeuronBackend(checkpoint, **kwargs)
+        return NeuronBackend
     if name == "xla":
         from harness.backends.xla import XlaBackend
 
-        return XlaBackend(checkpoint, **kwargs)
-    from harness.errors import HarnessInputError
-
-    raise HarnessInputError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+        return XlaBackend
+    raise OptionError(f"--backend {name!r}: unknown backend; choose one of {', '.join(BACKENDS)}")
 
 
-def build_engine(checkpoint, backend: str = "cpu", tp: int = 2, dtype: torch.dtype = torch.bfloat16,
-                 buckets=DEFAULT_BUCKETS, kv_len: int = DEFAULT_KV_LEN, **backend_kwargs) -> Engine:
-    """The host engine over a `backend` built for this checkpoint (per-rank weights, TP, buckets)."""
-    be = make_backend(backend, checkpoint, tp=tp, dtype=dtype, max_len=kv_len, buckets=tuple(buckets),
-                      **backend_kwargs)
-    return Engine(checkpoint.spec, be, checkpoint.embed_weight(dtype), buckets=buckets, kv_len=kv_len,
-                  per_layer_table=checkpoint.per_layer_table(dtype) if checkpoint.spec.per_layer_input_size else None)
+def backend_options(name: str, options: Mapping[str, object]) -> dict[str, object]:
+    """`options` converted by the backend's declared converters; an option it does not declare, or
+    a value its converter refuses, is bad input naming the option."""
+    declared = backend_class(name).OPTIONS
+    converted = {}
+    for key, value in options.items():
+        if key not in declared:
+            known = ", ".join(sorted(declared)) or "none"
+            raise OptionError(f"--backend-option {key}: the {name} backend has no such option "
+                              f"(its options: {known})")
+        try:
+            converted[key] = declared[key](value)
+        except (TypeError, ValueError) as exc:
+            raise OptionError(f"--backend-option {key}={value!r}: {exc}") from None
+    return converted
+
+
+def make_backend(checkpoint, settings: RunSettings, capture: bool = False):
+    """A backend built for this checkpoint from `settings` (a parity build when `capture`)."""
+    options = backend_options(settings.backend, settings.backend_options)
+    return backend_class(settings.backend)(checkpoint, settings, capture=capture, **options)
+
+
+def build_engine(checkpoint, settings: RunSettings, capture: bool = False) -> Engine:
+    """The host engine over a backend built from `settings` for this checkpoint."""
+    be = make_backend(checkpoint, settings, capture=capture)
+    table = checkpoint.per_layer_table(settings.torch_dtype) if checkpoint.spec.per_layer_input_size else None
+    return Engine(checkpoint.spec, be, checkpoint.embed_weight(settings.torch_dtype), settings, per_layer_table=table)

@@ -14,7 +14,8 @@ import torch
 
 from harness.model import Collectives, RankLinears
 from harness.model_blocks import rank_decoder
-from harness.sharding import merge_rank_caches, rank_state_dicts
+from harness.settings import RunSettings
+from harness.sharding import rank_state_dicts
 
 COLLECTIVE_TIMEOUT_S = 600.0
 
@@ -51,12 +52,16 @@ class RankCollectives(Collectives):
 
 
 class CpuBackend:
-    """Runs the port on CPU at tensor parallel degree `tp`, in bf16 unless told otherwise."""
+    """Runs the port on CPU at the settings' tensor parallel degree and dtype. Every build returns
+    captures when asked (the rank modules are plain torch), so `capture` changes nothing here."""
 
     name = "cpu"
+    OPTIONS: dict = {}  # no backend options
+    returns_captures, last_row_only, reads_cache, host_ranks = True, False, True, True
+    compiler_args = ()  # nothing is compiled ahead of time
 
-    def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
-                 buckets=None, **_ignored):
+    def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
+        tp, dtype, max_len = settings.tp, settings.torch_dtype, settings.kv_len
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         self.group = ThreadGroup(tp)
         states = rank_state_dicts(checkpoint, tp, dtype)
@@ -97,17 +102,16 @@ class CpuBackend:
             raise (real or errors)[0]
         return results
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
-        """Every rank runs the same step; rank 0's (gathered, identical) outputs are returned."""
-        return self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
+                last: int | None = None):
+        """Every rank runs the same step; rank 0's (gathered, identical) outputs are returned:
+        (logits, captures), captures empty unless asked for; only row `last` when it is given."""
+        out = self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
+        logits, captures = out if capture else (out, {})
+        return (logits if last is None else logits[:, last:last + 1]), captures
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank: [1, kv_heads, max_len, d]."""
         attn = self.ranks[rank].layers[layer].self_attn
         cache = getattr(attn, "cache", None) or attn.source_cache  # a KV-shared layer: its source's
         return cache.k, cache.v
-
-    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), as the port stores it (keys after norm
-        and rope, values after v_norm), merged over ranks: per layer (k, v), [kv_heads, written, d]."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)

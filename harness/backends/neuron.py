@@ -11,7 +11,7 @@ explicit collectives) and traced with ModelBuilder v2 under NxDParallelState: on
 bucket and one decode graph (s=1). The KV cache buffers, reassigned in forward, become device state
 aliased between calls. Per-rank weights come from `harness.sharding.rank_state_dicts` and are
 loaded with NxDModel.set_weights + to_neuron. Compiled graphs are cached on disk under a key of
-everything that changes them (DESIGN §5); weights are never part of a cache entry.
+everything that changes them (docs/design.md#backends); weights are never part of a cache entry.
 
 NxD APIs used (signatures read in aws-neuron/neuronx-distributed's public source, Release 2.29
 (commit fbac349, the newest published; 0.19 / SDK 2.31 has no public source):
@@ -49,9 +49,10 @@ from harness.graphs import (  # noqa: F401  (the device graphs, defined once for
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
     graph_inputs, graph_plan, graph_result, kv_buffer_names, tag_for_length, unpack_outputs)
 from harness.model import RankLinears
-from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts
+from harness.settings import DEFAULT_KV_LEN, RunSettings, directory, flag, positive_int
+from harness.sharding import plan_model, rank_state_dicts
 
-# ---- versions (DESIGN §5, NEURON.md): keep in step with pyproject's `neuron` extra --------------
+# ---- versions (docs/design.md#backends): keep in step with pyproject's `neuron` extra ------------
 
 NEURON_SDK_RELEASE = "2.31"
 PINNED_VERSIONS = {
@@ -319,7 +320,7 @@ def _dtype_name(dtype) -> str:
 
 
 def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, compiler_args,
-                       model_source_hash: str, capture: bool, *, max_len: int = 256,
+                       model_source_hash: str, capture: bool, *, max_len: int = DEFAULT_KV_LEN,
                        dtype=torch.bfloat16) -> str:
     """The cache directory name for one compiled build: readable prefix + hash of every input.
 
@@ -404,7 +405,7 @@ class NeuronLinears(RankLinears):
     def row(self, in_per_rank: int, out_features: int) -> nn.Module:
         from neuronx_distributed.parallel_layers.layers import RowParallelLinear
 
-        # Partial sums all-reduced in fp32, as the CPU backend does (DESIGN §5).
+        # Partial sums all-reduced in fp32, as the CPU backend does (docs/design.md#backends).
         return RowParallelLinear(in_per_rank * self.tp, out_features, bias=False, input_is_parallel=True,
                                  dtype=self.dtype, reduce_dtype=torch.float32)
 
@@ -469,15 +470,20 @@ class NeuronBackend:
 
     name = "neuron"
 
-    def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
-                 buckets=(64,), capture: bool = False, compiler_args=None, cache_dir=None,
-                 compile_workers: int | None = None, zero_on_reset: bool = True, **_ignored):
+    # The backend options (harness.backends.Backend): name -> converter of a --backend-option value.
+    OPTIONS = {"compiler_args": str, "cache_dir": directory, "compile_workers": positive_int,
+               "zero_on_reset": flag}
+    reads_cache, host_ranks = True, False
+
+    def __init__(self, checkpoint, settings: RunSettings, capture: bool = False, *, compiler_args=None,
+                 cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True):
+        tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.versions = check_neuron_packages()  # before anything imports the SDK
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here, before any compile
         self.graphs = graph_plan(buckets, max_len)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
-        self.capture = bool(capture)
+        self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.compiler_args = normalize_compiler_args(compiler_args)
         self.compile_workers = compile_workers
@@ -485,7 +491,7 @@ class NeuronBackend:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_key = artifact_cache_key(
             self.spec.spec_hash(), self.buckets, tp, toolchain_version(self.versions), self.compiler_args,
-            model_source_hash(), self.capture, max_len=max_len, dtype=dtype)
+            model_source_hash=model_source_hash(), capture=self.capture, max_len=max_len, dtype=dtype)
         self.artifact_dir = self.cache_dir / self.cache_key
         self.visible_cores = assign_visible_cores(tp)  # before the Neuron runtime starts
         self.compiled = False  # True when this process compiled the graphs (a cache miss)
@@ -654,15 +660,11 @@ class NeuronBackend:
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures
         when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
-        tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture, self.capture,
-                                 self.last_row_only, last)
+        tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
+                                 parity_build=self.capture, last_row_only=self.last_row_only, last=last)
         out = self.nxd_model(*args, model_name=tag)
         return graph_result(out, self.capture_names if self.capture else None, args[0], capture,
-                            self.last_row_only, last)
-
-    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), merged over ranks: per layer (k, v)."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
+                            self.last_row_only, last=last)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""

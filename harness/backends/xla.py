@@ -32,7 +32,8 @@ from harness.errors import HarnessInputError
 from harness.graphs import (GraphBuildError, constant_buffers, example_inputs, graph_inputs, input_width, traced_class,
                             graph_plan, graph_result, kv_buffer_names)
 from harness.model import Collectives, RankLinears
-from harness.sharding import merge_rank_caches, plan_model, rank_state_dicts
+from harness.settings import RunSettings
+from harness.sharding import plan_model, rank_state_dicts
 
 TORCH_XLA_VERSION = "2.9.0"  # keep in step with pyproject's `xla` extra
 INSTALL_COMMAND = (f"pip install torch=={TORCH_XLA_VERSION} torch-xla=={TORCH_XLA_VERSION} "
@@ -195,7 +196,8 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     xlac._set_all_reduce_token(str(device), None)  # nothing of this trace is ever executed
     names = ["logits"] + list(getattr(module, "capture_names", []) or [])[:len(outputs) - 1]
     names += [f"output{k}" for k in range(len(names), len(outputs))]
-    return LoweredGraph(tag, length, rank, hlo, params, names + state_out, host_transfers)
+    return LoweredGraph(tag, length, rank, hlo, params=params, outputs=names + state_out,
+                        host_transfers=host_transfers)
 
 
 def graph_tensors(module: nn.Module, state: dict[str, torch.Tensor] | None = None):
@@ -213,13 +215,17 @@ def graph_tensors(module: nn.Module, state: dict[str, torch.Tensor] | None = Non
 
 class XlaBackend:
     """Runs the port's device graphs through torch-xla on CPU at tensor parallel degree `tp` (same
-    interface as CpuBackend and NeuronBackend): one prefill graph per bucket and the decode graph,
-    a parity build (captures as extra outputs) when `capture=True`."""
+    interface as CpuBackend and NeuronBackend, harness.backends.Backend): one prefill graph per
+    bucket and the decode graph, a parity build (captures as extra outputs) when `capture=True`."""
 
     name = "xla"
 
-    def __init__(self, checkpoint, tp: int = 2, dtype: torch.dtype = torch.bfloat16, max_len: int = 256,
-                 buckets=(64,), capture: bool = False, **_ignored):
+    OPTIONS: dict = {}  # no backend options
+    reads_cache, host_ranks = True, False
+    compiler_args = ()  # XLA's CPU compiler runs with its defaults
+
+    def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
+        tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.rt = xla_runtime()  # before anything else: a missing torch-xla is reported first
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here
@@ -227,7 +233,7 @@ class XlaBackend:
             raise HarnessInputError(f"the xla backend runs tp=1 or tp={self.rt.devices} (one XLA CPU device per "
                                     f"rank; CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES')}), not tp={tp}")
         self.graphs = graph_plan(buckets, max_len)
-        self.capture = bool(capture)
+        self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture)
         self.kv_names = kv_buffer_names(self.module)
@@ -289,14 +295,14 @@ class XlaBackend:
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures on a
         parity build). s must be a bucket of the plan or 1 (decode), as on the device. A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
-        _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture,
-                                   self.capture, self.last_row_only, last)
+        _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
+                                   parity_build=self.capture, last_row_only=self.last_row_only, last=last)
         outputs = self._step(*graph_in)
         if self.capture and self.capture_names is None:
             self.capture_names = list(self.module.capture_names)
         embeds = graph_in[0][..., :self.spec.hidden_size]  # without the family's per-layer rows
         return graph_result(outputs, self.capture_names if self.capture else None, embeds, capture,
-                            self.last_row_only, last)
+                            self.last_row_only, last=last)
 
     def _step(self, *graph_inputs) -> list[torch.Tensor]:
         """Every rank's graph in one SPMD program (collectives in-graph), executed; outputs of rank 0."""
@@ -313,10 +319,6 @@ class XlaBackend:
         self.rt.torch_xla.sync()
         return [r.cpu()[0] for r in results]
 
-    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), merged over ranks: per layer (k, v)."""
-        return merge_rank_caches(self.spec, self.tp, self.kv_cache, written)
-
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied to the host: [1, kv_heads, max_len, d]."""
         keys = [f"layers.{layer}.self_attn.cache.{b}" for b in ("k", "v")]
@@ -325,4 +327,5 @@ class XlaBackend:
     def lower_graphs(self, rank: int = 0) -> dict[str, LoweredGraph]:
         """Every graph of the plan, lowered for one rank on that rank's weights (not executed)."""
         tensors, roles = graph_tensors(self.module, rank_state_dicts(self.checkpoint, self.tp, self.dtype)[rank])
-        return {tag: lower_graph(self.module, tensors, roles, tag, length, rank) for tag, length in self.graphs.items()}
+        return {tag: lower_graph(self.module, tensors, roles, tag, length, rank=rank)
+                for tag, length in self.graphs.items()}

@@ -1,6 +1,6 @@
 """The `gemma-parity` command: info, reference, check, bisect, bench, perf compare and graphs.
 
-The top layer (DESIGN §4): argument parsing, printing and exit codes. Each command module adds its
+The top layer (docs/design.md#import-layers): argument parsing, printing and exit codes. Each command module adds its
 subparser with a `validate` (the one validation pass, before any model work) and a `run` (one
 library call); nothing in `harness` below this package imports it.
 
@@ -23,7 +23,8 @@ import traceback
 from harness.cli import bisect, check, graphs, info, perf, reference
 from harness.cli.common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                                 EXIT_TERMINATED)
-from harness.errors import HarnessInputError, os_problem
+from harness.atomic import release_claims
+from harness.errors import SHOW_BYTES, HarnessInputError, os_problem
 
 COMMANDS = (info, reference, check, bisect, perf, graphs)
 
@@ -54,17 +55,18 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
-def _internal_error(name: str, exc: BaseException) -> int:
-    """A bug, not a verdict: say so, keep the traceback, and never exit 1."""
+def _internal_error(name: str, exc: BaseException, argv: list[str]) -> int:
+    """A bug, not a verdict: say so, keep the traceback, and never exit 1 (nor fail here: an
+    argument that is not UTF-8 is written as \\xNN)."""
     text = "".join(traceback.format_exception(exc))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     where = None
     try:
         with tempfile.NamedTemporaryFile("w", prefix=f"gemma-parity-crash-{stamp}-", suffix=".txt",
-                                         delete=False) as f:
-            f.write(f"gemma-parity {name}: {' '.join(sys.argv)}\n{text}")
+                                         delete=False, encoding="utf-8", errors=SHOW_BYTES) as f:
+            f.write(f"gemma-parity {name}: {' '.join(map(str, argv))}\n{text}")
             where = f.name
-    except OSError:
+    except Exception:  # noqa: BLE001  (no crash file: the traceback goes to stderr below)
         pass
     print(f"gemma-parity {name}: internal error (a bug in gemma-parity, not a parity verdict): "
           f"{type(exc).__name__}: {exc}", file=sys.stderr)
@@ -75,7 +77,16 @@ def _internal_error(name: str, exc: BaseException) -> int:
     return EXIT_INTERNAL
 
 
-def _run(args, name: str) -> int:
+def _show_bytes_on_the_console() -> None:
+    """Paths and arguments that are not UTF-8 print as \\xNN instead of raising mid-output."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors=SHOW_BYTES)
+        except (AttributeError, ValueError, OSError):  # not a text stream we may reconfigure
+            pass
+
+
+def _run(args, name: str, argv: list[str]) -> int:
     from harness.cli.validate import refuse_nul
 
     try:
@@ -104,22 +115,30 @@ def _run(args, name: str) -> int:
               "`reference`, --stream)", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as exc:  # noqa: BLE001  (the contract: a bug is reported as one, never as exit 1)
-        return _internal_error(name, exc)
+        return _internal_error(name, exc, argv)
+    finally:
+        release_claims()
 
 
 def main(argv=None) -> int:
+    _show_bytes_on_the_console()
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     parser = build_parser()
     args = parser.parse_args(argv)  # a malformed command line exits 2 (argparse)
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = {signal.SIGTERM: signal.getsignal(signal.SIGTERM), signal.SIGINT: signal.getsignal(signal.SIGINT)}
     try:
+        # from here a signal unwinds (temp files are removed on the way out): Ctrl-C as
+        # KeyboardInterrupt, SIGTERM as Terminated (harness/entry.py guards the time before)
         signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     except ValueError:  # not the main thread (a library caller's worker): leave signals alone
-        previous = None
+        previous = {}
     try:
-        return _run(args, _command_name(args))
+        return _run(args, _command_name(args), argv)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

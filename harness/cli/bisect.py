@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness.atomic import write_json_atomic
 from harness.cli import validate as v
-from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, with_generator
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 
 
 def add_command(sub) -> None:
@@ -29,23 +29,22 @@ def validate(args) -> None:
     from harness.prompts import validate_prompt_fit
 
     v._port_options(args)
+    args.settings = run_settings(args)
     inputs = v.model_inputs(args)
     inputs["--golden"] = v.input_path(args.golden, "--golden", want_dir=True)
     ckpt = v.port_run_outputs_and_checkpoint(args, inputs)
     golden = args.golden_read = v.check_golden_inputs(args, inputs, refuse_other_weights=False)
-    validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", args.buckets, args.kv_len,
-                        ckpt.spec.max_positions)
+    validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", buckets=args.settings.buckets,
+                        kv_len=args.settings.kv_len, max_positions=ckpt.spec.max_positions)
 
 
 def run(args) -> int:
     from harness.bisect import bisect_golden
-    from harness.reference import torch_dtype
     from harness.report import format_bisect, write_report
 
     ckpt = args.ckpt
     print(ckpt.describe())
-    result, payload = bisect_golden(ckpt, args.golden_read, args.mode, args.backend, args.tp, torch_dtype(args.dtype),
-                                    args.buckets, args.kv_len, progress=True)
+    result, payload = bisect_golden(ckpt, args.golden_read, args.settings, mode=args.mode, progress=True)
     text = format_bisect(payload)
     payload = with_generator(payload, "bisect")
     if args.json is not None:  # the files first: a verdict is printed only once they are written

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness.atomic import write_json_atomic
 from harness.cli import validate as v
-from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, with_generator
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 from harness.errors import OptionError
 from harness.prompts import DEFAULT_NEW_TOKENS
 
@@ -21,6 +21,8 @@ def add_command(sub) -> None:
                    help=f"greedy tokens to decode (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--skip-fp32-stage", action="store_true",
                    help="skip the fp32 structural stage (it holds the model in fp32 on the host)")
+    p.add_argument("--verbose", action="store_true", help="print the wall time of each stage and phase "
+                   "(always in the JSON under \"seconds\")")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
     p.set_defaults(func=run, validate=validate)
 
@@ -38,6 +40,7 @@ def validate(args) -> None:
         args.new_tokens = DEFAULT_NEW_TOKENS
     v._int_option(args, "new_tokens", 0)
     v._port_options(args)
+    args.settings = run_settings(args)
     inputs = v.model_inputs(args)
     inputs.update({flag: v.input_path(val, flag, want_dir)
                    for flag, val, want_dir in (("--golden", args.golden, True), ("--prompts", args.prompts, False))
@@ -48,24 +51,23 @@ def validate(args) -> None:
         prompts, new_tokens, source = golden.prompts, golden.new_tokens, f"golden {args.golden}"
         args.reference_source, args.prompt_ids = golden, None  # read and verified once, here
     else:
+        ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
         prompts = load_prompts(args.prompts, args.ckpt_dir)
         validate_prompt_ids(ckpt.spec, prompts, args.prompts)
         new_tokens, source = args.new_tokens, args.prompts
         args.reference_source, args.prompt_ids = None, prompts
-    validate_prompt_fit(prompts, new_tokens, source, args.buckets, args.kv_len, ckpt.spec.max_positions)
+    validate_prompt_fit(prompts, new_tokens, source, buckets=args.settings.buckets, kv_len=args.settings.kv_len,
+                        max_positions=ckpt.spec.max_positions)
 
 
 def run(args) -> int:
     from harness.parity import run_parity_check
-    from harness.reference import torch_dtype
     from harness.report import format_check, write_report
 
     ckpt = args.ckpt
     print(ckpt.describe())
-    result = run_parity_check(ckpt, args.ckpt_dir, golden=args.reference_source, prompts=args.prompt_ids,
-                              backend=args.backend,
-                              tp=args.tp, dtype=torch_dtype(args.dtype), new_tokens=args.new_tokens,
-                              buckets=args.buckets, kv_len=args.kv_len, progress=True,
+    result = run_parity_check(ckpt, args.ckpt_dir, args.settings, golden=args.reference_source,
+                              prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
                               fp32_stage=not args.skip_fp32_stage)
     payload = with_generator(result.to_json(), "check")
     # The files first: a verdict is printed only once everything asked for is written, so that
@@ -74,5 +76,5 @@ def run(args) -> int:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
-    print(format_check(result))
+    print(format_check(result, verbose=args.verbose))
     return EXIT_OK if result.passed else EXIT_FAIL

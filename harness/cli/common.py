@@ -1,4 +1,4 @@
-"""What every command shares: exit codes, the model arguments, the bucket-list parser."""
+"""What every command shares: exit codes, the model arguments, the run-settings arguments."""
 
 from __future__ import annotations
 
@@ -33,25 +33,75 @@ def checkpoint_dir(args) -> Path:
 
 
 def buckets_arg(text: str) -> tuple[int, ...]:
+    from harness.errors import OptionError
+    from harness.settings import parse_buckets
+
     try:
-        buckets = tuple(sorted({int(b) for b in text.split(",") if b.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--buckets {text!r}: expected comma-separated integers like 16,64")
-    if not buckets or min(buckets) < 1:
-        raise argparse.ArgumentTypeError(f"--buckets {text!r}: need at least one positive bucket")
-    return buckets
+        return parse_buckets(text)
+    except OptionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def dtype_arg(text: str) -> str:
+    """Any name of the dtype vocabulary (bf16, bfloat16, fp32, float32) -> the canonical name."""
+    from harness.errors import OptionError
+    from harness.settings import dtype_name
+
+    try:
+        return dtype_name(text)
+    except OptionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+RUN_ARGS = ("backend", "tp", "dtype", "buckets", "kv_len", "backend_options")
+
+
+def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype") -> None:
+    """The run-settings options `fields` of a command, their defaults taken from `defaults` (a
+    RunSettings; the settings' own defaults when None). `run_settings(args)` reads them back."""
+    from harness.backends import BACKENDS
+    from harness.settings import DTYPES, RunSettings
+
+    d = defaults or RunSettings()
+    if "backend" in fields:
+        p.add_argument("--backend", choices=list(BACKENDS), default=d.backend,
+                       help=f"what runs the port: cpu (here and in CI), xla, neuron (inf2) (default {d.backend})")
+    if "tp" in fields:
+        p.add_argument("--tp", type=int, default=d.tp, help=f"tensor parallel degree (default {d.tp})")
+    if "dtype" in fields:
+        names = ", ".join(f"{name} ({short})" for name, (short, _) in DTYPES.items())
+        p.add_argument("--dtype", type=dtype_arg, default=d.dtype, metavar="DTYPE",
+                       help=f"{purpose}: {names} (default {d.dtype})")
+    if "buckets" in fields:
+        p.add_argument("--buckets", type=buckets_arg, default=d.buckets, metavar="16,64",
+                       help=f"prefill buckets (default {','.join(map(str, d.buckets))})")
+    if "kv_len" in fields:
+        p.add_argument("--kv-len", type=int, default=d.kv_len, help=f"KV cache length (default {d.kv_len})")
+    if "backend_options" in fields:
+        p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE", dest="backend_option",
+                       help="an option of the backend, e.g. compile_workers=4 for neuron (repeatable; an option "
+                            "the backend does not have is refused)")
+    p.set_defaults(run_fields=tuple(fields), run_defaults=d)
+
+
+def run_settings(args):
+    """The RunSettings of a command's arguments (what `add_run_args` added; the rest from its
+    defaults). Backend options are checked against the backend's declared options here, in the
+    validation pass: a misspelt option is refused (exit 2) before any model work."""
+    from harness.backends import backend_options
+    from harness.settings import parse_backend_options
+
+    given = {name: getattr(args, name) for name in args.run_fields if name != "backend_options"}
+    settings = args.run_defaults.but(**given)
+    if "backend_options" in args.run_fields:
+        raw = parse_backend_options(args.backend_option)
+        settings = settings.but(backend_options=backend_options(settings.backend, raw))
+    return settings
 
 
 def add_port_args(p, report_help: str) -> None:
-    """How the port runs (backend, TP, dtype, buckets, KV length) and where results go."""
-    from harness.backends import BACKENDS
-
-    p.add_argument("--backend", choices=list(BACKENDS), default="cpu")
-    p.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
-    p.add_argument("--dtype", default="bfloat16", help="port dtype: bfloat16 (default) or float32")
-    p.add_argument("--buckets", type=buckets_arg, default=(64, 256),
-                   help="prefill buckets, e.g. 16,64 (default 64,256: the default prompts reach position 247)")
-    p.add_argument("--kv-len", type=int, default=256, help="KV cache length (default 256)")
+    """How the port runs (the run settings) and where results go (check, bisect)."""
+    add_run_args(p)
     p.add_argument("--json", metavar="FILE", help="write the result as JSON (replaces only a result "
                    "gemma-parity wrote)")
     p.add_argument("--report", metavar="DIR", help=report_help)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from harness.atomic import write_json_atomic
 from harness.cli import validate as v
-from harness.cli.common import EXIT_FAIL, EXIT_OK, buckets_arg, with_generator
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
+from harness.settings import PUBLISHED_BUCKET, RunSettings
+
+# What graphs lowers unless told: the published port's prefill bucket.
+GRAPHS_SETTINGS = RunSettings(backend="xla", buckets=(PUBLISHED_BUCKET,))
 
 
 def add_command(sub) -> None:
@@ -15,10 +19,7 @@ def add_command(sub) -> None:
                                    "the statistics by the layer counts. Exit 0, 1 when a contract breaks, "
                                    "2 on bad input or without torch-xla.")
     p.add_argument("--config", required=True, metavar="FILE", help="a config.json (no weights needed)")
-    p.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
-    p.add_argument("--kv-len", type=int, default=256, help="KV cache length (default 256)")
-    p.add_argument("--buckets", type=buckets_arg, default=(64,), help="prefill buckets (default 64)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_run_args(p, GRAPHS_SETTINGS, ("tp", "dtype", "buckets", "kv_len"), purpose="graph dtype")
     p.add_argument("--json", metavar="FILE", help="also write the statistics as JSON")
     p.set_defaults(func=run, validate=validate)
 
@@ -28,6 +29,7 @@ def validate(args) -> None:
 
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
+    args.settings = run_settings(args)
     inputs = {"--config": v.input_path(args.config, "--config", want_dir=False)}
     outputs: dict = {}
     if args.json is not None:
@@ -44,14 +46,10 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    import torch
-
     from harness.graph_stats import model_graph_stats
     from harness.report import format_graph_stats
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    result = model_graph_stats(args.spec, tp=args.tp, max_len=args.kv_len, buckets=args.buckets, dtype=dtype,
-                               progress=True)
+    result = model_graph_stats(args.spec, args.settings, progress=True)
     print(format_graph_stats(result))
     for tag, g in result["graphs"].items():
         for piece, violations in g["contract_violations"].items():

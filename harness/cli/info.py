@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness.atomic import write_json_atomic
 from harness.cli import validate as v
-from harness.cli.common import EXIT_OK, add_model_args, with_generator
+from harness.cli.common import EXIT_OK, add_model_args, add_run_args, run_settings, with_generator
 
 
 def add_command(sub) -> None:
@@ -12,9 +12,7 @@ def add_command(sub) -> None:
                        description="The resolved per-layer spec, the TP plan and device bytes per rank. "
                                    "Exit 0, or 2 on bad input.")
     add_model_args(p, config=True)
-    p.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
-    p.add_argument("--dtype", default="bfloat16", help="device dtype for the memory estimate")
-    p.add_argument("--kv-len", type=int, default=256, help="KV cache length for the memory estimate")
+    add_run_args(p, fields=("tp", "dtype", "kv_len"), purpose="device dtype of the memory estimate")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
@@ -22,12 +20,12 @@ def add_command(sub) -> None:
 
 
 def validate(args) -> None:
-    from harness.spec import DTYPE_BYTES, load_spec
+    from harness.spec import load_spec
 
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
     v._int_option(args, "seed", 0)
-    v._dtype(args, DTYPE_BYTES)
+    args.settings = run_settings(args)
     inputs = v.model_inputs(args)
     outputs: dict = {}
     if args.json is not None:
@@ -44,22 +42,34 @@ def validate(args) -> None:
     args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len)
 
 
+def _is_published_model(spec) -> bool:
+    """Whether the spec is the model the published latency was measured on (the 12B, whose config
+    the repository ships): only then is "floor / published" a comparison of like with like."""
+    from harness import FIXTURES_DIR
+    from harness.spec import load_spec
+
+    return spec.spec_hash() == load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json").spec_hash()
+
+
 def run(args) -> int:
     from harness.report import format_info
     from harness.sharding import plan_summary
 
     if args.ckpt is not None:
-        print(args.ckpt.describe())
+        print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
+    s = args.settings
+    payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
     from harness.instances import plan_notes
 
-    payload = plan_summary(args.spec, args.tp, args.dtype, args.kv_len)
     payload["placement"] = args.placement
     payload["notes"] = plan_notes(args.spec, args.placement)
-    print(format_info(payload))
+    print(format_info({**payload, "inert": None} if args.ckpt is not None else payload))
     if args.perf:
         from harness.perf import info_floors, render_roofline
 
-        payload["roofline"] = info_floors(args.spec, args.tp, args.dtype, args.kv_len)
+        payload["roofline"] = info_floors(args.spec, s.tp, s.dtype, s.kv_len)
+        if not _is_published_model(args.spec):
+            payload["roofline"].pop("published_ms", None)  # the published latency is the 12B's, not this model's
         print(render_roofline(payload["roofline"]), end="")
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from harness.atomic import claim_output
 from harness.cli import validate as v
-from harness.cli.common import EXIT_FAIL, EXIT_OK, buckets_arg, with_generator
-from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError
-from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP,
-                          PUBLISHED_BUCKET, append_history, compare_files, compare_history, draw_trend, parse_budgets,
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
+from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
+from harness.perf.results import history_files, skipped_history_entries, validate_result
+from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
+                          append_history, compare_files, compare_history, draw_trend, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
 
 
 def add_command(subparsers) -> None:
     """Add `bench` and `perf compare`; each sets `func(args) -> exit code` and its `validate`."""
-    from harness.backends import BACKENDS
+    from harness.perf.bench import BENCH_SETTINGS
 
     bench = subparsers.add_parser(
         "bench", help="time prefill and decode; write a result file (and add it to a history)",
@@ -24,20 +25,22 @@ def add_command(subparsers) -> None:
     source = bench.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (safetensors)")
     source.add_argument("--model", choices=("tiny",), help="the cached tiny fixture model")
-    bench.add_argument("--backend", choices=BACKENDS, default="cpu")
-    bench.add_argument("--runs", type=int, default=DEFAULT_RUNS, help="timed runs (default %(default)s)")
-    bench.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="discarded runs first")
-    bench.add_argument("--buckets", type=buckets_arg, default=(PUBLISHED_BUCKET,), metavar="16,64")
-    bench.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="decode steps per run")
-    bench.add_argument("--tp", type=int, default=2)
-    bench.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    bench.add_argument("--kv-len", type=int, default=None, help="KV cache length (default: the engine's)")
+    add_run_args(bench, BENCH_SETTINGS)
+    bench.add_argument("--runs", type=int, default=DEFAULT_RUNS,
+                       help="timed runs; p90 is reported from 10, p99 from 100 samples (default %(default)s)")
+    bench.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
+                       help="runs made first and discarded (default %(default)s)")
+    bench.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
+                       help="decode steps per run after the headline prefill (default %(default)s)")
     bench.add_argument("--out", required=True, metavar="FILE", help="result JSON (never overwritten "
                        "without --force, and then only a result file bench wrote)")
     bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
     bench.add_argument("--history", metavar="DIR", help="also add the run to this history directory")
     bench.set_defaults(func=run_bench_command, validate=validate_bench, seed=0)
+    _add_compare(subparsers)
 
+
+def _add_compare(subparsers) -> None:
     perf = subparsers.add_parser("perf", help="compare benchmark results")
     perf_commands = perf.add_subparsers(dest="perf_command", metavar="{compare}", required=True)
     compare = perf_commands.add_parser(
@@ -53,9 +56,14 @@ def add_command(subparsers) -> None:
     compare.add_argument("--factor", type=float, default=DEFAULT_FACTOR,
                          help="median slowdown ratio that may alert, finite and >= 1 (default %(default)s)")
     compare.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
-                         help="significance level of the rank test, in (0, 1) (default %(default)s)")
+                         help=f"significance level, in (0, {MAX_ALPHA:g}): of each metric's rank test (the "
+                              "ratio interval's level is 1 - 2 * alpha) and family-wise over the metrics tested "
+                              "for change points (default %(default)s)")
     compare.add_argument("--allow-mismatch", action="store_true",
                          help="compare runs from different machines, specs or settings")
+    compare.add_argument("--allow-output-change", action="store_true",
+                         help="compare the timings even when the runs generated different tokens (by default "
+                              "that fails: a run that computes something else is not a performance result)")
     compare.add_argument("--markdown", metavar="FILE", help="also write a Markdown report")
     compare.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
     compare.add_argument("--plot", metavar="PNG", help="with --history: the trend plot (default: "
@@ -66,22 +74,23 @@ def add_command(subparsers) -> None:
 # ---- validation ----------------------------------------------------------------------------------
 
 def _is_bench_result(path: Path) -> bool:
+    if not path.is_file():
+        return False
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json_file(path, "file", HarnessInputError, "")
+    except HarnessInputError:
         return False
     return isinstance(data, dict) and data.get("format") == 1 and {"machine", "metrics"} <= data.keys()
 
 
 def validate_bench(args) -> None:
-    from harness.engine import DEFAULT_KV_LEN
-
     v._int_option(args, "runs", 1)
     v._int_option(args, "warmup", 0)
     v._int_option(args, "new_tokens", 1)
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
-    kv_len = DEFAULT_KV_LEN if args.kv_len is None else args.kv_len
+    args.settings = run_settings(args)
+    kv_len = args.kv_len
     if max(args.buckets) + args.new_tokens > kv_len:
         raise OptionError(f"--buckets {max(args.buckets)} + --new-tokens {args.new_tokens} exceed the KV length "
                           f"{kv_len}; use --kv-len {max(args.buckets) + args.new_tokens}, fewer new tokens or "
@@ -96,6 +105,7 @@ def validate_bench(args) -> None:
     if args.history is not None:
         v.output_location(args.history, "--history", True, inputs, outputs)
     v.clean_leftovers(outputs.values())
+    claim_output(out, "--out")  # a second bench for the same --out is refused now, not after its runs
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, kv_len)
@@ -143,18 +153,16 @@ def _sample_problem(data, source: str) -> str | None:
 
 
 def _check_result_file(path: Path) -> None:
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, ValueError):
-        return  # perf.load_result reports unreadable or invalid JSON with the path
+    data = read_json_file(path, "perf result", HarnessInputError, "delete it or re-run the benchmark")
     problem = _sample_problem(data, str(path))
     if problem:
         raise HarnessInputError(problem)
+    validate_result(data, str(path))
 
 
 def validate_compare(args) -> None:
     v._finite(args.factor, "--factor", 1.0)
-    v._finite(args.alpha, "--alpha", 0.0, 1.0, low_open=True)
+    v._finite(args.alpha, "--alpha", 0.0, MAX_ALPHA, low_open=True)
     names = [str(item).partition("=")[0].strip() for item in args.budget]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -166,7 +174,9 @@ def validate_compare(args) -> None:
                                  f"`gemma-parity bench ... --history {args.history}`")
         history = v.input_path(args.history, "--history", want_dir=True)
         inputs = {"--history": history}
-        files = sorted(history.glob("*.json"))
+        files = history_files(history)
+        for entry in skipped_history_entries(history):
+            print(f"gemma-parity: note: {entry}: not a regular file, so not a run; skipped", file=sys.stderr)
     elif args.baseline and args.current and not args.history:
         inputs = {flag: v.input_path(val, flag, want_dir=False)
                   for flag, val in (("--baseline", args.baseline), ("--current", args.current))}
@@ -193,8 +203,7 @@ def validate_compare(args) -> None:
 # ---- running -------------------------------------------------------------------------------------
 
 def run_bench_command(args) -> int:
-    result = run_bench(args.ckpt, backend=args.backend, runs=args.runs, warmup=args.warmup, buckets=args.buckets,
-                       new_tokens=args.new_tokens, tp=args.tp, dtype=args.dtype, kv_len=args.kv_len,
+    result = run_bench(args.ckpt, args.settings, runs=args.runs, warmup=args.warmup, new_tokens=args.new_tokens,
                        progress=True)
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
@@ -205,7 +214,8 @@ def run_bench_command(args) -> int:
 
 
 def run_compare_command(args) -> int:
-    options = dict(factor=args.factor, alpha=args.alpha, budgets=args.budgets, allow_mismatch=args.allow_mismatch)
+    options = dict(factor=args.factor, alpha=args.alpha, budgets=args.budgets, allow_mismatch=args.allow_mismatch,
+                   allow_output_change=args.allow_output_change)
     if args.history is not None:
         comp = compare_history(args.history, **options)
     else:

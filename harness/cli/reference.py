@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.atomic import claim_output
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args
 from harness.errors import OptionError, OutputError
@@ -45,7 +46,10 @@ def validate(args) -> None:
                           "files. Choose a location outside it.")
     check_replaceable(out, args.overwrite)
     v.clean_leftovers([out])
+    claim_output(out, "--out")  # a second run for the same --out is refused now, not after its work
     ckpt = v.open_checkpoint(args)
+    if not args.stream:
+        ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
     prompts = load_prompts(args.prompts, args.ckpt_dir)
     validate_prompt_ids(ckpt.spec, prompts, args.prompts)
     validate_prompt_fit(prompts, args.new_tokens, args.prompts, max_positions=ckpt.spec.max_positions)

@@ -1,9 +1,9 @@
 """The one validation pass every command runs before any model work.
 
-`prepare(args)` checks every option and input of the command in a fixed order, cheapest first:
-numbers and flag conflicts; output locations (the right kind, writable, not an input, nothing of
-the user's replaced); then the checkpoint (opened, which builds the tiny model on first use) and
-everything judged against its spec: prompt ids, bucket and KV-length fit, a golden's integrity and
+Each command's `validate(args)` checks every option and input with these, in a fixed order,
+cheapest first: numbers and flag conflicts (and the run settings built from them); output
+locations (the right kind, writable, not an input, nothing of the user's replaced); then the
+checkpoint (opened, which builds the tiny model on first use) and everything judged against its spec: prompt ids, bucket and KV-length fit, a golden's integrity and
 provenance. A refusal is a HarnessInputError (exit 2) naming the option, path or key and the fix.
 What it opens is left on `args` for the command (`args.ckpt`, `args.prompt_ids`, ...), so nothing
 is validated twice and nothing expensive starts before every check has passed.
@@ -11,7 +11,6 @@ is validated twice and nothing expensive starts before every check has passed.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import stat
@@ -20,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from harness.atomic import clean_stale_temps, temp_prefix
-from harness.errors import InputFileError, OptionError, OutputError, os_problem
+from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, not_a_file, os_problem, read_json_file
 
 REPORT_FILES = {f"{kind}{ext}" for kind in ("check", "bisect") for ext in (".md", ".json", "_errors.png")}
 GENERATOR = "gemma-parity"  # the "generator" key of every JSON result the commands write
@@ -66,7 +65,7 @@ def _dtype(args, allowed) -> None:
 
 def _port_options(args) -> None:
     """--tp, --kv-len, --buckets, --dtype, --seed of check and bisect."""
-    from harness.reference import DTYPES
+    from harness.settings import DTYPES
 
     _int_option(args, "tp", 1)
     _int_option(args, "kv_len", 1)
@@ -140,9 +139,11 @@ def output_location(value: str, flag: str, want_dir: bool, inputs: dict[str, Pat
 
 
 def _json_is_ours(path: Path) -> bool:
+    if not path.is_file():
+        return False
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json_file(path, "file", HarnessInputError, "")
+    except HarnessInputError:
         return False
     if not isinstance(data, dict):
         return False
@@ -200,7 +201,8 @@ def input_path(value: str | None, flag: str, want_dir: bool) -> Path | None:
     if not want_dir and path.is_dir():
         raise InputFileError(f"{flag} {path}: is a directory; give the file")
     if not want_dir and not (path.is_file() or stat.S_ISFIFO(path.stat().st_mode)):
-        raise InputFileError(f"{flag} {path}: is not a regular file (a device or socket); give a file")
+        raise InputFileError(f"{flag} {path}: is not a regular file ({not_a_file(path).removeprefix('is ')}); "
+                             "give a file")
     return path
 
 

@@ -3,6 +3,7 @@ change points, and regression detection. One job per module:
 
   machine       the machine and software of a run; this host's measured bandwidth and matmul rate
   stats         percentiles, Mann-Whitney U (scipy), runs needed for a level, bootstrap intervals
+  outputs       the tokens and argmax margins a bench generated, and whether two runs' agree
   results       result files, their validation, the history directory
   roofline      per-graph floors from the spec, the TP plan and the hardware's figures
   bench         the benchmark runner: TTFT, TPOT, E2E, throughput, efficiency per graph
@@ -16,10 +17,10 @@ The names below are the package's API (what `gemma-parity bench`/`perf compare` 
 
 from harness.perf.bench import (DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, PUBLISHED_BUCKET, bench_prompt,
                                 graph_medians, run_bench)
-from harness.perf.changepoints import ChangePoint, cusum, find_change_points
-from harness.perf.compare import (BUDGETS, DEFAULT_ALPHA, DEFAULT_FACTOR, BudgetCheck, Comparison, MetricComparison,
+from harness.perf.changepoints import ChangePoint, cusum, find_change_points, find_family
+from harness.perf.compare import (BUDGETS, DEFAULT_ALPHA, DEFAULT_FACTOR, MAX_ALPHA, BudgetCheck, Comparison, MetricComparison,
                                   check_budgets, check_comparable, compare_files, compare_metric, compare_results,
-                                  compare_samples, decide, parse_budgets, software_notes)
+                                  compare_samples, decide, parse_budgets, pin_outputs, software_notes)
 from harness.perf.history import HISTORY_WINDOW, compare_history, median_run_samples
 from harness.perf.machine import git_commit, machine_info, package_versions
 from harness.perf.plot import draw_trend, plot_available

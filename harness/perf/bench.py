@@ -10,6 +10,7 @@ vocabulary (TTFT, TPOT, end-to-end, throughput) and the roofline floors of every
 
 from __future__ import annotations
 
+import functools
 import gc
 import random
 import statistics
@@ -17,14 +18,16 @@ import time
 from datetime import datetime, timezone
 
 from harness.errors import HarnessInputError
-from harness.perf import machine
-from harness.perf.results import FORMAT, dtype_name, latency_samples, metric_samples
+from harness.perf import machine, outputs
+from harness.perf.results import FORMAT, latency_samples, metric_samples
 from harness.perf.roofline import DEFAULT_INSTANCE, INSTANCE_CHIPS, instance_rates, measured_rates, roofline_block
 from harness.perf.stats import summarize
 from harness.progress import status
+from harness.settings import PUBLISHED_BUCKET, RunSettings
 
 DEFAULT_RUNS, DEFAULT_WARMUP, DEFAULT_NEW_TOKENS = 20, 3, 16
-PUBLISHED_BUCKET = 64  # the bucket the published prefill figure was measured at
+# What bench runs unless told: the published port's prefill bucket (the one its figure was measured at).
+BENCH_SETTINGS = RunSettings(buckets=(PUBLISHED_BUCKET,))
 
 
 def bench_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
@@ -37,27 +40,65 @@ def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def _bench_run(engine, prompts: dict[int, list[int]], headline: int, new_tokens: int):
+class _TimedBackend:
+    """The engine's backend with the time inside its graph calls counted: what `forward` takes
+    (the device graph and its input and output transfers) apart from the engine's host-side work
+    around it (validation, padding, the host embedding, the cache reset, the argmax)."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.graph_ms = 0.0
+
+    def forward(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self._backend.forward(*args, **kwargs)
+        finally:
+            self.graph_ms += _ms_since(start)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def _graph_ms(engine) -> float:
+    """Graph milliseconds counted since the last call (and reset the count)."""
+    ms, engine.backend.graph_ms = engine.backend.graph_ms, 0.0
+    return ms
+
+
+def _bench_run(engine, prompts: dict[int, list[int]], headline: int, new_tokens: int) -> dict:
     """One run: a prefill per bucket (the headline bucket last), then decode steps continuing the
-    headline prompt. Greedy tokens are fed back, as in real decoding."""
-    prefill_ms, ttft_ms, steps = {}, {}, []
+    headline prompt. Greedy tokens are fed back, as in real decoding. The logits rows are kept (no
+    copy) and their argmax margins computed after the timed regions."""
+    run = {"prefill_ms": {}, "ttft_ms": {}, "prefill_graph_ms": {}, "steps": [], "step_graph_ms": [], "rows": {},
+           "tokens": {}}
     gc.collect()
     gc.disable()  # a collection pause inside a timed step is noise, not the port's speed
     try:
         for bucket in sorted(prompts, key=lambda b: b == headline):
+            _graph_ms(engine)
             start = time.perf_counter()
             result = engine.prefill(prompts[bucket])
-            prefill_ms[bucket] = _ms_since(start)
+            run["prefill_ms"][bucket] = _ms_since(start)
             token = int(result.logits[-1].argmax())
-            ttft_ms[bucket] = _ms_since(start)
+            run["ttft_ms"][bucket] = _ms_since(start)
+            run["prefill_graph_ms"][bucket] = _graph_ms(engine)
+            run["rows"][bucket], run["tokens"][bucket] = [result.logits[-1]], [token]
         for step in range(new_tokens):
             step_start = time.perf_counter()
-            token = int(engine.decode_step(token, headline + step).argmax())
-            steps.append(_ms_since(step_start))
-        e2e_ms = _ms_since(start)  # `start` is the headline prefill's
+            logits = engine.decode_step(token, headline + step).logits
+            token = int(logits.argmax())
+            run["steps"].append(_ms_since(step_start))
+            run["step_graph_ms"].append(_graph_ms(engine))
+            run["rows"][headline].append(logits)
+            run["tokens"][headline].append(token)
+        run["e2e_ms"] = _ms_since(start)  # `start` is the headline prefill's
     finally:
         gc.enable()
-    return prefill_ms, ttft_ms, steps, e2e_ms
+    rows = run.pop("rows")
+    run["outputs"] = [{"bucket": b, "tokens": run["tokens"][b], "margins": [outputs.argmax_margin(r) for r in rows[b]]}
+                      for b in sorted(prompts)]
+    return run
 
 
 def _check_bench_options(runs, warmup, buckets, new_tokens, kv_len) -> None:
@@ -71,48 +112,40 @@ def _check_bench_options(runs, warmup, buckets, new_tokens, kv_len) -> None:
                                 f"{kv_len}; use fewer --new-tokens or a smaller bucket")
 
 
-def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup: int = DEFAULT_WARMUP,
-              buckets=(PUBLISHED_BUCKET,), new_tokens: int = DEFAULT_NEW_TOKENS, tp: int = 2,
-              dtype="bf16", kv_len: int | None = None, progress: bool = True, **backend_kwargs) -> dict:
+def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DEFAULT_RUNS,
+              warmup: int = DEFAULT_WARMUP, new_tokens: int = DEFAULT_NEW_TOKENS, progress: bool = True) -> dict:
     """Time `runs` prefills per bucket and `runs` x `new_tokens` decode steps after `warmup`
-    discarded runs. Each decode_ms_per_token sample is one run's mean ms per token."""
-    import torch
-
+    discarded runs, on a perf build made as `settings` say. Each decode_ms_per_token sample is one
+    run's mean ms per token."""
     from harness.backends import build_engine
-    from harness.engine import DEFAULT_KV_LEN
 
-    kv_len = DEFAULT_KV_LEN if kv_len is None else kv_len
-    buckets = tuple(sorted({int(b) for b in buckets}))
+    backend, tp, buckets, kv_len = settings.backend, settings.tp, settings.buckets, settings.kv_len
     _check_bench_options(runs, warmup, buckets, new_tokens, kv_len)
-    dtype = dtype_name(dtype)
+    dtype = settings.short_dtype
     show = status("bench", progress)
     show(f"building the {backend} engine (tp {tp}, {dtype}, buckets {list(buckets)})"
          + ("; a first compile takes many minutes" if backend == "neuron" else ""))
     if backend == "neuron":
         # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
         # cache out of the timed prefill, as a serving loop would.
-        backend_kwargs.setdefault("zero_on_reset", False)
-    engine = build_engine(checkpoint, backend=backend, tp=tp,
-                          dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
-                          buckets=buckets, kv_len=kv_len, **backend_kwargs)
+        settings = settings.but(backend_options={"zero_on_reset": False, **settings.backend_options})
+    engine = build_engine(checkpoint, settings)
+    engine.backend = _TimedBackend(engine.backend)
     headline = PUBLISHED_BUCKET if PUBLISHED_BUCKET in buckets else max(buckets)
     prompts = {b: bench_prompt(checkpoint.spec.vocab_size, b) for b in buckets}
     for k in range(warmup):
         show(f"warm-up {k + 1}/{warmup}")
         _bench_run(engine, prompts, headline, new_tokens)
-    timings = {"prefill": {b: [] for b in buckets}, "ttft": {b: [] for b in buckets}, "steps": [], "e2e": []}
+    timed = []
     for k in range(runs):
-        prefill_ms, ttft_ms, steps, e2e_ms = _bench_run(engine, prompts, headline, new_tokens)
-        for b in buckets:
-            timings["prefill"][b].append(prefill_ms[b])
-            timings["ttft"][b].append(ttft_ms[b])
-        timings["steps"].append(steps)
-        timings["e2e"].append(e2e_ms)
-        show(f"run {k + 1}/{runs}: TTFT[{headline}] {ttft_ms[headline]:.1f} ms, "
-             f"TPOT {statistics.fmean(steps):.1f} ms, E2E {e2e_ms:.1f} ms")
+        timed.append(_bench_run(engine, prompts, headline, new_tokens))
+        last = timed[-1]
+        show(f"run {k + 1}/{runs}: TTFT[{headline}] {last['ttft_ms'][headline]:.1f} ms, "
+             f"TPOT {statistics.fmean(last['steps']):.1f} ms, E2E {last['e2e_ms']:.1f} ms")
+    timings = _collect(timed, buckets)
     settings = {"runs": runs, "warmup": warmup, "buckets": list(buckets), "new_tokens": new_tokens,
                 "kv_len": kv_len}
-    result = _result_record(checkpoint, engine, backend, tp, dtype, headline, timings, settings)
+    result = _result_record(checkpoint, engine, headline, timings, settings)
     if backend != "neuron":
         show("measuring this machine's memory bandwidth and matmul throughput for the floors")
     result["roofline"] = bench_roofline(result, checkpoint.spec)
@@ -121,26 +154,39 @@ def run_bench(checkpoint, backend: str = "cpu", runs: int = DEFAULT_RUNS, warmup
     return result
 
 
-def _result_record(checkpoint, engine, backend, tp, dtype, headline, timings, settings) -> dict:
-    decode_steps = timings["steps"]
+def _collect(timed: list[dict], buckets) -> dict:
+    """Per-run records -> sample lists (one per run, or per run and step)."""
+    return {"prefill": {b: [r["prefill_ms"][b] for r in timed] for b in buckets},
+            "ttft": {b: [r["ttft_ms"][b] for r in timed] for b in buckets},
+            "prefill_graph": {b: [r["prefill_graph_ms"][b] for r in timed] for b in buckets},
+            "steps": [r["steps"] for r in timed], "step_graph": [r["step_graph_ms"] for r in timed],
+            "e2e": [r["e2e_ms"] for r in timed], "outputs": outputs.record([r["outputs"] for r in timed])}
+
+
+def _result_record(checkpoint, engine, headline: int, timings: dict, settings: dict) -> dict:
+    decode_steps, run = timings["steps"], engine.settings
     result = {
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
         "git_commit": machine.git_commit(),
         "machine": machine.machine_info(),
         "versions": machine.package_versions(),
-        "compiler_args": list(getattr(engine.backend, "compiler_args", None) or []),
+        "compiler_args": list(engine.backend.compiler_args),
         "spec_hash": checkpoint.spec.spec_hash(),
         "checkpoint": str(checkpoint.path),
-        "backend": backend,
-        "tp": tp,
-        "dtype": dtype,
+        "backend": run.backend,
+        "tp": run.tp,
+        "dtype": run.short_dtype,
         "settings": settings,
         "prefill_bucket": headline,
         "metrics": {"prefill_ms": timings["prefill"][headline],
                     "decode_ms_per_token": [statistics.fmean(s) for s in decode_steps]},
         "prefill_ms_by_bucket": {str(b): v for b, v in timings["prefill"].items()},
         "decode_steps_ms": decode_steps,
+        # the part of each call spent inside the backend's graph call (the rest is host-side work)
+        "graph_ms": {"prefill_by_bucket": {str(b): v for b, v in timings["prefill_graph"].items()},
+                     "decode_steps": timings["step_graph"]},
+        "outputs": timings["outputs"],
         "latency": {"ttft_ms_by_bucket": {str(b): v for b, v in timings["ttft"].items()},
                     "e2e_ms": timings["e2e"], "generated_tokens": settings["new_tokens"] + 1},
     }
@@ -163,23 +209,65 @@ def latency_summary(result: dict) -> dict:
 
 
 def graph_medians(result: dict) -> dict[str, float]:
-    """Measured median ms per device graph: each bucket's prefill call, one decode step."""
+    """Median ms of each graph's whole call as the engine makes it: each bucket's prefill, one
+    decode step."""
     medians = {f"prefill[{b}]": statistics.median(v) for b, v in result["prefill_ms_by_bucket"].items()}
     steps = [ms for run in result["decode_steps_ms"] for ms in run]
     medians["decode"] = statistics.median(steps)
     return medians
 
 
+def graph_split(result: dict) -> tuple[dict[str, float], dict[str, float]] | None:
+    """(median ms inside the backend's graph call, median ms of the host-side rest) per graph, or
+    None for a result written before the split was recorded."""
+    graph = result.get("graph_ms")
+    if not graph:
+        return None
+    calls = {f"prefill[{b}]": v for b, v in result["prefill_ms_by_bucket"].items()}
+    calls["decode"] = [ms for run in result["decode_steps_ms"] for ms in run]
+    inside = {f"prefill[{b}]": v for b, v in graph["prefill_by_bucket"].items()}
+    inside["decode"] = [ms for run in graph["decode_steps"] for ms in run]
+    device = {g: statistics.median(inside[g]) for g in calls}
+    host = {g: statistics.median([c - d for c, d in zip(calls[g], inside[g])]) for g in calls}
+    return device, host
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_once(dtype: str) -> tuple[dict, dict]:
+    """This host's bandwidth and matmul rate, measured once per process (every bench in it shares
+    them; the samples' spread is recorded beside them)."""
+    return machine.measure_memory_bandwidth(), machine.measure_matmul_flops(dtype)
+
+
+def _spread(measurement: dict, work: float) -> dict:
+    rates = sorted(work / s for s in measurement["seconds"])
+    return {"median": statistics.median(rates), "min": rates[0], "max": rates[-1], "n": len(rates)}
+
+
 def bench_rates(backend: str, tp: int, dtype: str):
-    """Published figures for the Neuron backend; measured ones for anything that runs on this host."""
+    """(rates, their measured spread or None): published figures for the Neuron backend; measured
+    ones (once per process) for anything that runs on this host."""
     if backend == "neuron":
         instance = machine.instance_type()
-        return instance_rates(instance if instance in INSTANCE_CHIPS else DEFAULT_INSTANCE, tp, dtype)
-    return measured_rates(machine.measure_memory_bandwidth(), machine.measure_matmul_flops(dtype))
+        return instance_rates(instance if instance in INSTANCE_CHIPS else DEFAULT_INSTANCE, tp, dtype), None
+    bandwidth, matmul = _measured_once(dtype)
+    spread = {"memory_bytes_per_s": _spread(bandwidth, bandwidth["bytes_per_s"] * statistics.median(
+                  bandwidth["seconds"])),
+              "flops_per_s": _spread(matmul, matmul["flops_per_s"] * statistics.median(matmul["seconds"]))}
+    return measured_rates(bandwidth, matmul), spread
 
 
 def bench_roofline(result: dict, spec) -> dict:
+    """Floors and efficiencies; efficiency is the floor over the graph call's median (the host-side
+    part of each call is reported beside it, not counted)."""
     settings = result["settings"]
-    rates = bench_rates(result["backend"], result["tp"], result["dtype"])
-    return roofline_block(spec, result["tp"], result["dtype"], settings["buckets"], settings["kv_len"], rates,
-                    graph_medians(result))
+    rates, spread = bench_rates(result["backend"], result["tp"], result["dtype"])
+    split = graph_split(result)
+    block = roofline_block(spec, result["tp"], result["dtype"], settings["buckets"], settings["kv_len"], rates=rates,
+                           measured_ms=split[0] if split else graph_medians(result))
+    if split:
+        for row in block["graphs"]:
+            row["host_side_ms"] = split[1].get(row["graph"])
+    if spread:
+        block["rates_spread"] = spread
+    return block

@@ -20,21 +20,25 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from harness.errors import HarnessInputError
-from harness.perf import stats
+from harness.perf import outputs, stats
 from harness.perf.results import load_result, metric_samples, mismatches, budget_samples
 
 # Absolute ceilings on the median, in ms, for the real 12B on one inf2 chip at TP=2, bf16, bucket 64.
 BUDGETS = {
-    # The published port's first-token prefill: about 101 ms at the 64-token bucket (DESIGN §3, §9).
+    # The published port's first-token prefill: about 101 ms at the 64-token bucket
+    # (docs/design.md#performance-facts).
     "ttft_ms": 101.0,
     # No decode figure is published. The floor is one read of the ~23.8 GB of bf16 device weights
-    # (both ranks) at the chip's HBM bandwidth, about 27 ms per step (roofline.py; DESIGN §9 says
-    # 28). Budget = 2x that floor: a memory-bound step at 50% of peak bandwidth, leaving room for
-    # the KV read, the all-reduces between the two cores and the host round trip per token.
+    # (both ranks) at the chip's HBM bandwidth, about 27 ms per step (roofline.py;
+    # docs/design.md#performance-facts rounds it to 28). Budget = 2x that floor: a memory-bound
+    # step at 50% of peak bandwidth, leaving room for the KV read, the all-reduces between the two cores and the host round trip per token.
     "tpot_ms": 56.0,
 }
 DEFAULT_FACTOR = 1.1
 DEFAULT_ALPHA = 0.01
+# alpha must stay below 0.5: the interval level is 1 - 2 * alpha, and a one-sided test at 0.5 or
+# more calls a coin toss significant.
+MAX_ALPHA = 0.5
 
 
 @dataclass
@@ -77,6 +81,10 @@ class Comparison:
     trend: dict = field(default_factory=dict)  # metric -> per-run medians and spreads, history only
     plot: str | None = None  # the trend PNG, when one was drawn
     roofline: dict | None = None  # the current run's floors and efficiencies, when it has them
+    # "outputs changed at prompt k step s ..." when the runs generated other tokens (no metric is
+    # then called faster or slower, and the comparison fails), unless allowed
+    output_change: str | None = None
+    change_point_metrics: int = 0  # metrics tested for change points: the family Holm controls
 
     @property
     def regressions(self) -> list[str]:
@@ -88,7 +96,7 @@ class Comparison:
 
     @property
     def failed(self) -> bool:
-        return bool(self.regressions or self.broken_budgets)
+        return bool(self.regressions or self.broken_budgets or self.output_change)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -172,8 +180,9 @@ def check_budgets(current_samples: dict[str, list[float]], budgets: dict[str, fl
 
 
 def check_options(factor: float, alpha: float) -> None:
-    if not factor >= 1 or not 0 < alpha < 0.5:
-        raise HarnessInputError(f"--factor {factor} / alpha {alpha}: need factor >= 1 and 0 < alpha < 0.5")
+    if not factor >= 1 or not 0 < alpha < MAX_ALPHA:
+        raise HarnessInputError(f"--factor {factor} / alpha {alpha}: need factor >= 1 and 0 < alpha < {MAX_ALPHA:g} "
+                                "(the interval level is 1 - 2 * alpha)")
 
 
 def compare_samples(baseline_samples, current_samples, factor: float = DEFAULT_FACTOR,
@@ -217,11 +226,31 @@ def software_notes(baseline: dict, current: dict) -> list[str]:
     return notes
 
 
+def pin_outputs(comp: Comparison, baseline: dict, current: dict, allow_change: bool = False,
+                baseline_label: str | None = None) -> None:
+    """Refuse to call the current run faster or slower when it generated other tokens than the
+    baseline (outputs.py): every metric's verdict is withheld and the comparison fails, unless
+    `allow_change`, which keeps the verdicts and says what changed."""
+    refusal, notes = outputs.compare_outputs(baseline, current, baseline_label or comp.baseline_label,
+                                             comp.current_label)
+    comp.notes += notes
+    if refusal is None:
+        return
+    if allow_change:
+        comp.notes.append(refusal.split(". Pass --allow-output-change")[0] + " (allowed by --allow-output-change)")
+        return
+    comp.output_change = refusal
+    for m in comp.metrics:
+        m.regressed = m.improved = False
+        m.verdict = "not compared: the outputs changed"
+
+
 def compare_results(baseline: dict | None, current: dict, factor: float = DEFAULT_FACTOR,
                     alpha: float = DEFAULT_ALPHA, budgets=None, allow_mismatch: bool = False,
                     baseline_label: str = "baseline", current_label: str = "current",
-                    intervals: bool = True) -> Comparison:
-    """Compare two bench results (machine, spec and settings must match unless allow_mismatch)."""
+                    intervals: bool = True, allow_output_change: bool = False) -> Comparison:
+    """Compare two bench results (machine, spec and settings must match unless allow_mismatch;
+    their outputs must match unless allow_output_change)."""
     notes = []
     if baseline is not None:
         notes = check_comparable(baseline, current, allow_mismatch, baseline_label, current_label)
@@ -231,6 +260,8 @@ def compare_results(baseline: dict | None, current: dict, factor: float = DEFAUL
                            budget_pool=budget_samples(current), intervals=intervals)
     comp.notes = notes + comp.notes
     comp.roofline = current.get("roofline")
+    if baseline is not None:
+        pin_outputs(comp, baseline, current, allow_output_change)
     return comp
 
 

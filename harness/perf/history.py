@@ -18,9 +18,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from harness.perf.changepoints import find_change_points, runs_needed
+from harness.perf.changepoints import find_family, runs_needed
 from harness.perf.compare import (DEFAULT_ALPHA, DEFAULT_FACTOR, Comparison, check_comparable, compare_results,
-                                  compare_samples, software_notes)
+                                  compare_samples, pin_outputs, software_notes)
 from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, budget_samples, load_history, load_result,
                                   metric_samples, mismatches)
 from harness.perf.stats import percentile
@@ -56,25 +56,25 @@ def trend(runs: list[tuple[Path, dict]]) -> dict[str, list[dict]]:
 
 
 def change_point_analysis(comp: Comparison, runs: list[tuple[Path, dict]], alpha: float) -> None:
-    """Fill the comparison's trend and change points, and say so when the history is too short;
-    keep the newest run's floors."""
+    """Fill the comparison's trend and change points (family-wise over the metrics, Holm), and say
+    so when the history is too short; keep the newest run's floors."""
     comp.roofline = runs[-1][1].get("roofline") if runs else None
     comp.trend = trend(runs)
-    needed = runs_needed(alpha)
+    comp.change_points, comp.change_point_metrics = find_family(comp.trend, alpha)
+    family = max(comp.change_point_metrics, 1)
+    needed = runs_needed(alpha / family)
     if len(runs) < needed:
         comp.notes.append(f"change points: {len(runs)} comparable runs in the history; a step can be "
-                          f"significant at alpha {alpha:g} only with at least {needed} runs")
-    for metric, points in comp.trend.items():
-        comp.change_points += find_change_points(metric, points, alpha)
-    for cp in comp.change_points:
-        comp.notes.append(f"change point in {cp.metric}: {cp.direction} by {cp.ratio:.3f}x from run "
-                          f"{cp.run} (commit {cp.commit[:12]}), CUSUM permutation p = {cp.p_value:.3g}")
+                          f"significant at family-wise alpha {alpha:g} over {family} metrics only with at "
+                          f"least {needed} runs")
 
 
 def compare_history(directory, factor: float = DEFAULT_FACTOR, alpha: float = DEFAULT_ALPHA,
-                    budgets=None, allow_mismatch: bool = False, intervals: bool = True) -> Comparison:
+                    budgets=None, allow_mismatch: bool = False, intervals: bool = True,
+                    allow_output_change: bool = False) -> Comparison:
     """The newest run against the history's baseline (see the module docstring), with the trend
-    and change points of the runs comparable with it."""
+    and change points of the runs comparable with it. The newest run's outputs must equal those of
+    the pinned baseline, else of the newest comparable earlier run (unless allow_output_change)."""
     directory = Path(directory)
     runs = load_history(directory)
     newest_path, newest = runs[-1]
@@ -82,7 +82,8 @@ def compare_history(directory, factor: float = DEFAULT_FACTOR, alpha: float = DE
     pinned = directory / BASELINE_FILE
     if pinned.is_file():
         comp = compare_results(load_result(pinned), newest, factor, alpha, budgets, allow_mismatch,
-                               baseline_label=str(pinned), current_label=str(newest_path), intervals=intervals)
+                               baseline_label=str(pinned), current_label=str(newest_path), intervals=intervals,
+                               allow_output_change=allow_output_change)
         change_point_analysis(comp, comparable, alpha)
         return comp
     earlier = comparable[:-1][-HISTORY_WINDOW:]
@@ -100,5 +101,6 @@ def compare_history(directory, factor: float = DEFAULT_FACTOR, alpha: float = DE
     newest_earlier = earlier[-1][1]
     comp.notes = (check_comparable(newest_earlier, newest, True) + software_notes(newest_earlier, newest)
                   + notes)
+    pin_outputs(comp, newest_earlier, newest, allow_output_change, baseline_label=str(earlier[-1][0]))
     change_point_analysis(comp, comparable, alpha)
     return comp

@@ -14,8 +14,6 @@ from pathlib import Path
 
 VERSION_PACKAGES = ("torch", "transformers", "safetensors", "numpy", "scipy", "gemma-parity",
                     "torch-neuronx", "neuronx-cc", "neuronx-distributed", "libneuronxla", "torch-xla")
-# Names the Neuron backend may give its NeuronCore count function (it is written concurrently).
-NEURON_COUNT_FUNCTIONS = ("neuron_core_count", "count_neuron_cores")
 # EC2 reports the instance type as the DMI product name (e.g. "inf2.8xlarge").
 DMI_PRODUCT = Path("/sys/devices/virtual/dmi/id/product_name")
 INSTANCE_TYPE_ENV = "GEMMA_PARITY_INSTANCE_TYPE"
@@ -34,19 +32,14 @@ def cpu_model() -> str:
 
 
 def neuron_core_count() -> int:
-    """NeuronCores on this host, asked of the Neuron backend only if it imports (0 elsewhere)."""
+    """NeuronCores on this host, counted as the Neuron backend counts them (0 without the driver).
+    Importing the backend needs no Neuron SDK."""
+    from harness.backends.neuron import neuron_core_count as count
+
     try:
-        from harness.backends import neuron
-    except Exception:  # no Neuron SDK, or the PyPI placeholder packages the backend refuses
+        return int(count())
+    except Exception:  # a host without the Neuron driver: no cores to count
         return 0
-    for name in NEURON_COUNT_FUNCTIONS:
-        count = getattr(neuron, name, None)
-        if callable(count):
-            try:
-                return int(count())
-            except Exception:  # a host without the Neuron driver: no cores to count
-                return 0
-    return 0
 
 
 def instance_type() -> str | None:

@@ -10,6 +10,7 @@ from harness.atomic import write_bytes_atomic
 from harness.perf.compare import Comparison
 
 MAX_PANELS = 4
+MAX_TICKS = 20  # commit labels per panel: one per run made 10,000-run histories take minutes to draw
 HEADLINE = ("ttft_ms", "prefill_ms", "tpot_ms", "decode_ms_per_token")
 
 
@@ -28,6 +29,14 @@ def panel_metrics(comp: Comparison, budgets: dict[str, float]) -> list[str]:
     return list(dict.fromkeys(wanted))[:MAX_PANELS]
 
 
+def tick_positions(n: int, most: int = MAX_TICKS) -> list[int]:
+    """At most `most` evenly spaced runs to label, the first and the newest always among them."""
+    if n <= most:
+        return list(range(n))
+    step = -(-(n - 1) // (most - 1))
+    return sorted(set(range(0, n - 1, step)) | {n - 1})
+
+
 def _panel(ax, metric: str, points: list[dict], comp: Comparison, budget: float | None) -> None:
     x = list(range(len(points)))
     medians = [p["median"] for p in points]
@@ -41,8 +50,9 @@ def _panel(ax, metric: str, points: list[dict], comp: Comparison, budget: float 
     if budget is not None:
         ax.axhline(budget, color="tab:red", linewidth=1.2, label=f"budget {budget:g} ms")
     ax.set_ylabel(f"{metric} (ms)")
-    ax.set_xticks(x)
-    ax.set_xticklabels([p["commit"][:7] for p in points], rotation=60, fontsize=7)
+    ticks = tick_positions(len(points))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([points[i]["commit"][:7] for i in ticks], rotation=60, fontsize=7)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
 

@@ -27,21 +27,30 @@ def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 # ---- roofline ---------------------------------------------------------------------------------
 
-def _rate_line(rates: dict) -> str:
+def _rate_line(rates: dict, spread: dict | None = None) -> str:
     host = rates.get("host_link_bytes_per_s")
-    return (f"rates: {rates['name']}: memory {rates['memory_bytes_per_s'] / 1e9:.1f} GB/s, compute "
+    line = (f"rates: {rates['name']}: memory {rates['memory_bytes_per_s'] / 1e9:.1f} GB/s, compute "
             f"{rates['flops_per_s'] / 1e12:.3g} TFLOP/s, host link "
             + (f"{host / 1e9:.0f} GB/s" if host else "none (the host is the device)")
             + f" [{rates['source']}]")
+    if spread:
+        mem, flops = spread["memory_bytes_per_s"], spread["flops_per_s"]
+        line += (f"\nrates measured once, spread over their samples: memory {mem['min'] / 1e9:.1f}-"
+                 f"{mem['max'] / 1e9:.1f} GB/s (n={mem['n']}), compute {flops['min'] / 1e12:.3g}-"
+                 f"{flops['max'] / 1e12:.3g} TFLOP/s (n={flops['n']})")
+    return line
 
 
 def roofline_tables(roofline: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["graph", "weights GB", "KV MB", "GFLOP", "host MB", "memory ms", "compute ms", "host ms",
-              "floor ms", "bound", "measured ms", "efficiency"]
+    """One row per graph. "graph ms": median time inside the backend's graph call (the device graph
+    and its transfers); "host-side ms": the rest of the engine's call (validation, padding, host
+    embedding, cache reset); "link ms": the host-link floor. Efficiency = floor / graph ms."""
+    header = ["graph", "weights GB", "KV MB", "GFLOP", "host MB", "memory ms", "compute ms", "link ms",
+              "floor ms", "bound", "graph ms", "host-side ms", "efficiency"]
     rows = [[g["graph"], f"{g['weight_bytes'] / 1e9:.3f}", f"{g['kv_bytes'] / 1e6:.1f}",
              f"{g['flops'] / 1e9:.1f}", f"{g['host_bytes'] / 1e6:.2f}", f"{g['memory_ms']:.3f}",
              f"{g['compute_ms']:.3f}", _ms(g["host_ms"]), f"{g['floor_ms']:.3f}", g["bound"],
-             _ms(g.get("measured_ms")),
+             _ms(g.get("measured_ms")), _ms(g.get("host_side_ms")),
              "-" if g.get("efficiency") is None else f"{100 * g['efficiency']:.1f}%"]
             for g in roofline["graphs"]]
     return header, rows
@@ -50,8 +59,9 @@ def roofline_tables(roofline: dict) -> tuple[list[str], list[list[str]]]:
 def render_roofline(roofline: dict) -> str:
     header, rows = roofline_tables(roofline)
     return "\n".join([f"floors (tp={roofline['tp']}, {roofline['dtype']}): the least time per call of each "
-                      "graph; efficiency = floor / measured median", *_table(header, rows),
-                      _rate_line(roofline["rates"]), *_published_lines(roofline)]) + "\n"
+                      "graph; efficiency = floor / graph ms (the median inside the graph call; host-side ms "
+                      "is the rest of the engine's call)", *_table(header, rows),
+                      _rate_line(roofline["rates"], roofline.get("rates_spread")), *_published_lines(roofline)]) + "\n"
 
 
 def _published_lines(roofline: dict) -> list[str]:
@@ -62,18 +72,26 @@ def _published_lines(roofline: dict) -> list[str]:
 
 def render_roofline_markdown(roofline: dict) -> str:
     header, rows = roofline_tables(roofline)
-    return "\n".join([*_markdown_table(header, rows), "", _rate_line(roofline["rates"]),
+    return "\n".join([*_markdown_table(header, rows), "", _rate_line(roofline["rates"], roofline.get("rates_spread")),
                       *_published_lines(roofline)]) + "\n"
 
 
 # ---- a bench result -----------------------------------------------------------------------------
+
+def _pct(value) -> str:
+    return f"{'-':>9}" if value is None else f"{value:9.2f}"
+
+
+PERCENTILE_RULE = ("percentiles: p90 is shown from n >= 10 samples and p99 from n >= 100; '-' means too few "
+                   "samples for that tail")
+
 
 def render_bench_summary(result: dict) -> str:
     lines = [f"{result['backend']} tp={result['tp']} {result['dtype']} spec {result['spec_hash']} "
              f"commit {str(result['git_commit'])[:12]}"]
     for name, s in result["summary"].items():
         if isinstance(s, dict):
-            lines.append(f"  {name:<22} p50 {s['p50']:9.2f}  p90 {s['p90']:9.2f}  p99 {s['p99']:9.2f}  "
+            lines.append(f"  {name:<22} p50 {s['p50']:9.2f}  p90 {_pct(s['p90'])}  p99 {_pct(s['p99'])}  "
                          f"mean {s['mean']:9.2f} ms  (n={s['n']})")
     lines.append(f"  tokens_per_second      {result['summary']['tokens_per_second']:.1f}")
     latency = result.get("latency_summary")
@@ -83,15 +101,26 @@ def render_bench_summary(result: dict) -> str:
                      "tokens)")
         for name, s in latency.items():
             if name != "throughput":
-                lines.append(f"  {name:<22} p50 {s['p50']:9.2f}  p90 {s['p90']:9.2f}  p99 {s['p99']:9.2f} ms  "
+                lines.append(f"  {name:<22} p50 {s['p50']:9.2f}  p90 {_pct(s['p90'])}  p99 {_pct(s['p99'])} ms  "
                              f"(n={s['n']})")
         t = latency["throughput"]
         lines.append(f"  throughput             decode {t['decode_tokens_per_s']:.1f} tok/s, end-to-end "
                      f"{t['e2e_tokens_per_s']:.1f} tok/s, prefill {t['prefill_tokens_per_s']:.0f} tok/s")
+    lines.append(PERCENTILE_RULE)
+    lines.append(_outputs_line(result.get("outputs")))
     text = "\n".join(lines) + "\n"
     if result.get("roofline"):
         text += render_roofline(result["roofline"])
     return text
+
+
+def _outputs_line(outputs: dict | None) -> str:
+    if not outputs:
+        return "outputs: not recorded"
+    tokens = sum(len(p["tokens"]) for p in outputs["prompts"])
+    agree = "every run generated the same tokens" if outputs.get("runs_agree", True) else outputs.get("runs_differ")
+    return (f"outputs: {tokens} tokens over {len(outputs['prompts'])} prompts pinned (margin fingerprint "
+            f"{outputs.get('fingerprint')}); {agree}")
 
 
 # ---- a comparison -------------------------------------------------------------------------------
@@ -121,7 +150,8 @@ def comparison_tables(comp: Comparison) -> tuple[list[str], list[list[str]]]:
 def status_line(comp: Comparison) -> str:
     if not comp.failed:
         return "perf: ok"
-    parts = [f"regression in {', '.join(comp.regressions)}"] if comp.regressions else []
+    parts = [comp.output_change.split(":")[0]] if comp.output_change else []
+    parts += [f"regression in {', '.join(comp.regressions)}"] if comp.regressions else []
     parts += [f"over budget: {', '.join(comp.broken_budgets)}"] if comp.broken_budgets else []
     return "perf: FAILED (" + "; ".join(parts) + ")"
 
@@ -130,6 +160,12 @@ def rule_line(comp: Comparison) -> str:
     return (f"rule: regression = median ratio > {comp.factor:g} and one-sided Mann-Whitney p < {comp.alpha:g} "
             f"(improvement: ratio < 1/{comp.factor:g} and the other side's p < {comp.alpha:g}); the p-value "
             "shown is the one-sided test in the ratio's direction; CI: bootstrap of the ratio of medians")
+
+
+def change_point_title(comp: Comparison) -> str:
+    return (f"change points (CUSUM with a permutation test, binary segmentation, over the run medians; "
+            f"family-wise alpha {comp.alpha:g} over the {comp.change_point_metrics} metrics tested, Holm's "
+            "step-down)")
 
 
 def change_point_rows(comp: Comparison) -> tuple[list[str], list[list[str]]]:
@@ -142,11 +178,9 @@ def change_point_rows(comp: Comparison) -> tuple[list[str], list[list[str]]]:
 def render_text(comp: Comparison) -> str:
     header, rows = comparison_tables(comp)
     out = [status_line(comp), f"baseline: {comp.baseline_label}", f"current:  {comp.current_label}",
-           rule_line(comp), "", *_table(header, rows)]
+           rule_line(comp), *([comp.output_change] if comp.output_change else []), "", *_table(header, rows)]
     if comp.change_points:
-        out += ["", f"change points (CUSUM with a permutation test at alpha {comp.alpha:g}, binary segmentation, "
-                "over the run medians):",
-                *_table(*change_point_rows(comp))]
+        out += ["", change_point_title(comp) + ":", *_table(*change_point_rows(comp))]
     if comp.roofline:
         out += ["", "current run's " + render_roofline(comp.roofline).rstrip("\n")]
     out += [f"note: {n}" for n in comp.notes]
@@ -162,10 +196,10 @@ def render_markdown(comp: Comparison, plot_link: str | None = None) -> str:
            f"Baseline: `{comp.baseline_label}`  ", f"Current: `{comp.current_label}`  ",
            f"A metric regresses when its median ratio exceeds {comp.factor:g} **and** a one-sided "
            f"Mann-Whitney U test gives p < {comp.alpha:g}; the interval is a bootstrap interval of the "
-           "ratio of medians.", "", *_markdown_table(header, rows)]
+           "ratio of medians.", *(["", f"**{comp.output_change}**"] if comp.output_change else []), "",
+           *_markdown_table(header, rows)]
     if comp.change_points:
-        out += ["", f"#### Change points (CUSUM permutation test at alpha {comp.alpha:g} over the run medians)", "",
-                *_markdown_table(*change_point_rows(comp))]
+        out += ["", "#### C" + change_point_title(comp)[1:], "", *_markdown_table(*change_point_rows(comp))]
     if comp.roofline:
         out += ["", "#### Floors of the current run (efficiency = floor / measured median)", "",
                 render_roofline_markdown(comp.roofline).rstrip("\n")]

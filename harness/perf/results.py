@@ -8,17 +8,16 @@ present, is a pinned baseline.
 
 from __future__ import annotations
 
-import json
 import math
 from datetime import datetime, timezone
 from pathlib import Path
 
 from harness.atomic import write_json_atomic, write_text_atomic
-from harness.errors import HarnessInputError
+from harness.errors import HarnessInputError, read_json_file
+from harness.settings import short_dtype_name
 
 FORMAT = 1
 BASELINE_FILE = "baseline.json"
-DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
 # Timings are only comparable when these agree (--allow-mismatch overrides).
 COMPARABLE_FIELDS = ("machine.cpu_model", "machine.neuron_cores", "spec_hash", "backend", "tp",
                      "dtype", "prefill_bucket")
@@ -26,10 +25,8 @@ REQUIRED_KEYS = ("machine", "spec_hash", "backend", "tp", "dtype", "created", "p
 
 
 def dtype_name(dtype) -> str:
-    name = str(dtype).replace("torch.", "")
-    if name not in DTYPE_NAMES:
-        raise HarnessInputError(f"unknown dtype {dtype!r}; use bf16 or fp32")
-    return DTYPE_NAMES[name]
+    """"bf16" or "fp32", the name a bench result records, from any name of the vocabulary."""
+    return short_dtype_name(dtype)
 
 
 def metric_samples(result: dict) -> dict[str, list[float]]:
@@ -67,9 +64,38 @@ def budget_samples(result: dict) -> dict[str, list[float]]:
     return {**metric_samples(result), **latency_samples(result)}
 
 
+def finite_number(v) -> bool:
+    """A JSON number a float can hold: not a bool, not NaN or infinite, and not an integer too long
+    for a float (math.isfinite itself raises OverflowError on one)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    if isinstance(v, int):
+        return abs(v) <= MAX_FLOAT_INT
+    return math.isfinite(v)
+
+
+MAX_FLOAT_INT = int(1e300)  # far beyond any timing; keeps every sum and ratio of samples finite
+
+
 def _finite_list(values) -> bool:
-    return isinstance(values, list) and bool(values) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+    return isinstance(values, list) and bool(values) and all(finite_number(v) for v in values)
+
+
+def created_time(result: dict, source: str) -> datetime:
+    """The run's creation time: an ISO date with its time zone (bench writes UTC). A date without
+    one cannot be ordered against the others, so it is refused rather than guessed."""
+    text = result.get("created")
+    try:
+        created = datetime.fromisoformat(text) if isinstance(text, str) else None
+    except ValueError:
+        created = None
+    if created is None:
+        raise HarnessInputError(f"{source}: created = {text!r} is not an ISO date; the file is corrupted or "
+                                "was edited: re-run the benchmark")
+    if created.tzinfo is None or created.utcoffset() is None:
+        raise HarnessInputError(f"{source}: created = {text!r} has no time zone, so it cannot be ordered "
+                                "against other runs; give it one (e.g. +00:00) or re-run the benchmark")
+    return created
 
 
 def validate_result(result, source: str) -> dict:
@@ -93,25 +119,21 @@ def validate_result(result, source: str) -> dict:
     lists.update({f"latency.ttft_ms_by_bucket.{b}": v for b, v in latency.get("ttft_ms_by_bucket", {}).items()})
     if "e2e_ms" in latency:
         lists["latency.e2e_ms"] = latency["e2e_ms"]
+    steps = result.get("decode_steps_ms")
+    if steps is not None and not isinstance(steps, list):
+        raise HarnessInputError(f"{source}: decode_steps_ms must be a list of per-run step lists; re-run the benchmark")
+    lists.update({f"decode_steps_ms[{k}]": run for k, run in enumerate(steps or [])})
     for name, values in lists.items():
         if not _finite_list(values):
             raise HarnessInputError(f"{source}: {name} must be a non-empty list of finite numbers; "
                                     "re-run the benchmark")
+    created_time(result, source)
     return result
 
 
 def load_result(path) -> dict:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise HarnessInputError(f"{path}: cannot read the perf result ({exc.strerror}); check the "
-                                "path") from None
-    try:
-        result = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise HarnessInputError(f"{path}: not valid JSON ({exc}); delete it or re-run the "
-                                "benchmark") from None
+    result = read_json_file(path, "perf result", HarnessInputError, "delete it or re-run the benchmark")
     return validate_result(result, str(path))
 
 
@@ -127,7 +149,7 @@ def write_json(path, obj, overwrite: bool = False) -> Path:
 # ---- the history ------------------------------------------------------------------------------
 
 def history_name(result: dict) -> str:
-    created = datetime.fromisoformat(result["created"]).astimezone(timezone.utc)
+    created = created_time(result, "a perf result").astimezone(timezone.utc)
     return f"{created:%Y%m%dT%H%M%S%fZ}-{str(result.get('git_commit', 'unknown'))[:12]}.json"
 
 
@@ -152,11 +174,21 @@ def load_history(directory) -> list[tuple[Path, dict]]:
     if not directory.is_dir():
         raise HarnessInputError(f"{directory}: history directory not found; create it with "
                                 f"`gemma-parity bench ... --history {directory}`")
-    runs = [(p, load_result(p)) for p in sorted(directory.glob("*.json")) if p.name != BASELINE_FILE]
+    runs = [(p, load_result(p)) for p in history_files(directory) if p.name != BASELINE_FILE]
     if not runs:
         raise HarnessInputError(f"{directory}: no run files (*.json); add one with "
                                 f"`gemma-parity bench ... --history {directory}`")
-    return sorted(runs, key=lambda run: (datetime.fromisoformat(run[1]["created"]), run[0].name))
+    return sorted(runs, key=lambda run: (created_time(run[1], str(run[0])), run[0].name))
+
+
+def history_files(directory: Path) -> list[Path]:
+    """The run files of a history: regular files named *.json (a directory, pipe or device of that
+    name is not a run, and reading a pipe would block for ever)."""
+    return sorted(p for p in directory.glob("*.json") if p.is_file())
+
+
+def skipped_history_entries(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*.json") if not p.is_file())
 
 
 def _field(result: dict, dotted: str):

@@ -19,6 +19,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from harness.errors import HarnessInputError
+from harness.settings import DEFAULT_KV_LEN, PUBLISHED_BUCKET
 from harness.sharding import bytes_per_rank, plan_layer, plan_model
 from harness.spec import ModelSpec, dtype_bytes
 
@@ -39,8 +40,8 @@ CHIP_SOURCE = ("AWS Neuron docs, Inferentia2 Architecture / Amazon EC2 Inf2 Arch
 # Inferentia2 chips per instance type (same source, the Inf2 instance table).
 INSTANCE_CHIPS = {"inf2.xlarge": 1, "inf2.8xlarge": 1, "inf2.24xlarge": 6, "inf2.48xlarge": 12}
 DEFAULT_INSTANCE = "inf2.8xlarge"
-# The published port's first-token prefill of the real 12B at TP=2 (DESIGN §3, §9).
-PUBLISHED_PREFILL_MS, PUBLISHED_PREFILL_BUCKET = 101.0, 64
+# The published port's first-token prefill of the real 12B at TP=2 (docs/design.md#performance-facts).
+PUBLISHED_PREFILL_MS, PUBLISHED_PREFILL_BUCKET = 101.0, PUBLISHED_BUCKET
 
 
 @dataclass(frozen=True)
@@ -171,10 +172,10 @@ def roofline_block(spec: ModelSpec, tp: int, dtype: str, buckets, kv_len: int, r
             "graphs": with_efficiency(rows, measured_ms or {})}
 
 
-def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = 256, buckets=(64,),
-                instance: str = DEFAULT_INSTANCE) -> dict:
+def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = DEFAULT_KV_LEN,
+                buckets=(PUBLISHED_BUCKET,), instance: str = DEFAULT_INSTANCE) -> dict:
     """`gemma-parity info --perf`: the published instance's floors, nothing run or measured, beside
-    the published port's prefill (DESIGN §3: about 101 ms at bucket 64)."""
+    the published port's prefill (docs/design.md#performance-facts: about 101 ms at bucket 64)."""
     if math.ceil(tp / CHIP["cores"]) > INSTANCE_CHIPS[instance]:  # the family's larger variants
         instance = next(name for name, chips in INSTANCE_CHIPS.items() if chips * CHIP["cores"] >= tp)
     out = roofline_block(spec, tp, dtype, buckets, kv_len, instance_rates(instance, tp, dtype))

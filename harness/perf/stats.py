@@ -27,9 +27,20 @@ def percentile(samples, q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+# A tail percentile q is reported only from n >= 1 / (1 - q/100) samples: below that it is the
+# sample's maximum or an interpolation towards it, not an estimate of the tail. So p90 needs 10
+# samples and p99 100; with fewer the summary holds None and the text prints "-" with the rule.
+MIN_SAMPLES = {90: 10, 99: 100}
+
+
+def tail_percentile(samples, q: int) -> float | None:
+    """The q-th percentile, or None when there are fewer than MIN_SAMPLES[q] samples."""
+    return percentile(samples, q) if len(samples) >= MIN_SAMPLES[q] else None
+
+
 def summarize(samples) -> dict:
-    return {"n": len(samples), "p50": percentile(samples, 50), "p90": percentile(samples, 90),
-            "p99": percentile(samples, 99), "mean": statistics.fmean(samples),
+    return {"n": len(samples), "p50": percentile(samples, 50), "p90": tail_percentile(samples, 90),
+            "p99": tail_percentile(samples, 99), "mean": statistics.fmean(samples),
             "min": min(samples), "max": max(samples)}
 
 

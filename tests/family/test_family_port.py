@@ -12,12 +12,17 @@ from harness import FIXTURES_DIR
 from harness.backends import build_engine
 from harness.compare import rel_l2
 from harness.parity import check_port
+from harness.settings import RunSettings
 from harness.spec import load_spec
 from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN
 from tests.family.shared import family_checkpoint, family_reference
 
 FP32_ROUNDING = 1e-5
 CONFIGS = FIXTURES_DIR / "configs"
+def _settings(tp: int, dtype: str) -> RunSettings:
+    return RunSettings(tp=tp, dtype=dtype, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
+
+
 FP32_CASES = [("31b", 1), ("31b", 2), ("31b", 8), ("e2b", 1), ("e2b", 2), ("e4b", 2), ("26b-a4b", 1), ("26b-a4b", 2)]
 
 
@@ -26,7 +31,7 @@ def test_fp32_port_equals_transformers(variant, tp):
     """Every capture point the reference has (the family's too: gated per-layer inputs, router
     logits and chosen experts' weights) within fp32 rounding, and the same greedy tokens."""
     ckpt, ref = family_checkpoint(variant), family_reference(variant)["float32"][0]
-    engine = build_engine(ckpt, tp=tp, dtype=torch.float32, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
+    engine = build_engine(ckpt, _settings(tp, "float32"))
     run = engine.generate(ref.prompt, len(ref.generated), capture=True)
     assert run.tokens == ref.generated
     captures = dict(run.prefill.captures, logits=run.prefill.logits)
@@ -39,9 +44,8 @@ def test_fp32_port_equals_transformers(variant, tp):
 @pytest.mark.parametrize("variant, tp", [("31b", 2), ("31b", 8), ("e2b", 1), ("e2b", 2), ("e4b", 2)])
 def test_check_passes_both_stages(variant, tp):
     ckpt, refs = family_checkpoint(variant), family_reference(variant)
-    engine = build_engine(ckpt, tp=tp, dtype=torch.bfloat16, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN,
-                          capture=True)
-    result = check_port(ckpt, engine, refs["float32"], refs["bfloat16"], tp=tp, local=False)
+    engine = build_engine(ckpt, _settings(tp, "bfloat16"), capture=True)
+    result = check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
     assert result.fp32.passed and result.passed, result.failures() + result.fp32.failures()
     points = {p.name for p in result.all_points()}
     assert any(n.endswith("per_layer_input") for n in points) == (variant != "31b")
@@ -54,9 +58,8 @@ def test_moe_check_fp32_stage_passes(tp):
     """The MoE variant: the fp32 stage (chosen experts included) passes token for token. Its bf16
     stage is not asserted: routing near-ties (README, "The Gemma-4 family")."""
     ckpt, refs = family_checkpoint("26b-a4b"), family_reference("26b-a4b")
-    engine = build_engine(ckpt, tp=tp, dtype=torch.bfloat16, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN,
-                          capture=True)
-    result = check_port(ckpt, engine, refs["float32"], refs["bfloat16"], tp=tp, local=False)
+    engine = build_engine(ckpt, _settings(tp, "bfloat16"), capture=True)
+    result = check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
     assert result.fp32.passed, result.fp32.failures()
     assert any(p.name.endswith("expert_weights") for p in result.fp32.all_points())
 
@@ -67,7 +70,7 @@ def test_shared_layers_hold_no_cache_and_read_their_source():
     ckpt = family_checkpoint("e2b")
     spec = ckpt.spec
     assert [layer.kv_source for layer in spec.layers] == [None] * 6 + [5, 5, 5, 4]
-    engine = build_engine(ckpt, tp=2, dtype=torch.float32, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
+    engine = build_engine(ckpt, _settings(2, "float32"))
     rank = engine.backend.ranks[0]
     for i in spec.shared_layers:
         attn = rank.layers[i].self_attn

@@ -1,5 +1,6 @@
-"""The fault catalog: port bugs of DESIGN §2 and §3, each injected into the port, each of which the
-parity check must fail on, and where it must say so (first divergent layer, capture point, tokens).
+"""The fault catalog: port bugs of docs/design.md (the model's traps and the port's changes), each
+injected into the port, each of which the parity check must fail on, and where it must say so
+(first divergent layer, capture point, tokens).
 
 Every fault patches the port (harness.model / harness.sharding / harness.engine) through a
 pytest MonkeyPatch and never the reference, which is transformers itself: one reference run serves
@@ -22,6 +23,7 @@ from harness import model as port_model
 from harness import model_blocks as port_blocks
 from harness import sharding as port_sharding
 from harness.compare import compare_logits
+from harness.settings import RunSettings
 
 TINY = "tiny0"  # the default tiny fixture (hidden 64)
 # A variant whose sqrt(hidden) is not a bf16 number, so that whether the scale is cast first
@@ -71,7 +73,7 @@ class PolicyGap:
 @dataclass(frozen=True)
 class Fault:
     name: str
-    design: str  # the DESIGN section whose fact the fault breaks
+    design: str  # what of docs/design.md the fault breaks: "trap N" (the model's traps) or "port: ..."
     description: str
     inject: Callable  # inject(monkeypatch) patches the port
     expect: Expectation
@@ -433,21 +435,21 @@ def _kv(layer: int, side: str) -> str:
 
 
 CATALOG: list[Fault] = [
-    Fault("kv-repeat-not-interleave", "§3 fix 1",
+    Fault("kv-repeat-not-interleave", "port: one KV head",
           "query heads mapped to KV heads with repeat (j % nkv) instead of repeat_interleave "
           "(j // groups); identical at one KV head per rank, so only sliding layers break",
           repeat_not_interleave, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
-    Fault("single-kv-head-split", "§3 fix 1",
+    Fault("single-kv-head-split", "port: one KV head",
           "the one KV head of full layers split over ranks by head_dim halves instead of "
           "replicated: k_norm and v_norm each see half a head",
           split_single_kv_head, Expectation(_kv(FIRST_FULL, "k"), FIRST_FULL, "attention",
                                             fp32_point=_kv(FIRST_FULL, "k"))),
-    Fault("kv-heads-wrong-rank", "§3 fix 1",
+    Fault("kv-heads-wrong-rank", "port: one KV head",
           "sliding layers' sharded KV heads loaded on the wrong rank (rank r gets rank 1-r's)",
           kv_heads_of_other_rank, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
-    Fault("rmsnorm-one-plus-weight", "§2.1", "RMSNorm multiplies by 1 + weight",
+    Fault("rmsnorm-one-plus-weight", "trap 1", "RMSNorm multiplies by 1 + weight",
           one_plus_weight_rms_norm, Expectation(_kv(0, "k"), 0, "attention", fp32_point=_kv(0, "k"))),
-    Fault("rmsnorm-no-fp32-upcast", "§2.1", "RMSNorm computed in bf16, not upcast to fp32",
+    Fault("rmsnorm-no-fp32-upcast", "trap 1", "RMSNorm computed in bf16, not upcast to fp32",
           rms_norm_without_fp32, Expectation(_attn(0), 0, "attention"),
           gap=PolicyGap(("fails check", "stages") + LOCATION,
                         "a no-op in the fp32 stage (fp32 activations need no upcast) and "
@@ -456,87 +458,88 @@ CATALOG: list[Fault] = [
                         "upcast adds only a few bf16 roundings per norm. No envelope policy can see "
                         "it here; the bitwise unit check in tests/unit/test_model.py catches it "
                         "(test_rmsnorm_upcast_fault_caught_by_unit_check)")),
-    Fault("attention-inverse-sqrt-scale", "§2.2", "attention scores scaled by 1/sqrt(head_dim), not 1.0",
+    Fault("attention-inverse-sqrt-scale", "trap 2", "attention scores scaled by 1/sqrt(head_dim), not 1.0",
           inverse_sqrt_scale, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
-    Fault("missing-v-norm", "§2.3", "the weightless v_norm left out",
+    Fault("missing-v-norm", "trap 3", "the weightless v_norm left out",
           missing_v_norm, Expectation(_kv(0, "v"), 0, "attention", fp32_point=_kv(0, "v"))),
-    Fault("value-after-k-norm", "§2.3",
+    Fault("value-after-k-norm", "trap 3",
           "full layers (k_eq_v) take the value after k_norm instead of the raw k_proj output",
           value_after_k_norm, Expectation(_kv(FIRST_FULL, "v"), FIRST_FULL, "attention",
                                           fp32_point=_kv(FIRST_FULL, "v"))),
-    Fault("full-rotary-on-full-layers", "§2.4",
+    Fault("full-rotary-on-full-layers", "trap 4",
           "full layers rotate every frequency instead of the proportional 25 %",
           full_rotary_on_full_layers, Expectation(_kv(FIRST_FULL, "k"), FIRST_FULL, "attention",
                                                   fp32_point=_kv(FIRST_FULL, "k"))),
-    Fault("proportional-over-rotated-width", "§2.4",
+    Fault("proportional-over-rotated-width", "trap 4",
           "proportional inv_freq exponent divided by the rotated width, not the full head_dim",
           proportional_over_rotated_width, Expectation(_kv(FIRST_FULL, "k"), FIRST_FULL, "attention",
                                                       fp32_point=_kv(FIRST_FULL, "k"))),
-    Fault("rope-interleaved-pairs", "§2.4", "rope rotates lanes 2i, 2i+1 instead of i, i + D/2",
+    Fault("rope-interleaved-pairs", "trap 4", "rope rotates lanes 2i, 2i+1 instead of i, i + D/2",
           rope_interleaved_pairs, Expectation(_kv(0, "k"), 0, "attention", fp32_point=_kv(0, "k"))),
-    Fault("window-one-too-wide", "§2.8", "sliding mask keeps window + 1 keys (i - W <= j)",
+    Fault("window-one-too-wide", "trap 8", "sliding mask keeps window + 1 keys (i - W <= j)",
           window_one_too_wide, Expectation(_attn(0), 0, "attention", min_position=WINDOW, fp32_point=_attn(0))),
-    Fault("window-one-too-narrow", "§2.8", "sliding mask keeps window - 1 keys",
+    Fault("window-one-too-narrow", "trap 8", "sliding mask keeps window - 1 keys",
           window_one_too_narrow, Expectation(_attn(0), 0, "attention", min_position=WINDOW - 1,
                                              fp32_point=_attn(0))),
-    Fault("sliding-layers-causal", "§2.8", "sliding layers get the plain causal mask (no window)",
+    Fault("sliding-layers-causal", "trap 8", "sliding layers get the plain causal mask (no window)",
           sliding_layers_plain_causal, Expectation(_attn(0), 0, "attention", min_position=WINDOW,
                                                    fp32_point=_attn(0))),
-    Fault("layer-scalar-missing", "§2.5",
+    Fault("layer-scalar-missing", "trap 5",
           "layer_scalar not loaded (left at 1.0): the residuals are right, the layer output is not",
           layer_scalar_not_loaded, Expectation("layers.0.output", 0, "mlp", fp32_point="layers.0.output")),
-    Fault("softcap-twice", "§3 fix 2",
+    Fault("softcap-twice", "port: host softcap",
           "the device graph returns capped logits and the host caps them again; every hidden-state "
           "capture point is upstream of the logits, so only the logits point can show it",
           softcap_on_device, Expectation("logits", fp32_point="logits")),
-    Fault("embed-scale-not-cast", "§2.7",
+    Fault("embed-scale-not-cast", "trap 7",
           "sqrt(hidden) applied in fp32 instead of cast to bf16 first; a no-op on the default "
           "fixture (sqrt(64) = 8 is exact in bf16), so run on a hidden-72 variant. An envelope "
           "anchored on fp32 cannot see it (the fault moves bf16 toward fp32); the embeddings' "
           "bit-exactness with the bf16 reference does",
           embed_scale_not_cast, Expectation("embeddings", stages=("bf16",), fp32_point=None),
           checkpoint=TINY_INEXACT_SCALE),
-    Fault("decode-from-bucket-length", "§3 buckets",
+    Fault("decode-from-bucket-length", "port: buckets",
           "decode continues at the bucket length: padded keys leak into every decode step",
           decode_from_bucket_length, Expectation("decode.kv.0.k", 0, "attention", tokens=True,
                                                  fp32_point="decode.kv.0.k")),
     # -- faults inside bf16 noise, decode-only, host-side: what the fp32 stage, the decode and KV
     # capture points and the host probability check exist for (issue 13)
-    Fault("exact-gelu", "§2.6", "the MLP uses the exact (erf) GELU instead of gelu_pytorch_tanh: within "
+    Fault("exact-gelu", "trap 6", "the MLP uses the exact (erf) GELU instead of gelu_pytorch_tanh: within "
           "~1e-3 everywhere, inside the bf16 envelope at every point",
           exact_gelu, Expectation(None, 0, "mlp", stages=("fp32",), fp32_point="layers.0.mlp_residual")),
-    Fault("rope-angles-activation-dtype", "§2.4", "rope angles (positions x inv_freq) computed in the "
+    Fault("rope-angles-activation-dtype", "trap 4", "rope angles (positions x inv_freq) computed in the "
           "activation dtype: bf16 in the port, so exact in the fp32 stage; the rounding grows with position",
           rope_angles_in_activation_dtype, Expectation(_kv(0, "k"), 0, "attention", min_position=200,
                                                       stages=("bf16",), fp32_point=None)),
-    Fault("rope-angles-bf16", "§2.4", "rope angles hard-coded in bf16, whatever the activation dtype",
+    Fault("rope-angles-bf16", "trap 4", "rope angles hard-coded in bf16, whatever the activation dtype",
           rope_angles_in_bf16, Expectation(_kv(0, "k"), 0, "attention", min_position=200, fp32_point=_kv(0, "k"))),
-    Fault("window-one-too-wide-in-decode", "§2.8 / §3 KV cache", "decode steps keep window + 1 keys; "
+    Fault("window-one-too-wide-in-decode", "trap 8; port: KV cache", "decode steps keep window + 1 keys; "
           "prefill is right",
           window_one_too_wide_in_decode, Expectation("decode.layers.0.attn_residual", 0, "attention",
                                                      fp32_point="decode.layers.0.attn_residual")),
-    Fault("host-softcap-without-divide", "§3 fix 2", "the host softcap is cap * tanh(x): monotone, so "
+    Fault("host-softcap-without-divide", "port: host softcap", "the host softcap is cap * tanh(x): monotone, so "
           "greedy tokens never change, but every served probability is wrong",
           host_softcap_without_divide, Expectation("probabilities", fp32_point="probabilities")),
-    Fault("shared-softcap-formula-wrong", "§3 fix 2 / §4", "the softcap formula wrong in harness.numerics, "
+    Fault("shared-softcap-formula-wrong", "port: host softcap; layers",
+          "the softcap formula wrong in harness.numerics, "
           "shared by the port and the judge's fallbacks: the reference computes from transformers alone",
           shared_softcap_formula_wrong, Expectation("probabilities", fp32_point="probabilities")),
-    Fault("host-probabilities-uncapped", "§3 fix 2", "the host serves softmax of the raw logits",
+    Fault("host-probabilities-uncapped", "port: host softcap", "the host serves softmax of the raw logits",
           host_probabilities_uncapped, Expectation("probabilities", fp32_point="probabilities")),
-    Fault("full-layers-sliding-mask", "§2.8", "the decoder's layer loop gives every layer the first "
+    Fault("full-layers-sliding-mask", "trap 8", "the decoder's layer loop gives every layer the first "
           "layer's sliding mask (a wiring error in RankDecoder, not in a layer)",
           full_layers_get_sliding_mask, Expectation(_attn(FIRST_FULL), FIRST_FULL, "attention",
                                                     min_position=WINDOW, fp32_point=_attn(FIRST_FULL))),
-    Fault("decode-cache-one-slot-late", "§3 KV cache", "decode steps write their key and value one "
+    Fault("decode-cache-one-slot-late", "port: KV cache", "decode steps write their key and value one "
           "slot past their position",
           decode_cache_written_one_late, Expectation("decode.kv.0.k", 0, "attention", fp32_point="decode.kv.0.k")),
-    Fault("decode-rope-one-position-late", "§2.4 / §3 KV cache", "decode steps rotate q and k for "
+    Fault("decode-rope-one-position-late", "trap 4; port: KV cache", "decode steps rotate q and k for "
           "position + 1",
           decode_rope_one_position_late, Expectation("decode.kv.0.k", 0, "attention", fp32_point="decode.kv.0.k")),
-    Fault("decode-token-off-by-one", "§3 recipe", "the host's decode loop reports the previous step's "
+    Fault("decode-token-off-by-one", "port: recipe", "the host's decode loop reports the previous step's "
           "token (logits right, sequence wrong)",
           decode_token_off_by_one, Expectation(None, fp32_point="sequence")),
-    Fault("decode-raises", "§3 recipe", "a port bug that raises in decode past the window",
+    Fault("decode-raises", "port: recipe", "a port bug that raises in decode past the window",
           decode_raises_past_window, Expectation(None, fp32_point="exception inside the port")),
 ]
 
@@ -676,11 +679,12 @@ def run_family_check(fault: Fault | None, monkeypatch, checkpoint, references, t
     stages, no local verdicts: their layers mostly cannot run alone)."""
     from harness.backends import build_engine
     from harness.parity import check_port
+    from harness.settings import RunSettings
 
     if fault is not None:
         fault.inject(monkeypatch)
-    engine = build_engine(checkpoint, tp=tp, dtype=torch.bfloat16, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
-    return check_port(checkpoint, engine, references["float32"], references["bfloat16"], tp=tp, local=False)
+    engine = build_engine(checkpoint, RunSettings(tp=tp, dtype="bfloat16", buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN))
+    return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=False)
 
 
 # ---- running a fault and reading what caught it -------------------------------------------------
@@ -690,10 +694,11 @@ def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references, l
     check against the references (fp32 and bf16) computed once for the checkpoint."""
     from harness.backends import build_engine
     from harness.parity import check_port
+    from harness.settings import RunSettings
 
     if fault is not None:
         fault.inject(monkeypatch)
-    engine = build_engine(checkpoint, tp=2, dtype=torch.bfloat16, buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN)
+    engine = build_engine(checkpoint, RunSettings(buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN))
     if local is None:
         local = fault is None or fault.local
     return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=local)
@@ -818,7 +823,7 @@ def unmet(expect: Expectation, caught: Caught) -> list[str]:
 
 
 TABLE_HEADER = (
-    "| # | fault | DESIGN | expected | caught by (`gemma-parity check`) | failing stages | "
+    "| # | fault | design | expected | caught by (`gemma-parity check`) | failing stages | "
     "SEQ_MATCH, real / near-tie flips | max KL (tiny0's bf16 reference: {floor:.2f}) | verdict |\n"
     "|---|---|---|---|---|---|---|---|---|")
 

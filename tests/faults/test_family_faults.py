@@ -58,7 +58,9 @@ def test_bisect_names_the_family_fault(monkeypatch, name):
     fault = next(f for f in FAMILY_CATALOG if f.name == name)
     ckpt, refs = family_checkpoint(_variant(fault.checkpoint)), family_reference(_variant(fault.checkpoint))
     fault.inject(monkeypatch)
-    engine = build_engine(ckpt, tp=2, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN, capture=True)
-    layers = build_engine(ckpt, tp=2, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN).backend
-    result = bisect_capture(ckpt, engine, layers, refs["float32"], refs["bfloat16"])
+    from harness.settings import RunSettings
+
+    settings = RunSettings(tp=2, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
+    engine = build_engine(ckpt, settings, capture=True)
+    result = bisect_capture(ckpt, engine, (refs["float32"], refs["bfloat16"]))
     assert (result.first_divergent_layer, result.component, result.cause) == (*BISECTED[name], "port")

@@ -1,6 +1,7 @@
 """Every bad input, table-driven: each case builds its inputs in a private directory, runs the
 command, and asserts the exit status (2: bad input or environment, never 1), that the message names
-the option, path or key, that a refusal needing no model work comes back within seconds, that no
+the option, path or key, that a refusal needs no model work (counted, not timed: no weight tensor
+read, no transformers model loaded, no module's forward; tests/model_work.py), that no
 traceback is printed, and that nothing on disk changed (every file's size, mtime and hash, every
 link and directory, of the case's directory, the tiny checkpoint and the shared golden)."""
 
@@ -16,9 +17,10 @@ from typing import Callable
 import pytest
 import torch
 
-from tests.inputs.scenarios import (FAST_S, TEXT, copy_checkpoint, edit_config, perf_result,
+from tests.inputs.scenarios import (TEXT, copy_checkpoint, edit_config, perf_result,
                                     rehash_golden, rewrite_weights, run_inprocess, small_golden, snapshot,
                                     split_weights, write_json)
+from tests.model_work import ModelWork
 
 
 @dataclass
@@ -82,6 +84,13 @@ case("tp-negative-info", "--tp -2")(lambda c: ["info", "--config", c.tiny / "con
 case("tp-does-not-divide", "--tp 3", "does not split")(lambda c: check_argv(c, "--tp", 3))
 case("seed-negative", "--seed -1")(lambda c: ["check", "--model", "tiny", "--seed", -1])
 case("dtype-unknown", "--dtype 'int8'")(lambda c: check_argv(c, "--dtype", "int8"))
+case("dtype-unknown-bench", "--dtype 'half'", "bf16, bfloat16, float32, fp32")(
+    lambda c: ["bench", "--model", "tiny", "--dtype", "half", "--out", c.tmp / "b.json"])
+case("backend-option-unknown", "--backend-option compile_worker", "neuron backend has no such option")(
+    lambda c: check_argv(c, "--backend", "neuron", "--backend-option", "compile_worker=4"))
+case("backend-option-bad-value", "--backend-option zero_on_reset='maybe'", "true or false")(
+    lambda c: ["bench", "--model", "tiny", "--backend", "neuron", "--backend-option", "zero_on_reset=maybe",
+               "--out", c.tmp / "b.json"])
 case("bucket-beyond-kv", "bucket 512 exceeds --kv-len 256")(lambda c: check_argv(c, "--buckets", "16,512"))
 case("kv-beyond-max-positions", "--kv-len 4096", "max_position_embeddings 1024")(
     lambda c: check_argv(c, "--kv-len", 4096, "--buckets", 64))
@@ -114,8 +123,8 @@ def compare_argv(ctx: Ctx, *extra, baseline=None, current=None) -> list:
 for value in ("nan", "inf", "-inf", "0.5"):
     case(f"factor-{value}", f"--factor {float(value)}", "finite number in [1, ∞)")(
         lambda c, value=value: compare_argv(c, f"--factor={value}"))
-for value in ("0", "1", "1.5", "nan", "-0.1"):
-    case(f"alpha-{value}", f"--alpha {float(value)}", "(0, 1)")(lambda c, value=value: compare_argv(c, f"--alpha={value}"))
+for value in ("0", "0.5", "0.7", "1", "1.5", "nan", "-0.1"):
+    case(f"alpha-{value}", f"--alpha {float(value)}", "(0, 0.5)")(lambda c, value=value: compare_argv(c, f"--alpha={value}"))
 for value in ("prefill_ms=-1", "prefill_ms=0", "prefill_ms=nan", "prefill_ms=inf", "=5", "prefill_ms"):
     case(f"budget-{value}", f"--budget '{value}'")(lambda c, value=value: compare_argv(c, f"--budget={value}"))
 case("budget-twice", "--budget prefill_ms: given more than once")(
@@ -134,6 +143,47 @@ case("compare-history-missing", "--history {tmp}/nohist: history directory not f
 case("compare-baseline-is-a-directory", "--baseline {tmp}: is a directory")(
     lambda c: ["perf", "compare", "--baseline", c.tmp, "--current", write_json(c.tmp / "c.json", perf_result())])
 
+case("samples-huge-integer", "metrics.prefill_ms must be a non-empty list of finite numbers")(
+    lambda c: compare_argv(c, current=perf_result(prefill=(10 ** 400, 10.0, 10.0))))
+case("samples-integer-beyond-json-digits", "not valid JSON", "4300 digits")(
+    lambda c: ["perf", "compare", "--baseline", c.file("b.json", json.dumps(perf_result()).replace(
+        "10.0", "1" * 5000, 1)), "--current", write_json(c.tmp / "cur.json", perf_result())])
+case("perf-result-not-utf8", "{tmp}/b.json: not UTF-8")(
+    lambda c: ["perf", "compare", "--baseline", c.file("b.json", json.dumps(perf_result()).encode()[:-1] + b"\xff}"),
+               "--current", write_json(c.tmp / "cur.json", perf_result())])
+case("perf-result-nested-deeply", "{tmp}/b.json: JSON nested more than 200 levels deep")(
+    lambda c: ["perf", "compare", "--baseline", c.file("b.json", "[" * 100000), "--current",
+               write_json(c.tmp / "cur.json", perf_result())])
+case("perf-naive-date", "created = '2026-01-02T00:00:00' has no time zone")(
+    lambda c: compare_argv(c, current={**perf_result(), "created": "2026-01-02T00:00:00"}))
+
+
+def history(c: Ctx, *results, extra=None) -> Path:
+    directory = c.tmp / "h"
+    directory.mkdir()
+    for k, result in enumerate(results):
+        write_json(directory / f"run{k}.json", result)
+    if extra:
+        extra(directory)
+    return directory
+
+
+case("history-naive-and-aware-dates", "{tmp}/h/run1.json: created = '2026-01-02T00:00:00' has no time zone")(
+    lambda c: ["perf", "compare", "--history", history(c, perf_result(), {**perf_result(), "created": "2026-01-02T00:00:00"})])
+case("history-huge-integer", "run1.json: metrics.decode_ms_per_token must be a non-empty list of finite numbers")(
+    lambda c: ["perf", "compare", "--history", history(c, perf_result(), perf_result(decode=(5.0, 2 ** 2000)))])
+case("history-not-utf8", "{tmp}/h/run1.json: not UTF-8")(
+    lambda c: ["perf", "compare", "--history", history(c, perf_result(), extra=lambda d: (d / "run1.json").write_bytes(
+        b"\xfe" + json.dumps(perf_result()).encode()))])
+case("history-nested-deeply", "JSON nested more than 200 levels deep")(
+    lambda c: ["perf", "compare", "--history", history(c, perf_result(), extra=lambda d: (d / "run1.json").write_text(
+        "{\"a\":" * 50000))])
+# a named pipe or a directory called *.json is not a run: skipped with a note, never read (a pipe
+# would block for ever); with no regular run file left the history is refused
+case("history-only-a-named-pipe", "{tmp}/h/run.json: not a regular file, so not a run; skipped", "no run files")(
+    lambda c: ["perf", "compare", "--history", history(c, extra=lambda d: os.mkfifo(d / "run.json"))])
+case("history-only-a-directory", "{tmp}/h/run.json: not a regular file", "no run files")(
+    lambda c: ["perf", "compare", "--history", history(c, extra=lambda d: (d / "run.json").mkdir())])
 
 # ---- prompt files --------------------------------------------------------------------------------
 
@@ -281,7 +331,7 @@ case("unexpected-decoder-layer", f"{TEXT}layers.12.", "not used by the model", "
 case("v-proj-on-a-k-eq-v-layer", f"{TEXT}layers.5.self_attn.v_proj.weight", "attention_k_eq_v")(
     info_of(lambda c: rewrite_weights(c.ckpt(), lambda t: t.update({
         f"{TEXT}layers.5.self_attn.v_proj.weight": torch.zeros(32, 64)}))))
-case("explicit-weights-missing", "transformers_weights but missing")(
+case("explicit-weights-missing", "transformers_weights but not found")(
     info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg.update(transformers_weights="other.safetensors"))))
 for key, value, fragment in [("num_attention_heads", 0, "num_attention_heads=0"),
                              ("num_key_value_heads", 3, "must divide num_attention_heads=16"),
@@ -293,11 +343,67 @@ for key, value, fragment in [("num_attention_heads", 0, "num_attention_heads=0")
                              ("pad_token_id", 512, "pad_token_id=512"), ("num_kv_shared_layers", "x", "num_kv_shared_layers")]:
     case(f"config-{key}-{value}", "{tmp}/ckpt/config.json", fragment)(
         info_of(lambda c, key=key, value=value: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update({key: value}))))
+def per_layer(c: Ctx, overrides: dict, shape_weights: bool = False) -> Path:
+    """A private checkpoint whose config overrides layer 5 (a full layer) per layer; with
+    `shape_weights` its tensors are reshaped to match, so only the config check can refuse it."""
+    ckpt = edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update(per_layer_config={"05": overrides}))
+    if shape_weights:
+        d, kv = overrides.get("head_dim", 32), overrides.get("num_key_value_heads", 1)
+        key = f"{TEXT}layers.5.self_attn."
+        rewrite_weights(ckpt, lambda t: t.update({
+            f"{key}q_proj.weight": torch.zeros(16 * d, 64), f"{key}o_proj.weight": torch.zeros(64, 16 * d),
+            f"{key}k_proj.weight": torch.zeros(kv * d, 64), f"{key}q_norm.weight": torch.ones(d),
+            f"{key}k_norm.weight": torch.ones(d)}))
+    return ckpt
+
+
+for overrides, fragment in [({"head_dim": 0}, "head_dim=0 must be a positive integer"),
+                            ({"head_dim": -32}, "head_dim=-32 must be a positive integer"),
+                            ({"head_dim": 31}, "head_dim=31 must be even"),
+                            ({"num_key_value_heads": 0}, "num_key_value_heads=0 must be a positive integer"),
+                            ({"num_key_value_heads": 3}, "num_key_value_heads=3 must divide num_attention_heads=16"),
+                            ({"intermediate_size": 64}, "unsupported config key intermediate_size=64")]:
+    name = "-".join(f"{k}{v}" for k, v in overrides.items())
+    case(f"per-layer-{name}-info", "{tmp}/ckpt/config.json: per_layer_config['05']", fragment)(
+        info_of(lambda c, overrides=overrides: per_layer(c, overrides)))
+for overrides in ({"head_dim": 0}, {"num_key_value_heads": 0}, {"head_dim": 31}):
+    name = "-".join(f"{k}{v}" for k, v in overrides.items())
+    case(f"per-layer-{name}-check-weights-shaped-to-match", "per_layer_config['05']")(
+        lambda c, overrides=overrides: ["check", "--checkpoint", per_layer(c, overrides, shape_weights=True),
+                                        "--json", c.tmp / "c.json"])
+case("per-layer-index-out-of-range", "per_layer_config['12']: the key is not a layer index in [0, 12)")(
+    info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update(per_layer_config={"12": {}}))))
+case("per-layer-index-twice", "is given twice")(
+    info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].update(
+        per_layer_config={"5": {"head_dim": 32}, "05": {"head_dim": 32}}))))
+AUDIO = "model.embed_audio.embedding_projection.weight"  # inert: the port never reads it, transformers loads it
+for shape in ((64, 0), (0, 16), (64, 17)):
+    for command in ("check", "reference"):
+        case(f"inert-audio-{shape[0]}x{shape[1]}-{command}", f"{AUDIO} has shape {shape}",
+             "transformers' model for config.json has (64, 16)", fast=False)(
+            lambda c, shape=shape, command=command: [
+                command, "--checkpoint", rewrite_weights(c.ckpt(), lambda t: t.update({AUDIO: torch.zeros(shape)})),
+                "--prompts", prompts(c, [[5, 6, 7]]), "--new-tokens", 1,
+                *(["--json", c.tmp / "c.json"] if command == "check" else ["--out", c.tmp / "g"])])
 case("config-missing-hidden-size", "hidden_size=None is missing")(
     info_of(lambda c: edit_config(c.ckpt(), lambda cfg: cfg["text_config"].pop("hidden_size"))))
 case("config-is-a-list", "expected a JSON object")(
     lambda c: ["info", "--config", c.file("config.json", [1, 2])])
 case("config-not-utf8", "{tmp}/config.json: not UTF-8")(lambda c: ["info", "--config", c.file("config.json", b"\xff{}")])
+case("config-nested-deeply", "{tmp}/config.json: JSON nested more than 200 levels deep")(
+    lambda c: ["info", "--config", c.file("config.json", '{"text_config":' * 100000)])
+case("checkpoint-config-nested-deeply", "{tmp}/ckpt/config.json: JSON nested more than 200 levels deep")(
+    info_of(lambda c: (k := c.ckpt(), (k / "config.json").write_text("[" * 5000 + "]" * 5000))[0]))
+case("index-nested-deeply", "model.safetensors.index.json: JSON nested more than 200 levels deep")(
+    info_of(lambda c: (k := c.ckpt(), split_weights(k, f"{TEXT}layers.3."),
+                       (k / "model.safetensors.index.json").write_text('{"weight_map":' * 3000))[0]))
+case("prompts-nested-deeply", "{tmp}/prompts.json: JSON nested more than 200 levels deep")(with_prompts("[" * 100000))
+NOT_UTF8 = os.fsdecode(b"\xff")  # a non-UTF-8 argument byte, as Python hands it over
+case("argv-not-utf8-config-missing", "--config {tmp}/c\\xff.json: not found")(
+    lambda c: ["info", "--config", c.tmp / f"c{NOT_UTF8}.json"])
+case("argv-not-utf8-golden-edited", "{tmp}/g\\xff/manifest.json", "do not match its golden_sha256")(
+    lambda c: check_golden(lambda c: edit_manifest_only(c, lambda m: m.update(created="x")).rename(
+        c.tmp / f"g{NOT_UTF8}"))(c))
 case("config-is-a-directory", "--config {tmp}: is a directory")(lambda c: ["info", "--config", c.tmp])
 case("checkpoint-missing", "--checkpoint {tmp}/nothing: not found")(lambda c: check_argv(c)[:1] + [
     "--checkpoint", c.tmp / "nothing"])
@@ -360,6 +466,9 @@ case("golden-generated-outside-vocab", "results.float32[0].generated must be 2 t
     check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"]["float32"][0][
         "generated"].__setitem__(0, 9999))))
 case("golden-without-bfloat16", "no bfloat16 reference in this golden")(
+    check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"].pop("bfloat16"),
+                                         edit_tensors=lambda t: [t.pop(k) for k in sorted(t) if k.startswith("bf")])))
+case("golden-bfloat16-tensors-without-their-results", "bfloat16.p0.", "is not one the reference writes")(
     check_golden(lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"].pop("bfloat16"))))
 case("golden-of-other-weights", "written from other weights", "gemma-parity bisect")(
     lambda c: ["check", "--checkpoint", rewrite_weights(c.ckpt(), lambda t: t[f"{TEXT}norm.weight"].mul_(2)),
@@ -367,6 +476,85 @@ case("golden-of-other-weights", "written from other weights", "gemma-parity bise
 case("golden-prompt-longer-than-bucket", "golden", "prompt 0 has 3 tokens", "--buckets with a bucket >= 3")(
     lambda c: ["bisect", "--checkpoint", c.tiny, "--golden", c.shared_golden, "--buckets", 2, "--kv-len", 8])
 
+
+
+# ---- a pipe, a directory or a device where a file belongs: named for what it is, never "missing"
+
+def replace_by(path: Path, kind: str) -> None:
+    path.unlink()
+    {"directory": path.mkdir, "pipe": lambda: os.mkfifo(path), "device": lambda: path.symlink_to("/dev/zero")}[kind]()
+
+
+WHAT = {"directory": "is a directory", "pipe": "is a named pipe", "device": "is a character device"}
+for kind in WHAT:
+    case(f"golden-tensors-a-{kind}", "{tmp}/golden/tensors.safetensors: " + WHAT[kind], "not the golden's tensor file")(
+        check_golden(lambda c, kind=kind: (g := c.golden(), replace_by(g / "tensors.safetensors", kind))[0]))
+    case(f"golden-manifest-a-{kind}", "{tmp}/golden/manifest.json: " + WHAT[kind])(
+        check_golden(lambda c, kind=kind: (g := c.golden(), replace_by(g / "manifest.json", kind))[0]))
+    case(f"checkpoint-config-a-{kind}", "{tmp}/ckpt/config.json: config.json " + WHAT[kind])(
+        info_of(lambda c, kind=kind: (k := c.ckpt(), replace_by(k / "config.json", kind))[0]))
+    case(f"checkpoint-weights-a-{kind}", "{tmp}/ckpt/model.safetensors: " + WHAT[kind], "transformers would")(
+        info_of(lambda c, kind=kind: (k := c.ckpt(), replace_by(k / "model.safetensors", kind))[0]))
+
+# ---- the golden contract: edited, truncated or foreign goldens are bad input in every command -----
+
+def reshape(key: str, shape):
+    """Replace one capture by a tensor of another shape (and re-seal the golden)."""
+    return lambda t: t.__setitem__(key, torch.zeros(shape))
+
+
+GOLDEN_KINDS = {
+    # edited, hash left stale
+    "edited-manifest": (lambda c: edit_manifest_only(c, lambda m: m.update(created="2020-01-01T00:00:00+00:00")),
+                        "do not match its golden_sha256"),
+    "edited-tensor-bytes": (lambda c: (g := c.golden(), (g / "tensors.safetensors").write_bytes(
+        (g / "tensors.safetensors").read_bytes()[:-4] + b"\0\0\0\1"))[0], "does not match the manifest"),
+    # edited and re-sealed: only the content checks stand in the way
+    "edited-token": (lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m["results"]["float32"][0][
+        "generated"].__setitem__(1, (m["results"]["float32"][0]["generated"][1] + 1) % 512)),
+        "generated[1]", "is not the argmax of its step's logits"),
+    "reshaped-kv": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape("float32.p0.kv.3.k", (4, 64))),
+                    "float32.p0.kv.3.k has shape (4, 64), expected (4, 128)"),
+    "reshaped-full-layer-kv": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape("bfloat16.p0.kv.5.v", (4, 128))),
+                               "bfloat16.p0.kv.5.v has shape (4, 128), expected (4, 32)"),
+    "reshaped-decode": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape("float32.p0.decode.layers.3.output",
+                                                                                  (1, 32))),
+                        "decode.layers.3.output has shape (1, 32), expected (1, 64)"),
+    "reshaped-capped-logits": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape("float32.p0.capped_logits",
+                                                                                         (3, 100))),
+                               "float32.p0.capped_logits has shape (3, 100), expected (3, 512)"),
+    "reshaped-step-capped-logits": (lambda c: rehash_golden(c.golden(), edit_tensors=reshape(
+        "bfloat16.p0.step_capped_logits", (1, 512))), "step_capped_logits has shape (1, 512), expected (2, 512)"),
+    "integer-tensor": (lambda c: rehash_golden(c.golden(), edit_tensors=lambda t: t.__setitem__(
+        "float32.p0.logits", t["float32.p0.logits"].to(torch.int64))), "float32.p0.logits is int64"),
+    "half-a-group": (lambda c: rehash_golden(c.golden(), edit_tensors=lambda t: t.pop("float32.p0.kv.7.v")),
+                     "tensor float32.p0.kv.7.v is missing"),
+    "stray-tensor": (lambda c: rehash_golden(c.golden(), edit_tensors=lambda t: t.__setitem__(
+        "float32.p0.layers.99.output", torch.zeros(3, 64))), "float32.p0.layers.99.output is not one the reference"),
+    # truncated
+    "truncated-tensors": (lambda c: (g := c.golden(), (g / "tensors.safetensors").write_bytes(
+        (g / "tensors.safetensors").read_bytes()[:4096]))[0], "does not match the manifest"),
+    "truncated-tensors-resealed": (lambda c: rehash_golden(c.golden(), edit_tensors=lambda t: [
+        t.pop(k) for k in sorted(t) if k.startswith("bfloat16.p0.decode.")]), "bfloat16.p0 and float32.p0 differ", "decode captures"),
+    "truncated-manifest": (lambda c: (g := c.golden(), (g / "manifest.json").write_bytes(
+        (g / "manifest.json").read_bytes()[:200]))[0], "manifest.json: not valid JSON"),
+    # foreign
+    "foreign-spec": (lambda c: rehash_golden(c.golden(), edit_manifest=lambda m: m.update(spec_hash="0123456789abcdef")),
+                     "golden was made for spec 0123456789abcdef"),
+    "foreign-manifest": (lambda c: (g := c.golden(), (g / "manifest.json").write_text(json.dumps(
+        {"format_version": 2, "name": "my notes"})))[0], "does not match the manifest"),
+    "foreign-json-nested": (lambda c: (g := c.golden(), (g / "manifest.json").write_text("[" * 100000))[0],
+                            "manifest.json: JSON nested more than 200 levels deep"),
+}
+
+
+def golden_argv(command: str, make):
+    return lambda c: [command, "--checkpoint", c.tiny, "--golden", make(c), "--json", c.tmp / "out.json"]
+
+
+for command in ("check", "bisect"):
+    for kind, (make, *fragments) in GOLDEN_KINDS.items():
+        case(f"golden-{kind}-{command}", *fragments)(golden_argv(command, make))
 
 # ---- the runner ----------------------------------------------------------------------------------
 
@@ -381,16 +569,17 @@ def test_bad_input_is_refused(case: Case, tmp_path, tiny0_dir, shared_golden, ca
     argv = case.setup(ctx)
     roots = (tmp_path, tiny0_dir, shared_golden)
     before = snapshot(*roots)
-    try:
-        outcome = run_inprocess(argv, capsys)
-    except SystemExit as exc:  # argparse's own refusals
-        outcome = type("O", (), {"code": exc.code, "err": capsys.readouterr().err, "seconds": 0.0})()
+    with ModelWork() as work:
+        try:
+            outcome = run_inprocess(argv, capsys)
+        except SystemExit as exc:  # argparse's own refusals
+            outcome = type("O", (), {"code": exc.code, "err": capsys.readouterr().err})()
     assert outcome.code == case.code, outcome.err
     for fragment in case.fragments:
         fragment = fragment.replace("{tmp}", str(tmp_path)).replace("{tiny}", str(tiny0_dir))
         assert fragment in outcome.err, (fragment, outcome.err)
     assert "Traceback" not in outcome.err and ".partial-" not in outcome.err
     if case.fast:
-        assert outcome.seconds < FAST_S, outcome.seconds
+        assert work.done() == {}, f"refused only after model work: {work.done()}"
     assert snapshot(*roots) == before
 

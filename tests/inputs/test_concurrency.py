@@ -21,7 +21,7 @@ def test_two_first_use_checks_on_one_empty_cache_both_pass(tmp_path):
                                str(prompts), "--new-tokens", "2", "--json", str(tmp_path / f"check{k}.json")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
              for k in range(2)]
-    outputs = [p.communicate(timeout=900) for p in procs]
+    outputs = [p.communicate(timeout=1800) for p in procs]
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]
         assert "PARITY PASS" in out
@@ -60,7 +60,7 @@ def test_a_second_builder_waits_for_the_lock_and_takes_the_winners_entry(tmp_pat
         shutil.copytree(tiny0_dir, staging)
         os.rename(staging, cache / name)  # the winner's entry appears by one rename
         before = snapshot(cache / name)
-    out, err = proc.communicate(timeout=300)
+    out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err
     assert out.strip() == str(cache / name)
     assert snapshot(cache / name) == before

@@ -22,7 +22,7 @@ import torch
 import harness.atomic
 import harness.checkpoint
 from harness.atomic import TEMP_MARK, atomic_directory, clean_stale_temps, temp_prefix
-from tests.inputs.scenarios import (FAST_S, TEXT, WEIGHTS, cli_env, copy_checkpoint, rewrite_weights,
+from tests.inputs.scenarios import (REPO, TEXT, WEIGHTS, cli_env, copy_checkpoint, rewrite_weights,
                                     run_inprocess, small_golden, snapshot, split_weights)
 
 
@@ -65,6 +65,49 @@ def test_a_full_disk_exits_2_naming_the_users_path(tmp_path, monkeypatch, capsys
     assert TEMP_MARK not in outcome.err and "None" not in outcome.err
     assert list(tmp_path.iterdir()) == []
 
+
+
+class _SafetensorsDiskFull(Exception):
+    """What safetensors' Rust writer raises on a full disk (its own type, not an OSError)."""
+
+
+def _tensors_disk_full(tensors, filename, *args, **kwargs):
+    Path(filename).write_bytes(b"half a tensor file")  # what a full disk leaves: a partial file
+    raise _SafetensorsDiskFull("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _manifest_disk_full(fd):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["golden-tensors", "golden-manifest", "tiny-cache"])
+def test_a_full_disk_while_writing_a_golden_or_the_cache_is_exit_2_with_nothing_half_written(
+        tmp_path, monkeypatch, capsys, where):
+    """ENOSPC in each writer of big files (safetensors' own error type included): exit 2 naming
+    the user's location and that the disk is full, no traceback, and no partial file or temp
+    directory left behind."""
+    import harness.golden
+
+    prompts = tmp_path / "p.json"
+    prompts.write_text("[[5, 6, 7]]")
+    out = tmp_path / "golden"
+    argv = ["reference", "--model", "tiny", "--prompts", prompts, "--new-tokens", 1, "--out", out]
+    if where == "golden-tensors":
+        monkeypatch.setattr(harness.golden, "save_file", _tensors_disk_full)
+    elif where == "golden-manifest":
+        monkeypatch.setattr(harness.golden.os, "fsync", _manifest_disk_full)
+    else:
+        monkeypatch.setenv("GEMMA_PARITY_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setattr("transformers.modeling_utils.safe_save_file", _tensors_disk_full)
+        argv = ["info", "--model", "tiny"]
+        out = tmp_path / "cache"
+    before = snapshot(tmp_path)
+    outcome = run_inprocess(argv, capsys)
+    assert outcome.code == 2, outcome.err
+    assert f"{out}" in outcome.err and "the disk is full" in outcome.err, outcome.err
+    assert "Traceback" not in outcome.err and "internal error" not in outcome.err
+    left = {k: v for k, v in snapshot(tmp_path).items() if k not in before and not Path(k).name.startswith(".lock-")}
+    assert set(left) <= {str(tmp_path / "cache")}, left  # the cache directory itself may be created
 
 def test_permission_denied_on_a_shard_is_not_called_corruption(tmp_path, tiny0_dir, monkeypatch, capsys):
     """An unreadable shard (simulated: the tests run as root) is reported as a permission problem,
@@ -115,7 +158,7 @@ def test_interrupt_exits_with_one_line_and_leaves_no_temp(tmp_path, tiny0_dir, s
         assert line, f"the command ended before the reference started: {seen}"
         seen += line
     proc.send_signal(sig)
-    rest = proc.communicate(timeout=120)[1]
+    rest = proc.communicate(timeout=900)[1]
     assert proc.returncode == code, seen + rest
     tail = [line for line in rest.splitlines() if line.startswith("gemma-parity")]
     assert len(tail) == 1 and ("interrupted" in tail[0] or "terminated" in tail[0]), rest
@@ -301,16 +344,18 @@ def test_a_result_this_tool_wrote_is_replaced(tmp_path, capsys):
 
 def test_refusals_need_no_model_work_even_for_a_huge_decode(tmp_path, tiny0_dir):
     """The issue's slowest case, end to end in a fresh process: --new-tokens 1000000 used to decode
-    for many minutes before being refused; now the refusal is immediate and names the fix."""
+    for many minutes before being refused; now the refusal comes before any model work (counted in
+    the child by tests/model_work.py: no weight read, no model loaded, no forward) and names the fix."""
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([list(range(3, 63))]))
+    log = tmp_path.parent / f"{tmp_path.name}-work.log"
     before = snapshot(tmp_path)
-    from tests.inputs.scenarios import run_subprocess
-
-    outcome = run_subprocess(["check", "--checkpoint", tiny0_dir, "--prompts", prompts, "--new-tokens", 1000000,
-                              "--json", tmp_path / "c.json"])
-    assert outcome.code == 2 and "--kv-len" in outcome.err and str(prompts) in outcome.err
-    assert outcome.seconds < FAST_S
+    proc = subprocess.run([sys.executable, "-m", "tests.model_work", str(log), "check", "--checkpoint",
+                           str(tiny0_dir), "--prompts", str(prompts), "--new-tokens", "1000000", "--json",
+                           str(tmp_path / "c.json")], capture_output=True, text=True, timeout=600,
+                          env=cli_env(), cwd=REPO)
+    assert proc.returncode == 2 and "--kv-len" in proc.stderr and str(prompts) in proc.stderr, proc.stderr
+    assert log.read_text() == "", f"refused only after model work: {log.read_text()}"
     assert snapshot(tmp_path) == before
 
 
@@ -367,3 +412,38 @@ def test_replace_swaps_in_the_new_directory_either_way(tmp_path, monkeypatch, ex
         (tmp / "new-only").write_text("new")
     assert sorted(p.name for p in target.iterdir()) == ["new-only"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("command", ["reference", "bench"])
+def test_a_second_run_for_the_same_new_output_is_refused_before_its_work(tmp_path, monkeypatch, capsys, command):
+    """While one run holds the claim on a new --out (here: this test, through the same lock a run
+    takes), a second run for the same --out is refused at validation (exit 2, naming it), without
+    loading a model or computing anything, and leaves the disk as it was; once released, the
+    claim file is gone and the output can be claimed again."""
+    import harness.reference
+    from harness.atomic import _claim_file
+
+    def no_model_work(*args, **kwargs):
+        raise AssertionError("model work started although the output was claimed by another run")
+
+    monkeypatch.setattr(harness.reference, "run_reference", no_model_work)
+    monkeypatch.setattr("harness.cli.perf.run_bench", no_model_work)
+    out = tmp_path / ("golden" if command == "reference" else "bench.json")
+    harness.atomic.claim_output(out, "--out")  # another run's claim (a second open file: flock conflicts)
+    claimed = _claim_file(out)
+    fd, path = harness.atomic._claims.pop()  # keep holding it, outside this process's own release
+    try:
+        before = snapshot(tmp_path)
+        argv = (["reference", "--model", "tiny", "--new-tokens", 1, "--out", out] if command == "reference"
+                else ["bench", "--model", "tiny", "--runs", 1, "--warmup", 0, "--new-tokens", 1, "--out", out])
+        outcome = run_inprocess(argv, capsys)
+        assert outcome.code == 2, outcome.err
+        assert f"--out {out}: another gemma-parity run is writing it right now" in outcome.err
+        assert snapshot(tmp_path) == before
+    finally:
+        harness.atomic._claims.append((fd, path))
+        harness.atomic.release_claims()
+    assert not claimed.exists()
+    harness.atomic.claim_output(out, "--out")  # free again
+    harness.atomic.release_claims()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

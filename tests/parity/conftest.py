@@ -19,7 +19,8 @@ def port_check(tiny_ckpt, tiny_reference, backend_name):
     from harness.backends import build_engine
     from harness.parity import check_port
 
-    engine = build_engine(tiny_ckpt, backend=backend_name, tp=2, dtype=torch.bfloat16, buckets=(16, 64, 256),
-                          kv_len=256, capture=True)
-    return check_port(tiny_ckpt, engine, tiny_reference["float32"], tiny_reference["bfloat16"],
-                      backend=backend_name)
+    from harness.settings import RunSettings
+
+    engine = build_engine(tiny_ckpt, RunSettings(backend=backend_name, buckets=(16, 64, 256), kv_len=256),
+                          capture=True)
+    return check_port(tiny_ckpt, engine, tiny_reference["float32"], tiny_reference["bfloat16"])

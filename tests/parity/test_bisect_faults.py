@@ -235,3 +235,40 @@ def test_bisect_runs_the_fp32_stage(monkeypatch, tiny0_ckpt, golden_dir):
     assert not result.passed and payload["fp32_stage"]["passed"] is False
     assert payload["fp32_stage"]["failures"][0]["point"] == "layers.0.mlp_residual"
     assert payload["fp32_stage"]["first_divergent_layer"] == 0
+
+
+def sliding_rope_theta_doubled(monkeypatch):
+    """The sliding layers' rope theta doubled in the port (a config value read wrong)."""
+    import dataclasses
+
+    original = port_model.rope_inv_freq
+
+    def inv_freq(layer):
+        if layer.type == "sliding_attention":
+            layer = dataclasses.replace(layer, rope_theta=2 * layer.rope_theta)
+        return original(layer)
+
+    monkeypatch.setattr(port_model, "rope_inv_freq", inv_freq)
+
+
+AGREED = ("near_tie_flips", "real_divergences", "first_divergent_layer", "seq_match", "passed")
+
+
+@pytest.mark.parametrize("fault", [None, sliding_rope_theta_doubled], ids=["clean", "sliding-rope-theta"])
+def test_check_and_bisect_tell_the_same_story(monkeypatch, tmp_path, tiny0_dir, golden_dir, fault):
+    """`check --golden` and `bisect` on the same checkpoint and golden report the same near-tie and
+    real-divergence counts, the same first divergent layer and the same verdict: clean, and with a
+    planted bug (sliding layers' rope theta doubled: a real divergence, first at layer 0)."""
+    if fault is not None:
+        fault(monkeypatch)
+    args = ["--checkpoint", str(tiny0_dir), "--golden", str(golden_dir)]
+    codes = [main(["check", *args, "--json", str(tmp_path / "check.json")]),
+             main(["bisect", *args, "--json", str(tmp_path / "bisect.json")])]
+    check, bisect = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("check", "bisect"))
+    assert {k: check[k] for k in AGREED} == {k: bisect[k] for k in AGREED}
+    assert check["first_divergent_component"] == bisect["component"]
+    if fault is None:
+        assert codes == [EXIT_OK, EXIT_OK] and check["real_divergences"] == 0
+    else:
+        assert codes == [EXIT_FAIL, EXIT_FAIL]
+        assert check["real_divergences"] > 0 and check["first_divergent_layer"] == 0

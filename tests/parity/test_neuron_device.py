@@ -17,6 +17,7 @@ import torch
 
 from harness.compare import compare_logits, compare_point
 from harness.backends import build_engine
+from harness.settings import RunSettings
 
 pytestmark = pytest.mark.neuron
 
@@ -31,8 +32,9 @@ def prompt(length: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 500, (length,), generator=gen).tolist()
 
 
-def engine_for(checkpoint, backend: str, dtype: torch.dtype, **kwargs):
-    return build_engine(checkpoint, backend=backend, tp=TP, dtype=dtype, buckets=BUCKETS, kv_len=KV_LEN, **kwargs)
+def engine_for(checkpoint, backend: str, dtype: torch.dtype, capture: bool = False, **options):
+    settings = RunSettings(backend=backend, tp=TP, dtype=dtype, buckets=BUCKETS, kv_len=KV_LEN, backend_options=options)
+    return build_engine(checkpoint, settings, capture=capture)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from harness import graphs
 from harness import model as port_model
 from harness.backends import neuron
 from harness.errors import HarnessInputError
+from harness.settings import RunSettings
 from tests.nxd_double import installed
 from tests.parity import test_neuron_device as device
 
@@ -97,6 +98,7 @@ def test_embeddings_capture_is_the_input_the_device_was_fed(parity, cpu16):
 
 # ---- the CLI with --backend neuron -----------------------------------------------------------------
 
+@pytest.mark.slow  # a whole `check` (both references, both stages) through the double
 def test_check_backend_neuron_passes_through_the_cli(nxd, tmp_path, capsys):
     from harness.cli import main
 
@@ -127,7 +129,7 @@ def test_bench_backend_neuron_runs_through_the_cli(nxd, tmp_path):
 # ---- each rule of the double, broken on purpose: the build or the run fails -------------------------
 
 def _build(tiny0_ckpt, tmp_path, **kwargs):
-    return neuron.NeuronBackend(tiny0_ckpt, tp=2, dtype=torch.bfloat16, max_len=32, buckets=(16,),
+    return neuron.NeuronBackend(tiny0_ckpt, RunSettings(backend="neuron", buckets=(16,), kv_len=32),
                                 cache_dir=tmp_path, **kwargs)
 
 

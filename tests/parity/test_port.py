@@ -9,12 +9,13 @@ import torch
 from harness.compare import rel_l2
 from harness.backends import build_engine
 from harness.errors import PromptError
+from harness.settings import RunSettings
 
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
 
 
 def _engine(ckpt, tp=2, dtype=torch.float32, buckets=(16, 32, 64, 256), kv_len=256):
-    return build_engine(ckpt, tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len)
+    return build_engine(ckpt, RunSettings(tp=tp, dtype=dtype, buckets=buckets, kv_len=kv_len))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -115,7 +116,7 @@ def test_multimodal_placeholder_ids_become_pad(tiny0_dir, tiny0_ckpt):
     assert rel_l2(got, ref.captures["logits"]) < FP32_ROUNDING
 
 
-REAL_WINDOW = 1024  # the 12B's sliding window (DESIGN §2)
+REAL_WINDOW = 1024  # the 12B's sliding window (docs/design.md#the-model-facts-and-traps)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,7 @@ def real_window_ckpt(tmp_path_factory):
     return Checkpoint.open(build_tiny_checkpoint(out / "ckpt", seed=0, config_path=out / "config.json"))
 
 
+@pytest.mark.slow  # an 1100-token prompt through transformers and the port twice
 def test_real_sliding_window_is_reachable(real_window_ckpt, monkeypatch):
     """With the README's configuration for the 12B's window (a bucket of 1280 in a 1296-slot cache)
     a 1100-token prompt reaches past position 1024, where a sliding query first loses key 0: the

@@ -1,4 +1,4 @@
-"""The host softcap 30 * tanh(x / 30) (DESIGN §3, fix 2): what greedy decode on raw logits may
+"""The host softcap 30 * tanh(x / 30) (docs/design.md#the-port): what greedy decode on raw logits may
 and may not assume, where fp32 and bf16 saturate, and equality with transformers' own softcap.
 
 Softcap is monotone non-decreasing but not strictly increasing in floating point, so the invariant
@@ -172,7 +172,7 @@ def fp32_softcap(x):
 
 
 def test_fp32_softcap_saturates_to_exactly_the_cap_near_270():
-    """In fp32, 30 * tanh(x / 30) == 30.0 exactly from x ~ 270.3 on (DESIGN: "about 270.5"):
+    """In fp32, 30 * tanh(x / 30) == 30.0 exactly from x ~ 270.3 on (docs/design.md#the-port: "about 270"):
     tanh(y) rounds to 1 once 1 - tanh(y) ~ 2 exp(-2y) is below half an fp32 ulp under 1 (2^-25),
     y > 13 ln 2. Checked exhaustively over every fp32 in [256, 512): non-decreasing, below the cap
     before the bisected point and exactly the cap from it on (vectorized tanh included)."""

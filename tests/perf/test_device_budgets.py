@@ -41,9 +41,11 @@ def checkpoint_path() -> Path:
 def device_run() -> dict:
     from harness.checkpoint import Checkpoint
 
-    result = perf.run_bench(Checkpoint.open(checkpoint_path()), backend="neuron", runs=perf.DEFAULT_RUNS,
-                            warmup=perf.DEFAULT_WARMUP, buckets=(perf.PUBLISHED_BUCKET,),
-                            new_tokens=perf.DEFAULT_NEW_TOKENS, tp=2, dtype="bf16")
+    from harness.settings import RunSettings
+
+    result = perf.run_bench(Checkpoint.open(checkpoint_path()),
+                            RunSettings(backend="neuron", dtype="bf16", buckets=(perf.PUBLISHED_BUCKET,)),
+                            runs=perf.DEFAULT_RUNS, warmup=perf.DEFAULT_WARMUP, new_tokens=perf.DEFAULT_NEW_TOKENS)
     perf.append_history(result, Path(os.environ.get(HISTORY_ENV, "perf-history")))
     return result
 

@@ -84,10 +84,53 @@ def test_smallest_p_and_runs_needed():
 
 
 def test_percentiles_interpolate_like_numpy():
-    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    values = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0, 6.0, 9.0, 7.0, 8.0]
     s = perf.summarize(values)
-    assert (s["p50"], s["p90"], s["mean"], s["n"]) == (3.0, pytest.approx(4.6), 3.0, 5)
+    assert (s["p50"], s["p90"], s["mean"], s["n"]) == (5.5, pytest.approx(9.1), 5.5, 10)
     assert perf.percentile([10.0], 99) == 10.0
+
+
+def test_tail_percentiles_are_withheld_below_their_sample_size():
+    """p90 from 10 samples, p99 from 100: from fewer, the "tail" is the sample's maximum."""
+    nine, ten = [float(k) for k in range(9)], [float(k) for k in range(10)]
+    assert perf.summarize(nine)["p90"] is None and perf.summarize(ten)["p90"] == pytest.approx(8.1)
+    assert perf.summarize([float(k) for k in range(99)])["p99"] is None
+    assert perf.summarize([float(k) for k in range(100)])["p99"] == pytest.approx(98.01)
+    result = synthetic_result([10.0, 11.0, 12.0], [5.0] * 3)
+    result["summary"] = {"prefill_ms": perf.summarize([10.0, 11.0, 12.0]), "tokens_per_second": 200.0}
+    text = perf.render_bench_summary(result)
+    assert "p90         -  p99         -" in text and "(n=3)" in text
+    assert "p90 is shown from n >= 10 samples and p99 from n >= 100" in text
+
+
+def test_alpha_help_states_the_range_that_is_accepted(tmp_path, capsys):
+    """--alpha's help and its validation agree: (0, 0.5), the interval level 1 - 2 alpha above 0."""
+    import re
+
+    with pytest.raises(SystemExit):
+        cli_main(["perf", "compare", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    low, high = map(float, re.search(r"--alpha ALPHA significance level, in \((\S+), (\S+)\)", help_text).groups())
+    assert (low, high) == (0.0, 0.5)
+    base, cur = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (base, cur):
+        path.write_text(json.dumps(synthetic_result([10.0, 11.0, 12.0], [5.0, 5.1, 5.2])))
+    argv = ["perf", "compare", "--baseline", str(base), "--current", str(cur), "--alpha"]
+    assert cli_main(argv + ["0.49"]) == 0
+    assert cli_main(argv + [str(high)]) == 2 and "(0, 0.5)" in capsys.readouterr().err
+    assert cli_main(argv + [str(low)]) == 2
+
+
+def test_the_ratio_interval_is_at_level_098_for_alpha_001():
+    """The literal level: 1 - 2 * 0.01 = 0.98 (two-sided, matching the one-sided tests at alpha)."""
+    rng = random.Random(7)
+    base, cur = samples(rng, 100, 0.05), samples(rng, 110, 0.05)
+    comp = perf.compare_metric("prefill_ms", base, cur, 1.1, 0.01)
+    assert comp.confidence == 0.98
+    assert (comp.ci_low, comp.ci_high) == perf.ratio_interval(base, cur, 0.98)
+    narrower = perf.ratio_interval(base, cur, 0.90)
+    assert comp.ci_low < narrower[0] and narrower[1] < comp.ci_high  # the level moves the bounds
+    assert perf.compare_metric("prefill_ms", base, cur, 1.1, 0.05).confidence == 0.9
 
 
 # ---- detection ----------------------------------------------------------------------------------
@@ -161,7 +204,7 @@ def test_budget_on_unknown_metric_names_the_metrics():
 
 def test_published_budgets_live_in_one_place():
     assert perf.BUDGETS["ttft_ms"] == 101.0
-    # decode: headroom over the 28 ms weight-read floor (23 GB at 820 GB/s), DESIGN §9
+    # decode: headroom over the 28 ms weight-read floor (23 GB at 820 GB/s), docs/design.md#performance-facts
     assert 23e9 / 820e9 * 1e3 < perf.BUDGETS["tpot_ms"] <= 3 * 28.0
 
 

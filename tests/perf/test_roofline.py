@@ -1,5 +1,5 @@
-"""Roofline floors: the arithmetic checked against figures derived here by hand from DESIGN §2's
-12B table (not from harness.spec or harness.sharding), and `info --perf` printing them."""
+"""Roofline floors: the arithmetic checked against figures derived here by hand from the 12B table
+of docs/design.md#the-model-facts-and-traps (not from harness.spec or harness.sharding), and `info --perf` printing them."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from harness.spec import load_spec
 
 CONFIG_12B = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"
 
-# DESIGN §2: hidden 3840, intermediate 15360, vocab 262144 (tied), 48 layers = 40 sliding + 8 full;
+# docs/design.md#the-model-facts-and-traps: hidden 3840, intermediate 15360, vocab 262144 (tied),
+# 48 layers = 40 sliding + 8 full;
 # 16 query heads everywhere; sliding: 8 KV heads of 256 with k and v; full: 1 KV head of 512, k = v.
 H, I, V, SLIDING, FULL, Q = 3840, 15360, 262144, 40, 8, 16
 TP, BF16 = 2, 2
 # Summed over both ranks. Sliding KV heads are sharded (4 + 4); the full layers' one KV head is
-# replicated whole on both ranks (DESIGN §3 fix 1), so its k_proj counts twice.
+# replicated whole on both ranks (docs/design.md#the-port), so its k_proj counts twice.
 SLIDING_MATS = 2 * H * Q * 256 + 2 * H * 8 * 256 + 3 * H * I
 FULL_MATS = 2 * H * Q * 512 + TP * H * 512 + 3 * H * I
 NORMS = TP * (SLIDING * (4 * H + 2 * 256 + 1) + FULL * (4 * H + 2 * 512 + 1) + H)
@@ -55,7 +56,7 @@ def test_floors_of_the_12b_at_tp2(tokens):
     assert row["memory_ms"] == pytest.approx(memory_ms, rel=1e-12)
     assert row["compute_ms"] == pytest.approx(flops / 190e12 * 1e3, rel=1e-12)
     assert row["host_ms"] == pytest.approx(host / 32e9 * 1e3, rel=1e-12)
-    # Memory binds both graphs at these token counts: about 27 ms, DESIGN §9's "about 28 ms"
+    # Memory binds both graphs at these token counts: about 27 ms, docs/design.md#performance-facts's "about 28 ms"
     assert row["bound"] == "memory" and row["floor_ms"] == row["memory_ms"]
     assert 26.5 < row["floor_ms"] < 28.5
 

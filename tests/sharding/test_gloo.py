@@ -16,18 +16,19 @@ from harness.backends.cpu import CpuBackend
 from harness.checkpoint import Checkpoint
 from harness.engine import embed_scale
 from harness.model import Collectives, RankDecoder, RankLinears
+from harness.settings import RunSettings
 from harness.sharding import rank_state_dicts
 
 WORLD_SIZE = 2
 MAX_LEN = 32
-RENDEZVOUS_TIMEOUT = timedelta(seconds=60)
+RENDEZVOUS_TIMEOUT = timedelta(seconds=900)  # a hang guard: a loaded machine may start one rank minutes late
 
 
 class GlooCollectives(Collectives):
     """Collectives over the default torch.distributed group (gloo).
 
     The all-reduce runs in fp32 and casts back, as NxD does with its default reduce_dtype and as
-    the CPU backend's in-process group does (DESIGN §5: gloo has historically had no bf16 sum).
+    the CPU backend's in-process group does (docs/design.md#backends: gloo has historically had no bf16 sum).
     """
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,8 +89,8 @@ def test_gloo_two_process_tp2_equals_cpu_backend(tiny0_dir, tiny0_ckpt, default_
     mp.spawn(_rank_main, nprocs=WORLD_SIZE, join=True,
              args=(str(tiny0_dir), str(tmp_path / "rendezvous"), str(inputs_path), str(tmp_path)))
 
-    expected = CpuBackend(tiny0_ckpt, tp=WORLD_SIZE, dtype=torch.bfloat16, max_len=MAX_LEN).forward(
-        inputs_embeds, positions)
+    settings = RunSettings(tp=WORLD_SIZE, dtype="bfloat16", kv_len=MAX_LEN, buckets=(MAX_LEN,))
+    expected, _ = CpuBackend(tiny0_ckpt, settings).forward(inputs_embeds, positions)
     for rank in range(WORLD_SIZE):
         logits = torch.load(tmp_path / f"logits_rank{rank}.pt")
         assert logits.dtype == torch.bfloat16 and logits.shape == expected.shape

@@ -47,10 +47,10 @@ def _plans_by_type(spec, tp):
 # ---- the real configs ----------------------------------------------------------------------------
 
 def test_12b_at_tp2_shards_queries_and_replicates_the_one_kv_head(spec_12b):
-    """12B, tp=2 (DESIGN §3 fix 1): full layers hold 8 query heads and the single 512-wide KV head
+    """12B, tp=2 (docs/design.md#the-port): full layers hold 8 query heads and the single 512-wide KV head
     whole on both ranks (groups 8); sliding layers shard 8 KV heads 4 per rank (groups 2)."""
     full, sliding = _plans_by_type(spec_12b, 2)
-    assert [p.index for p in full] == list(range(5, 48, 6))  # DESIGN §2: 5 sliding then 1 full, x8
+    assert [p.index for p in full] == list(range(5, 48, 6))  # 5 sliding then 1 full, x8 (docs/design.md)
     for plan in full:
         assert (plan.kv_heads, plan.head_dim, plan.kv_layout) == (1, 512, "replicate")
         assert (plan.q_heads_per_rank, plan.kv_heads_per_rank, plan.groups) == (8, 1, 8)
@@ -101,7 +101,7 @@ def test_invalid_layouts_are_refused(q_heads, kv_heads, tp):
 # ---- properties of the plan ----------------------------------------------------------------------
 
 def _valid(q_heads, kv_heads, tp) -> bool:
-    """The rule of DESIGN §3, written independently of sharding.py."""
+    """The rule of docs/design.md#the-port, written independently of sharding.py."""
     return (tp >= 1 and q_heads % tp == 0 and q_heads % kv_heads == 0
             and (kv_heads % tp == 0 or tp % kv_heads == 0))
 

@@ -25,6 +25,7 @@ from harness.golden import read_golden, write_golden
 from harness.local import intra_op_threads_for
 from harness.model import rms_norm
 from harness.reference import ReferenceResult, run_reference
+from harness.settings import RunSettings
 
 HIDDEN = 8
 
@@ -131,10 +132,11 @@ def test_prefix_readout_is_normalized_hidden_state(tiny0_ckpt, default_prompts):
     """A build of the first k layers reads out exactly rms_norm of layer k-1's output (and, with
     the MLP silenced, of its attention residual) as the full port computes them."""
     prompt, k = default_prompts[1], 6
-    full = build_engine(tiny0_ckpt, buckets=(64,), kv_len=64).prefill(prompt, capture=True).captures
+    settings = RunSettings(buckets=(64,), kv_len=64)
+    full = build_engine(tiny0_ckpt, settings).prefill(prompt, capture=True).captures
     eps, hidden = tiny0_ckpt.spec.rms_norm_eps, tiny0_ckpt.spec.hidden_size
     for part, point in (("layer", "output"), ("attention", "attn_residual")):
-        engine = build_engine(PrefixCheckpoint(tiny0_ckpt, k, part), buckets=(64,), kv_len=64)
+        engine = build_engine(PrefixCheckpoint(tiny0_ckpt, k, part), settings)
         readout = engine.prefill(prompt).logits
         expected = rms_norm(full[f"layers.{k - 1}.{point}"].bfloat16(), None, eps).float()
         torch.testing.assert_close(readout[:, :hidden], expected, rtol=0, atol=0)
@@ -147,7 +149,7 @@ def test_truncate_on_cpu_backend_agrees_with_capture(tmp_path, tiny0_dir, long_p
     ckpt = Checkpoint.open(_mlp_perturbed_copy(tiny0_dir, tmp_path / "ckpt", layer=3))
     capture = run_bisect(ckpt, long_prompt_golden, mode="capture")
     built = []
-    real_build = backend_prefix_build(ckpt, "cpu", buckets=(64,), kv_len=64)
+    real_build = backend_prefix_build(ckpt, RunSettings(buckets=(64,), kv_len=64))
 
     def counting_build(k, part):
         built.append((k, part))

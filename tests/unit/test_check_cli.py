@@ -53,10 +53,22 @@ def test_check_fails_with_exit_1_on_a_port_bug(tiny0_dir, golden, tmp_path, monk
     """A 1/sqrt(head_dim) attention scale in the port: exit 1, PARITY FAIL, layer 0 first."""
     monkeypatch.setattr(port_model, "attention_scale", lambda head_dim: head_dim ** -0.5)
     assert _check(tiny0_dir, golden, tmp_path) == 1
-    assert "PARITY FAIL" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "PARITY FAIL" in out
     payload = json.loads((tmp_path / "check.json").read_text())
     assert payload["passed"] is False and payload["first_divergent_layer"] == 0
     assert payload["layers"][0]["pass"] is False and payload["layers"][0]["component"] == "attention"
+    # bounded output: the first 5 flips listed, the rest counted (all in the JSON)
+    flips = sum(len(p[part]["mismatches"]) for p in payload["prompts"]
+                for part in ("prefill_logits", "decode_logits_teacher_forced"))
+    listed = [line for line in out.splitlines() if " -> near_tie: " in line or " -> divergence: " in line]
+    assert flips > 5 and len(listed) == 5
+    assert f"... {flips - 5} more token flips not listed" in out
+    # the Markdown names the failed stage(s) and the first failure point
+    markdown = (tmp_path / "report" / "check.md").read_text()
+    first = payload["first_failure"]
+    assert f"- failed stage: **{', '.join(payload['failed_stages'])}**" in markdown
+    assert f"- first failure: **{first['stage']} stage, `{first['point']}`**" in markdown
 
 
 def test_check_names_stage_and_point_of_a_sub_envelope_bug(tiny0_dir, golden, tmp_path, monkeypatch, capsys):

@@ -87,6 +87,27 @@ def test_info_12b_tp2_bytes_per_rank(tmp_path, capsys):
     assert f"{payload['bytes_per_rank'] / 1e9:.2f} GB" in text
 
 
+def test_info_sizes_in_units_that_fit_and_no_published_figure_for_another_model(tiny0_dir, capsys):
+    """The tiny model's plan in kB/MB (never "0.00 GB"), its inert parts said once, and no
+    "floor / published" line (the published latency is the 12B's); the 12B keeps it, in GB."""
+    assert main(["info", "--checkpoint", str(tiny0_dir), "--perf"]) == EXIT_OK
+    text = capsys.readouterr().out
+    line = next(line for line in text.splitlines() if line.startswith("bytes per rank"))
+    assert "0.00 GB" not in text and " GB " not in line and ("MB" in line or "kB" in line), line
+    assert text.count("present but inert") == 1
+    assert "published" not in text.replace("not published", "")
+    assert main(["info", "--config", str(CONFIG_12B), "--perf"]) == EXIT_OK
+    text = capsys.readouterr().out
+    assert "floor / published = " in text and "bytes per rank (bfloat16): 11.97 GB" in text
+
+
+@pytest.mark.parametrize("n_bytes, shown", [(11.97e9, "11.97 GB"), (46.14e6, "46.14 MB"), (965_660, "965.66 kB"),
+                                             (786, "786 B"), (0, "0 B")])
+def test_sizes_are_shown_in_the_unit_that_fits(n_bytes, shown):
+    from harness.report import size_text
+
+    assert size_text(n_bytes) == shown
+
 def test_info_31b_tp8_replicates_full_layer_kv(tmp_path, capsys):
     """The 31B-shaped config at tp=8: full layers' 4 KV heads are replicated (one per rank, 4 query
     heads each); sliding layers' 16 KV heads shard 2 per rank."""

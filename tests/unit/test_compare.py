@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.compare import (FP32_FACTOR, FP32_SCALE, NEAR_TIE_FACTOR, NEAR_TIE_QUANTILE, calibrate_near_ties,
-                             classify_mismatch, compare_logits, compare_point_fp32, compare_probabilities,
-                             margin_shifts, saturation_tie)
+from harness.compare import (BF16, FP32, FP32_FACTOR, FP32_SCALE, calibrate_near_ties, classify_departure,
+                             classify_mismatch, compare_logits, compare_point, compare_probabilities,
+                             distribution_ratio, margin_shifts, saturation_tie)
 
 CAP = 30.0
 
@@ -102,12 +102,16 @@ def test_margin_shifts_measure_each_competitor():
 
 
 def test_band_is_factor_times_quantile_of_the_margin_shifts():
+    """Literal numbers: the band is 2.0 x the 0.99 quantile of the shifts (a loosened factor or
+    quantile fails here in a second)."""
     shifts = torch.linspace(0.0, 1.0, 101)
     calibration = calibrate_near_ties(_pairs(shifts))
-    expected = float(torch.quantile(shifts.double().repeat_interleave(4), NEAR_TIE_QUANTILE))
+    expected = float(torch.quantile(shifts.double().repeat_interleave(4), 0.99))
+    assert expected == pytest.approx(0.99, abs=1e-6)  # 0.99 of the way through 0..1
     assert calibration.samples == 404
+    assert (calibration.quantile, calibration.factor) == (0.99, 2.0)
     assert calibration.shift_at_quantile == pytest.approx(expected)
-    assert calibration.band == pytest.approx(NEAR_TIE_FACTOR * expected)
+    assert calibration.band == pytest.approx(2.0 * expected)
     assert calibration.shift_max == pytest.approx(1.0)
     assert "quantile" in calibration.describe()
 
@@ -128,12 +132,12 @@ def test_fp32_point_is_judged_by_the_scaled_bf16_envelope_and_names_a_bad_row():
     noise = torch.randn(6, 32, generator=gen).double()
     env16 = ref + 1e-2 * noise  # a bf16-sized error
     fp32 = ref + 1e-2 * FP32_SCALE * noise.roll(1, 0)  # the same size, scaled to fp32
-    assert compare_point_fp32("p", fp32, ref, env16).passed
+    assert compare_point("p", fp32, ref, env16, FP32).passed
     bad = fp32.clone()
     bad[4] += 100 * FP32_FACTOR * 1e-2 * FP32_SCALE * noise[4]
-    result = compare_point_fp32("p", bad, ref, env16)
+    result = compare_point("p", bad, ref, env16, FP32)
     assert not result.passed and result.worst_position == 4 and result.position_ratio > FP32_FACTOR
-    assert not compare_point_fp32("p", torch.full_like(ref, math.nan), ref, env16).passed
+    assert not compare_point("p", torch.full_like(ref, math.nan), ref, env16, FP32).passed
 
 
 # ---- host probabilities --------------------------------------------------------------------------
@@ -169,7 +173,8 @@ def _ref(tokens, step_logits):
 
 
 def test_departure_classes():
-    from harness.parity import _departure
+    def _departure(ref, run, band, structural, envelope_ties):
+        return classify_departure(ref, run, band, structural, BF16 if envelope_ties else FP32)
 
     steps = torch.tensor([[5.0, 1.0, 0.0], [3.0, 2.8, 0.0]])
     ref = _ref([0, 0], steps)
@@ -186,8 +191,8 @@ def test_departure_classes():
 
 
 def test_unclassified_sequence_mismatch_fails_the_check():
-    from harness.compare import LogitsResult, TokenVerdict
-    from harness.parity import CheckResult, PromptOutcome
+    from harness.results import CheckResult, PromptOutcome
+    from harness.verdicts import LogitsResult, TokenVerdict
 
     clean = LogitsResult(2, 1.0, 1.0, 0.0, 0.0)
     outcome = PromptOutcome([1, 2], [5, 6], [5, 7], clean, clean, departure=None)

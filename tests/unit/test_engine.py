@@ -45,7 +45,7 @@ def test_prompt_longer_than_the_largest_bucket_is_refused():
 
 def test_embed_scale_is_cast_to_the_weight_dtype():
     """sqrt(hidden) is rounded to the weight dtype before multiplying: in bf16 sqrt(3840) = 61.97
-    becomes 62.0 (DESIGN §2.7); in fp32 it stays 61.97."""
+    becomes 62.0 (docs/design.md#the-model-facts-and-traps, trap 7); in fp32 it stays 61.97."""
     bf16 = embed_scale(3840, torch.bfloat16)
     assert bf16.dtype == torch.bfloat16 and float(bf16) == 62.0
     fp32 = embed_scale(3840, torch.float32)

@@ -1,4 +1,4 @@
-"""The package's imports flow one way (DESIGN §4): from the model facts at the bottom to the
+"""The package's imports flow one way (docs/design.md#import-layers): from the model facts at the bottom to the
 commands at the top. Every import of a harness module, at module level or inside a function, is an
 edge; an edge may only point to a lower or the same layer, the same-layer edges form no cycle, and
 nothing below the command layer imports it."""
@@ -20,7 +20,7 @@ LAYERS = {
     "harness": 0,
     # 1: facts and plumbing every layer may use
     "harness.errors": 1, "harness.spec": 1, "harness.spec_family": 1, "harness.numerics": 1, "harness.atomic": 1, "harness.progress": 1,
-    "harness.hlo": 1,
+    "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.sharding": 2, "harness.instances": 2, "harness.prompts": 2,
     # 3: the port
@@ -28,13 +28,17 @@ LAYERS = {
     # 4: execution: the backends, and the reference (transformers only)
     "harness.backends": 4, "harness.reference": 4,
     # 5: judgement
-    "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.graph_contracts": 5,
+    # (observe runs the port and the references for the judge; stage judges what it observed)
+    "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5,
+    "harness.graph_contracts": 5, "harness.verdicts": 5, "harness.observe": 5, "harness.stage": 5,
+    "harness.results": 5, "harness.bisect_result": 5,
     # 6: workflows as library functions with result objects
-    "harness.parity": 6, "harness.bisect": 6, "harness.perf": 6, "harness.graph_stats": 6,
+    "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
     # 7: presentation and commands; nothing imports these from below
-    "harness.report": 7, "harness.cli": 8,
+    "harness.report": 7, "harness.report_bisect": 7, "harness.report_plot": 7, "harness.report_table": 7,
+    "harness.cli": 8, "harness.entry": 8, "harness.__main__": 8,
 }
-TOP = ("harness.cli",)
+TOP = ("harness.cli", "harness.entry", "harness.__main__")
 
 
 def module_name(path: Path) -> str:
@@ -119,7 +123,7 @@ def test_imports_flow_one_way():
 
 
 def test_only_the_neuron_backend_imports_the_neuron_sdk():
-    """DESIGN §5: only backends/neuron.py knows Neuron exists."""
+    """Only backends/neuron.py knows Neuron exists (docs/design.md#backends)."""
     for path in PACKAGE.rglob("*.py"):
         names = set()
         for node in ast.walk(ast.parse(path.read_text())):

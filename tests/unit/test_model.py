@@ -26,8 +26,8 @@ def rms_norm_matches_transformers(dtype=torch.bfloat16, with_weight: bool = True
 
 
 def test_rms_norm_is_bitwise_transformers_in_bf16_and_fp32():
-    """RMSNorm computes in fp32 and casts back (DESIGN §2.1); a bf16-only norm differs by a few
-    roundings, within the envelope, so it is pinned here instead."""
+    """RMSNorm computes in fp32 and casts back (docs/design.md#the-model-facts-and-traps, trap 1); a bf16-only
+    norm differs by a few roundings, within the envelope, so it is pinned here instead."""
     for dtype in (torch.bfloat16, torch.float32):
         assert rms_norm_matches_transformers(dtype, with_weight=True)
         assert rms_norm_matches_transformers(dtype, with_weight=False)

@@ -23,6 +23,7 @@ from harness.backends import neuron
 from harness.checkpoint import TINY_CONFIG
 from harness.errors import HarnessInputError
 from harness.model import RankDecoder, RankLinears
+from harness.settings import RunSettings
 from harness.sharding import plan_model
 from harness.spec import load_spec
 from tests.sdk_free import import_without_sdks
@@ -58,7 +59,7 @@ def test_import_needs_no_neuron_sdk(monkeypatch):
 def test_backend_refuses_missing_sdk_with_the_fix(monkeypatch):
     monkeypatch.setattr(neuron, "installed_neuron_packages", lambda: ({}, {}))
     with pytest.raises(HarnessInputError) as info:
-        neuron.NeuronBackend(object(), tp=2)
+        neuron.NeuronBackend(object(), RunSettings(backend="neuron"))
     message = str(info.value)
     for name in pyproject_pins():
         assert f"{name} is not installed" in message
@@ -69,7 +70,7 @@ def test_backend_refuses_missing_sdk_with_the_fix(monkeypatch):
                     reason="a Neuron SDK is installed here: the unpatched guard may pass")
 def test_backend_on_this_machine_raises_the_guard_error_not_importerror():
     with pytest.raises(HarnessInputError, match="pip install --extra-index-url"):
-        neuron.NeuronBackend(object(), tp=2)
+        neuron.NeuronBackend(object(), RunSettings(backend="neuron"))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_neuronx") is not None,

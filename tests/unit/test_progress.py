@@ -42,3 +42,44 @@ def test_a_status_line_on_a_terminal_and_nothing_when_disabled(monkeypatch):
     monkeypatch.setattr("sys.stderr", quiet)
     run_steps(enabled=False)
     assert quiet.getvalue() == ""
+
+
+def test_status_line_has_no_stray_separator(monkeypatch):
+    """The terminal line reads "[port] prompt 0/4", not tqdm's postfix form "[port] , prompt 0/4"."""
+    terminal = FakeTerminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with status("port", total=2) as say:
+        say("prompt 0/1")
+    shown = terminal.getvalue()
+    assert "[port] prompt 0/1" in shown and "[port] ," not in shown
+
+
+def test_transformers_bars_are_silent_where_stderr_is_not_a_terminal(tmp_path, monkeypatch, capsys):
+    """Loading a model through transformers (its "Loading weights" bar) and saving one (its
+    "Writing model shards" bar) print nothing to a stderr that is not a terminal, even with
+    GEMMA_PARITY_PROGRESS=1 (which asks for the harness's own plain lines, not third-party bars)."""
+    from transformers.utils import logging as transformers_logging
+
+    from harness.checkpoint import build_tiny_checkpoint
+    from harness.reference import load_reference_model
+
+    monkeypatch.setenv("GEMMA_PARITY_PROGRESS", "1")
+    transformers_logging.enable_progress_bar()  # as a fresh process starts
+    try:
+        out = build_tiny_checkpoint(tmp_path / "tiny")
+        load_reference_model(out)
+        err = capsys.readouterr().err
+        assert "Writing model shards" not in err and "Loading weights" not in err, err
+    finally:
+        transformers_logging.enable_progress_bar()
+
+
+def test_transformers_bars_are_left_alone_on_a_terminal(monkeypatch):
+    from transformers.utils import logging as transformers_logging
+
+    from harness.progress import third_party_bars
+
+    monkeypatch.setattr("sys.stderr", FakeTerminal())
+    transformers_logging.enable_progress_bar()
+    third_party_bars()
+    assert transformers_logging.is_progress_bar_enabled()

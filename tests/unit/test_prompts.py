@@ -45,3 +45,25 @@ def test_malformed_prompt_files_are_refused(tmp_path, content, fragment):
     prompts.write_text(content)
     with pytest.raises(PromptError, match=fragment):
         load_prompts(prompts)
+
+
+@pytest.mark.parametrize("source, said, fix", [
+    (None, "the default prompts file", "pass --prompts FILE with token ids below 300"),
+    ("golden g", "golden g: ", "regenerate it for this model"),
+    ("my.json", "my.json: ", "check the prompts file")])
+def test_an_id_outside_the_vocabulary_names_where_the_prompts_came_from(source, said, fix):
+    """With no --prompts the default prompts file is named as such (and the fix is --prompts, not
+    "check the prompts file", which the user never gave); a golden's prompts say to regenerate it."""
+    from harness.checkpoint import TINY_CONFIG
+    from harness.prompts import DEFAULT_PROMPTS, validate_prompt_ids
+    from harness.spec import spec_from_config_dict
+
+    config = json.loads(TINY_CONFIG.read_text())
+    config["text_config"]["vocab_size"] = 300
+    spec = spec_from_config_dict(config, "small-vocab")
+    with pytest.raises(PromptError) as refused:
+        validate_prompt_ids(spec, load_prompts(None), source)
+    message = str(refused.value)
+    assert said in message and fix in message and "outside the vocabulary [0, 300)" in message
+    assert (str(DEFAULT_PROMPTS) in message) == (source is None)
+    assert ("check the prompts file" in message) == (source == "my.json")

@@ -1,4 +1,4 @@
-"""The truth never leans on the port (DESIGN §4, issue 13): the reference path imports nothing of
+"""The truth never leans on the port (docs/design.md#import-layers, issue 13): the reference path imports nothing of
 the port — not the decoder (model), the engine, the TP plan (sharding), the backends, nor the
 port's numerics (embedding scale, softcap) — so a port bug cannot leak into what it is judged
 against. Checked statically (every import, transitively) and by behaviour (a broken port

@@ -1,5 +1,5 @@
-"""config.json -> ModelSpec: the released 12B resolves to the facts of DESIGN §2 (read from the
-config, never from class defaults), the spec hash tracks the architecture and nothing else, and
+"""config.json -> ModelSpec: the released 12B resolves to the facts of docs/design.md#the-model-facts-and-traps
+(read from the config, never from class defaults), the spec hash tracks the architecture and nothing else, and
 the supported values of the feature keys the port checks are accepted."""
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import torch
 from harness.graph_contracts import graph_stats
 from harness.graph_stats import model_graph_stats
 from harness.report import format_graph_stats
+from harness.settings import RunSettings
 from tests.xla.conftest import KV_LEN, lower_tiny
 
 pytestmark = pytest.mark.xla
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.xla
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_scaled_pieces_equal_the_whole_graph(tiny_spec, tp):
-    result = model_graph_stats(tiny_spec, tp=tp, max_len=KV_LEN, buckets=(16,))
+    result = model_graph_stats(tiny_spec, RunSettings(tp=tp, kv_len=KV_LEN, buckets=(16,)))
     assert result["layers"] == {"sliding_attention": 10, "full_attention": 2}
     for tag, length in (("prefill_16", 16), ("decode", 1)):
         graph, sig, _ = lower_tiny(tiny_spec, tp, length)
@@ -34,12 +35,12 @@ def test_scaled_pieces_equal_the_whole_graph(tiny_spec, tp):
 
 
 def test_12b_decode_reads_its_weights_once_and_returns_one_row_of_logits():
-    """The 12B's real config at TP=2, decode graph only: weights per rank near DESIGN's ~12 GB,
+    """The 12B's real config at TP=2, decode graph only: weights per rank near docs/design.md#performance-facts's ~12 GB,
     2 FLOPs per weight per token, one bf16 vocab row back to the host, two all-reduces per layer."""
     from harness.spec import load_spec
 
     spec = load_spec("fixtures/configs/gemma-4-12b-it.json")
-    result = model_graph_stats(spec, tp=2, max_len=256, buckets=(1,))
+    result = model_graph_stats(spec, RunSettings(tp=2, kv_len=256, buckets=(1,)))
     total = result["graphs"]["decode"]["total"]
     assert result["graphs"]["decode"]["contract_violations"] == {}
     assert 11.5e9 < total["weight_bytes"] < 12.5e9
@@ -56,7 +57,7 @@ def test_roofline_costs_equal_the_lowered_graphs(tiny_spec, tp):
     floors `bench` reports are the graphs that run."""
     from harness.perf import roofline
 
-    result = model_graph_stats(tiny_spec, tp=tp, max_len=KV_LEN, buckets=(16,))
+    result = model_graph_stats(tiny_spec, RunSettings(tp=tp, kv_len=KV_LEN, buckets=(16,)))
     for tag, tokens in (("prefill_16", 16), ("decode", 1)):
         costs = roofline.graph_costs(tiny_spec, tp, "bf16", tokens, KV_LEN)
         total = result["graphs"][tag]["total"]

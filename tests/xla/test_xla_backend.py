@@ -12,6 +12,7 @@ from harness.checkpoint import Checkpoint
 from harness.compare import rel_l2
 from harness.backends import build_engine
 from harness.errors import HarnessInputError
+from harness.settings import RunSettings
 
 pytestmark = pytest.mark.xla
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
@@ -22,7 +23,7 @@ def test_fp32_xla_equals_cpu_backend_prefill_and_decode(tiny0_ckpt, tp):
     """Same sharded weights, same graph: the XLA run equals the CPU backend's to fp32 rounding at
     every capture point and at every decode step (the cache persisted between calls). At TP=2 a
     missing or wrong all-reduce/all-gather would be off by O(1)."""
-    runs = {name: build_engine(tiny0_ckpt, backend=name, tp=tp, dtype=torch.float32, buckets=(16,), kv_len=32,
+    runs = {name: build_engine(tiny0_ckpt, RunSettings(backend=name, tp=tp, dtype="float32", buckets=(16,), kv_len=32),
                                capture=name == "xla") for name in ("cpu", "xla")}
     prompt = list(range(40, 51))
     out = {name: engine.generate(prompt, 6, capture=True) for name, engine in runs.items()}
@@ -37,7 +38,7 @@ def test_fp32_xla_equals_cpu_backend_prefill_and_decode(tiny0_ckpt, tp):
 def test_tp2_kv_cache_holds_each_ranks_own_heads(tiny0_ckpt):
     """After a prefill, rank r's cache of a sliding layer holds rank r's KV heads (they differ
     between ranks); the full layer's single replicated head is the same on both."""
-    engine = build_engine(tiny0_ckpt, backend="xla", tp=2, dtype=torch.float32, buckets=(16,), kv_len=32)
+    engine = build_engine(tiny0_ckpt, RunSettings(backend="xla", dtype="float32", buckets=(16,), kv_len=32))
     engine.prefill(list(range(3, 19)))
     backend = engine.backend
     sliding = [k.float() for k, _ in (backend.kv_cache(0, r) for r in range(2))]
@@ -47,7 +48,7 @@ def test_tp2_kv_cache_holds_each_ranks_own_heads(tiny0_ckpt):
 
 
 def test_only_planned_lengths_run(tiny0_ckpt):
-    engine = build_engine(tiny0_ckpt, backend="xla", tp=1, dtype=torch.bfloat16, buckets=(16,), kv_len=32)
+    engine = build_engine(tiny0_ckpt, RunSettings(backend="xla", tp=1, buckets=(16,), kv_len=32))
     x = torch.zeros(1, 5, tiny0_ckpt.spec.hidden_size)
     with pytest.raises(HarnessInputError, match="no compiled graph takes 5 positions"):
         engine.backend.forward(x, torch.arange(5)[None])
@@ -83,7 +84,7 @@ def test_each_rank_graph_on_its_own_shards_meets_the_contracts(tiny0_ckpt, rank)
     from harness.backends.xla import XlaBackend
     from harness.graph_contracts import GraphSignature, check_graph, expectation_for
 
-    backend = XlaBackend(tiny0_ckpt, tp=2, dtype=torch.bfloat16, max_len=32, buckets=(16,))
+    backend = XlaBackend(tiny0_ckpt, RunSettings(backend="xla", buckets=(16,), kv_len=32))
     graphs = backend.lower_graphs(rank=rank)
     assert sorted(graphs) == ["decode", "prefill_16"]
     for tag, graph in graphs.items():

@@ -18,7 +18,9 @@ FP32_ROUNDING = 1e-5
 @pytest.mark.parametrize("variant, tp", [("31b", 2), ("e2b", 1), ("e2b", 2), ("26b-a4b", 2)])
 def test_fp32_xla_equals_cpu_backend(variant, tp):
     ckpt = family_checkpoint(variant)
-    runs = {name: build_engine(ckpt, backend=name, tp=tp, dtype=torch.float32, buckets=(16,), kv_len=32,
+    from harness.settings import RunSettings
+
+    runs = {name: build_engine(ckpt, RunSettings(backend=name, tp=tp, dtype="float32", buckets=(16,), kv_len=32),
                                capture=name == "xla") for name in ("cpu", "xla")}
     prompt = list(range(40, 51))
     out = {name: engine.generate(prompt, 4, capture=True) for name, engine in runs.items()}

@@ -1,0 +1,42 @@
+"""The `gemma-parity` console script: Ctrl-C and SIGTERM are handled from its first instruction.
+
+Importing the commands takes a second or two (torch, transformers). Until they are imported a
+signal has nothing to unwind and nothing half written to remove, so it ends the process at once
+with the contract's one line and status (130 interrupted, 143 terminated) instead of a traceback
+from inside an import (Ctrl-C) or a silent kill (SIGTERM). Once the commands are imported, their
+own handling (harness/cli/__init__.py) takes over. This module imports nothing heavy before its
+handlers are in place: keep it that way.
+"""
+
+import os
+import signal
+import sys
+
+_STATUS = {signal.SIGINT: (130, "interrupted"), signal.SIGTERM: (143, "terminated")}
+
+
+def _exit_now(signum, frame):
+    code, what = _STATUS[signum]
+    try:
+        os.write(2, f"gemma-parity: {what} while starting; nothing was written\n".encode())
+    finally:
+        os._exit(code)
+
+
+def _guard() -> None:
+    for signum in _STATUS:
+        signal.signal(signum, _exit_now)
+
+
+_guard()  # at import: the console script imports this module before it calls main()
+
+
+def main() -> int:
+    _guard()  # again, for a caller that imported this module earlier and changed the handlers
+    from harness.cli import main as cli_main
+
+    return cli_main()  # it installs its own handlers once the arguments are parsed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""The judge's calibration numbers pinned with literal values on synthetic tensors: a loosened
+constant (envelope factor, fp32 factor, near-tie factor, probability tolerances, the saturation
+exemption, the worst-position check) fails here in seconds, not only in the slow fault catalog.
+No expected value here is computed from an imported constant."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.compare import (BF16, FP32, compare_logits, compare_point, compare_probabilities, distribution_ratio,
+                             saturation_tie)
+
+ROWS, WIDTH = 4, 8
+A = 0.01  # the envelope's relative error per affected row: far above the bf16 floor (2^-9)
+
+
+def _ref() -> torch.Tensor:
+    return torch.ones(ROWS, WIDTH, dtype=torch.float64)  # every row of norm sqrt(8)
+
+
+def _with_row_errors(per_row: list[float]) -> torch.Tensor:
+    """The reference plus, in each row, an error of the given relative size (along lane 0)."""
+    out = _ref()
+    out[:, 0] += torch.tensor(per_row, dtype=torch.float64) * math.sqrt(WIDTH)
+    return out
+
+
+def _whole(b: float):
+    """Envelope error A in row 0 only (whole-tensor relative error A/2, worst row A); device error b
+    in every row (whole b, worst row b): whole ratio 2b/A, worst-position ratio b/A."""
+    return _with_row_errors([b] * ROWS), _with_row_errors([A, 0, 0, 0])
+
+
+def _worst(c: float):
+    """Envelope error A in every row (whole A, worst row A); device error c in row 2 only (whole c/2,
+    worst row c): whole ratio c/(2A), worst-position ratio c/A."""
+    return _with_row_errors([0, 0, c, 0]), _with_row_errors([A] * ROWS)
+
+
+def test_whole_tensor_at_5x_the_envelope_fails_and_at_3x_passes():
+    dev, env = _whole(2.5 * A)
+    fail = compare_point("p", dev, _ref(), env)
+    dev, env = _whole(1.5 * A)
+    ok = compare_point("p", dev, _ref(), env)
+    assert fail.ratio == pytest.approx(5.0, rel=1e-3) and fail.position_ratio == pytest.approx(2.5, rel=1e-3)
+    assert not fail.passed
+    assert ok.ratio == pytest.approx(3.0, rel=1e-3) and ok.passed
+
+
+def test_worst_position_at_5x_the_envelope_fails_and_at_3x_passes():
+    dev, env = _worst(5 * A)
+    fail = compare_point("p", dev, _ref(), env)
+    assert fail.position_ratio == pytest.approx(5.0, rel=1e-3) and fail.ratio == pytest.approx(2.5, rel=1e-3)
+    assert not fail.passed and fail.worst_position == 2
+    dev, env = _worst(3 * A)
+    ok = compare_point("p", dev, _ref(), env)
+    assert ok.position_ratio == pytest.approx(3.0, rel=1e-3) and ok.passed
+
+
+def test_fp32_stage_fails_at_17x_the_scaled_envelope_and_passes_at_15x():
+    """The fp32 judge: the bf16 envelope x 2^-16, factor 16, whole tensor and worst position."""
+    scale = 2.0 ** -16
+    for c, passed in ((15.0, True), (17.0, False)):
+        dev, env = _worst(c * A * scale)
+        result = compare_point("p", dev, _ref(), env, FP32)
+        assert result.envelope_rel_l2 == pytest.approx(A * scale, rel=1e-3)
+        assert result.position_ratio == pytest.approx(c, rel=1e-3) and result.passed is passed
+        dev, env = _whole(c / 2 * A * scale)
+        result = compare_point("p", dev, _ref(), env, FP32)
+        assert result.ratio == pytest.approx(c, rel=1e-3) and result.passed is passed
+
+
+def test_envelope_floor_is_one_bf16_rounding():
+    """An envelope of 0 is floored at 2^-9 (bf16 unit roundoff): an error of 3 x 2^-9 passes, 5x fails."""
+    ref = _ref()
+    for k, passed in ((3.0, True), (5.0, False)):
+        dev = _with_row_errors([k * 2.0 ** -9] * ROWS)
+        assert compare_point("p", dev, ref, ref.clone()).passed is passed
+
+
+# ---- tokens ------------------------------------------------------------------------------------------
+
+def test_sub_ulp_unsaturated_flip_is_a_mismatch():
+    """Capped values 0.01 apart (well under one bf16 ULP, 0.0625 at 8.8) but not equal: the
+    saturation exemption does not apply, the flip is listed (as a near tie)."""
+    cap = 30.0
+    ref = torch.tensor([[10.0, 9.99, 0.0, -5.0]])
+    capped = torch.tanh(ref / cap) * cap
+    assert 0.0 < float(capped[0, 0] - capped[0, 1]) < 0.0625
+    assert not saturation_tie(capped[0], 1)
+    device = torch.tensor([[9.99, 10.0, 0.0, -5.0]])
+    result = compare_logits(device, ref, None, cap, band=1.0)
+    assert [(m.position, m.device_token, m.kind) for m in result.mismatches] == [(0, 1, "near_tie")]
+
+
+def test_saturation_exemption_only_for_exactly_equal_capped_maxima():
+    row = torch.tensor([30.0, 30.0, 29.999998, 0.0])  # capped values; the third one fp32 ULP below
+    assert saturation_tie(row, 1)
+    assert not saturation_tie(row, 2)
+
+
+def test_near_tie_floor_is_four_bf16_ulps():
+    """With a zero band, a flip at |logit| 20 (bf16 ULP 0.125) is a tie up to 0.5 and not at 0.6."""
+    from harness.compare import classify_mismatch
+
+    assert classify_mismatch(0, torch.tensor([20.0, 19.5]), 1).kind == "near_tie"
+    assert classify_mismatch(0, torch.tensor([20.0, 19.4]), 1).kind == "divergence"
+
+
+# ---- probabilities -------------------------------------------------------------------------------------
+
+def _tail_shift(ref_p: torch.Tensor, factor: float) -> torch.Tensor:
+    """q: ref_p with mass moved between two halves of the tail (outside the top 5), the top 5 and
+    the tail's total untouched: a KL with no top-k mass error."""
+    q = ref_p.clone()
+    tail = ref_p.argsort(descending=True)[5:]
+    a, b = tail[::2], tail[1::2]
+    ma, mb = float(ref_p[a].sum()), float(ref_p[b].sum())
+    q[a] *= factor
+    q[b] *= (ma + mb - factor * ma) / mb
+    return q
+
+
+def _tail_kl(ref_p: torch.Tensor, target: float) -> torch.Tensor:
+    """Host probabilities at KL(ref || q) = target (bisection on the tail shift)."""
+    lo, hi = 1.0, 1.9
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        q = _tail_shift(ref_p, mid)
+        kl = float((ref_p * (ref_p.log() - q.log())).sum())
+        lo, hi = (mid, hi) if kl < target else (lo, mid)
+    return _tail_shift(ref_p, (lo + hi) / 2)
+
+
+@pytest.mark.parametrize("times, passed", [(0.5, True), (1.4, False), (90.0, False)])
+def test_fp32_probability_kl_tolerance_is_2e_6(times, passed):
+    """The fp32 stage holds the host's KL to 2e-6 at every row: 0.5x passes, 1.4x and 90x fail."""
+    logits = torch.linspace(8.0, -8.0, 64, dtype=torch.float64)[None]
+    ref_p = torch.softmax(logits, -1)
+    q = _tail_kl(ref_p[0], times * 2e-6)[None]
+    result = compare_probabilities("p", q, logits, None)
+    assert result.kl_max == pytest.approx(times * 2e-6, rel=1e-3)
+    assert result.topk_mass_error < 1e-12
+    assert result.passed is passed
+
+
+@pytest.mark.parametrize("times, passed", [(3.0, True), (5.0, False)])
+def test_bf16_probability_judge_is_4x_the_envelopes_distribution(times, passed):
+    """The bf16 stage: per-row KL (and mass error) judged as a distribution against the bf16
+    reference's; a host at 5x the envelope's KL at every row fails, at 3x passes."""
+    env = torch.tensor([1e-4, 2e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7e-4, 8e-4, 9e-4, 1e-3], dtype=torch.float64)
+    assert distribution_ratio(times * env, env, 2e-6) == pytest.approx(times)
+    assert (distribution_ratio(times * env, env, 2e-6) <= 4.0) is passed
+
+
+def test_one_heavy_row_of_a_healthy_host_is_not_a_failure():
+    """The false alarm of issue 18: one row at 16x the envelope's largest, the others as noisy as
+    the envelope's: the distribution is the envelope's, the host passes."""
+    gen = torch.Generator().manual_seed(0)
+    env = torch.randn(400, generator=gen, dtype=torch.float64) ** 2 * 1e-4  # chi-square, 1 degree of freedom
+    dev = torch.randn(400, generator=gen, dtype=torch.float64) ** 2 * 1e-4
+    dev[7] = 16 * float(env.max())
+    assert distribution_ratio(dev, env, 2e-6) < 1.5
+
+
+def test_bf16_probability_judge_on_softmax_rows():
+    """End to end on [n, vocab] rows: the host equal to the fp32 reference's distribution passes;
+    the host serving softmax of raw (uncapped) logits fails."""
+    cap = 30.0
+    raw = 20 * torch.randn(50, 64, generator=torch.Generator().manual_seed(3))
+    ref_capped = torch.tanh(raw / cap) * cap
+    env_capped = torch.tanh(raw.bfloat16().float() / cap) * cap
+    served = torch.softmax(ref_capped, -1)
+    assert compare_probabilities("p", served, ref_capped, env_capped).passed
+    result = compare_probabilities("p", torch.softmax(raw, -1), ref_capped, env_capped)
+    assert not result.passed and result.ratio > 40
+
+
+def test_stage_settings_are_pinned():
+    assert (BF16.factor, BF16.scale, BF16.floor, BF16.envelope_ties) == (4.0, 1.0, 2.0 ** -9, True)
+    assert (FP32.factor, FP32.scale, FP32.floor, FP32.envelope_ties) == (16.0, 2.0 ** -16, 2.0 ** -25, False)
+
+
+def test_probability_distribution_is_judged_at_its_0_9_quantile_and_mean():
+    """Two rows of ten at 5x the envelope: the mean moves 1.8x, the 0.9 quantile 5x (fails)."""
+    env = torch.full((10,), 1e-4, dtype=torch.float64)
+    dev = env.clone()
+    dev[8:] = 5e-4
+    assert distribution_ratio(dev, env, 2e-6) == pytest.approx(5.0)
+    dev[9] = 1e-4
+    assert distribution_ratio(dev, env, 2e-6) == pytest.approx(1.4)  # one row at 5x: mean and q0.9 both 1.4

@@ -1,0 +1,61 @@
+"""The report's rendering: the per-layer verdict column, the error plot's axes and no matplotlib
+warnings."""
+
+from __future__ import annotations
+
+import warnings
+
+from harness.report import layer_rows
+from tests.plot_extra import require_plot_extra
+
+
+def _layer(index: int, **over) -> dict:
+    layer = {"index": index, "type": "sliding_attention", "rel_l2": 1e-2, "cosine": 0.9999, "max_abs": 0.1,
+             "envelope_rel_l2": 5e-3, "ratio": 2.0, "position_ratio": 2.5, "cumulative_ratio": 2.5,
+             "local_ratio": 1.0, "local_rel_l2": 5e-3, "local_envelope_rel_l2": 5e-3, "pass": True,
+             "component": None}
+    layer.update(over)
+    return layer
+
+
+def test_a_layer_carrying_upstream_error_is_not_blamed():
+    """Layer 3 fails alone (attention); layer 4 fails only cumulatively, passing alone."""
+    rows = layer_rows([_layer(3, ratio=9.0, local_ratio=8.0, **{"pass": False}, component="attention"),
+                       _layer(4, ratio=6.0, carries_upstream_error=True)])
+    assert [r[-1] for r in rows] == ["FAIL (attention)", "pass alone (upstream error)"]
+
+
+def _ratio_axes(layers):
+    require_plot_extra()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from harness.report_plot import _plot_ratios
+
+    fig, ax = plt.subplots()
+    _plot_ratios(ax, layers, [5], ("cumulative_ratio", "local_ratio"))
+    return fig, ax
+
+
+def test_ratio_panel_spans_the_data_not_1e_minus_15():
+    """The green band under the tolerance starts near the data: a log axis from 0 spanned 1e-15."""
+    fig, ax = _ratio_axes([_layer(i, cumulative_ratio=1.5 + i, local_ratio=0.8) for i in range(4)])
+    bottom, top = ax.get_ylim()
+    assert 0.1 < bottom < 0.8 and top >= 4.0
+
+
+def test_check_plot_raises_no_warning(tmp_path):
+    """A check's plot (no local series on some layers, nothing failing) draws without warnings
+    (an empty legend was one)."""
+    require_plot_extra()
+    from harness.report_plot import plot_layer_errors
+
+    layers = [_layer(i, local_rel_l2=None, local_envelope_rel_l2=None, local_ratio=None) for i in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plot_layer_errors(tmp_path / "p.png", layers, "t", full_layers=[2],
+                                 cumulative=("rel_l2", "envelope_rel_l2", "cumulative"),
+                                 ratio_keys=("cumulative_ratio", "local_ratio"), num_layers=3)
+    assert (tmp_path / "p.png").stat().st_size > 0
