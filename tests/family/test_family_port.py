@@ -48,7 +48,6 @@ def test_check_passes_both_stages(variant, tp):
     result = check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
     assert result.fp32.passed and result.passed, result.failures() + result.fp32.failures()
     points = {p.name for p in result.all_points()}
-    assert any(n.endswith("per_layer_input") for n in points) == (variant != "31b")
     shared = ckpt.spec.shared_layers
     assert not any(n.startswith(tuple(f"kv.{i}." for i in shared)) for n in points)  # they write nothing
 
@@ -61,7 +60,6 @@ def test_moe_check_fp32_stage_passes(tp):
     engine = build_engine(ckpt, _settings(tp, "bfloat16"), capture=True)
     result = check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
     assert result.fp32.passed, result.fp32.failures()
-    assert any(p.name.endswith("expert_weights") for p in result.fp32.all_points())
 
 
 def test_shared_layers_hold_no_cache_and_read_their_source():

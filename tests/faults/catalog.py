@@ -549,10 +549,17 @@ BY_NAME = {fault.name: fault for fault in CATALOG}
 # ---- the Gemma-4 family's parts (issue 22): faults on tiny transformers-built variants ------------
 
 TINY_E2B, TINY_E4B, TINY_MOE = "tiny-e2b", "tiny-e4b", "tiny-26b-a4b"
-# One prompt past the sliding window (16) with decode steps: the family checks are cheap.
-FAMILY_PROMPTS = [[5, 9, 77, 3, 120, 45, 300, 8, 11, 12, 200, 150, 99, 101, 7, 6, 5, 4, 19, 21, 33, 40, 41, 42]]
-FAMILY_NEW_TOKENS = 4
-FAMILY_BUCKETS, FAMILY_KV_LEN = (32,), 64
+# The default prompts of 7, 24, 40 and 64 tokens (past the sliding window of 16) with decode steps:
+# enough rows for the probability envelope's quantile, and still cheap on the tiny variants.
+def _family_prompts() -> list[list[int]]:
+    from harness.prompts import load_prompts
+
+    return [p for p in load_prompts() if len(p) <= 64]
+
+
+FAMILY_PROMPTS = _family_prompts()
+FAMILY_NEW_TOKENS = 8
+FAMILY_BUCKETS, FAMILY_KV_LEN = (64,), 128
 
 
 def ple_combine_factor_wrong(monkeypatch):
