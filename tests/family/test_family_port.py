@@ -76,7 +76,7 @@ def test_shared_layers_hold_no_cache_and_read_their_source():
         assert attn.source_cache is rank.layers[spec.layers[i].kv_source].self_attn.cache
         assert rank.layers[i].mlp.up_proj.out_features == 2 * spec.intermediate_size // 2
     engine.prefill(list(range(3, 20)))
-    assert all(c is None for i, c in enumerate(engine.backend.read_cache(17)) if i in spec.shared_layers)
+    assert all(c is None for i, c in enumerate(engine.read_cache(17)) if i in spec.shared_layers)
 
 
 def test_real_configs_resolve_as_the_conversion_script_defines_them():
