@@ -62,7 +62,7 @@ def pytest_collection_modifyitems(config, items):
     skip_xla = pytest.mark.skip(reason="needs torch 2.9 + torch-xla 2.9: run the XLA lane, bash .ci/xla-lane")
     has_xla = xla_available()
     for item in items:
-        if "neuron" in item.keywords:
+        if item.get_closest_marker("neuron") is not None:  # the marker, not any node named "neuron"
             item.add_marker(skip)
         elif item.get_closest_marker("xla") is not None and not has_xla:
             item.add_marker(skip_xla)
@@ -148,3 +148,43 @@ def inexact_scale_reference(inexact_scale_ckpt, default_prompts):
     from harness.reference import run_reference
 
     return run_reference(inexact_scale_ckpt.path, default_prompts, new_tokens=DEFAULT_NEW_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def long_dir(tmp_path_factory):
+    """The tiny config at a window of 8 (tests/faults/catalog.py, LONG): prompts of 2-4 windows."""
+    import json
+
+    from harness.checkpoint import TINY_CONFIG, build_tiny_checkpoint
+    from tests.faults.catalog import LONG_WINDOW
+
+    out = tmp_path_factory.mktemp("long-context")
+    config = json.loads(TINY_CONFIG.read_text())
+    config["text_config"]["sliding_window"] = LONG_WINDOW
+    path = out / "window8.json"
+    path.write_text(json.dumps(config))
+    return build_tiny_checkpoint(out / "checkpoint", seed=0, config_path=path)
+
+
+@pytest.fixture(scope="session")
+def long_ckpt(long_dir):
+    from harness.checkpoint import Checkpoint
+
+    return Checkpoint.open(long_dir)
+
+
+@pytest.fixture(scope="session")
+def long_prompts():
+    from harness.prompts import load_prompts
+    from tests.faults.catalog import LONG_PROMPTS
+
+    return load_prompts(LONG_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def long_reference(long_dir, long_prompts):
+    """fp32 and bf16 references of the long prompts (8 new tokens, decode past the window)."""
+    from harness.reference import run_reference
+    from tests.faults.catalog import LONG_NEW_TOKENS
+
+    return run_reference(long_dir, long_prompts, new_tokens=LONG_NEW_TOKENS)

@@ -78,10 +78,6 @@ def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: 
     if mode not in MODES:
         raise HarnessInputError(f"unknown bisect mode {mode!r}; choose one of {MODES}")
     ref32, ref16 = golden.results("float32"), golden.results("bfloat16")
-    longest = max(len(r.prompt) for r in ref32)
-    if longest > max(buckets):
-        raise HarnessInputError(f"the golden's longest prompt has {longest} tokens, more than the largest "
-                                f"bucket {max(buckets)}; pass --buckets with a bucket >= {longest}")
     if mode == "truncate":
         build = build or backend_prefix_build(checkpoint, settings, progress=progress)
         result = bisect_truncate(checkpoint.spec, ref32, ref16, build, settings=settings, progress=progress)

@@ -16,7 +16,7 @@ from harness.errors import HarnessInputError, PromptError
 from harness.model_blocks import per_layer_rows
 from harness.numerics import embed_scale, softcap
 from harness.settings import RunSettings
-from harness.sharding import merge_rank_caches
+from harness.sharding import merge_rank_caches, ring_windows
 
 
 def choose_bucket(length: int, buckets) -> int:
@@ -28,6 +28,29 @@ def choose_bucket(length: int, buckets) -> int:
         f"prompt of {length} tokens is longer than the largest prefill bucket ({max(buckets)}). "
         "Shorten the prompt or add a larger bucket (--buckets), within the KV length."
     )
+
+
+def chunk_plan(n: int, buckets, kv_len: int) -> list[tuple[int, int, int]]:
+    """(start, length, bucket) of each prefill chunk of an n-token prompt: the largest bucket while
+    the rest is longer, then the smallest bucket that holds the rest. A chunk's padded slots must
+    stay inside the linear cache (start + bucket <= kv_len): where no bucket fits there, the tail
+    goes through the largest bucket that does, down to the decode graph (bucket 1)."""
+    if n > kv_len:
+        raise PromptError(f"prompt of {n} tokens is longer than the KV length {kv_len}; raise --kv-len "
+                          "or shorten the prompt")
+    plan, start = [], 0
+    while start < n:
+        rest, fits = n - start, [b for b in sorted(buckets) if start + b <= kv_len]
+        holding = [b for b in fits if b >= rest]
+        bucket = min(holding) if holding else max(fits, default=1)
+        plan.append((start, min(rest, bucket), bucket))
+        start += min(rest, bucket)
+    return plan
+
+
+def chunk_positions(start: int, length: int, bucket: int) -> torch.Tensor:
+    """[1, bucket] positions of a chunk: its real rows at start.., its padded rows at -1."""
+    return torch.cat([torch.arange(start, start + length), torch.full((bucket - length,), -1)])[None]
 
 
 @dataclass
@@ -103,21 +126,27 @@ class Engine:
 
     # -- device steps ----------------------------------------------------------------------------
     def prefill(self, ids, capture: bool = False) -> PrefillResult:
-        """Right-pad to the bucket, run the prefill graph, keep only the real positions (only the last
-        one when the backend is a `last_row_only` build and no captures are asked for)."""
+        """Prefill chunk by chunk (chunk_plan): each chunk right-padded to its bucket, its real rows
+        at their absolute positions and its padded rows at position -1 (they attend to nothing and
+        write nothing a later query reads). Keeps only the real positions (only the last one when
+        the backend is a `last_row_only` build and no captures are asked for)."""
         ids = self.validate_ids(ids)
         n = ids.numel()
-        bucket = choose_bucket(n, self.buckets)
-        padded = torch.cat([ids, torch.full((bucket - n,), self.spec.pad_token_id, dtype=torch.long)])
-        positions = torch.arange(bucket)[None]  # padded slots sit after every real key: masked by causality
         self._check_capture(capture)
         self.backend.reset()
         last_only = not capture and self.backend.last_row_only
-        logits, captures = self.backend.forward(self.embed(padded), positions, capture=capture,
-                                                last=n - 1 if last_only else None)
+        logits, captures, bucket = [], {}, 0
+        for start, length, bucket in chunk_plan(n, self.buckets, self.kv_len):
+            pad = bucket - length
+            chunk = torch.cat([ids[start:start + length], torch.full((pad,), self.spec.pad_token_id, dtype=torch.long)])
+            chunk_logits, chunk_caps = self.backend.forward(self.embed(chunk), chunk_positions(start, length, bucket),
+                                                            capture=capture, last=length - 1 if last_only else None)
+            logits.append(chunk_logits[0, -1:].float() if last_only else chunk_logits[0, :length].float())
+            for name, value in chunk_caps.items():
+                captures.setdefault(name, []).append(value[0, :length].float())
         return PrefillResult(
-            logits=logits[0, -1:].float() if last_only else logits[0, :n].float(),
-            captures={k: v[0, :n].float() for k, v in captures.items()},
+            logits=logits[-1] if last_only else torch.cat(logits),
+            captures={k: torch.cat(v) for k, v in captures.items()},
             bucket=bucket,
         )
 
@@ -137,11 +166,14 @@ class Engine:
                                     "build); build it with capture=True for a parity run")
 
     def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's KV cache at positions [0, written), as the port stores it (keys after norm
-        and rope, values after v_norm), merged over ranks: per layer (k, v), [kv_heads, written, d]."""
+        """Every layer's KV cache at the positions it holds after `written` writes, as the port
+        stores it (keys after norm and rope, values after v_norm), merged over ranks, oldest position
+        first: per layer (k, v), [kv_heads, held, d] ([0, written) of a linear cache, the last window
+        positions of a ring, unrolled)."""
         if not self.backend.reads_cache:
             raise HarnessInputError(f"the {self.backend.name} backend cannot read its KV cache back")
-        return merge_rank_caches(self.spec, self.backend.tp, self.backend.kv_cache, written)
+        rings = ring_windows(self.spec, self.settings.sliding_cache, self.kv_len)
+        return merge_rank_caches(self.spec, self.backend.tp, self.backend.kv_cache, written, rings)
 
     def generate(self, ids, new_tokens: int, capture: bool = False,
                  forced: list[int] | None = None, observe=None) -> DecodeResult:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.hlo import Computation, HloModule, Instruction, parse_hlo, reaches, users
-from harness.sharding import plan_model, shard_layer, shard_lm_head
+from harness.sharding import plan_model, ring_windows, shard_layer, shard_lm_head
 
 HLO_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32", torch.float16: "f16"}
 FUSED_ATTENTION = re.compile(r"attention|attn|sdpa|flash|softmax|mha", re.IGNORECASE)
@@ -48,6 +48,10 @@ class Expectation:
     vocab_sizes: frozenset[int]
     weight_shapes: dict[str, tuple[int, ...]]
     kv_shapes: dict[str, tuple[int, ...]]
+    # keys attention reads -> how many layers read that many: the KV bucket on a linear cache
+    # (max_len when not bucketed), window + length on a ring; None: every layer reads max_len
+    reads: dict[int, int] | None = None
+    rings: frozenset[str] = frozenset()  # ring buffers: rewritten whole by a select, never sliced
 
 
 @dataclass
@@ -74,13 +78,26 @@ def plan_weight_shapes(spec, tp: int, rank: int = 0) -> dict[str, tuple[int, ...
     return shapes
 
 
-def expectation_for(spec, tp: int, max_len: int, length: int, dtype: torch.dtype, rank: int = 0) -> Expectation:
-    kv = {}
+def expectation_for(spec, tp: int, max_len: int, length: int, dtype: torch.dtype, rank: int = 0,
+                    sliding_cache: str = "linear", kv_read: int | None = None) -> Expectation:
+    """What one rank's graph of `length` positions must look like: state of the plan's shapes (a
+    ring's window for sliding layers under the ring cache), attention reading `kv_read` keys of a
+    linear cache (its KV bucket; None: max_len) and window + length keys of a ring."""
+    kv, reads, rings = {}, {}, set()
+    windows = ring_windows(spec, sliding_cache, max_len)
     for layer, plan in zip(spec.layers, plan_model(spec, tp)):
+        slots = windows.get(layer.index, max_len)
         for buf in ("k", "v"):
-            kv[f"layers.{layer.index}.self_attn.cache.{buf}"] = (1, plan.kv_heads_per_rank, max_len, layer.head_dim)
-    return Expectation(length, max_len, spec.hidden_size, spec.num_layers, HLO_DTYPES[dtype],
-                       frozenset({spec.vocab_size, spec.vocab_size // tp}), plan_weight_shapes(spec, tp, rank), kv)
+            name = f"layers.{layer.index}.self_attn.cache.{buf}"
+            kv[name] = (1, plan.kv_heads_per_rank, slots, layer.head_dim)
+            if layer.index in windows:
+                rings.add(name)
+        keys = slots + length if layer.index in windows else (kv_read or max_len)
+        reads[keys] = reads.get(keys, 0) + 1
+    return Expectation(length, max_len, spec.hidden_size, spec.num_layers, dtype=HLO_DTYPES[dtype],
+                       vocab_sizes=frozenset({spec.vocab_size, spec.vocab_size // tp}),
+                       weight_shapes=plan_weight_shapes(spec, tp, rank), kv_shapes=kv, reads=reads,
+                       rings=frozenset(rings))
 
 
 def _target(inst: Instruction) -> str:
@@ -102,28 +119,35 @@ def softcap_off_device(module: HloModule, sig: GraphSignature, exp: Expectation)
 
 
 def eager_attention(module: HloModule, sig: GraphSignature, exp: Expectation) -> list[Violation]:
-    """Attention as plain dots: per layer a scores dot [.., s, kv_len] and a context dot reading
-    [.., s, kv_len] probabilities, both in the activation dtype; an fp32 softmax; no fused call."""
+    """Attention as plain dots: per layer a scores dot [.., s, keys] and a context dot reading
+    [.., s, keys] probabilities, both in the activation dtype; an fp32 softmax; no fused call. `keys`
+    is what the layer must read (Expectation.reads: its KV bucket, or a ring's window + s), and
+    no attention-shaped dot reads more than the most any layer needs (a graph reads its bucket only)."""
     out = [Violation("eager_attention", f"{i.name} calls {_target(i)!r}") for i in module.all_instructions()
            if i.opcode == "custom-call" and FUSED_ATTENTION.search(_target(i))]
     entry = module.entry
-    window = (exp.length, exp.max_len)
     dots = [i for i in entry.instructions.values() if i.opcode == "dot"]
-    scores = [d for d in dots if _last2(d) == window]
-    context = [d for d in dots if d.operands and _last2(entry.instructions[d.operands[0]]) == window]
-    for kind, found in (("scores", scores), ("context", context)):
-        if len(found) < exp.num_layers:
-            out.append(Violation("eager_attention", f"{len(found)} {kind} dots over [.., {exp.length}, "
-                                 f"{exp.max_len}] for {exp.num_layers} layers"))
-        for d in found:
-            if d.shape[0].dtype != exp.dtype:
-                out.append(Violation("eager_attention", f"{kind} dot {d.name} in {d.shape[0].dtype}, not the "
-                                     f"activation dtype {exp.dtype} (an upcast fused/SDPA-style attention)"))
-    softmax = [i for i in entry.instructions.values() if i.opcode == "exponential" and _last2(i) == window
-               and i.shape[0].dtype == "f32"]
-    if len(softmax) < exp.num_layers:
-        out.append(Violation("eager_attention", f"{len(softmax)} fp32 softmax exponentials over [.., "
-                             f"{exp.length}, {exp.max_len}] for {exp.num_layers} layers"))
+    for keys, layers in (exp.reads or {exp.max_len: exp.num_layers}).items():
+        window = (exp.length, keys)
+        scores = [d for d in dots if _last2(d) == window]
+        context = [d for d in dots if d.operands and _last2(entry.instructions[d.operands[0]]) == window]
+        for kind, found in (("scores", scores), ("context", context)):
+            if len(found) < layers:
+                out.append(Violation("eager_attention", f"{len(found)} {kind} dots over [.., {exp.length}, "
+                                     f"{keys}] for {layers} layers"))
+            out += [Violation("eager_attention", f"{kind} dot {d.name} in {d.shape[0].dtype}, not the activation "
+                              f"dtype {exp.dtype} (an upcast fused/SDPA-style attention)")
+                    for d in found if d.shape[0].dtype != exp.dtype]
+        softmax = [i for i in entry.instructions.values() if i.opcode == "exponential" and _last2(i) == window
+                   and i.shape[0].dtype == "f32"]
+        if len(softmax) < layers:
+            out.append(Violation("eager_attention", f"{len(softmax)} fp32 softmax exponentials over [.., "
+                                 f"{exp.length}, {keys}] for {layers} layers"))
+    most = max(exp.reads or {exp.max_len: 1})
+    out += [Violation("eager_attention", f"softmax {i.name} reads {i.shape[0].dims[-1]} keys, more than the {most} "
+                      "this graph needs") for i in entry.instructions.values()
+            if i.opcode == "exponential" and i.shape and len(i.shape[0].dims) >= 3
+            and i.shape[0].dims[-2] == exp.length and i.shape[0].dims[-1] > most]
     return out
 
 
@@ -202,6 +226,11 @@ def cache_writes_own_slots(module: HloModule, sig: GraphSignature, exp: Expectat
         if result is None:
             continue
         write = _through(entry, result.name)
+        if name in exp.rings:  # a ring: every slot selected between its prior key and a chunk row
+            if write.opcode != "select" or not reaches(entry, write.name, param.name):
+                out.append(Violation("cache_writes_own_slots", f"{name}: ring produced by {write.opcode}, not a "
+                                     "select over the input ring"))
+            continue
         if write.opcode not in CACHE_WRITES:
             out.append(Violation("cache_writes_own_slots", f"{name} is produced by {write.opcode}, not a slot write"))
             continue

@@ -26,7 +26,7 @@ METHOD = {
     "dot_flops": "sum over the HLO's dot ops of 2 x output elements x contracted size (matmuls only; "
                  "elementwise, softmax and norms not counted)",
     "weight_bytes": "bytes of the entry parameters that are checkpoint weights of this rank (each read once per call)",
-    "constant_bytes": "bytes of model-code buffers fed as parameters (rope inverse frequencies)",
+    "constant_bytes": "bytes of model-code buffers fed as parameters (none: rope is computed in the graph)",
     "state_bytes": "bytes of the KV-cache parameters (aliased to outputs: stay on the device)",
     "returned_bytes": "bytes of the graph's outputs not aliased to state: copied to the host per call (raw logits)",
     "ops": "entry-computation instructions by opcode, as lowered (before XLA optimisation); scaled pieces "

@@ -50,8 +50,8 @@ class TracedDecoder(RankDecoder):
     """
 
     def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears: RankLinears,
-                 with_captures: bool = False, last_row_only: bool = False):
-        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears)
+                 with_captures: bool = False, last_row_only: bool = False, sliding_cache: str = "linear"):
+        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears, sliding_cache=sliding_cache)
         if with_captures and last_row_only:
             raise ValueError("a parity build (captures) returns every row; last_row_only is for perf builds")
         self.with_captures, self.last_row_only = with_captures, last_row_only
@@ -92,8 +92,9 @@ def kv_buffer_names(module: nn.Module) -> list[str]:
 
 
 def constant_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers outside the state dict that are not KV cache (the rope inverse frequencies): their
-    values come from the model code, not the checkpoint, and must reach the device."""
+    """Buffers outside the state dict that are not KV cache: values from the model code, not the
+    checkpoint, that would have to reach the device. The port has none (rope frequencies are
+    computed in the graph); the Neuron backend refuses any."""
     persistent = set(module.state_dict().keys())
     kv = set(kv_buffer_names(module))
     return {name: buf.detach().clone().contiguous() for name, buf in module.named_buffers()
@@ -113,6 +114,37 @@ def graph_plan(buckets, max_len: int) -> dict[str, int]:
     plan = {PREFILL_TAG.format(b): b for b in sizes if b != 1}  # a bucket of 1 is the decode graph
     plan[DECODE_TAG] = 1
     return plan
+
+
+def kv_buckets(buckets, max_len: int) -> tuple[int, ...]:
+    """KV lengths the graphs read (their KV buckets): powers of two from the smallest prefill
+    bucket (at least 16) up to the KV length, and the KV length itself. A graph reads the smallest
+    KV bucket that holds every position written so far, so a decode step at position 300 reads 512
+    slots, not a 128K cache."""
+    size = 16
+    while size < min(int(b) for b in buckets):
+        size *= 2
+    out = []
+    while size < max_len:
+        out.append(size)
+        size *= 2
+    return tuple(out) + (max_len,)
+
+
+def kv_read_length(positions: torch.Tensor, kv_lengths) -> int:
+    """The KV bucket a call reads: the smallest that holds its first position plus its real rows."""
+    needed = int(positions[0, 0]) + int((positions[0] >= 0).sum())
+    for size in sorted(kv_lengths):
+        if size >= needed:
+            return size
+    raise HarnessInputError(f"positions up to {needed - 1} are past the KV length {max(kv_lengths)}")
+
+
+def kv_graph_plan(buckets, max_len: int) -> list[tuple[str, int, int]]:
+    """(tag, sequence length, KV bucket) of every graph a build with KV buckets holds: each prefill
+    bucket at each KV bucket that holds it, and decode at every KV bucket."""
+    plan = graph_plan(buckets, max_len)
+    return [(tag, length, kv) for tag, length in plan.items() for kv in kv_buckets(buckets, max_len) if kv >= length]
 
 
 def tag_for_length(length: int, graphs: dict[str, int]) -> str:

@@ -185,7 +185,7 @@ def parse_hlo(text: str) -> HloModule:
                 continue
             is_root, inst_name, shape, opcode, operands, attrs = parts
             names = [] if opcode in ("parameter", "constant", "iota") else _operand_names(operands)
-            inst = Instruction(inst_name, opcode, parse_shape(shape), names, attrs, is_root)
+            inst = Instruction(inst_name, opcode, parse_shape(shape), names, attrs, is_root=is_root)
             if opcode == "parameter":
                 inst.parameter_text = operands.strip()
             current.instructions[inst_name] = inst

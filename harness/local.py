@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from harness import engine as port_engine
 from harness.compare import ENVELOPE_FACTOR, LayerResult, PointResult, compare_layers, compare_point, rel_l2, stack_prompts
 from harness.spec_family import runs_alone
 from harness.points import Point, first_component, layer_points, locate, prefill_order
@@ -112,16 +113,25 @@ class LayerVerdict:
 def port_layer_captures(backend, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
     """Layer `index` of the port (every rank's shard, real all-reduce) alone on x [n, hidden]
     from a reset KV cache: its three capture points, [n, hidden] fp32. It runs through the
-    decoder's own `run_layers` (the masks, rope and cache writes the whole-model forward uses), so
-    a wiring error in the decoder's forward shows in the layer's local verdict too."""
-    positions = torch.arange(x.shape[0])[None]
+    decoder's own `run_layers` (the masks, rope and cache writes the whole-model forward uses), in
+    the engine's prefill chunks and positions (a backend built with buckets), so a wiring error in
+    the decoder's forward or in chunked prefill shows in the layer's local verdict too."""
+    n = x.shape[0]
+    buckets = getattr(backend, "buckets", None)
+    chunks = port_engine.chunk_plan(n, buckets, backend.max_len) if buckets else [(0, n, n)]
 
     def step(rank):
         module = backend.ranks[rank]
         module.reset_cache()
-        captures: dict[str, torch.Tensor] = {}
-        module.run_layers(x.to(module.dtype)[None], positions, index, index + 1, captures)
-        return {k: v[0].float() for k, v in captures.items()}
+        captures: dict[str, list[torch.Tensor]] = {}
+        for start, length, bucket in chunks:
+            rows = torch.zeros(bucket, x.shape[1], dtype=module.dtype)
+            rows[:length] = x[start:start + length].to(module.dtype)
+            chunk: dict[str, torch.Tensor] = {}
+            module.run_layers(rows[None], port_engine.chunk_positions(start, length, bucket), index, index + 1, chunk)
+            for k, v in chunk.items():
+                captures.setdefault(k, []).append(v[0, :length].float())
+        return {k: torch.cat(v) for k, v in captures.items()}
 
     return backend.on_ranks(step)[0]
 

@@ -87,16 +87,18 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(layer: LayerSpec) -> torch.Tensor:
+def rope_inv_freq(layer: LayerSpec, device=None) -> torch.Tensor:
     """head_dim/2 inverse frequencies; proportional rope rotates only the first few.
 
     The exponent's denominator is the full head_dim even for proportional rope
-    (docs/design.md#the-model-facts-and-traps, trap 4).
+    (docs/design.md#the-model-facts-and-traps, trap 4). Computed from constants on `device` each
+    forward (as NxD-Inference's rotary embedding does), so a traced graph holds them as computed
+    constants, not as buffers a compiler must be fed.
     """
     d = layer.head_dim
     n_rot = layer.rotated_freqs
-    rotated = 1.0 / (layer.rope_theta ** (torch.arange(0, 2 * n_rot, 2, dtype=torch.float) / d))
-    return torch.cat([rotated, torch.zeros(d // 2 - n_rot)])
+    rotated = 1.0 / (layer.rope_theta ** (torch.arange(0, 2 * n_rot, 2, dtype=torch.float, device=device) / d))
+    return torch.cat([rotated, torch.zeros(d // 2 - n_rot, device=device)])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -116,12 +118,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def attention_mask(positions: torch.Tensor, kv_len: int, window: int | None, dtype) -> torch.Tensor:
-    """Additive mask [b, 1, s, kv_len] over cache slots: causal, and on sliding layers
-    query i sees keys j with i - window < j <= i (window keys including itself)."""
-    keys = torch.arange(kv_len, device=positions.device)
+def attention_mask(positions: torch.Tensor, keys, window: int | None, dtype) -> torch.Tensor:
+    """Additive mask [b, 1, s, kv] over the keys attention reads: causal, and on sliding layers
+    query i sees keys j with i - window < j <= i (window keys including itself).
+
+    `keys` is a linear cache's length (key j sits in slot j) or the absolute position of each key
+    read ([kv]: a ring's slots then the chunk's own keys); a negative position is an empty slot or a
+    padded row and is never seen. A padded query (position -1) sees nothing (its row is discarded)."""
+    if isinstance(keys, int):
+        keys = torch.arange(keys, device=positions.device)
     q = positions[:, None, :, None]
-    allowed = keys <= q
+    allowed = (keys <= q) & (keys >= 0)
     if window is not None:
         allowed = allowed & (keys > q - window)
     zeros = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)  # same device when traced
@@ -133,19 +140,87 @@ def attention_scale(head_dim: int) -> float:
     return 1.0
 
 
+SLIDING_CACHES = ("linear", "ring")  # how sliding layers keep their keys (README, "KV cache")
+
+
+def chunk_rows(positions: torch.Tensor) -> torch.Tensor:
+    """Cache slots of a chunk's rows in a linear cache: its first position onwards, padded rows
+    (position -1, always after the real ones) included, where later writes or causality hide them."""
+    return positions[0, :1] + torch.arange(positions.shape[-1], device=positions.device)
+
+
 class KVCache(nn.Module):
-    """Linear cache of the compiled max length, written at absolute positions."""
+    """Linear cache of the compiled max length, written at absolute positions: key j in slot j.
+    update writes the chunk, then returns the whole cache for attention to read."""
 
     def __init__(self, kv_heads: int, max_len: int, head_dim: int, dtype):
         super().__init__()
         self.register_buffer("k", torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
+        # Slots attention reads: the graph's KV bucket (graphs.kv_read_length), a static length per
+        # graph; None reads the whole cache.
+        self.read_len: int | None = None
+
+    def key_positions(self, positions: torch.Tensor):
+        """What attention_mask needs for the keys update returns: their count (slot = position)."""
+        return self.read_len or self.k.shape[2]
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # Reassigning the buffers (not in-place) is what NxD turns into aliased device state.
-        self.k = self.k.index_copy(2, positions[0], k)
-        self.v = self.v.index_copy(2, positions[0], v)
-        return self.k, self.v
+        rows = chunk_rows(positions)
+        self.k = self.k.index_copy(2, rows, k)
+        self.v = self.v.index_copy(2, rows, v)
+        if self.read_len is None:
+            return self.k, self.v
+        return self.k[:, :, :self.read_len], self.v[:, :, :self.read_len]
+
+
+def ring_slot_positions(next_position: torch.Tensor, window: int) -> torch.Tensor:
+    """[window] absolute position each ring slot holds once positions [0, next_position) are written
+    (slot s holds the latest position p < next_position with p % window == s; -1: never written)."""
+    slots = torch.arange(window, device=next_position.device)
+    last = next_position - 1
+    return last - torch.remainder(last - slots, window)
+
+
+class RingCache(KVCache):
+    """A sliding layer's rolling cache: `window` slots, position p in slot p % window.
+
+    update returns the ring as it was before this chunk (the prefix still in the window) followed
+    by the chunk's own keys, and only then writes the chunk: a chunk longer than one key must not
+    read slots it has just overwritten (position p's slot held p - window, which query p no longer
+    sees but the chunk's earlier queries do). The mask reads each key's absolute position
+    (key_positions), so rope and masks stay by absolute position. Each slot takes the latest real
+    row of the chunk that maps to it (padded rows, position -1, write nothing): a gather and a
+    select, no scatter with repeated indices, static shapes."""
+
+    def __init__(self, kv_heads: int, window: int, head_dim: int, dtype):
+        super().__init__(kv_heads, window, head_dim, dtype)
+        self.window = window
+
+    def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.cat([ring_slot_positions(positions[0, 0], self.window), positions[0]])
+
+    def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        first = positions[0, 0]
+        written_to = first + (positions[0] >= 0).sum()  # one past the chunk's last real position
+        slot_pos = ring_slot_positions(written_to, self.window)
+        row = slot_pos - first  # the chunk row each slot takes now; negative: the slot keeps its key
+        take = (row >= 0)[None, None, :, None]
+        rows = row.clamp(min=0)
+        prior_k, prior_v = self.k, self.v
+        self.k = torch.where(take, k.index_select(2, rows), prior_k)
+        self.v = torch.where(take, v.index_select(2, rows), prior_v)
+        return torch.cat([prior_k, k], dim=2), torch.cat([prior_v, v], dim=2)
+
+
+def make_cache(kind: str, layer: LayerSpec, kv_heads: int, max_len: int, dtype) -> KVCache:
+    """A layer's cache: a ring of `window` slots for a sliding layer when kind is "ring", else linear."""
+    if kind not in SLIDING_CACHES:
+        raise ValueError(f"sliding cache {kind!r}: choose one of {SLIDING_CACHES}")
+    if kind == "ring" and layer.is_sliding and layer.window < max_len:
+        return RingCache(kv_heads, layer.window, layer.head_dim, dtype)
+    return KVCache(kv_heads, max_len, layer.head_dim, dtype)
 
 
 class Attention(nn.Module):
@@ -235,24 +310,33 @@ class RankDecoder(nn.Module):
     layer_class = DecoderLayer  # model_blocks.FamilyRankDecoder runs the gemma4 family's layers
 
     def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = DEFAULT_KV_LEN, dtype=torch.bfloat16,
-                 linears: RankLinears | None = None):
+                 linears: RankLinears | None = None, sliding_cache: str = "linear"):
         super().__init__()
         linears = linears or RankLinears()
         plans = plan_model(spec, tp)
         self.spec, self.tp, self.max_len, self.dtype = spec, tp, max_len, dtype
+        self.sliding_cache = sliding_cache
         self.layers = nn.ModuleList(
             self.layer_class(spec, layer, plan, linears, max_len, dtype) for layer, plan in zip(spec.layers, plans)
         )
+        for layer, plan, block in zip(spec.layers, plans, self.layers):
+            if layer.kv_source is None:  # a KV-shared layer (model_blocks) reads its source's cache
+                block.self_attn.cache = make_cache(sliding_cache, layer, plan.kv_heads_per_rank, max_len, dtype)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = linears.vocab(spec.hidden_size, spec.vocab_size // tp)
         self.to(dtype)
-        for layer in spec.layers:  # fp32 inverse frequencies, registered after the cast on purpose
-            self.register_buffer(f"inv_freq_{layer.index}", rope_inv_freq(layer), persistent=False)
 
     def reset_cache(self):
         for layer in self.layers:
             layer.self_attn.cache.k.zero_()
             layer.self_attn.cache.v.zero_()
+        self.set_kv_read(None)
+
+    def set_kv_read(self, length: int | None) -> None:
+        """Linear caches read their first `length` slots (None: all) until told otherwise: the KV
+        bucket of the graph about to run. A ring always reads its window plus the chunk."""
+        for layer in self.layers:
+            layer.self_attn.cache.read_len = length
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
         captures = {"embeddings": inputs_embeds} if capture else None
@@ -276,10 +360,12 @@ class RankDecoder(nn.Module):
         masks = {}
         for i in range(start, stop):
             window = self.spec.layers[i].window
-            if window not in masks:
-                masks[window] = attention_mask(positions, self.max_len, window, x.dtype)
-            cos, sin = rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, x.dtype)
-            x = self.layers[i](x, cos, sin, positions, masks[window], captures, f"layers.{i}.")
+            cache = self.layers[i].self_attn.cache
+            key = (window, type(cache))
+            if key not in masks:  # a ring's keys are its slots then the chunk: their own mask
+                masks[key] = attention_mask(positions, cache.key_positions(positions), window, x.dtype)
+            cos, sin = rope_cos_sin(rope_inv_freq(self.spec.layers[i], positions.device), positions, x.dtype)
+            x = self.layers[i](x, cos, sin, positions, masks[key], captures, f"layers.{i}.")
             if captures is not None:
                 captures[f"layers.{i}.output"] = x
         return x

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.model import (MLP, Collectives, DecoderLayer, RankDecoder, RankLinears, RMSNorm, apply_rope,
-                           attention_mask, attention_scale, rms_norm, rope_cos_sin)
+                           attention_mask, attention_scale, rms_norm, rope_cos_sin, rope_inv_freq)
 from harness.sharding import LayerPlan
 from harness.spec import LayerSpec, ModelSpec
 
@@ -78,8 +78,9 @@ class SharedKVAttention(nn.Module):
         b, s, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, s, self.q_heads, self.head_dim)), cos, sin).transpose(1, 2)
         cache = self.source_cache  # read at call time: the source reassigns its buffers on each write
-        k_all = cache.k.repeat_interleave(self.groups, dim=1)
-        v_all = cache.v.repeat_interleave(self.groups, dim=1)
+        n = cache.read_len or cache.k.shape[2]  # the slots the source's own attention reads
+        k_all = cache.k[:, :, :n].repeat_interleave(self.groups, dim=1)
+        v_all = cache.v[:, :, :n].repeat_interleave(self.groups, dim=1)
         scores = torch.matmul(q, k_all.transpose(2, 3)) * attention_scale(self.head_dim) + mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v_all).transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim)
@@ -187,8 +188,10 @@ class FamilyRankDecoder(RankDecoder):
     layer_class = FamilyDecoderLayer
 
     def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = 256, dtype=torch.bfloat16,
-                 linears: RankLinears | None = None):
-        super().__init__(spec, tp, max_len, dtype, linears)
+                 linears: RankLinears | None = None, sliding_cache: str = "linear"):
+        if sliding_cache != "linear" and spec.shared_layers:
+            raise ValueError("KV-shared layers read their source's linear cache; the ring cache is not wired for them")
+        super().__init__(spec, tp, max_len, dtype, linears, sliding_cache)
         self.per_layer = PerLayerInputs(spec).to(dtype) if spec.per_layer_input_size else None
         for layer in spec.layers:
             if layer.kv_source is not None:
@@ -229,13 +232,16 @@ class FamilyRankDecoder(RankDecoder):
                    captures: dict | None = None) -> torch.Tensor:
         per_layer = getattr(self, "_per_layer_inputs", None)
         masks = {}
-        for i in range(start, stop):
+        for i in range(start, stop):  # RankDecoder.run_layers, with each layer's per-layer input
             window = self.spec.layers[i].window
-            if window not in masks:
-                masks[window] = attention_mask(positions, self.max_len, window, x.dtype)
-            cos, sin = rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, x.dtype)
+            attn = self.layers[i].self_attn
+            cache = getattr(attn, "cache", None) or attn.source_cache
+            key = (window, type(cache))
+            if key not in masks:
+                masks[key] = attention_mask(positions, cache.key_positions(positions), window, x.dtype)
+            cos, sin = rope_cos_sin(rope_inv_freq(self.spec.layers[i], positions.device), positions, x.dtype)
             ple = self.layer_input(per_layer, i) if per_layer is not None else None
-            x = self.layers[i](x, cos, sin, positions, masks[window], captures, f"layers.{i}.", per_layer_input=ple)
+            x = self.layers[i](x, cos, sin, positions, masks[key], captures, f"layers.{i}.", per_layer_input=ple)
             if captures is not None:
                 captures[f"layers.{i}.output"] = x
         return x

@@ -86,14 +86,10 @@ def load_references(source, checkpoint, new_tokens: int, progress: bool = False)
 
 
 def check_inputs_fit(buckets, kv_len: int, prompts: list[list[int]], new_tokens: int) -> None:
-    """Bad input is told apart from a port failure before the port runs: every prompt fits a
-    bucket and, with its new tokens, the KV length."""
+    """Bad input is told apart from a port failure before the port runs: every prompt, with its new
+    tokens, fits the KV length (a prompt longer than the largest bucket is prefilled in chunks)."""
     for k, prompt in enumerate(prompts):
         n = len(prompt)
-        if n > max(buckets):
-            raise PromptError(f"prompt {k} has {n} tokens, more than the largest prefill bucket "
-                              f"({max(buckets)}); pass --buckets with a bucket of at least {n} "
-                              f"(and a --kv-len that holds it) or shorten the prompt")
         if n + new_tokens > kv_len + 1:
             raise PromptError(f"prompt {k}: {n} tokens + {new_tokens} new tokens exceed the KV length "
                               f"{kv_len}; pass a larger --kv-len or fewer --new-tokens")
@@ -181,6 +177,8 @@ class StageObservation:
             store.setdefault(name, []).append(t.float())
         if name in ("embeddings", "decode.embeddings", "decode_logits", "decode.kv.0.k"):
             self.labels.setdefault(Point.parse(name).rows, []).extend(labels)
+        if Point.parse(name).kind == "kv":  # a ring layer holds fewer rows than its row group
+            self.labels.setdefault(name, []).extend(labels)
 
     def stack(self) -> None:
         for store in (self.dev, self.ref, self.env):
@@ -188,7 +186,7 @@ class StageObservation:
                 store[name] = torch.cat(parts)
 
     def label(self, name: str, row: int) -> str:
-        labels = self.labels.get(Point.parse(name).rows, [])
+        labels = self.labels.get(name) or self.labels.get(Point.parse(name).rows, [])
         return labels[row] if 0 <= row < len(labels) else f"row {row}"
 
 
@@ -232,9 +230,11 @@ def _prefill_points(obs: StageObservation, spec, k: int, run: PortPrompt, refs: 
         obs.add(name, (dev[name], r32.captures[name], r16.captures[name]), labels)
     if run.kv and all(kv_points(i)[0] in r32.captures for i, c in enumerate(run.kv[0][1]) if c is not None):
         written, cache = run.kv[0]
-        for i, pair in own_caches(cache):  # a KV-shared layer (model_blocks) has none: its source's is judged
+        for i, pair in own_caches(cache):  # a KV-shared layer (model_blocks) holds none
+            held = written - pair[0].shape[1]  # a ring layer holds only its last window positions
             for name, t in zip(kv_points(i), pair):
-                obs.add(name, (_rows(t), r32.captures[name][:written], r16.captures[name][:written]), labels)
+                obs.add(name, (_rows(t), r32.captures[name][held:written], r16.captures[name][held:written]),
+                        labels[held:])
 
 
 def _decode_points(obs: StageObservation, spec, k: int, run: PortPrompt, refs: tuple) -> None:
@@ -254,9 +254,11 @@ def _decode_points(obs: StageObservation, spec, k: int, run: PortPrompt, refs: t
             # written slot (a step that overwrote a prefill slot shows there)
             start = 0 if s == len(run.kv) - 1 else n
             labels = [f"prompt {k} position {p} after decode step {s}" for p in range(start, written)]
-            for i, pair in own_caches(cache):
+            for i, pair in own_caches(cache):  # a KV-shared layer (model_blocks) holds none
+                first = written - pair[0].shape[1]  # a ring layer holds only its last window positions
+                held = max(start, first)
                 for side, t in zip(KV_PARTS, pair):
                     ref_name = Point("kv", i, side).name
                     obs.add(Point("kv", i, side, decode=True).name,
-                            (_rows(t)[start:], r32.captures[ref_name][start:written],
-                             r16.captures[ref_name][start:written]), labels)
+                            (_rows(t)[held - first:], r32.captures[ref_name][held:written],
+                             r16.captures[ref_name][held:written]), labels[held - start:])

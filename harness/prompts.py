@@ -93,16 +93,13 @@ def validate_prompt_ids(spec, prompts, source=None) -> None:
 
 def validate_prompt_fit(prompts, new_tokens: int, source=None, buckets=None, kv_len: int | None = None,
                         max_positions: int | None = None) -> None:
-    """Every prompt fits the largest prefill bucket, and prompt + new tokens fit the KV cache (the
-    last token chosen is never written back: n + new_tokens - 1 slots) and the model's positions.
+    """Prompt + new tokens fit the KV cache (the last token chosen is never written back:
+    n + new_tokens - 1 slots) and the model's positions; a prompt longer than the largest bucket
+    is prefilled in chunks (engine.chunk_plan), so `buckets` no longer limits it.
     Each refusal names the prompt and the option that fixes it."""
     where = f"{source or DEFAULT_PROMPTS}: "
     longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
     n = len(prompts[longest])
-    if buckets and n > max(buckets):
-        raise PromptError(f"{where}prompt {longest} has {n} tokens, more than the largest prefill bucket "
-                          f"{max(buckets)}; pass --buckets with a bucket >= {n} (within --kv-len) or "
-                          "shorten the prompt")
     used = n + max(new_tokens, 1) - 1
     if kv_len is not None and used > kv_len:
         raise PromptError(f"{where}prompt {longest} has {n} tokens; with --new-tokens {new_tokens} the KV "

@@ -189,7 +189,8 @@ class CheckResult:
         return out
 
     def row_label(self, name: str, row: int) -> str:
-        labels = self.row_labels.get(Point.parse(name).rows, [])
+        # a point's own labels first (a ring layer's KV rows are only its last window positions)
+        labels = self.row_labels.get(name) or self.row_labels.get(Point.parse(name).rows, [])
         return labels[row] if 0 <= row < len(labels) else f"row {row}"
 
     @property

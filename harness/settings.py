@@ -24,6 +24,10 @@ DEFAULT_KV_LEN = 256  # the published port's KV length
 PUBLISHED_BUCKET = 64  # the published port's prefill bucket (what `bench` times by default)
 # `check` and `bisect` run the default prompts, the longest of which reaches position 247.
 DEFAULT_BUCKETS = (PUBLISHED_BUCKET, 256)
+# How sliding layers keep their keys: "linear" (kv_len slots) or "ring" (window slots); README,
+# "Long context", says why linear is the default.
+SLIDING_CACHES = ("linear", "ring")
+DEFAULT_SLIDING_CACHE = "linear"
 
 # The dtype vocabulary of every command and library function: the canonical name (what results
 # and goldens record) and the short name (what bench results record), each accepted on input.
@@ -113,8 +117,11 @@ class RunSettings:
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     kv_len: int = DEFAULT_KV_LEN
     backend_options: Mapping[str, object] = field(default_factory=dict)
+    sliding_cache: str = DEFAULT_SLIDING_CACHE
 
     def __post_init__(self):
+        if self.sliding_cache not in SLIDING_CACHES:
+            raise OptionError(f"--sliding-cache {self.sliding_cache!r}: use one of {', '.join(SLIDING_CACHES)}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "buckets", tuple(sorted({int(b) for b in self.buckets})))
         object.__setattr__(self, "backend_options", MappingProxyType(dict(self.backend_options)))
@@ -135,4 +142,4 @@ class RunSettings:
 
     def describe(self) -> str:
         return (f"{self.backend}, tp {self.tp}, {self.dtype}, buckets {list(self.buckets)}, "
-                f"KV length {self.kv_len}")
+                f"KV length {self.kv_len}" + (f", {self.sliding_cache} sliding cache" if self.sliding_cache != "linear" else ""))

@@ -199,20 +199,40 @@ def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None) -> l
     return states
 
 
-def merge_rank_caches(spec: ModelSpec, tp: int, kv_cache, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's KV cache at positions [0, written), merged over ranks by the plan into the
-    model's KV head order (one copy of a replicated head): per layer (k, v), each [kv_heads,
-    written, head_dim] fp32, None for a KV-shared layer (it has no cache). `kv_cache(layer, rank)` gives one rank's (k, v), [1, heads, len, d]."""
+def ring_windows(spec: ModelSpec, sliding_cache: str, max_len: int) -> dict[int, int]:
+    """Layer index -> window of the layers kept in a ring of `window` slots (model.make_cache)."""
+    if sliding_cache != "ring":
+        return {}
+    return {layer.index: layer.window for layer in spec.layers if layer.is_sliding and layer.window < max_len}
+
+
+def cache_slots(written: int, window: int | None) -> torch.Tensor:
+    """Cache slots holding the positions a cache still has after `written` writes, oldest first:
+    [0, written) of a linear cache; the last `window` positions of a ring (position p in slot
+    p % window), so a ring reads back in absolute-position order."""
+    if window is None:
+        return torch.arange(written)
+    return torch.arange(max(written - window, 0), written) % window
+
+
+def merge_rank_caches(spec: ModelSpec, tp: int, kv_cache, written: int,
+                      rings: dict[int, int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's KV cache at the positions it holds after `written` writes ([0, written) for a
+    linear cache, the last window positions of a ring layer in `rings`: layer -> window), merged
+    over ranks by the plan into the model's KV head order (one copy of a replicated head): per
+    layer (k, v), each [kv_heads, held, head_dim] fp32, oldest position first. `kv_cache(layer,
+    rank)` gives one rank's (k, v), [1, heads, slots, d]."""
     merged = []
     for i, plan in enumerate(plan_model(spec, tp)):
-        if spec.layers[i].kv_source is not None:  # a shared layer writes nothing: its source holds it
+        if spec.layers[i].kv_source is not None:  # a KV-shared layer (model_blocks) holds none: None
             merged.append(None)
             continue
+        slots = cache_slots(written, (rings or {}).get(i))
         parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for rank in range(tp):
             k, v = kv_cache(i, rank)
             for slot, head in enumerate(kv_heads_for_rank(plan, rank)):
-                parts.setdefault(head, (k[0, slot, :written], v[0, slot, :written]))
+                parts.setdefault(head, (k[0, slot, slots], v[0, slot, slots]))
         heads = sorted(parts)
         merged.append((torch.stack([parts[h][0] for h in heads]).float(),
                        torch.stack([parts[h][1] for h in heads]).float()))
@@ -257,6 +277,43 @@ def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = DEFAULT_DTYPE, kv_len:
         "total": (weights + kv) * nbytes,
         "host_embeddings": host_embeddings * nbytes,
     }
+
+
+def kv_cache_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", sliding_cache: str = "linear") -> dict:
+    """One rank's KV cache cost: `per_token` bytes of the layers with a linear cache (every layer, or
+    the full layers only when sliding layers keep a ring) and the `ring` bytes of the sliding layers'
+    rings, fixed at window slots whatever the context."""
+    nbytes, per_token, ring = dtype_bytes(dtype), 0, 0
+    for layer in spec.layers:
+        row = 2 * plan_layer(layer, tp).kv_heads_per_rank * layer.head_dim * nbytes  # k and v of one position
+        if sliding_cache == "ring" and layer.is_sliding:
+            ring += row * layer.window
+        else:
+            per_token += row
+    return {"per_token": per_token, "ring": ring}
+
+
+def memory_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, *, device_bytes: int, ranks_per_device: int,
+                device: str) -> dict:
+    """Device memory of one `device` (`device_bytes` shared by `ranks_per_device` ranks) for both
+    sliding caches: weights, KV bytes per token, the rings' fixed bytes, the KV bytes at kv_len and
+    the longest context that fits next to the weights (capped at the model's positions). Nothing is
+    reserved for activations or runtime scratch: the real limit is lower."""
+    weights = bytes_per_rank(spec, tp, dtype, 0)["weights"] * ranks_per_device
+    caches = {}
+    for kind in ("linear", "ring"):
+        cost = {k: v * ranks_per_device for k, v in kv_cache_bytes(spec, tp, dtype, kind).items()}
+        room = device_bytes - weights - cost["ring"]
+        by_memory = max(room // cost["per_token"], 0) if cost["per_token"] else 0
+        longest = by_memory if spec.max_positions is None else min(by_memory, spec.max_positions)
+        total = weights + cost["ring"] + cost["per_token"] * kv_len
+        caches[kind] = {"kv_bytes_per_token": cost["per_token"], "ring_bytes": cost["ring"],
+                        "kv_bytes_at_kv_len": cost["ring"] + cost["per_token"] * kv_len,
+                        "total_bytes": total, "longest_by_memory": int(by_memory),
+                        "longest_context": int(longest), "fits": kv_len <= longest}
+    return {"device": device, "device_bytes": device_bytes, "ranks_per_device": ranks_per_device,
+            "max_positions": spec.max_positions,
+            "weights_bytes": weights, "kv_len": kv_len, "caches": caches}
 
 
 def plan_summary(spec: ModelSpec, tp: int, dtype: str = DEFAULT_DTYPE, kv_len: int = DEFAULT_KV_LEN) -> dict:

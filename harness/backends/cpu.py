@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from harness.graphs import kv_buckets, kv_read_length
 from harness.model import Collectives, RankLinears
 from harness.model_blocks import rank_decoder
 from harness.settings import RunSettings
@@ -63,12 +64,15 @@ class CpuBackend:
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
         tp, dtype, max_len = settings.tp, settings.torch_dtype, settings.kv_len
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
+        self.sliding_cache = sliding_cache = settings.sliding_cache
+        self.buckets = settings.buckets  # the local verdict follows the engine's prefill chunks
+        self.kv_lengths = kv_buckets(self.buckets, max_len)
         self.group = ThreadGroup(tp)
         states = rank_state_dicts(checkpoint, tp, dtype)
         self.ranks = []
         for rank in range(tp):
             module = rank_decoder(self.spec, tp=tp, max_len=max_len, dtype=dtype,
-                                 linears=RankLinears(RankCollectives(self.group, rank)))
+                                 linears=RankLinears(RankCollectives(self.group, rank)), sliding_cache=sliding_cache)
             module.load_state_dict(states[rank], strict=True)
             module.eval()
             self.ranks.append(module)
@@ -104,14 +108,18 @@ class CpuBackend:
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
                 last: int | None = None):
-        """Every rank runs the same step; rank 0's (gathered, identical) outputs are returned:
+        """Every rank runs the same step, reading the KV bucket a compiled graph of this call would
+        read (graphs.kv_read_length); rank 0's (gathered, identical) outputs are returned:
         (logits, captures), captures empty unless asked for; only row `last` when it is given."""
+        read = kv_read_length(positions, self.kv_lengths)
+        for module in self.ranks:
+            module.set_kv_read(read)
         out = self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
         logits, captures = out if capture else (out, {})
         return (logits if last is None else logits[:, last:last + 1]), captures
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of one layer's cache on one rank: [1, kv_heads, max_len, d]."""
+        """(k, v) of one layer's cache on one rank: [1, kv_heads, slots, d] (max_len slots, or a ring's window)."""
         attn = self.ranks[rank].layers[layer].self_attn
         cache = getattr(attn, "cache", None) or attn.source_cache  # a KV-shared layer: its source's
         return cache.k, cache.v

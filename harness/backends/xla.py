@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from harness.errors import HarnessInputError
-from harness.graphs import (GraphBuildError, constant_buffers, example_inputs, graph_inputs, input_width, traced_class,
-                            graph_plan, graph_result, kv_buffer_names)
+from harness.graphs import (GraphBuildError, constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result,
+                            input_width, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
 from harness.model import Collectives, RankLinears
 from harness.settings import RunSettings
 from harness.sharding import plan_model, rank_state_dicts
@@ -89,13 +89,13 @@ class XlaCollectives(Collectives):
 
 
 def build_graph_module(spec, tp: int, max_len: int, dtype: torch.dtype, capture: bool = False,
-                       module_cls=None) -> nn.Module:
+                       module_cls=None, sliding_cache: str = "linear") -> nn.Module:
     """The traced module of harness/graphs.py with XLA collectives, in eval mode without grads: a
     parity build (captures) or, as the Neuron backend builds it, a perf build returning only the
     last real row's logits."""
     module_cls = module_cls or traced_class(spec)  # the 12B's decoder or the family's
     module = module_cls(spec, tp, max_len, dtype, RankLinears(XlaCollectives(tp)), with_captures=capture,
-                        last_row_only=not capture)
+                        last_row_only=not capture, sliding_cache=sliding_cache)
     module.eval()
     module.requires_grad_(False)
     return module
@@ -228,14 +228,17 @@ class XlaBackend:
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.rt = xla_runtime()  # before anything else: a missing torch-xla is reported first
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
+        self.sliding_cache = sliding_cache = settings.sliding_cache
         plan_model(self.spec, tp)  # a layout that cannot shard fails here
         if tp not in (1, self.rt.devices):
             raise HarnessInputError(f"the xla backend runs tp=1 or tp={self.rt.devices} (one XLA CPU device per "
                                     f"rank; CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES')}), not tp={tp}")
         self.graphs = graph_plan(buckets, max_len)
+        self.kv_lengths = kv_buckets(buckets, max_len)
         self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
-        self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture)
+        self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture,
+                                         sliding_cache=sliding_cache)
         self.kv_names = kv_buffer_names(self.module)
         self.capture_names: list[str] | None = None
         xs = self.rt.xs
@@ -297,6 +300,7 @@ class XlaBackend:
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
         _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
                                    parity_build=self.capture, last_row_only=self.last_row_only, last=last)
+        self.module.set_kv_read(kv_read_length(positions, self.kv_lengths))  # one graph per KV bucket
         outputs = self._step(*graph_in)
         if self.capture and self.capture_names is None:
             self.capture_names = list(self.module.capture_names)

@@ -53,7 +53,7 @@ def dtype_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-RUN_ARGS = ("backend", "tp", "dtype", "buckets", "kv_len", "backend_options")
+RUN_ARGS = ("backend", "tp", "dtype", "buckets", "kv_len", "sliding_cache", "backend_options")
 
 
 def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype") -> None:
@@ -77,6 +77,12 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
                        help=f"prefill buckets (default {','.join(map(str, d.buckets))})")
     if "kv_len" in fields:
         p.add_argument("--kv-len", type=int, default=d.kv_len, help=f"KV cache length (default {d.kv_len})")
+    if "sliding_cache" in fields:
+        from harness.settings import SLIDING_CACHES
+
+        p.add_argument("--sliding-cache", choices=list(SLIDING_CACHES), default=d.sliding_cache,
+                       help=f"sliding layers' KV cache: linear (--kv-len slots) or ring (window slots) "
+                            f"(default {d.sliding_cache}; README, 'Long context')")
     if "backend_options" in fields:
         p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE", dest="backend_option",
                        help="an option of the backend, e.g. compile_workers=4 for neuron (repeatable; an option "

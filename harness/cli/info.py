@@ -12,10 +12,14 @@ def add_command(sub) -> None:
                        description="The resolved per-layer spec, the TP plan and device bytes per rank. "
                                    "Exit 0, or 2 on bad input.")
     add_model_args(p, config=True)
-    add_run_args(p, fields=("tp", "dtype", "kv_len"), purpose="device dtype of the memory estimate")
+    add_run_args(p, fields=("tp", "dtype", "kv_len", "sliding_cache"), purpose="device dtype of the memory estimate")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
+    p.add_argument("--instance", default="inf2.8xlarge", help="instance type whose published rates --perf uses "
+                   "(inf2.xlarge, inf2.8xlarge, inf2.24xlarge, inf2.48xlarge; default inf2.8xlarge)")
+    p.add_argument("--instance-rates", metavar="FILE", help="JSON file of per-chip figures for an instance type "
+                   "not in the table (cores, chips, hbm_bytes, hbm_bytes_per_s, bf16_flops_per_s, fp32_flops_per_s)")
     p.set_defaults(func=run, validate=validate)
 
 
@@ -37,9 +41,19 @@ def validate(args) -> None:
         args.spec = v.open_checkpoint(args).spec
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
+    v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
+    _check_instance(args)
     from harness.instances import check_fits
 
     args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len)
+
+
+def _check_instance(args) -> None:
+    """The instance's rates, read now: an unknown type or a bad rates file is bad input (exit 2)."""
+    from harness.perf.roofline import instance_rates, load_instance_rates
+
+    args.chip = load_instance_rates(args.instance_rates) if args.instance_rates else None
+    instance_rates(args.instance, args.settings.tp, args.settings.dtype, args.chip)
 
 
 def _is_published_model(spec) -> bool:
@@ -57,6 +71,9 @@ def run(args) -> int:
 
     if args.ckpt is not None:
         print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
+    from harness.perf.memory import instance_memory_plan, render_memory_plan
+    from harness.perf.roofline import hbm_fit, render_hbm_fit
+
     s = args.settings
     payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
     from harness.instances import plan_notes
@@ -64,13 +81,35 @@ def run(args) -> int:
     payload["placement"] = args.placement
     payload["notes"] = plan_notes(args.spec, args.placement)
     print(format_info({**payload, "inert": None} if args.ckpt is not None else payload))
+    payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len)
+    payload["memory_plan"]["sliding_cache"] = args.sliding_cache
+    print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
+    payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, args.chip)
+    print(render_hbm_fit(payload["hbm"]))
     if args.perf:
         from harness.perf import info_floors, render_roofline
 
-        payload["roofline"] = info_floors(args.spec, s.tp, s.dtype, s.kv_len)
+        payload["roofline"] = info_floors(args.spec, s.tp, s.dtype, s.kv_len, instance=args.instance, chip=args.chip)
         if not _is_published_model(args.spec):
             payload["roofline"].pop("published_ms", None)  # the published latency is the 12B's, not this model's
         print(render_roofline(payload["roofline"]), end="")
+        _print_floors_at_length(args, payload)
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))
     return EXIT_OK
+
+
+def _print_floors_at_length(args, payload) -> None:
+    """TTFT and TPOT floors at 1K..128K with the chosen sliding cache, in a build whose KV length is
+    the longest context that fits (harness/perf/context.py)."""
+    from harness.perf.context import floors_at_length, render_floors_at_length
+    from harness.perf.roofline import instance_rates
+
+    plan = payload["memory_plan"]
+    longest = plan["caches"][args.sliding_cache]["longest_context"]
+    rates = instance_rates(plan["instance"], args.tp, args.dtype)
+    rows = floors_at_length(args.spec, args.tp, args.dtype, buckets=(64, 256), longest=longest, rates=rates,
+                            sliding_cache=args.sliding_cache)
+    payload["floors_at_length"] = rows
+    print(f"floors at length ({args.sliding_cache} sliding cache, buckets 64,256, KV length {longest}):")
+    print(render_floors_at_length(rows), end="")

@@ -243,6 +243,16 @@ def check_kv_len(spec, kv_len: int | None) -> None:
                           f"{spec.max_positions} ({spec.source}); use --kv-len {spec.max_positions} or less")
 
 
+def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear") -> None:
+    """--kv-len must fit one inf2.8xlarge chip next to the weights (harness/perf/memory.py)."""
+    from harness.perf.memory import instance_memory_plan, refuse_unfit_kv_len
+
+    try:
+        refuse_unfit_kv_len(instance_memory_plan(spec, tp, dtype, kv_len), sliding_cache)
+    except HarnessInputError as exc:
+        raise OptionError(str(exc)) from None
+
+
 def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     """Read and verify the golden for the checkpoint's spec; prompts and tokens come from it."""
     from harness.golden import GoldenError, read_golden, same_weights
@@ -279,4 +289,6 @@ def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
     ckpt = open_checkpoint(args)
     check_tp(ckpt.spec, args.tp)
     check_kv_len(ckpt.spec, args.kv_len)
+    if getattr(args, "backend", None) == "neuron":  # the device's memory, before any compile
+        check_kv_fits(ckpt.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
     return ckpt

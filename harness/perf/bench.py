@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from harness.errors import HarnessInputError
 from harness.perf import machine, outputs
 from harness.perf.results import FORMAT, latency_samples, metric_samples
-from harness.perf.roofline import DEFAULT_INSTANCE, INSTANCE_CHIPS, instance_rates, measured_rates, roofline_block
+from harness.perf.roofline import measured_rates, neuron_instance_rates, roofline_block
 from harness.perf.stats import summarize
 from harness.progress import status
 from harness.settings import PUBLISHED_BUCKET, RunSettings
@@ -126,6 +126,7 @@ def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DE
     show(f"building the {backend} engine (tp {tp}, {dtype}, buckets {list(buckets)})"
          + ("; a first compile takes many minutes" if backend == "neuron" else ""))
     if backend == "neuron":
+        bench_rates(backend, tp, dtype)  # an instance type without known rates fails here, before the build
         # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
         # cache out of the timed prefill, as a serving loop would.
         settings = settings.but(backend_options={"zero_on_reset": False, **settings.backend_options})
@@ -248,8 +249,8 @@ def bench_rates(backend: str, tp: int, dtype: str):
     """(rates, their measured spread or None): published figures for the Neuron backend; measured
     ones (once per process) for anything that runs on this host."""
     if backend == "neuron":
-        instance = machine.instance_type()
-        return instance_rates(instance if instance in INSTANCE_CHIPS else DEFAULT_INSTANCE, tp, dtype), None
+        # an instance type without known rates is refused (GEMMA_PARITY_INSTANCE_RATES gives them)
+        return neuron_instance_rates(machine.instance_type(), tp, dtype), None
     bandwidth, matmul = _measured_once(dtype)
     spread = {"memory_bytes_per_s": _spread(bandwidth, bandwidth["bytes_per_s"] * statistics.median(
                   bandwidth["seconds"])),

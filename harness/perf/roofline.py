@@ -24,24 +24,28 @@ from harness.sharding import bytes_per_rank, plan_layer, plan_model
 from harness.spec import ModelSpec, dtype_bytes
 
 GiB = 2**30
-# Per Inferentia2 chip, from the AWS Neuron documentation, "Inferentia2 Architecture" and "Amazon
-# EC2 Inf2 Architecture" (awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/
-# neuron-hardware/inferentia2.html and inf2-arch.html): two NeuronCore-v2, 190 FP16/BF16 TFLOPS,
-# 47.5 FP32 TFLOPS, 32 GiB HBM at 820 GiB/s. (Older editions of the page wrote "32GB" and
-# "820 GB/sec"; the larger, GiB reading is used so that the floor is never overstated.)
-CHIP = {"cores": 2, "hbm_bytes": 32 * GiB, "hbm_bytes_per_s": 820 * GiB,
+# Per Inferentia2 chip. Source: AWS Neuron documentation, "Inferentia2 Architecture" and "Amazon EC2
+# Inf2 Architecture" (awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/
+# inferentia2.html, inf2-arch.html): two NeuronCore-v2, 190 FP16/BF16 TFLOPS, 47.5 FP32 TFLOPS,
+# 32 GiB of HBM (two HBM2e stacks); bandwidth 820 GB/s, decimal, as the NKI architecture guide
+# ("Trainium/Inferentia2 Architecture Guide for NKI") writes it. Some pages say "820 GiB/s"; the
+# guide's GB/s is the figure the stacks give and the one that does not overstate the chip.
+CHIP = {"cores": 2, "hbm_bytes": 32 * GiB, "hbm_bytes_per_s": 820e9,
         "flops_per_s": {"bf16": 190e12, "fp32": 47.5e12}}
 # The host link is not in that documentation: 32e9 B/s per direction is an assumption (the nominal
 # rate of a PCIe Gen4 x16 link), so the host floor is an estimate, marked as such in every output.
 HOST_LINK_BYTES_PER_S = 32e9
-CHIP_SOURCE = ("AWS Neuron docs, Inferentia2 Architecture / Amazon EC2 Inf2 Architecture (per chip: "
-               "2 NeuronCore-v2, 190 BF16 TFLOPS, 47.5 FP32 TFLOPS, 32 GiB HBM at 820 GiB/s); host "
-               "link 32 GB/s assumed (PCIe Gen4 x16), not published")
+CHIP_SOURCE = ("AWS Neuron docs, Inferentia2 Architecture / Amazon EC2 Inf2 Architecture (per chip: 2 "
+               "NeuronCore-v2, 190 BF16 TFLOPS, 47.5 FP32 TFLOPS, 32 GiB HBM) and the NKI architecture guide "
+               "(820 GB/s HBM); a TP group gets its cores' share (one core: half a chip); host link 32 GB/s "
+               "assumed (PCIe Gen4 x16), not published")
 # Inferentia2 chips per instance type (same source, the Inf2 instance table).
 INSTANCE_CHIPS = {"inf2.xlarge": 1, "inf2.8xlarge": 1, "inf2.24xlarge": 6, "inf2.48xlarge": 12}
 DEFAULT_INSTANCE = "inf2.8xlarge"
 # The published port's first-token prefill of the real 12B at TP=2 (docs/design.md#performance-facts).
 PUBLISHED_PREFILL_MS, PUBLISHED_PREFILL_BUCKET = 101.0, PUBLISHED_BUCKET
+# `--instance-rates`: the keys a file of one's own figures must give (per chip, like CHIP).
+RATE_KEYS = ("cores", "hbm_bytes", "hbm_bytes_per_s", "bf16_flops_per_s", "fp32_flops_per_s", "chips")
 
 
 @dataclass(frozen=True)
@@ -58,17 +62,69 @@ class Rates:
         return asdict(self)
 
 
-def instance_rates(instance: str, tp: int, dtype: str = "bf16") -> Rates:
-    """The published figures of the chips a TP group of `tp` NeuronCores spans on `instance`."""
-    if instance not in INSTANCE_CHIPS:
-        raise HarnessInputError(f"unknown instance type {instance!r}; known: {', '.join(INSTANCE_CHIPS)}")
-    chips = math.ceil(tp / CHIP["cores"])
-    if chips > INSTANCE_CHIPS[instance]:
-        raise HarnessInputError(f"tp={tp} needs {chips} Inferentia2 chips; {instance} has "
-                                f"{INSTANCE_CHIPS[instance]}")
-    peak = CHIP["flops_per_s"]["bf16" if dtype in ("bf16", "bfloat16") else "fp32"]
-    return Rates(f"{instance} ({chips} chip{'s' * (chips > 1)}, {tp} NeuronCores)",
-                 chips * CHIP["hbm_bytes_per_s"], chips * peak, chips * HOST_LINK_BYTES_PER_S, CHIP_SOURCE)
+def instance_rates(instance: str, tp: int, dtype: str = "bf16", chip: dict | None = None) -> Rates:
+    """The figures of the `tp` NeuronCores a TP group uses on `instance`: each core's share of its
+    chip's HBM bandwidth and compute (tp=1 on inf2: half a chip). `chip`: figures given with
+    --instance-rates for an instance type not in the table (see `load_instance_rates`)."""
+    if chip is None:
+        if instance not in INSTANCE_CHIPS:
+            raise HarnessInputError(f"unknown instance type {instance!r}: its rates are not in the table (known: "
+                                    f"{', '.join(INSTANCE_CHIPS)}); give them with --instance-rates FILE")
+        chip = {**CHIP, "chips": INSTANCE_CHIPS[instance], "source": CHIP_SOURCE,
+                "host_link_bytes_per_s": HOST_LINK_BYTES_PER_S}
+    chips = math.ceil(tp / chip["cores"])
+    if chips > chip["chips"]:
+        raise HarnessInputError(f"tp={tp} needs {chips} Inferentia2 chips; {instance} has {chip['chips']}")
+    share = tp / chip["cores"]  # chips' worth of bandwidth and compute the group's cores get
+    peak = chip["flops_per_s"]["bf16" if dtype in ("bf16", "bfloat16") else "fp32"]
+    name = f"{instance} ({tp} NeuronCore{'s' * (tp > 1)} of {chips} chip{'s' * (chips > 1)})"
+    return Rates(name, share * chip["hbm_bytes_per_s"], share * peak, chips * chip["host_link_bytes_per_s"],
+                 chip["source"])
+
+
+def load_instance_rates(path) -> dict:
+    """The per-chip figures of an instance type not in the table, from a JSON file with RATE_KEYS
+    (and optionally host_link_bytes_per_s): refused, naming the key, when incomplete or not numbers."""
+    import json
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise HarnessInputError(f"--instance-rates {path}: cannot read it as JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise HarnessInputError(f"--instance-rates {path}: expected a JSON object with {', '.join(RATE_KEYS)}")
+    bad = [k for k in RATE_KEYS if not isinstance(data.get(k), (int, float)) or isinstance(data.get(k), bool)
+           or data[k] <= 0]
+    if bad:
+        raise HarnessInputError(f"--instance-rates {path}: {', '.join(bad)} missing or not a positive number "
+                                f"(give every one of {', '.join(RATE_KEYS)}, per chip)")
+    return {"cores": int(data["cores"]), "chips": int(data["chips"]), "hbm_bytes": data["hbm_bytes"],
+            "hbm_bytes_per_s": data["hbm_bytes_per_s"],
+            "flops_per_s": {"bf16": data["bf16_flops_per_s"], "fp32": data["fp32_flops_per_s"]},
+            "host_link_bytes_per_s": data.get("host_link_bytes_per_s", HOST_LINK_BYTES_PER_S),
+            "source": f"--instance-rates {path}"}
+
+
+def hbm_fit(spec: ModelSpec, tp: int, dtype: str, kv_len: int, chip: dict | None = None) -> dict:
+    """Whether every rank's weights and KV cache fit the HBM of the cores that hold them: the TP
+    group's cores' share of the chips' HBM (tp=2 on inf2: one chip's 32 GiB). Activations, the
+    runtime's scratchpad and the compiled code need room too: a fit with little headroom may still
+    fail to load."""
+    chip = chip or CHIP
+    memory = bytes_per_rank(spec, tp, dtype, kv_len)
+    needed = tp * memory["total"]
+    capacity = tp * chip["hbm_bytes"] / chip["cores"]
+    return {"weights_bytes": tp * memory["weights"], "kv_bytes": tp * memory["kv_cache"], "needed_bytes": needed,
+            "capacity_bytes": capacity, "fits": needed <= capacity, "kv_len": kv_len}
+
+
+def render_hbm_fit(fit: dict) -> str:
+    """One line: weights + KV against the HBM they must fit."""
+    verdict = "fits" if fit["fits"] else "DOES NOT FIT"
+    return (f"HBM: weights {fit['weights_bytes'] / GiB:.2f} GiB + KV cache {fit['kv_bytes'] / GiB:.2f} GiB "
+            f"(kv-len {fit['kv_len']}) = {fit['needed_bytes'] / GiB:.2f} GiB of {fit['capacity_bytes'] / GiB:.0f} GiB: "
+            f"{verdict}")
 
 
 def measured_rates(bandwidth: dict, matmul: dict) -> Rates:
@@ -167,18 +223,38 @@ def with_efficiency(rows: list[dict], measured_ms: dict[str, float]) -> list[dic
 def roofline_block(spec: ModelSpec, tp: int, dtype: str, buckets, kv_len: int, rates: Rates,
              measured_ms: dict[str, float] | None = None) -> dict:
     """The roofline block of a bench result (and of `info --perf`)."""
-    rows = graph_floors(spec, tp, dtype, buckets, kv_len, rates)
+    rows = graph_floors(spec, tp, dtype, buckets, kv_len, rates=rates)
     return {"rates": rates.to_dict(), "tp": tp, "dtype": dtype,
             "graphs": with_efficiency(rows, measured_ms or {})}
 
 
+INSTANCE_RATES_ENV = "GEMMA_PARITY_INSTANCE_RATES"  # bench: a JSON file of per-chip figures (load_instance_rates)
+
+
+def neuron_instance_rates(instance: str | None, tp: int, dtype: str, environ=None) -> Rates:
+    """The rates a Neuron bench is judged by: the table's for the detected `instance` (inf2.8xlarge
+    when the type cannot be read), or the figures of $GEMMA_PARITY_INSTANCE_RATES. An instance type
+    not in the table without that file is refused: its figures are unknown."""
+    import os
+
+    path = (os.environ if environ is None else environ).get(INSTANCE_RATES_ENV)
+    if path:
+        return instance_rates(instance or "this instance", tp, dtype, load_instance_rates(path))
+    if instance is not None and instance not in INSTANCE_CHIPS:
+        raise HarnessInputError(f"instance type {instance!r} is not in the rate table ({', '.join(INSTANCE_CHIPS)}): "
+                                f"set {INSTANCE_RATES_ENV} to a JSON file of its per-chip figures "
+                                f"({', '.join(RATE_KEYS)})")
+    return instance_rates(instance or DEFAULT_INSTANCE, tp, dtype)
+
+
 def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = DEFAULT_KV_LEN,
-                buckets=(PUBLISHED_BUCKET,), instance: str = DEFAULT_INSTANCE) -> dict:
-    """`gemma-parity info --perf`: the published instance's floors, nothing run or measured, beside
+                buckets=(PUBLISHED_BUCKET,), instance: str = DEFAULT_INSTANCE, chip: dict | None = None) -> dict:
+    """`gemma-parity info --perf`: the instance's floors and HBM fit, nothing run or measured, beside
     the published port's prefill (docs/design.md#performance-facts: about 101 ms at bucket 64)."""
     if math.ceil(tp / CHIP["cores"]) > INSTANCE_CHIPS[instance]:  # the family's larger variants
         instance = next(name for name, chips in INSTANCE_CHIPS.items() if chips * CHIP["cores"] >= tp)
-    out = roofline_block(spec, tp, dtype, buckets, kv_len, instance_rates(instance, tp, dtype))
+    out = roofline_block(spec, tp, dtype, buckets, kv_len, rates=instance_rates(instance, tp, dtype, chip))
     if not spec.is_family:  # the published figure is the 12B's
         out["published_ms"] = {f"prefill[{PUBLISHED_PREFILL_BUCKET}]": PUBLISHED_PREFILL_MS}
+    out["hbm"] = hbm_fit(spec, tp, dtype, kv_len, chip)
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -22,6 +23,7 @@ from harness import engine as port_engine
 from harness import model as port_model
 from harness import model_blocks as port_blocks
 from harness import sharding as port_sharding
+from harness.backends import cpu as port_cpu
 from harness.compare import compare_logits
 from harness.settings import RunSettings
 
@@ -30,6 +32,16 @@ TINY = "tiny0"  # the default tiny fixture (hidden 64)
 # changes the embeddings; the default fixture's sqrt(64) = 8 is exact in bf16 and hides it.
 TINY_INEXACT_SCALE = "tiny-hidden72"
 INEXACT_SCALE_HIDDEN = 72  # sqrt(72) = 8.485 rounds to 8.5 in bf16
+
+# The long-context fixture: the tiny config at window 8 with the ring cache, prompts of 2-4 windows
+# (fixtures/prompts/long-window8.json) prefilled in chunks of 12 and 4, 8 new tokens past the window.
+LONG = "tiny-window8-long"
+LONG_WINDOW = 8
+LONG_BUCKETS = (4, 12)
+LONG_KV_LEN = 48
+LONG_NEW_TOKENS = 8
+LONG_PROMPTS = Path(__file__).resolve().parents[2] / "fixtures" / "prompts" / "long-window8.json"
+ENGINE_OPTIONS = {LONG: {"buckets": LONG_BUCKETS, "kv_len": LONG_KV_LEN, "sliding_cache": "ring"}}
 
 CHECK_BUCKETS = (64, 256)  # the default prompts: 7, 24, 40 and 64 tokens in 64, the 240-token one in 256
 CHECK_KV_LEN = 288  # room past the largest bucket: a decode that starts at the bucket length still runs
@@ -187,20 +199,20 @@ def value_after_k_norm(monkeypatch):
 def full_rotary_on_full_layers(monkeypatch):
     """Every frequency of full layers rotates (default rope) instead of the proportional 25 %."""
     original = port_model.rope_inv_freq
-    monkeypatch.setattr(port_model, "rope_inv_freq", lambda layer: original(
-        layer if layer.rope_type != "proportional" else dataclasses.replace(layer, rope_type="default")))
+    monkeypatch.setattr(port_model, "rope_inv_freq", lambda layer, device=None: original(
+        layer if layer.rope_type != "proportional" else dataclasses.replace(layer, rope_type="default"), device))
 
 
 def proportional_over_rotated_width(monkeypatch):
     """inv_freq[i] = theta ** (-2i / rotated_width) instead of theta ** (-2i / head_dim)."""
     original = port_model.rope_inv_freq
 
-    def inv_freq(layer):
+    def inv_freq(layer, device=None):
         if layer.rope_type != "proportional":
-            return original(layer)
+            return original(layer, device)
         n = layer.rotated_freqs
-        rotated = 1.0 / layer.rope_theta ** (torch.arange(0, 2 * n, 2, dtype=torch.float) / (2 * n))
-        return torch.cat([rotated, torch.zeros(layer.head_dim // 2 - n)])
+        rotated = 1.0 / layer.rope_theta ** (torch.arange(0, 2 * n, 2, dtype=torch.float, device=device) / (2 * n))
+        return torch.cat([rotated, torch.zeros(layer.head_dim // 2 - n, device=device)])
 
     monkeypatch.setattr(port_model, "rope_inv_freq", inv_freq)
 
@@ -358,9 +370,11 @@ def full_layers_get_sliding_mask(monkeypatch):
 
     def run_layers(self, x, positions, start, stop, captures=None):
         window = self.spec.layers[0].window
-        mask = port_model.attention_mask(positions, self.max_len, window, x.dtype)
+        mask = port_model.attention_mask(positions, self.layers[0].self_attn.cache.key_positions(positions),
+                                         window, x.dtype)
         for i in range(start, stop):
-            cos, sin = port_model.rope_cos_sin(getattr(self, f"inv_freq_{i}"), positions, x.dtype)
+            inv_freq = port_model.rope_inv_freq(self.spec.layers[i], positions.device)
+            cos, sin = port_model.rope_cos_sin(inv_freq, positions, x.dtype)
             x = self.layers[i](x, cos, sin, positions, mask, captures, f"layers.{i}.")
             if captures is not None:
                 captures[f"layers.{i}.output"] = x
@@ -416,6 +430,96 @@ def decode_raises_past_window(monkeypatch):
         return original(self, token, position, capture)
 
     monkeypatch.setattr(port_engine.Engine, "decode_step", decode_step)
+
+
+# ---- long-context faults: the ring cache and chunked prefill (run on LONG) -----------------------
+
+def _ring_write(cache, positions, k, v, slot_positions):
+    """RingCache's write with the slot -> position map given (the faults below change it)."""
+    first = positions[0, 0]
+    row = slot_positions - first
+    take = (row >= 0)[None, None, :, None]
+    prior_k, prior_v = cache.k, cache.v
+    cache.k = torch.where(take, k.index_select(2, row.clamp(min=0)), prior_k)
+    cache.v = torch.where(take, v.index_select(2, row.clamp(min=0)), prior_v)
+    return torch.cat([prior_k, k], dim=2), torch.cat([prior_v, v], dim=2)
+
+
+def ring_index_off_by_one(monkeypatch):
+    """The ring writes position p into slot (p + 1) % window while the mask (and the cache read)
+    take slot s to hold the position p % window == s."""
+
+    def update(self, positions, k, v):
+        written_to = positions[0, 0] + (positions[0] >= 0).sum()
+        slots = port_model.ring_slot_positions(written_to, self.window).roll(1)  # slot s takes p = s - 1
+        return _ring_write(self, positions, k, v, slots)
+
+    monkeypatch.setattr(port_model.RingCache, "update", update)
+
+
+def stale_ring_slot_visible(monkeypatch):
+    """Ring slots masked only by whether they were ever written, not by the position they hold: once
+    the ring wraps, the slot a query's window has left (position p - window) stays visible."""
+
+    def key_positions(self, positions):
+        first = positions[0, 0]
+        slots = port_model.ring_slot_positions(first, self.window)
+        return torch.cat([torch.where(slots >= 0, first - 1, slots), positions[0]])
+
+    monkeypatch.setattr(port_model.RingCache, "key_positions", key_positions)
+
+
+def chunk_positions_offset(monkeypatch):
+    """Every prefill chunk after the first is fed positions one too far (rope, mask and cache slots
+    of start + 1 ...): the first chunk and decode are right."""
+    original = port_engine.chunk_positions
+
+    def positions(start, length, bucket):
+        return original(start + 1 if start > 0 else start, length, bucket)
+
+    monkeypatch.setattr(port_engine, "chunk_positions", positions)
+
+
+def chunk_ignores_cached_prefix(monkeypatch):
+    """A prefill chunk after the first attends only to its own keys: the mask hides every key before
+    the chunk's first position (decode steps, one query, still read the cache)."""
+    original = port_model.attention_mask
+
+    def mask(positions, keys, window, dtype):
+        if positions.shape[-1] > 1:
+            keys = torch.arange(keys) if isinstance(keys, int) else keys
+            keys = torch.where(keys < positions[0, 0], -1, keys)
+        return original(positions, keys, window, dtype)
+
+    monkeypatch.setattr(port_model, "attention_mask", mask)
+
+
+def decode_kv_bucket_one_too_small(monkeypatch):
+    """Decode steps read the KV bucket below the one that holds their positions (where there is
+    one): the newest keys, the step's own included, drop out of attention."""
+    from harness import graphs as port_graphs
+
+    original = port_graphs.kv_read_length
+
+    def read_length(positions, kv_lengths):
+        size = original(positions, kv_lengths)
+        smaller = [b for b in kv_lengths if b < size]
+        return max(smaller) if positions.shape[-1] == 1 and smaller else size
+
+    for module in (port_graphs, port_cpu):
+        monkeypatch.setattr(module, "kv_read_length", read_length)
+
+
+def chunk_reads_overwritten_keys(monkeypatch):
+    """The ring is written before the chunk attends: the chunk's early queries read, in the slots
+    they still need (positions p - window + 1 ...), the keys of its own later rows."""
+    original = port_model.RingCache.update
+
+    def update(self, positions, k, v):
+        original(self, positions, k, v)
+        return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+
+    monkeypatch.setattr(port_model.RingCache, "update", update)
 
 
 # ---- the catalog --------------------------------------------------------------------------------
@@ -541,6 +645,33 @@ CATALOG: list[Fault] = [
           decode_token_off_by_one, Expectation(None, fp32_point="sequence")),
     Fault("decode-raises", "port: recipe", "a port bug that raises in decode past the window",
           decode_raises_past_window, Expectation(None, fp32_point="exception inside the port")),
+    # -- long context (issue 21): the ring cache and chunked prefill, on LONG; the first chunk is 12
+    # positions, so none of these can show before position 12
+    Fault("ring-index-off-by-one", "§3 KV cache", "the ring writes position p into slot (p + 1) % window",
+          # every write is misplaced, the first chunk's too: the ring read back after prefill (the
+          # last window positions of each prompt, from position 8 on) shows it first
+          ring_index_off_by_one, Expectation(_kv(0, "k"), 0, "attention", min_position=LONG_WINDOW,
+                                             fp32_point=_kv(0, "k")), checkpoint=LONG),
+    Fault("stale-ring-slot-visible", "§2.8 / §3 KV cache", "ring slots masked by being written, not by "
+          "their position: after wrap-around a slot older than the window stays visible",
+          stale_ring_slot_visible, Expectation(_attn(0), 0, "attention", min_position=LONG_BUCKETS[-1],
+                                               fp32_point=_attn(0)), checkpoint=LONG),
+    Fault("chunk-positions-offset", "§3 buckets", "prefill chunks after the first are fed positions "
+          "one too far", chunk_positions_offset, Expectation(_kv(0, "k"), 0, "attention",
+                                                            min_position=LONG_BUCKETS[-1], fp32_point=_kv(0, "k")),
+          checkpoint=LONG),
+    Fault("chunk-ignores-cached-prefix", "§3 buckets", "a prefill chunk after the first attends only to "
+          "its own keys", chunk_ignores_cached_prefix, Expectation(_attn(0), 0, "attention",
+                                                                   min_position=LONG_BUCKETS[-1],
+                                                                   fp32_point=_attn(0)), checkpoint=LONG),
+    Fault("chunk-reads-overwritten-keys", "§3 KV cache", "the ring written before the chunk attends: "
+          "early queries read keys the chunk's later rows just overwrote",
+          chunk_reads_overwritten_keys, Expectation(_attn(0), 0, "attention", min_position=LONG_BUCKETS[-1],
+                                                    fp32_point=_attn(0)), checkpoint=LONG),
+    Fault("decode-kv-bucket-one-too-small", "§3 buckets", "decode steps read the KV bucket below the one "
+          "holding their positions: the newest keys drop out",
+          decode_kv_bucket_one_too_small, Expectation("decode.layers.0.attn_residual", 0, "attention",
+                                                      fp32_point="decode.layers.0.attn_residual")),
 ]
 
 BY_NAME = {fault.name: fault for fault in CATALOG}
@@ -697,16 +828,24 @@ def run_family_check(fault: Fault | None, monkeypatch, checkpoint, references, t
 
 # ---- running a fault and reading what caught it -------------------------------------------------
 
-def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references, local: bool | None = None):
-    """Inject `fault` (None: the clean port), build the port (TP=2, bf16, CPU) and run the parity
-    check against the references (fp32 and bf16) computed once for the checkpoint."""
+def engine_options(key: str) -> dict:
+    """Buckets, KV length and sliding cache the check builds the port with for a fixture key."""
+    return ENGINE_OPTIONS.get(key, {"buckets": CHECK_BUCKETS, "kv_len": CHECK_KV_LEN})
+
+
+def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references, local: bool | None = None,
+                     key: str = TINY):
+    """Inject `fault` (None: the clean port), build the port (TP=2, bf16, CPU; buckets and cache of
+    the fault's fixture, else of `key`) and run the parity check against the references (fp32 and
+    bf16) computed once for the checkpoint."""
     from harness.backends import build_engine
     from harness.parity import check_port
     from harness.settings import RunSettings
 
     if fault is not None:
         fault.inject(monkeypatch)
-    engine = build_engine(checkpoint, RunSettings(buckets=CHECK_BUCKETS, kv_len=CHECK_KV_LEN))
+        key = fault.checkpoint
+    engine = build_engine(checkpoint, RunSettings(**engine_options(key)))
     if local is None:
         local = fault is None or fault.local
     return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=local)
@@ -728,6 +867,15 @@ def first_failure(stage) -> dict | None:
         return None
     failures = stage.failures()
     return failures[0] if failures else None
+
+
+def _worst_position(result, point, prompt_lengths: list[int]) -> int:
+    """Position in its prompt of a prefill point's worst row: from the check's own row label (a ring
+    layer's KV rows are only the last window positions), else counted over the prompts' rows."""
+    label = result.row_label(point.name, point.worst_position)
+    if "position " in label:
+        return int(label.rsplit("position ", 1)[1].split()[0])
+    return prompt_position(point.worst_position, prompt_lengths)
 
 
 def prompt_position(stacked_row: int, prompt_lengths: list[int]) -> int:
@@ -780,7 +928,7 @@ class Caught:
             passed=result.passed, first_point=first.name if first else None,
             first_point_factor=getattr(first, "required_factor", getattr(first, "ratio", None)) if first else None,
             first_layer=layer, component=result.first_divergent_component,
-            worst_position=(prompt_position(first.worst_position, lengths)  # prefill rows: prompt positions
+            worst_position=(_worst_position(result, first, lengths)
                             if first is not None and not first.name.startswith("decode") else None),
             divergences=result.divergences, near_ties=result.near_ties, seq_match=result.seq_match,
             kl_max=max((max(p.prefill.kl_max, p.decode.kl_max) for p in result.prompts), default=0.0),

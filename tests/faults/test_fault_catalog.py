@@ -11,13 +11,14 @@ import torch
 from harness import engine as port_engine
 from harness.engine import Engine
 from harness.settings import RunSettings
-from tests.faults.catalog import (CATALOG, TINY, TINY_INEXACT_SCALE, Caught, embed_scale_not_cast,
+from tests.faults.catalog import (CATALOG, LONG, TINY, TINY_INEXACT_SCALE, Caught, embed_scale_not_cast,
                                   failing_points, run_faulty_check, unmet)
 
 # The references a fault's checkpoint is judged against: computed once per session, reused by
 # every fault because the faults change only the port.
 FIXTURES = {TINY: ("tiny0_ckpt", "tiny0_reference"),
-            TINY_INEXACT_SCALE: ("inexact_scale_ckpt", "inexact_scale_reference")}
+            TINY_INEXACT_SCALE: ("inexact_scale_ckpt", "inexact_scale_reference"),
+            LONG: ("long_ckpt", "long_reference")}
 EXPECTATION_NAMES = {"fails check", "first point", "first layer", "component", "position", "tokens", "stages",
                      "fp32 point"}
 
@@ -32,7 +33,7 @@ def test_clean_port_passes(request, monkeypatch, key):
     """Control: without a fault, the same check on the same references passes with no failing
     capture point and no real token divergence, so each fault's failure is the fault's doing."""
     ckpt, refs = _checkpoint_and_reference(request, key)
-    result = run_faulty_check(None, monkeypatch, ckpt, refs)
+    result = run_faulty_check(None, monkeypatch, ckpt, refs, key=key)
     assert result.passed, [p.explain() for p in failing_points(result)]
     assert result.divergences == 0
 
@@ -41,7 +42,7 @@ def test_clean_port_passes(request, monkeypatch, key):
 # stage sees, attention and KV, the sliding window, decode, host probabilities); the whole catalog,
 # about 6 CPU-seconds a fault, runs in the slow lane (`pytest -m slow`, run by .ci/run).
 DEFAULT_LANE = ("exact-gelu", "rope-angles-activation-dtype", "kv-heads-wrong-rank", "window-one-too-wide",
-                "decode-token-off-by-one", "host-probabilities-uncapped")
+                "decode-token-off-by-one", "host-probabilities-uncapped", "chunk-reads-overwritten-keys")
 
 
 def lane(fault):

@@ -206,10 +206,9 @@ case("prompts-string-no-tokenizer", "prompt 0 is a string", "no tokenizer")(with
 case("prompts-missing", "--prompts {tmp}/none.json: not found")(
     lambda c: check_argv(c, "--prompts", c.tmp / "none.json"))
 case("prompts-directory", "--prompts {tmp}: is a directory")(lambda c: check_argv(c, "--prompts", c.tmp))
-case("prompt-one-longer-than-bucket", "prompt 0 has 257 tokens", "largest prefill bucket 256", "--buckets")(
+# a prompt longer than the largest bucket is prefilled in chunks: only the KV length refuses it
+case("prompt-longer-than-kv-len", "prompt 0 has 257 tokens", "--kv-len is 256")(
     with_prompts([list(range(3, 260))]))
-case("prompt-longer-than-small-bucket", "prompt 1 has 20 tokens", "bucket 16")(
-    with_prompts([[5, 6], list(range(3, 23))], "--buckets", 16))
 case("prompt-plus-tokens-beyond-kv", "--new-tokens 1000000", "--kv-len is 256", "--new-tokens 197")(
     with_prompts([list(range(3, 63))], "--new-tokens", 1000000))
 case("reference-beyond-max-positions", "max_position_embeddings 1024")(
@@ -473,8 +472,8 @@ case("golden-bfloat16-tensors-without-their-results", "bfloat16.p0.", "is not on
 case("golden-of-other-weights", "written from other weights", "gemma-parity bisect")(
     lambda c: ["check", "--checkpoint", rewrite_weights(c.ckpt(), lambda t: t[f"{TEXT}norm.weight"].mul_(2)),
                "--golden", c.shared_golden])
-case("golden-prompt-longer-than-bucket", "golden", "prompt 0 has 3 tokens", "--buckets with a bucket >= 3")(
-    lambda c: ["bisect", "--checkpoint", c.tiny, "--golden", c.shared_golden, "--buckets", 2, "--kv-len", 8])
+case("golden-prompt-beyond-kv-len", "golden", "prompt 0 has 3 tokens", "--kv-len is 2")(
+    lambda c: ["bisect", "--checkpoint", c.tiny, "--golden", c.shared_golden, "--buckets", 2, "--kv-len", 2])
 
 
 

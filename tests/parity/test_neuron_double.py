@@ -17,7 +17,7 @@ import torch
 
 from harness import graphs
 from harness import model as port_model
-from harness.backends import neuron
+from harness.backends import neuron, neuron_cache, neuron_env
 from harness.errors import HarnessInputError
 from harness.settings import RunSettings
 from tests.nxd_double import installed
@@ -33,6 +33,7 @@ def nxd(tmp_path_factory):
         cache = tmp_path_factory.mktemp("neuron-cache")
         mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(cache))
         mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+        mp.setenv("GEMMA_PARITY_INSTANCE_TYPE", "inf2.8xlarge")  # the bench's rates, whatever this host is
         mp.setattr(neuron, "neuron_core_count", lambda: 16)  # an inf2.48xlarge's worth: any xdist worker fits
         with installed(mp):
             yield cache
@@ -199,7 +200,8 @@ def test_rule_weight_shapes_are_checked_on_the_checkpoint_layout(nxd, tiny0_ckpt
     ("--model-type=transformer --no-such-flag --target inf2", "unrecognized arguments"),
 ])
 def test_rule_compiler_flags_are_valid_neuronx_cc_options(nxd, tiny0_ckpt, tmp_path, monkeypatch, flags, why):
-    monkeypatch.setattr(neuron, "normalize_compiler_args", lambda args: flags.split())  # past our own check
+    for module in (neuron, neuron_cache):  # past our own check
+        monkeypatch.setattr(module, "normalize_compiler_args", lambda args: flags.split())
     with pytest.raises(neuron.NeuronBuildError, match=why):
         _build(tiny0_ckpt, tmp_path)
 
@@ -209,10 +211,11 @@ def test_our_flag_check_refuses_the_equals_form_first(nxd, tiny0_ckpt, tmp_path)
         _build(tiny0_ckpt, tmp_path, compiler_args="-O1 --target=inf2")
 
 
-def test_rule_lnc_must_be_given_off_device(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+def test_lnc_from_the_named_platform(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """With lnc_size left to NxD, NxDParallelState asks the platform for its LNC: the platform the
+    backend names for the build answers (inf2: 1)."""
     monkeypatch.setattr(neuron, "INF2_LNC", None)
-    with pytest.raises(neuron.NeuronBuildError, match="no Neuron device"):
-        _build(tiny0_ckpt, tmp_path)
+    assert _build(tiny0_ckpt, tmp_path).compiled
 
 
 def test_rule_no_graph_input_as_output(nxd, tiny0_ckpt, tmp_path, monkeypatch):
@@ -231,3 +234,150 @@ def test_rule_shapes_are_fixed_by_the_example_inputs(nxd, tiny0_ckpt, tmp_path):
                      model_name="prefill_16")
     with pytest.raises(RuntimeError, match="traced with torch.int32"):
         be.nxd_model(x[:, :1], torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32))
+
+
+# ---- the import chain, the platform, SPMD replay, parameters, flags, cores ------------------------------
+
+def test_rule_nxd_imports_only_with_the_fx_stand_in(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """NxD's import chain reaches transformers.utils.fx (absent in transformers 5): without the
+    stand-in the backend cannot import NxD at all."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("transformers.utils.fx") is not None:
+        pytest.skip("this transformers has transformers.utils.fx (4.x): nothing to stand in for")
+    for name in [n for n in sys.modules if n.split(".")[0] == "neuronx_distributed"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(neuron_env, "_fx_stand_in", lambda: None)  # the fix removed
+    with pytest.raises(ModuleNotFoundError, match="transformers.utils.fx"):
+        _build(tiny0_ckpt, tmp_path)
+
+
+def test_rule_the_build_names_its_platform(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """NxD asks the platform in initialize_model_parallel whatever lnc_size is: the backend names it
+    (the flags' --target) for the build and puts the variable back afterwards."""
+    import contextlib
+    import os
+
+    assert "NEURON_PLATFORM_TARGET_OVERRIDE" not in os.environ
+    monkeypatch.setattr(neuron, "build_platform", lambda flags: contextlib.nullcontext())  # the fix removed
+    with pytest.raises(neuron.NeuronBuildError, match="no Neuron device"):
+        _build(tiny0_ckpt, tmp_path)
+    monkeypatch.undo()
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    with pytest.raises(HarnessInputError, match="contradicts the compiler flags' --target inf2"):
+        _build(tiny0_ckpt, tmp_path)
+    assert not any(p.name.startswith("perf") for p in tmp_path.iterdir())
+
+
+def test_layout_priority_choices_and_the_layout_transformer(nxd, tiny0_ckpt, tmp_path):
+    import os
+
+    decode = _build(tiny0_ckpt, tmp_path)
+    assert decode.priority_key == graphs.DECODE_TAG and decode.nxd_model.layout_transformer["target"] == "inf2"
+    assert "NEURON_PLATFORM_TARGET_OVERRIDE" not in os.environ  # set for the build only
+    prefill = _build(tiny0_ckpt, tmp_path, layout_priority="prefill")
+    none = _build(tiny0_ckpt, tmp_path, layout_priority=None)
+    assert prefill.priority_key == "prefill_16" and none.nxd_model.layout_transformer is None
+    assert len({decode.cache_key, prefill.cache_key, none.cache_key}) == 3
+    x = torch.randn(1, 16, decode.spec.hidden_size).bfloat16()
+    pos = torch.arange(16)[None]
+    outs = [be.forward(x, pos, last=15)[0] for be in (decode, prefill, none)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])  # layout never changes numbers
+    with pytest.raises(HarnessInputError, match="choose decode, prefill or none"):
+        _build(tiny0_ckpt, tmp_path, layout_priority="tokens")
+
+
+class PythonRankGather(torch.nn.Module):
+    """A vocabulary-parallel lm_head whose gather places each rank's slice by the Python rank (module
+    level: the compiled model pickles its module)."""
+
+    def __init__(self, in_features, vocab_per_rank, dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(vocab_per_rank, in_features, dtype=dtype))
+
+    def forward(self, x):
+        from neuronx_distributed.parallel_layers import parallel_state as ps
+
+        local = torch.nn.functional.linear(x, self.weight)
+        rank, n = ps.get_tensor_model_parallel_rank(), local.shape[-1]
+        full = torch.zeros(*local.shape[:-1], n * ps.get_tensor_model_parallel_size(), dtype=local.dtype)
+        return ps.all_reduce(full.index_copy(-1, torch.arange(n) + rank * n, local))
+
+
+def test_rule_rank_dependent_python_is_baked_as_rank_0(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """One SPMD trace runs on every rank: a gather written with the Python rank (each rank writing
+    its slice at rank * n) puts both slices at 0 on the device, though re-running forward per rank
+    would have looked right."""
+    healthy = _build(tiny0_ckpt, tmp_path)
+
+    def vocab(self, in_features, vocab_per_rank):
+        return PythonRankGather(in_features, vocab_per_rank, self.dtype)
+
+    monkeypatch.setattr(neuron.NeuronLinears, "vocab", vocab)
+    baked = _build(tiny0_ckpt, tmp_path / "baked")  # a test edit the source hash cannot see: its own cache
+    assert baked.compiled
+    x = torch.randn(1, 16, healthy.spec.hidden_size).bfloat16()
+    pos = torch.arange(16)[None]
+    want, got = healthy.forward(x, pos, last=15)[0], baked.forward(x, pos, last=15)[0]
+    half = want.shape[-1] // 2
+    assert torch.count_nonzero(got[..., half:]) == 0  # rank 1's slice never reached its place
+    assert not torch.allclose(got[..., :half].float(), want[..., :half].float(), atol=1e-2)
+
+
+def test_rule_parameters_are_never_state(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """A KV cache kept as Parameters and reassigned in forward is refused (not supported by NxD)."""
+    real_init = port_model.KVCache.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        for name in ("k", "v"):
+            setattr(self, name, torch.nn.Parameter(self._buffers.pop(name), requires_grad=False))
+
+    def update(self, positions, k, v):
+        rows = port_model.chunk_rows(positions)
+        self.k = torch.nn.Parameter(self.k.index_copy(2, rows, k), requires_grad=False)
+        self.v = torch.nn.Parameter(self.v.index_copy(2, rows, v), requires_grad=False)
+        return self.k, self.v
+
+    monkeypatch.setattr(port_model.KVCache, "__init__", init)
+    monkeypatch.setattr(port_model.KVCache, "update", update)
+    with pytest.raises(neuron.NeuronBuildError, match="reassigned in forward"):
+        _build(tiny0_ckpt, tmp_path)
+
+
+NXDI_GEMMA3_FLAGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
+                     "--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2' "
+                     "--auto-cast=none --internal-enable-dge-levels vector_dynamic_offsets --target inf2")
+
+
+def test_quoted_compiler_flags_reach_the_compiler_whole(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    be = _build(tiny0_ckpt, tmp_path, compiler_args=NXDI_GEMMA3_FLAGS)
+    overlap = "--tensorizer-options=--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2"
+    assert overlap in be.compiler_args  # one word
+    import shlex
+
+    assert overlap in shlex.split(be.nxd_model.graphs["prefill_16"].compiler_flags)
+    monkeypatch.setattr(neuron, "compiler_flag_string", " ".join)  # the old join: the value is cut in two
+    with pytest.raises(neuron.NeuronBuildError, match="unrecognized arguments: --cc-pipeline-tiling-factor=2"):
+        _build(tiny0_ckpt, tmp_path / "again", compiler_args=NXDI_GEMMA3_FLAGS)
+
+
+def test_row_parallel_reduce_dtype_is_a_build_option(nxd, tiny0_ckpt, tmp_path):
+    fp32 = _build(tiny0_ckpt, tmp_path)
+    bf16 = _build(tiny0_ckpt, tmp_path, reduce_dtype=torch.bfloat16)
+    assert fp32.cache_key != bf16.cache_key
+    o_proj = bf16.nxd_model.module.layers[0].self_attn.o_proj
+    assert o_proj.reduce_dtype == torch.bfloat16 and fp32.nxd_model.module.layers[0].self_attn.o_proj.reduce_dtype \
+        == torch.float32
+
+
+def test_a_core_list_smaller_than_tp_is_refused_before_any_build(nxd, tiny0_ckpt, tmp_path, monkeypatch, capsys):
+    from harness.cli import main
+
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "3")
+    with pytest.raises(HarnessInputError, match=r"NEURON_RT_VISIBLE_CORES='3' names 1 NeuronCore\(s\) but tp=2"):
+        _build(tiny0_ckpt, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert main(["check", "--model", "tiny", "--backend", "neuron", "--buckets", "16,256", "--kv-len", "256"]) == 2
+    assert "NEURON_RT_VISIBLE_CORES='3' names 1" in capsys.readouterr().err

@@ -77,10 +77,19 @@ def test_prompt_exactly_a_bucket_uses_that_bucket(tiny0_ckpt, tiny0_reference):
     assert rel_l2(result.logits, ref.captures["logits"][:16]) < FP32_ROUNDING
 
 
-def test_prompt_longer_than_largest_bucket_is_refused(tiny0_ckpt):
-    engine = _engine(tiny0_ckpt, buckets=(16, 32))
-    with pytest.raises(PromptError, match="longer than the largest prefill bucket"):
-        engine.prefill(list(range(33)))
+@pytest.mark.parametrize("sliding_cache", ["linear", "ring"])
+def test_prompt_longer_than_largest_bucket_is_prefilled_in_chunks(tiny0_ckpt, sliding_cache):
+    """33 tokens through buckets (8, 16): chunks 16 + 16 + 1 (the decode graph) give the logits of
+    one 64-token bucket; a prompt longer than the KV length is refused."""
+    prompt = list(range(40, 73))
+    whole = _engine(tiny0_ckpt, buckets=(64,), kv_len=64).prefill(prompt)
+    engine = build_engine(tiny0_ckpt, RunSettings(tp=2, dtype=torch.float32, buckets=(8, 16), kv_len=64,
+                                                  sliding_cache=sliding_cache))
+    chunked = engine.prefill(prompt)
+    assert chunked.logits.shape == whole.logits.shape
+    assert rel_l2(chunked.logits, whole.logits) < FP32_ROUNDING
+    with pytest.raises(PromptError, match="longer than the KV length 64"):
+        engine.prefill(list(range(65)))
 
 
 def test_decode_past_kv_length_is_refused(tiny0_ckpt):

@@ -24,7 +24,8 @@ SLIDING_MATS = 2 * H * Q * 256 + 2 * H * 8 * 256 + 3 * H * I
 FULL_MATS = 2 * H * Q * 512 + TP * H * 512 + 3 * H * I
 NORMS = TP * (SLIDING * (4 * H + 2 * 256 + 1) + FULL * (4 * H + 2 * 512 + 1) + H)
 MATS = SLIDING * SLIDING_MATS + FULL * FULL_MATS + V * H
-HBM = 820 * 2**30  # bytes/s: the Neuron docs' 820 GiB/s per chip
+HBM = 820e9  # bytes/s per chip: the NKI architecture guide's 820 GB/s (decimal)
+GIB = 2**30
 
 
 def kv_bytes(tokens: int, kv_len: int) -> int:
@@ -56,9 +57,9 @@ def test_floors_of_the_12b_at_tp2(tokens):
     assert row["memory_ms"] == pytest.approx(memory_ms, rel=1e-12)
     assert row["compute_ms"] == pytest.approx(flops / 190e12 * 1e3, rel=1e-12)
     assert row["host_ms"] == pytest.approx(host / 32e9 * 1e3, rel=1e-12)
-    # Memory binds both graphs at these token counts: about 27 ms, docs/design.md#performance-facts's "about 28 ms"
+    # Memory binds both graphs at these token counts: about 29.2 ms (23.85 GB at 820 GB/s)
     assert row["bound"] == "memory" and row["floor_ms"] == row["memory_ms"]
-    assert 26.5 < row["floor_ms"] < 28.5
+    assert 29.0 < row["floor_ms"] < 29.4
 
 
 def test_efficiency_is_floor_over_measured():
@@ -89,4 +90,44 @@ def test_info_perf_prints_the_12b_floors_without_running_anything(capsys, tmp_pa
     assert f"{floor:.3f}" in line and "memory" in line
     assert next(line for line in out.splitlines() if line.startswith("decode"))
     assert f"published: prefill[64] 101 ms; floor / published = {100 * floor / 101:.1f}%" in out
-    assert "820 GiB/s" in out
+    assert "memory 820.0 GB/s" in out and "NKI architecture guide" in out
+    needed = (BF16 * (MATS + NORMS) + 2 * BF16 * (SLIDING * 8 * 256 + FULL * TP * 512) * 256) / GIB
+    assert f"= {needed:.2f} GiB of 32 GiB: fits" in out
+
+
+def test_one_core_gets_half_a_chip():
+    """TP=1 runs on one NeuronCore: half the chip's bandwidth and compute, so twice the floor."""
+    spec = load_spec(CONFIG_12B)
+    one, two = perf.instance_rates("inf2.8xlarge", 1), perf.instance_rates("inf2.8xlarge", 2)
+    assert (one.memory_bytes_per_s, one.flops_per_s) == (HBM / 2, 190e12 / 2)
+    assert (two.memory_bytes_per_s, two.flops_per_s) == (HBM, 190e12)
+    decode1 = roofline.graph_floors(spec, 1, "bf16", (64,), 256, one)[1]
+    assert decode1["memory_ms"] == pytest.approx((decode1["weight_bytes"] + decode1["kv_bytes"]) / (HBM / 2) * 1e3)
+    assert perf.instance_rates("inf2.48xlarge", 3).memory_bytes_per_s == 1.5 * HBM  # three cores' share
+
+
+def test_hbm_fit_of_weights_and_kv():
+    spec = load_spec(CONFIG_12B)
+    fit = roofline.hbm_fit(spec, TP, "bf16", 256)
+    assert fit["weights_bytes"] == BF16 * (MATS + NORMS) and fit["capacity_bytes"] == 32 * GIB and fit["fits"]
+    assert not roofline.hbm_fit(spec, 1, "bf16", 256)["fits"]  # 22 GiB on one core's 16 GiB
+    long = roofline.hbm_fit(spec, TP, "bf16", 262144)  # a long KV cache no longer fits
+    assert long["kv_bytes"] == 2 * BF16 * (SLIDING * 8 * 256 + FULL * TP * 512) * 262144 and not long["fits"]
+    assert "DOES NOT FIT" in roofline.render_hbm_fit(long)
+
+
+def test_unknown_instances_are_refused_or_given_their_rates(tmp_path, capsys, monkeypatch):
+    assert cli_main(["info", "--config", str(CONFIG_12B), "--perf", "--instance", "inf3.xlarge"]) == 2
+    assert "--instance-rates FILE" in capsys.readouterr().err
+    rates = tmp_path / "rates.json"
+    rates.write_text('{"cores": 2, "chips": 1, "hbm_bytes": 34359738368, "hbm_bytes_per_s": 1.64e12, '
+                     '"bf16_flops_per_s": 380e12, "fp32_flops_per_s": 95e12}')
+    assert cli_main(["info", "--config", str(CONFIG_12B), "--perf", "--instance", "inf3.xlarge",
+                     "--instance-rates", str(rates)]) == 0
+    assert "memory 1640.0 GB/s" in capsys.readouterr().out
+    rates.write_text('{"cores": 2, "chips": 1}')
+    assert cli_main(["info", "--config", str(CONFIG_12B), "--perf", "--instance-rates", str(rates)]) == 2
+    assert "hbm_bytes, hbm_bytes_per_s" in capsys.readouterr().err
+    with pytest.raises(HarnessInputError, match="GEMMA_PARITY_INSTANCE_RATES"):
+        roofline.neuron_instance_rates("inf3.xlarge", 2, "bf16", {})
+    assert roofline.neuron_instance_rates(None, 2, "bf16", {}).name.startswith("inf2.8xlarge")

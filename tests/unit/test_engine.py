@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.engine import Engine, choose_bucket, embed_scale, softcap
+from harness.engine import Engine, choose_bucket, chunk_plan, chunk_positions, embed_scale, softcap
 from harness.errors import PromptError
 
 BUCKETS = (16, 64, 128)
@@ -35,6 +35,27 @@ def test_choose_bucket_property(length, buckets):
     chosen = choose_bucket(length, buckets)
     assert chosen in buckets and chosen >= length
     assert not any(length <= b < chosen for b in buckets)
+
+
+@given(n=st.integers(1, 200), buckets=st.sets(st.integers(1, 64), min_size=1, max_size=4), room=st.integers(0, 40))
+def test_chunk_plan_property(n, buckets, room):
+    """Chunks cover the prompt in order without overlap, each through a bucket of the build (or the
+    decode graph, 1) that holds it, no padded slot past the KV length, and a prompt that fits one
+    bucket is one chunk of the smallest such bucket."""
+    kv_len = max(n, max(buckets)) + room
+    plan = chunk_plan(n, buckets, kv_len)
+    assert [start for start, _, _ in plan] == [sum(length for _, length, _ in plan[:k]) for k in range(len(plan))]
+    assert sum(length for _, length, _ in plan) == n
+    for start, length, bucket in plan:
+        assert bucket in set(buckets) | {1} and 1 <= length <= bucket and start + bucket <= kv_len
+    if any(b >= n for b in buckets):
+        assert plan == [(0, n, choose_bucket(n, buckets))]
+    with pytest.raises(PromptError, match="longer than the KV length"):
+        chunk_plan(kv_len + 1, buckets, kv_len)
+
+
+def test_chunk_positions_pad_with_minus_one():
+    assert chunk_positions(12, 3, 5).tolist() == [[12, 13, 14, -1, -1]]
 
 
 def test_prompt_longer_than_the_largest_bucket_is_refused():

@@ -6,6 +6,7 @@ nothing below the command layer imports it."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -123,7 +124,8 @@ def test_imports_flow_one_way():
 
 
 def test_only_the_neuron_backend_imports_the_neuron_sdk():
-    """Only backends/neuron.py knows Neuron exists (docs/design.md#backends)."""
+    """Only the Neuron backend knows Neuron exists (docs/design.md#backends): backends/neuron.py, and
+    neuron_env.py, through which it and `doctor` import the SDK by name."""
     for path in PACKAGE.rglob("*.py"):
         names = set()
         for node in ast.walk(ast.parse(path.read_text())):
@@ -133,6 +135,9 @@ def test_only_the_neuron_backend_imports_the_neuron_sdk():
                 names.add(node.module.split(".")[0])
         if names & {"torch_neuronx", "neuronx_distributed", "libneuronxla"}:
             assert module_name(path) == "harness.backends.neuron", path
+        if "import_module" in path.read_text() and module_name(path) != "harness.backends.neuron_env":
+            assert not {"torch_neuronx", "neuronx_distributed", "libneuronxla"} & set(
+                re.findall(r"import_module\(\s*[\"']([A-Za-z_]+)", path.read_text())), path
 
 
 @pytest.mark.parametrize("graph, problem", [

@@ -19,7 +19,7 @@ import tomllib
 import torch
 from torch import nn
 
-from harness.backends import neuron
+from harness.backends import neuron, neuron_cache, neuron_env
 from harness.checkpoint import TINY_CONFIG
 from harness.errors import HarnessInputError
 from harness.model import RankDecoder, RankLinears
@@ -236,12 +236,13 @@ def test_model_source_hash_follows_the_source_text(monkeypatch):
     assert real == neuron.model_source_hash()
     names = {p.name for p in neuron.MODEL_SOURCE_FILES}
     assert {"model.py", "sharding.py"} <= names
-    read = neuron._read_source
+    assert {"spec.py", "graphs.py", "neuron.py"} <= names  # spec.py derives what the graph bakes in
+    read = neuron_cache._read_source
     for changed in sorted(names):
-        monkeypatch.setattr(neuron, "_read_source",
+        monkeypatch.setattr(neuron_cache, "_read_source",
                             lambda path, changed=changed: read(path) + ("\n# edit" if path.name == changed else ""))
         assert neuron.model_source_hash() != real, changed
-    monkeypatch.setattr(neuron, "_read_source", read)
+    monkeypatch.setattr(neuron_cache, "_read_source", read)
     assert neuron.model_source_hash() == real
 
 
@@ -328,25 +329,25 @@ def test_assign_visible_cores_from_the_xdist_worker():
 
 
 def test_core_count_from_devices_and_from_neuron_ls(monkeypatch):
-    monkeypatch.setattr(neuron.shutil, "which", lambda name: None)
-    monkeypatch.setattr(neuron, "_device_files", lambda: ["/dev/neuron0", "/dev/neuron1", "/dev/neuron2"])
+    monkeypatch.setattr(neuron_env.shutil, "which", lambda name: None)
+    monkeypatch.setattr(neuron_env, "_device_files", lambda: ["/dev/neuron0", "/dev/neuron1", "/dev/neuron2"])
     assert neuron.neuron_core_count() == 3 * neuron.INF2_CORES_PER_DEVICE
     listing = [{"neuron_device": 0, "nc_count": 2}, {"neuron_device": 1, "nc_count": 2},
                {"neuron_device": 2, "nc_count": 4}]
-    monkeypatch.setattr(neuron.shutil, "which", lambda name: "/opt/aws/neuron/bin/neuron-ls")
-    monkeypatch.setattr(neuron.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=json.dumps(listing)))
+    monkeypatch.setattr(neuron_env.shutil, "which", lambda name: "/opt/aws/neuron/bin/neuron-ls")
+    monkeypatch.setattr(neuron_env.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=json.dumps(listing)))
     assert neuron.neuron_core_count() == sum(d["nc_count"] for d in listing)
 
     def broken(*a, **k):
-        raise neuron.subprocess.CalledProcessError(1, "neuron-ls")
+        raise neuron_env.subprocess.CalledProcessError(1, "neuron-ls")
 
-    monkeypatch.setattr(neuron.subprocess, "run", broken)
+    monkeypatch.setattr(neuron_env.subprocess, "run", broken)
     assert neuron.neuron_core_count() == 3 * neuron.INF2_CORES_PER_DEVICE
 
 
 def test_no_neuron_cores_on_a_cpu_machine(monkeypatch):
-    monkeypatch.setattr(neuron.shutil, "which", lambda name: None)
-    monkeypatch.setattr(neuron, "_device_files", lambda: [])
+    monkeypatch.setattr(neuron_env.shutil, "which", lambda name: None)
+    monkeypatch.setattr(neuron_env, "_device_files", lambda: [])
     assert neuron.neuron_core_count() == 0
 
 
@@ -373,19 +374,19 @@ def test_example_inputs_have_the_traced_shapes_and_dtypes():
 
 
 def test_assemble_rank_weights_takes_exactly_what_the_graph_reads():
-    states = [{"a.weight": torch.full((2, 3), float(r)), "unused": torch.zeros(1)} for r in range(2)]
-    constants = {"inv_freq_0": torch.arange(4, dtype=torch.float32)}
-    expected = {"a.weight": ((2, 3), torch.bfloat16), "inv_freq_0": ((4,), torch.float32)}
+    states = [{"a.weight": torch.full((2, 3), float(r)), "n.weight": torch.ones(4), "unused": torch.zeros(1)}
+              for r in range(2)]
+    expected = {"a.weight": ((2, 3), torch.bfloat16), "n.weight": ((4,), torch.float32)}
     with pytest.warns(UserWarning, match="unused"):
-        out = neuron.assemble_rank_weights(states, expected, constants)
+        out = neuron.assemble_rank_weights(states, expected)
     assert [sorted(d) for d in out] == [sorted(expected)] * 2
     for rank, d in enumerate(out):
         assert d["a.weight"].dtype == torch.bfloat16 and torch.equal(d["a.weight"].float(), states[rank]["a.weight"])
-        assert torch.equal(d["inv_freq_0"], constants["inv_freq_0"])
+        assert d["n.weight"].dtype == torch.float32
     with pytest.raises(HarnessInputError, match=r"missing \['b.weight'\]"):
-        neuron.assemble_rank_weights(states, {**expected, "b.weight": ((1,), torch.float32)}, constants)
+        neuron.assemble_rank_weights(states, {**expected, "b.weight": ((1,), torch.float32)})
     with pytest.raises(HarnessInputError, match=r"a.weight \(2, 3\) \(graph expects \(3, 2\)\)"):
-        neuron.assemble_rank_weights(states, {"a.weight": ((3, 2), torch.bfloat16)}, constants)
+        neuron.assemble_rank_weights(states, {"a.weight": ((3, 2), torch.bfloat16)})
 
 
 def test_buffer_keys_are_the_raw_checkpoint_keys():
@@ -457,18 +458,16 @@ def test_traced_decoder_computes_what_rankdecoder_computes(tiny_spec, with_captu
         assert isinstance(out, torch.Tensor) and caps == {}
 
 
-def test_constant_and_kv_buffers_of_the_traced_module(tiny_spec):
+def test_every_buffer_of_the_traced_module_is_a_checkpoint_weight_or_kv_cache(tiny_spec):
+    """Rope frequencies are computed in the graph: no buffer whose value the device would have to
+    be fed from the model code (by torch-neuronx's naming rules for constants)."""
     module = neuron.TracedDecoder(tiny_spec, 2, 32, torch.bfloat16, RankLinears())
     kv = neuron.kv_buffer_names(module)
     assert len(kv) == 2 * tiny_spec.num_layers and all(dict(module.named_buffers())[n].abs().sum() == 0 for n in kv)
-    constants = neuron.constant_buffers(module)
-    persistent = set(module.state_dict())
-    buffers = dict(module.named_buffers())
-    # every buffer is persistent (from the checkpoint), KV state, or a constant the backend ships
-    assert set(buffers) == persistent & set(buffers) | set(kv) | set(constants)
-    assert not set(constants) & (persistent | set(kv)) and constants
-    for name, value in constants.items():
-        assert torch.equal(value, buffers[name]) and value.data_ptr() != buffers[name].data_ptr()
+    assert neuron.constant_buffers(module) == {}
+    assert set(dict(module.named_buffers())) <= set(module.state_dict()) | set(kv)
+    module.register_buffer("inv_freq_0", torch.ones(4), persistent=False)  # the old layout: refused by the backend
+    assert list(neuron.constant_buffers(module)) == ["inv_freq_0"]
 
 
 def test_replicated_kv_heads_use_the_replicated_factory(tiny_spec):

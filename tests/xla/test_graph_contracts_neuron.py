@@ -17,9 +17,8 @@ KV_LEN, BUCKET = 64, 16
 def test_contracts_hold_on_the_graphs_torch_neuronx_traces(length):
     import torch_neuronx  # noqa: F401  (registers the Neuron PJRT device)
     import torch_xla
-    from neuronx_distributed import NxDParallelState
 
-    from harness.backends.neuron import NeuronLinears
+    from harness.backends.neuron import NeuronLinears, import_neuronx_distributed
     from harness.backends.xla import graph_tensors, lower_graph
     from harness.checkpoint import TINY_CONFIG
     from harness.graph_contracts import GraphSignature, check_graph, expectation_for
@@ -27,7 +26,8 @@ def test_contracts_hold_on_the_graphs_torch_neuronx_traces(length):
     from harness.spec import load_spec
 
     spec, tp, dtype = load_spec(TINY_CONFIG), 2, torch.bfloat16
-    with NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
+    # NxD through the backend's import (it reaches transformers.utils.fx, absent in transformers 5)
+    with import_neuronx_distributed().NxDParallelState(world_size=tp, tensor_model_parallel_size=tp):
         module = TracedDecoder(spec, tp, KV_LEN, dtype, NeuronLinears(tp, dtype)).eval()
         module.requires_grad_(False)
         tensors, roles = graph_tensors(module)

@@ -3,11 +3,17 @@ runs neuronx-cc (neuronx-distributed Release 2.29, src/neuronx_distributed/trace
 compile(): keyword arguments module_bytes, compiler_flags, input_format, platform_target,
 cache_key, retry_failed_compilation, lazy, use_cache, cache_dir, work_dir).
 
-The flags are parsed the way neuronx-cc's command line parses them, against the option values of
-the Neuron Compiler CLI reference (neuronx-cc `compile`: --target <instance_family>, --model-type,
---auto-cast, --auto-cast-type, --optlevel/-O, --logical-nc-config/-lnc (NxD and NxD-Inference
-pass --lnc=N), the --enable-* switches, --logfile, --verbose). An unknown option or value fails
-the compile, as the real compiler's argument parser does. Nothing is compiled: the returned "NEFF"
+The flag string is split shell-style (NxD itself passes quoted values in one string: the layout
+transformer's --internal-hlo2tensorizer-options='--a --b', NxD-Inference Gemma3's
+--tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2') and parsed the
+way neuronx-cc's command line parses it, against the option values of the Neuron Compiler CLI
+reference (neuronx-cc `compile`: --target <instance_family>, --model-type, --auto-cast,
+--auto-cast-type, --optlevel/-O, --logical-nc-config/-lnc (NxD and NxD-Inference pass --lnc=N), the
+--enable-* switches, --logfile, --verbose) plus the options NxD and NxD-Inference's models pass
+(--tensorizer-options with its own option words, --internal-enable-dge-levels,
+--internal-hlo2tensorizer-options, --internal-backend-options, --internal-max-instruction-limit,
+--hbm-scratchpad-page-size). An unknown option or value fails the compile, as the real compiler's
+argument parser does; so does an unknown word inside --tensorizer-options. Nothing is compiled: the returned "NEFF"
 records the flags; execution is eager (tests/nxd_double/sdk/neuronx_distributed/trace).
 """
 
@@ -17,10 +23,12 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 from pathlib import Path
 
 TARGETS = ("inf2", "trn1", "trn1n", "trn2", "trn3")
 LNC_BY_TARGET = {"inf2": (1,), "trn1": (1,), "trn1n": (1,), "trn2": (1, 2), "trn3": (1, 2)}
+DGE_LEVELS = ("vector_dynamic_offsets", "spill_reload")  # the values NxD-Inference passes
 SWITCHES = ("--enable-saturate-infinity", "--enable-mixed-precision-accumulation", "--enable-fast-context-switch",
             "--enable-fast-loading-neuron-binaries", "--enable-internal-neff-wrapper",
             "--disable-mixed-precision-accumulation")
@@ -42,21 +50,45 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--logfile")
     p.add_argument("--verbose")
     p.add_argument("--output")
+    p.add_argument("--tensorizer-options")
+    p.add_argument("--internal-enable-dge-levels", nargs="+", choices=DGE_LEVELS)
+    p.add_argument("--internal-hlo2tensorizer-options")
+    p.add_argument("--internal-backend-options")
+    p.add_argument("--internal-max-instruction-limit", type=int)
+    p.add_argument("--hbm-scratchpad-page-size", type=int)
     for switch in SWITCHES:
         p.add_argument(switch, action="store_true")
     return p
 
 
-def parse_flags(compiler_flags) -> argparse.Namespace:
-    words = compiler_flags.split() if isinstance(compiler_flags, str) else list(compiler_flags)
-    internal = [w for w in words if w.startswith("--internal-") and w != "--internal-neff-wrapper"]
-    words = [w for w in words if w not in internal]
+def _tensorizer_parser() -> argparse.ArgumentParser:
+    """The words NxD-Inference's models pass inside --tensorizer-options='...'."""
+    p = argparse.ArgumentParser(prog="tensorizer", add_help=False, exit_on_error=False, allow_abbrev=False)
+    p.add_argument("--enable-ccop-compute-overlap", action="store_true")
+    p.add_argument("--cc-pipeline-tiling-factor", type=int, choices=(1, 2, 4, 8))
+    p.add_argument("--vectorize-strided-dma", action="store_true")
+    p.add_argument("--skip-pass")
+    return p
+
+
+def _parse(parser, words):
     try:
-        args, unknown = _parser().parse_known_args(words)
+        args, unknown = parser.parse_known_args(words)
     except (argparse.ArgumentError, SystemExit) as exc:
         raise CompilerError(f"neuronx-cc: error: {exc}") from None
     if unknown:
         raise CompilerError(f"neuronx-cc: error: unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def parse_flags(compiler_flags) -> argparse.Namespace:
+    try:
+        words = shlex.split(compiler_flags) if isinstance(compiler_flags, str) else list(compiler_flags)
+    except ValueError as exc:
+        raise CompilerError(f"neuronx-cc: error: {exc}") from None
+    args = _parse(_parser(), words)
+    if args.tensorizer_options is not None:
+        _parse(_tensorizer_parser(), shlex.split(args.tensorizer_options))
     return args
 
 

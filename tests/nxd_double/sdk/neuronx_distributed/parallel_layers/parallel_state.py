@@ -4,10 +4,17 @@ context_parallel_size=1, expert_model_parallel_size=1, skip_collective_init=Fals
 mesh_only=False), model_parallel_is_initialized, get_tensor_model_parallel_size/_rank,
 destroy_model_parallel).
 
-Tensor parallelism only. Collectives: while a graph is traced (single-rank SPMD trace on mocked
-ranks) they only produce the right shapes; while the double executes a graph, each rank's thread
-holds its own `RankGroup` (the CPU backend's ThreadGroup underneath) so partial results really
-cross between ranks.
+Tensor parallelism only. Rules modelled:
+- initialize_model_parallel asks torch-neuronx for the platform on every call
+  (`_HARDWARE_TYPE = hardware(get_platform_target())`, upstream ~line 560), whatever lnc_size is:
+  on a host without a Neuron device it fails unless $NEURON_PLATFORM_TARGET_OVERRIDE names one.
+- One SPMD trace, made as rank 0 of a mocked group, is what every rank runs: the Python rank
+  (`get_tensor_model_parallel_rank`) is 0 while tracing and stays 0 while the double executes the
+  graph on each rank, so rank-dependent Python is baked as rank 0 (as upstream's
+  `_split_along_dim` slices by `group.rank()`, a Python int, at trace time).
+Collectives: while a graph is traced they only produce the right shapes; while the double executes
+a graph, each rank's thread holds its own `RankGroup` (the CPU backend's ThreadGroup underneath) so
+partial results really cross between ranks, in rank order, as the device's collectives do.
 """
 
 from __future__ import annotations
@@ -16,9 +23,13 @@ import threading
 
 import torch
 
+from torch_neuronx.utils import get_platform_target
+
 from harness.backends.cpu import ThreadGroup
 
 _STATE: dict = {}
+# upstream utils/utils.py `hardware`: inf2 and trn1n map to the trn1 hardware type
+HARDWARE = {"trn1": "trn1", "trn1n": "trn1", "inf2": "trn1", "trn2": "trn2", "trn3": "trn3"}
 _RUNTIME = threading.local()  # .group: RankGroup of the executing rank, absent while tracing
 
 
@@ -29,7 +40,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         raise NotImplementedError("the NxD double models tensor parallelism only")
     if lnc_size not in (1, 2):
         raise ValueError(f"lnc_size {lnc_size!r}: must be 1 or 2")
-    _STATE.update(tp=int(tensor_model_parallel_size), lnc=int(lnc_size))
+    hardware = HARDWARE[get_platform_target()]  # every call, as upstream
+    _STATE.update(tp=int(tensor_model_parallel_size), lnc=int(lnc_size), hardware=hardware)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -42,6 +54,9 @@ def _require():
 
 
 def get_tensor_model_parallel_size() -> int:
+    group = current_group()
+    if group is not None:  # executing: the size the trace baked in
+        return group.size
     _require()
     return _STATE["tp"]
 
@@ -52,8 +67,7 @@ def get_lnc_size() -> int:
 
 
 def get_tensor_model_parallel_rank() -> int:
-    group = getattr(_RUNTIME, "group", None)
-    return 0 if group is None else group.rank  # tracing runs as rank 0 (SPMD)
+    return 0  # the SPMD trace is made as rank 0 and replayed on every rank
 
 
 def destroy_model_parallel() -> None:

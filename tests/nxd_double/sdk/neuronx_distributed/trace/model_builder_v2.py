@@ -17,8 +17,13 @@ target comes from torch_neuronx.utils.get_platform_target(flags); the compile go
 libneuronxla.neuron_xla_compile.
 State, modelled on the documented ModelBuilder v2 behaviour: a buffer reassigned out of place in
 forward becomes aliased device state (same shape and dtype required); an in-place update of a
-buffer or parameter is refused; every other parameter and buffer is a weight the graph reads,
-keyed by its module path. A graph output that is one of the graph's own inputs is refused (no
+buffer or parameter is refused, and so is a parameter reassigned in forward (the docs: "not
+supported"); every other parameter and buffer is a weight the graph reads, keyed by its module path.
+Weight layout optimisation (a priority_model_key, upstream _compile_priority_model and
+functions.py compile_layout_transformer): the priority graph is compiled with the WLO flags, then a
+layout transformer is compiled with flags that carry no --target (`--model-type=transformer
+--lnc=1 --internal-hlo2tensorizer-options='...' --logfile=... --verbose=35`), so its platform comes
+from the host or $NEURON_PLATFORM_TARGET_OVERRIDE; when no weight's layout changes it is None. A graph output that is one of the graph's own inputs is refused (no
 upstream example returns an input under aliasing; the double is conservative here).
 """
 
@@ -30,6 +35,7 @@ import inspect
 import json
 import os
 import pathlib
+import shlex
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -111,6 +117,7 @@ def _run_and_find_state(model, inputs: OrderedDict):
     """Run forward once (as rank 0 of a mocked group); return (outputs, states) and leave every
     buffer as it was. Raises on in-place updates and on state that changes shape or dtype."""
     before = {name: (t, t._version) for name, t in _tensors(model).items()}
+    parameters = {name for name, _ in model.named_parameters()}
     with torch.no_grad():
         out = model(**inputs)
     after = _tensors(model)
@@ -122,7 +129,10 @@ def _run_and_find_state(model, inputs: OrderedDict):
                 errors.append(f"{name} was updated in place (in-place updates are not supported: "
                               "reassign the buffer out of place, e.g. with index_copy)")
             continue
-        if new is None or tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
+        if name in parameters:
+            errors.append(f"parameter {name} was reassigned in forward (not supported: a parameter is a "
+                          "weight; state must be a buffer reassigned out of place)")
+        elif new is None or tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
             errors.append(f"state {name} changed from {tuple(old.shape)} {old.dtype} to "
                           f"{None if new is None else (tuple(new.shape), new.dtype)}")
         states[name] = (tuple(old.shape), old.dtype)
@@ -202,11 +212,16 @@ class ModelBuilder:
         elif isinstance(compiler_args, str) or compiler_args is None:
             compiler_args = {tag: compiler_args for tag in tags}
         try:
+            transformer = None
+            if priority_model_key:
+                self._compile_one(priority_model_key, compiler_args[priority_model_key], compiler_workdir, True)
+                transformer = self._compile_layout_transformer(priority_model_key, compiler_workdir)
             for tag in tags:
-                self._compile_one(tag, compiler_args[tag], compiler_workdir, tag == priority_model_key)
+                if tag != priority_model_key:
+                    self._compile_one(tag, compiler_args[tag], compiler_workdir, False)
         except Exception as exc:
             raise RuntimeError("Compilation process failed") from exc
-        model = NxDModel(world_size=self.world_size, layout_transformer=bool(priority_model_key))
+        model = NxDModel(world_size=self.world_size, layout_transformer=transformer)
         module = copy.deepcopy(self.model).to("meta")  # the graph's code; weights come from set_weights
         for tag in tags:
             model.add(tag, self.trace_artifacts_collection[tag], module)
@@ -218,9 +233,9 @@ class ModelBuilder:
         os.makedirs(out_dir, exist_ok=True)
         logfile = f"--logfile={os.path.join(out_dir, 'log-neuron-cc.txt')}"
         if priority:  # functions.py _update_compiler_args_for_compile_wlo: no -O default here
-            words = (flags or "").split()
+            words = shlex.split(flags or "")
             words += [w for w in WLO_REQUIRED if w not in words]
-            flags = " ".join(words + ([] if any(w.startswith("--logfile") for w in words) else [logfile]))
+            flags = shlex.join(words + ([] if any(w.startswith("--logfile") for w in words) else [logfile]))
         else:
             flags = _with_default_flags(flags)
             flags += "" if "--logfile" in flags else f" {logfile}"
@@ -230,6 +245,27 @@ class ModelBuilder:
             cache_key=None, retry_failed_compilation=False, lazy=True, use_cache=False, cache_dir=None,
             work_dir=pathlib.Path(out_dir).absolute())
         art.compiler_flags = flags
+
+
+    def _compile_layout_transformer(self, key, workdir):
+        """None when no weight of the priority graph changes layout (upstream: no wrapped NEFF stub);
+        else the compiled transformer, recording which weights it re-lays out."""
+        art = self.trace_artifacts_collection[key]
+        skip = set(self.weights_to_skip_layout_optimization or ())
+        changed = sorted(n for n, (shape, _) in art.weights.items() if len(shape) >= 2 and n not in skip)
+        if not changed:
+            return None
+        out_dir = os.path.join(workdir or DEFAULT_COMPILER_WORKDIR, "layout_opt", time.strftime("%Y-%m-%dT%H-%M-%S"))
+        os.makedirs(out_dir, exist_ok=True)
+        flags = ("--model-type=transformer --lnc=1 --internal-hlo2tensorizer-options='--experimental-unsafe-"
+                 f"fp8e4m3fn-as-fp8e4m3 --verify-hlo=true' --logfile={os.path.join(out_dir, 'log-neuron-cc.txt')} "
+                 "--verbose=35")
+        target = torch_neuronx.utils.get_platform_target(flags)  # no --target: the host's, or the override
+        neff = libneuronxla.neuron_xla_compile(
+            module_bytes=json.dumps(changed).encode(), compiler_flags=flags, input_format="hlo", platform_target=target,
+            cache_key=None, retry_failed_compilation=False, lazy=True, use_cache=False, cache_dir=None,
+            work_dir=pathlib.Path(out_dir).absolute())
+        return {"weights": changed, "neff": neff, "target": target}
 
 
 def _with_default_flags(flags) -> str:

@@ -15,8 +15,13 @@ Upstream: src/neuronx_distributed/trace/nxd_model/nxd_model.py and base_nxd_mode
 Stricter than the runtime where the runtime would misbehave silently: set_weights needs exactly one
 dict per rank holding exactly the weights the graphs read, in the traced (checkpoint) shapes and
 dtypes; inputs must have the traced dtypes. With a priority model (weight layout optimisation) the
-graphs' metaneff reports 2-D+ weights in a compiler-chosen layout (modelled as the last two dims
-swapped) while set_weights still takes checkpoint shapes (the layout transformer converts them).
+graphs' metaneff reports the weights the layout transformer re-lays out (2-D+ weights) in a
+compiler-chosen layout (modelled as the last two dims swapped) while set_weights still takes
+checkpoint shapes (the layout transformer converts them); with no transformer (None: no priority
+model, or no layout changed) the metaneff shapes are the checkpoint's.
+Execution replays the one SPMD trace on every rank: each rank runs the traced code with the Python
+rank reporting 0 (parallel_state.get_tensor_model_parallel_rank), its own weights and states, and
+real collectives with the other ranks.
 """
 
 from __future__ import annotations
@@ -84,8 +89,9 @@ class NxDModel(torch.nn.Module):
         if not self.layout_transformer:
             return meta
         laid_out = copy.deepcopy(meta)
+        changed = set(self.layout_transformer["weights"])
         for t in laid_out.input_tensors:
-            if t.type == metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT and len(t.shape) >= 2:
+            if t.type == metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT and t.checkpoint_key.decode() in changed:
                 t.shape = t.shape[:-2] + [t.shape[-1], t.shape[-2]]
         return laid_out
 

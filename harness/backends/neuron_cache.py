@@ -1,0 +1,195 @@
+"""The Neuron backend's compiler flags and its compiled-artifact cache.
+
+Flags: what the backend passes to ModelBuilder.compile, kept as the user's words and joined shell-
+style, so a quoted value (NxD-Inference's `--tensorizer-options='--a --b'`) reaches neuronx-cc as one
+word. Cache: one directory per build, named by a key of everything that changes the compiled graphs
+(spec, buckets, TP, KV length, dtype, build kind, toolchain and runtime versions, flags, the compile-
+time environment, the model source), published whole (harness/atomic.py). Weights are never part of
+an entry: they are loaded per run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from harness.atomic import atomic_directory
+from harness.errors import HarnessInputError
+from harness.graphs import GraphBuildError
+from harness.settings import DEFAULT_KV_LEN
+
+# ---- compiler flags -----------------------------------------------------------------------------
+
+# ModelBuilder.compile passes these to neuronx-cc as given. It adds --auto-cast=none and -O1 only
+# when absent, plus --verbose=35 and --logfile=<workdir>/log-neuron-cc.txt; it never adds a target.
+# Its own no-argument default starts with --enable-saturate-infinity, which passing flags replaces,
+# so it is listed here (NxD-Inference's models pass it too; NeuronCore-v2, inf2's core, needs it to
+# saturate +-inf instead of producing NaN). torch-neuronx reads the platform from the flag string
+# split on whitespace: only `--target inf2` (two words) is seen; `--target=inf2` is not, and the
+# target then comes from the host (which fails on a build host without a Neuron device).
+DEFAULT_COMPILER_ARGS = ("--enable-saturate-infinity", "--model-type=transformer", "--auto-cast=none", "-O1",
+                         "--target", "inf2")
+
+
+def normalize_compiler_args(compiler_args=None) -> list[str]:
+    """None -> the defaults; a string -> its shell words (quotes group a value with spaces, as in
+    `--tensorizer-options='--a --b'`); a sequence -> a list of str, one word each."""
+    if compiler_args is None:
+        return list(DEFAULT_COMPILER_ARGS)
+    if isinstance(compiler_args, str):
+        try:
+            words = shlex.split(compiler_args)
+        except ValueError as exc:
+            raise HarnessInputError(f"compiler flags {compiler_args!r}: {exc} (close the quote)") from exc
+    else:
+        words = [str(a) for a in compiler_args]
+    for word in words:
+        if word.startswith("--target="):
+            raise HarnessInputError(f"compiler flag {word!r}: write `--target {word.split('=', 1)[1]}` (two "
+                                    "words); torch-neuronx splits the flags on whitespace to find the target")
+    return words
+
+
+def compiler_flag_string(words: list[str]) -> str:
+    """The one string ModelBuilder.compile takes, from the flag words: shell-quoted where a word holds
+    spaces, so the compiler's shell-style split gives the same words back (a plain ' '.join would
+    cut `--tensorizer-options=--a --b` into two flags, the second unknown to neuronx-cc)."""
+    return shlex.join(words)
+
+
+# A model whose per-rank weights exceed this compiles one graph at a time by default: ModelBuilder
+# compiles the non-priority graphs on a thread pool (max_workers=None: one per core), each running
+# neuronx-cc on a 12B-sized graph, in a process that already holds the traced rank module (about
+# 11 GiB of weights for the 12B at TP=2); several at once can exhaust an inf2.8xlarge's 128 GiB.
+PARALLEL_COMPILE_LIMIT_BYTES = 2**30
+
+
+def default_compile_workers(weight_bytes_per_rank: int) -> int | None:
+    """1 for a model over PARALLEL_COMPILE_LIMIT_BYTES per rank, else None (NxD's default pool)."""
+    return 1 if weight_bytes_per_rank > PARALLEL_COMPILE_LIMIT_BYTES else None
+
+
+# ---- the compiled-artifact cache ----------------------------------------------------------------
+
+CACHE_FORMAT = 3  # bump when the layout of a cache entry changes (3: no constants file, rope in the graph)
+MODEL_FILE = "nxd_model.pt"
+META_FILE = "artifact.json"
+ENTRY_FILES = (MODEL_FILE, META_FILE)
+_HARNESS_DIR = Path(__file__).resolve().parent.parent
+# The source the compiled graph is made from. spec.py derives the per-layer facts the graph bakes in
+# (head dims, windows, rope constants); sharding.py decides every per-rank shape; model.py and
+# graphs.py define the traced module and its inputs; neuron.py builds its NxD linears.
+MODEL_SOURCE_FILES = (
+    _HARNESS_DIR / "spec.py",
+    _HARNESS_DIR / "model.py",
+    _HARNESS_DIR / "sharding.py",
+    _HARNESS_DIR / "graphs.py",
+    _HARNESS_DIR / "backends" / "neuron.py",
+)
+# Environment variables read while compiling: flags neuronx-cc or torch-xla add on their own
+# (NEURON_CC_FLAGS, XLA_FLAGS), NxD's layout options, and the platform and LNC NxD asks for.
+COMPILE_ENV_VARS = ("NEURON_CC_FLAGS", "XLA_FLAGS", "NXD_LAYOUT_TRANSFORMATION_OPTIONS",
+                    "NEURON_PLATFORM_TARGET_OVERRIDE", "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VIRTUAL_CORE_SIZE")
+
+
+def compile_environment(runtime_version: str, environ=None) -> dict[str, str]:
+    """What the compile reads besides its arguments: the COMPILE_ENV_VARS that are set, and the Neuron
+    runtime version (the runtime loads what the compiler wrote)."""
+    environ = os.environ if environ is None else environ
+    found = {name: environ[name] for name in COMPILE_ENV_VARS if environ.get(name)}
+    return {**found, "neuron-runtime": str(runtime_version)}
+
+
+def _read_source(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def model_source_hash() -> str:
+    """sha256 over the text of the files the compiled graph is made from (MODEL_SOURCE_FILES)."""
+    digest = hashlib.sha256()
+    for path in MODEL_SOURCE_FILES:
+        text = _read_source(path).encode("utf-8")
+        digest.update(f"{path.name}\0{len(text)}\0".encode())
+        digest.update(text)
+    return digest.hexdigest()
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, compiler_args,
+                       model_source_hash: str, capture: bool, *, max_len: int = DEFAULT_KV_LEN,
+                       dtype=torch.bfloat16, environment: dict | None = None, sliding_cache: str = "linear") -> str:
+    """The cache directory name for one compiled build: readable prefix + hash of every input.
+
+    Bucket order does not matter (the same graphs are built); compiler flag order does (neuronx-cc
+    may let a later flag override an earlier one). max_len and dtype change every graph's shapes
+    and types, so they are part of the key too; `environment` is `compile_environment()`.
+    """
+    buckets = sorted({int(b) for b in buckets})
+    payload = {
+        "format": CACHE_FORMAT, "spec": str(spec_hash), "buckets": buckets, "tp": int(tp),
+        "compiler": str(compiler_version), "flags": normalize_compiler_args(compiler_args),
+        "model_source": str(model_source_hash), "capture": bool(capture), "max_len": int(max_len),
+        "dtype": _dtype_name(dtype), "environment": dict(sorted((environment or {}).items())),
+    }
+    if sliding_cache != "linear":  # a ring changes the sliding layers' state shapes and graphs
+        payload["sliding_cache"] = str(sliding_cache)
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+    kind = "parity" if capture else "perf"
+    return f"{kind}-tp{int(tp)}-b{'_'.join(map(str, buckets))}-kv{int(max_len)}-{digest}"
+
+
+def default_cache_dir() -> Path:
+    from harness.checkpoint import cache_dir
+
+    return Path(os.environ.get("GEMMA_PARITY_NEURON_CACHE", cache_dir() / "neuron"))
+
+
+def cache_entry_complete(entry: Path) -> bool:
+    return all((entry / name).is_file() for name in ENTRY_FILES)
+
+
+def write_cache_entry(cache_dir: Path, key: str, write: Callable[[Path], None]) -> Path:
+    """Have `write(tmp_dir)` fill a temporary directory beside the entry, then rename it into place.
+
+    A failed or interrupted write leaves no entry behind. When another process (an xdist worker)
+    published the same key first, its complete entry is kept and returned.
+    """
+    entry = Path(cache_dir) / key
+    try:
+        with atomic_directory(entry) as tmp:
+            write(tmp)
+            missing = [name for name in ENTRY_FILES if not (tmp / name).is_file()]
+            if missing:
+                raise GraphBuildError(f"cache entry {key}: the writer did not produce {missing}")
+    except HarnessInputError:  # the entry exists: another process published the same key first
+        if not cache_entry_complete(entry):
+            raise
+    return entry
+
+
+def read_cache_meta(entry: Path, key: str) -> dict:
+    """The metadata of a cache entry, refused (with the fix) when incomplete or for another key."""
+    if not cache_entry_complete(entry):
+        missing = [name for name in ENTRY_FILES if not (entry / name).is_file()]
+        raise HarnessInputError(f"compiled-artifact cache entry {entry} is incomplete (missing {missing}); "
+                                "the harness publishes entries whole, so something else changed it. Delete that "
+                                "directory and run again (the graphs will be recompiled).")
+    try:
+        meta = json.loads((entry / META_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise HarnessInputError(f"{entry / META_FILE} is unreadable ({exc}); delete {entry} and run again") from exc
+    if meta.get("key") != key or meta.get("format") != CACHE_FORMAT:
+        raise HarnessInputError(f"cache entry {entry} records key {meta.get('key')!r} (format "
+                                f"{meta.get('format')!r}), not {key!r}; delete {entry} and run again")
+    return meta
+
+

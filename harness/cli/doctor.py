@@ -1,0 +1,220 @@
+"""`gemma-parity doctor`: the inf2 host's preflight, before any compile.
+
+Each check prints one line: `ok` with what it found, or `FAIL` with the problem and the fix. The
+checks: the Python version the Neuron SDK wheels support; the pinned Neuron packages (none missing,
+no PyPI placeholder, no known-broken release; off-pin versions only warn); importing torch_neuronx,
+neuronx_distributed (the backend's way, harness/backends/neuron_env.py) and libneuronxla; `neuron-ls`
+and the NeuronCores it lists; `neuronx-cc --version` against the pin; the NeuronCores this run may
+use (NEURON_RT_VISIBLE_CORES) against the TP degree; and whether the model's weights plus its KV
+cache fit the HBM of those cores. Nothing is traced or compiled: it takes seconds (the imports are
+the slowest part). Exit 0 when every check passes, 2 otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import NamedTuple
+
+from harness.cli import validate as v
+from harness.cli.common import EXIT_BAD_INPUT, EXIT_OK
+
+SUPPORTED_PYTHON = ((3, 11), (3, 13))  # the Neuron SDK 2.31 wheels
+TOOL_TIMEOUT_S = 30
+
+
+class Check(NamedTuple):
+    name: str
+    ok: bool
+    message: str  # what was found, or the problem and its fix
+    warning: bool = False  # passes, but worth a look
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser("doctor", help="preflight of an inf2 host: Neuron packages, imports, tools, cores, HBM fit",
+                       description="Check this host can run the neuron backend, before any compile: the pinned "
+                                   "Neuron SDK packages and their imports, neuron-ls, neuronx-cc, the visible "
+                                   "NeuronCores against --tp, and the model's weights + KV cache against HBM. One "
+                                   "line per check, each failure with its fix. Exit 0 all pass, 2 otherwise.")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory whose config.json sizes the HBM check")
+    group.add_argument("--config", metavar="FILE", help="a config.json (default: the 12B's, "
+                       "fixtures/configs/gemma-4-12b-it.json)")
+    p.add_argument("--tp", type=int, default=2, help="tensor parallel degree the run will use (default 2)")
+    p.add_argument("--kv-len", type=int, default=256, help="KV cache length the run will compile (default 256)")
+    p.add_argument("--dtype", default="bfloat16", help="device dtype (default bfloat16)")
+    p.set_defaults(func=run, validate=validate)
+
+
+def validate(args) -> None:
+    from harness import FIXTURES_DIR
+    from harness.spec import DTYPE_BYTES, load_spec
+
+    v._int_option(args, "tp", 1)
+    v._int_option(args, "kv_len", 1)
+    v._dtype(args, DTYPE_BYTES)
+    if args.checkpoint is not None:
+        source = v.input_path(args.checkpoint, "--checkpoint", want_dir=True)
+    elif args.config is not None:
+        source = v.input_path(args.config, "--config", want_dir=False)
+    else:
+        source = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"
+    args.spec = load_spec(source)
+    v.check_tp(args.spec, args.tp)
+    v.check_kv_len(args.spec, args.kv_len)
+
+
+def run(args) -> int:
+    checks = diagnose(args.spec, args.tp, args.dtype, args.kv_len)
+    for check in checks:
+        status = "ok  " if check.ok and not check.warning else "warn" if check.ok else "FAIL"
+        print(f"{status} {check.name}: {check.message}")
+    failed = [c for c in checks if not c.ok]
+    print(f"doctor: {len(checks) - len(failed)} of {len(checks)} checks pass"
+          + (f"; fix the {len(failed)} above before running the neuron backend" if failed else ""))
+    return EXIT_BAD_INPUT if failed else EXIT_OK
+
+
+def diagnose(spec, tp: int, dtype: str, kv_len: int, environ=None) -> list[Check]:
+    """Every check, in order; later ones that need a tool or package the earlier ones found missing
+    are still run, so one pass lists every problem."""
+    environ = os.environ if environ is None else environ
+    checks = [python_check(sys.version_info[:2])]
+    versions, package_checks = packages_check()
+    checks += package_checks
+    checks += import_checks(versions)
+    cores, ls_check = neuron_ls_check()
+    checks.append(ls_check)
+    checks.append(compiler_check())
+    checks.append(cores_check(cores, tp, environ))
+    checks.append(hbm_check(spec, tp, dtype, kv_len))
+    return checks
+
+
+def python_check(version: tuple[int, int]) -> Check:
+    low, high = SUPPORTED_PYTHON
+    text = f"{version[0]}.{version[1]}"
+    if low <= version <= high:
+        return Check("python", True, text)
+    return Check("python", False, f"Python {text}, but the Neuron SDK wheels need {low[0]}.{low[1]}-{high[0]}."
+                 f"{high[1]}; fix: python3.11 -m venv .venv && . .venv/bin/activate, then install again")
+
+
+def packages_check() -> tuple[dict[str, str], list[Check]]:
+    from harness.backends import neuron_env as env
+
+    versions, texts = env.installed_neuron_packages()
+    problems, placeholders = env.package_problems(versions, texts)
+    checks = [Check("packages", False, f"{p}; fix: {env.install_fix(placeholders)}") for p in problems]
+    if not problems:
+        off = env.off_pin(versions)
+        found = ", ".join(f"{n} {versions[n]}" for n in env.PINNED_VERSIONS)
+        checks.append(Check("packages", True, found + (f" (off the Neuron SDK {env.NEURON_SDK_RELEASE} pins: "
+                                                      f"{', '.join(off)}; fix: {env.INSTALL_COMMAND})" if off else ""),
+                            warning=bool(off)))
+    usable = {n: ver for n, ver in versions.items() if not any(p.startswith(f"{n} ") for p in problems)}
+    return usable, checks
+
+
+IMPORTS = (("torch-neuronx", "torch_neuronx"), ("neuronx-distributed", "neuronx_distributed"),
+           ("libneuronxla", "libneuronxla"))
+
+
+def import_checks(usable: dict[str, str]) -> list[Check]:
+    """Import each installed, usable SDK package (neuronx_distributed the backend's way)."""
+    from harness.backends import neuron_env as env
+
+    checks = []
+    for dist, module in IMPORTS:
+        if dist not in usable:
+            continue  # the packages check already said what to do
+        try:
+            env.import_sdk(module)
+        except Exception as exc:  # noqa: BLE001  (any import failure is this check's finding)
+            checks.append(Check(f"import {module}", False, f"{type(exc).__name__}: {exc}; fix: reinstall the "
+                                f"Neuron SDK packages ({env.INSTALL_COMMAND}) in a fresh venv"))
+        else:
+            checks.append(Check(f"import {module}", True, "imports"))
+    return checks
+
+
+def _tool(name: str, *args: str) -> tuple[str | None, str]:
+    """(stdout, problem) of running a Neuron tool; stdout None when it is absent or fails."""
+    exe = shutil.which(name) or (f"/opt/aws/neuron/bin/{name}" if os.access(f"/opt/aws/neuron/bin/{name}", os.X_OK)
+                                 else None)
+    if exe is None:
+        return None, f"{name} not found on PATH or in /opt/aws/neuron/bin"
+    try:
+        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=TOOL_TIMEOUT_S, check=True)
+    except subprocess.TimeoutExpired:
+        return None, f"`{name} {' '.join(args)}` did not answer in {TOOL_TIMEOUT_S} s"
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        return None, f"`{name} {' '.join(args)}` failed: {detail.strip()[:200]}"
+    return out.stdout, ""
+
+
+def neuron_ls_check() -> tuple[int, Check]:
+    from harness.backends import neuron_env as env
+
+    out, problem = _tool("neuron-ls", "--json-output")
+    if out is None:
+        return 0, Check("neuron-ls", False, f"{problem}; fix: on an inf2 host with the Neuron driver, install "
+                        "aws-neuronx-tools and put /opt/aws/neuron/bin on PATH")
+    try:
+        cores = env._cores_from_neuron_ls(out)
+    except (ValueError, TypeError, AttributeError) as exc:
+        return 0, Check("neuron-ls", False, f"unreadable --json-output ({exc}); fix: update aws-neuronx-tools")
+    if cores == 0:
+        return 0, Check("neuron-ls", False, "lists no NeuronCore; fix: run on an inf2 instance with the Neuron "
+                        "driver loaded (aws-neuronx-dkms)")
+    return cores, Check("neuron-ls", True, f"{cores} NeuronCores")
+
+
+def compiler_check() -> Check:
+    from harness.backends import neuron_env as env
+
+    out, problem = _tool("neuronx-cc", "--version")
+    pin = env.PINNED_VERSIONS["neuronx-cc"]
+    if out is None:
+        return Check("neuronx-cc", False, f"{problem}; fix: {env.INSTALL_COMMAND} (neuronx-cc=={pin})")
+    match = re.search(r"\d+\.\d+\.\d+(?:\.\d+)?", out)
+    if match is None:
+        return Check("neuronx-cc", False, f"`neuronx-cc --version` printed no version ({out.strip()[:80]!r}); "
+                     f"fix: {env.INSTALL_COMMAND}")
+    version = match.group(0)
+    if (why := env._broken_reason("neuronx-cc", version)) is not None:
+        return Check("neuronx-cc", False, f"{version} {why}; fix: {env.INSTALL_COMMAND} (neuronx-cc=={pin})")
+    if not env.version_matches(version, pin):
+        return Check("neuronx-cc", True, f"{version} (pinned {pin}; fix: {env.INSTALL_COMMAND})", warning=True)
+    return Check("neuronx-cc", True, version)
+
+
+def cores_check(total: int, tp: int, environ) -> Check:
+    from harness.backends import neuron_env as env
+    from harness.errors import HarnessInputError
+
+    visible = environ.get("NEURON_RT_VISIBLE_CORES")
+    if visible:
+        try:
+            env.check_visible_cores(visible, tp)
+        except HarnessInputError as exc:
+            return Check("cores", False, str(exc))
+        return Check("cores", True, f"NEURON_RT_VISIBLE_CORES={visible} gives tp={tp} its cores")
+    if total < tp:
+        return Check("cores", False, f"tp={tp} needs {tp} NeuronCores but this host has {total}; fix: run on an "
+                     f"instance with at least {tp} (inf2.8xlarge has 2) or use --tp {max(total, 1)}")
+    return Check("cores", True, f"{total} NeuronCores for tp={tp}")
+
+
+def hbm_check(spec, tp: int, dtype: str, kv_len: int) -> Check:
+    from harness.perf.roofline import hbm_fit, render_hbm_fit
+
+    fit = hbm_fit(spec, tp, dtype, kv_len)
+    line = render_hbm_fit(fit).removeprefix("HBM: ")
+    if fit["fits"]:
+        return Check("HBM", True, line)
+    return Check("HBM", False, f"{line}; fix: a larger --tp (more cores' HBM) or a shorter --kv-len")

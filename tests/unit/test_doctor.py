@@ -1,0 +1,130 @@
+"""`gemma-parity doctor` on CPU: every check passes through the NxD contract double (with stand-in
+`neuron-ls` / `neuronx-cc` executables), and each problem a real host can have gives exactly one
+FAIL line with its fix and exit 2: the real PyPI placeholder packages (their published metadata),
+a core list smaller than TP, a known-broken compiler, a model that does not fit HBM, an old Python,
+and NxD failing to import without the transformers.utils.fx stand-in."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.backends import neuron_env
+from harness.cli import doctor, main
+from tests.nxd_double import installed
+
+PLACEHOLDER_DISTS = Path(__file__).resolve().parent / "placeholder_dists"
+
+
+def _fake_tools(tmp_path, monkeypatch, cores: int = 2, compiler: str = "2.26.6360.0+a0b1c2d3") -> None:
+    """`neuron-ls --json-output` listing one inf2 chip, `neuronx-cc --version` printing `compiler`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    listing = json.dumps([{"neuron_device": 0, "nc_count": cores}])
+    tools = {"neuron-ls": f"print({listing!r})", "neuronx-cc": f"print('NeuronX Compiler version {compiler}')"}
+    for name, body in tools.items():
+        path = bin_dir / name
+        path.write_text(f"#!{sys.executable}\n{body}\n")
+        path.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def _run(capsys, *args) -> tuple[int, list[str]]:
+    rc = main(["doctor", *args])
+    return rc, capsys.readouterr().out.splitlines()
+
+
+@pytest.fixture
+def host(tmp_path, monkeypatch):
+    """An inf2.8xlarge as the double sees it: the pinned SDK (the double), both tools, no core list set."""
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
+    _fake_tools(tmp_path, monkeypatch)
+    with installed(monkeypatch):
+        yield
+
+
+def test_every_check_passes_on_a_healthy_host(host, capsys):
+    rc, lines = _run(capsys)
+    assert rc == 0, lines
+    checks = [line for line in lines if not line.startswith("doctor:")]
+    assert all(line.startswith("ok   ") for line in checks), checks
+    names = [line.split()[1].rstrip(":") for line in checks]
+    assert names == ["python", "packages", "import", "import", "import", "neuron-ls", "neuronx-cc", "cores", "HBM"]
+    assert "ok   neuronx-cc: 2.26.6360.0" in lines and "ok   neuron-ls: 2 NeuronCores" in lines
+    assert any(line.startswith("ok   HBM:") and "of 32 GiB: fits" in line for line in lines)
+
+
+def test_a_core_list_smaller_than_tp_is_one_failure(host, capsys, monkeypatch):
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "1")
+    rc, lines = _run(capsys)
+    fails = [line for line in lines if line.startswith("FAIL")]
+    assert rc == 2 and len(fails) == 1
+    assert fails[0].startswith("FAIL cores: NEURON_RT_VISIBLE_CORES='1' names 1 NeuronCore(s) but tp=2 needs 2")
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+    assert _run(capsys)[0] == 0
+
+
+def test_too_few_cores_on_the_host(tmp_path, host, capsys, monkeypatch):
+    _fake_tools(tmp_path, monkeypatch, cores=1)
+    rc, lines = _run(capsys)
+    assert rc == 2 and [line for line in lines if line.startswith("FAIL")] == [
+        "FAIL cores: tp=2 needs 2 NeuronCores but this host has 1; fix: run on an instance with at least 2 "
+        "(inf2.8xlarge has 2) or use --tp 1"]
+
+
+def test_a_known_broken_compiler(tmp_path, host, capsys, monkeypatch):
+    _fake_tools(tmp_path, monkeypatch, compiler="2.27.5334.0+x")
+    rc, lines = _run(capsys)
+    fails = [line for line in lines if line.startswith("FAIL")]
+    assert rc == 2 and len(fails) == 1 and "NCC_ISMP902" in fails[0] and "--extra-index-url" in fails[0]
+
+
+def test_a_model_that_does_not_fit_hbm(host, capsys):
+    rc, lines = _run(capsys, "--tp", "1")  # the 12B on one core's 16 GiB
+    fails = [line for line in lines if line.startswith("FAIL")]
+    assert rc == 2 and len(fails) == 1 and fails[0].startswith("FAIL HBM:") and "DOES NOT FIT" in fails[0]
+
+
+def test_nxd_that_does_not_import_is_one_failure(host, capsys, monkeypatch):
+    if importlib.util.find_spec("transformers.utils.fx") is not None:
+        pytest.skip("this transformers has transformers.utils.fx (4.x): NxD imports without the stand-in")
+    monkeypatch.setattr(neuron_env, "_fx_stand_in", lambda: None)
+    rc, lines = _run(capsys)
+    fails = [line for line in lines if line.startswith("FAIL")]
+    assert rc == 2 and len(fails) == 1
+    assert fails[0].startswith("FAIL import neuronx_distributed: ModuleNotFoundError") and "transformers.utils.fx" in fails[0]
+
+
+def test_the_real_pypi_placeholders_each_give_one_line(tmp_path, capsys, monkeypatch):
+    """Metadata as the PyPI placeholder wheels ship it (tests/unit/placeholder_dists); no tools."""
+    site = tmp_path / "site"
+    shutil.copytree(PLACEHOLDER_DISTS, site)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
+    rc, lines = _run(capsys)
+    packages = [line for line in lines if line.startswith("FAIL packages:")]
+    assert rc == 2 and len(packages) == 4
+    for name, version in (("torch-neuronx", "1.0"), ("neuronx-distributed", "0.1"), ("neuronx-cc", "1.0.post1"),
+                          ("libneuronxla", "1.0")):
+        line = next(line for line in packages if f"packages: {name} {version} " in line)
+        assert "empty PyPI placeholder" in line and "pip uninstall -y" in line and "--extra-index-url" in line
+    assert not any(line.startswith("FAIL import") for line in lines)  # nothing to import: said once, above
+    assert any(line.startswith("FAIL neuron-ls: neuron-ls not found") for line in lines)
+
+
+def test_python_versions():
+    assert doctor.python_check((3, 11)).ok and doctor.python_check((3, 13)).ok
+    old = doctor.python_check((3, 10))
+    assert not old.ok and "3.11-3.13" in old.message and "python3.11 -m venv" in old.message
+
+
+def test_bad_options_exit_2(capsys):
+    assert main(["doctor", "--tp", "0"]) == 2
+    assert main(["doctor", "--config", "/no/such/config.json"]) == 2
