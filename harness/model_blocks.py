@@ -206,6 +206,12 @@ class FamilyRankDecoder(RankDecoder):
         """Layer `index`'s slice [b, s, per_layer_input] of the combined per-layer inputs."""
         return per_layer[:, :, index]
 
+    def set_kv_read(self, length: int | None) -> None:
+        for layer in self.layers:
+            cache = getattr(layer.self_attn, "cache", None)  # a KV-shared layer reads its source's
+            if cache is not None:
+                cache.read_len = length
+
     def reset_cache(self):
         for layer in self.layers:
             cache = getattr(layer.self_attn, "cache", None)
