@@ -251,8 +251,6 @@ def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = DEF
                 buckets=(PUBLISHED_BUCKET,), instance: str = DEFAULT_INSTANCE, chip: dict | None = None) -> dict:
     """`gemma-parity info --perf`: the instance's floors and HBM fit, nothing run or measured, beside
     the published port's prefill (docs/design.md#performance-facts: about 101 ms at bucket 64)."""
-    if math.ceil(tp / CHIP["cores"]) > INSTANCE_CHIPS[instance]:  # the family's larger variants
-        instance = next(name for name, chips in INSTANCE_CHIPS.items() if chips * CHIP["cores"] >= tp)
     out = roofline_block(spec, tp, dtype, buckets, kv_len, rates=instance_rates(instance, tp, dtype, chip))
     if not spec.is_family:  # the published figure is the 12B's
         out["published_ms"] = {f"prefill[{PUBLISHED_PREFILL_BUCKET}]": PUBLISHED_PREFILL_MS}

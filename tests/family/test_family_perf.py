@@ -25,7 +25,7 @@ def test_moe_decode_reads_top_k_experts_not_all():
 def test_floors_on_the_instance_each_variant_needs():
     """31B at TP 8 is floored on the chips of an inf2.24xlarge; the 12B's published figure is not
     shown beside the family's floors."""
-    big = info_floors(load_spec(CONFIGS / "gemma-4-31b-it.json"), 8, "bfloat16")
+    big = info_floors(load_spec(CONFIGS / "gemma-4-31b-it.json"), 8, "bfloat16", instance="inf2.24xlarge")
     assert "4 chips" in big["rates"]["name"] and "published_ms" not in big
     e2b = load_spec(CONFIGS / "gemma-4-e2b-it.json")
     costs = graph_costs(e2b, 1, "bfloat16", 64, 256)
