@@ -281,47 +281,54 @@ def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
 
 
 class _StreamedPrompt:
-    """One prompt's hidden state on its way through the streamed layers, and its captures."""
+    """One prompt's hidden state on its way through the streamed layers, and its captures. A
+    [batch, n] tensor of equal-length prompts runs as one batch (the corpus-quality pass); its
+    captures keep the batch dimension."""
 
-    def __init__(self, checkpoint, config, embedding, prompt: list[int]):
+    def __init__(self, checkpoint, config, embedding, prompt):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         spec = checkpoint.spec
-        ids = torch.tensor(prompt, dtype=torch.long)
+        ids = torch.as_tensor(prompt, dtype=torch.long)
+        self.rows = slice(None) if ids.dim() == 2 else 0  # which rows of [batch, n, ...] are captured
+        ids = ids if ids.dim() == 2 else ids[None]
         if spec.placeholder_token_ids:
             ids = torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
-        self.x = embedding(ids)[None]
-        self.captures = {"embeddings": self.x[0].float()}
-        self.positions = torch.arange(ids.numel())[None]
+        self.x = embedding(ids)
+        self.captures = {"embeddings": self.x[self.rows].float()}
+        self.positions = torch.arange(ids.shape[1])[None]
         mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, past_key_values=None,
                          position_ids=self.positions)
         self.masks = {"full_attention": create_causal_mask(**mask_args),
                       "sliding_attention": create_sliding_window_causal_mask(**mask_args)}
 
-    def through(self, layer, layer_spec, rotary) -> None:
+    def through(self, layer, layer_spec, rotary, keep: bool = True) -> None:
+        """One decoder layer; its capture points are kept only when `keep` (else only the logits)."""
         i = layer_spec.index
-        recorder = _Recorder.on_layer(layer, i, self.x)
+        recorder = _Recorder.on_layer(layer, i, self.x) if keep else None
         cos_sin = rotary(self.x, self.positions, layer_spec.type)
         self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
                        position_ids=self.positions)
-        recorder.remove()
-        self.captures.update({k: v[0].float() for k, v in recorder.captures.items()})
-        self.captures[f"layers.{i}.output"] = self.x[0].float()
+        if recorder is not None:
+            recorder.remove()
+            self.captures.update({k: v[self.rows].float() for k, v in recorder.captures.items()})
+            self.captures[f"layers.{i}.output"] = self.x[self.rows].float()
 
     def finish(self, norm, head: torch.Tensor, cap) -> dict[str, torch.Tensor]:
         x = norm(self.x)
-        self.captures["final_norm"] = x[0].float()
-        logits = (x[0] @ head.T).float()
+        self.captures["final_norm"] = x[self.rows].float()
+        logits = (x[self.rows] @ head.T).float()
         self.captures["logits"] = logits
         self.captures["capped_logits"] = _transformers_softcap(logits, cap)
         return self.captures
 
 
 def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=torch.float32,
-                                 progress: bool = False) -> list[dict[str, torch.Tensor]]:
+                                 progress: bool = False, layer_captures: bool = True) -> list[dict[str, torch.Tensor]]:
     """Prefill captures of every prompt in ONE pass over the checkpoint: each decoder layer is read
     and built once and runs every prompt's hidden state before the next layer is read. Peak memory
-    is about the embedding matrix plus one layer plus the prompts' activations."""
+    is about the embedding matrix plus one layer plus the prompts' activations (without
+    `layer_captures`, only the embeddings, final norm and logits are kept: the corpus-quality pass)."""
     from transformers import AutoConfig
 
     from harness.errors import HarnessInputError
@@ -349,7 +356,7 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
                 layer = hf.layer(config, layer_spec.index)
             layer.load_state_dict(checkpoint.layer_weights(layer_spec.index, dtype), assign=True, strict=True)
             for state in states:
-                state.through(layer, layer_spec, rotary)
+                state.through(layer, layer_spec, rotary, keep=layer_captures)
             del layer
         norm = hf.norm(spec.hidden_size, eps=spec.rms_norm_eps)
         norm.weight.data = checkpoint.final_norm_weight(dtype)

@@ -35,8 +35,10 @@ LAYERS = {
     "harness.results": 5, "harness.bisect_result": 5,
     # 6: workflows as library functions with result objects
     "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
+    "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,
     # 7: presentation and commands; nothing imports these from below
     "harness.report": 7, "harness.report_bisect": 7, "harness.report_plot": 7, "harness.report_table": 7,
+    "harness.quality_report": 7,
     "harness.cli": 8, "harness.entry": 8, "harness.__main__": 8,
 }
 TOP = ("harness.cli", "harness.entry", "harness.__main__")
