@@ -112,8 +112,8 @@ def _local(result: CheckResult, checkpoint, layer_backend, refs: tuple, run: Por
                                     lambda: local_verdicts(checkpoint, layer_backend, refs, captures, run.progress))
     result.local_verdicts, result.local_nonfinite = verdicts, nonfinite
     result.local = [LocalLayer(index=v.index, passed=v.passed, component=v.component,
-                               ratio=max(p.required_factor for p in v.local), rel_l2=v.local[-1].rel_l2,
-                               envelope_rel_l2=v.local[-1].envelope_rel_l2) for v in verdicts]
+                               ratio=max(p.required_factor for p in v.judged), rel_l2=v.judged[-1].rel_l2,
+                               envelope_rel_l2=v.judged[-1].envelope_rel_l2) for v in verdicts]
     result.seconds["local"] = round(time.perf_counter() - start, 2)
 
 
