@@ -225,7 +225,7 @@ def _prefill_points(obs: StageObservation, spec, k: int, run: PortPrompt, refs: 
     pre = run.forced.prefill
     dev = dict(pre.captures, logits=pre.logits)
     labels = [f"prompt {k} position {p}" for p in range(pre.logits.shape[0])]
-    names = ["embeddings"] + [n for layer in spec.layers for n in layer_points(layer.index)] + ["final_norm", "logits"]
+    names = ["embeddings"] + [n for layer in spec.layers for n in layer_points(layer.index, spec=spec)] + ["final_norm", "logits"]
     for name in names:
         obs.add(name, (dev[name], r32.captures[name], r16.captures[name]), labels)
     if run.kv and all(kv_points(i)[0] in r32.captures for i, c in enumerate(run.kv[0][1]) if c is not None):

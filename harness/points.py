@@ -82,9 +82,21 @@ class Point:
         return "steps" if self.kind in ("logits", "probabilities") else "decode"
 
 
-def layer_points(index: int, decode: bool = False) -> list[str]:
-    """The three residual-stream points of one layer, in run order."""
-    return [Point("layer", index, part, decode).name for part in LAYER_PARTS]
+def layer_parts(spec) -> tuple[str, ...]:
+    """The judged parts of each layer of `spec`, in run order: the 12B's three (attention residual,
+    MLP residual, scaled output), with the router's logits and its chosen experts' weights before
+    the MLP residual on MoE models, and the gated per-layer input before the output with PLE."""
+    if spec is None:
+        return LAYER_PARTS
+    router = ("router_logits", "expert_weights") if getattr(spec, "moe", None) is not None else ()
+    ple = ("per_layer_input",) if getattr(spec, "per_layer_input_size", None) else ()
+    return ("attn_residual",) + router + ("mlp_residual",) + ple + ("output",)
+
+
+def layer_points(index: int, decode: bool = False, spec=None) -> list[str]:
+    """The judged points of one layer, in run order: the three residual-stream points, plus the
+    family's own points when `spec` is given (a 12B spec gives the same three)."""
+    return [Point("layer", index, part, decode).name for part in layer_parts(spec)]
 
 
 def kv_points(index: int, decode: bool = False) -> list[str]:
@@ -93,17 +105,20 @@ def kv_points(index: int, decode: bool = False) -> list[str]:
 
 def prefill_order(spec) -> list[str]:
     """The prefill residual-stream points in run order (no cache, no logits)."""
-    return ["embeddings"] + [n for layer in spec.layers for n in layer_points(layer.index)] + ["final_norm"]
+    return ["embeddings"] + [n for layer in spec.layers for n in layer_points(layer.index, spec=spec)] + ["final_norm"]
 
 
 def first_component(points) -> str | None:
     """The component a layer's failing points name (objects with .name and .passed): attention when
-    any attention point fails, else mlp; None when all pass or no attention point was read out (a
-    truncate read-out of the output alone cannot tell)."""
+    any attention point fails, else the part of the first failing point in run order (mlp, or the
+    family's moe router / per-layer input); None when all pass or no attention point was read out
+    (a truncate read-out of the output alone cannot tell)."""
     parsed = [(Point.parse(p.name), p.passed) for p in points]
     if all(ok for _, ok in parsed) or not any(pt.component == "attention" for pt, _ in parsed):
         return None
-    return "attention" if not all(ok for pt, ok in parsed if pt.component == "attention") else "mlp"
+    if not all(ok for pt, ok in parsed if pt.component == "attention"):
+        return "attention"
+    return next(pt.component for pt, ok in parsed if not ok)
 
 
 def locate(row: int, lengths: list[int]) -> tuple[int, int]:

@@ -115,35 +115,7 @@ def family_fields(tc, layers: list, source: str) -> tuple[list, dict]:
     return layers, extra
 
 
-def layer_points_for(spec, index: int, routing: bool = True) -> list[str]:
-    """Capture points of layer `index` in execution order: the 12B's three (attention residual, MLP
-    residual, scaled output), with the router's logits and (with `routing`) its chosen experts'
-    weights on MoE layers, before the MLP residual, and the gated per-layer input before the output.
-    The chosen experts are judged in the fp32 stage only: in bf16 a near-tied router choice flips
-    legitimately, as a near-tied token does, and the MLP residual carries the envelope there."""
-    prefix = f"layers.{index}."
-    names = [prefix + "attn_residual"]
-    if spec.moe is not None:
-        names += [prefix + "router_logits"] + ([prefix + "expert_weights"] if routing else [])
-    names.append(prefix + "mlp_residual")
-    if spec.per_layer_input_size:
-        names.append(prefix + "per_layer_input")
-    return names + [prefix + "output"]
-
-
 def runs_alone(spec, index: int) -> bool:
     """Whether one layer can be run alone on a captured input: not with a per-layer input (it
     depends on the token ids) nor a KV-shared layer (it reads another layer's cache)."""
     return not spec.per_layer_input_size and spec.layers[index].kv_source is None
-
-
-# The part of a layer each capture point belongs to: what check and bisect name when it fails first.
-POINT_PARTS = {"attn_residual": "attention", "k": "attention", "v": "attention", "router_logits": "moe router",
-               "expert_weights": "moe router", "mlp_residual": "mlp", "per_layer_input": "per-layer input",
-               "output": "mlp"}
-
-
-def part_of_point(name: str) -> str:
-    """'layers.3.router_logits' -> 'moe router'; kv.{i}.k/v -> attention; mlp for the MLP residual
-    and the scaled output (a wrong output with right residuals is the MLP half's scalar)."""
-    return POINT_PARTS.get(name.removeprefix("decode.").split(".")[-1], "mlp")
