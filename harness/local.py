@@ -182,7 +182,7 @@ class ReferenceLayers:
             found["mlp"] = found["attn"] + out
 
         hooks = [layer.post_attention_layernorm.register_forward_hook(attn_hook),
-                 layer.post_feedforward_layernorm.register_forward_hook(mlp_hook)]
+                 layer.post_feedforward_layernorm.register_forward_hook(mlp_hook)] + _router_hooks(layer, found)
         try:
             with torch.no_grad():
                 out = layer(x, position_embeddings=self.rotary(x, positions, layer_type), attention_mask=mask,
@@ -190,8 +190,27 @@ class ReferenceLayers:
         finally:
             for h in hooks:
                 h.remove()
+        routed = {prefix + k: found[k] for k in ("router_logits", "expert_weights") if k in found}
         return {prefix + "attn_residual": found["attn"][0].float(), prefix + "mlp_residual": found["mlp"][0].float(),
-                prefix + "output": out[0].float()}
+                prefix + "output": out[0].float(), **routed}
+
+
+def _router_hooks(layer, found: dict) -> list:
+    """An MoE layer's router logits and chosen experts' weights (dense over the experts, as the port
+    captures them; layer_points judges them), stored in `found`; none on other layers."""
+    router = getattr(layer, "router", None)
+    if router is None:
+        return []
+
+    def logits_hook(module, args, out):
+        found["router_logits"] = out.reshape(-1, out.shape[-1]).float()
+
+    def weights_hook(module, args, out):
+        probs, weights, chosen = out
+        found["expert_weights"] = torch.zeros(probs.shape, dtype=torch.float32).scatter(
+            -1, chosen, weights.float()).reshape(-1, probs.shape[-1])
+
+    return [router.proj.register_forward_hook(logits_hook), router.register_forward_hook(weights_hook)]
 
 
 def judge_layer_alone(spec, index: int, runs: tuple, cumulative: LayerResult, device_out: torch.Tensor) -> LayerVerdict:
