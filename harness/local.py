@@ -221,7 +221,7 @@ def judge_layer_alone(spec, index: int, runs: tuple, cumulative: LayerResult, de
     runs = (port, golden, transformers fp32, transformers bf16) captures per prompt."""
     port, golden, ref32, ref16 = runs
     local, against_checkpoint = [], []
-    for name in layer_points(index, spec=spec):
+    for name in layer_points(index, spec=spec, routing=False):  # local runs judge as bf16 does
         dev, gold = stack_prompts(port, name), stack_prompts(golden, name)
         r32, r16 = stack_prompts(ref32, name), stack_prompts(ref16, name)
         local.append(compare_point(name, dev, gold, _shifted_envelope(gold, r32, r16)))
@@ -302,7 +302,7 @@ def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative:
     r16 = [reference.captures(ref_layers[torch.bfloat16], i, x, torch.bfloat16) for x in inputs]
     verdict = judge_layer_alone(spec, i, (port, golden_caps, r32, r16), cumulative[i], captures[f"layers.{i}.output"])
     lengths = [caps["embeddings"].shape[0] for caps in golden_caps]
-    return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i, spec=spec)}, lengths)
+    return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i, spec=spec, routing=False)}, lengths)
 
 
 def local_verdicts(checkpoint, layer_backend, refs: tuple, captures: dict[str, torch.Tensor],

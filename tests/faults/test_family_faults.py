@@ -32,17 +32,18 @@ def test_family_fault_is_caught_where_it_is(monkeypatch, fault):
     assert not result.passed, fault.name
     missed = set(unmet(fault.expect, caught))
     if fault.checkpoint == TINY_MOE:  # the fp32 stage names it; the bf16 stage is not asserted
-        missed -= {"first point", "stages"}
+        missed -= {"first point", "stages", "component"}
+        assert result.fp32.divergent() == (fault.expect.first_layer, fault.expect.component), fault.name
     assert not missed, f"{fault.name}: misses {missed}; {caught}"
 
 
 def test_family_catalog_covers_every_new_part():
     parts = {f.expect.component for f in FAMILY_CATALOG}
-    assert {"attention", "mlp"} <= parts
+    assert {"attention", "mlp", "per-layer input", "moe router"} <= parts
     assert len({f.name for f in FAMILY_CATALOG}) == len(FAMILY_CATALOG) == 9
 
 
-BISECTED = {"ple-wrong-layer-slice": (0, "mlp"), "kv-shared-source-off-by-one": (8, "attention"),
+BISECTED = {"ple-wrong-layer-slice": (0, "per-layer input"), "kv-shared-source-off-by-one": (8, "attention"),
             "moe-sum-without-norms": (0, "mlp")}
 
 
