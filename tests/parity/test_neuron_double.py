@@ -372,9 +372,9 @@ def test_row_parallel_reduce_dtype_is_a_build_option(nxd, tiny0_ckpt, tmp_path):
     fp32 = _build(tiny0_ckpt, tmp_path)
     bf16 = _build(tiny0_ckpt, tmp_path, reduce_dtype=torch.bfloat16)
     assert fp32.cache_key != bf16.cache_key
-    o_proj = bf16.nxd_model.module.layers[0].self_attn.o_proj
-    assert o_proj.reduce_dtype == torch.bfloat16 and fp32.nxd_model.module.layers[0].self_attn.o_proj.reduce_dtype \
-        == torch.float32
+    o_proj = bf16.nxd_model.traced_modules["decode_kv16"].layers[0].self_attn.o_proj
+    assert o_proj.reduce_dtype == torch.bfloat16 and \
+        fp32.nxd_model.traced_modules["decode_kv16"].layers[0].self_attn.o_proj.reduce_dtype == torch.float32
 
 
 def test_a_core_list_smaller_than_tp_is_refused_before_any_build(nxd, tiny0_ckpt, tmp_path, monkeypatch, capsys):

@@ -65,7 +65,7 @@ class NxDModel(torch.nn.Module):
         self.graphs: dict = {}
         self.input_shape_map: dict[str, list[str]] = {}
         self.model_params: list = []
-        self.modules: dict = {}  # tag -> the module as traced (meta)
+        self.traced_modules: dict = {}  # tag -> the module as traced (meta)
         self.weights: list[dict] = [{} for _ in range(world_size)]
         self.states: list[dict] = [{} for _ in range(world_size)]
         self.loaded_on_neuron = False
@@ -78,7 +78,7 @@ class NxDModel(torch.nn.Module):
                                  "models added prior.")
         self.model_params = trace_artifacts.model_params
         self.graphs[key] = trace_artifacts
-        self.modules[key] = module
+        self.traced_modules[key] = module
         self.input_shape_map.setdefault(trace_artifacts.route_key(), []).append(key)
         return self
 
@@ -133,7 +133,7 @@ class NxDModel(torch.nn.Module):
         states = self._state_specs()
         self.states = [{k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in states.items()}
                        for _ in range(self.world_size)]
-        self._ranks = [{tag: self._rank_module(rank, module) for tag, module in self.modules.items()}
+        self._ranks = [{tag: self._rank_module(rank, module) for tag, module in self.traced_modules.items()}
                        for rank in range(self.world_size)]
         self.loaded_on_neuron = True
 
