@@ -26,6 +26,12 @@ ROW_NORM_SPREAD = 0.5
 POST_NORM_LOW, POST_NORM_SPAN = 2.0, 3.0
 TINY_BUILDER_VERSION = 3
 TINY_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-tiny.json"
+# Tiny transformers-built checkpoints of the family's variants (fixtures/configs/tiny/).
+TINY_FAMILY = {name: FIXTURES_DIR / "configs" / "tiny" / f"gemma-4-tiny-{name}.json"
+               for name in ("31b", "e2b", "e4b", "26b-a4b")}
+TINY_CLASSES = {"gemma4_unified": ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration"),
+                "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
+                "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM")}
 SINGLE_FILE = "model.safetensors"  # what transformers loads first, when it exists
 INDEX_FILE = "model.safetensors.index.json"  # otherwise this index and the shards it lists
 # Weights the port and the reference cast to the run's dtype: integer or boolean tensors are not
@@ -35,7 +41,7 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 def expected_layer_shapes(spec: ModelSpec, layer: LayerSpec) -> dict[str, tuple[int, ...]]:
     """Names (relative to the layer) and shapes of one decoder layer's tensors."""
-    h, d, i = spec.hidden_size, layer.head_dim, spec.intermediate_size
+    h, d, i = spec.hidden_size, layer.head_dim, spec.mlp_size(layer)
     shapes = {
         "self_attn.q_proj.weight": (layer.q_heads * d, h),
         "self_attn.k_proj.weight": (layer.kv_heads * d, h),
@@ -53,7 +59,41 @@ def expected_layer_shapes(spec: ModelSpec, layer: LayerSpec) -> dict[str, tuple[
     }
     if not layer.k_eq_v:
         shapes["self_attn.v_proj.weight"] = (layer.kv_heads * d, h)
+    if layer.kv_source is not None:  # a KV-shared layer reads another layer's cache: no k/v of its own
+        for name in ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight"):
+            shapes.pop(name, None)
+    shapes.update(family_layer_shapes(spec))
     return shapes
+
+
+def family_layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """The per-layer input's gate (E2B/E4B) and the MoE block (26B-A4B), as modeling_gemma4 names them."""
+    h, p, shapes = spec.hidden_size, spec.per_layer_input_size, {}
+    if p:
+        shapes.update({"per_layer_input_gate.weight": (p, h), "per_layer_projection.weight": (h, p),
+                       "post_per_layer_input_norm.weight": (h,)})
+    if spec.moe is not None:
+        e, mi = spec.moe.num_experts, spec.moe.intermediate_size
+        shapes.update({"router.proj.weight": (e, h), "router.scale": (h,), "router.per_expert_scale": (e,),
+                       "experts.gate_up_proj": (e, 2 * mi, h), "experts.down_proj": (e, h, mi),
+                       "post_feedforward_layernorm_1.weight": (h,), "post_feedforward_layernorm_2.weight": (h,),
+                       "pre_feedforward_layernorm_2.weight": (h,)})
+    return shapes
+
+
+def model_level_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Decoder tensors outside the layers (names relative to the decoder prefix)."""
+    h, p = spec.hidden_size, spec.per_layer_input_size
+    shapes = {"embed_tokens.weight": (spec.vocab_size, h), "norm.weight": (h,)}
+    if p:
+        shapes.update({"embed_tokens_per_layer.weight": (spec.per_layer_vocab_size, spec.num_layers * p),
+                       "per_layer_model_projection.weight": (spec.num_layers * p, h),
+                       "per_layer_projection_norm.weight": (p,)})
+    return shapes
+
+
+# Model-level tensors the device holds (replicated on every rank); the per-layer table stays on the host.
+DEVICE_MODEL_LEVEL = ("per_layer_model_projection.weight", "per_layer_projection_norm.weight")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -111,8 +151,7 @@ class Checkpoint:
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         spec = self.spec
-        shapes = {f"{self.prefix}embed_tokens.weight": (spec.vocab_size, spec.hidden_size),
-                  f"{self.prefix}norm.weight": (spec.hidden_size,)}
+        shapes = {f"{self.prefix}{name}": shape for name, shape in model_level_shapes(spec).items()}
         for layer in spec.layers:
             for name, shape in expected_layer_shapes(spec, layer).items():
                 shapes[self.layer_key(layer.index, name)] = shape
@@ -195,6 +234,18 @@ class Checkpoint:
 
     def final_norm_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.get(f"{self.prefix}norm.weight", dtype)
+
+    def per_layer_table(self, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """The packed per-layer embedding table [per_layer_vocab, layers * per_layer_input] (host-side)."""
+        if not self.spec.per_layer_input_size:
+            return None
+        return self.get(f"{self.prefix}embed_tokens_per_layer.weight", dtype)
+
+    def device_model_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Model-level tensors outside the layers that the device holds (the PLE projection and norm)."""
+        if not self.spec.per_layer_input_size:
+            return {}
+        return {name: self.get(f"{self.prefix}{name}", dtype) for name in DEVICE_MODEL_LEVEL}
 
     def check_finite(self) -> None:
         """Read every tensor the port uses once, one at a time: NaN or Inf is a NumericsError naming
@@ -418,13 +469,14 @@ def cache_dir() -> Path:
 
 def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, config_path: str | Path = TINY_CONFIG,
                           logit_scale: float = 1.0, overwrite: bool = False) -> Path:
-    """Write a random Gemma-4 unified checkpoint through transformers' own class and save_pretrained.
+    """Write a random Gemma-4 checkpoint through transformers' own class and save_pretrained (the
+    unified class for gemma4_unified configs, Gemma4ForConditionalGeneration for gemma4 ones).
 
     Deterministic from `seed`. Weights are sized so greedy logits have clear top-1 margins
     (embedding rows of unit scale; projections at 1/sqrt(fan_in)), and norm weights and
     layer_scalar are drawn away from 1.0 so that `1 + weight` or a dropped scalar shows.
     """
-    from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
+    import transformers
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
@@ -434,7 +486,8 @@ def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, config_path: str |
     config.pop("architectures", None)
     config.pop("transformers_version", None)
     torch.manual_seed(seed)  # parts randomize_for_margins leaves alone (inert embedders) too
-    model = Gemma4UnifiedForConditionalGeneration(Gemma4UnifiedConfig(**config))
+    config_cls, model_cls = TINY_CLASSES[config.get("model_type", "gemma4_unified")]
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
     randomize_for_margins(model, seed, logit_scale)
     _save_atomically(model, out_dir, overwrite)
     return out_dir
@@ -470,8 +523,14 @@ def randomize_for_margins(model, seed: int, logit_scale: float = 1.0) -> None:
                 p.copy_(POST_NORM_LOW + POST_NORM_SPAN * torch.rand(p.shape, generator=gen))
             elif name.endswith("norm.weight"):
                 p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=gen))
-            elif p.dim() == 2 and p.is_floating_point():
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            elif name.endswith("embed_tokens_per_layer.weight"):
+                # The packed per-layer table at a scale where its share of each layer's input shows.
+                p.copy_(0.25 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(("router.scale", "router.per_expert_scale")):
+                # Away from 1.0, so that a dropped scale is a visible error.
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+            elif p.dim() in (2, 3) and p.is_floating_point():  # 3: the stacked experts [E, out, in]
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
 
 
 def _save_atomically(model, out_dir: Path, overwrite: bool) -> None:
@@ -493,16 +552,17 @@ def _save_atomically(model, out_dir: Path, overwrite: bool) -> None:
             raise
 
 
-def tiny_checkpoint_path(seed: int = 0) -> Path:
-    """Where the cached tiny checkpoint for `seed` lives (built or not)."""
+def tiny_checkpoint_path(seed: int = 0, config_path: Path = TINY_CONFIG) -> Path:
+    """Where the cached tiny checkpoint for `seed` (and config) lives (built or not)."""
     # The builder's version is part of the key: a change in how weights are drawn must not reuse
     # a checkpoint cached by an older build.
     if not TINY_CONFIG.is_file():
         raise InputFileError(f"{TINY_CONFIG}: the tiny model's config is not installed ({not_a_file(TINY_CONFIG)}): "
                              "this gemma-parity was installed without its fixtures; reinstall it from the "
                              "repository (pip install .) or run it from a checkout")
-    digest = hashlib.sha256(TINY_CONFIG.read_bytes() + f"builder-{TINY_BUILDER_VERSION}".encode()).hexdigest()[:10]
-    return cache_dir() / f"tiny-{digest}-seed{seed}"
+    digest = hashlib.sha256(config_path.read_bytes() + f"builder-{TINY_BUILDER_VERSION}".encode()).hexdigest()[:10]
+    stem = "tiny" if config_path == TINY_CONFIG else config_path.stem
+    return cache_dir() / f"{stem}-{digest}-seed{seed}"
 
 
 def _cache_problem(exc: OSError, where: Path) -> OutputError:
@@ -510,13 +570,14 @@ def _cache_problem(exc: OSError, where: Path) -> OutputError:
                        "; or point GEMMA_PARITY_CACHE at a writable directory")
 
 
-def tiny_checkpoint(seed: int = 0) -> Path:
-    """The cached tiny 12B-shaped checkpoint for `seed`, built on first use.
+def tiny_checkpoint(seed: int = 0, config_path: Path = TINY_CONFIG) -> Path:
+    """The cached tiny checkpoint for `seed` (12B-shaped unless another tiny config is given),
+    built on first use.
 
     Safe under concurrent first use (pytest-xdist workers, parallel CI jobs): builders take an
     exclusive lock on a file beside the cache entry, and whoever comes second finds the entry
     complete and uses it. The entry appears by one rename, so `config.json` means complete."""
-    path = tiny_checkpoint_path(seed)
+    path = tiny_checkpoint_path(seed, config_path)
     if (path / "config.json").is_file():
         return path
     cache = path.parent
@@ -535,5 +596,5 @@ def tiny_checkpoint(seed: int = 0) -> Path:
             if path.exists():
                 raise CheckpointError(f"{path}: an incomplete tiny-model cache entry (no config.json); "
                                       "delete it and run again")
-            build_tiny_checkpoint(path, seed=seed)
+            build_tiny_checkpoint(path, seed=seed, config_path=config_path)
     return path

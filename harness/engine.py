@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from harness.errors import HarnessInputError, PromptError
+from harness.model_blocks import per_layer_rows
 from harness.numerics import embed_scale, softcap
 from harness.settings import RunSettings
 from harness.sharding import merge_rank_caches, ring_windows
@@ -82,7 +83,8 @@ class DecodeResult:
 class Engine:
     """Drives a backend: host embeddings, bucketed prefill, decode with the device KV cache."""
 
-    def __init__(self, spec, backend, embed_weight: torch.Tensor, settings: RunSettings = RunSettings()):
+    def __init__(self, spec, backend, embed_weight: torch.Tensor, settings: RunSettings = RunSettings(),
+                 per_layer_table: torch.Tensor | None = None):
         """`backend` built from `settings` (harness.backends.build_engine builds both)."""
         if max(settings.buckets) > settings.kv_len:
             raise PromptError(f"bucket {max(settings.buckets)} exceeds the KV length {settings.kv_len}; "
@@ -92,6 +94,10 @@ class Engine:
         self.embed_weight = embed_weight
         self.scale = embed_scale(spec.hidden_size, embed_weight.dtype)
         self.placeholders = torch.tensor(spec.placeholder_token_ids or [-1])
+        # E2B/E4B: the packed per-layer table, host-side like the word embeddings (vocabulary-sized)
+        self.per_layer_table = per_layer_table
+        if spec.per_layer_input_size and per_layer_table is None:
+            raise ValueError("this model has per-layer input embeddings: pass per_layer_table")
 
     # -- host embeddings ---------------------------------------------------------------------
     def validate_ids(self, ids) -> torch.Tensor:
@@ -110,7 +116,13 @@ class Engine:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[n] ids -> [1, n, hidden]; multimodal placeholder ids become pad, as the wrapper does."""
         ids = torch.where(torch.isin(ids, self.placeholders), self.spec.pad_token_id, ids)
-        return (self.embed_weight[ids] * self.scale)[None]
+        embeds = (self.embed_weight[ids] * self.scale)[None]
+        if self.per_layer_table is None:
+            return embeds
+        # Each token's row of the per-layer table, scaled by sqrt(per_layer_input) in the table's
+        # dtype (transformers' scaled embedding), appended: the device's input is [1, n, hidden + L*P].
+        rows = per_layer_rows(self.per_layer_table, ids, self.spec.per_layer_input_size)
+        return torch.cat([embeds, rows.to(embeds.dtype)[None]], dim=-1)
 
     # -- device steps ----------------------------------------------------------------------------
     def prefill(self, ids, capture: bool = False) -> PrefillResult:

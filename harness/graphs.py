@@ -16,6 +16,7 @@ from torch import nn
 
 from harness.errors import HarnessInputError
 from harness.model import KVCache, RankDecoder, RankLinears
+from harness.model_blocks import FamilyRankDecoder
 
 # Positions enter the graph as int32, as NxD's own examples feed indices (int64 is emulated on
 # Neuron); TracedDecoder widens them to int64 inside the graph, where index_copy needs them.
@@ -67,6 +68,21 @@ class TracedDecoder(RankDecoder):
             return super().forward(inputs_embeds, positions)
         hidden = self.final_hidden(inputs_embeds, positions)
         return self.lm_head(hidden.index_select(1, last_index.to(torch.long).reshape(1)))
+
+
+class TracedFamilyDecoder(TracedDecoder, FamilyRankDecoder):
+    """TracedDecoder over the gemma4 family's per-rank decoder (model_blocks)."""
+
+
+def traced_class(spec) -> type:
+    """The traced module class for a spec: the 12B's decoder or the family's."""
+    return TracedFamilyDecoder if spec.is_family else TracedDecoder
+
+
+def input_width(spec) -> int:
+    """The width of the device's one input: the hidden size, plus each layer's per-layer row where
+    the model has per-layer inputs (model_blocks: the host appends them)."""
+    return spec.hidden_size + spec.num_layers * spec.per_layer_input_size
 
 
 def kv_buffer_names(module: nn.Module) -> list[str]:
@@ -174,7 +190,7 @@ def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, posi
     if capture and not parity_build:
         raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                 "backend with capture=True for a parity build to capture activations")
-    hidden = spec.hidden_size
+    hidden = input_width(spec)
     if inputs_embeds.dim() != 3 or inputs_embeds.shape[0] != 1 or inputs_embeds.shape[2] != hidden:
         raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [1, s, {hidden}]")
     length = inputs_embeds.shape[1]

@@ -16,6 +16,7 @@ import torch
 
 from harness import engine as port_engine
 from harness.compare import ENVELOPE_FACTOR, LayerResult, PointResult, compare_layers, compare_point, rel_l2, stack_prompts
+from harness.spec_family import runs_alone
 from harness.points import Point, first_component, layer_points, locate, prefill_order
 from harness.progress import status
 
@@ -141,21 +142,24 @@ class ReferenceLayers:
 
     def __init__(self, checkpoint):
         from transformers import AutoConfig
-        from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
 
-        self.hf, self.checkpoint, self.spec = hf, checkpoint, checkpoint.spec
+        from harness.reference import hf_decoder_parts
+
+        # modeling_gemma4's classes for the family, the unified 12B's otherwise
+        self.hf, self.checkpoint, self.spec = hf_decoder_parts(checkpoint.spec), checkpoint, checkpoint.spec
         self.config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
         self.config._attn_implementation = "eager"  # as the port and the reference run
-        self.rotary = hf.Gemma4UnifiedTextRotaryEmbedding(self.config)
+        self.config._experts_implementation = "eager"
+        self.rotary = self.hf.rotary(self.config)
 
     def layer(self, index: int, dtype: torch.dtype):
         with torch.device("meta"):
-            layer = self.hf.Gemma4UnifiedTextDecoderLayer(self.config, index)
+            layer = self.hf.layer(self.config, index)
         layer.load_state_dict(self.checkpoint.layer_weights(index, dtype), assign=True, strict=True)
         return layer.eval()
 
     def final_norm(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        norm = self.hf.Gemma4UnifiedRMSNorm(self.spec.hidden_size, eps=self.spec.rms_norm_eps)
+        norm = self.hf.norm(self.spec.hidden_size, eps=self.spec.rms_norm_eps)
         norm.weight.data = self.checkpoint.final_norm_weight(dtype)
         with torch.no_grad():
             return norm(x.to(dtype)).float()
@@ -298,6 +302,9 @@ def local_verdicts(checkpoint, layer_backend, refs: tuple, captures: dict[str, t
     verdicts, local_nonfinite = [], None
     with status("local", progress, total=spec.num_layers) as say, intra_op_threads_for(spec):
         for layer_spec in spec.layers:
+            if not runs_alone(spec, layer_spec.index):  # per-layer input or shared KV: cumulative only
+                verdicts.append(LayerVerdict(layer_spec.index, layer_spec.type, cumulative[layer_spec.index].points))
+                continue
             say(f"layer {layer_spec.index} of 0..{spec.num_layers - 1} ({layer_spec.type}) alone on the "
                 "reference's input")
             verdict, nonfinite = local_layer(layer_spec, golden_caps, runners, cumulative, captures)

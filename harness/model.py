@@ -263,9 +263,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: int, linears: RankLinears):
+    def __init__(self, spec: ModelSpec, tp: int, linears: RankLinears, width: int | None = None):
         super().__init__()
-        inter = spec.intermediate_size // tp
+        inter = (width or spec.intermediate_size) // tp  # E2B's shared layers are double-wide
         self.gate_proj = linears.column(spec.hidden_size, inter)
         self.up_proj = linears.column(spec.hidden_size, inter)
         self.down_proj = linears.row(inter, spec.hidden_size)
@@ -279,13 +279,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, h = spec.rms_norm_eps, spec.hidden_size
         self.is_sliding = layer.is_sliding
-        self.self_attn = Attention(spec, layer, plan, linears, max_len, dtype)
-        self.mlp = MLP(spec, plan.tp, linears)
+        self.self_attn = self.make_attention(spec, layer, plan, linears, max_len, dtype)
+        self.mlp = MLP(spec, plan.tp, linears, spec.mlp_size(layer))
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
+
+    def make_attention(self, spec, layer: LayerSpec, plan: LayerPlan, linears, max_len, dtype) -> nn.Module:
+        """The layer's attention (model_blocks' family layer overrides it for KV-shared layers)."""
+        return Attention(spec, layer, plan, linears, max_len, dtype)
 
     def forward(self, x, cos, sin, positions, mask, captures=None, prefix=""):
         h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, positions, mask))
@@ -303,6 +307,8 @@ class RankDecoder(nn.Module):
     capture=True also a dict of the reference's capture points (full hidden on every rank).
     """
 
+    layer_class = DecoderLayer  # model_blocks.FamilyRankDecoder runs the gemma4 family's layers
+
     def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = DEFAULT_KV_LEN, dtype=torch.bfloat16,
                  linears: RankLinears | None = None, sliding_cache: str = "linear"):
         super().__init__()
@@ -311,10 +317,11 @@ class RankDecoder(nn.Module):
         self.spec, self.tp, self.max_len, self.dtype = spec, tp, max_len, dtype
         self.sliding_cache = sliding_cache
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, layer, plan, linears, max_len, dtype) for layer, plan in zip(spec.layers, plans)
+            self.layer_class(spec, layer, plan, linears, max_len, dtype) for layer, plan in zip(spec.layers, plans)
         )
         for layer, plan, block in zip(spec.layers, plans, self.layers):
-            block.self_attn.cache = make_cache(sliding_cache, layer, plan.kv_heads_per_rank, max_len, dtype)
+            if layer.kv_source is None:  # a KV-shared layer (model_blocks) reads its source's cache
+                block.self_attn.cache = make_cache(sliding_cache, layer, plan.kv_heads_per_rank, max_len, dtype)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = linears.vocab(spec.hidden_size, spec.vocab_size // tp)
         self.to(dtype)

@@ -210,6 +210,11 @@ def observe_stage(stage: str, engine, spec, refs: tuple, progress: bool = False)
     return obs
 
 
+def own_caches(cache: list) -> list:
+    """(layer, (k, v)) of the layers that hold a cache (None: a KV-shared layer)."""
+    return [(i, c) for i, c in enumerate(cache) if c is not None]
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """A cache read [kv_heads, positions, head_dim] as the reference stores it: [positions, kv_heads * head_dim]."""
     return t.transpose(0, 1).reshape(t.shape[1], -1)
@@ -223,9 +228,9 @@ def _prefill_points(obs: StageObservation, spec, k: int, run: PortPrompt, refs: 
     names = ["embeddings"] + [n for layer in spec.layers for n in layer_points(layer.index)] + ["final_norm", "logits"]
     for name in names:
         obs.add(name, (dev[name], r32.captures[name], r16.captures[name]), labels)
-    if run.kv and all(kv_points(i)[0] in r32.captures for i in range(spec.num_layers)):
+    if run.kv and all(kv_points(i)[0] in r32.captures for i, c in enumerate(run.kv[0][1]) if c is not None):
         written, cache = run.kv[0]
-        for i, pair in enumerate(cache):
+        for i, pair in own_caches(cache):  # a KV-shared layer (model_blocks) holds none
             held = written - pair[0].shape[1]  # a ring layer holds only its last window positions
             for name, t in zip(kv_points(i), pair):
                 obs.add(name, (_rows(t), r32.captures[name][held:written], r16.captures[name][held:written]),
@@ -249,7 +254,7 @@ def _decode_points(obs: StageObservation, spec, k: int, run: PortPrompt, refs: t
             # written slot (a step that overwrote a prefill slot shows there)
             start = 0 if s == len(run.kv) - 1 else n
             labels = [f"prompt {k} position {p} after decode step {s}" for p in range(start, written)]
-            for i, pair in enumerate(cache):
+            for i, pair in own_caches(cache):  # a KV-shared layer (model_blocks) holds none
                 first = written - pair[0].shape[1]  # a ring layer holds only its last window positions
                 held = max(start, first)
                 for side, t in zip(KV_PARTS, pair):

@@ -19,6 +19,7 @@ finished result (`extra_checks`, e.g. a served build) run last, each adding its 
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -111,8 +112,8 @@ def _local(result: CheckResult, checkpoint, layer_backend, refs: tuple, run: Por
                                     lambda: local_verdicts(checkpoint, layer_backend, refs, captures, run.progress))
     result.local_verdicts, result.local_nonfinite = verdicts, nonfinite
     result.local = [LocalLayer(index=v.index, passed=v.passed, component=v.component,
-                               ratio=max(p.required_factor for p in v.local), rel_l2=v.local[-1].rel_l2,
-                               envelope_rel_l2=v.local[-1].envelope_rel_l2) for v in verdicts]
+                               ratio=max(p.required_factor for p in v.judged), rel_l2=v.judged[-1].rel_l2,
+                               envelope_rel_l2=v.judged[-1].envelope_rel_l2) for v in verdicts]
     result.seconds["local"] = round(time.perf_counter() - start, 2)
 
 
@@ -173,7 +174,13 @@ def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=N
     ref32, ref16 = load_references(source, checkpoint, new_tokens, progress)
     referenced = time.perf_counter()
     result = check_port(checkpoint, engine, ref32, ref16, progress=progress,
-                        fp32_engine="auto" if fp32_stage else None, extra_checks=extra_checks)
+                        fp32_engine="auto" if fp32_stage else None)
+    # The extra stages (the served build) build their own engine: release the parity build first,
+    # so a device never holds two builds of the model at once (two 12B builds overflow 32 GiB HBM).
+    del engine
+    gc.collect()
+    for extra in extra_checks:
+        extra(result, checkpoint)
     result.run_seconds = {"build": round(built - start, 2), "reference": round(referenced - built, 2),
                           "total": round(time.perf_counter() - start, 2)}
     return result

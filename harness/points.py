@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LAYER_PARTS = ("attn_residual", "mlp_residual", "output")
+# The Gemma-4 family's extra layer points (harness/model_blocks.py; captured, parsed, named by part).
+FAMILY_PARTS = {"router_logits": "moe router", "expert_weights": "moe router", "per_layer_input": "per-layer input"}
 KV_PARTS = ("k", "v")
 # Points that are not per layer; logits and probabilities of decode are "decode_<kind>".
 EDGE_KINDS = ("embeddings", "final_norm", "logits", "probabilities")
@@ -46,7 +48,7 @@ class Point:
         parts = base.split(".")
         if parts[0] in ("layers", "kv") and len(parts) == 3:
             kind = "layer" if parts[0] == "layers" else "kv"
-            if parts[2] not in (LAYER_PARTS if kind == "layer" else KV_PARTS):
+            if parts[2] not in (LAYER_PARTS + tuple(FAMILY_PARTS) if kind == "layer" else KV_PARTS):
                 raise ValueError(f"unknown capture point {name!r}")
             return cls(kind, int(parts[1]), parts[2], decode)
         if base in EDGE_KINDS:
@@ -64,6 +66,8 @@ class Point:
         output are "mlp" (when the attention residual of the same layer was fine)."""
         if self.kind == "kv" or self.part == "attn_residual":
             return "attention"
+        if self.part in FAMILY_PARTS:
+            return FAMILY_PARTS[self.part]
         return "mlp" if self.kind == "layer" else None
 
     @property

@@ -38,15 +38,41 @@ class ReferenceResult:
 
 def load_reference_model(checkpoint_dir, dtype=torch.float32):
     """transformers' own class for the checkpoint, eager attention (as the port runs)."""
-    from transformers import AutoConfig, Gemma4UnifiedForCausalLM, Gemma4UnifiedForConditionalGeneration
+    import transformers
+    from transformers import AutoConfig
 
     from harness.progress import third_party_bars
 
     third_party_bars()
     config = AutoConfig.from_pretrained(checkpoint_dir)
-    cls = Gemma4UnifiedForConditionalGeneration if config.model_type == "gemma4_unified" else Gemma4UnifiedForCausalLM
-    model = cls.from_pretrained(checkpoint_dir, dtype=torch_dtype(dtype), attn_implementation="eager")
+    name, kwargs = REFERENCE_CLASSES.get(config.model_type, REFERENCE_CLASSES["gemma4_unified_text"]), {}
+    if config.model_type in ("gemma4", "gemma4_text"):
+        kwargs["experts_implementation"] = "eager"  # the plain per-expert loop, not a fused kernel
+    model = getattr(transformers, name).from_pretrained(checkpoint_dir, dtype=torch_dtype(dtype),
+                                                        attn_implementation="eager", **kwargs)
     return model.eval()
+
+
+# transformers' own class for each model type: the unified 12B's, or modeling_gemma4's family.
+REFERENCE_CLASSES = {"gemma4_unified": "Gemma4UnifiedForConditionalGeneration",
+                     "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
+                     "gemma4": "Gemma4ForConditionalGeneration", "gemma4_text": "Gemma4ForCausalLM"}
+
+
+def hf_decoder_parts(spec):
+    """transformers' own decoder-layer, rotary, norm and scaled-embedding classes for the spec's
+    model type: modeling_gemma4 for the family, modeling_gemma4_unified for the 12B."""
+    from types import SimpleNamespace
+
+    if spec.model_type in ("gemma4", "gemma4_text"):
+        from transformers.models.gemma4 import modeling_gemma4 as hf
+
+        return SimpleNamespace(layer=hf.Gemma4TextDecoderLayer, rotary=hf.Gemma4TextRotaryEmbedding,
+                               norm=hf.Gemma4RMSNorm, embedding=hf.Gemma4TextScaledWordEmbedding)
+    from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
+
+    return SimpleNamespace(layer=hf.Gemma4UnifiedTextDecoderLayer, rotary=hf.Gemma4UnifiedTextRotaryEmbedding,
+                           norm=hf.Gemma4UnifiedRMSNorm, embedding=hf.Gemma4UnifiedTextScaledWordEmbedding)
 
 
 def text_model(model):
@@ -87,6 +113,25 @@ class _Recorder:
     def _hook_residuals(self, layer, i):
         self.handles.append(layer.post_attention_layernorm.register_forward_hook(self._attn(i)))
         self.handles.append(layer.post_feedforward_layernorm.register_forward_hook(self._mlp(i)))
+        self._hook_family(layer, i)
+
+    def _hook_family(self, layer, i):
+        """modeling_gemma4's extra parts: the router's logits and chosen weights (MoE), and the
+        per-layer input after its gate (the input of per_layer_projection)."""
+        prefix = f"layers.{i}."
+        if getattr(layer, "router", None) is not None:
+            self.handles.append(layer.router.proj.register_forward_hook(self._store(prefix + "router_logits", True)))
+            self.handles.append(layer.router.register_forward_hook(self._expert_weights(prefix + "expert_weights")))
+        if getattr(layer, "per_layer_projection", None) is not None:
+            self.handles.append(layer.per_layer_projection.register_forward_pre_hook(
+                lambda module, args: self._put(prefix + "per_layer_input", args[0])))
+
+    def _expert_weights(self, name):
+        def hook(module, args, out):
+            probs, weights, chosen = out
+            dense = torch.zeros(probs.shape, dtype=torch.float32).scatter(-1, chosen, weights.float())
+            self._put(name, dense[None])
+        return hook
 
     def _put(self, name, tensor):
         if self.enabled:
@@ -116,9 +161,9 @@ class _Recorder:
             self._put(f"layers.{i}.output", out[0] if isinstance(out, tuple) else out)
         return hook
 
-    def _store(self, name):
+    def _store(self, name, batch_flat: bool = False):
         def hook(module, args, out):
-            self._put(name, out)
+            self._put(name, out[None] if batch_flat else out)  # the router runs on [tokens, hidden]
         return hook
 
     def remove(self):
@@ -236,71 +281,84 @@ def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
 
 
 class _StreamedPrompt:
-    """One prompt's hidden state on its way through the streamed layers, and its captures."""
+    """One prompt's hidden state on its way through the streamed layers, and its captures. A
+    [batch, n] tensor of equal-length prompts runs as one batch (the corpus-quality pass); its
+    captures keep the batch dimension."""
 
-    def __init__(self, checkpoint, config, embedding, prompt: list[int]):
+    def __init__(self, checkpoint, config, embedding, prompt):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         spec = checkpoint.spec
-        ids = torch.tensor(prompt, dtype=torch.long)
+        ids = torch.as_tensor(prompt, dtype=torch.long)
+        self.rows = slice(None) if ids.dim() == 2 else 0  # which rows of [batch, n, ...] are captured
+        ids = ids if ids.dim() == 2 else ids[None]
         if spec.placeholder_token_ids:
             ids = torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
-        self.x = embedding(ids)[None]
-        self.captures = {"embeddings": self.x[0].float()}
-        self.positions = torch.arange(ids.numel())[None]
+        self.x = embedding(ids)
+        self.captures = {"embeddings": self.x[self.rows].float()}
+        self.positions = torch.arange(ids.shape[1])[None]
         mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, past_key_values=None,
                          position_ids=self.positions)
         self.masks = {"full_attention": create_causal_mask(**mask_args),
                       "sliding_attention": create_sliding_window_causal_mask(**mask_args)}
 
-    def through(self, layer, layer_spec, rotary) -> None:
+    def through(self, layer, layer_spec, rotary, keep: bool = True) -> None:
+        """One decoder layer; its capture points are kept only when `keep` (else only the logits)."""
         i = layer_spec.index
-        recorder = _Recorder.on_layer(layer, i, self.x)
+        recorder = _Recorder.on_layer(layer, i, self.x) if keep else None
         cos_sin = rotary(self.x, self.positions, layer_spec.type)
         self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
                        position_ids=self.positions)
-        recorder.remove()
-        self.captures.update({k: v[0].float() for k, v in recorder.captures.items()})
-        self.captures[f"layers.{i}.output"] = self.x[0].float()
+        if recorder is not None:
+            recorder.remove()
+            self.captures.update({k: v[self.rows].float() for k, v in recorder.captures.items()})
+            self.captures[f"layers.{i}.output"] = self.x[self.rows].float()
 
     def finish(self, norm, head: torch.Tensor, cap) -> dict[str, torch.Tensor]:
         x = norm(self.x)
-        self.captures["final_norm"] = x[0].float()
-        logits = (x[0] @ head.T).float()
+        self.captures["final_norm"] = x[self.rows].float()
+        logits = (x[self.rows] @ head.T).float()
         self.captures["logits"] = logits
         self.captures["capped_logits"] = _transformers_softcap(logits, cap)
         return self.captures
 
 
 def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=torch.float32,
-                                 progress: bool = False) -> list[dict[str, torch.Tensor]]:
+                                 progress: bool = False, layer_captures: bool = True) -> list[dict[str, torch.Tensor]]:
     """Prefill captures of every prompt in ONE pass over the checkpoint: each decoder layer is read
     and built once and runs every prompt's hidden state before the next layer is read. Peak memory
-    is about the embedding matrix plus one layer plus the prompts' activations."""
+    is about the embedding matrix plus one layer plus the prompts' activations (without
+    `layer_captures`, only the embeddings, final norm and logits are kept: the corpus-quality pass)."""
     from transformers import AutoConfig
-    from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
 
+    from harness.errors import HarnessInputError
     from harness.progress import status
 
     dtype = torch_dtype(dtype)
     config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
     spec = checkpoint.spec
+    if spec.per_layer_input_size or spec.shared_layers:
+        raise HarnessInputError(f"{checkpoint.path}: streaming (one layer at a time) does not run per-layer "
+                                "inputs or KV-shared layers; write the golden without --stream (these models "
+                                "are small enough to load whole)")
+    hf = hf_decoder_parts(spec)
     embed = checkpoint.embed_weight(dtype)
     embedding = _scaled_embedding(hf, embed, spec)
     states = [_StreamedPrompt(checkpoint, config, embedding, prompt) for prompt in prompts]
-    rotary = hf.Gemma4UnifiedTextRotaryEmbedding(config)
+    rotary = hf.rotary(config)
     say = status("stream", progress, total=spec.num_layers)
     with torch.no_grad():
         for layer_spec in spec.layers:
             say(f"{dtype_name(dtype)} layer {layer_spec.index + 1}/{spec.num_layers}, {len(prompts)} prompt(s)")
             with torch.device("meta"):
-                layer = hf.Gemma4UnifiedTextDecoderLayer(config, layer_spec.index)
+                layer = hf.layer(config, layer_spec.index)
             layer.load_state_dict(checkpoint.layer_weights(layer_spec.index, dtype), assign=True, strict=True)
             for state in states:
-                state.through(layer, layer_spec, rotary)
+                state.through(layer, layer_spec, rotary, keep=layer_captures)
             del layer
-        norm = hf.Gemma4UnifiedRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        norm = hf.norm(spec.hidden_size, eps=spec.rms_norm_eps)
         norm.weight.data = checkpoint.final_norm_weight(dtype)
         head = embed if spec.tie_word_embeddings else checkpoint.lm_head_weight(dtype)
         return [state.finish(norm, head, spec.final_logit_softcapping) for state in states]
@@ -310,7 +368,7 @@ def _scaled_embedding(hf, weight: torch.Tensor, spec):
     """transformers' own scaled word embedding (the scale cast to the weight dtype in its forward)
     over the checkpoint's matrix, without allocating a second copy."""
     with torch.device("meta"):
-        emb = hf.Gemma4UnifiedTextScaledWordEmbedding(spec.vocab_size, spec.hidden_size, spec.pad_token_id,
+        emb = hf.embedding(spec.vocab_size, spec.hidden_size, spec.pad_token_id,
                                                       embed_scale=spec.hidden_size ** 0.5)
     emb.weight = torch.nn.Parameter(weight, requires_grad=False)
     emb.embed_scale = torch.tensor(emb.scalar_embed_scale)  # what transformers' init puts there

@@ -27,6 +27,7 @@ def format_info(payload: dict) -> str:
                 "kv/rank", "groups", "kv"], rows),
         f"bytes per rank ({payload['dtype']}): {size_text(mem['total'])} = weights {size_text(mem['weights'])} "
         f"+ KV cache {size_text(mem['kv_cache'])}; host-side embeddings {size_text(mem['host_embeddings'])}",
+        *payload.get("notes", []),
     ])
 
 

@@ -103,6 +103,9 @@ class CheckResult:
     local_verdicts: list = field(default_factory=list, repr=False, compare=False)  # local.LayerVerdict
     local_nonfinite: dict | None = field(default=None, repr=False, compare=False)
     run_seconds: dict[str, float] = field(default_factory=dict)  # the whole run: build, reference, total
+    # Stages parity's extra checks add (the served build, ...): each has .stage, .passed, .failures()
+    # and .to_json(), and counts in the verdict like the two stages.
+    extra_stages: list = field(default_factory=list, compare=False)
 
     @property
     def seq_match(self) -> bool:
@@ -201,12 +204,14 @@ class CheckResult:
     def passed(self) -> bool:
         """Every capture point of both stages within its judge, every token mismatch accounted for
         (a near tie or a saturation tie), and no exception inside the port."""
-        return self.stage_passed and (self.fp32 is None or self.fp32.passed)
+        return (self.stage_passed and (self.fp32 is None or self.fp32.passed)
+                and all(s.passed for s in self.extra_stages))
 
     @property
     def failed_stages(self) -> list[str]:
         stages = [s for s in (self.fp32,) if s is not None and not s.stage_passed]
-        return [s.stage for s in stages] + ([self.stage] if not self.stage_passed else [])
+        return ([s.stage for s in stages] + ([self.stage] if not self.stage_passed else [])
+                + [s.stage for s in self.extra_stages if not s.passed])
 
     def _layer_json(self, layer: LayerResult) -> dict:
         """A layer's row: its points in the port's run, its local verdict beside them. A layer that
@@ -238,7 +243,7 @@ class CheckResult:
             return p.__dict__ if p is not None else None
 
         stages = {s.stage: s.stage_json() for s in (self.fp32, self) if s is not None}
-        failures = [f for s in (self.fp32, self) if s is not None for f in s.failures()]
+        failures = [f for s in (self.fp32, self, *self.extra_stages) if s is not None for f in s.failures()]
         return {"passed": self.passed, "seq_match": self.seq_match, "backend": self.backend,
                 "tp": self.tp, "dtype": self.dtype, "first_divergent_layer": self.first_divergent_layer,
                 "first_divergent_component": self.first_divergent_component,
@@ -255,7 +260,8 @@ class CheckResult:
                 "seconds": dict({s.stage: s.seconds for s in (self.fp32, self) if s is not None},
                                 run=self.run_seconds),
                 "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
-                "port_error": self.port_error or (self.fp32.port_error if self.fp32 else None)}
+                "port_error": self.port_error or (self.fp32.port_error if self.fp32 else None),
+                "extra_stages": {s.stage: s.to_json() for s in self.extra_stages}}
 
 
 def _finite(x: float) -> float | None:

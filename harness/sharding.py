@@ -21,6 +21,10 @@ KV_ROWS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 Q_COLS = ("self_attn.o_proj.weight",)
 MLP_ROWS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 MLP_COLS = ("mlp.down_proj.weight",)
+# The 26B-A4B's experts are split inside each expert, like the dense MLP (docs: README "The Gemma-4
+# family"): [E, 2*mi, h] gate|up rows and [E, h, mi] down columns, each rank a 1/tp slice of every expert.
+EXPERT_GATE_UP = "experts.gate_up_proj"
+EXPERT_DOWN = "experts.down_proj"
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,12 @@ def plan_layer(layer: LayerSpec, tp: int) -> LayerPlan:
 
 def plan_model(spec: ModelSpec, tp: int) -> list[LayerPlan]:
     _check_tp(tp)
-    for name, size in (("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size)):
+    sizes = [("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size)]
+    sizes += [(f"layer {layer.index}'s double-wide intermediate_size", layer.intermediate_size)
+              for layer in spec.layers if layer.intermediate_size]
+    if spec.moe is not None:
+        sizes.append(("moe_intermediate_size", spec.moe.intermediate_size))
+    for name, size in sizes:
         if size % tp:
             raise ShardingError(f"{name}={size} does not split across tp={tp}")
     return [plan_layer(layer, tp) for layer in spec.layers]
@@ -125,7 +134,12 @@ def shard_layer(weights: dict[str, torch.Tensor], plan: LayerPlan, rank: int) ->
             out[name] = w.chunk(plan.tp, 0)[rank].contiguous()
         elif name in MLP_COLS:
             out[name] = w.chunk(plan.tp, 1)[rank].contiguous()
-        else:  # norms and layer_scalar are replicated
+        elif name == EXPERT_GATE_UP:
+            gate, up = w.chunk(2, 1)
+            out[name] = torch.cat([gate.chunk(plan.tp, 1)[rank], up.chunk(plan.tp, 1)[rank]], 1).contiguous()
+        elif name == EXPERT_DOWN:
+            out[name] = w.chunk(plan.tp, 2)[rank].contiguous()
+        else:  # norms, layer_scalar, the router and the per-layer input's gate are replicated
             out[name] = w.clone()
     return out
 
@@ -154,6 +168,11 @@ def merge_layer_shards(shards: list[dict[str, torch.Tensor]], plan: LayerPlan) -
             merged[name] = torch.cat([s[name] for s in shards], 0)
         elif name in MLP_COLS:
             merged[name] = torch.cat([s[name] for s in shards], 1)
+        elif name == EXPERT_GATE_UP:
+            halves = [s[name].chunk(2, 1) for s in shards]
+            merged[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 1)
+        elif name == EXPERT_DOWN:
+            merged[name] = torch.cat([s[name] for s in shards], 2)
         else:
             merged[name] = shards[0][name]
     return merged
@@ -171,9 +190,12 @@ def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None) -> l
         del weights
     norm = checkpoint.final_norm_weight(dtype)
     lm_head = checkpoint.lm_head_weight(dtype)
+    # The per-layer inputs' projection (E2B/E4B); checkpoint-like wrappers without it have none.
+    model_level = checkpoint.device_model_weights(dtype) if checkpoint.spec.per_layer_input_size else {}
     for rank in range(tp):
         states[rank]["norm.weight"] = norm.clone()
         states[rank]["lm_head.weight"] = shard_lm_head(lm_head, tp, rank)
+        states[rank].update({f"per_layer.{name}": w.clone() for name, w in model_level.items()})  # model_blocks
     return states
 
 
@@ -202,6 +224,9 @@ def merge_rank_caches(spec: ModelSpec, tp: int, kv_cache, written: int,
     rank)` gives one rank's (k, v), [1, heads, slots, d]."""
     merged = []
     for i, plan in enumerate(plan_model(spec, tp)):
+        if spec.layers[i].kv_source is not None:  # a KV-shared layer (model_blocks) holds none: None
+            merged.append(None)
+            continue
         slots = cache_slots(written, (rings or {}).get(i))
         parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for rank in range(tp):
@@ -217,14 +242,21 @@ def merge_rank_caches(spec: ModelSpec, tp: int, kv_cache, written: int,
 # ---- device memory per rank ------------------------------------------------------------------------
 
 def layer_params_per_rank(spec: ModelSpec, layer: LayerSpec, tp: int) -> int:
-    """Parameters one rank holds for a layer under the TP plan (kv replicated or sharded)."""
+    """Parameters one rank holds for a layer under the TP plan (kv replicated or sharded; a
+    KV-shared layer has no k/v projections; PLE gate and router replicated, experts split)."""
     plan = plan_layer(layer, tp)
     h, d = spec.hidden_size, layer.head_dim
     q = h * plan.q_heads_per_rank * d * 2  # q_proj + o_proj
-    kv = h * plan.kv_heads_per_rank * d * (1 if layer.k_eq_v else 2)
-    mlp = 3 * h * spec.intermediate_size // tp
-    norms = 4 * h + 2 * d + 1  # four layer norms, q/k norms, layer_scalar
-    return q + kv + mlp + norms
+    shared = layer.kv_source is not None
+    kv = 0 if shared else h * plan.kv_heads_per_rank * d * (1 if layer.k_eq_v else 2)
+    mlp = 3 * h * spec.mlp_size(layer) // tp
+    norms = 4 * h + (1 if shared else 2) * d + 1  # four layer norms, q (and k) norm, layer_scalar
+    ple = 2 * h * spec.per_layer_input_size + h if spec.per_layer_input_size else 0
+    moe = 0
+    if spec.moe is not None:
+        e = spec.moe.num_experts
+        moe = e * h + h + e + 3 * e * spec.moe.intermediate_size * h // tp + 3 * h
+    return q + kv + mlp + norms + ple + moe
 
 
 def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = DEFAULT_DTYPE, kv_len: int = DEFAULT_KV_LEN) -> dict:
@@ -232,9 +264,13 @@ def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = DEFAULT_DTYPE, kv_len:
     nbytes = dtype_bytes(dtype)
     weights = sum(layer_params_per_rank(spec, layer, tp) for layer in spec.layers)
     weights += spec.vocab_size * spec.hidden_size // tp + spec.hidden_size  # lm_head split + final norm
+    packed = spec.num_layers * spec.per_layer_input_size
+    weights += packed * spec.hidden_size + spec.per_layer_input_size  # PLE projection + norm, replicated
     kv = sum(2 * plan_layer(layer, tp).kv_heads_per_rank * kv_len * layer.head_dim
-             for layer in spec.layers)
-    host_embeddings = spec.vocab_size * spec.hidden_size
+             for layer in spec.layers if layer.kv_source is None)
+    # The packed per-layer table is vocabulary-sized (E2B: 262144 x 35*256): host-side, like the
+    # word embeddings; the device gets each token's row.
+    host_embeddings = spec.vocab_size * spec.hidden_size + spec.per_layer_vocab_size * packed
     return {
         "weights": weights * nbytes,
         "kv_cache": kv * nbytes,

@@ -10,8 +10,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness.errors import ConfigError, not_a_file, read_json_file
+from harness.spec_family import MoESpec, family_fields, refuse_family_features, validate_family_keys
 
-SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text")
+SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text", "gemma4", "gemma4_text")
+# Model types whose text decoder is transformers' modeling_gemma4 (31B, E2B/E4B, 26B-A4B); the
+# others are the unified 12B's modeling_gemma4_unified.
+FAMILY_MODEL_TYPES = ("gemma4", "gemma4_text")
+DRAFTER_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 # The multimodal wrapper swaps these placeholder ids for the pad id before embedding
@@ -34,6 +39,11 @@ class LayerSpec:
     rope_type: str  # "default" | "proportional"
     rope_theta: float
     partial_rotary_factor: float
+    # KV sharing (E2B/E4B): the layer whose cache this layer reads; it has no k/v projections and
+    # writes no cache. None: the layer computes and caches its own keys and values.
+    kv_source: int | None = None
+    # The MLP width when it differs from the model's (E2B's double-wide MLP on shared layers).
+    intermediate_size: int | None = None
 
     @property
     def is_sliding(self) -> bool:
@@ -70,6 +80,23 @@ class ModelSpec:
     # The longest sequence the config allows (max_position_embeddings); a bound on prompt plus new
     # tokens and on the KV length. Not part of the numerics, so not part of the spec hash.
     max_positions: int | None = field(default=None, compare=False)
+    # Per-layer input embeddings (E2B/E4B): width of each layer's slice of the packed table, 0 if none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    moe: MoESpec | None = None
+    model_type: str = field(default="gemma4_unified", compare=False)
+
+    @property
+    def is_family(self) -> bool:
+        """Read by transformers' modeling_gemma4 (not the unified 12B's module)."""
+        return self.model_type in FAMILY_MODEL_TYPES
+
+    def mlp_size(self, layer: LayerSpec) -> int:
+        return layer.intermediate_size or self.intermediate_size
+
+    @property
+    def shared_layers(self) -> list[int]:
+        return [layer.index for layer in self.layers if layer.kv_source is not None]
 
     @property
     def num_layers(self) -> int:
@@ -81,9 +108,16 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.pop("source")
-        d.pop("inert_parts")
-        d.pop("max_positions")
+        for key in ("source", "inert_parts", "max_positions", "model_type"):
+            d.pop(key)
+        # Family fields at their defaults are left out, so a 12B's spec hash is what it always was.
+        for key, default in (("per_layer_input_size", 0), ("per_layer_vocab_size", 0), ("moe", None)):
+            if d[key] == default:
+                d.pop(key)
+        for layer in d["layers"]:
+            for key in ("kv_source", "intermediate_size"):
+                if layer[key] is None:
+                    layer.pop(key)
         return d
 
     def spec_hash(self) -> str:
@@ -94,6 +128,9 @@ class ModelSpec:
     def describe_inert(self) -> str:
         if not self.inert_parts:
             return "text-only config: no vision or audio parts"
+        if self.is_family:
+            return (f"{', '.join(self.inert_parts)} present but not run: the port runs the text decoder "
+                    "(model.language_model) only; vision/audio tower weights are ignored")
         return (
             f"{', '.join(self.inert_parts)} present but inert: this is the encoder-free unified "
             "checkpoint (no vision or audio encoder tower weights exist); the port runs "
@@ -103,8 +140,9 @@ class ModelSpec:
 
 def _unsupported(source: str, key: str, value, why: str) -> ConfigError:
     return ConfigError(
-        f"{source}: unsupported config key {key}={value!r}: {why}. The port covers the Gemma-4 "
-        "12B/31B-style dense text decoder; use a checkpoint without this feature."
+        f"{source}: unsupported config key {key}={value!r}: {why}. The port covers the Gemma-4 text "
+        "decoders (the 12B as gemma4_unified; 31B, E2B/E4B and 26B-A4B as gemma4); use a checkpoint "
+        "without this feature."
     )
 
 
@@ -218,21 +256,12 @@ def _validate_per_layer(overrides, dims: dict, source: str) -> None:
             raise _bad_value(where, "head_dim", layer["head_dim"], "must be even (rotary embeddings pair lanes)")
 
 
-def _validate_text_config(text: dict, source: str) -> None:
+def _validate_text_config(text: dict, source: str, family: bool = False) -> None:
     _validate_dimensions(text, source)
-    if text.get("num_kv_shared_layers") not in (None, 0):
-        raise _unsupported(source, "num_kv_shared_layers", text["num_kv_shared_layers"],
-                           "KV sharing between layers is not implemented")
-    for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input"):
-        if text.get(key):
-            raise _unsupported(source, key, text[key], "per-layer embeddings are not implemented")
     if text.get("use_bidirectional_attention") == "all":
         raise _unsupported(source, "use_bidirectional_attention", "all",
                            "the port is a causal decoder; only None or \"vision\" are supported")
-    for key in ("enable_moe_block", "num_experts", "num_local_experts", "moe_intermediate_size",
-                "top_k_experts"):
-        if text.get(key):
-            raise _unsupported(source, key, text[key], "mixture-of-experts layers are not implemented")
+    (validate_family_keys if family else refuse_family_features)(text, source)
     if text.get("attention_bias"):
         raise _unsupported(source, "attention_bias", True, "the port's projections have no bias")
     act = text.get("hidden_activation", "gelu_pytorch_tanh")
@@ -240,71 +269,81 @@ def _validate_text_config(text: dict, source: str) -> None:
         raise _unsupported(source, "hidden_activation", act, "only gelu_pytorch_tanh is implemented")
 
 
-def _resolve_with_transformers(text: dict, source: str):
+def _resolve_with_transformers(text: dict, source: str, family: bool = False):
     """Let transformers resolve per_layer_config exactly as the reference model will."""
-    from transformers import Gemma4UnifiedTextConfig
+    from transformers import Gemma4TextConfig, Gemma4UnifiedTextConfig
 
     kwargs = {k: v for k, v in text.items() if k not in ("model_type", "transformers_version")}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return Gemma4UnifiedTextConfig(**kwargs)
+            return (Gemma4TextConfig if family else Gemma4UnifiedTextConfig)(**kwargs)
     except Exception as exc:  # transformers raises several types for bad configs
         raise ConfigError(f"{source}: transformers could not read text_config: {exc}") from exc
 
 
-def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
-    """Resolve a gemma4_unified (or bare gemma4_unified_text) config dict into a ModelSpec."""
-    if not isinstance(config, dict):
-        raise ConfigError(f"{source}: expected a JSON object (a config.json), got a JSON "
-                          f"{type(config).__name__}; pass the model's config.json")
+def _text_section(config: dict, source: str) -> tuple[dict, list[str], tuple[int, ...]]:
+    """(the text decoder's config, the inert parts beside it, placeholder ids) for a model type."""
     model_type = config.get("model_type")
+    if model_type in DRAFTER_MODEL_TYPES:
+        raise _unsupported(source, "model_type", model_type, "drafter (assistant) models read another "
+                           "model's KV states and are not a standalone decoder")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{source}: model_type is {model_type!r}, expected one of {SUPPORTED_MODEL_TYPES}. "
-            "Point the tool at a Gemma-4 unified checkpoint (e.g. google/gemma-4-12B-it)."
+            "Point the tool at a Gemma-4 checkpoint (e.g. google/gemma-4-12B-it or google/gemma-4-31B-it)."
         )
-    inert: list[str] = []
-    if model_type == "gemma4_unified":
-        text = config.get("text_config")
-        if not isinstance(text, dict):
-            raise ConfigError(f"{source}: model_type gemma4_unified needs a text_config object")
-        for part in ("vision_config", "audio_config"):
-            if config.get(part):
-                inert.append(part)
-        placeholders = _placeholder_ids(config, source)
-    else:
-        text = config
-        placeholders = ()
-    _validate_text_config(text, source)
-    tc = _resolve_with_transformers(text, source)
+    if model_type not in ("gemma4_unified", "gemma4"):
+        return config, [], ()
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: model_type {model_type} needs a text_config object")
+    inert = [part for part in ("vision_config", "audio_config") if config.get(part)]
+    return text, inert, _placeholder_ids(config, source)
 
-    layers = []
-    for i, layer_type in enumerate(tc.layer_types):
-        if layer_type not in (SLIDING, FULL):
-            raise _unsupported(source, f"layer_types[{i}]", layer_type, "unknown attention type")
-        per_layer = tc.per_layer_config[i]
-        rope = (tc.rope_parameters or {}).get(layer_type) if isinstance(tc.rope_parameters, dict) else None
-        if not isinstance(rope, dict) or "rope_theta" not in rope:
-            raise _bad_value(source, f"rope_parameters.{layer_type}", rope, "must be an object with rope_theta "
-                             f"for the {layer_type} layers")
-        is_full = layer_type == FULL
-        layers.append(LayerSpec(
-            index=i,
-            type=layer_type,
-            head_dim=int(per_layer.head_dim),
-            q_heads=int(tc.num_attention_heads),
-            kv_heads=int(per_layer.num_key_value_heads),
-            k_eq_v=bool(tc.attention_k_eq_v and is_full),
-            window=None if is_full else int(tc.sliding_window),
-            rope_type=str(rope.get("rope_type", "default")),
-            rope_theta=float(rope["rope_theta"]),
-            partial_rotary_factor=float(1.0 if rope.get("partial_rotary_factor") is None
-                                        else rope["partial_rotary_factor"]),
-        ))
-        if layers[-1].rope_type not in ("default", "proportional"):
-            raise _unsupported(source, f"rope_parameters.{layer_type}.rope_type",
-                               layers[-1].rope_type, "only default and proportional rope are implemented")
+
+def _layer_spec(tc, i: int, layer_type: str, source: str) -> LayerSpec:
+    if layer_type not in (SLIDING, FULL):
+        raise _unsupported(source, f"layer_types[{i}]", layer_type, "unknown attention type")
+    per_layer = tc.per_layer_config[i]
+    rope = (tc.rope_parameters or {}).get(layer_type) if isinstance(tc.rope_parameters, dict) else None
+    if not isinstance(rope, dict) or "rope_theta" not in rope:
+        raise _bad_value(source, f"rope_parameters.{layer_type}", rope, "must be an object with rope_theta "
+                         f"for the {layer_type} layers")
+    is_full = layer_type == FULL
+    layer = LayerSpec(
+        index=i,
+        type=layer_type,
+        head_dim=int(per_layer.head_dim),
+        q_heads=int(tc.num_attention_heads),
+        kv_heads=int(per_layer.num_key_value_heads),
+        k_eq_v=bool(tc.attention_k_eq_v and is_full),
+        window=None if is_full else int(tc.sliding_window),
+        rope_type=str(rope.get("rope_type", "default")),
+        rope_theta=float(rope["rope_theta"]),
+        partial_rotary_factor=float(1.0 if rope.get("partial_rotary_factor") is None
+                                    else rope["partial_rotary_factor"]),
+    )
+    if layer.rope_type not in ("default", "proportional"):
+        raise _unsupported(source, f"rope_parameters.{layer_type}.rope_type",
+                           layer.rope_type, "only default and proportional rope are implemented")
+    return layer
+
+
+def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
+    """Resolve a Gemma-4 config dict (gemma4_unified, gemma4, or their bare text configs) into a
+    ModelSpec."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: expected a JSON object (a config.json), got a JSON "
+                          f"{type(config).__name__}; pass the model's config.json")
+    text, inert, placeholders = _text_section(config, source)
+    family = config.get("model_type") in FAMILY_MODEL_TYPES
+    _validate_text_config(text, source, family)
+    tc = _resolve_with_transformers(text, source, family)
+    layers = [_layer_spec(tc, i, t, source) for i, t in enumerate(tc.layer_types)]
+    extra: dict = {}
+    if family:
+        layers, extra = family_fields(tc, layers, source)
     eos = tc.eos_token_id
     eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return ModelSpec(
@@ -325,6 +364,8 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
         inert_parts=tuple(inert),
         source=source,
         max_positions=_max_positions(text, tc),
+        model_type=str(config["model_type"]),
+        **extra,
     )
 
 

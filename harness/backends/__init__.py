@@ -105,4 +105,5 @@ def make_backend(checkpoint, settings: RunSettings, capture: bool = False):
 def build_engine(checkpoint, settings: RunSettings, capture: bool = False) -> Engine:
     """The host engine over a backend built from `settings` for this checkpoint."""
     be = make_backend(checkpoint, settings, capture=capture)
-    return Engine(checkpoint.spec, be, checkpoint.embed_weight(settings.torch_dtype), settings)
+    table = checkpoint.per_layer_table(settings.torch_dtype) if checkpoint.spec.per_layer_input_size else None
+    return Engine(checkpoint.spec, be, checkpoint.embed_weight(settings.torch_dtype), settings, per_layer_table=table)

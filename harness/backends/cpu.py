@@ -13,7 +13,8 @@ import threading
 import torch
 
 from harness.graphs import kv_buckets, kv_read_length
-from harness.model import Collectives, RankDecoder, RankLinears
+from harness.model import Collectives, RankLinears
+from harness.model_blocks import rank_decoder
 from harness.settings import RunSettings
 from harness.sharding import rank_state_dicts
 
@@ -70,7 +71,7 @@ class CpuBackend:
         states = rank_state_dicts(checkpoint, tp, dtype)
         self.ranks = []
         for rank in range(tp):
-            module = RankDecoder(self.spec, tp=tp, max_len=max_len, dtype=dtype,
+            module = rank_decoder(self.spec, tp=tp, max_len=max_len, dtype=dtype,
                                  linears=RankLinears(RankCollectives(self.group, rank)), sliding_cache=sliding_cache)
             module.load_state_dict(states[rank], strict=True)
             module.eval()
@@ -119,5 +120,6 @@ class CpuBackend:
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank: [1, kv_heads, slots, d] (max_len slots, or a ring's window)."""
-        cache = self.ranks[rank].layers[layer].self_attn.cache
+        attn = self.ranks[rank].layers[layer].self_attn
+        cache = getattr(attn, "cache", None) or attn.source_cache  # a KV-shared layer: its source's
         return cache.k, cache.v

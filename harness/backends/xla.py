@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from harness.errors import HarnessInputError
-from harness.graphs import (GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
-                            graph_inputs, graph_plan, graph_result, kv_buffer_names, kv_buckets, kv_read_length)
+from harness.graphs import (GraphBuildError, constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result,
+                            input_width, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
 from harness.model import Collectives, RankLinears
 from harness.settings import RunSettings
 from harness.sharding import plan_model, rank_state_dicts
@@ -89,10 +89,11 @@ class XlaCollectives(Collectives):
 
 
 def build_graph_module(spec, tp: int, max_len: int, dtype: torch.dtype, capture: bool = False,
-                       module_cls=TracedDecoder, sliding_cache: str = "linear") -> nn.Module:
+                       module_cls=None, sliding_cache: str = "linear") -> nn.Module:
     """The traced module of harness/graphs.py with XLA collectives, in eval mode without grads: a
     parity build (captures) or, as the Neuron backend builds it, a perf build returning only the
     last real row's logits."""
+    module_cls = module_cls or traced_class(spec)  # the 12B's decoder or the family's
     module = module_cls(spec, tp, max_len, dtype, RankLinears(XlaCollectives(tp)), with_captures=capture,
                         last_row_only=not capture, sliding_cache=sliding_cache)
     module.eval()
@@ -173,7 +174,7 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     xlac = torch_xla._XLAC
     kv_names = [n for n, r in roles.items() if r == "state"]
     local = {n: t.to(device) for n, t in tensors.items()}
-    inputs = [t.to(device) for t in example_inputs(length, module.spec.hidden_size, module.dtype,
+    inputs = [t.to(device) for t in example_inputs(length, input_width(module.spec), module.dtype,
                                                     last_row=getattr(module, "last_row_only", False))]
     input_names = ("inputs_embeds", "positions", "last_index")[:len(inputs)]
     named = {**{n: (roles[n], t) for n, t in local.items()},
@@ -303,7 +304,8 @@ class XlaBackend:
         outputs = self._step(*graph_in)
         if self.capture and self.capture_names is None:
             self.capture_names = list(self.module.capture_names)
-        return graph_result(outputs, self.capture_names if self.capture else None, graph_in[0], capture,
+        embeds = graph_in[0][..., :self.spec.hidden_size]  # without the family's per-layer rows
+        return graph_result(outputs, self.capture_names if self.capture else None, embeds, capture,
                             self.last_row_only, last=last)
 
     def _step(self, *graph_inputs) -> list[torch.Tensor]:

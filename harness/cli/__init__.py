@@ -1,4 +1,4 @@
-"""The `gemma-parity` command: info, reference, check, bisect, bench, perf compare, graphs and doctor.
+"""The `gemma-parity` command: info, reference, check, bisect, bench, perf compare, graphs, doctor and quality.
 
 The top layer (docs/design.md#import-layers): argument parsing, printing and exit codes. Each command module adds its
 subparser with a `validate` (the one validation pass, before any model work) and a `run` (one
@@ -20,13 +20,13 @@ import sys
 import tempfile
 import traceback
 
-from harness.cli import bisect, check, doctor, graphs, info, perf, reference
+from harness.cli import bisect, check, doctor, graphs, info, perf, quality, reference
 from harness.cli.common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                                 EXIT_TERMINATED)
 from harness.atomic import release_claims
 from harness.errors import SHOW_BYTES, HarnessInputError, os_problem
 
-COMMANDS = (info, reference, check, bisect, perf, graphs, doctor)
+COMMANDS = (info, reference, check, bisect, perf, graphs, doctor, quality)
 
 
 class Terminated(BaseException):

@@ -21,6 +21,8 @@ def add_command(sub) -> None:
                    help=f"greedy tokens to decode (default {DEFAULT_NEW_TOKENS})")
     p.add_argument("--skip-fp32-stage", action="store_true",
                    help="skip the fp32 structural stage (it holds the model in fp32 on the host)")
+    p.add_argument("--skip-served-build", action="store_true",
+                   help="do not run and judge the perf build bench times (the served build); said in the result")
     p.add_argument("--verbose", action="store_true", help="print the wall time of each stage and phase "
                    "(always in the JSON under \"seconds\")")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
@@ -63,12 +65,14 @@ def validate(args) -> None:
 def run(args) -> int:
     from harness.parity import run_parity_check
     from harness.report import format_check, write_report
+    from harness.served import served_stage
 
     ckpt = args.ckpt
     print(ckpt.describe())
     result = run_parity_check(ckpt, args.ckpt_dir, args.settings, golden=args.reference_source,
                               prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
-                              fp32_stage=not args.skip_fp32_stage)
+                              fp32_stage=not args.skip_fp32_stage,
+                              extra_checks=(served_stage(args.settings, progress=True, skip=args.skip_served_build),))
     payload = with_generator(result.to_json(), "check")
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.
@@ -76,5 +80,7 @@ def run(args) -> int:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
+    for stage in result.extra_stages:  # the served build
+        print(stage.describe())
     print(format_check(result, verbose=args.verbose))
     return EXIT_OK if result.passed else EXIT_FAIL

@@ -16,8 +16,9 @@ def add_command(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
-    p.add_argument("--instance", default="inf2.8xlarge", help="instance type whose published rates --perf uses "
-                   "(inf2.xlarge, inf2.8xlarge, inf2.24xlarge, inf2.48xlarge; default inf2.8xlarge)")
+    p.add_argument("--instance", default=None, help="instance type whose published rates --perf uses "
+                   "(inf2.xlarge, inf2.8xlarge, inf2.24xlarge, inf2.48xlarge; default: the smallest with --tp "
+                   "NeuronCores, inf2.8xlarge up to tp 2)")
     p.add_argument("--instance-rates", metavar="FILE", help="JSON file of per-chip figures for an instance type "
                    "not in the table (cores, chips, hbm_bytes, hbm_bytes_per_s, bf16_flops_per_s, fp32_flops_per_s)")
     p.set_defaults(func=run, validate=validate)
@@ -42,6 +43,11 @@ def validate(args) -> None:
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
     v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
+    from harness.instances import check_fits, smallest_instance
+
+    args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len)
+    if args.instance is None:  # the instance the TP degree needs (the family's larger variants)
+        args.instance = smallest_instance(args.tp).name
     _check_instance(args)
 
 
@@ -73,6 +79,10 @@ def run(args) -> int:
 
     s = args.settings
     payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
+    from harness.instances import plan_notes
+
+    payload["placement"] = args.placement
+    payload["notes"] = plan_notes(args.spec, args.placement)
     print(format_info({**payload, "inert": None} if args.ckpt is not None else payload))
     payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len)
     payload["memory_plan"]["sliding_cache"] = args.sliding_cache

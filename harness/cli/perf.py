@@ -9,9 +9,9 @@ from harness.atomic import claim_output
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
 from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
-from harness.perf.results import history_files, skipped_history_entries, validate_result
+from harness.perf.results import history_files, length_lists, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
-                          append_history, compare_files, compare_history, draw_trend, parse_budgets,
+                          append_history, compare_files, compare_history, draw_length, draw_trend, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
 
 
@@ -32,12 +32,25 @@ def add_command(subparsers) -> None:
                        help="runs made first and discarded (default %(default)s)")
     bench.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
                        help="decode steps per run after the headline prefill (default %(default)s)")
+    bench.add_argument("--lengths", type=_lengths_arg, default=(), metavar="16,64,200",
+                       help="also time TTFT at these prompt lengths (longer than a bucket: chunked prefill) and "
+                       "TPOT decoding from them, each with its floor (metrics ttft_ms@L, tpot_ms@L)")
     bench.add_argument("--out", required=True, metavar="FILE", help="result JSON (never overwritten "
                        "without --force, and then only a result file bench wrote)")
     bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
     bench.add_argument("--history", metavar="DIR", help="also add the run to this history directory")
     bench.set_defaults(func=run_bench_command, validate=validate_bench, seed=0)
     _add_compare(subparsers)
+
+
+def _lengths_arg(text: str) -> tuple[int, ...]:
+    import argparse
+
+    from harness.perf.length import parse_lengths
+    try:
+        return parse_lengths(text)
+    except HarnessInputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_compare(subparsers) -> None:
@@ -95,6 +108,10 @@ def validate_bench(args) -> None:
         raise OptionError(f"--buckets {max(args.buckets)} + --new-tokens {args.new_tokens} exceed the KV length "
                           f"{kv_len}; use --kv-len {max(args.buckets) + args.new_tokens}, fewer new tokens or "
                           "a smaller bucket")
+    if args.lengths and max(args.lengths) + args.new_tokens > kv_len:
+        raise OptionError(f"--lengths {max(args.lengths)} + --new-tokens {args.new_tokens} exceed the KV length "
+                          f"{kv_len}; use --kv-len {max(args.lengths) + args.new_tokens}, shorter lengths or fewer "
+                          "new tokens")
     inputs = v.model_inputs(args)
     outputs: dict = {}
     out = v.output_location(args.out, "--out", False, inputs, outputs)
@@ -144,6 +161,7 @@ def _sample_problem(data, source: str) -> str | None:
         data.get("metrics"), dict) else {}
     if isinstance(data.get("prefill_ms_by_bucket"), dict):
         lists.update({f"prefill_ms_by_bucket.{b}": val for b, val in data["prefill_ms_by_bucket"].items()})
+    lists.update(length_lists(data))
     for name, values in lists.items():
         for i, x in enumerate(values if isinstance(values, list) else []):
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 or x == float("inf"):
@@ -189,6 +207,9 @@ def validate_compare(args) -> None:
     if args.markdown is not None:
         v.replaceable_file(v.output_location(args.markdown, "--markdown", False, inputs, outputs), "--markdown",
                            v._markdown_is_ours)
+    if args.markdown is not None and _length_png(args.markdown).exists():  # only an earlier length plot is replaced
+        v.replaceable_file(_length_png(args.markdown), "--markdown's length plot",
+                           lambda path: path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n")
     if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
     if args.plot is not None:
@@ -204,7 +225,7 @@ def validate_compare(args) -> None:
 
 def run_bench_command(args) -> int:
     result = run_bench(args.ckpt, args.settings, runs=args.runs, warmup=args.warmup, new_tokens=args.new_tokens,
-                       progress=True)
+                       progress=True, lengths=args.lengths)
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
     print(f"wrote {args.out}", file=sys.stderr)
@@ -221,6 +242,8 @@ def run_compare_command(args) -> int:
     else:
         comp = compare_files(args.baseline, args.current, **options)
     plot = _trend_plot(args, comp, args.budgets)
+    if args.markdown:  # latency against length, beside the Markdown (a run benched with --lengths)
+        draw_length(comp, _length_png(args.markdown))
     print(render_text(comp), end="")
     if args.markdown:  # a report, rewritten each run
         link = None if plot is None else _relative(plot, Path(args.markdown).parent)
@@ -237,6 +260,11 @@ def _trend_plot(args, comp, budgets):
     markdown = Path(args.markdown) if args.markdown else None
     path = Path(args.plot) if args.plot else markdown.with_name(f"{markdown.stem}-trend.png")
     return draw_trend(comp, path, budgets)
+
+
+def _length_png(markdown) -> Path:
+    markdown = Path(markdown)
+    return markdown.with_name(f"{markdown.stem}-length.png")
 
 
 def _relative(path: Path, start: Path) -> str:

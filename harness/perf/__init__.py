@@ -23,7 +23,7 @@ from harness.perf.compare import (BUDGETS, DEFAULT_ALPHA, DEFAULT_FACTOR, MAX_AL
                                   compare_samples, decide, parse_budgets, pin_outputs, software_notes)
 from harness.perf.history import HISTORY_WINDOW, compare_history, median_run_samples
 from harness.perf.machine import git_commit, machine_info, package_versions
-from harness.perf.plot import draw_trend, plot_available
+from harness.perf.plot import draw_length, draw_trend, plot_available
 from harness.perf.render import (render_bench_summary, render_markdown, render_roofline, render_roofline_markdown,
                                  render_text)
 from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, FORMAT, append_history, budget_samples,

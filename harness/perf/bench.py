@@ -18,7 +18,7 @@ import time
 from datetime import datetime, timezone
 
 from harness.errors import HarnessInputError
-from harness.perf import machine, outputs
+from harness.perf import length, machine, outputs
 from harness.perf.results import FORMAT, latency_samples, metric_samples
 from harness.perf.roofline import measured_rates, neuron_instance_rates, roofline_block
 from harness.perf.stats import summarize
@@ -112,25 +112,36 @@ def _check_bench_options(runs, warmup, buckets, new_tokens, kv_len) -> None:
                                 f"{kv_len}; use fewer --new-tokens or a smaller bucket")
 
 
+def perf_engine(checkpoint, settings: RunSettings):
+    """The perf build `bench` times and serving runs: no capture outputs (on a compiled backend its
+    prefill graphs return only the last real row). `check` judges this same build
+    (harness/served.py), so what is timed is what is judged."""
+    from harness.backends import build_engine
+
+    if settings.backend == "neuron":
+        # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
+        # cache out of the timed prefill, as a serving loop would.
+        settings = settings.but(backend_options={"zero_on_reset": False, **settings.backend_options})
+    return build_engine(checkpoint, settings)
+
+
 def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DEFAULT_RUNS,
-              warmup: int = DEFAULT_WARMUP, new_tokens: int = DEFAULT_NEW_TOKENS, progress: bool = True) -> dict:
+              warmup: int = DEFAULT_WARMUP, new_tokens: int = DEFAULT_NEW_TOKENS, progress: bool = True,
+              lengths=()) -> dict:
     """Time `runs` prefills per bucket and `runs` x `new_tokens` decode steps after `warmup`
     discarded runs, on a perf build made as `settings` say. Each decode_ms_per_token sample is one
-    run's mean ms per token."""
-    from harness.backends import build_engine
+    run's mean ms per token. `lengths` adds TTFT and TPOT at those prompt lengths (length.py)."""
 
     backend, tp, buckets, kv_len = settings.backend, settings.tp, settings.buckets, settings.kv_len
     _check_bench_options(runs, warmup, buckets, new_tokens, kv_len)
+    length.check_lengths(lengths, new_tokens, kv_len)
     dtype = settings.short_dtype
     show = status("bench", progress)
     show(f"building the {backend} engine (tp {tp}, {dtype}, buckets {list(buckets)})"
          + ("; a first compile takes many minutes" if backend == "neuron" else ""))
     if backend == "neuron":
         bench_rates(backend, tp, dtype)  # an instance type without known rates fails here, before the build
-        # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
-        # cache out of the timed prefill, as a serving loop would.
-        settings = settings.but(backend_options={"zero_on_reset": False, **settings.backend_options})
-    engine = build_engine(checkpoint, settings)
+    engine = perf_engine(checkpoint, settings)
     engine.backend = _TimedBackend(engine.backend)
     headline = PUBLISHED_BUCKET if PUBLISHED_BUCKET in buckets else max(buckets)
     prompts = {b: bench_prompt(checkpoint.spec.vocab_size, b) for b in buckets}
@@ -150,6 +161,8 @@ def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DE
     if backend != "neuron":
         show("measuring this machine's memory bandwidth and matmul throughput for the floors")
     result["roofline"] = bench_roofline(result, checkpoint.spec)
+    if lengths:
+        result["at_length"] = bench_at_length(engine, checkpoint.spec, result, lengths, show)
     show(f"done: TTFT[{headline}] p50 {result['latency_summary']['ttft_ms']['p50']:.2f} ms, TPOT p50 "
          f"{result['latency_summary']['tpot_ms']['p50']:.2f} ms")
     return result
@@ -231,6 +244,16 @@ def graph_split(result: dict) -> tuple[dict[str, float], dict[str, float]] | Non
     device = {g: statistics.median(inside[g]) for g in calls}
     host = {g: statistics.median([c - d for c, d in zip(calls[g], inside[g])]) for g in calls}
     return device, host
+
+
+def bench_at_length(engine, spec, result: dict, lengths, show) -> dict:
+    """TTFT and TPOT at each prompt length, as many runs as the bench's, with their floors."""
+    settings = result["settings"]
+    prompts = {n: bench_prompt(spec.vocab_size, n) for n in lengths}
+    block = length.measure_at_length(engine, prompts, runs=settings["runs"], warmup=settings["warmup"],
+                                     new_tokens=settings["new_tokens"], show=show)
+    rates, _ = bench_rates(result["backend"], result["tp"], result["dtype"])
+    return length.add_floors(block, spec, result, rates, sliding_cache=engine.settings.sliding_cache)
 
 
 @functools.lru_cache(maxsize=None)

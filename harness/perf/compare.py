@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from harness.errors import HarnessInputError
 from harness.perf import outputs, stats
+from harness.perf.length import pin_length_outputs
 from harness.perf.results import load_result, metric_samples, mismatches, budget_samples
 
 # Absolute ceilings on the median, in ms, for the real 12B on one inf2 chip at TP=2, bf16, bucket 64.
@@ -85,6 +86,8 @@ class Comparison:
     # then called faster or slower, and the comparison fails), unless allowed
     output_change: str | None = None
     change_point_metrics: int = 0  # metrics tested for change points: the family Holm controls
+    at_length: dict | None = None  # the current run's latency at each prompt length with its floors
+    length_plot: str | None = None  # the latency-vs-length PNG, when one was drawn
 
     @property
     def regressions(self) -> list[str]:
@@ -231,9 +234,11 @@ def pin_outputs(comp: Comparison, baseline: dict, current: dict, allow_change: b
     """Refuse to call the current run faster or slower when it generated other tokens than the
     baseline (outputs.py): every metric's verdict is withheld and the comparison fails, unless
     `allow_change`, which keeps the verdicts and says what changed."""
-    refusal, notes = outputs.compare_outputs(baseline, current, baseline_label or comp.baseline_label,
-                                             comp.current_label)
-    comp.notes += notes
+    labels = (baseline_label or comp.baseline_label, comp.current_label)
+    refusal, notes = outputs.compare_outputs(baseline, current, *labels)
+    at_length, length_notes = pin_length_outputs(baseline, current, labels)
+    comp.notes += notes + length_notes
+    refusal = refusal or at_length
     if refusal is None:
         return
     if allow_change:
@@ -260,6 +265,7 @@ def compare_results(baseline: dict | None, current: dict, factor: float = DEFAUL
                            budget_pool=budget_samples(current), intervals=intervals)
     comp.notes = notes + comp.notes
     comp.roofline = current.get("roofline")
+    comp.at_length = current.get("at_length")
     if baseline is not None:
         pin_outputs(comp, baseline, current, allow_output_change)
     return comp

@@ -59,6 +59,7 @@ def change_point_analysis(comp: Comparison, runs: list[tuple[Path, dict]], alpha
     """Fill the comparison's trend and change points (family-wise over the metrics, Holm), and say
     so when the history is too short; keep the newest run's floors."""
     comp.roofline = runs[-1][1].get("roofline") if runs else None
+    comp.at_length = runs[-1][1].get("at_length") if runs else None
     comp.trend = trend(runs)
     comp.change_points, comp.change_point_metrics = find_family(comp.trend, alpha)
     family = max(comp.change_point_metrics, 1)

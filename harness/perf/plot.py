@@ -1,5 +1,7 @@
 """The trend PNG of `perf compare --history`: per metric, each run's median with its p10-p90
-spread, the change points found, and the budget line. Needs matplotlib (the `plot` extra)."""
+spread, the change points found, and the budget line; and the latency-vs-length PNG of a run benched
+with `--lengths` (TTFT and TPOT medians against length, beside their floors). Needs matplotlib (the
+`plot` extra)."""
 
 from __future__ import annotations
 
@@ -80,4 +82,33 @@ def draw_trend(comp: Comparison, path, budgets: dict[str, float] | None = None) 
     fig.savefig(buffer, format="png")
     out = write_bytes_atomic(path, buffer.getvalue())
     comp.plot = str(out)
+    return out
+
+
+def draw_length(comp: Comparison, path) -> Path | None:
+    """The current run's TTFT against prompt length and TPOT against context length, each beside its
+    floor, written atomically; None (with a note) when matplotlib is absent or no lengths were benched."""
+    block = comp.at_length
+    if not block or not block.get("lengths"):
+        return None
+    if not plot_available():
+        comp.notes.append("length plot skipped: matplotlib is not installed (pip install -e '.[plot]')")
+        return None
+    from matplotlib.figure import Figure
+
+    rows = block["lengths"]
+    x = [r["length"] for r in rows]
+    fig = Figure(figsize=(9, 3.2), dpi=72, layout="constrained")
+    for ax, key, what in zip(fig.subplots(1, 2), ("ttft", "tpot"), ("prompt length", "context length")):
+        ax.plot(x, [r[f"{key}_p50_ms"] for r in rows], "o-", color="tab:blue", label=f"{key.upper()} median")
+        ax.plot(x, [r["floor"][f"{key}_ms"] for r in rows], "s--", color="tab:red", label="floor")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"{what} (tokens)")
+        ax.set_ylabel(f"{key.upper()} (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    out = write_bytes_atomic(path, buffer.getvalue())
+    comp.length_plot = str(out)
     return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from harness.perf.compare import Comparison
 
 LATENCY_ROWS = ("ttft_ms", "tpot_ms", "e2e_ms")
@@ -111,7 +113,23 @@ def render_bench_summary(result: dict) -> str:
     text = "\n".join(lines) + "\n"
     if result.get("roofline"):
         text += render_roofline(result["roofline"])
+    if result.get("at_length"):
+        text += "\n".join([_length_title(result["at_length"]) + ":", *_table(*length_table(result["at_length"]))]) + "\n"
     return text
+
+
+def length_table(block: dict) -> tuple[list[str], list[list[str]]]:
+    """Latency at each prompt length beside its floor (context.py: each call at its KV bucket)."""
+    header = ["length", "TTFT p50 ms", "TTFT floor ms", "TPOT p50 ms", "TPOT floor ms", "decode KV bucket"]
+    rows = [[str(r["length"]), _ms(r["ttft_p50_ms"]), _ms(r["floor"]["ttft_ms"]), _ms(r["tpot_p50_ms"]),
+             f"{_ms(r['floor']['tpot_ms'])} ({r['floor']['tpot_bound']})", str(r["floor"]["decode_kv_bucket"])]
+            for r in block["lengths"]]
+    return header, rows
+
+
+def _length_title(block: dict) -> str:
+    return (f"latency at length ({block.get('sliding_cache', 'linear')} sliding cache; TTFT: the prompt "
+            f"prefilled in chunks; TPOT: mean of {block['new_tokens']} decode steps from the prompt's end)")
 
 
 def _outputs_line(outputs: dict | None) -> str:
@@ -183,6 +201,8 @@ def render_text(comp: Comparison) -> str:
         out += ["", change_point_title(comp) + ":", *_table(*change_point_rows(comp))]
     if comp.roofline:
         out += ["", "current run's " + render_roofline(comp.roofline).rstrip("\n")]
+    if comp.at_length:
+        out += ["", "current run's " + _length_title(comp.at_length) + ":", *_table(*length_table(comp.at_length))]
     out += [f"note: {n}" for n in comp.notes]
     if comp.plot:
         out.append(f"trend plot: {comp.plot}")
@@ -203,6 +223,11 @@ def render_markdown(comp: Comparison, plot_link: str | None = None) -> str:
     if comp.roofline:
         out += ["", "#### Floors of the current run (efficiency = floor / measured median)", "",
                 render_roofline_markdown(comp.roofline).rstrip("\n")]
+    if comp.at_length:
+        out += ["", "#### The current run's " + _length_title(comp.at_length), "",
+                *_markdown_table(*length_table(comp.at_length))]
+        if comp.length_plot:
+            out += ["", f"![latency against length]({Path(comp.length_plot).name})"]
     if plot_link:
         out += ["", f"![trend of the run medians]({plot_link})"]
     if comp.notes:

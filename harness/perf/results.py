@@ -36,7 +36,28 @@ def metric_samples(result: dict) -> dict[str, list[float]]:
         if int(bucket) != int(result["prefill_bucket"]):
             samples[f"prefill_ms[{bucket}]"] = values
     samples["decode_ms_per_token"] = result["metrics"]["decode_ms_per_token"]
+    samples.update(length_samples(result))
     return samples
+
+
+def length_samples(result: dict) -> dict[str, list[float]]:
+    """`ttft_ms@L` and `tpot_ms@L` per length; empty for a result benched without lengths."""
+    samples = {}
+    for row in (result.get("at_length") or {}).get("lengths", []):
+        samples[f"ttft_ms@{row['length']}"] = row["ttft_ms"]
+        samples[f"tpot_ms@{row['length']}"] = row["tpot_ms"]
+    return samples
+
+
+def length_lists(result: dict) -> dict[str, object]:
+    """The sample lists of the at_length block by their place in the file (for validation)."""
+    block = result.get("at_length")
+    if block is None:
+        return {}
+    rows = block.get("lengths") if isinstance(block, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("length"), int) for r in rows):
+        return {"at_length.lengths": None}
+    return {f"at_length.lengths[{r['length']}].{key}": r.get(key) for r in rows for key in ("ttft_ms", "tpot_ms")}
 
 
 def latency_samples(result: dict) -> dict[str, list[float]]:
@@ -123,6 +144,7 @@ def validate_result(result, source: str) -> dict:
     if steps is not None and not isinstance(steps, list):
         raise HarnessInputError(f"{source}: decode_steps_ms must be a list of per-run step lists; re-run the benchmark")
     lists.update({f"decode_steps_ms[{k}]": run for k, run in enumerate(steps or [])})
+    lists.update(length_lists(result))
     for name, values in lists.items():
         if not _finite_list(values):
             raise HarnessInputError(f"{source}: {name} must be a non-empty list of finite numbers; "

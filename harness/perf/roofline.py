@@ -143,10 +143,28 @@ def matmul_params_per_rank(spec: ModelSpec, tp: int) -> int:
     total = 0
     for layer, plan in zip(spec.layers, plan_model(spec, tp)):
         h, d = spec.hidden_size, layer.head_dim
-        kv_mats = 1 if layer.k_eq_v else 2
+        kv_mats = 0 if layer.kv_source is not None else (1 if layer.k_eq_v else 2)  # KV-shared: none
         total += 2 * h * plan.q_heads_per_rank * d + kv_mats * h * plan.kv_heads_per_rank * d
-        total += 3 * h * spec.intermediate_size // tp
+        total += 3 * h * spec.mlp_size(layer) // tp + 2 * h * spec.per_layer_input_size
+        if spec.moe is not None:  # the router, and the k experts a token uses (1/tp of each)
+            total += spec.moe.num_experts * h + 3 * spec.moe.top_k * spec.moe.intermediate_size * h // tp
     return total
+
+
+def experts_read(spec: ModelSpec, tokens: int) -> float:
+    """Experts a call reads per MoE layer: a decode token reads its top-k; `tokens` tokens routed
+    uniformly read E (1 - (1 - k/E)^tokens) distinct experts in expectation (at most all E)."""
+    e, k = spec.moe.num_experts, spec.moe.top_k
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def unread_expert_bytes(spec: ModelSpec, tp: int, dtype: str, tokens: int) -> float:
+    """Bytes of the experts a call does not read (summed over ranks), to take off the weight bytes:
+    the floor counts the experts actually read, not all of them."""
+    if spec.moe is None:
+        return 0.0
+    per_expert = 3 * spec.moe.intermediate_size * spec.hidden_size * dtype_bytes(dtype)  # over all ranks
+    return spec.num_layers * (spec.moe.num_experts - experts_read(spec, tokens)) * per_expert
 
 
 def graph_costs(spec: ModelSpec, tp: int, dtype: str, tokens: int, kv_len: int) -> dict:
@@ -155,17 +173,19 @@ def graph_costs(spec: ModelSpec, tp: int, dtype: str, tokens: int, kv_len: int) 
     nbytes = dtype_bytes(dtype)
     memory = bytes_per_rank(spec, tp, dtype, kv_len)
     kv_write = sum(2 * plan_layer(layer, tp).kv_heads_per_rank * tokens * layer.head_dim * nbytes
-                   for layer in spec.layers)
+                   for layer in spec.layers if layer.kv_source is None)
     attention = sum(2 * 2 * plan_layer(layer, tp).q_heads_per_rank * layer.head_dim * tokens * kv_len
                     for layer in spec.layers)
     return {
         "tokens": tokens, "kv_len": kv_len,
-        "weight_bytes": tp * memory["weights"],
+        "weight_bytes": tp * memory["weights"] - unread_expert_bytes(spec, tp, dtype, tokens),
         "kv_bytes": tp * (memory["kv_cache"] + kv_write),
         # the perf build (what is timed) runs lm_head on the last real row and returns that row only
         "flops": tp * (2 * tokens * matmul_params_per_rank(spec, tp) + 2 * lm_head_params_per_rank(spec, tp)
                        + attention),
-        "host_bytes": tokens * spec.hidden_size * nbytes + spec.vocab_size * nbytes,
+        # E2B/E4B: each token's per-layer table row rides in with its embedding
+        "host_bytes": tokens * (spec.hidden_size + spec.num_layers * spec.per_layer_input_size) * nbytes
+                      + spec.vocab_size * nbytes,
     }
 
 
@@ -232,6 +252,7 @@ def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = DEF
     """`gemma-parity info --perf`: the instance's floors and HBM fit, nothing run or measured, beside
     the published port's prefill (docs/design.md#performance-facts: about 101 ms at bucket 64)."""
     out = roofline_block(spec, tp, dtype, buckets, kv_len, rates=instance_rates(instance, tp, dtype, chip))
-    out["published_ms"] = {f"prefill[{PUBLISHED_PREFILL_BUCKET}]": PUBLISHED_PREFILL_MS}
+    if not spec.is_family:  # the published figure is the 12B's
+        out["published_ms"] = {f"prefill[{PUBLISHED_PREFILL_BUCKET}]": PUBLISHED_PREFILL_MS}
     out["hbm"] = hbm_fit(spec, tp, dtype, kv_len, chip)
     return out

@@ -21,6 +21,7 @@ from torch import nn
 
 from harness import engine as port_engine
 from harness import model as port_model
+from harness import model_blocks as port_blocks
 from harness import sharding as port_sharding
 from harness.backends import cpu as port_cpu
 from harness.compare import compare_logits
@@ -676,6 +677,155 @@ CATALOG: list[Fault] = [
 BY_NAME = {fault.name: fault for fault in CATALOG}
 
 
+# ---- the Gemma-4 family's parts (issue 22): faults on tiny transformers-built variants ------------
+
+TINY_E2B, TINY_E4B, TINY_MOE = "tiny-e2b", "tiny-e4b", "tiny-26b-a4b"
+# The default prompts of 7, 24, 40 and 64 tokens (past the sliding window of 16) with decode steps:
+# enough rows for the probability envelope's quantile, and still cheap on the tiny variants.
+def _family_prompts() -> list[list[int]]:
+    from harness.prompts import load_prompts
+
+    return [p for p in load_prompts() if len(p) <= 64]
+
+
+FAMILY_PROMPTS = _family_prompts()
+FAMILY_NEW_TOKENS = 8
+FAMILY_BUCKETS, FAMILY_KV_LEN = (64,), 128
+
+
+def ple_combine_factor_wrong(monkeypatch):
+    """(projection + table row) summed without the 1/sqrt(2) of transformers' per_layer_input_scale."""
+    monkeypatch.setattr(port_blocks, "PLE_COMBINE", 1.0)
+
+
+def ple_table_unscaled(monkeypatch):
+    """The host's per-layer table rows not multiplied by sqrt(per_layer_input)."""
+    monkeypatch.setattr(port_engine, "per_layer_rows", lambda table, ids, width: table[ids])
+
+
+def ple_wrong_layer_slice(monkeypatch):
+    """Layer i gets the packed per-layer input of layer i + 1 (the slice one layer off)."""
+    layers = lambda per_layer: per_layer.shape[2]  # noqa: E731
+    monkeypatch.setattr(port_blocks.FamilyRankDecoder, "layer_input",
+                        staticmethod(lambda per_layer, i: per_layer[:, :, (i + 1) % layers(per_layer)]))
+
+
+def kv_shared_source_off_by_one(monkeypatch):
+    """A KV-shared layer reads the cache of the layer before its source, where that layer has the
+    same attention type (tiny-e4b's sliding shared layers 8-10 read 6, not 7); elsewhere the shapes
+    differ and the port would raise, which the check reports too but cannot place."""
+    def source_of(self, layer):
+        before = layer.kv_source - 1
+        return before if self.spec.layers[before].type == layer.type else layer.kv_source
+
+    monkeypatch.setattr(port_blocks.FamilyRankDecoder, "source_of", source_of)
+
+
+def shared_layer_writes_cache(monkeypatch):
+    """A KV-shared layer writes into the cache it reads (its rotated queries of the source's KV head
+    count, at its positions), as if it kept the store path of an unshared layer."""
+    original = port_blocks.SharedKVAttention.forward
+
+    def forward(self, x, cos, sin, positions, mask):
+        b, s, _ = x.shape
+        cache = self.source_cache
+        heads = cache.k.shape[1]
+        q = port_model.apply_rope(self.q_norm(self.q_proj(x).view(b, s, self.q_heads, self.head_dim)), cos, sin)
+        own = q[:, :, :heads].transpose(1, 2)
+        cache.update(positions, own, own)
+        return original(self, x, cos, sin, positions, mask)
+
+    monkeypatch.setattr(port_blocks.SharedKVAttention, "forward", forward)
+
+
+def _router_forward(bf16_softmax=False, renormalise=True, expert_scale=True):
+    def forward(self, x):
+        logits = self.proj(port_model.rms_norm(x, None, self.eps) * self.scale * self.root)
+        probs = (torch.softmax(logits.to(torch.bfloat16), dim=-1) if bf16_softmax
+                 else torch.softmax(logits, dim=-1, dtype=torch.float32))
+        weights, chosen = torch.topk(probs.float(), k=self.top_k, dim=-1)
+        if renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights * self.per_expert_scale[chosen] if expert_scale else weights, chosen
+    return forward
+
+
+def router_softmax_bf16(monkeypatch):
+    monkeypatch.setattr(port_blocks.Router, "forward", _router_forward(bf16_softmax=True))
+
+
+def topk_not_renormalised(monkeypatch):
+    monkeypatch.setattr(port_blocks.Router, "forward", _router_forward(renormalise=False))
+
+
+def per_expert_scale_missing(monkeypatch):
+    monkeypatch.setattr(port_blocks.Router, "forward", _router_forward(expert_scale=False))
+
+
+def moe_sum_without_norms(monkeypatch):
+    """The dense MLP and the experts summed raw, without post_feedforward_layernorm_1/_2 (and the
+    experts' input without pre_feedforward_layernorm_2)."""
+    def feed_forward(self, h, captures, prefix):
+        flat = h.reshape(-1, h.shape[-1])
+        logits, weights, chosen = self.router(flat)
+        if captures is not None:
+            captures[prefix + "router_logits"] = logits.view(*h.shape[:-1], -1)
+            dense = torch.zeros_like(logits, dtype=torch.float32).scatter(-1, chosen, weights)
+            captures[prefix + "expert_weights"] = dense.view(*h.shape[:-1], -1)
+        return self.mlp(self.pre_feedforward_layernorm(h)) + self.experts(flat, weights, chosen).view(h.shape)
+
+    monkeypatch.setattr(port_blocks.FamilyDecoderLayer, "feed_forward", feed_forward)
+
+
+# The bf16 stage is not asserted on the MoE variant: its clean port already fails there on router
+# near-ties (a token whose k-th and (k+1)-th experts are within bf16 noise routes differently in the
+# port and the reference, as a near-tied token would; check has no routing near-tie policy yet). The
+# fp32 stage passes clean and names each MoE fault; `stages` and the bf16 point are not checked.
+# Since the judge's rewrite (harness/points.py) the family's own points (per_layer_input,
+# router_logits, expert_weights) are captured but not judged: the faults show at the layer's MLP
+# residual or output, with component "mlp", until layer_points follows the spec.
+def _fp32_only(point: str, layer: int, component: str) -> Expectation:
+    return Expectation(None, layer, component, stages=("fp32",), fp32_point=point)
+
+
+FAMILY_CATALOG: list[Fault] = [
+    Fault("ple-combine-factor", "§family PLE", "per-layer inputs combined without the 1/sqrt(2) factor",
+          ple_combine_factor_wrong, Expectation(None, 0, "mlp", stages=("fp32",),
+                                                fp32_point="layers.0.output"), TINY_E2B),
+    Fault("ple-table-unscaled", "§family PLE", "the per-layer table's rows not scaled by sqrt(per_layer_input)",
+          ple_table_unscaled, Expectation("layers.0.output", 0, "mlp", fp32_point="layers.0.output"), TINY_E2B),
+    Fault("ple-wrong-layer-slice", "§family PLE", "layer i reads layer i+1's slice of the per-layer inputs",
+          ple_wrong_layer_slice, Expectation("layers.0.output", 0, "mlp", fp32_point="layers.0.output"), TINY_E2B),
+    Fault("kv-shared-source-off-by-one", "§family KV sharing", "the shared layers read layer source - 1's cache",
+          kv_shared_source_off_by_one, Expectation(_attn(8), 8, "attention", fp32_point=_attn(8)), TINY_E4B),
+    Fault("shared-layer-writes-cache", "§family KV sharing",
+          "a KV-shared layer writes into the cache it reads (its source's): the source's cache point breaks",
+          shared_layer_writes_cache, Expectation(_kv(5, "k"), 5, "attention", fp32_point=_kv(5, "k")), TINY_E4B),
+    Fault("router-softmax-bf16", "§family MoE", "the router's softmax in bf16, not fp32",
+          router_softmax_bf16, _fp32_only("layers.0.mlp_residual", 0, "mlp"), TINY_MOE),
+    Fault("topk-not-renormalised", "§family MoE", "the top-k router weights not renormalised to sum 1 (the "
+          "experts' post-norm then removes the common factor: only the fp32 stage's weights point shows it)",
+          topk_not_renormalised, _fp32_only("layers.0.mlp_residual", 0, "mlp"), TINY_MOE),
+    Fault("per-expert-scale-missing", "§family MoE", "the router's per-expert scale not applied",
+          per_expert_scale_missing, _fp32_only("layers.0.mlp_residual", 0, "mlp"), TINY_MOE),
+    Fault("moe-sum-without-norms", "§family MoE", "dense MLP and experts summed without their norms",
+          moe_sum_without_norms, _fp32_only("layers.0.mlp_residual", 0, "mlp"), TINY_MOE),
+]
+
+
+def run_family_check(fault: Fault | None, monkeypatch, checkpoint, references, tp: int = 2):
+    """Inject `fault`, build the port (bf16, CPU) for a family checkpoint and run the check (both
+    stages, no local verdicts: their layers mostly cannot run alone)."""
+    from harness.backends import build_engine
+    from harness.parity import check_port
+    from harness.settings import RunSettings
+
+    if fault is not None:
+        fault.inject(monkeypatch)
+    engine = build_engine(checkpoint, RunSettings(tp=tp, dtype="bfloat16", buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN))
+    return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=False)
+
+
 # ---- running a fault and reading what caught it -------------------------------------------------
 
 def engine_options(key: str) -> dict:
@@ -690,6 +840,7 @@ def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references, l
     bf16) computed once for the checkpoint."""
     from harness.backends import build_engine
     from harness.parity import check_port
+    from harness.settings import RunSettings
 
     if fault is not None:
         fault.inject(monkeypatch)

@@ -26,7 +26,7 @@ def spec_12b():
 
 @pytest.fixture(scope="module")
 def spec_31b():
-    return load_spec(CONFIGS / "gemma-4-31b-shaped.json")
+    return load_spec(CONFIGS / "gemma-4-31b-it.json")
 
 
 def _layer(q_heads, kv_heads, head_dim=8, index=0, full=False, k_eq_v=False) -> LayerSpec:
@@ -62,8 +62,8 @@ def test_12b_at_tp2_shards_queries_and_replicates_the_one_kv_head(spec_12b):
         assert [plan.kv_heads_for_rank(r) for r in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
-def test_31b_shaped_at_tp8_replicates_four_full_kv_heads(spec_31b):
-    """31B-shaped, tp=8: full layers' 4 KV heads are replicated, each rank holding the KV head its
+def test_31b_at_tp8_replicates_four_full_kv_heads(spec_31b):
+    """31B (google/gemma-4-31B-it), tp=8: full layers' 4 KV heads are replicated, each rank holding the KV head its
     4 query heads read, (r * q_per_rank) // (nq / nkv) = r // 2; sliding layers' 16 KV heads shard
     2 per rank (groups 2)."""
     full, sliding = _plans_by_type(spec_31b, 8)

@@ -23,7 +23,7 @@ from harness.reference import ReferenceResult
 from harness.spec import spec_from_config_dict
 
 CONFIG_12B = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"
-CONFIG_31B = FIXTURES_DIR / "configs" / "gemma-4-31b-shaped.json"
+CONFIG_31B = FIXTURES_DIR / "configs" / "gemma-4-31b-it.json"
 WEIGHTS = "model.safetensors"
 TEXT = "model.language_model."
 
@@ -172,7 +172,7 @@ def test_wrong_model_type_is_refused(ckpt_copy, tmp_path, capsys):
     """A config of another model family: the file, the model_type found and the checkpoint to use."""
     _edit_config(ckpt_copy, lambda c: c.update(model_type="gemma3"))
     _refused(_reference(ckpt_copy, tmp_path), capsys, tmp_path, "config.json", "model_type is 'gemma3'",
-             "Point the tool at a Gemma-4 unified checkpoint")
+             "Point the tool at a Gemma-4 checkpoint")
 
 
 def test_shard_listed_in_index_but_missing_is_refused(ckpt_copy, tmp_path, capsys):

@@ -1,0 +1,135 @@
+"""`gemma-parity quality`: the port's next-token distributions over a corpus against a compact golden
+of the fp32 reference, side by side with the bf16 reference (KL, delta-p, top-1, perplexity)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from harness.atomic import write_json_atomic
+from harness.cli import validate as v
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
+from harness.errors import GoldenError, OptionError, OutputError
+
+
+def add_command(sub) -> None:
+    p = sub.add_parser(
+        "quality", help="judge the port's distributions over a corpus against the fp32 and bf16 references",
+        description="Teacher-force the port over a corpus cut into windows and compare its next-token "
+                    "distributions with a golden of the fp32 reference (written here first, streamed one "
+                    "layer at a time, resumable, optionally split into shards), side by side with the bf16 "
+                    "reference. Exit 0 the port is no worse than bf16 by the stated factor, 1 it is, 2 bad input.")
+    add_model_args(p)
+    p.add_argument("--corpus", required=True, metavar="FILE",
+                   help="a JSON list of token ids (or {\"ids\": [...]}), or text for the checkpoint's tokenizer")
+    p.add_argument("--golden", required=True, metavar="DIR",
+                   help="the corpus golden: written here when missing or incomplete (resumed), then read")
+    p.add_argument("--window", type=int, default=None, help="tokens per teacher-forced window (default 64, or the golden's)")
+    p.add_argument("--topk", type=int, default=None, help="fp32 log-probabilities kept per position (default 32, or the golden's)")
+    p.add_argument("--windows-per-part", type=int, default=None,
+                   help="windows per golden file, the resume granularity (default 16, or the golden's)")
+    p.add_argument("--shard", metavar="I/N", default=None,
+                   help="write only shard I of N of the golden (0-based; one CI job each) and stop")
+    p.add_argument("--reference-only", action="store_true", help="write the golden's missing shards and stop")
+    add_port_args(p, "write quality.md, quality.json, quality_kl.png and worst_prompts.json there")
+    p.set_defaults(func=run, validate=validate)
+
+
+def _shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise OptionError(f"--shard {text!r}: expected I/N, e.g. 0/4 (shard 0 of 4)") from None
+    if n < 1 or not 0 <= i < n:
+        raise OptionError(f"--shard {text}: need N >= 1 and 0 <= I < N")
+    return i, n
+
+
+def _existing_settings(golden: Path) -> dict:
+    from harness.quality import SETTINGS_FILE
+
+    file = golden / SETTINGS_FILE
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise GoldenError(f"--golden {golden}: {SETTINGS_FILE} is unreadable ({exc}); remove the directory") from None
+
+
+def _outputs(args, inputs) -> None:
+    from harness.quality_report import MARK, REPORT_FILES
+
+    outputs: dict = {}
+    if args.json is not None:
+        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
+    if args.report is not None:
+        report = v.output_location(args.report, "--report", True, inputs, outputs)
+        foreign = sorted(p.name for p in report.iterdir() if p.name not in REPORT_FILES) if report.is_dir() else []
+        md = report / "quality.md"
+        if foreign or (md.is_file() and MARK not in md.read_text(errors="replace")):
+            raise OutputError(f"--report {report}: holds files gemma-parity quality did not write "
+                              f"({', '.join(foreign[:5]) or 'quality.md'}); choose a new or empty directory")
+    v.output_location(args.golden, "--golden", True, inputs, outputs)
+    v.clean_leftovers(outputs.values())
+
+
+def validate(args) -> None:
+    """Options, outputs, the checkpoint, the corpus and an existing golden's settings, in that order."""
+    from harness.quality import DEFAULT_WINDOW, DEFAULT_WINDOWS_PER_PART, golden_settings, load_corpus
+    from harness.quality_judge import check_window_fits
+    from harness.quality_stats import DEFAULT_TOPK
+
+    v._port_options(args)
+    args.settings = run_settings(args)
+    args.shard_pair = _shard(args.shard)
+    existing = _existing_settings(Path(args.golden))
+    for name, default in (("window", DEFAULT_WINDOW), ("topk", DEFAULT_TOPK), ("windows_per_part", DEFAULT_WINDOWS_PER_PART)):
+        if getattr(args, name) is None:
+            setattr(args, name, existing.get(name, default))
+    v._int_option(args, "window", 2)
+    v._int_option(args, "windows_per_part", 1)
+    if not 1 <= args.topk <= 256:
+        raise OptionError(f"--topk {args.topk}: use 1 to 256 (32-64 keeps the golden compact)")
+    inputs = v.model_inputs(args)
+    inputs["--corpus"] = v.input_path(args.corpus, "--corpus", want_dir=False)
+    _outputs(args, inputs)
+    ckpt = v.open_checkpoint(args)
+    v.check_tp(ckpt.spec, args.tp)
+    v.check_kv_len(ckpt.spec, args.kv_len)
+    check_window_fits(args.window, args.buckets, args.kv_len)
+    args.corpus_ids = load_corpus(args.corpus, args.ckpt_dir, ckpt.spec)
+    shards = args.shard_pair[1] if args.shard_pair else existing.get("shards", 1)
+    args.golden_settings = golden_settings(ckpt, args.corpus_ids, args.window, topk=args.topk, shards=shards,
+                                    windows_per_part=args.windows_per_part)
+
+
+def run(args) -> int:
+    from harness.quality import golden_bytes, missing_shards, prepare_golden_dir, write_shard
+    from harness.quality_judge import judge_corpus
+    from harness.quality_report import format_quality, write_quality_report
+
+    ckpt, settings = args.ckpt, args.golden_settings
+    print(ckpt.describe())
+    prepare_golden_dir(args.golden, settings)
+    todo = [args.shard_pair[0]] if args.shard_pair else missing_shards(args.golden, settings)
+    for shard in todo:
+        write_shard(ckpt, args.corpus_ids, args.golden, settings, shard, progress=True)
+        print(f"golden shard {shard}/{settings.shards} written to {args.golden} "
+              f"({golden_bytes(args.golden) / 1e6:.2f} MB so far)")
+    if args.shard_pair or args.reference_only:
+        left = missing_shards(args.golden, settings)
+        print(f"reference pass done; shards still missing: {left or 'none'}"
+              + ("" if left else f"; judge with `gemma-parity quality --golden {args.golden} ...`"))
+        return EXIT_OK
+    payload = judge_corpus(ckpt, args.golden, settings, args.settings, progress=True)
+    kl_values = payload.pop("kl_values")
+    payload = with_generator(payload, "quality")
+    if args.json is not None:  # the files first: a verdict is printed only once they are written
+        write_json_atomic(args.json, payload)
+    if args.report is not None:
+        write_quality_report(args.report, payload, kl_values)
+    print(format_quality(payload))
+    return EXIT_OK if payload["passed"] else EXIT_FAIL
