@@ -87,7 +87,7 @@ def run(args) -> int:
     payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len)
     payload["memory_plan"]["sliding_cache"] = args.sliding_cache
     print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
-    payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, args.chip, s.sliding_cache)
+    payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache)
     print(render_hbm_fit(payload["hbm"]))
     if args.perf:
         from harness.perf import info_floors, render_roofline

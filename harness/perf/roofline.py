@@ -256,5 +256,5 @@ def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = DEF
     out = roofline_block(spec, tp, dtype, buckets, kv_len, rates=instance_rates(instance, tp, dtype, chip))
     if not spec.is_family:  # the published figure is the 12B's
         out["published_ms"] = {f"prefill[{PUBLISHED_PREFILL_BUCKET}]": PUBLISHED_PREFILL_MS}
-    out["hbm"] = hbm_fit(spec, tp, dtype, kv_len, chip, sliding_cache)
+    out["hbm"] = hbm_fit(spec, tp, dtype, kv_len, chip=chip, sliding_cache=sliding_cache)
     return out
