@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from harness import FIXTURES_DIR
-from harness.checkpoint import cache_dir
+from harness.tiny import cache_dir
 from harness.perf import bench_prompt, write_json
 
 REAL_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"

@@ -23,7 +23,8 @@ LAYERS = {
     "harness.errors": 1, "harness.spec": 1, "harness.spec_family": 1, "harness.numerics": 1, "harness.atomic": 1, "harness.progress": 1,
     "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
     # 2: weights, plans, inputs
-    "harness.checkpoint": 2, "harness.sharding": 2, "harness.instances": 2, "harness.prompts": 2,
+    "harness.checkpoint": 2, "harness.checkpoint_files": 2, "harness.tiny": 2, "harness.sharding": 2,
+    "harness.instances": 2, "harness.prompts": 2,
     # 3: the port
     "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
     # 4: execution: the backends, and the reference (transformers only)
