@@ -20,8 +20,8 @@ PACKAGE = Path(harness.__file__).parent
 LAYERS = {
     "harness": 0,
     # 1: facts and plumbing every layer may use
-    "harness.errors": 1, "harness.spec": 1, "harness.spec_family": 1, "harness.numerics": 1, "harness.atomic": 1, "harness.progress": 1,
-    "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
+    "harness.errors": 1, "harness.spec": 1, "harness.spec_family": 1, "harness.spec_validate": 1, "harness.numerics": 1,
+    "harness.atomic": 1, "harness.progress": 1, "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.checkpoint_files": 2, "harness.tiny": 2, "harness.sharding": 2,
     "harness.instances": 2, "harness.prompts": 2,
