@@ -34,7 +34,8 @@ def nxd(tmp_path_factory):
         mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(cache))
         mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
         mp.setenv("GEMMA_PARITY_INSTANCE_TYPE", "inf2.8xlarge")  # the bench's rates, whatever this host is
-        mp.setattr(neuron, "neuron_core_count", lambda: 16)  # an inf2.48xlarge's worth: any xdist worker fits
+        # an inf2.48xlarge's worth, where the core assignment counts them: any xdist worker fits
+        mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
         with installed(mp):
             yield cache
 
