@@ -46,9 +46,11 @@ from harness.backends.neuron_cache import (  # noqa: F401  (re-exported: the bac
     artifact_cache_key, cache_entry_complete, compile_environment, compiler_flag_string, default_cache_dir,
     default_compile_workers, model_source_hash, normalize_compiler_args, read_cache_meta, write_cache_entry)
 from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host's Neuron environment)
-    INF2_CORES_PER_DEVICE, INF2_LNC, NEURON_SDK_RELEASE, PINNED_VERSIONS, assign_visible_cores, build_platform,
-    check_neuron_packages, import_neuronx_distributed, installed_neuron_packages, neuron_core_count,
-    neuron_runtime_version, toolchain_version, version_matches, visible_cores_for_worker)
+    INF2_CORES_PER_DEVICE, INF2_LNC, assign_visible_cores, build_platform, import_neuronx_distributed,
+    neuron_core_count, neuron_runtime_version, visible_cores_for_worker)
+from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the SDK's pinned packages)
+    NEURON_SDK_RELEASE, PINNED_VERSIONS, check_neuron_packages, installed_neuron_packages, toolchain_version,
+    version_matches)
 from harness.errors import HarnessInputError
 from harness.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,

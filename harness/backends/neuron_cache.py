@@ -152,7 +152,7 @@ def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, 
 
 
 def default_cache_dir() -> Path:
-    from harness.checkpoint import cache_dir
+    from harness.tiny import cache_dir
 
     return Path(os.environ.get("GEMMA_PARITY_NEURON_CACHE", cache_dir() / "neuron"))
 

@@ -1004,7 +1004,7 @@ def inexact_scale_checkpoint(out_dir):
     """The tiny config with a hidden size whose sqrt is inexact in bf16, built into `out_dir`."""
     import json
 
-    from harness.checkpoint import TINY_CONFIG, build_tiny_checkpoint
+    from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
 
     config = json.loads(TINY_CONFIG.read_text())
     config["text_config"]["hidden_size"] = INEXACT_SCALE_HIDDEN
@@ -1021,7 +1021,9 @@ def main(argv=None) -> int:
 
     import pytest
 
-    from harness.checkpoint import Checkpoint, tiny_checkpoint
+    from harness.checkpoint import Checkpoint
+
+    from harness.tiny import tiny_checkpoint
     from harness.prompts import DEFAULT_NEW_TOKENS, load_prompts
     from harness.reference import run_reference
 
