@@ -73,14 +73,14 @@ def pytest_collection_modifyitems(config, items):
 def tiny_dir(request):
     """The tiny 12B-shaped checkpoint directory, one per seed (built once, cached on disk). The
     default lane runs the first seed; the others (each a whole parity run) are in the slow lane."""
-    from harness.checkpoint import tiny_checkpoint
+    from harness.tiny import tiny_checkpoint
 
     return tiny_checkpoint(seed=request.param)
 
 
 @pytest.fixture(scope="session")
 def tiny0_dir():
-    from harness.checkpoint import tiny_checkpoint
+    from harness.tiny import tiny_checkpoint
 
     return tiny_checkpoint(seed=0)
 
@@ -108,7 +108,7 @@ def default_prompts():
 
 @functools.lru_cache(maxsize=None)
 def _reference(seed: int, prompts: tuple[tuple[int, ...], ...]):
-    from harness.checkpoint import tiny_checkpoint
+    from harness.tiny import tiny_checkpoint
     from harness.reference import run_reference
 
     return run_reference(tiny_checkpoint(seed=seed), [list(p) for p in prompts], new_tokens=8)
@@ -155,7 +155,7 @@ def long_dir(tmp_path_factory):
     """The tiny config at a window of 8 (tests/faults/catalog.py, LONG): prompts of 2-4 windows."""
     import json
 
-    from harness.checkpoint import TINY_CONFIG, build_tiny_checkpoint
+    from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
     from tests.faults.catalog import LONG_WINDOW
 
     out = tmp_path_factory.mktemp("long-context")

@@ -181,7 +181,8 @@ def select(names: str | None) -> list[Variant]:
 
 def main(argv=None) -> int:
     from harness.atomic import write_json_atomic, write_text_atomic
-    from harness.checkpoint import Checkpoint, tiny_checkpoint
+    from harness.checkpoint import Checkpoint
+    from harness.tiny import tiny_checkpoint
     from harness.errors import HarnessInputError
     from harness.prompts import load_prompts
 

@@ -7,7 +7,7 @@ It is written one layer per safetensors shard, never holding more than one layer
 
 Each measurement runs in a fresh subprocess and reports its peak RSS (VmHWM; see peak_rss_bytes):
   imports       python + torch + transformers + harness imported (the floor under both)
-  streaming     harness.reference.stream_prefill_captures: one decoder layer resident at a time
+  streaming     harness.reference_stream.stream_prefill_captures: one decoder layer resident at a time
   transformers  Gemma4UnifiedForConditionalGeneration.from_pretrained + one forward
 Both forwards run the same prompt; the table also compares their raw last-position logits.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from harness import FIXTURES_DIR
-from harness.checkpoint import cache_dir
+from harness.tiny import cache_dir
 from harness.perf import bench_prompt, write_json
 
 REAL_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"
@@ -149,7 +149,7 @@ def measure(mode: str, path: Path, dtype_name: str, prompt_len: int, count: int 
 
         import harness.reference  # noqa: F401
     elif mode == "streaming":
-        from harness.reference import stream_prefill_captures_many
+        from harness.reference_stream import stream_prefill_captures_many
 
         checkpoint = Checkpoint.open(path)
         prompts = prompts_for(checkpoint.spec.vocab_size, prompt_len, count)

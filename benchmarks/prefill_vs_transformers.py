@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         print(json.dumps(measure(args.child, args.checkpoint, args.dtype, args.repeats)))
         return 0
     if args.model == "tiny":
-        from harness.checkpoint import tiny_checkpoint
+        from harness.tiny import tiny_checkpoint
 
         path = tiny_checkpoint(seed=0)
     else:

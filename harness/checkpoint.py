@@ -1,39 +1,22 @@
 """Local safetensors checkpoints: index, key mapping to the text decoder, shape checks, per-layer
-memory-mapped reads (a 12B never resident at once), pickle refusal, and the tiny fixture builder."""
+memory-mapped reads (a 12B never resident at once) and pickle refusal
+(the tiny fixture builder is harness/tiny.py)."""
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from harness import FIXTURES_DIR
-from harness.atomic import atomic_directory, clean_stale_temps
-from harness.errors import (CheckpointError, HarnessInputError, InputFileError, NumericsError, OutputError, os_problem,
-                            not_a_file, read_json_file, read_problem, wrapped_os_error)
+from harness.errors import CheckpointError, NumericsError
+from harness.checkpoint_files import key_map, open_safetensors, weight_files
 from harness.spec import LayerSpec, ModelSpec, load_spec
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # The unified multimodal checkpoint keeps the text decoder under model.language_model; a bare
 # text checkpoint (Gemma4UnifiedForCausalLM) under model.
 TEXT_PREFIXES = ("model.language_model.", "model.")
-ROW_NORM_SPREAD = 0.5
-POST_NORM_LOW, POST_NORM_SPAN = 2.0, 3.0
-TINY_BUILDER_VERSION = 3
-TINY_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-tiny.json"
-# Tiny transformers-built checkpoints of the family's variants (fixtures/configs/tiny/).
-TINY_FAMILY = {name: FIXTURES_DIR / "configs" / "tiny" / f"gemma-4-tiny-{name}.json"
-               for name in ("31b", "e2b", "e4b", "26b-a4b")}
-TINY_CLASSES = {"gemma4_unified": ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration"),
-                "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
-                "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM")}
-SINGLE_FILE = "model.safetensors"  # what transformers loads first, when it exists
-INDEX_FILE = "model.safetensors.index.json"  # otherwise this index and the shards it lists
 # Weights the port and the reference cast to the run's dtype: integer or boolean tensors are not
 # weights of this model, and casting them would make up numbers.
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
@@ -128,8 +111,8 @@ class Checkpoint:
             raise CheckpointError(f"{path}: {what}. Pass the checkpoint directory "
                                   "(the one save_pretrained wrote, with config.json and *.safetensors).")
         spec = load_spec(path)
-        files, index_map, ignored_files = _weight_files(path)
-        key_to_file = _key_map(path, files, index_map)
+        files, index_map, ignored_files = weight_files(path)
+        key_to_file = key_map(path, files, index_map)
         prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in key_to_file), None)
         if prefix is None:
             raise CheckpointError(
@@ -202,7 +185,7 @@ class Checkpoint:
 
     # -- reads (memory-mapped, one tensor at a time) -------------------------------------------
     def _open(self, file: Path):
-        return _safe_open(file)
+        return open_safetensors(file)
 
     def get(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         if key not in self.key_to_file:
@@ -325,276 +308,3 @@ def _all_finite(tensor: torch.Tensor) -> bool:
         return True
     low, high = torch.aminmax(tensor)
     return bool(torch.isfinite(low) and torch.isfinite(high))
-
-
-def _safe_open(file: Path):
-    """safe_open, after a plain read of the file's first bytes so that permission problems are
-    reported as such (and not as a corrupted file)."""
-    try:
-        with open(file, "rb") as f:
-            f.read(8)
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, file, "safetensors file")) from None
-    try:
-        return safe_open(str(file), framework="pt")
-    except Exception as exc:
-        raise CheckpointError(f"{file}: cannot be read as safetensors ({exc}). The file is "
-                              "truncated or corrupted; download or save it again.") from exc
-
-
-def _list_dir(path: Path) -> list[Path]:
-    try:
-        return sorted(path.iterdir())
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, path, "checkpoint directory")) from None
-
-
-def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None, list[str]]:
-    """(files to load, the index's weight_map or None, names present but not loaded), chosen the
-    way transformers' from_pretrained chooses them for a local directory."""
-    entries = _list_dir(path)
-    names = [e.name for e in entries if e.name.endswith(".safetensors") or e.name == INDEX_FILE]
-    explicit = _explicit_weights(path)
-    for name in (SINGLE_FILE, INDEX_FILE):  # what transformers would pick, if it is there at all
-        if explicit is None and os.path.lexists(path / name) and not (path / name).is_file():
-            raise CheckpointError(f"{path / name}: {not_a_file(path / name)}, not a file; transformers would "
-                                  "try to load it. Give the checkpoint's weights as regular files.")
-    if explicit is not None:
-        chosen = explicit
-    elif (path / SINGLE_FILE).is_file():
-        chosen = path / SINGLE_FILE
-    elif (path / INDEX_FILE).is_file():
-        chosen = path / INDEX_FILE
-    else:
-        _refuse_no_weights(path, entries)
-    if chosen.name.endswith(".index.json"):
-        weight_map = _read_index(chosen)
-        files = [_inside(path, name, chosen) for name in sorted(set(weight_map.values()))]
-        loaded = {f.name for f in files} | {chosen.name}
-        return files, weight_map, [n for n in names if n not in loaded]
-    return [chosen], None, [n for n in names if n != chosen.name]
-
-
-def _explicit_weights(path: Path) -> Path | None:
-    """config.json's `transformers_weights`, which from_pretrained loads instead of the defaults."""
-    try:
-        config = read_json_file(path / "config.json", "config", CheckpointError, "")
-    except HarnessInputError:
-        return None  # load_spec has already refused an unreadable config
-    name = config.get("transformers_weights") if isinstance(config, dict) else None
-    if name is None:
-        return None
-    if not isinstance(name, str) or not name.endswith((".safetensors", ".safetensors.index.json")):
-        raise CheckpointError(f"{path / 'config.json'}: transformers_weights={name!r} must name a "
-                              "*.safetensors file or a *.safetensors.index.json inside the directory")
-    file = _inside(path, name, path / "config.json")
-    if not file.is_file():
-        raise CheckpointError(f"{file}: named by config.json's transformers_weights but {not_a_file(file)}")
-    return file
-
-
-def _refuse_no_weights(path: Path, entries: list[Path]):
-    shards = [e.name for e in entries if e.name.endswith(".safetensors")]
-    if shards:
-        raise CheckpointError(
-            f"{path}: {', '.join(shards)} but no {SINGLE_FILE} and no {INDEX_FILE}. transformers loads "
-            f"only {SINGLE_FILE} or the shards an index lists; rename a single file to {SINGLE_FILE}, or "
-            "re-save the checkpoint with save_pretrained (which writes the index).")
-    pickles = sorted(e.name for e in entries if e.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise CheckpointError(
-            f"{path}: only pickle weights found ({', '.join(pickles)}). Pickle checkpoints can "
-            "run arbitrary code when loaded and are refused: convert to safetensors "
-            "(model.save_pretrained(dir, safe_serialization=True)) and point the tool there."
-        )
-    raise CheckpointError(f"{path}: no *.safetensors files. Pass a checkpoint directory "
-                          "written by save_pretrained.")
-
-
-def _inside(path: Path, name, source: Path) -> Path:
-    """A file name from an index or config: a plain name inside the checkpoint directory."""
-    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
-        raise CheckpointError(f"{source}: file name {name!r} does not name a file inside {path}; "
-                              "an index lists shard files of its own directory")
-    return path / name
-
-
-def _read_index(index_file: Path) -> dict[str, str]:
-    index = read_json_file(index_file, "safetensors index", CheckpointError,
-                           "not a valid safetensors index: download it again or re-save the checkpoint")
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise CheckpointError(f"{index_file}: not a valid safetensors index: it needs a non-empty "
-                              '"weight_map" object of key -> shard file name; download it again')
-    return weight_map
-
-
-def _key_map(path: Path, files: list[Path], weight_map: dict[str, str] | None) -> dict[str, Path]:
-    """key -> file from the files' own headers; a key stored twice, or an index that disagrees
-    with the shards, is refused (transformers would let one copy win silently)."""
-    found: dict[str, Path] = {}
-    for file in files:
-        if not file.is_file():
-            key = next((k for k, v in (weight_map or {}).items() if v == file.name), "?")
-            raise CheckpointError(f"{file}: shard listed in {INDEX_FILE} for key {key}: {not_a_file(file)}, not a "
-                                  "safetensors file. Download the missing shard or re-save the checkpoint.")
-        with _safe_open(file) as f:
-            for key in f.keys():
-                if key in found:
-                    raise CheckpointError(
-                        f"{path}: key {key} is stored twice, in {found[key].name} and {file.name}; one copy "
-                        "would silently win. Remove the duplicate shard or re-save the checkpoint.")
-                found[key] = file
-    for key, name in (weight_map or {}).items():
-        if key not in found or found[key].name != name:
-            where = f"it is in {found[key].name}" if key in found else "no shard holds it"
-            raise CheckpointError(f"{path / INDEX_FILE}: lists key {key} in {name} but {where}; the "
-                                  "index and the shards disagree: download them again or re-save")
-    return found
-
-
-# ---- the tiny fixture -----------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    """$GEMMA_PARITY_CACHE (an empty value counts as unset), else ~/.cache/gemma-parity."""
-    if os.environ.get("GEMMA_PARITY_CACHE", "").strip():
-        return Path(os.environ["GEMMA_PARITY_CACHE"])
-    try:
-        return Path.home() / ".cache" / "gemma-parity"
-    except RuntimeError:
-        raise OutputError("no home directory to keep the tiny-model cache in; set GEMMA_PARITY_CACHE "
-                          "to a writable directory") from None
-
-
-def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, config_path: str | Path = TINY_CONFIG,
-                          logit_scale: float = 1.0, overwrite: bool = False) -> Path:
-    """Write a random Gemma-4 checkpoint through transformers' own class and save_pretrained (the
-    unified class for gemma4_unified configs, Gemma4ForConditionalGeneration for gemma4 ones).
-
-    Deterministic from `seed`. Weights are sized so greedy logits have clear top-1 margins
-    (embedding rows of unit scale; projections at 1/sqrt(fan_in)), and norm weights and
-    layer_scalar are drawn away from 1.0 so that `1 + weight` or a dropped scalar shows.
-    """
-    import transformers
-
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise CheckpointError(f"{out_dir}: already exists and is not empty; choose a new directory "
-                              "(a checkpoint is never overwritten silently)")
-    config = read_json_file(Path(config_path), "config", CheckpointError, "pass a Gemma-4 unified config.json")
-    config.pop("architectures", None)
-    config.pop("transformers_version", None)
-    torch.manual_seed(seed)  # parts randomize_for_margins leaves alone (inert embedders) too
-    config_cls, model_cls = TINY_CLASSES[config.get("model_type", "gemma4_unified")]
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
-    randomize_for_margins(model, seed, logit_scale)
-    _save_atomically(model, out_dir, overwrite)
-    return out_dir
-
-
-def randomize_for_margins(model, seed: int, logit_scale: float = 1.0) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()) + sorted(model.named_buffers()):
-            if name.endswith("layer_scalar"):
-                # |s - 1| >= 0.2 so that a missing layer_scalar is a visible error
-                sign = 1.0 if torch.rand((), generator=gen) < 0.5 else -1.0
-                p.fill_(1.0 + sign * (0.2 + 0.3 * torch.rand((), generator=gen).item()))
-            elif name.endswith("embed_tokens.weight"):
-                # Row norms spread log-normally: a few rows dominate the tied lm_head, which widens
-                # the top-1/top-2 gaps the way a trained model's peaked distributions do.
-                rows = torch.exp(ROW_NORM_SPREAD * torch.randn(p.shape[0], 1, generator=gen))
-                p.copy_(torch.randn(p.shape, generator=gen) * rows * logit_scale)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
-                # With attention scaling 1.0, unit q/k norms give scores of std sqrt(head_dim): a
-                # near-argmax softmax whose winner bf16 noise flips. Softer attention keeps the
-                # random model well conditioned, and 0.3-0.6 is still far from 1.0.
-                p.copy_(0.3 + 0.3 * torch.rand(p.shape, generator=gen))
-            elif name.endswith(("language_model.norm.weight", "model.norm.weight")) and ".layers." not in name:
-                # The final norm with random signs: with a tied lm_head the residual stream's copy
-                # of the current token's embedding otherwise wins every step (a model that repeats
-                # one token forever); signed weights cancel that self-logit, so greedy decode moves.
-                signs = torch.where(torch.rand(p.shape, generator=gen) < 0.5, -1.0, 1.0)
-                p.copy_(signs * (0.6 + 0.8 * torch.rand(p.shape, generator=gen)))
-            elif name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
-                # Sublayer outputs comparable to the sqrt(hidden)-scaled embedding, so the residual
-                # stream is not just the current token (which makes a model that copies its input).
-                p.copy_(POST_NORM_LOW + POST_NORM_SPAN * torch.rand(p.shape, generator=gen))
-            elif name.endswith("norm.weight"):
-                p.copy_(0.6 + 0.8 * torch.rand(p.shape, generator=gen))
-            elif name.endswith("embed_tokens_per_layer.weight"):
-                # The packed per-layer table at a scale where its share of each layer's input shows.
-                p.copy_(0.25 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("router.scale", "router.per_expert_scale")):
-                # Away from 1.0, so that a dropped scale is a visible error.
-                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
-            elif p.dim() in (2, 3) and p.is_floating_point():  # 3: the stacked experts [E, out, in]
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-
-
-def _save_atomically(model, out_dir: Path, overwrite: bool) -> None:
-    """save_pretrained into a temp dir beside out_dir, then rename: nothing half written remains."""
-    from harness.progress import third_party_bars
-
-    third_party_bars()
-    try:
-        with atomic_directory(out_dir, replace=overwrite) as tmp:
-            try:
-                model.save_pretrained(tmp, safe_serialization=True)
-            except Exception as exc:  # safetensors' own error type for a full disk
-                if wrapped_os_error(exc) is None:
-                    raise
-                raise _cache_problem(wrapped_os_error(exc), out_dir) from None
-    except HarnessInputError:
-        # Another process (a pytest-xdist worker) finished the same deterministic build first.
-        if not (out_dir / "config.json").is_file():
-            raise
-
-
-def tiny_checkpoint_path(seed: int = 0, config_path: Path = TINY_CONFIG) -> Path:
-    """Where the cached tiny checkpoint for `seed` (and config) lives (built or not)."""
-    # The builder's version is part of the key: a change in how weights are drawn must not reuse
-    # a checkpoint cached by an older build.
-    if not TINY_CONFIG.is_file():
-        raise InputFileError(f"{TINY_CONFIG}: the tiny model's config is not installed ({not_a_file(TINY_CONFIG)}): "
-                             "this gemma-parity was installed without its fixtures; reinstall it from the "
-                             "repository (pip install .) or run it from a checkout")
-    digest = hashlib.sha256(config_path.read_bytes() + f"builder-{TINY_BUILDER_VERSION}".encode()).hexdigest()[:10]
-    stem = "tiny" if config_path == TINY_CONFIG else config_path.stem
-    return cache_dir() / f"{stem}-{digest}-seed{seed}"
-
-
-def _cache_problem(exc: OSError, where: Path) -> OutputError:
-    return OutputError(os_problem(exc, where, "cannot use the tiny-model cache") +
-                       "; or point GEMMA_PARITY_CACHE at a writable directory")
-
-
-def tiny_checkpoint(seed: int = 0, config_path: Path = TINY_CONFIG) -> Path:
-    """The cached tiny checkpoint for `seed` (12B-shaped unless another tiny config is given),
-    built on first use.
-
-    Safe under concurrent first use (pytest-xdist workers, parallel CI jobs): builders take an
-    exclusive lock on a file beside the cache entry, and whoever comes second finds the entry
-    complete and uses it. The entry appears by one rename, so `config.json` means complete."""
-    path = tiny_checkpoint_path(seed, config_path)
-    if (path / "config.json").is_file():
-        return path
-    cache = path.parent
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        lock = open(cache / f".lock-{path.name}", "a")
-    except FileExistsError:
-        raise OutputError(f"{cache}: the tiny-model cache is not a directory; point GEMMA_PARITY_CACHE "
-                          "at a directory") from None
-    except OSError as exc:
-        raise _cache_problem(exc, cache) from None
-    with lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        if not (path / "config.json").is_file():
-            clean_stale_temps(cache)
-            if path.exists():
-                raise CheckpointError(f"{path}: an incomplete tiny-model cache entry (no config.json); "
-                                      "delete it and run again")
-            build_tiny_checkpoint(path, seed=seed, config_path=config_path)
-    return path

@@ -320,7 +320,8 @@ def make_golden(checkpoint_dir, out, prompts_path=None, new_tokens: int = 8, str
     about the embeddings plus one layer) and decodes nothing."""
     from harness.checkpoint import Checkpoint
     from harness.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
-    from harness.reference import run_reference, stream_prefill_captures_many
+    from harness.reference import run_reference
+    from harness.reference_stream import stream_prefill_captures_many
 
     ckpt = Checkpoint.open(checkpoint_dir)
     out = Path(out)

@@ -50,21 +50,24 @@ def smallest_instance(tp: int) -> Instance | None:
     return next((inst for inst in INSTANCES if inst.cores >= tp), None)
 
 
-def placement(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256) -> dict:
+def placement(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,
+              sliding_cache: str = "linear") -> dict:
     """The instance a TP degree needs and the per-core fit (weights + KV of one rank vs 16 GiB)."""
-    per_rank = bytes_per_rank(spec, tp, dtype, kv_len)["total"]
+    per_rank = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)["total"]
     inst = smallest_instance(tp)
-    fitting = [t for t in allowed_tps(spec) if bytes_per_rank(spec, t, dtype, kv_len)["total"] <= CORE_HBM]
+    fitting = [t for t in allowed_tps(spec)
+               if bytes_per_rank(spec, t, dtype, kv_len, sliding_cache)["total"] <= CORE_HBM]
     return {"tp": tp, "instance": inst.name if inst else None, "chips_used": -(-tp // 2),
             "bytes_per_rank": per_rank, "core_hbm": CORE_HBM, "fits": per_rank <= CORE_HBM,
             "tight": per_rank > TIGHT * CORE_HBM, "allowed_tps": allowed_tps(spec),
             "smallest_fitting_tp": fitting[0] if fitting else None}
 
 
-def check_fits(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256) -> dict:
+def check_fits(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,
+               sliding_cache: str = "linear") -> dict:
     """placement(), or a ShardingError naming the numbers when no instance has `tp` cores or one
     rank's weights and KV cache exceed a core's HBM."""
-    where = placement(spec, tp, dtype, kv_len)
+    where = placement(spec, tp, dtype, kv_len, sliding_cache)
     if where["instance"] is None:
         raise ShardingError(f"tp={tp} needs {tp} NeuronCores but the largest inf2 instance "
                             f"({INSTANCES[-1].name}) has {MAX_CORES}; the heads allow tp in {where['allowed_tps']}")
@@ -73,7 +76,7 @@ def check_fits(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 
         hint = f"use --tp {better} or more" if better else "no TP degree up to 24 fits"
         raise ShardingError(
             f"at tp={tp} one rank holds {where['bytes_per_rank'] / GIB:.2f} GiB of weights and KV cache "
-            f"({dtype}, kv_len {kv_len}) but a NeuronCore has {CORE_HBM / GIB:.0f} GiB; {hint} "
+            f"({dtype}, kv_len {kv_len}, {sliding_cache} sliding cache) but a NeuronCore has {CORE_HBM / GIB:.0f} GiB; {hint} "
             f"(allowed by the heads: {where['allowed_tps']})")
     return where
 

@@ -279,7 +279,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         eps, h = spec.rms_norm_eps, spec.hidden_size
         self.is_sliding = layer.is_sliding
-        self.self_attn = self.make_attention(spec, layer, plan, linears, max_len, dtype)
+        self.self_attn = self.make_attention(spec, layer, plan, linears, max_len=max_len, dtype=dtype)
         self.mlp = MLP(spec, plan.tp, linears, spec.mlp_size(layer))
         self.input_layernorm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
@@ -317,7 +317,7 @@ class RankDecoder(nn.Module):
         self.spec, self.tp, self.max_len, self.dtype = spec, tp, max_len, dtype
         self.sliding_cache = sliding_cache
         self.layers = nn.ModuleList(
-            self.layer_class(spec, layer, plan, linears, max_len, dtype) for layer, plan in zip(spec.layers, plans)
+            self.layer_class(spec, layer, plan, linears, max_len=max_len, dtype=dtype) for layer, plan in zip(spec.layers, plans)
         )
         for layer, plan, block in zip(spec.layers, plans, self.layers):
             if layer.kv_source is None:  # a KV-shared layer (model_blocks) reads its source's cache

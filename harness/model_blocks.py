@@ -133,7 +133,7 @@ class FamilyDecoderLayer(DecoderLayer):
     the MoE block beside the dense MLP, and the per-layer input after the MLP."""
 
     def __init__(self, spec, layer: LayerSpec, plan: LayerPlan, linears, max_len, dtype):
-        super().__init__(spec, layer, plan, linears, max_len, dtype)
+        super().__init__(spec, layer, plan, linears, max_len=max_len, dtype=dtype)
         eps, h = spec.rms_norm_eps, spec.hidden_size
         self.ple = bool(spec.per_layer_input_size)
         if self.ple:  # the per-layer input, added after the MLP: norm(P(gelu(G h) * input))
@@ -150,7 +150,7 @@ class FamilyDecoderLayer(DecoderLayer):
 
     def make_attention(self, spec, layer, plan, linears, max_len, dtype) -> nn.Module:
         if layer.kv_source is None:
-            return super().make_attention(spec, layer, plan, linears, max_len, dtype)
+            return super().make_attention(spec, layer, plan, linears, max_len=max_len, dtype=dtype)
         return SharedKVAttention(spec, layer, plan, linears)
 
     def feed_forward(self, h: torch.Tensor, captures, prefix: str) -> torch.Tensor:
@@ -191,7 +191,7 @@ class FamilyRankDecoder(RankDecoder):
                  linears: RankLinears | None = None, sliding_cache: str = "linear"):
         if sliding_cache != "linear" and spec.shared_layers:
             raise ValueError("KV-shared layers read their source's linear cache; the ring cache is not wired for them")
-        super().__init__(spec, tp, max_len, dtype, linears, sliding_cache)
+        super().__init__(spec, tp, max_len, dtype, linears=linears, sliding_cache=sliding_cache)
         self.per_layer = PerLayerInputs(spec).to(dtype) if spec.per_layer_input_size else None
         for layer in spec.layers:
             if layer.kv_source is not None:
@@ -247,7 +247,8 @@ class FamilyRankDecoder(RankDecoder):
                 masks[key] = attention_mask(positions, cache.key_positions(positions), window, x.dtype)
             cos, sin = rope_cos_sin(rope_inv_freq(self.spec.layers[i], positions.device), positions, x.dtype)
             ple = self.layer_input(per_layer, i) if per_layer is not None else None
-            x = self.layers[i](x, cos, sin, positions, masks[key], captures, f"layers.{i}.", per_layer_input=ple)
+            x = self.layers[i](x, cos, sin, positions, masks[key], captures=captures, prefix=f"layers.{i}.",
+                               per_layer_input=ple)
             if captures is not None:
                 captures[f"layers.{i}.output"] = x
         return x

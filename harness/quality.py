@@ -161,7 +161,7 @@ def _windows(ids: list[int], settings: GoldenSettings, part: range) -> torch.Ten
 def _part_tensors(checkpoint, windows: torch.Tensor, topk: int) -> dict[str, torch.Tensor]:
     """One part's golden: the fp32 reference's top-k statistics and the bf16 reference's metrics,
     both streamed one decoder layer at a time."""
-    from harness.reference import stream_prefill_captures_many
+    from harness.reference_stream import stream_prefill_captures_many
 
     # the part's windows as one batch: each layer is read once and runs them all in one call
     logits = {dtype: stream_prefill_captures_many(checkpoint, [windows], dtype, layer_captures=False)[0]

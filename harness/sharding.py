@@ -259,15 +259,17 @@ def layer_params_per_rank(spec: ModelSpec, layer: LayerSpec, tp: int) -> int:
     return q + kv + mlp + norms + ple + moe
 
 
-def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = DEFAULT_DTYPE, kv_len: int = DEFAULT_KV_LEN) -> dict:
-    """Device bytes per rank: weights (lm_head split by vocab) plus the KV cache at kv_len."""
+def bytes_per_rank(spec: ModelSpec, tp: int, dtype: str = DEFAULT_DTYPE, kv_len: int = DEFAULT_KV_LEN,
+                   sliding_cache: str = "linear") -> dict:
+    """Device bytes per rank: weights (lm_head split by vocab) plus the KV cache at kv_len (sliding
+    layers' rings at their window when `sliding_cache` is "ring"; see kv_cache_bytes)."""
     nbytes = dtype_bytes(dtype)
     weights = sum(layer_params_per_rank(spec, layer, tp) for layer in spec.layers)
     weights += spec.vocab_size * spec.hidden_size // tp + spec.hidden_size  # lm_head split + final norm
     packed = spec.num_layers * spec.per_layer_input_size
     weights += packed * spec.hidden_size + spec.per_layer_input_size  # PLE projection + norm, replicated
-    kv = sum(2 * plan_layer(layer, tp).kv_heads_per_rank * kv_len * layer.head_dim
-             for layer in spec.layers if layer.kv_source is None)
+    cache = kv_cache_bytes(spec, tp, dtype, sliding_cache)
+    kv = (cache["per_token"] * kv_len + cache["ring"]) // nbytes
     # The packed per-layer table is vocabulary-sized (E2B: 262144 x 35*256): host-side, like the
     # word embeddings; the device gets each token's row.
     host_embeddings = spec.vocab_size * spec.hidden_size + spec.per_layer_vocab_size * packed
@@ -285,6 +287,8 @@ def kv_cache_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", sliding_ca
     rings, fixed at window slots whatever the context."""
     nbytes, per_token, ring = dtype_bytes(dtype), 0, 0
     for layer in spec.layers:
+        if layer.kv_source is not None:  # a KV-shared layer reads its source layer's cache: no cache of its own
+            continue
         row = 2 * plan_layer(layer, tp).kv_heads_per_rank * layer.head_dim * nbytes  # k and v of one position
         if sliding_cache == "ring" and layer.is_sliding:
             ring += row * layer.window

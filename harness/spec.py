@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness.errors import ConfigError, not_a_file, read_json_file
-from harness.spec_family import MoESpec, family_fields, refuse_family_features, validate_family_keys
+from harness.spec_family import MoESpec, family_fields
+from harness.spec_validate import FULL, SLIDING, bad_value, unsupported, validate_text_config
 
 SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text", "gemma4", "gemma4_text")
 # Model types whose text decoder is transformers' modeling_gemma4 (31B, E2B/E4B, 26B-A4B); the
 # others are the unified 12B's modeling_gemma4_unified.
 FAMILY_MODEL_TYPES = ("gemma4", "gemma4_text")
 DRAFTER_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
-SLIDING = "sliding_attention"
-FULL = "full_attention"
 # The multimodal wrapper swaps these placeholder ids for the pad id before embedding
 # (docs/design.md#the-model-facts-and-traps, trap 7).
 DEFAULT_PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -138,137 +136,6 @@ class ModelSpec:
         )
 
 
-def _unsupported(source: str, key: str, value, why: str) -> ConfigError:
-    return ConfigError(
-        f"{source}: unsupported config key {key}={value!r}: {why}. The port covers the Gemma-4 text "
-        "decoders (the 12B as gemma4_unified; 31B, E2B/E4B and 26B-A4B as gemma4); use a checkpoint "
-        "without this feature."
-    )
-
-
-# Read from the config as given, before transformers fills in class defaults (which describe a
-# different, smaller model): each must be present and a positive integer.
-REQUIRED_DIMENSIONS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "vocab_size")
-MAX_DIMENSION = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "num_key_value_heads": 4096,
-                 "num_global_key_value_heads": 4096}
-OPTIONAL_DIMENSIONS = ("global_head_dim", "num_global_key_value_heads", "sliding_window",
-                       "max_position_embeddings")
-
-
-def _bad_value(source: str, key: str, value, want: str) -> ConfigError:
-    return ConfigError(f"{source}: config key {key}={value!r} {want}. Fix config.json (use the one the "
-                       "weights were saved with).")
-
-
-def _positive_int(text: dict, key: str, source: str, required: bool) -> int | None:
-    if text.get(key) is None:
-        if required:
-            raise _bad_value(source, key, None, "is missing; the transformers default describes another "
-                             "model, so it must be given")
-        return None
-    value = text[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad_value(source, key, value, "must be a positive integer")
-    if value > MAX_DIMENSION.get(key, 2 ** 31 - 1):
-        raise _bad_value(source, key, value, f"is implausibly large (at most {MAX_DIMENSION.get(key, 2 ** 31 - 1)})")
-    return value
-
-
-def _positive_number(text: dict, key: str, source: str, allow_none: bool = True) -> None:
-    value = text.get(key)
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise _bad_value(source, key, value, "must be a finite positive number")
-
-
-def _validate_dimensions(text: dict, source: str) -> None:
-    """Sizes, head counts and windows as the config gives them: positive integers that divide."""
-    dims = {k: _positive_int(text, k, source, True) for k in REQUIRED_DIMENSIONS}
-    dims.update({k: _positive_int(text, k, source, False) for k in OPTIONAL_DIMENSIONS})
-    layer_types = text.get("layer_types")
-    if layer_types is not None:
-        if not isinstance(layer_types, list) or len(layer_types) != dims["num_hidden_layers"]:
-            raise _bad_value(source, "layer_types", layer_types, f"must be a list of num_hidden_layers="
-                             f"{dims['num_hidden_layers']} entries")
-        if SLIDING in layer_types and dims["sliding_window"] is None:
-            raise _bad_value(source, "sliding_window", None, "is missing but layer_types has sliding layers")
-    heads = dims["num_attention_heads"]
-    for kv_key in ("num_key_value_heads", "num_global_key_value_heads"):
-        if dims[kv_key] is not None and heads % dims[kv_key]:
-            raise _bad_value(source, kv_key, dims[kv_key], f"must divide num_attention_heads={heads}")
-    for dim_key in ("head_dim", "global_head_dim"):
-        if dims[dim_key] is not None and dims[dim_key] % 2:
-            raise _bad_value(source, dim_key, dims[dim_key], "must be even (rotary embeddings pair lanes)")
-    _validate_per_layer(text.get("per_layer_config"), dims, source)
-    _positive_number(text, "rms_norm_eps", source)
-    _positive_number(text, "final_logit_softcapping", source)
-    for id_key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        ids = text.get(id_key)
-        for t in (ids if isinstance(ids, list) and id_key == "eos_token_id" else [ids]):
-            if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < dims["vocab_size"]):
-                raise _bad_value(source, id_key, ids, f"must be a token id in [0, vocab_size={dims['vocab_size']})")
-    rope = text.get("rope_parameters")
-    if isinstance(rope, dict):
-        for kind, params in rope.items():
-            if isinstance(params, dict):
-                _positive_number(params, "rope_theta", f"{source}: rope_parameters.{kind}", allow_none=False)
-                factor = params.get("partial_rotary_factor")
-                if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                                           or not 0 < factor <= 1):
-                    raise _bad_value(source, f"rope_parameters.{kind}.partial_rotary_factor", factor,
-                                     "must be in (0, 1]")
-
-
-# What a layer may override (transformers' per_layer_config, as save_pretrained writes it: layer
-# index -> attributes); the port reads exactly these per layer, so any other override would be
-# honoured by the reference and not by the port.
-PER_LAYER_KEYS = ("head_dim", "num_key_value_heads")
-
-
-def _validate_per_layer(overrides, dims: dict, source: str) -> None:
-    """per_layer_config validated like the top level: layer indices in range and given once, each
-    override a positive integer, KV heads dividing the query heads, head dims even."""
-    if overrides is None:
-        return
-    if not isinstance(overrides, dict):
-        raise _bad_value(source, "per_layer_config", overrides, "must be an object of layer index -> overrides")
-    layers, seen = dims["num_hidden_layers"], {}
-    for key, values in overrides.items():
-        where = f"{source}: per_layer_config[{key!r}]"
-        index = int(key) if isinstance(key, str) and key.strip().isdigit() else None
-        if index is None or index >= layers or index in seen:
-            why = f"is given twice (also as {seen[index]!r})" if index in seen else f"is not a layer index in [0, {layers})"
-            raise ConfigError(f"{where}: the key {why}. Fix config.json (use the one the weights were saved with).")
-        seen[index] = key
-        if not isinstance(values, dict):
-            raise ConfigError(f"{where}: must be an object of overrides, got {values!r}. Fix config.json.")
-        unknown = sorted(set(values) - set(PER_LAYER_KEYS))
-        if unknown:
-            raise _unsupported(where, unknown[0], values[unknown[0]], f"the port overrides only "
-                               f"{' and '.join(PER_LAYER_KEYS)} per layer")
-        layer = {k: _positive_int(values, k, where, False) for k in PER_LAYER_KEYS}
-        if layer["num_key_value_heads"] and dims["num_attention_heads"] % layer["num_key_value_heads"]:
-            raise _bad_value(where, "num_key_value_heads", layer["num_key_value_heads"],
-                             f"must divide num_attention_heads={dims['num_attention_heads']}")
-        if layer["head_dim"] and layer["head_dim"] % 2:
-            raise _bad_value(where, "head_dim", layer["head_dim"], "must be even (rotary embeddings pair lanes)")
-
-
-def _validate_text_config(text: dict, source: str, family: bool = False) -> None:
-    _validate_dimensions(text, source)
-    if text.get("use_bidirectional_attention") == "all":
-        raise _unsupported(source, "use_bidirectional_attention", "all",
-                           "the port is a causal decoder; only None or \"vision\" are supported")
-    (validate_family_keys if family else refuse_family_features)(text, source)
-    if text.get("attention_bias"):
-        raise _unsupported(source, "attention_bias", True, "the port's projections have no bias")
-    act = text.get("hidden_activation", "gelu_pytorch_tanh")
-    if act != "gelu_pytorch_tanh":
-        raise _unsupported(source, "hidden_activation", act, "only gelu_pytorch_tanh is implemented")
-
-
 def _resolve_with_transformers(text: dict, source: str, family: bool = False):
     """Let transformers resolve per_layer_config exactly as the reference model will."""
     from transformers import Gemma4TextConfig, Gemma4UnifiedTextConfig
@@ -286,7 +153,7 @@ def _text_section(config: dict, source: str) -> tuple[dict, list[str], tuple[int
     """(the text decoder's config, the inert parts beside it, placeholder ids) for a model type."""
     model_type = config.get("model_type")
     if model_type in DRAFTER_MODEL_TYPES:
-        raise _unsupported(source, "model_type", model_type, "drafter (assistant) models read another "
+        raise unsupported(source, "model_type", model_type, "drafter (assistant) models read another "
                            "model's KV states and are not a standalone decoder")
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -304,11 +171,11 @@ def _text_section(config: dict, source: str) -> tuple[dict, list[str], tuple[int
 
 def _layer_spec(tc, i: int, layer_type: str, source: str) -> LayerSpec:
     if layer_type not in (SLIDING, FULL):
-        raise _unsupported(source, f"layer_types[{i}]", layer_type, "unknown attention type")
+        raise unsupported(source, f"layer_types[{i}]", layer_type, "unknown attention type")
     per_layer = tc.per_layer_config[i]
     rope = (tc.rope_parameters or {}).get(layer_type) if isinstance(tc.rope_parameters, dict) else None
     if not isinstance(rope, dict) or "rope_theta" not in rope:
-        raise _bad_value(source, f"rope_parameters.{layer_type}", rope, "must be an object with rope_theta "
+        raise bad_value(source, f"rope_parameters.{layer_type}", rope, "must be an object with rope_theta "
                          f"for the {layer_type} layers")
     is_full = layer_type == FULL
     layer = LayerSpec(
@@ -325,7 +192,7 @@ def _layer_spec(tc, i: int, layer_type: str, source: str) -> LayerSpec:
                                     else rope["partial_rotary_factor"]),
     )
     if layer.rope_type not in ("default", "proportional"):
-        raise _unsupported(source, f"rope_parameters.{layer_type}.rope_type",
+        raise unsupported(source, f"rope_parameters.{layer_type}.rope_type",
                            layer.rope_type, "only default and proportional rope are implemented")
     return layer
 
@@ -338,7 +205,7 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
                           f"{type(config).__name__}; pass the model's config.json")
     text, inert, placeholders = _text_section(config, source)
     family = config.get("model_type") in FAMILY_MODEL_TYPES
-    _validate_text_config(text, source, family)
+    validate_text_config(text, source, family)
     tc = _resolve_with_transformers(text, source, family)
     layers = [_layer_spec(tc, i, t, source) for i, t in enumerate(tc.layer_types)]
     extra: dict = {}
@@ -380,7 +247,7 @@ def _placeholder_ids(config: dict, source: str) -> tuple[int, ...]:
         value = config.get(key)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise _bad_value(source, key, value, "must be a non-negative token id")
+                raise bad_value(source, key, value, "must be a non-negative token id")
             ids.append(value)
     return tuple(ids)
 

@@ -9,8 +9,10 @@ flags and the artifact cache in neuron_cache.py; both are re-exported here.
 What runs on the device is `harness.graphs.TracedDecoder` (the graphs, defined once for this and
 the XLA backend) over `harness.model.RankDecoder`, the same code the CPU backend runs, built
 with `NeuronLinears` (NxD's ColumnParallelLinear / RowParallelLinear instead of nn.Linear plus
-explicit collectives) and traced with ModelBuilder v2 under NxDParallelState: one prefill graph per
-bucket and one decode graph (s=1). The KV cache buffers, reassigned in forward, become device state
+explicit collectives) and traced with ModelBuilder v2 under NxDParallelState: one graph per
+(sequence length, KV bucket) of `graphs.kv_graph_plan` (each prefill bucket at every KV bucket that
+holds it, decode (s=1) at every KV bucket), tagged `kv_tag(tag, kv)`; each call runs the graph of
+its length at the smallest KV bucket holding its positions (`graphs.kv_read_length`). The KV cache buffers, reassigned in forward, become device state
 aliased between calls. Per-rank weights come from `harness.sharding.rank_state_dicts` and are
 loaded with NxDModel.set_weights + to_neuron. Compiled graphs are cached on disk under a key of
 everything that changes them (docs/design.md#backends); weights are never part of a cache entry.
@@ -44,13 +46,16 @@ from harness.backends.neuron_cache import (  # noqa: F401  (re-exported: the bac
     artifact_cache_key, cache_entry_complete, compile_environment, compiler_flag_string, default_cache_dir,
     default_compile_workers, model_source_hash, normalize_compiler_args, read_cache_meta, write_cache_entry)
 from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host's Neuron environment)
-    INF2_CORES_PER_DEVICE, INF2_LNC, NEURON_SDK_RELEASE, PINNED_VERSIONS, assign_visible_cores, build_platform,
-    check_neuron_packages, import_neuronx_distributed, installed_neuron_packages, neuron_core_count,
-    neuron_runtime_version, toolchain_version, version_matches, visible_cores_for_worker)
+    INF2_CORES_PER_DEVICE, INF2_LNC, assign_visible_cores, build_platform, import_neuronx_distributed,
+    neuron_core_count, neuron_runtime_version, visible_cores_for_worker)
+from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the SDK's pinned packages)
+    NEURON_SDK_RELEASE, PINNED_VERSIONS, check_neuron_packages, installed_neuron_packages, toolchain_version,
+    version_matches)
 from harness.errors import HarnessInputError
 from harness.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
-    graph_inputs, graph_plan, graph_result, kv_buffer_names, tag_for_length, unpack_outputs)
+    graph_inputs, graph_plan, graph_result, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length, tag_for_length,
+    unpack_outputs)
 from harness.model import RankLinears
 from harness.settings import RunSettings, directory, flag, positive_int, torch_dtype
 from harness.sharding import bytes_per_rank, plan_model, rank_state_dicts
@@ -178,10 +183,13 @@ class NeuronBackend:
         self.visible_cores = assign_visible_cores(tp)  # a core list smaller than tp fails here, before any build
         self.graphs = graph_plan(buckets, max_len)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
+        self.kv_lengths = kv_buckets(self.buckets, max_len)
+        self.kv_graphs = kv_tags(self.buckets, max_len)  # the ModelBuilder tags: (length, KV bucket) each
+        self.last_tag: str | None = None  # the tag the last forward ran
         self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.compiler_args = normalize_compiler_args(compiler_args)
-        self.priority_key = _priority_key(layout_priority, self.graphs)
+        self.priority_key = _priority_key(layout_priority, self.kv_graphs)
         self.reduce_dtype = reduce_dtype
         self.compile_workers = (compile_workers if compile_workers is not None else
                                 default_compile_workers(bytes_per_rank(self.spec, tp, _dtype_key(dtype), max_len)["weights"]))
@@ -190,7 +198,7 @@ class NeuronBackend:
         self.cache_key = artifact_cache_key(
             spec_hash=self.spec.spec_hash(), buckets=self.buckets, tp=tp, compiler_version=toolchain_version(self.versions),
             compiler_args=self.compiler_args, model_source_hash=model_source_hash(), capture=self.capture,
-            max_len=max_len, dtype=dtype, sliding_cache=settings.sliding_cache, environment={**compile_environment(neuron_runtime_version()),
+            max_len=max_len, dtype=dtype, sliding_cache=settings.sliding_cache, kv_graphs=self.kv_graphs, environment={**compile_environment(neuron_runtime_version()),
                                                        "layout_priority": str(self.priority_key),
                                                        "reduce_dtype": _dtype_key(reduce_dtype)})
         self.artifact_dir = self.cache_dir / self.cache_key
@@ -219,9 +227,9 @@ class NeuronBackend:
     def _load_entry(self):
         NxDModel = import_neuronx_distributed().NxDModel
         meta = read_cache_meta(self.artifact_dir, self.cache_key)
-        if meta.get("graphs") != self.graphs:
+        if meta.get("graphs") != _kv_graphs_json(self.kv_graphs):
             raise HarnessInputError(f"cache entry {self.artifact_dir} holds graphs {meta.get('graphs')}, "
-                                    f"not {self.graphs}; delete it and run again")
+                                    f"not {_kv_graphs_json(self.kv_graphs)}; delete it and run again")
         model = NxDModel.load(str(self.artifact_dir / MODEL_FILE))
         if not isinstance(model, NxDModel):
             raise HarnessInputError(f"{self.artifact_dir / MODEL_FILE} could not be restored as an NxDModel by "
@@ -238,7 +246,7 @@ class NeuronBackend:
             built.append(self._compile(workdir))
             b = built[0]
             b.model.save(str(tmp / MODEL_FILE))
-            meta = {"format": CACHE_FORMAT, "key": self.cache_key, "graphs": self.graphs,
+            meta = {"format": CACHE_FORMAT, "key": self.cache_key, "graphs": _kv_graphs_json(self.kv_graphs),
                     "capture_names": b.capture_names, "kv_buffers": b.kv_names,
                     "weight_shapes": _weight_shapes_to_json(b.weight_shapes), "last_row_only": self.last_row_only,
                     "compiler_args": self.compiler_args, "versions": self.versions,
@@ -283,16 +291,18 @@ class NeuronBackend:
                 weight_shapes = _module_weight_shapes(module, kv_names)  # the checkpoint layout
                 builder = nxd.ModelBuilder(module)
                 with torch.no_grad():
-                    for tag, length in self.graphs.items():
+                    for tag, (length, kv) in self.kv_graphs.items():
+                        module.set_kv_read(kv)  # the trace bakes in which slots the graph reads
                         builder.trace(args=example_inputs(length, self.spec.hidden_size, self.dtype,
                                                           last_row=self.last_row_only), tag=tag)
+                    module.set_kv_read(None)
                 model = builder.compile(priority_model_key=self.priority_key, compiler_workdir=str(workdir),
                                         compiler_args=flags, max_workers=self.compile_workers)
         except HarnessInputError:
             raise
         except Exception as exc:
             raise NeuronBuildError(
-                f"building the neuron graphs {sorted(self.graphs)} failed: {exc!r}"
+                f"building the neuron graphs {sorted(self.kv_graphs)} failed: {exc!r}"
                 + (f" (caused by {exc.__cause__!r})" if exc.__cause__ else "")
                 + f". neuronx-cc {self.versions['neuronx-cc']}, flags {flags!r}. The compiler's logs are under "
                 f"{workdir} (log-neuron-cc.txt per graph); nothing was written to the artifact cache. A compiler "
@@ -314,7 +324,7 @@ class NeuronBackend:
         weight_type = metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT
         state_type = metaneff_pb2.MetaTensor.Type.INPUT_STATE
         weights, states = {}, {}
-        for tag in self.graphs:
+        for tag in self.kv_graphs:
             for t in self.nxd_model.get_metaneff(tag).input_tensors:
                 key = _checkpoint_key(t)
                 if t.type == weight_type and key:
@@ -361,12 +371,23 @@ class NeuronBackend:
                 last: int | None = None):
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures
         when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
-        returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
+        returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]. Runs the graph
+        of that length at the smallest KV bucket holding the call's positions (`last_tag`)."""
         tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
                                  parity_build=self.capture, last_row_only=self.last_row_only, last=last)
-        out = self.nxd_model(*args, model_name=tag)
+        self.last_tag = self._tag_for_call(tag, positions)
+        out = self.nxd_model(*args, model_name=self.last_tag)
         return graph_result(out, self.capture_names if self.capture else None, args[0], capture,
                             self.last_row_only, last=last)
+
+    def _tag_for_call(self, tag: str, positions: torch.Tensor) -> str:
+        """The traced graph of `tag`'s length at the smallest KV bucket that holds the call's
+        positions (graphs.kv_read_length) and the graph's own length: a prefill bucket is traced
+        only at KV buckets that hold it (graphs.kv_graph_plan), and the slots past the real
+        positions it then also reads are masked out (empty, or later positions)."""
+        length, needed = self.graphs[tag], kv_read_length(positions, self.kv_lengths)
+        kv = min(kv for n, kv in self.kv_graphs.values() if n == length and kv >= needed)
+        return kv_tag(tag, kv)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""
@@ -399,16 +420,37 @@ def _dtype_key(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _priority_key(layout_priority: str | None, graphs: dict[str, int]) -> str | None:
-    """The graph tag ModelBuilder optimises the weight layout for: 'decode', 'prefill' (the largest
-    bucket's graph) or None (no layout optimisation)."""
+def kv_tag(tag: str, kv: int) -> str:
+    """The ModelBuilder tag of graph `tag` (graphs.graph_plan) reading KV bucket `kv`."""
+    return f"{tag}_kv{int(kv)}"
+
+
+def kv_tags(buckets, max_len: int) -> dict[str, tuple[int, int]]:
+    """ModelBuilder tag -> (sequence length, KV bucket), one per graph of graphs.kv_graph_plan."""
+    return {kv_tag(tag, kv): (length, kv) for tag, length, kv in kv_graph_plan(buckets, max_len)}
+
+
+def _kv_graphs_json(kv_graphs: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+    return {tag: [int(length), int(kv)] for tag, (length, kv) in sorted(kv_graphs.items())}
+
+
+def _priority_key(layout_priority: str | None, kv_graphs: dict[str, tuple[int, int]]) -> str | None:
+    """The tag ModelBuilder optimises the weight layout for: 'decode' (the decode graph at the
+    smallest KV bucket), 'prefill' (the largest bucket's graph at the smallest KV bucket holding it)
+    or None (no layout optimisation). Why the smallest KV bucket: every decode graph runs the same
+    s=1 matmuls on the same weights (KV is state, not a weight), so any of them yields the same
+    layout; at the smallest bucket weights are the largest share of the bytes read (the case the
+    layout is for), and it is the cheapest graph to compile, and ModelBuilder compiles the priority
+    graph alone before the others start."""
     if layout_priority in (None, "none"):
         return None
-    if layout_priority == "decode":
-        return DECODE_TAG
+    by_length: dict[int, list[tuple[int, str]]] = {}
+    for tag, (length, kv) in kv_graphs.items():
+        by_length.setdefault(length, []).append((kv, tag))
+    if layout_priority == "decode" or (layout_priority == "prefill" and len(by_length) == 1):
+        return min(by_length[1])[1]
     if layout_priority == "prefill":
-        prefill = [tag for tag, length in graphs.items() if tag != DECODE_TAG]
-        return max(prefill, key=graphs.get) if prefill else DECODE_TAG
+        return min(by_length[max(by_length)])[1]
     raise HarnessInputError(f"layout priority {layout_priority!r}: choose decode, prefill or none")
 
 

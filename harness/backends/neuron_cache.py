@@ -126,12 +126,14 @@ def _dtype_name(dtype) -> str:
 
 def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, compiler_args,
                        model_source_hash: str, capture: bool, *, max_len: int = DEFAULT_KV_LEN,
-                       dtype=torch.bfloat16, environment: dict | None = None, sliding_cache: str = "linear") -> str:
+                       dtype=torch.bfloat16, environment: dict | None = None, sliding_cache: str = "linear",
+                       kv_graphs: dict | None = None) -> str:
     """The cache directory name for one compiled build: readable prefix + hash of every input.
 
     Bucket order does not matter (the same graphs are built); compiler flag order does (neuronx-cc
     may let a later flag override an earlier one). max_len and dtype change every graph's shapes
-    and types, so they are part of the key too; `environment` is `compile_environment()`.
+    and types, so they are part of the key too; `environment` is `compile_environment()`. `kv_graphs`
+    (tag -> (length, KV bucket)) is the KV-bucket plan: which slots each graph reads.
     """
     buckets = sorted({int(b) for b in buckets})
     payload = {
@@ -140,6 +142,8 @@ def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, 
         "model_source": str(model_source_hash), "capture": bool(capture), "max_len": int(max_len),
         "dtype": _dtype_name(dtype), "environment": dict(sorted((environment or {}).items())),
     }
+    if kv_graphs is not None:  # graphs reading other KV buckets are other graphs
+        payload["kv_graphs"] = {str(t): [int(n), int(kv)] for t, (n, kv) in sorted(kv_graphs.items())}
     if sliding_cache != "linear":  # a ring changes the sliding layers' state shapes and graphs
         payload["sliding_cache"] = str(sliding_cache)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
@@ -148,7 +152,7 @@ def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, 
 
 
 def default_cache_dir() -> Path:
-    from harness.checkpoint import cache_dir
+    from harness.tiny import cache_dir
 
     return Path(os.environ.get("GEMMA_PARITY_NEURON_CACHE", cache_dir() / "neuron"))
 

@@ -25,7 +25,7 @@ def add_model_args(p, config: bool = False) -> None:
 
 
 def checkpoint_dir(args) -> Path:
-    from harness.checkpoint import tiny_checkpoint
+    from harness.tiny import tiny_checkpoint
 
     if getattr(args, "checkpoint", None):
         return Path(args.checkpoint)

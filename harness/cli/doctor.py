@@ -104,7 +104,7 @@ def python_check(version: tuple[int, int]) -> Check:
 
 
 def packages_check() -> tuple[dict[str, str], list[Check]]:
-    from harness.backends import neuron_env as env
+    from harness.backends import neuron_packages as env
 
     versions, texts = env.installed_neuron_packages()
     problems, placeholders = env.package_problems(versions, texts)
@@ -126,6 +126,7 @@ IMPORTS = (("torch-neuronx", "torch_neuronx"), ("neuronx-distributed", "neuronx_
 def import_checks(usable: dict[str, str]) -> list[Check]:
     """Import each installed, usable SDK package (neuronx_distributed the backend's way)."""
     from harness.backends import neuron_env as env
+    from harness.backends.neuron_packages import INSTALL_COMMAND
 
     checks = []
     for dist, module in IMPORTS:
@@ -135,7 +136,7 @@ def import_checks(usable: dict[str, str]) -> list[Check]:
             env.import_sdk(module)
         except Exception as exc:  # noqa: BLE001  (any import failure is this check's finding)
             checks.append(Check(f"import {module}", False, f"{type(exc).__name__}: {exc}; fix: reinstall the "
-                                f"Neuron SDK packages ({env.INSTALL_COMMAND}) in a fresh venv"))
+                                f"Neuron SDK packages ({INSTALL_COMMAND}) in a fresh venv"))
         else:
             checks.append(Check(f"import {module}", True, "imports"))
     return checks
@@ -175,7 +176,7 @@ def neuron_ls_check() -> tuple[int, Check]:
 
 
 def compiler_check() -> Check:
-    from harness.backends import neuron_env as env
+    from harness.backends import neuron_packages as env
 
     out, problem = _tool("neuronx-cc", "--version")
     pin = env.PINNED_VERSIONS["neuronx-cc"]

@@ -45,7 +45,7 @@ def validate(args) -> None:
     v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
     from harness.instances import check_fits, smallest_instance
 
-    args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len)
+    args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len, sliding_cache=args.sliding_cache)
     if args.instance is None:  # the instance the TP degree needs (the family's larger variants)
         args.instance = smallest_instance(args.tp).name
     _check_instance(args)
@@ -87,12 +87,13 @@ def run(args) -> int:
     payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len)
     payload["memory_plan"]["sliding_cache"] = args.sliding_cache
     print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
-    payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, args.chip)
+    payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache)
     print(render_hbm_fit(payload["hbm"]))
     if args.perf:
         from harness.perf import info_floors, render_roofline
 
-        payload["roofline"] = info_floors(args.spec, s.tp, s.dtype, s.kv_len, instance=args.instance, chip=args.chip)
+        payload["roofline"] = info_floors(args.spec, s.tp, s.dtype, s.kv_len, instance=args.instance, chip=args.chip,
+                                        sliding_cache=s.sliding_cache)
         if not _is_published_model(args.spec):
             payload["roofline"].pop("published_ms", None)  # the published latency is the 12B's, not this model's
         print(render_roofline(payload["roofline"]), end="")

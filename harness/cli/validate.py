@@ -177,7 +177,7 @@ def replaceable_report(path: Path, flag: str) -> None:
 
 def clean_leftovers(paths) -> None:
     """Remove what killed runs left beside (or in) the outputs and in the tiny-model cache."""
-    from harness.checkpoint import cache_dir
+    from harness.tiny import cache_dir
 
     dirs = {p.parent for p in paths} | {p for p in paths if p.is_dir()} | {cache_dir()}
     for directory in sorted(dirs):
@@ -208,7 +208,7 @@ def input_path(value: str | None, flag: str, want_dir: bool) -> Path | None:
 
 def model_inputs(args) -> dict[str, Path]:
     """The checkpoint this run reads: --checkpoint, or the tiny model's cache entry."""
-    from harness.checkpoint import tiny_checkpoint_path
+    from harness.tiny import tiny_checkpoint_path
 
     if getattr(args, "config", None) is not None:
         return {"--config": input_path(args.config, "--config", want_dir=False)}

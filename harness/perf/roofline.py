@@ -106,24 +106,25 @@ def load_instance_rates(path) -> dict:
             "source": f"--instance-rates {path}"}
 
 
-def hbm_fit(spec: ModelSpec, tp: int, dtype: str, kv_len: int, chip: dict | None = None) -> dict:
+def hbm_fit(spec: ModelSpec, tp: int, dtype: str, kv_len: int, chip: dict | None = None,
+            sliding_cache: str = "linear") -> dict:
     """Whether every rank's weights and KV cache fit the HBM of the cores that hold them: the TP
     group's cores' share of the chips' HBM (tp=2 on inf2: one chip's 32 GiB). Activations, the
     runtime's scratchpad and the compiled code need room too: a fit with little headroom may still
     fail to load."""
     chip = chip or CHIP
-    memory = bytes_per_rank(spec, tp, dtype, kv_len)
+    memory = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
     needed = tp * memory["total"]
     capacity = tp * chip["hbm_bytes"] / chip["cores"]
     return {"weights_bytes": tp * memory["weights"], "kv_bytes": tp * memory["kv_cache"], "needed_bytes": needed,
-            "capacity_bytes": capacity, "fits": needed <= capacity, "kv_len": kv_len}
+            "capacity_bytes": capacity, "fits": needed <= capacity, "kv_len": kv_len, "sliding_cache": sliding_cache}
 
 
 def render_hbm_fit(fit: dict) -> str:
     """One line: weights + KV against the HBM they must fit."""
     verdict = "fits" if fit["fits"] else "DOES NOT FIT"
     return (f"HBM: weights {fit['weights_bytes'] / GiB:.2f} GiB + KV cache {fit['kv_bytes'] / GiB:.2f} GiB "
-            f"(kv-len {fit['kv_len']}) = {fit['needed_bytes'] / GiB:.2f} GiB of {fit['capacity_bytes'] / GiB:.0f} GiB: "
+            f"(kv-len {fit['kv_len']}, {fit.get('sliding_cache', 'linear')} sliding cache) = {fit['needed_bytes'] / GiB:.2f} GiB of {fit['capacity_bytes'] / GiB:.0f} GiB: "
             f"{verdict}")
 
 
@@ -248,11 +249,12 @@ def neuron_instance_rates(instance: str | None, tp: int, dtype: str, environ=Non
 
 
 def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = DEFAULT_KV_LEN,
-                buckets=(PUBLISHED_BUCKET,), instance: str = DEFAULT_INSTANCE, chip: dict | None = None) -> dict:
+                buckets=(PUBLISHED_BUCKET,), instance: str = DEFAULT_INSTANCE, chip: dict | None = None,
+                sliding_cache: str = "linear") -> dict:
     """`gemma-parity info --perf`: the instance's floors and HBM fit, nothing run or measured, beside
     the published port's prefill (docs/design.md#performance-facts: about 101 ms at bucket 64)."""
     out = roofline_block(spec, tp, dtype, buckets, kv_len, rates=instance_rates(instance, tp, dtype, chip))
     if not spec.is_family:  # the published figure is the 12B's
         out["published_ms"] = {f"prefill[{PUBLISHED_PREFILL_BUCKET}]": PUBLISHED_PREFILL_MS}
-    out["hbm"] = hbm_fit(spec, tp, dtype, kv_len, chip)
+    out["hbm"] = hbm_fit(spec, tp, dtype, kv_len, chip=chip, sliding_cache=sliding_cache)
     return out

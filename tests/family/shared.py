@@ -13,7 +13,8 @@ VARIANTS = ("31b", "e2b", "e4b", "26b-a4b")
 
 @functools.lru_cache(maxsize=None)
 def family_checkpoint(variant: str):
-    from harness.checkpoint import TINY_FAMILY, Checkpoint, tiny_checkpoint
+    from harness.checkpoint import Checkpoint
+    from harness.tiny import TINY_FAMILY, tiny_checkpoint
 
     return Checkpoint.open(tiny_checkpoint(0, TINY_FAMILY[variant]))
 

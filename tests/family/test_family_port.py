@@ -80,7 +80,7 @@ def test_shared_layers_hold_no_cache_and_read_their_source():
 
 
 def test_real_configs_resolve_as_the_conversion_script_defines_them():
-    """fixtures/configs/gemma-4-*-it.json: transformers' convert_gemma4_weights.py variants."""
+    """the gemma-4 variants in fixtures/configs/: transformers' convert_gemma4_weights.py variants."""
     e2b, e4b = load_spec(CONFIGS / "gemma-4-e2b-it.json"), load_spec(CONFIGS / "gemma-4-e4b-it.json")
     big, moe = load_spec(CONFIGS / "gemma-4-31b-it.json"), load_spec(CONFIGS / "gemma-4-26b-a4b-it.json")
     assert (e2b.num_layers, e2b.shared_layers[0], e2b.per_layer_input_size) == (35, 15, 256)

@@ -647,28 +647,28 @@ CATALOG: list[Fault] = [
           decode_raises_past_window, Expectation(None, fp32_point="exception inside the port")),
     # -- long context (issue 21): the ring cache and chunked prefill, on LONG; the first chunk is 12
     # positions, so none of these can show before position 12
-    Fault("ring-index-off-by-one", "§3 KV cache", "the ring writes position p into slot (p + 1) % window",
+    Fault("ring-index-off-by-one", "port: KV cache", "the ring writes position p into slot (p + 1) % window",
           # every write is misplaced, the first chunk's too: the ring read back after prefill (the
           # last window positions of each prompt, from position 8 on) shows it first
           ring_index_off_by_one, Expectation(_kv(0, "k"), 0, "attention", min_position=LONG_WINDOW,
                                              fp32_point=_kv(0, "k")), checkpoint=LONG),
-    Fault("stale-ring-slot-visible", "§2.8 / §3 KV cache", "ring slots masked by being written, not by "
+    Fault("stale-ring-slot-visible", "trap 8 (sliding window) / port: KV cache", "ring slots masked by being written, not by "
           "their position: after wrap-around a slot older than the window stays visible",
           stale_ring_slot_visible, Expectation(_attn(0), 0, "attention", min_position=LONG_BUCKETS[-1],
                                                fp32_point=_attn(0)), checkpoint=LONG),
-    Fault("chunk-positions-offset", "§3 buckets", "prefill chunks after the first are fed positions "
+    Fault("chunk-positions-offset", "port: buckets", "prefill chunks after the first are fed positions "
           "one too far", chunk_positions_offset, Expectation(_kv(0, "k"), 0, "attention",
                                                             min_position=LONG_BUCKETS[-1], fp32_point=_kv(0, "k")),
           checkpoint=LONG),
-    Fault("chunk-ignores-cached-prefix", "§3 buckets", "a prefill chunk after the first attends only to "
+    Fault("chunk-ignores-cached-prefix", "port: buckets", "a prefill chunk after the first attends only to "
           "its own keys", chunk_ignores_cached_prefix, Expectation(_attn(0), 0, "attention",
                                                                    min_position=LONG_BUCKETS[-1],
                                                                    fp32_point=_attn(0)), checkpoint=LONG),
-    Fault("chunk-reads-overwritten-keys", "§3 KV cache", "the ring written before the chunk attends: "
+    Fault("chunk-reads-overwritten-keys", "port: KV cache", "the ring written before the chunk attends: "
           "early queries read keys the chunk's later rows just overwrote",
           chunk_reads_overwritten_keys, Expectation(_attn(0), 0, "attention", min_position=LONG_BUCKETS[-1],
                                                     fp32_point=_attn(0)), checkpoint=LONG),
-    Fault("decode-kv-bucket-one-too-small", "§3 buckets", "decode steps read the KV bucket below the one "
+    Fault("decode-kv-bucket-one-too-small", "port: buckets", "decode steps read the KV bucket below the one "
           "holding their positions: the newest keys drop out",
           decode_kv_bucket_one_too_small, Expectation("decode.layers.0.attn_residual", 0, "attention",
                                                       fp32_point="decode.layers.0.attn_residual")),
@@ -787,25 +787,25 @@ _PLE, _ROUTER = "layers.0.per_layer_input", "layers.0.expert_weights"
 
 
 FAMILY_CATALOG: list[Fault] = [
-    Fault("ple-combine-factor", "§family PLE", "per-layer inputs combined without the 1/sqrt(2) factor",
+    Fault("ple-combine-factor", "family: PLE", "per-layer inputs combined without the 1/sqrt(2) factor",
           ple_combine_factor_wrong, Expectation(_PLE, 0, "per-layer input", fp32_point=_PLE), TINY_E2B),
-    Fault("ple-table-unscaled", "§family PLE", "the per-layer table's rows not scaled by sqrt(per_layer_input)",
+    Fault("ple-table-unscaled", "family: PLE", "the per-layer table's rows not scaled by sqrt(per_layer_input)",
           ple_table_unscaled, Expectation(_PLE, 0, "per-layer input", fp32_point=_PLE), TINY_E2B),
-    Fault("ple-wrong-layer-slice", "§family PLE", "layer i reads layer i+1's slice of the per-layer inputs",
+    Fault("ple-wrong-layer-slice", "family: PLE", "layer i reads layer i+1's slice of the per-layer inputs",
           ple_wrong_layer_slice, Expectation(_PLE, 0, "per-layer input", fp32_point=_PLE), TINY_E2B),
-    Fault("kv-shared-source-off-by-one", "§family KV sharing", "the shared layers read layer source - 1's cache",
+    Fault("kv-shared-source-off-by-one", "family: KV sharing", "the shared layers read layer source - 1's cache",
           kv_shared_source_off_by_one, Expectation(_attn(8), 8, "attention", fp32_point=_attn(8)), TINY_E4B),
-    Fault("shared-layer-writes-cache", "§family KV sharing",
+    Fault("shared-layer-writes-cache", "family: KV sharing",
           "a KV-shared layer writes into the cache it reads (its source's): the source's cache point breaks",
           shared_layer_writes_cache, Expectation(_kv(5, "k"), 5, "attention", fp32_point=_kv(5, "k")), TINY_E4B),
-    Fault("router-softmax-bf16", "§family MoE", "the router's softmax in bf16, not fp32",
+    Fault("router-softmax-bf16", "family: MoE", "the router's softmax in bf16, not fp32",
           router_softmax_bf16, Expectation(_ROUTER, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
-    Fault("topk-not-renormalised", "§family MoE", "the top-k router weights not renormalised to sum 1 (the "
+    Fault("topk-not-renormalised", "family: MoE", "the top-k router weights not renormalised to sum 1 (the "
           "experts' post-norm then removes the common factor: only the fp32 stage's weights point shows it)",
           topk_not_renormalised, Expectation(_ROUTER, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
-    Fault("per-expert-scale-missing", "§family MoE", "the router's per-expert scale not applied",
+    Fault("per-expert-scale-missing", "family: MoE", "the router's per-expert scale not applied",
           per_expert_scale_missing, Expectation(_ROUTER, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
-    Fault("moe-sum-without-norms", "§family MoE", "dense MLP and experts summed without their norms",
+    Fault("moe-sum-without-norms", "family: MoE", "dense MLP and experts summed without their norms",
           moe_sum_without_norms, Expectation("layers.0.mlp_residual", 0, "mlp",
                                              fp32_point="layers.0.mlp_residual"), TINY_MOE),
 ]
@@ -1002,7 +1002,7 @@ def inexact_scale_checkpoint(out_dir):
     """The tiny config with a hidden size whose sqrt is inexact in bf16, built into `out_dir`."""
     import json
 
-    from harness.checkpoint import TINY_CONFIG, build_tiny_checkpoint
+    from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
 
     config = json.loads(TINY_CONFIG.read_text())
     config["text_config"]["hidden_size"] = INEXACT_SCALE_HIDDEN
@@ -1019,7 +1019,9 @@ def main(argv=None) -> int:
 
     import pytest
 
-    from harness.checkpoint import Checkpoint, tiny_checkpoint
+    from harness.checkpoint import Checkpoint
+
+    from harness.tiny import tiny_checkpoint
     from harness.prompts import DEFAULT_NEW_TOKENS, load_prompts
     from harness.reference import run_reference
 

@@ -21,6 +21,7 @@ import torch
 
 import harness.atomic
 import harness.checkpoint
+import harness.checkpoint_files
 from harness.atomic import TEMP_MARK, atomic_directory, clean_stale_temps, temp_prefix
 from tests.inputs.scenarios import (REPO, TEXT, WEIGHTS, cli_env, copy_checkpoint, rewrite_weights,
                                     run_inprocess, small_golden, snapshot, split_weights)
@@ -120,7 +121,7 @@ def test_permission_denied_on_a_shard_is_not_called_corruption(tmp_path, tiny0_d
             raise PermissionError(errno.EACCES, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(harness.checkpoint, "open", guarded, raising=False)
+    monkeypatch.setattr(harness.checkpoint_files, "open", guarded, raising=False)
     outcome = run_inprocess(["info", "--checkpoint", ckpt], capsys)
     assert outcome.code == 2
     assert f"{ckpt / WEIGHTS}: cannot read the safetensors file: permission denied" in outcome.err
@@ -377,7 +378,7 @@ def test_an_unusable_cache_location_is_an_environment_error(tmp_path, monkeypatc
 
 
 def test_an_empty_cache_variable_means_the_default(monkeypatch):
-    from harness.checkpoint import cache_dir
+    from harness.tiny import cache_dir
 
     monkeypatch.setenv("GEMMA_PARITY_CACHE", "")
     assert cache_dir() == Path.home() / ".cache" / "gemma-parity"

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from harness.checkpoint import TINY_CONFIG
+from harness.tiny import TINY_CONFIG
 from harness.errors import HarnessInputError
 from tests.inputs.scenarios import perf_result, rehash_golden, small_golden
 

@@ -243,10 +243,10 @@ def sliding_rope_theta_doubled(monkeypatch):
 
     original = port_model.rope_inv_freq
 
-    def inv_freq(layer):
+    def inv_freq(layer, *device):
         if layer.type == "sliding_attention":
             layer = dataclasses.replace(layer, rope_theta=2 * layer.rope_theta)
-        return original(layer)
+        return original(layer, *device)
 
     monkeypatch.setattr(port_model, "rope_inv_freq", inv_freq)
 

@@ -21,7 +21,9 @@ def default_init(request, tmp_path_factory, default_prompts):
     its fp32 and bf16 references for the default prompts."""
     from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
 
-    from harness.checkpoint import TINY_CONFIG, Checkpoint
+    from harness.checkpoint import Checkpoint
+
+    from harness.tiny import TINY_CONFIG
     from harness.prompts import DEFAULT_NEW_TOKENS
     from harness.reference import run_reference
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checkpoint import TINY_CONFIG
+from harness.tiny import TINY_CONFIG
 from harness.compare import ENVELOPE_FACTOR, FP32_FACTOR
 from harness.spec import load_spec
 

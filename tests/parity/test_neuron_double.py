@@ -34,7 +34,8 @@ def nxd(tmp_path_factory):
         mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(cache))
         mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
         mp.setenv("GEMMA_PARITY_INSTANCE_TYPE", "inf2.8xlarge")  # the bench's rates, whatever this host is
-        mp.setattr(neuron, "neuron_core_count", lambda: 16)  # an inf2.48xlarge's worth: any xdist worker fits
+        # an inf2.48xlarge's worth, where the core assignment counts them: any xdist worker fits
+        mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
         with installed(mp):
             yield cache
 
@@ -78,13 +79,14 @@ def test_the_builds_are_what_the_issue_asks_for(perf, parity, nxd):
     assert " --target inf2" in " " + " ".join(be.compiler_args)
     model = be.nxd_model
     assert model.layout_transformer  # priority_model_key was given
-    art = model.graphs[graphs.DECODE_TAG]
+    assert be.priority_key == "decode_kv16"  # decode at the smallest KV bucket (neuron._priority_key)
+    art = model.graphs[be.priority_key]
     assert art.compiler_flags.split().count("--enable-internal-neff-wrapper") == 1  # compiled as the WLO model
-    assert "--enable-saturate-infinity" in model.graphs["prefill_64"].compiler_flags
-    assert [shape for shape, _ in model.graphs["prefill_64"].outputs] == [(1, 1, perf.spec.vocab_size)]
+    assert "--enable-saturate-infinity" in model.graphs["prefill_64_kv64"].compiler_flags
+    assert [shape for shape, _ in model.graphs["prefill_64_kv128"].outputs] == [(1, 1, perf.spec.vocab_size)]
     assert set(be.state_specs) == set(be.kv_names)
     names = parity.backend.capture_names
-    assert "embeddings" not in names and len(parity.backend.nxd_model.graphs["prefill_16"].outputs) == len(names) + 1
+    assert "embeddings" not in names and len(parity.backend.nxd_model.graphs["prefill_16_kv16"].outputs) == len(names) + 1
     meta = json.loads((be.artifact_dir / neuron.META_FILE).read_text())
     assert meta["versions"]["libneuronxla"].startswith("2.2.17544")
     assert "libneuronxla=2.2.17544" in neuron.toolchain_version(be.versions)
@@ -154,7 +156,7 @@ def test_rule_no_in_place_state_update(nxd, tiny0_ckpt, tmp_path, monkeypatch):
     def update(self, positions, k, v):
         self.k.index_copy_(2, positions[0], k)
         self.v.index_copy_(2, positions[0], v)
-        return self.k, self.v
+        return self.k[:, :, :self.read_len], self.v[:, :, :self.read_len]
 
     monkeypatch.setattr(port_model.KVCache, "update", update)
     with pytest.raises(neuron.NeuronBuildError, match="updated in place"):
@@ -181,7 +183,7 @@ def test_rule_weight_shapes_are_checked_on_the_checkpoint_layout(nxd, tiny0_ckpt
 
     def metaneff_shapes(self):
         weights, states = {}, {}
-        for tag in self.graphs:
+        for tag in self.kv_graphs:
             for t in self.nxd_model.get_metaneff(tag).input_tensors:
                 target = weights if t.type.name == "INPUT_WEIGHT" else states if t.type.name == "INPUT_STATE" else None
                 if target is not None:
@@ -231,9 +233,13 @@ def test_rule_shapes_are_fixed_by_the_example_inputs(nxd, tiny0_ckpt, tmp_path):
         be.nxd_model(x, torch.arange(8, dtype=torch.int32)[None], torch.tensor([7], dtype=torch.int32))
     with pytest.raises(AssertionError, match="does not match"):
         be.nxd_model(x[:, :1], torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                     model_name="prefill_16")
+                     model_name="prefill_16_kv16")
+    one = (x[:, :1], torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(AssertionError, match="must be provided"):  # decode at two KV buckets: same shapes
+        be.nxd_model(*one)
     with pytest.raises(RuntimeError, match="traced with torch.int32"):
-        be.nxd_model(x[:, :1], torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32))
+        be.nxd_model(x[:, :1], torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
+                     model_name="decode_kv16")
 
 
 # ---- the import chain, the platform, SPMD replay, parameters, flags, cores ------------------------------
@@ -274,11 +280,11 @@ def test_layout_priority_choices_and_the_layout_transformer(nxd, tiny0_ckpt, tmp
     import os
 
     decode = _build(tiny0_ckpt, tmp_path)
-    assert decode.priority_key == graphs.DECODE_TAG and decode.nxd_model.layout_transformer["target"] == "inf2"
+    assert decode.priority_key == "decode_kv16" and decode.nxd_model.layout_transformer["target"] == "inf2"
     assert "NEURON_PLATFORM_TARGET_OVERRIDE" not in os.environ  # set for the build only
     prefill = _build(tiny0_ckpt, tmp_path, layout_priority="prefill")
     none = _build(tiny0_ckpt, tmp_path, layout_priority=None)
-    assert prefill.priority_key == "prefill_16" and none.nxd_model.layout_transformer is None
+    assert prefill.priority_key == "prefill_16_kv16" and none.nxd_model.layout_transformer is None
     assert len({decode.cache_key, prefill.cache_key, none.cache_key}) == 3
     x = torch.randn(1, 16, decode.spec.hidden_size).bfloat16()
     pos = torch.arange(16)[None]
@@ -338,7 +344,7 @@ def test_rule_parameters_are_never_state(nxd, tiny0_ckpt, tmp_path, monkeypatch)
         rows = port_model.chunk_rows(positions)
         self.k = torch.nn.Parameter(self.k.index_copy(2, rows, k), requires_grad=False)
         self.v = torch.nn.Parameter(self.v.index_copy(2, rows, v), requires_grad=False)
-        return self.k, self.v
+        return self.k[:, :, :self.read_len], self.v[:, :, :self.read_len]
 
     monkeypatch.setattr(port_model.KVCache, "__init__", init)
     monkeypatch.setattr(port_model.KVCache, "update", update)
@@ -357,7 +363,7 @@ def test_quoted_compiler_flags_reach_the_compiler_whole(nxd, tiny0_ckpt, tmp_pat
     assert overlap in be.compiler_args  # one word
     import shlex
 
-    assert overlap in shlex.split(be.nxd_model.graphs["prefill_16"].compiler_flags)
+    assert overlap in shlex.split(be.nxd_model.graphs["prefill_16_kv16"].compiler_flags)
     monkeypatch.setattr(neuron, "compiler_flag_string", " ".join)  # the old join: the value is cut in two
     with pytest.raises(neuron.NeuronBuildError, match="unrecognized arguments: --cc-pipeline-tiling-factor=2"):
         _build(tiny0_ckpt, tmp_path / "again", compiler_args=NXDI_GEMMA3_FLAGS)
@@ -367,9 +373,9 @@ def test_row_parallel_reduce_dtype_is_a_build_option(nxd, tiny0_ckpt, tmp_path):
     fp32 = _build(tiny0_ckpt, tmp_path)
     bf16 = _build(tiny0_ckpt, tmp_path, reduce_dtype=torch.bfloat16)
     assert fp32.cache_key != bf16.cache_key
-    o_proj = bf16.nxd_model.module.layers[0].self_attn.o_proj
-    assert o_proj.reduce_dtype == torch.bfloat16 and fp32.nxd_model.module.layers[0].self_attn.o_proj.reduce_dtype \
-        == torch.float32
+    o_proj = bf16.nxd_model.traced_modules["decode_kv16"].layers[0].self_attn.o_proj
+    assert o_proj.reduce_dtype == torch.bfloat16 and \
+        fp32.nxd_model.traced_modules["decode_kv16"].layers[0].self_attn.o_proj.reduce_dtype == torch.float32
 
 
 def test_a_core_list_smaller_than_tp_is_refused_before_any_build(nxd, tiny0_ckpt, tmp_path, monkeypatch, capsys):

@@ -16,7 +16,9 @@ EDITS = {"hidden_size": 96, "intermediate_size": 192, "num_global_key_value_head
 def other_shape(tmp_path_factory, default_prompts):
     from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
 
-    from harness.checkpoint import TINY_CONFIG, Checkpoint
+    from harness.checkpoint import Checkpoint
+
+    from harness.tiny import TINY_CONFIG
     from harness.local import intra_op_threads_for
     from harness.reference import run_reference
 

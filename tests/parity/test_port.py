@@ -133,7 +133,9 @@ def real_window_ckpt(tmp_path_factory):
     """The tiny model with the 12B's real sliding window of 1024 keys."""
     import json
 
-    from harness.checkpoint import TINY_CONFIG, Checkpoint, build_tiny_checkpoint
+    from harness.checkpoint import Checkpoint
+
+    from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
 
     config = json.loads(TINY_CONFIG.read_text())
     config["text_config"].update(sliding_window=REAL_WINDOW, max_position_embeddings=2048)

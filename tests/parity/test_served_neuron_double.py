@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from harness.backends import neuron
+from harness.backends import neuron_env
 from tests.nxd_double import installed
 from tests.parity import served_faults
 
@@ -24,7 +24,7 @@ def nxd(tmp_path, monkeypatch):
     build's artifacts (the cache key hashes the model source, not a monkeypatch)."""
     monkeypatch.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
-    monkeypatch.setattr(neuron, "neuron_core_count", lambda: 16)
+    monkeypatch.setattr(neuron_env, "neuron_core_count", lambda: 16)  # where the core assignment counts them
     with installed(monkeypatch):
         yield
 

@@ -12,7 +12,8 @@ import json
 import pytest
 
 from harness import perf
-from harness.checkpoint import Checkpoint, tiny_checkpoint
+from harness.checkpoint import Checkpoint
+from harness.tiny import tiny_checkpoint
 from harness.cli import main as cli_main
 from harness.perf.context import context_floors
 from harness.perf.roofline import Rates

@@ -15,7 +15,8 @@ import pytest
 
 from harness import perf
 from harness.cli import main as cli_main
-from harness.checkpoint import Checkpoint, tiny_checkpoint
+from harness.checkpoint import Checkpoint
+from harness.tiny import tiny_checkpoint
 from harness.errors import HarnessInputError
 from harness.settings import RunSettings
 

@@ -39,7 +39,7 @@ if __name__ == "__main__":  # how fixtures/corpus/tiny-20k.json was made
     import sys
 
     from harness import FIXTURES_DIR
-    from harness.checkpoint import tiny_checkpoint
+    from harness.tiny import tiny_checkpoint
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 20_480
     (FIXTURES_DIR / "corpus" / "tiny-20k.json").write_text(json.dumps(model_corpus(tiny_checkpoint(seed=0), n)) + "\n")

@@ -10,7 +10,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from harness.checkpoint import TINY_CONFIG
+from harness.tiny import TINY_CONFIG
 from harness.model import Attention, RankLinears, attention_mask, rope_cos_sin, rope_inv_freq
 from harness.sharding import plan_layer, shard_layer
 from harness.spec import LayerSpec, load_spec

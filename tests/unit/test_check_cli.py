@@ -104,8 +104,11 @@ def test_an_exception_inside_the_port_is_a_parity_failure(tiny0_dir, golden, tmp
     assert payload["failed_stages"] == ["fp32", "bf16"]
 
 
-def test_a_prompt_longer_than_the_buckets_is_still_bad_input(tiny0_dir, tmp_path):
-    """Bad input is told apart before the port runs: exit 2."""
+def test_a_prompt_longer_than_the_kv_length_is_still_bad_input(tiny0_dir, tmp_path, capsys):
+    """Bad input is told apart before the port runs: exit 2. (A prompt longer than the largest
+    bucket is prefilled in chunks; one that with its new tokens overflows the KV length is refused.)"""
     prompts = tmp_path / "long.json"
     prompts.write_text(json.dumps([list(range(3, 103))]))
-    assert main(["check", "--checkpoint", str(tiny0_dir), "--prompts", str(prompts), "--buckets", "64"]) == 2
+    assert main(["check", "--checkpoint", str(tiny0_dir), "--prompts", str(prompts), "--buckets", "64",
+                 "--kv-len", "100", "--new-tokens", "4"]) == 2
+    assert "kv-len" in capsys.readouterr().err

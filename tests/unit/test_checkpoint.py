@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.checkpoint import TINY_CONFIG, Checkpoint, build_tiny_checkpoint, expected_layer_shapes
+from harness.checkpoint import Checkpoint, expected_layer_shapes
+
+from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
 from harness.errors import CheckpointError
 from harness.spec import spec_from_config_dict
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness import FIXTURES_DIR
-from harness.checkpoint import TINY_CONFIG
+from harness.tiny import TINY_CONFIG
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from harness.golden import write_golden
 from harness.reference import ReferenceResult

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import harness.golden
-from harness.checkpoint import TINY_CONFIG
+from harness.tiny import TINY_CONFIG
 from harness.errors import GoldenError, OutputError
 from harness.golden import MANIFEST, TENSORS, read_golden, write_golden
 from harness.spec import spec_from_config_dict

@@ -20,14 +20,15 @@ PACKAGE = Path(harness.__file__).parent
 LAYERS = {
     "harness": 0,
     # 1: facts and plumbing every layer may use
-    "harness.errors": 1, "harness.spec": 1, "harness.spec_family": 1, "harness.numerics": 1, "harness.atomic": 1, "harness.progress": 1,
-    "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
+    "harness.errors": 1, "harness.spec": 1, "harness.spec_family": 1, "harness.spec_validate": 1, "harness.numerics": 1,
+    "harness.atomic": 1, "harness.progress": 1, "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
     # 2: weights, plans, inputs
-    "harness.checkpoint": 2, "harness.sharding": 2, "harness.instances": 2, "harness.prompts": 2,
+    "harness.checkpoint": 2, "harness.checkpoint_files": 2, "harness.tiny": 2, "harness.sharding": 2,
+    "harness.instances": 2, "harness.prompts": 2,
     # 3: the port
     "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
     # 4: execution: the backends, and the reference (transformers only)
-    "harness.backends": 4, "harness.reference": 4,
+    "harness.backends": 4, "harness.reference": 4, "harness.reference_stream": 4,
     # 5: judgement
     # (observe runs the port and the references for the judge; stage judges what it observed)
     "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5,

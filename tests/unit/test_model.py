@@ -36,7 +36,7 @@ def test_rms_norm_is_bitwise_transformers_in_bf16_and_fp32():
 def test_rope_tables_equal_transformers():
     """inv_freq of both layer types equals transformers' rotary embedding's (proportional rope
     divides by the full head_dim and zeroes the rest)."""
-    from harness.checkpoint import TINY_CONFIG
+    from harness.tiny import TINY_CONFIG
     import json
 
     from transformers import Gemma4UnifiedConfig

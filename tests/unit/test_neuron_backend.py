@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from harness.backends import neuron, neuron_cache, neuron_env
-from harness.checkpoint import TINY_CONFIG
+from harness.tiny import TINY_CONFIG
 from harness.errors import HarnessInputError
 from harness.model import RankDecoder, RankLinears
 from harness.settings import RunSettings

@@ -85,6 +85,40 @@ def test_sharded_graph_computes_the_unsharded_math_with_state_across_calls(sdk, 
     assert model(x[:, :1], torch.zeros(1), model_name="one").shape == (1, 1, 8)
 
 
+class Scaled(Toy):
+    """Toy whose output scale is a Python attribute: a trace bakes in the value it had then."""
+
+    scale = 1.0
+
+    def forward(self, x, step):
+        self.count = self.count + step
+        return self.scale * self.down(self.up(x)) + self.count
+
+
+def test_each_tag_runs_its_module_as_traced_and_shares_the_state(sdk, tmp_path):
+    """Two traces of the same shapes with the Python state changed between them are two graphs (the
+    call must name one); changing the module after tracing changes neither; state is shared."""
+    with sdk.NxDParallelState(world_size=2, tensor_model_parallel_size=2, lnc_size=1):
+        module = Scaled()
+        builder = sdk.ModelBuilder(module)
+        for tag, scale in (("x1", 1.0), ("x3", 3.0)):
+            module.scale = scale
+            builder.trace(args=(torch.zeros(1, 4, 8), torch.ones(1)), tag=tag)
+        module.scale = 100.0
+        model = builder.compile(compiler_workdir=str(tmp_path), compiler_args=FLAGS)
+    up, down, shards = _weights()
+    model.set_weights(shards)
+    model.to_neuron()
+    x, step = torch.randn(1, 4, 8), torch.full((1,), 0.5)
+    with pytest.raises(AssertionError, match="must be provided"):
+        model(x, step)
+    with pytest.raises(AssertionError, match="does not match"):
+        model(x, step, model_name="x2")
+    plain = x @ up.T @ down.T
+    assert torch.allclose(model(x, step, model_name="x1"), plain + 0.5, atol=1e-4)
+    assert torch.allclose(model(x, step, model_name="x3"), 3 * plain + 1.0, atol=1e-4)  # count is shared
+
+
 def test_the_metaneff_names_weights_and_states(sdk, tmp_path):
     from torch_neuronx.proto import metaneff_pb2
 

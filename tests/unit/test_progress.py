@@ -60,7 +60,7 @@ def test_transformers_bars_are_silent_where_stderr_is_not_a_terminal(tmp_path, m
     GEMMA_PARITY_PROGRESS=1 (which asks for the harness's own plain lines, not third-party bars)."""
     from transformers.utils import logging as transformers_logging
 
-    from harness.checkpoint import build_tiny_checkpoint
+    from harness.tiny import build_tiny_checkpoint
     from harness.reference import load_reference_model
 
     monkeypatch.setenv("GEMMA_PARITY_PROGRESS", "1")

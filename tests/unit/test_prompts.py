@@ -54,7 +54,7 @@ def test_malformed_prompt_files_are_refused(tmp_path, content, fragment):
 def test_an_id_outside_the_vocabulary_names_where_the_prompts_came_from(source, said, fix):
     """With no --prompts the default prompts file is named as such (and the fix is --prompts, not
     "check the prompts file", which the user never gave); a golden's prompts say to regenerate it."""
-    from harness.checkpoint import TINY_CONFIG
+    from harness.tiny import TINY_CONFIG
     from harness.prompts import DEFAULT_PROMPTS, validate_prompt_ids
     from harness.spec import spec_from_config_dict
 

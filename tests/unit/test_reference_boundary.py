@@ -13,7 +13,7 @@ import torch
 
 from tests.unit.test_layering import PACKAGE, harness_imports, module_name
 
-REFERENCE_PATH = ("harness.reference",)
+REFERENCE_PATH = ("harness.reference", "harness.reference_stream")
 PORT = ("harness.model", "harness.engine", "harness.sharding", "harness.backends", "harness.graphs",
         "harness.numerics")
 
@@ -74,7 +74,7 @@ def test_broken_port_numerics_leave_the_reference_unchanged(monkeypatch, tiny0_c
     """Break the port's embedding scale and softcap at their source: the streamed reference (which
     builds its own embeddings and caps its own logits) computes the same numbers bit for bit."""
     from harness import engine, numerics
-    from harness.reference import stream_prefill_captures
+    from harness.reference_stream import stream_prefill_captures
 
     prompt = default_prompts[1]
     before = stream_prefill_captures(tiny0_ckpt, prompt, torch.bfloat16)
@@ -92,7 +92,7 @@ def test_streaming_bf16_equals_the_full_reference_on_inexact_scale(inexact_scale
     """On the hidden-72 variant (sqrt(72) is inexact in bf16, so the scale's cast shows) the streamed
     bf16 reference's embeddings equal the full transformers model's bit for bit, and every other
     prefill capture agrees to bf16 rounding of the different op order (layer by layer vs whole model)."""
-    from harness.reference import stream_prefill_captures
+    from harness.reference_stream import stream_prefill_captures
 
     for full in inexact_scale_reference["bfloat16"][:2]:
         streamed = stream_prefill_captures(inexact_scale_ckpt, full.prompt, torch.bfloat16)

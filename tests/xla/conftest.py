@@ -11,7 +11,7 @@ BUCKET = 16
 
 @pytest.fixture(scope="session")
 def tiny_spec():
-    from harness.checkpoint import TINY_CONFIG
+    from harness.tiny import TINY_CONFIG
     from harness.spec import load_spec
 
     return load_spec(TINY_CONFIG)
@@ -43,7 +43,7 @@ VARIANT_TEXT = {"hidden_size": 96, "intermediate_size": 160, "num_attention_head
 def variant_dir(tmp_path_factory):
     import json
 
-    from harness.checkpoint import TINY_CONFIG, build_tiny_checkpoint
+    from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
 
     out = tmp_path_factory.mktemp("variant")
     config = json.loads(TINY_CONFIG.read_text())

@@ -20,7 +20,7 @@ def test_contracts_hold_on_the_graphs_torch_neuronx_traces(length):
 
     from harness.backends.neuron import NeuronLinears, import_neuronx_distributed
     from harness.backends.xla import graph_tensors, lower_graph
-    from harness.checkpoint import TINY_CONFIG
+    from harness.tiny import TINY_CONFIG
     from harness.graph_contracts import GraphSignature, check_graph, expectation_for
     from harness.graphs import TracedDecoder
     from harness.spec import load_spec

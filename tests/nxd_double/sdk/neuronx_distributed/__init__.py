@@ -4,7 +4,7 @@ src/neuronx_distributed/__init__.py (Release 2.29). Test-only (tests/nxd_double)
 
 The import chain is upstream's too: the package imports `pipeline` before anything else, and the
 pipeline's trace module imports `transformers.utils.fx.HFTracer` whenever transformers imports
-(see pipeline/trace.py), so `import neuronx_distributed` fails under transformers 5 exactly as the
+(see tests/nxd_double/sdk/neuronx_distributed/pipeline/trace.py), so `import neuronx_distributed` fails under transformers 5 exactly as the
 real package does."""
 
 from . import parallel_layers, pipeline  # noqa: F401  (upstream order: kernels, parallel_layers, pipeline, ...)

@@ -25,6 +25,9 @@ layout transformer is compiled with flags that carry no --target (`--model-type=
 --lnc=1 --internal-hlo2tensorizer-options='...' --logfile=... --verbose=35`), so its platform comes
 from the host or $NEURON_PLATFORM_TARGET_OVERRIDE; when no weight's layout changes it is None. A graph output that is one of the graph's own inputs is refused (no
 upstream example returns an input under aliasing; the double is conservative here).
+A trace is the code as it ran then: the module's Python state at trace() (attributes, branches
+taken) is baked into that tag's graph, so each tag runs a snapshot of the module taken when it was
+traced; changing the module after its trace changes no compiled graph.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class TraceArtifacts:
     compiler_flags: str = ""
     neff: bytes = b""
     extra: dict = field(default_factory=dict)
+    module: object = None  # the module as traced (on meta): the graph's code, Python state baked in
 
     def route_key(self) -> str:
         return "(" + ", ".join(f"{name}: {list(shape)}" for name, shape, _ in self.provided) + ")"
@@ -194,6 +198,7 @@ class ModelBuilder:
         art = TraceArtifacts(params, [(n, tuple(t.shape), t.dtype) for n, t in inputs.items()], weights,
                              states, outputs, single)
         art.metaneff = _metaneff(art)
+        art.module = copy.deepcopy(self.model).to("meta")
         art.hlo = json.dumps([art.route_key(), sorted(weights), sorted(states), [str(o) for o in outputs]]).encode()
         tag = tag if tag is not None else hashlib.sha256(art.hlo).hexdigest()[:16]
         self.trace_artifacts_collection[tag] = art
@@ -222,9 +227,9 @@ class ModelBuilder:
         except Exception as exc:
             raise RuntimeError("Compilation process failed") from exc
         model = NxDModel(world_size=self.world_size, layout_transformer=transformer)
-        module = copy.deepcopy(self.model).to("meta")  # the graph's code; weights come from set_weights
-        for tag in tags:
-            model.add(tag, self.trace_artifacts_collection[tag], module)
+        for tag in tags:  # each graph's code as traced; weights come from set_weights
+            art = self.trace_artifacts_collection[tag]
+            model.add(tag, art, art.module)
         return model
 
     def _compile_one(self, tag, flags, workdir, priority: bool) -> None:

@@ -21,7 +21,8 @@ checkpoint shapes (the layout transformer converts them); with no transformer (N
 model, or no layout changed) the metaneff shapes are the checkpoint's.
 Execution replays the one SPMD trace on every rank: each rank runs the traced code with the Python
 rank reporting 0 (parallel_state.get_tensor_model_parallel_rank), its own weights and states, and
-real collectives with the other ranks.
+real collectives with the other ranks. Each graph runs its own module as traced (its Python state
+baked in), all of a rank's graphs sharing that rank's weights and states.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class NxDModel(torch.nn.Module):
         self.graphs: dict = {}
         self.input_shape_map: dict[str, list[str]] = {}
         self.model_params: list = []
-        self.module = None
+        self.traced_modules: dict = {}  # tag -> the module as traced (meta)
         self.weights: list[dict] = [{} for _ in range(world_size)]
         self.states: list[dict] = [{} for _ in range(world_size)]
         self.loaded_on_neuron = False
@@ -77,7 +78,7 @@ class NxDModel(torch.nn.Module):
                                  "models added prior.")
         self.model_params = trace_artifacts.model_params
         self.graphs[key] = trace_artifacts
-        self.module = module
+        self.traced_modules[key] = module
         self.input_shape_map.setdefault(trace_artifacts.route_key(), []).append(key)
         return self
 
@@ -132,15 +133,15 @@ class NxDModel(torch.nn.Module):
         states = self._state_specs()
         self.states = [{k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in states.items()}
                        for _ in range(self.world_size)]
-        self._ranks = []
-        for rank in range(self.world_size):
-            module = copy.deepcopy(self.module).to_empty(device="cpu")
-            for name, tensor in self.weights[rank].items():
-                _set(module, name, tensor)
-            for name, tensor in self.states[rank].items():
-                _set(module, name, tensor)
-            self._ranks.append(module.eval())
+        self._ranks = [{tag: self._rank_module(rank, module) for tag, module in self.traced_modules.items()}
+                       for rank in range(self.world_size)]
         self.loaded_on_neuron = True
+
+    def _rank_module(self, rank, traced):
+        module = copy.deepcopy(traced).to_empty(device="cpu")
+        for name, tensor in [*self.weights[rank].items(), *self.states[rank].items()]:
+            _set(module, name, tensor)
+        return module.eval()
 
     def replace_weights(self, sharded_checkpoint):
         self.loaded_on_neuron = False
@@ -177,6 +178,9 @@ class NxDModel(torch.nn.Module):
         model_names = self.input_shape_map[route]  # KeyError: no graph was traced with these shapes
         if len(model_names) > 1:
             assert model_name is not None, "The Model Name must be provided if input routing is ambiguous."
+            assert model_name in model_names, (  # the double's rule: a name the shapes cannot reach
+                f"Provided model_name does not match the model names found by the shape router: {model_names} "
+                f"but got {model_name}")
         else:
             assert model_name is None or model_name == model_names[0], (
                 f"Provided model_name does not match model name found by the shape router. Found "
@@ -195,28 +199,28 @@ class NxDModel(torch.nn.Module):
             raise NotImplementedError(f"forward_mode={forward_mode!r}: the double models 'default' only")
         model_name, inputs = self._route(args, kwargs, model_name)
         art = self.graphs[model_name]
-        outs = _on_ranks(self.world_size, lambda rank: self._run_rank(rank, art, inputs))
+        outs = _on_ranks(self.world_size, lambda rank: self._run_rank(rank, model_name, inputs))
         items = outs[0]
         got = [(tuple(t.shape), t.dtype) for t in items]
         if got != art.outputs:
             raise RuntimeError(f"graph {model_name} produced {got}, not its traced outputs {art.outputs}")
         return items[0] if art.single_output else tuple(items)
 
-    def _run_rank(self, rank, art, inputs):
-        module = self._ranks[rank]
+    def _run_rank(self, rank, model_name, inputs):
+        art, module = self.graphs[model_name], self._ranks[rank][model_name]
         with torch.no_grad():
             out = module(**{k: v.clone() for k, v in inputs.items()})
         for name in art.states:
             new = _get(module, name)
             self.states[rank][name].copy_(new)  # aliased: the output lands in the state buffer
-            _set(module, name, self.states[rank][name])
+            _set(module, name, self.states[rank][name])  # every graph of the rank reads this buffer
         items = [out] if art.single_output else list(out)
         return [t.detach().clone() for t in items]
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, path_to_save: str, save_weights: bool = False):
         payload = {"format": "nxd-double-1", "world_size": self.world_size,
-                   "layout_transformer": self.layout_transformer, "module": self.module,
+                   "layout_transformer": self.layout_transformer,
                    "graphs": self.graphs, "weights": self.weights if save_weights else None}
         torch.save(payload, path_to_save)
 
@@ -227,7 +231,7 @@ class NxDModel(torch.nn.Module):
             raise ValueError("The Torchscript Model Supplied was not produced with the NxDModel.save method.")
         model = cls(payload["world_size"], start_rank, local_ranks_size, layout_transformer=payload["layout_transformer"])
         for key, art in payload["graphs"].items():
-            model.add(key, art, payload["module"])
+            model.add(key, art, art.module)
         return model
 
 

@@ -1,0 +1,121 @@
+"""The streaming reference: prefill captures computed one decoder layer at a time from the
+checkpoint with transformers' own layer classes, so peak memory stays near the embedding matrix
+plus one layer (what makes a 12B golden possible on a small host). Like harness/reference.py it
+imports nothing of the port (tests/unit/test_reference_boundary.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.reference import Recorder, hf_decoder_parts
+from harness.settings import dtype_name, torch_dtype
+
+
+def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
+                            progress: bool = False) -> dict[str, torch.Tensor]:
+    """Prefill captures computed layer by layer from the checkpoint with transformers' own decoder
+    layer class; peak memory is about the embedding matrix plus one layer."""
+    return stream_prefill_captures_many(checkpoint, [prompt], dtype, progress)[0]
+
+
+class _StreamedPrompt:
+    """One prompt's hidden state on its way through the streamed layers, and its captures. A
+    [batch, n] tensor of equal-length prompts runs as one batch (the corpus-quality pass); its
+    captures keep the batch dimension."""
+
+    def __init__(self, checkpoint, config, embedding, prompt):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        spec = checkpoint.spec
+        ids = torch.as_tensor(prompt, dtype=torch.long)
+        self.rows = slice(None) if ids.dim() == 2 else 0  # which rows of [batch, n, ...] are captured
+        ids = ids if ids.dim() == 2 else ids[None]
+        if spec.placeholder_token_ids:
+            ids = torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
+        self.x = embedding(ids)
+        self.captures = {"embeddings": self.x[self.rows].float()}
+        self.positions = torch.arange(ids.shape[1])[None]
+        mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, past_key_values=None,
+                         position_ids=self.positions)
+        self.masks = {"full_attention": create_causal_mask(**mask_args),
+                      "sliding_attention": create_sliding_window_causal_mask(**mask_args)}
+
+    def through(self, layer, layer_spec, rotary, keep: bool = True) -> None:
+        """One decoder layer; its capture points are kept only when `keep` (else only the logits)."""
+        i = layer_spec.index
+        recorder = Recorder.on_layer(layer, i, self.x) if keep else None
+        cos_sin = rotary(self.x, self.positions, layer_spec.type)
+        self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
+                       position_ids=self.positions)
+        if recorder is not None:
+            recorder.remove()
+            self.captures.update({k: v[self.rows].float() for k, v in recorder.captures.items()})
+            self.captures[f"layers.{i}.output"] = self.x[self.rows].float()
+
+    def finish(self, norm, head: torch.Tensor, cap) -> dict[str, torch.Tensor]:
+        x = norm(self.x)
+        self.captures["final_norm"] = x[self.rows].float()
+        logits = (x[self.rows] @ head.T).float()
+        self.captures["logits"] = logits
+        self.captures["capped_logits"] = _transformers_softcap(logits, cap)
+        return self.captures
+
+
+def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=torch.float32,
+                                 progress: bool = False, layer_captures: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Prefill captures of every prompt in ONE pass over the checkpoint: each decoder layer is read
+    and built once and runs every prompt's hidden state before the next layer is read. Peak memory
+    is about the embedding matrix plus one layer plus the prompts' activations (without
+    `layer_captures`, only the embeddings, final norm and logits are kept: the corpus-quality pass)."""
+    from transformers import AutoConfig
+
+    from harness.errors import HarnessInputError
+    from harness.progress import status
+
+    dtype = torch_dtype(dtype)
+    config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    spec = checkpoint.spec
+    if spec.per_layer_input_size or spec.shared_layers:
+        raise HarnessInputError(f"{checkpoint.path}: streaming (one layer at a time) does not run per-layer "
+                                "inputs or KV-shared layers; write the golden without --stream (these models "
+                                "are small enough to load whole)")
+    hf = hf_decoder_parts(spec)
+    embed = checkpoint.embed_weight(dtype)
+    embedding = _scaled_embedding(hf, embed, spec)
+    states = [_StreamedPrompt(checkpoint, config, embedding, prompt) for prompt in prompts]
+    rotary = hf.rotary(config)
+    say = status("stream", progress, total=spec.num_layers)
+    with torch.no_grad():
+        for layer_spec in spec.layers:
+            say(f"{dtype_name(dtype)} layer {layer_spec.index + 1}/{spec.num_layers}, {len(prompts)} prompt(s)")
+            with torch.device("meta"):
+                layer = hf.layer(config, layer_spec.index)
+            layer.load_state_dict(checkpoint.layer_weights(layer_spec.index, dtype), assign=True, strict=True)
+            for state in states:
+                state.through(layer, layer_spec, rotary, keep=layer_captures)
+            del layer
+        norm = hf.norm(spec.hidden_size, eps=spec.rms_norm_eps)
+        norm.weight.data = checkpoint.final_norm_weight(dtype)
+        head = embed if spec.tie_word_embeddings else checkpoint.lm_head_weight(dtype)
+        return [state.finish(norm, head, spec.final_logit_softcapping) for state in states]
+
+
+def _scaled_embedding(hf, weight: torch.Tensor, spec):
+    """transformers' own scaled word embedding (the scale cast to the weight dtype in its forward)
+    over the checkpoint's matrix, without allocating a second copy."""
+    with torch.device("meta"):
+        emb = hf.embedding(spec.vocab_size, spec.hidden_size, spec.pad_token_id,
+                                                      embed_scale=spec.hidden_size ** 0.5)
+    emb.weight = torch.nn.Parameter(weight, requires_grad=False)
+    emb.embed_scale = torch.tensor(emb.scalar_embed_scale)  # what transformers' init puts there
+    return emb
+
+
+def _transformers_softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The final softcap exactly as transformers' Gemma-4 forward writes it (divide, tanh,
+    multiply), for the streaming path that has no whole model to run it."""
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
