@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from harness.compare import (BF16, FP32, compare_logits, compare_point, compare_probabilities, distribution_ratio,
+from harness.compare import (per_position_rel_l2, BF16, FP32, compare_logits, compare_point, compare_probabilities, distribution_ratio,
                              saturation_tie)
 
 ROWS, WIDTH = 4, 8
@@ -192,3 +192,18 @@ def test_probability_distribution_is_judged_at_its_0_9_quantile_and_mean():
     assert distribution_ratio(dev, env, 2e-6) == pytest.approx(5.0)
     dev[9] = 1e-4
     assert distribution_ratio(dev, env, 2e-6) == pytest.approx(1.4)  # one row at 5x: mean and q0.9 both 1.4
+
+
+def test_a_row_is_measured_against_at_least_one_percent_of_the_median_row_norm():
+    """per_position_rel_l2: a row whose own norm is tiny is measured against 1% of the point's
+    median row norm (a gated point's near-zero rows), never more: a loosened floor hides real
+    per-row errors of ordinary rows."""
+    ref = torch.ones(5, 4)  # row norms 2.0; median 2.0 -> floor 0.02
+    ref[0] = 0.001  # row norm 0.002, under the floor
+    dev = ref.clone()
+    dev[0] += 0.005  # error norm 0.01: against the floor 0.02 -> 0.5 (its own norm would give 5.0)
+    dev[1] += 0.1  # error norm 0.2 on an ordinary row: 0.2 / 2.0 = 0.1
+    got = per_position_rel_l2(dev, ref)
+    assert got[0].item() == pytest.approx(0.5, rel=1e-6)
+    assert got[1].item() == pytest.approx(0.1, rel=1e-6)
+    assert got[2:].abs().max().item() == 0.0
