@@ -382,6 +382,7 @@ def test_a_core_list_smaller_than_tp_is_refused_before_any_build(nxd, tiny0_ckpt
     from harness.cli import main
 
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "3")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # a user's own list (xdist assigns its own)
     with pytest.raises(HarnessInputError, match=r"NEURON_RT_VISIBLE_CORES='3' names 1 NeuronCore\(s\) but tp=2"):
         _build(tiny0_ckpt, tmp_path)
     assert list(tmp_path.iterdir()) == []

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from harness import graphs
-from harness.backends import neuron
+from harness.backends import neuron, neuron_env
 from harness.settings import RunSettings
 from tests.faults.catalog import LONG_BUCKETS, LONG_KV_LEN, LONG_NEW_TOKENS, LONG_PROMPTS
 from tests.nxd_double import installed
@@ -28,7 +28,7 @@ def nxd(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path_factory.mktemp("neuron-cache")))
         mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
-        mp.setattr(neuron, "neuron_core_count", lambda: 16)
+        mp.setattr(neuron_env, "neuron_core_count", lambda: 16)  # where the core assignment counts them
         with installed(mp):
             yield
 

@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from harness.backends import neuron_env
+
 from tests.nxd_double import installed
 
 
@@ -31,6 +33,8 @@ def double(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
     monkeypatch.setenv("GEMMA_PARITY_INSTANCE_TYPE", "inf2.8xlarge")
+    # under xdist the core assignment counts the host's cores: an inf2.48xlarge's worth here
+    monkeypatch.setattr(neuron_env, "neuron_core_count", lambda: 16)
     with installed(monkeypatch):
         yield
 

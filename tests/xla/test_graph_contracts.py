@@ -120,8 +120,8 @@ def test_decode_writing_two_slots_fails(tiny_spec, monkeypatch):
 def test_weights_of_the_wrong_per_rank_shape_fail(tiny_spec, monkeypatch):
     real_init = model.MLP.__init__
 
-    def unsplit(self, spec, tp, linears):
-        real_init(self, spec, 1, linears)  # every rank holds the whole MLP: not the plan's shards
+    def unsplit(self, spec, tp, linears, width=None):
+        real_init(self, spec, 1, linears, width)  # every rank holds the whole MLP: not the plan's shards
 
     monkeypatch.setattr(model.MLP, "__init__", unsplit)
     violated = contracts_violated(tiny_spec)
