@@ -114,18 +114,25 @@ def repeat_not_interleave(monkeypatch):
     With one KV head per rank (full layers) both are the same, so only sliding layers show it."""
 
     def edit(attn, layer, plan):
-        if plan.kv_heads_per_rank == 1:
-            return
-        groups, attn.groups = attn.groups, 1  # the port's repeat_interleave becomes a no-op
-        update = attn.cache.update
-
-        def tiled_update(positions, k, v):
-            k_all, v_all = update(positions, k, v)
-            return k_all.repeat(1, groups, 1, 1), v_all.repeat(1, groups, 1, 1)
-
-        attn.cache.update = tiled_update
+        if plan.kv_heads_per_rank > 1:
+            attn.groups = 1  # the port's repeat_interleave becomes a no-op; the cache read tiles instead
 
     _after_attention_init(monkeypatch, edit)
+    real_make_cache = port_model.make_cache
+
+    def make_cache(kind, layer, kv_heads, max_len, dtype):  # the decoder gives each layer its cache
+        cache = real_make_cache(kind, layer, kv_heads, max_len, dtype)
+        if kv_heads > 1:
+            groups, update = layer.q_heads // layer.kv_heads, cache.update
+
+            def tiled_update(positions, k, v, *args, **kwargs):
+                k_all, v_all = update(positions, k, v, *args, **kwargs)
+                return k_all.repeat(1, groups, 1, 1), v_all.repeat(1, groups, 1, 1)
+
+            cache.update = tiled_update
+        return cache
+
+    monkeypatch.setattr(port_model, "make_cache", make_cache)
 
 
 def split_single_kv_head(monkeypatch):
