@@ -90,3 +90,17 @@ def test_bisect_names_layer_zero(request, monkeypatch, long_ckpt, long_reference
     result = bisect_capture(long_ckpt, engine, (long_reference["float32"], long_reference["bfloat16"]))
     assert result.first_divergent_layer == 0, result.first_divergent_layer
     assert result.component == "attention"
+
+
+@pytest.mark.slow
+def test_bisect_names_layer_zero_for_a_decode_kv_bucket_one_too_small(monkeypatch, tiny0_ckpt, tiny0_reference):
+    """A decode-only fault (decode steps read the KV bucket below the one holding their positions):
+    bisect's capture mode runs the check's decode points too, and names layer 0's attention."""
+    from harness.bisect import bisect_capture
+
+    fault = next(f for f in CATALOG if f.name == "decode-kv-bucket-one-too-small")
+    fault.inject(monkeypatch)
+    engine = build_engine(tiny0_ckpt, RunSettings(**engine_options(fault.checkpoint)), capture=True)
+    result = bisect_capture(tiny0_ckpt, engine, (tiny0_reference["float32"], tiny0_reference["bfloat16"]))
+    assert not result.passed
+    assert result.first_divergent_layer == 0 and result.component == "attention"
