@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from tests.faults.catalog import FAMILY_NEW_TOKENS, FAMILY_PROMPTS
+from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN, FAMILY_NEW_TOKENS, FAMILY_PROMPTS
 
 VARIANTS = ("31b", "e2b", "e4b", "26b-a4b")
 
@@ -25,3 +25,35 @@ def family_reference(variant: str):
     from harness.reference import run_reference
 
     return run_reference(family_checkpoint(variant).path, FAMILY_PROMPTS, FAMILY_NEW_TOKENS)
+
+
+# The MoE variant's bf16 stage fails on the clean port today: the bf16 reference and the port route
+# near-tied tokens differently, and the judge has no routing near-tie policy yet (README, "The
+# Gemma-4 family"). Only its fp32 stage (routing, router logits and expert weights included) is
+# asserted; remove it from this set when the policy lands, and every family check then asserts both.
+BF16_STAGE_PENDING = frozenset({"26b-a4b"})
+
+
+def family_check(variant: str, backend: str, tp: int):
+    """`check` (both stages, no local verdicts) of the port in bf16 on `backend` at `tp`, on the
+    variant's tiny checkpoint against its references."""
+    from harness.backends import build_engine
+    from harness.parity import check_port
+    from harness.settings import RunSettings
+
+    ckpt, refs = family_checkpoint(variant), family_reference(variant)
+    settings = RunSettings(backend=backend, tp=tp, dtype="bfloat16", buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
+    engine = build_engine(ckpt, settings, capture=True)
+    return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
+
+
+def assert_family_check_passes(result, variant: str, backend: str, tp: int) -> None:
+    """The fp32 stage ran on the backend itself at its TP and equals transformers token for token;
+    the bf16 stage passes (except where BF16_STAGE_PENDING says it is not asserted yet)."""
+    fp32 = result.fp32
+    assert fp32 is not None and (fp32.backend, fp32.tp, fp32.dtype) == (backend, tp, "float32")
+    assert fp32.passed and fp32.seq_match, fp32.failures()
+    assert [p.device_tokens for p in fp32.prompts] == [r.generated for r in family_reference(variant)["float32"]]
+    if variant not in BF16_STAGE_PENDING:
+        assert (result.backend, result.tp, result.dtype) == (backend, tp, "bfloat16")
+        assert result.passed, result.failures()
