@@ -109,9 +109,15 @@ class BisectResult:
             return "nonfinite"
         if self.mode == "truncate":
             return "divergent"
-        if bad.passed:
+        if bad.passed and not self._stand_in_named(bad):
             return "accumulated"
         return "weights" if bad.port_matches_checkpoint else "port"
+
+    def _stand_in_named(self, bad: LayerVerdict) -> bool:
+        """A layer that cannot run alone, named by the check at a failing point of its own outside
+        its residual points (its KV cache): it failed, though its stand-in local verdict passes."""
+        found = self.check.divergent() if self.check is not None and not bad.local else None
+        return found is not None and found[0] == bad.index
 
     @property
     def passed(self) -> bool:

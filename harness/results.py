@@ -111,20 +111,27 @@ class CheckResult:
     def seq_match(self) -> bool:
         return all(p.seq_match for p in self.prompts)
 
-    def first_layer_failure(self) -> tuple[int, str] | None:
-        """(layer, component) of the first failing point in run order that belongs to a layer."""
+    def first_layer_failure(self, layers: set[int] | None = None) -> tuple[int, str] | None:
+        """(layer, component) of the first failing point in run order that belongs to a layer (one
+        of `layers`, when given)."""
         for p in self.all_points():
             point = Point.parse(p.name)
-            if not p.passed and point.in_layer:
+            if not p.passed and point.in_layer and (layers is None or point.layer in layers):
                 return point.layer, point.component
         return None
 
     def divergent(self) -> tuple[int, str] | None:
-        """The local verdict's first failing layer where it exists, else this stage's first failing
-        layer point, else the fp32 stage's."""
-        local = next((v for v in self.local or [] if not v.passed), None)
-        if local is not None:
-            return local.index, local.component
+        """The first layer that fails on its own evidence: its local verdict where it ran alone;
+        for a layer that cannot (per-layer input, shared KV: its local verdict only repeats its
+        residual points) its first failing point in this stage's run order, its KV cache included
+        (a shared layer writing its source's cache breaks the source's KV point, not its residuals).
+        Else this stage's first failing layer point, else the fp32 stage's."""
+        stand_ins = {v.index for v in self.local_verdicts if not v.local}
+        alone = next(((v.index, v.component) for v in self.local or []
+                      if not v.passed and v.index not in stand_ins), None)
+        found = [f for f in (alone, self.first_layer_failure(stand_ins) if stand_ins else None) if f]
+        if found:
+            return min(found, key=lambda f: f[0])
         own = self.first_layer_failure()
         if own is None and self.fp32 is not None:
             return self.fp32.divergent()
