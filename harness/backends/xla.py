@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -61,10 +63,21 @@ def xla_runtime() -> SimpleNamespace:
             f"the xla backend needs torch-xla {TORCH_XLA_VERSION} with torch {TORCH_XLA_VERSION} (the Neuron "
             f"host's torch); this environment has torch {torch.__version__} and importing torch_xla failed "
             f"({exc!r}). Install them in a separate environment: {INSTALL_COMMAND}") from exc
+    _no_jax_bridge()
     xr.use_spmd()
     devices = xr.global_runtime_device_count()
     return SimpleNamespace(torch_xla=torch_xla, xs=xs, xr=xr, metrics=metrics, device=torch_xla.device(),
                            devices=devices)
+
+
+def _no_jax_bridge() -> None:
+    """torch-xla 2.9's mark_sharding tries `import torchax` and `import jax` on every call (its JAX
+    bridge, torch_xla/_internal/jax_workarounds.py). Without jax that import fails, is not cached,
+    and is retried for each of the ~180 tensors a step places: a third of a family check's time in
+    the XLA lane. torchax needs jax, so without jax both imports can only fail: record that once."""
+    if importlib.util.find_spec("jax") is None:
+        sys.modules.setdefault("jax", None)
+        sys.modules.setdefault("torchax", None)
 
 
 class XlaCollectives(Collectives):
