@@ -179,7 +179,7 @@ def compare_layers(spec, observed: tuple, judge: StageJudge = BF16, decode: bool
     dev, ref, env = observed
     out = []
     for layer in spec.layers:
-        names = layer_points(layer.index, decode, spec, routing=not judge.envelope_ties)
+        names = layer_points(layer.index, decode, spec)
         if all(n in dev for n in names):
             out.append(LayerResult(layer.index, layer.type,
                                    [compare_point(n, dev[n], ref[n], env[n], judge) for n in names]))

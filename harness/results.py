@@ -106,6 +106,8 @@ class CheckResult:
     # Stages parity's extra checks add (the served build, ...): each has .stage, .passed, .failures()
     # and .to_json(), and counts in the verdict like the two stages.
     extra_stages: list = field(default_factory=list, compare=False)
+    # MoE models, bf16 stage: the port's router choices judged (harness.routing.RoutingResult)
+    routing: object = None
 
     @property
     def seq_match(self) -> bool:
@@ -115,9 +117,13 @@ class CheckResult:
         """(layer, component) of the first failing point in run order that belongs to a layer."""
         for p in self.all_points():
             point = Point.parse(p.name)
-            if not p.passed and point.in_layer:
+            if point.in_layer and self.point_failed(p):
                 return point.layer, point.component
         return None
+
+    def point_failed(self, p) -> bool:
+        """A point broke its judge, or (MoE, bf16 stage) the port's routing there diverged."""
+        return not p.passed or (self.routing is not None and self.routing.diverges_at(p.name))
 
     def divergent(self) -> tuple[int, str] | None:
         """The local verdict's first failing layer where it exists, else this stage's first failing
@@ -175,6 +181,8 @@ class CheckResult:
             out.append({"stage": self.stage, "point": "embeddings", "where": "the host lookup",
                         "detail": f"not bit-exact with the {self.dtype} reference's lookup"})
         for p in self.all_points() + self.probabilities:
+            if self.routing is not None and self.routing.diverges_at(p.name):
+                out += [f for f in self.routing.failures(self.stage) if f["point"] == p.name]
             if not p.passed:
                 factor = p.required_factor if isinstance(p, PointResult) else p.ratio
                 out.append({"stage": self.stage, "point": p.name, "ratio": _finite(factor),
@@ -236,6 +244,7 @@ class CheckResult:
                 "decode_points": [asdict(p) for p in self.decode_points],
                 "probabilities": [asdict(p) for p in self.probabilities],
                 "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
+                "routing": self.routing.to_json() if self.routing is not None else None,
                 "seq_match": self.seq_match, "prompts": [p.to_json() for p in self.prompts]}
 
     def to_json(self) -> dict:
@@ -261,6 +270,7 @@ class CheckResult:
                                 run=self.run_seconds),
                 "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
                 "port_error": self.port_error or (self.fp32.port_error if self.fp32 else None),
+                "routing": self.routing.to_json() if self.routing is not None else None,
                 "extra_stages": {s.stage: s.to_json() for s in self.extra_stages}}
 
 
