@@ -330,8 +330,9 @@ def _judge_local_routing(verdict: LayerVerdict, spec, runs: tuple) -> None:
     routing = judge_decisions([(name, stack_prompts(port, name), stack_prompts(r32, logits), stack_prompts(r16, logits))],
                               spec.moe.top_k, lambda n, row: f"row {row}")
     verdict.routing = routing
-    if not routing.passed:
+    if not routing.passed:  # the port's choice against this checkpoint's own logits: the port's error
         verdict.local = [replace(p, passed=False) if p.name == name else p for p in verdict.local]
+        verdict.port_matches_checkpoint = False
 
 
 def local_verdicts(checkpoint, layer_backend, refs: tuple, captures: dict[str, torch.Tensor],

@@ -127,13 +127,13 @@ class CheckResult:
 
     def divergent(self) -> tuple[int, str] | None:
         """The local verdict's first failing layer where it exists, else this stage's first failing
-        layer point, else the fp32 stage's."""
+        layer point; the fp32 stage's when it names an earlier layer (a structural error there that
+        bf16 noise hides until later) or this stage names none."""
         local = next((v for v in self.local or [] if not v.passed), None)
-        if local is not None:
-            return local.index, local.component
-        own = self.first_layer_failure()
-        if own is None and self.fp32 is not None:
-            return self.fp32.divergent()
+        own = (local.index, local.component) if local is not None else self.first_layer_failure()
+        structural = self.fp32.divergent() if self.fp32 is not None else None
+        if own is None or (structural is not None and structural[0] < own[0]):
+            return structural
         return own
 
     @property

@@ -25,13 +25,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from harness.compare import NEAR_TIE_ULPS
+from harness.compare import NEAR_TIE_ULPS, ROUTING_FACTOR, ROUTING_QUANTILE
 from harness.numerics import bf16_ulp
 from harness.points import Point
 from harness.reference import chosen_experts
-
-ROUTING_QUANTILE = 0.99
-ROUTING_FACTOR = 2.0
 
 
 @dataclass

@@ -44,7 +44,9 @@ def test_family_catalog_covers_every_new_part():
 
 
 BISECTED = {"ple-wrong-layer-slice": (0, "per-layer input"), "kv-shared-source-off-by-one": (8, "attention"),
-            "moe-sum-without-norms": (0, "mlp")}
+            "moe-sum-without-norms": (0, "mlp"), "router-softmax-bf16": (0, "moe router"),
+            "topk-not-renormalised": (0, "moe router"), "per-expert-scale-missing": (0, "moe router"),
+            "router-skips-best-expert": (0, "moe router")}
 
 
 @pytest.mark.parametrize("name", list(BISECTED))
