@@ -110,8 +110,12 @@ def test_the_graphs_are_the_family_module(parity_builds, variant):
     assert art.provided[0][1] == (1, 1, input_width(spec))
     shared = set(spec.shared_layers)
     assert {int(name.split(".")[1]) for name in be.state_specs} == set(range(spec.num_layers)) - shared
-    for i in shared:
+    parity_builds(variant).prefill(FAMILY_PROMPTS[0][:12])
+    for i in shared:  # a shared layer's cache, read back, is its source's (as on the CPU backend)
         assert isinstance(traced.layers[i].self_attn, SharedKVAttention)
+        source = be.kv_cache(spec.layers[i].kv_source, 1)
+        assert source[0][0, :, :12].abs().sum() > 0
+        assert all(torch.equal(a, b) for a, b in zip(be.kv_cache(i, 1), source, strict=True))
     states = rank_state_dicts(family_checkpoint(variant), TP, torch.bfloat16)
     assert set(be.weight_specs) == set(states[0])
     for rank in range(TP):
