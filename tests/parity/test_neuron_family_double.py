@@ -95,6 +95,23 @@ def test_moe_bf16_run_is_the_cpu_ports_bit_for_bit(parity_builds, moe_cpu16):
             assert torch.equal(tensor, want_caps[name]), name
 
 
+@pytest.mark.parametrize("variant, tp", [("31b", 8), (MOE, 4)])
+def test_the_instances_tp_runs_as_the_cpu_port(nxd, monkeypatch, variant, tp):
+    """Past one chip's TP 2, as the 31B (TP 8: its global layers' few KV heads replicated whole, each
+    rank holding its query group's head, so ranks hold different ones) and the 26B-A4B (TP 4: each
+    rank 1/4 of every expert) run on their instances: the double's bf16 run is the CPU backend's
+    bit for bit."""
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", f"0-{tp - 1}")
+    ckpt = family_checkpoint(variant)
+    settings = replace(_settings("neuron"), tp=tp)
+    dev, cpu = build_engine(ckpt, settings, capture=True), build_engine(ckpt, replace(settings, backend="cpu"), capture=True)
+    assert dev.backend.tp == tp and len(dev.backend.nxd_model.weights) == tp
+    got, want = (e.generate(FAMILY_PROMPTS[1], 3, capture=True) for e in (dev, cpu))
+    assert got.tokens == want.tokens and torch.equal(got.prefill.logits, want.prefill.logits)
+    for name, tensor in got.prefill.captures.items():
+        assert torch.equal(tensor, want.prefill.captures[name]), name
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_graphs_are_the_family_module(parity_builds, variant):
     """What the compiled graphs are made of: the family's traced class, an input of the hidden size
