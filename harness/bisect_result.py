@@ -94,7 +94,7 @@ class BisectResult:
     def cause(self) -> str | None:
         """nonfinite | weights (the port computes this checkpoint right; the checkpoint differs
         from the golden's here) | port (the port's layer differs from transformers on the same
-        weights) | accumulated (nothing wrong alone) | divergent (truncate: not told apart) |
+        weights, alone in bf16 or in the fp32 structural stage) | accumulated (nothing wrong alone) | divergent (truncate: not told apart) |
         embeddings | final_norm."""
         first = self._first_point()
         if first is None:
@@ -109,15 +109,10 @@ class BisectResult:
             return "nonfinite"
         if self.mode == "truncate":
             return "divergent"
-        if bad.passed and not self._stand_in_named(bad):
-            return "accumulated"
+        if bad.passed:  # nothing wrong alone in bf16: the port's unless the fp32 stage pins it here
+            structural = self.check.fp32.divergent() if self.check is not None and self.check.fp32 else None
+            return "port" if structural is not None and structural[0] == bad.index else "accumulated"
         return "weights" if bad.port_matches_checkpoint else "port"
-
-    def _stand_in_named(self, bad: LayerVerdict) -> bool:
-        """A layer that cannot run alone, named by the check at a failing point of its own outside
-        its residual points (its KV cache): it failed, though its stand-in local verdict passes."""
-        found = self.check.divergent() if self.check is not None and not bad.local else None
-        return found is not None and found[0] == bad.index
 
     @property
     def passed(self) -> bool:

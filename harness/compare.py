@@ -54,6 +54,11 @@ NEAR_TIE_COMPETITORS = 4
 # The band never drops below this many bf16 ULPs at the top-1 logit's magnitude (a few ULPs: at
 # 18 a bf16 ULP is 0.125): two logits one rounding apart can always swap.
 NEAR_TIE_ULPS = 4
+# MoE routing in the bf16 stage (harness/routing.py): a router choice off the fp32 top-k is a near
+# tie within ROUTING_FACTOR x the ROUTING_QUANTILE of how far bf16 moves the top-k boundary margin
+# (the same rule as tokens', on the k-th expert against the next), never below NEAR_TIE_ULPS ULPs.
+ROUTING_QUANTILE = 0.99
+ROUTING_FACTOR = 2.0
 # The fp32 structural stage: the port in fp32 must equal the fp32 reference to fp32 precision. Its
 # envelope is the bf16 envelope scaled by the ratio of the two unit roundoffs (fp32 2^-24 over bf16
 # 2^-8): the same computation rounded 65536 times finer. Where from: on the tiny seeds 0 and 1 and
@@ -179,7 +184,7 @@ def compare_layers(spec, observed: tuple, judge: StageJudge = BF16, decode: bool
     dev, ref, env = observed
     out = []
     for layer in spec.layers:
-        names = layer_points(layer.index, decode, spec, routing=not judge.envelope_ties)
+        names = layer_points(layer.index, decode, spec)
         if all(n in dev for n in names):
             out.append(LayerResult(layer.index, layer.type,
                                    [compare_point(n, dev[n], ref[n], env[n], judge) for n in names]))

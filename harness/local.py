@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -19,6 +19,8 @@ from harness.compare import ENVELOPE_FACTOR, LayerResult, PointResult, compare_l
 from harness.spec_family import runs_alone
 from harness.points import Point, first_component, layer_points, locate, prefill_order
 from harness.progress import status
+from harness.reference import chosen_experts
+from harness.routing import judge_decisions
 
 
 def _finite_or_none(value):
@@ -63,6 +65,7 @@ class LayerVerdict:
     # computes today's weights right, so a local failure against the golden is a weight change.
     port_matches_checkpoint: bool | None = None
     stats: dict = field(default_factory=dict)
+    routing: object = None  # an MoE layer alone: its router choices judged (harness.routing)
 
     @property
     def judged(self) -> list[PointResult]:
@@ -164,8 +167,13 @@ class ReferenceLayers:
         with torch.no_grad():
             return norm(x.to(dtype)).float()
 
-    def captures(self, layer, index: int, x: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def captures(self, layer, index: int, x: torch.Tensor, dtype: torch.dtype,
+                 routes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The layer's capture points on x [n, hidden]; on an MoE layer with `routes` [n, k], its
+        router forced to those experts (harness.reference.force_routing)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        from harness.reference import force_routing
 
         layer_type = self.spec.layers[index].type
         x = x.to(dtype)[None]
@@ -183,6 +191,7 @@ class ReferenceLayers:
 
         hooks = [layer.post_attention_layernorm.register_forward_hook(attn_hook),
                  layer.post_feedforward_layernorm.register_forward_hook(mlp_hook)] + _router_hooks(layer, found)
+        hooks += force_routing({index: layer}, {index: routes}) if routes is not None else []
         try:
             with torch.no_grad():
                 out = layer(x, position_embeddings=self.rotary(x, positions, layer_type), attention_mask=mask,
@@ -221,7 +230,7 @@ def judge_layer_alone(spec, index: int, runs: tuple, cumulative: LayerResult, de
     runs = (port, golden, transformers fp32, transformers bf16) captures per prompt."""
     port, golden, ref32, ref16 = runs
     local, against_checkpoint = [], []
-    for name in layer_points(index, spec=spec, routing=False):  # local runs judge as bf16 does
+    for name in layer_points(index, spec=spec):
         dev, gold = stack_prompts(port, name), stack_prompts(golden, name)
         r32, r16 = stack_prompts(ref32, name), stack_prompts(ref16, name)
         local.append(compare_point(name, dev, gold, _shifted_envelope(gold, r32, r16)))
@@ -298,11 +307,32 @@ def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative:
     inputs = [caps[_layer_input_name(i)] for caps in golden_caps]
     port = [port_layer_captures(layer_backend, i, x) for x in inputs]
     ref_layers = {dt: reference.layer(i, dt) for dt in (torch.float32, torch.bfloat16)}
-    r32 = [reference.captures(ref_layers[torch.float32], i, x, torch.float32) for x in inputs]
-    r16 = [reference.captures(ref_layers[torch.bfloat16], i, x, torch.bfloat16) for x in inputs]
-    verdict = judge_layer_alone(spec, i, (port, golden_caps, r32, r16), cumulative[i], captures[f"layers.{i}.output"])
+    moe = f"layers.{i}.expert_weights" in port[0]
+    routes = [chosen_experts(caps[f"layers.{i}.expert_weights"], spec.moe.top_k) if moe else None for caps in port]
+    r32 = [reference.captures(ref_layers[torch.float32], i, x, torch.float32, r) for x, r in zip(inputs, routes)]
+    r16 = [reference.captures(ref_layers[torch.bfloat16], i, x, torch.bfloat16, r) for x, r in zip(inputs, routes)]
+    # An MoE layer alone routes by its own input's bf16 noise: it is judged against transformers'
+    # layer on its routing (fp32 and bf16, as the bf16 stage is), and its choices by the routing band.
+    golden = r32 if moe else golden_caps
+    verdict = judge_layer_alone(spec, i, (port, golden, r32, r16), cumulative[i], captures[f"layers.{i}.output"])
+    if moe:
+        _judge_local_routing(verdict, spec, (port, r32, r16))
     lengths = [caps["embeddings"].shape[0] for caps in golden_caps]
-    return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i, spec=spec, routing=False)}, lengths)
+    return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i, spec=spec)}, lengths)
+
+
+def _judge_local_routing(verdict: LayerVerdict, spec, runs: tuple) -> None:
+    """An MoE layer alone: a router choice off the fp32 top-k beyond the routing band fails its
+    expert-weights point (harness/routing.py judges it as the bf16 stage does)."""
+    port, r32, r16 = runs
+    i, name = verdict.index, f"layers.{verdict.index}.expert_weights"
+    logits = f"layers.{i}.router_logits"
+    routing = judge_decisions([(name, stack_prompts(port, name), stack_prompts(r32, logits), stack_prompts(r16, logits))],
+                              spec.moe.top_k, lambda n, row: f"row {row}")
+    verdict.routing = routing
+    if not routing.passed:  # the port's choice against this checkpoint's own logits: the port's error
+        verdict.local = [replace(p, passed=False) if p.name == name else p for p in verdict.local]
+        verdict.port_matches_checkpoint = False
 
 
 def local_verdicts(checkpoint, layer_backend, refs: tuple, captures: dict[str, torch.Tensor],

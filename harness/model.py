@@ -160,6 +160,9 @@ class KVCache(nn.Module):
         # Slots attention reads: the graph's KV bucket (graphs.kv_read_length), a static length per
         # graph; None reads the whole cache.
         self.read_len: int | None = None
+        # What the last update returned for attention to read (a KV-shared layer reads the same
+        # keys and values as its source in the same call: model_blocks.SharedKVAttention).
+        self.last_read: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def key_positions(self, positions: torch.Tensor):
         """What attention_mask needs for the keys update returns: their count (slot = position)."""
@@ -170,9 +173,9 @@ class KVCache(nn.Module):
         rows = chunk_rows(positions)
         self.k = self.k.index_copy(2, rows, k)
         self.v = self.v.index_copy(2, rows, v)
-        if self.read_len is None:
-            return self.k, self.v
-        return self.k[:, :, :self.read_len], self.v[:, :, :self.read_len]
+        n = self.read_len or self.k.shape[2]
+        self.last_read = self.k[:, :, :n], self.v[:, :, :n]
+        return self.last_read
 
 
 def ring_slot_positions(next_position: torch.Tensor, window: int) -> torch.Tensor:
@@ -211,7 +214,8 @@ class RingCache(KVCache):
         prior_k, prior_v = self.k, self.v
         self.k = torch.where(take, k.index_select(2, rows), prior_k)
         self.v = torch.where(take, v.index_select(2, rows), prior_v)
-        return torch.cat([prior_k, k], dim=2), torch.cat([prior_v, v], dim=2)
+        self.last_read = torch.cat([prior_k, k], dim=2), torch.cat([prior_v, v], dim=2)
+        return self.last_read
 
 
 def make_cache(kind: str, layer: LayerSpec, kv_heads: int, max_len: int, dtype) -> KVCache:

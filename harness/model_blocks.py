@@ -77,10 +77,11 @@ class SharedKVAttention(nn.Module):
     def forward(self, x, cos, sin, positions, mask):
         b, s, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, s, self.q_heads, self.head_dim)), cos, sin).transpose(1, 2)
-        cache = self.source_cache  # read at call time: the source reassigns its buffers on each write
-        n = cache.read_len or cache.k.shape[2]  # the slots the source's own attention reads
-        k_all = cache.k[:, :, :n].repeat_interleave(self.groups, dim=1)
-        v_all = cache.v[:, :, :n].repeat_interleave(self.groups, dim=1)
+        # What the source's attention read in this call (it runs first): the same slots of a linear
+        # cache, or a ring as it was before this chunk followed by the chunk's own keys.
+        k_all, v_all = self.source_cache.last_read
+        k_all = k_all.repeat_interleave(self.groups, dim=1)
+        v_all = v_all.repeat_interleave(self.groups, dim=1)
         scores = torch.matmul(q, k_all.transpose(2, 3)) * attention_scale(self.head_dim) + mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v_all).transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim)
@@ -189,8 +190,6 @@ class FamilyRankDecoder(RankDecoder):
 
     def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = 256, dtype=torch.bfloat16,
                  linears: RankLinears | None = None, sliding_cache: str = "linear"):
-        if sliding_cache != "linear" and spec.shared_layers:
-            raise ValueError("KV-shared layers read their source's linear cache; the ring cache is not wired for them")
         super().__init__(spec, tp, max_len, dtype, linears=linears, sliding_cache=sliding_cache)
         self.per_layer = PerLayerInputs(spec).to(dtype) if spec.per_layer_input_size else None
         for layer in spec.layers:

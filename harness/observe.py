@@ -19,7 +19,8 @@ from harness.errors import PromptError
 from harness.local import intra_op_threads_for
 from harness.points import KV_PARTS, Point, kv_points, layer_points
 from harness.progress import status
-from harness.reference import ReferenceResult
+from harness.reference import ReferenceResult, rerun_reference, routes_of
+from harness.routing import port_routes
 from harness.settings import RunSettings
 
 
@@ -193,21 +194,53 @@ class StageObservation:
 def observe_stage(stage: str, engine, spec, refs: tuple, progress: bool = False) -> StageObservation:
     """Every prompt through the engine (prefill with captures and cache reads, teacher-forced
     decode with captures, free greedy decode, host probabilities) next to refs = (fp32, bf16)."""
-    ref32, ref16 = refs
+    ref32, _ = refs
     start = time.perf_counter()
-    obs = StageObservation(stage, [], ref32, ref16, reads_cache=engine.backend.reads_cache)
+    runs = []
     say = status(f"port {stage}", progress, total=len(ref32))
     with intra_op_threads_for(spec):
-        for k, (r32, r16) in enumerate(zip(ref32, ref16)):
+        for k, r32 in enumerate(ref32):
             say(f"prompt {k}/{len(ref32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
-            run = run_port_prompt(engine, r32, f"{stage} stage, prompt {k} ({len(r32.prompt)} tokens)")
-            obs.runs.append(run)
-            _prefill_points(obs, spec, k, run, (r32, r16))
-            _decode_points(obs, spec, k, run, (r32, r16))
+            runs.append(run_port_prompt(engine, r32, f"{stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
     say.close()
-    obs.stack()
+    obs = assemble_observation(stage, runs, spec, refs, engine.backend.reads_cache)
     obs.seconds = time.perf_counter() - start
     return obs
+
+
+def assemble_observation(stage: str, runs: list[PortPrompt], spec, refs: tuple,
+                         reads_cache: bool = True) -> StageObservation:
+    """The port's runs beside refs = (fp32, bf16), point by point. Also how the same runs are set
+    beside other references (the MoE routing policy's re-routed ones, harness.routing)."""
+    ref32, ref16 = refs
+    obs = StageObservation(stage, runs, ref32, ref16, reads_cache=reads_cache)
+    for k, (run, r32, r16) in enumerate(zip(runs, ref32, ref16)):
+        _prefill_points(obs, spec, k, run, (r32, r16))
+        _decode_points(obs, spec, k, run, (r32, r16))
+    obs.stack()
+    return obs
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[i], b[i]) for i in a)
+
+
+def route_references(obs: StageObservation, spec, checkpoint_dir) -> tuple[StageObservation, list[str]]:
+    """The observation with each reference computed again on the port's routing where it routed
+    otherwise (the same port runs; nothing recomputed when the routes agree)."""
+    k = spec.moe.top_k
+    port = [port_routes(run, k) for run in obs.runs]
+    fed = [r.generated for r in obs.ref32]
+    refs, rerouted = [obs.ref32, obs.ref16], []
+    for j, (dtype, runs) in enumerate((("float32", obs.ref32), ("bfloat16", obs.ref16))):
+        if not all(_same(p, routes_of(r, k)) for p, r in zip(port, runs)):
+            refs[j] = rerun_reference(checkpoint_dir, dtype, fed, (runs, port))
+            rerouted.append(dtype)
+    if not rerouted:
+        return obs, []
+    again = assemble_observation(obs.stage, obs.runs, spec, tuple(refs), obs.reads_cache)
+    again.seconds = obs.seconds
+    return again, rerouted
 
 
 def own_caches(cache: list) -> list:

@@ -27,9 +27,10 @@ from typing import Callable
 
 from harness.local import intra_op_threads_for, local_verdicts
 from harness.observe import (PortFailure, build_fp32_port, build_port, check_inputs_fit, load_reference_source,
-                             load_references, observe_stage, port_call)
+                             load_references, observe_stage, port_call, route_references)
 from harness.reference import ReferenceResult
 from harness.results import CheckResult, LocalLayer
+from harness.routing import judge_routing
 from harness.settings import RunSettings
 from harness.stage import judge_stage, near_tie_calibration, structural_flips
 
@@ -67,9 +68,14 @@ def run_stage(stage: str, engine, checkpoint, refs: tuple, judged: tuple) -> Che
     """Observe the port for one stage and judge it; judged = (calibration, structural flips, PortRun)."""
     calibration, structural, run = judged
     obs = observe_stage(stage, engine, checkpoint.spec, refs, run.progress)
+    rerouted = None
+    if stage == "bf16" and checkpoint.spec.moe is not None:  # routing teacher-forced (harness.routing)
+        obs, rerouted = route_references(obs, checkpoint.spec, checkpoint.path)
     start = time.perf_counter()
     dtype = "float32" if stage == "fp32" else run.dtype
     result = judge_stage(obs, checkpoint.spec, calibration, structural, (run.backend, run.tp, dtype))
+    if rerouted is not None:
+        result.routing = judge_routing(obs, checkpoint.spec, rerouted)
     result.seconds["judge"] = round(time.perf_counter() - start, 2)
     return result
 
@@ -143,7 +149,8 @@ def _check_port(checkpoint, engine, refs: tuple, run: PortRun, options: dict) ->
         if local is None:
             local = layer_backend is not None
         if local:
-            _local(result, checkpoint, layer_backend or engine.backend, refs, run)
+            # the references the stage was judged against (on MoE models: on the port's routing)
+            _local(result, checkpoint, layer_backend or engine.backend, (result.observation.ref32, result.observation.ref16), run)
         else:
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")

@@ -82,25 +82,23 @@ class Point:
         return "steps" if self.kind in ("logits", "probabilities") else "decode"
 
 
-def layer_parts(spec, routing: bool = True) -> tuple[str, ...]:
+def layer_parts(spec) -> tuple[str, ...]:
     """The judged parts of each layer of `spec`, in run order: the 12B's three (attention residual,
-    MLP residual, scaled output), with the router's logits and (with `routing`) its chosen experts'
-    weights before the MLP residual on MoE models, and the gated per-layer input before the output
-    with PLE. Chosen experts are judged where ties are not (the fp32 stage): in bf16 a near-tied
-    router choice flips legitimately, as a near-tied token does, and there is no routing near-tie
-    policy yet (README, "Gemma-4 family"); the router logits and the MLP residual carry bf16."""
+    MLP residual, scaled output), with the router's logits and its chosen experts' weights before
+    the MLP residual on MoE models, and the gated per-layer input before the output with PLE. (In
+    bf16 a near-tied router choice flips legitimately: the bf16 stage teacher-forces routing,
+    harness/routing.py.)"""
     if spec is None:
         return LAYER_PARTS
-    moe = getattr(spec, "moe", None) is not None
-    router = (("router_logits", "expert_weights") if routing else ("router_logits",)) if moe else ()
+    router = ("router_logits", "expert_weights") if getattr(spec, "moe", None) is not None else ()
     ple = ("per_layer_input",) if getattr(spec, "per_layer_input_size", None) else ()
     return ("attn_residual",) + router + ("mlp_residual",) + ple + ("output",)
 
 
-def layer_points(index: int, decode: bool = False, spec=None, routing: bool = True) -> list[str]:
+def layer_points(index: int, decode: bool = False, spec=None) -> list[str]:
     """The judged points of one layer, in run order: the three residual-stream points, plus the
     family's own points when `spec` is given (a 12B spec gives the same three)."""
-    return [Point("layer", index, part, decode).name for part in layer_parts(spec, routing)]
+    return [Point("layer", index, part, decode).name for part in layer_parts(spec)]
 
 
 def kv_points(index: int, decode: bool = False) -> list[str]:

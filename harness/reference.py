@@ -196,16 +196,67 @@ def _stack_steps(steps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
     return {f"decode.{k}": torch.cat([s[k] for s in steps]) for k in steps[0]} if steps else {}
 
 
+# ---- routing (MoE models) -------------------------------------------------------------------------
+
+def routes_of(result: ReferenceResult, top_k: int) -> dict[int, torch.Tensor]:
+    """The experts each MoE layer chose at every position the run computed (the prefill rows, then
+    each decode step's): {layer: [positions, top_k] expert ids, ascending}, read from the
+    `expert_weights` captures (the chosen experts' weights, zero elsewhere)."""
+    routes = {}
+    for name, rows in result.captures.items():
+        if name.startswith("layers.") and name.endswith(".expert_weights"):
+            steps = result.captures.get("decode." + name)
+            full = rows if steps is None else torch.cat([rows, steps])
+            routes[int(name.split(".")[1])] = chosen_experts(full, top_k)
+    return routes
+
+
+def chosen_experts(weights: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[rows, experts] weights, zero off the chosen ones -> [rows, top_k] chosen ids, ascending."""
+    return weights.abs().topk(top_k, dim=-1).indices.sort(dim=-1).values
+
+
+def force_routing(layers: dict, routes: dict[int, torch.Tensor]) -> list:
+    """Forward hooks ({index: decoder layer} `layers`) that make each MoE layer's router choose
+    `routes[index]` (one row per position, in the order the positions are computed). Rows where transformers' own choice is the same set
+    keep its output untouched (bit for bit); elsewhere the forced experts get transformers' weights
+    for them: their fp32 probabilities, renormalised over the k, times the per-expert scale."""
+    handles = []
+    for i, layer in layers.items():
+        if getattr(layer, "router", None) is None or i not in routes:
+            continue
+        done = [0]
+
+        def hook(module, args, out, wanted=routes[i], done=done):
+            probs, weights, chosen = out
+            n = probs.shape[0]
+            if done[0] + n > wanted.shape[0]:
+                raise ValueError(f"forced routing holds {wanted.shape[0]} positions; the run computes more")
+            want = wanted[done[0]:done[0] + n].to(chosen.device)
+            done[0] += n
+            same = (chosen.sort(dim=-1).values == want).all(-1, keepdim=True)
+            picked = probs.gather(-1, want)
+            picked, order = picked.sort(dim=-1, descending=True)  # topk's order
+            want = want.gather(-1, order)
+            forced = picked / picked.sum(dim=-1, keepdim=True) * module.per_expert_scale[want]
+            return probs, torch.where(same, weights, forced.to(weights.dtype)), torch.where(same, chosen, want)
+
+        handles.append(layer.router.register_forward_hook(hook, prepend=True))  # before any recorder
+    return handles
+
+
 def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[int] | None = None,
-                  capture: bool = True) -> ReferenceResult:
+                  capture: bool = True, routes: dict[int, torch.Tensor] | None = None) -> ReferenceResult:
     """Prefill with captures, then greedy decode (argmax of transformers' capped logits, as its
     generate does) with the transformers KV cache. With `forced`, feed those tokens instead
     (teacher forcing) so another run's step logits are comparable position by position. With
-    capture, every decode step's capture points and the cache writes are recorded too."""
+    capture, every decode step's capture points and the cache writes are recorded too. With
+    `routes` (MoE models), the routers choose those experts (routing teacher-forced, likewise)."""
     from transformers import DynamicCache
 
     lm = text_model(model)
     recorder = Recorder.on_model(lm) if capture else None
+    routing = force_routing(dict(enumerate(lm.layers)), routes) if routes else []
     raw_logits: list[torch.Tensor] = []
     head = model.lm_head.register_forward_hook(lambda m, a, out: raw_logits.append(out.detach().float()))
     writes: dict[int, list] = {}
@@ -236,6 +287,8 @@ def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[in
                     step_caps[-1]["logits"] = raw_logits[-1][0]
     finally:
         head.remove()
+        for handle in routing:
+            handle.remove()
         if recorder is not None:
             recorder.remove()
     if capture:
@@ -251,21 +304,43 @@ def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[in
 def run_reference(checkpoint_dir, prompts: list[list[int]], new_tokens: int,
                   dtypes=("float32", "bfloat16"), progress: bool = False) -> dict[str, list[ReferenceResult]]:
     """The fp32 reference, and for the noise envelope the same computation in bf16, teacher-forced
-    on the fp32 tokens so that decode steps line up."""
+    on the fp32 tokens so that decode steps line up, and on MoE models on the fp32 routing too (a
+    near-tied router choice that bf16 flips would otherwise put whole expert outputs into the
+    envelope)."""
     from harness.progress import status
 
     results: dict[str, list[ReferenceResult]] = {}
-    fp32_tokens = None
+    fp32_runs = None
     say = status("reference", progress, total=len(dtypes) * len(prompts))
     for name in dtypes:
         model = load_reference_model(checkpoint_dir, name)
+        top_k = getattr(model.config.get_text_config(), "top_k_experts", None)
         runs = []
         for k, prompt in enumerate(prompts):
             say(f"{name} prompt {k + 1}/{len(prompts)} ({len(prompt)} tokens)")
-            forced = fp32_tokens[k] if fp32_tokens is not None else None
-            runs.append(reference_run(model, prompt, new_tokens, forced=forced))
+            forced = fp32_runs[k].generated if fp32_runs is not None else None
+            routes = routes_of(fp32_runs[k], top_k) if fp32_runs is not None and top_k else None
+            runs.append(reference_run(model, prompt, new_tokens, forced=forced, routes=routes))
         if torch_dtype(name) == torch.float32:
-            fp32_tokens = [r.generated for r in runs]
+            fp32_runs = runs
         results[dtype_name(torch_dtype(name))] = runs
         del model
     return results
+
+
+def rerun_reference(checkpoint_dir, dtype: str, fed: list[list[int]],
+                    runs_and_routes: tuple[list[ReferenceResult], list[dict]]) -> list[ReferenceResult]:
+    """`runs` again (same prompts, teacher-forced on `fed`, the fp32 reference's tokens) with each
+    prompt's routing forced to `routes[k]`: the reference along another run's routing. The fp32
+    results keep `fed` as their tokens (the tokens the port is judged on); logits, captures and
+    the bf16 results' own choices are the re-routed run's."""
+    runs, routes = runs_and_routes
+    model = load_reference_model(checkpoint_dir, dtype)
+    out = []
+    for run, tokens, route in zip(runs, fed, routes):
+        again = reference_run(model, run.prompt, len(tokens), forced=tokens, routes=route)
+        if torch_dtype(dtype) == torch.float32:
+            again.generated = list(tokens)
+        out.append(again)
+    del model
+    return out

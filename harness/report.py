@@ -143,6 +143,8 @@ def format_check(result, verbose: bool = False) -> str:
                      f"{calibration['quantile']:g} quantile ({calibration['shift_at_quantile']:.3f}) of how far bf16 "
                      f"moves the reference's top-1 margins against fp32 ({calibration['samples']} margins; largest "
                      f"{calibration['shift_max']:.3f}); a flip the fp32 stage also shows is never a near tie")
+    if payload.get("routing"):
+        lines.append(payload["routing"]["summary"])
     for name in ("fp32", "bf16"):
         stage = payload.get("stages", {}).get(name)
         if stage:

@@ -106,35 +106,34 @@ class CheckResult:
     # Stages parity's extra checks add (the served build, ...): each has .stage, .passed, .failures()
     # and .to_json(), and counts in the verdict like the two stages.
     extra_stages: list = field(default_factory=list, compare=False)
+    # MoE models, bf16 stage: the port's router choices judged (harness.routing.RoutingResult)
+    routing: object = None
 
     @property
     def seq_match(self) -> bool:
         return all(p.seq_match for p in self.prompts)
 
-    def first_layer_failure(self, layers: set[int] | None = None) -> tuple[int, str] | None:
-        """(layer, component) of the first failing point in run order that belongs to a layer (one
-        of `layers`, when given)."""
+    def first_layer_failure(self) -> tuple[int, str] | None:
+        """(layer, component) of the first failing point in run order that belongs to a layer."""
         for p in self.all_points():
             point = Point.parse(p.name)
-            if not p.passed and point.in_layer and (layers is None or point.layer in layers):
+            if point.in_layer and self.point_failed(p):
                 return point.layer, point.component
         return None
 
+    def point_failed(self, p) -> bool:
+        """A point broke its judge, or (MoE, bf16 stage) the port's routing there diverged."""
+        return not p.passed or (self.routing is not None and self.routing.diverges_at(p.name))
+
     def divergent(self) -> tuple[int, str] | None:
-        """The first layer that fails on its own evidence: its local verdict where it ran alone;
-        for a layer that cannot (per-layer input, shared KV: its local verdict only repeats its
-        residual points) its first failing point in this stage's run order, its KV cache included
-        (a shared layer writing its source's cache breaks the source's KV point, not its residuals).
-        Else this stage's first failing layer point, else the fp32 stage's."""
-        stand_ins = {v.index for v in self.local_verdicts if not v.local}
-        alone = next(((v.index, v.component) for v in self.local or []
-                      if not v.passed and v.index not in stand_ins), None)
-        found = [f for f in (alone, self.first_layer_failure(stand_ins) if stand_ins else None) if f]
-        if found:
-            return min(found, key=lambda f: f[0])
-        own = self.first_layer_failure()
-        if own is None and self.fp32 is not None:
-            return self.fp32.divergent()
+        """The local verdict's first failing layer where it exists, else this stage's first failing
+        layer point; the fp32 stage's when it names an earlier layer (a structural error there that
+        bf16 noise hides until later) or this stage names none."""
+        local = next((v for v in self.local or [] if not v.passed), None)
+        own = (local.index, local.component) if local is not None else self.first_layer_failure()
+        structural = self.fp32.divergent() if self.fp32 is not None else None
+        if own is None or (structural is not None and structural[0] < own[0]):
+            return structural
         return own
 
     @property
@@ -182,6 +181,8 @@ class CheckResult:
             out.append({"stage": self.stage, "point": "embeddings", "where": "the host lookup",
                         "detail": f"not bit-exact with the {self.dtype} reference's lookup"})
         for p in self.all_points() + self.probabilities:
+            if self.routing is not None and self.routing.diverges_at(p.name):
+                out += [f for f in self.routing.failures(self.stage) if f["point"] == p.name]
             if not p.passed:
                 factor = p.required_factor if isinstance(p, PointResult) else p.ratio
                 out.append({"stage": self.stage, "point": p.name, "ratio": _finite(factor),
@@ -243,6 +244,7 @@ class CheckResult:
                 "decode_points": [asdict(p) for p in self.decode_points],
                 "probabilities": [asdict(p) for p in self.probabilities],
                 "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
+                "routing": self.routing.to_json() if self.routing is not None else None,
                 "seq_match": self.seq_match, "prompts": [p.to_json() for p in self.prompts]}
 
     def to_json(self) -> dict:
@@ -268,6 +270,7 @@ class CheckResult:
                                 run=self.run_seconds),
                 "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
                 "port_error": self.port_error or (self.fp32.port_error if self.fp32 else None),
+                "routing": self.routing.to_json() if self.routing is not None else None,
                 "extra_stages": {s.stage: s.to_json() for s in self.extra_stages}}
 
 

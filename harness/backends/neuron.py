@@ -6,10 +6,12 @@ harness.backends.neuron` works on any CPU machine, and the pure parts are tested
 Neuron environment (version guard, cores, platform, the NxD import) is in neuron_env.py; compiler
 flags and the artifact cache in neuron_cache.py; both are re-exported here.
 
-What runs on the device is `harness.graphs.TracedDecoder` (the graphs, defined once for this and
-the XLA backend) over `harness.model.RankDecoder`, the same code the CPU backend runs, built
-with `NeuronLinears` (NxD's ColumnParallelLinear / RowParallelLinear instead of nn.Linear plus
-explicit collectives) and traced with ModelBuilder v2 under NxDParallelState: one graph per
+What runs on the device is `harness.graphs.traced_class(spec)` (the graphs, defined once for this
+and the XLA backend): the 12B's `TracedDecoder` over `harness.model.RankDecoder`, or for the rest of
+the Gemma-4 family `TracedFamilyDecoder` over `harness.model_blocks.FamilyRankDecoder` (per-layer
+inputs, KV-shared layers, the MoE block), the same code the CPU backend runs, built with
+`NeuronLinears` (NxD's ColumnParallelLinear / RowParallelLinear instead of nn.Linear, NxD's
+all-reduce instead of explicit collectives: neuron_layers.py) and traced with ModelBuilder v2 under NxDParallelState: one graph per
 (sequence length, KV bucket) of `graphs.kv_graph_plan` (each prefill bucket at every KV bucket that
 holds it, decode (s=1) at every KV bucket), tagged `kv_tag(tag, kv)`; each call runs the graph of
 its length at the smallest KV bucket holding its positions (`graphs.kv_read_length`). The KV cache buffers, reassigned in forward, become device state
@@ -38,7 +40,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from harness.backends.neuron_cache import (  # noqa: F401  (re-exported: the backend's cache and flags)
     CACHE_FORMAT, DEFAULT_COMPILER_ARGS, ENTRY_FILES, META_FILE, MODEL_FILE, MODEL_SOURCE_FILES,
@@ -53,8 +54,8 @@ from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the 
 from harness.errors import HarnessInputError
 from harness.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
-    graph_inputs, graph_plan, graph_result, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length, tag_for_length,
-    unpack_outputs)
+    graph_inputs, graph_plan, graph_result, input_width, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length,
+    tag_for_length, traced_class, unpack_outputs)
 from harness.settings import RunSettings, directory, flag, positive_int, torch_dtype
 from harness.sharding import bytes_per_rank, plan_model, rank_state_dicts
 
@@ -64,7 +65,8 @@ NeuronBuildError = GraphBuildError
 
 
 from harness.backends.neuron_layers import (  # noqa: E402,F401  (re-exported: the NxD layers)
-    NeuronLinears, _checkpoint_key, _layout_priority, _nxd_layers, assemble_rank_weights)
+    NeuronLinears, NxDCollectives, _checkpoint_key, _dtype_key, _layout_priority, _module_weight_shapes, _nxd_layers,
+    _priority_key, _weight_shapes_from_json, _weight_shapes_to_json, assemble_rank_weights, graph_io)
 
 
 # ==== the backend ==================================================================================
@@ -127,7 +129,6 @@ class NeuronBackend:
         self.kv_names, self.original_weights = built.kv_names, built.weight_shapes
         self.timings["build_s" if self.compiled else "load_s"] = time.perf_counter() - start
         self.weight_specs, self.state_specs = self._graph_io()
-        self._check_states()
         start = time.perf_counter()
         self._load_weights(checkpoint)
         self.timings["weights_s"] = time.perf_counter() - start
@@ -178,10 +179,11 @@ class NeuronBackend:
         return built[0]
 
     def _traced_module(self) -> TracedDecoder:
-        module = TracedDecoder(self.spec, self.tp, self.max_len, self.dtype,
-                               NeuronLinears(self.tp, self.dtype, self.reduce_dtype),
-                               with_captures=self.capture, last_row_only=self.last_row_only,
-                               sliding_cache=self.sliding_cache)
+        """The traced module of this spec (the 12B's or the family's), with NxD's layers."""
+        module = traced_class(self.spec)(self.spec, self.tp, self.max_len, self.dtype,
+                                         NeuronLinears(self.tp, self.dtype, self.reduce_dtype),
+                                         with_captures=self.capture, last_row_only=self.last_row_only,
+                                         sliding_cache=self.sliding_cache)
         module.eval()
         module.requires_grad_(False)
         extra = sorted(constant_buffers(module))
@@ -209,7 +211,7 @@ class NeuronBackend:
                 with torch.no_grad():
                     for tag, (length, kv) in self.kv_graphs.items():
                         module.set_kv_read(kv)  # the trace bakes in which slots the graph reads
-                        builder.trace(args=example_inputs(length, self.spec.hidden_size, self.dtype,
+                        builder.trace(args=example_inputs(length, input_width(self.spec), self.dtype,
                                                           last_row=self.last_row_only), tag=tag)
                     module.set_kv_read(None)
                 model = builder.compile(priority_model_key=self.priority_key, compiler_workdir=str(workdir),
@@ -227,41 +229,15 @@ class NeuronBackend:
         names = list(module.capture_names) if self.capture else None
         if self.capture and not names:
             raise NeuronBuildError("the parity build traced no capture points")
+        # before the entry is written: graphs whose state is not exactly the KV cache never reach the cache
+        graph_io(model, self.kv_graphs, weight_shapes, kv_names,
+                 where="nothing was written to the artifact cache (the model code's bug, not the input's)")
         return Built(model, names, kv_names, weight_shapes)
 
     def _graph_io(self):
-        """Weights and states the graphs read, named by their metaneff: name -> (shape, dtype).
-        Weight shapes are the checkpoint layout recorded at build time: with weight layout
-        optimisation the graphs' own weight inputs may have another layout, and set_weights takes
-        the checkpoint's (NxD converts them)."""
-        from torch_neuronx.proto import metaneff_pb2
-        from torch_neuronx.xla_impl.trace import get_torch_dtype
-
-        weight_type = metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT
-        state_type = metaneff_pb2.MetaTensor.Type.INPUT_STATE
-        weights, states = {}, {}
-        for tag in self.kv_graphs:
-            for t in self.nxd_model.get_metaneff(tag).input_tensors:
-                key = _checkpoint_key(t)
-                if t.type == weight_type and key:
-                    if key not in self.original_weights:
-                        raise NeuronBuildError(f"graph {tag} reads weight {key!r}, which the traced module does "
-                                               f"not have; delete {self.artifact_dir} and run again")
-                    weights[key] = self.original_weights[key]
-                elif t.type == state_type and key:
-                    states[key] = (tuple(int(d) for d in t.shape), get_torch_dtype(t.data_type))
-        return weights, states
-
-    def _check_states(self):
-        """The device states are exactly the KV cache (NxD zero-fills states; nothing else may be one)."""
-        unknown = sorted(set(self.state_specs) - set(self.kv_names))
-        if unknown:
-            raise NeuronBuildError(f"the compiled graphs keep state {unknown[:8]} that is not KV cache; "
-                                   "the traced module reassigned a buffer it should not")
-        missing = sorted(set(self.kv_names) - set(self.state_specs))
-        if missing:
-            raise NeuronBuildError(f"KV cache buffers {missing[:8]} did not become aliased device state; "
-                                   "the cache would not persist between calls")
+        """Weights and states the graphs read (neuron_layers.graph_io), checked against the module's."""
+        return graph_io(self.nxd_model, self.kv_graphs, self.original_weights, self.kv_names,
+                        where=f"delete the cache entry {self.artifact_dir} and run again")
 
     def _load_weights(self, checkpoint):
         states = rank_state_dicts(checkpoint, self.tp, self.dtype)
@@ -285,7 +261,8 @@ class NeuronBackend:
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
                 last: int | None = None):
-        """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures
+        """inputs_embeds [1, s, graphs.input_width] (the hidden size, plus the per-layer rows of a
+        model with per-layer inputs), positions [1, s] -> raw logits [1, s, vocab] (with captures
         when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]. Runs the graph
         of that length at the smallest KV bucket holding the call's positions (`last_tag`)."""
@@ -293,7 +270,8 @@ class NeuronBackend:
                                  parity_build=self.capture, last_row_only=self.last_row_only, last=last)
         self.last_tag = self._tag_for_call(tag, positions)
         out = self.nxd_model(*args, model_name=self.last_tag)
-        return graph_result(out, self.capture_names if self.capture else None, args[0], capture,
+        embeds = args[0][..., :self.spec.hidden_size]  # the embeddings capture, without per-layer rows
+        return graph_result(out, self.capture_names if self.capture else None, embeds, capture,
                             self.last_row_only, last=last)
 
     def _tag_for_call(self, tag: str, positions: torch.Tensor) -> str:
@@ -306,8 +284,10 @@ class NeuronBackend:
         return kv_tag(tag, kv)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d]."""
-        keys = [f"layers.{layer}.self_attn.cache.{b}" for b in ("k", "v")]
+        """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d].
+        A KV-shared layer holds none: its source layer's, which it reads (as CpuBackend.kv_cache)."""
+        source = self.spec.layers[layer].kv_source if 0 <= layer < self.spec.num_layers else None
+        keys = [f"layers.{layer if source is None else source}.self_attn.cache.{b}" for b in ("k", "v")]
         absent = [k for k in keys if k not in self.state_specs]
         if absent:
             raise HarnessInputError(f"no device buffer {absent}; KV buffers are {self.kv_names[:4]} ...")
@@ -324,18 +304,6 @@ class Built(NamedTuple):
     weight_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def _module_weight_shapes(module: nn.Module, kv_names) -> dict:
-    """Every tensor of the traced module that is not KV state, in the layout the module holds it
-    (the per-rank checkpoint layout): name -> (shape, dtype)."""
-    kv = set(kv_names)
-    return {name: (tuple(t.shape), t.dtype) for name, t in [*module.named_parameters(), *module.named_buffers()]
-            if name not in kv}
-
-
-def _dtype_key(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def kv_tag(tag: str, kv: int) -> str:
     """The ModelBuilder tag of graph `tag` (graphs.graph_plan) reading KV bucket `kv`."""
     return f"{tag}_kv{int(kv)}"
@@ -348,31 +316,3 @@ def kv_tags(buckets, max_len: int) -> dict[str, tuple[int, int]]:
 
 def _kv_graphs_json(kv_graphs: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
     return {tag: [int(length), int(kv)] for tag, (length, kv) in sorted(kv_graphs.items())}
-
-
-def _priority_key(layout_priority: str | None, kv_graphs: dict[str, tuple[int, int]]) -> str | None:
-    """The tag ModelBuilder optimises the weight layout for: 'decode' (the decode graph at the
-    smallest KV bucket), 'prefill' (the largest bucket's graph at the smallest KV bucket holding it)
-    or None (no layout optimisation). Why the smallest KV bucket: every decode graph runs the same
-    s=1 matmuls on the same weights (KV is state, not a weight), so any of them yields the same
-    layout; at the smallest bucket weights are the largest share of the bytes read (the case the
-    layout is for), and it is the cheapest graph to compile, and ModelBuilder compiles the priority
-    graph alone before the others start."""
-    if layout_priority in (None, "none"):
-        return None
-    by_length: dict[int, list[tuple[int, str]]] = {}
-    for tag, (length, kv) in kv_graphs.items():
-        by_length.setdefault(length, []).append((kv, tag))
-    if layout_priority == "decode" or (layout_priority == "prefill" and len(by_length) == 1):
-        return min(by_length[1])[1]
-    if layout_priority == "prefill":
-        return min(by_length[max(by_length)])[1]
-    raise HarnessInputError(f"layout priority {layout_priority!r}: choose decode, prefill or none")
-
-
-def _weight_shapes_to_json(shapes: dict) -> dict:
-    return {name: [list(shape), _dtype_key(dtype)] for name, (shape, dtype) in sorted(shapes.items())}
-
-
-def _weight_shapes_from_json(data: dict) -> dict:
-    return {name: (tuple(shape), getattr(torch, dtype)) for name, (shape, dtype) in data.items()}

@@ -83,14 +83,18 @@ META_FILE = "artifact.json"
 ENTRY_FILES = (MODEL_FILE, META_FILE)
 _HARNESS_DIR = Path(__file__).resolve().parent.parent
 # The source the compiled graph is made from. spec.py derives the per-layer facts the graph bakes in
-# (head dims, windows, rope constants); sharding.py decides every per-rank shape; model.py and
-# graphs.py define the traced module and its inputs; neuron.py builds its NxD linears.
+# (head dims, windows, rope constants; spec_family.py the family's); sharding.py decides every
+# per-rank shape; model.py, model_blocks.py and graphs.py define the traced module and its inputs;
+# neuron.py and neuron_layers.py build it with NxD's layers and collectives.
 MODEL_SOURCE_FILES = (
     _HARNESS_DIR / "spec.py",
     _HARNESS_DIR / "model.py",
     _HARNESS_DIR / "sharding.py",
+    _HARNESS_DIR / "spec_family.py",
+    _HARNESS_DIR / "model_blocks.py",
     _HARNESS_DIR / "graphs.py",
     _HARNESS_DIR / "backends" / "neuron.py",
+    _HARNESS_DIR / "backends" / "neuron_layers.py",
 )
 # Environment variables read while compiling: flags neuronx-cc or torch-xla add on their own
 # (NEURON_CC_FLAGS, XLA_FLAGS), NxD's layout options, and the platform and LNC NxD asks for.

@@ -1,6 +1,6 @@
 """The NxD side of the traced module: NeuronLinears (NxD's column/row-parallel layers in place of
-the CPU backend's linears and collectives), the per-rank weight dicts NxDModel.set_weights takes,
-and the weight-layout priority option. Imported by harness/backends/neuron.py only; NxD itself is
+the CPU backend's linears, NxD's collectives in place of its explicit ones), the per-rank weight
+dicts NxDModel.set_weights takes, and the weight-layout priority option. Imported by harness/backends/neuron.py only; NxD itself is
 imported inside functions (through neuron_env.import_neuronx_distributed), so this module imports
 on any CPU machine."""
 
@@ -13,7 +13,8 @@ from torch import nn
 
 from harness.backends.neuron_env import import_neuronx_distributed
 from harness.errors import HarnessInputError
-from harness.model import RankLinears
+from harness.graphs import GraphBuildError
+from harness.model import Collectives, RankLinears
 
 # ==== the NxD layers of the traced module (harness/graphs.py defines the module) ====================
 
@@ -25,14 +26,45 @@ def _nxd_layers():
     return layers
 
 
+def _nxd_mappings():
+    """neuronx_distributed.parallel_layers.mappings, imported through import_neuronx_distributed."""
+    import_neuronx_distributed()
+    from neuronx_distributed.parallel_layers import mappings
+
+    return mappings
+
+
+class NxDCollectives(Collectives):
+    """The collectives model code asks for outside a parallel layer (the MoE experts' all-reduce,
+    harness/model_blocks.py), as NxD's own ops over the tensor-parallel group: the all-reduce is
+    reduce_from_tensor_model_parallel_region, the op RowParallelLinear reduces with (its partial
+    sums cast to `reduce_dtype` first, as that layer does), so it lowers to the same device
+    collective; the all-gather is gather_from_tensor_model_parallel_region_with_dim (names from
+    neuronx-distributed's parallel_layers/mappings.py, Release 2.29)."""
+
+    def __init__(self, reduce_dtype: torch.dtype = torch.float32):
+        self.reduce_dtype = reduce_dtype
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return _nxd_mappings().reduce_from_tensor_model_parallel_region(x.to(self.reduce_dtype)).to(x.dtype)
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _nxd_mappings().gather_from_tensor_model_parallel_region_with_dim(x, dim % x.dim())
+
+
 class NeuronLinears(RankLinears):
     """Projections as NxD parallel layers. Sizes passed in are per rank (as RankDecoder asks);
     NxD layers take the full size and divide by the TP degree themselves. `reduce_dtype`: the dtype
     the row-parallel partial sums are all-reduced in (fp32, as the CPU backend does; NxD-Inference's
-    models reduce in the model dtype)."""
+    models reduce in the model dtype); the same for the collectives model code runs itself.
+
+    Weights outside the parallel layers (norms, the router, the per-layer input's projections, a
+    replicated KV head, the MoE experts' per-rank slices) are plain per-rank tensors: the module
+    holds one rank's shape, and NxDModel.set_weights takes each rank's own values, assembled from
+    harness.sharding's shards like every other weight (assemble_rank_weights)."""
 
     def __init__(self, tp: int, dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
-        super().__init__()
+        super().__init__(NxDCollectives(reduce_dtype))
         self.tp, self.dtype, self.reduce_dtype = tp, dtype, reduce_dtype
 
     def column(self, in_features: int, out_per_rank: int) -> nn.Module:
@@ -85,10 +117,91 @@ def assemble_rank_weights(states: list[dict[str, torch.Tensor]],
     return out
 
 
+def graph_io(model, tags, module_weights: dict, kv_names, where: str) -> tuple[dict, dict]:
+    """(weights, states) the compiled graphs `tags` of NxDModel `model` read, named by their
+    metaneff: name -> (shape, dtype). Weight shapes are the module's (`module_weights`, the
+    checkpoint layout recorded at build time): with weight layout optimisation the graphs' own weight
+    inputs may have another layout, and set_weights takes the checkpoint's (NxD converts them).
+    The states must be exactly the KV cache buffers `kv_names` (NxD zero-fills states; a buffer
+    never reassigned in forward is a weight to NxD, not state); a weight the module lacks, a state
+    that is not KV cache, or a KV buffer that is not state is a GraphBuildError naming them, ending
+    with `where` (what to do)."""
+    from torch_neuronx.proto import metaneff_pb2
+    from torch_neuronx.xla_impl.trace import get_torch_dtype
+
+    weight_type = metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT
+    state_type = metaneff_pb2.MetaTensor.Type.INPUT_STATE
+    weights, states, kv = {}, {}, set(kv_names)
+    for tag in tags:
+        for t in model.get_metaneff(tag).input_tensors:
+            key = _checkpoint_key(t)
+            if t.type == weight_type and key and key not in kv:  # a KV buffer read as a weight: below
+                if key not in module_weights:
+                    raise GraphBuildError(f"graph {tag} reads weight {key!r}, which the traced module does not have; "
+                                          f"{where}")
+                weights[key] = module_weights[key]
+            elif t.type == state_type and key:
+                states[key] = (tuple(int(d) for d in t.shape), get_torch_dtype(t.data_type))
+    unknown = sorted(set(states) - kv)
+    if unknown:
+        raise GraphBuildError(f"the compiled graphs keep state {unknown[:8]} that is not KV cache; the traced module "
+                              f"reassigned a buffer it should not; {where}")
+    missing = sorted(kv - set(states))
+    if missing:
+        raise GraphBuildError(f"KV cache buffers {missing[:8]} did not become aliased device state (a buffer NxD "
+                              f"sees reassigned in no graph is a weight): the cache would not persist between calls; "
+                              f"{where}")
+    return weights, states
+
+
 def _checkpoint_key(tensor_meta) -> str:
     """The state/weight key exactly as NxDModel keys its buffers: the raw checkpoint key."""
     key = tensor_meta.checkpoint_key
     return key.decode("utf-8") if isinstance(key, bytes) else str(key)
+
+
+# ==== the weights the graphs read, as a cache entry records them =====================================
+
+def _module_weight_shapes(module: nn.Module, kv_names) -> dict:
+    """Every tensor of the traced module that is not KV state, in the layout the module holds it
+    (the per-rank checkpoint layout): name -> (shape, dtype)."""
+    kv = set(kv_names)
+    return {name: (tuple(t.shape), t.dtype) for name, t in [*module.named_parameters(), *module.named_buffers()]
+            if name not in kv}
+
+
+def _dtype_key(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _weight_shapes_to_json(shapes: dict) -> dict:
+    return {name: [list(shape), _dtype_key(dtype)] for name, (shape, dtype) in sorted(shapes.items())}
+
+
+def _weight_shapes_from_json(data: dict) -> dict:
+    return {name: (tuple(shape), getattr(torch, dtype)) for name, (shape, dtype) in data.items()}
+
+
+# ==== the weight-layout priority option ============================================================
+
+def _priority_key(layout_priority: str | None, kv_graphs: dict[str, tuple[int, int]]) -> str | None:
+    """The tag ModelBuilder optimises the weight layout for: 'decode' (the decode graph at the
+    smallest KV bucket), 'prefill' (the largest bucket's graph at the smallest KV bucket holding it)
+    or None (no layout optimisation). Why the smallest KV bucket: every decode graph runs the same
+    s=1 matmuls on the same weights (KV is state, not a weight), so any of them yields the same
+    layout; at the smallest bucket weights are the largest share of the bytes read (the case the
+    layout is for), and it is the cheapest graph to compile, and ModelBuilder compiles the priority
+    graph alone before the others start."""
+    if layout_priority in (None, "none"):
+        return None
+    by_length: dict[int, list[tuple[int, str]]] = {}
+    for tag, (length, kv) in kv_graphs.items():
+        by_length.setdefault(length, []).append((kv, tag))
+    if layout_priority == "decode" or (layout_priority == "prefill" and len(by_length) == 1):
+        return min(by_length[1])[1]
+    if layout_priority == "prefill":
+        return min(by_length[max(by_length)])[1]
+    raise HarnessInputError(f"layout priority {layout_priority!r}: choose decode, prefill or none")
 
 
 def _layout_priority(value) -> str | None:

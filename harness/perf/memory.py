@@ -35,8 +35,13 @@ def instance_memory_plan(spec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
     if chips > INSTANCE_CHIPS[instance]:
         raise HarnessInputError(f"--tp {tp} needs {chips} Inferentia2 chips ({CHIP['cores']} cores each); "
                                 f"{instance} has {INSTANCE_CHIPS[instance]}")
-    plan = memory_plan(spec, tp, dtype, kv_len, device_bytes=CHIP["hbm_bytes"], ranks_per_device=min(tp, CHIP["cores"]),
-                       device=f"one Inferentia2 chip of {instance}")
+    # Each NeuronCore-v2 owns its share of the chip's HBM: TP=1 has one core's 16 GiB, not the chip's
+    # 32 (the same rule as the per-core fit in harness.instances).
+    ranks = min(tp, CHIP["cores"])
+    device = (f"one Inferentia2 chip of {instance}" if ranks == CHIP["cores"]
+              else f"{ranks} of the {CHIP['cores']} NeuronCores of one Inferentia2 chip of {instance}")
+    plan = memory_plan(spec, tp, dtype, kv_len, device_bytes=CHIP["hbm_bytes"] * ranks // CHIP["cores"],
+                       ranks_per_device=ranks, device=device)
     return {**plan, "instance": instance}
 
 

@@ -27,13 +27,6 @@ def family_reference(variant: str):
     return run_reference(family_checkpoint(variant).path, FAMILY_PROMPTS, FAMILY_NEW_TOKENS)
 
 
-# The MoE variant's bf16 stage fails on the clean port today: the bf16 reference and the port route
-# near-tied tokens differently, and the judge has no routing near-tie policy yet (README, "The
-# Gemma-4 family"). Only its fp32 stage (routing, router logits and expert weights included) is
-# asserted; remove it from this set when the policy lands, and every family check then asserts both.
-BF16_STAGE_PENDING = frozenset({"26b-a4b"})
-
-
 def family_check(variant: str, backend: str, tp: int):
     """`check` (both stages, no local verdicts) of the port in bf16 on `backend` at `tp`, on the
     variant's tiny checkpoint against its references."""
@@ -49,14 +42,14 @@ def family_check(variant: str, backend: str, tp: int):
 
 def assert_family_check_passes(result, variant: str, backend: str, tp: int, fp32_gap: frozenset = frozenset()):
     """The fp32 stage ran on the backend itself at its TP and equals transformers token for token;
-    the bf16 stage passes (except where BF16_STAGE_PENDING says it is not asserted yet). `fp32_gap`:
-    a known gap of the fp32 judge, the exact set of points its stage fails at (and nothing else)."""
+    the bf16 stage passes (on the MoE variant with routing teacher-forced, harness/routing.py).
+    `fp32_gap`: a known gap of the fp32 judge, the exact set of points its stage fails at (and
+    nothing else)."""
     fp32 = result.fp32
     assert fp32 is not None and (fp32.backend, fp32.tp, fp32.dtype) == (backend, tp, "float32")
     assert fp32.seq_match and {f["point"] for f in fp32.failures()} == set(fp32_gap), fp32.failures()
     assert fp32.passed == (not fp32_gap)
     assert [p.device_tokens for p in fp32.prompts] == [r.generated for r in family_reference(variant)["float32"]]
-    if variant not in BF16_STAGE_PENDING:
-        assert (result.backend, result.tp, result.dtype) == (backend, tp, "bfloat16")
-        assert not result.failures(), result.failures()
-        assert result.passed == (not fp32_gap)
+    assert (result.backend, result.tp, result.dtype) == (backend, tp, "bfloat16")
+    assert not result.failures(), result.failures()
+    assert result.passed == (not fp32_gap)

@@ -1,6 +1,6 @@
 """The port runs every Gemma-4 family variant (tiny, transformers-built) on the cpu backend: fp32
 equals transformers at every capture point and token for token at TP 1, 2 (and 4, 8 for the
-31B-shaped one), and `check` passes both stages there (the MoE variant: its fp32 stage); the spec
+31B-shaped one), and `check` passes both stages there; the spec
 reads each real config as transformers' conversion script defines it."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ CHECK_CASES = [("31b", 1), ("31b", 2), ("31b", 8), pytest.param("31b", 4, marks=
 @pytest.mark.parametrize("variant, tp", CHECK_CASES)
 def test_check_passes_both_stages(variant, tp):
     """`check` on the cpu backend: fp32 tokens = transformers', the bf16 stage within the envelope
-    (the MoE variant's fp32 stage only, for now: shared.BF16_STAGE_PENDING)."""
+    (the MoE variant's with routing teacher-forced)."""
     result = family_check(variant, "cpu", tp)
     assert_family_check_passes(result, variant, "cpu", tp)
     points = {p.name for p in result.all_points()}

@@ -745,12 +745,14 @@ def shared_layer_writes_cache(monkeypatch):
     monkeypatch.setattr(port_blocks.SharedKVAttention, "forward", forward)
 
 
-def _router_forward(bf16_softmax=False, renormalise=True, expert_scale=True):
+def _router_forward(bf16_softmax=False, renormalise=True, expert_scale=True, skip_best=False):
     def forward(self, x):
         logits = self.proj(port_model.rms_norm(x, None, self.eps) * self.scale * self.root)
         probs = (torch.softmax(logits.to(torch.bfloat16), dim=-1) if bf16_softmax
                  else torch.softmax(logits, dim=-1, dtype=torch.float32))
-        weights, chosen = torch.topk(probs.float(), k=self.top_k, dim=-1)
+        weights, chosen = torch.topk(probs.float(), k=self.top_k + int(skip_best), dim=-1)
+        if skip_best:  # experts ranked 2..k+1: a routing error, not a weights error
+            weights, chosen = weights[:, 1:], chosen[:, 1:]
         if renormalise:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, weights * self.per_expert_scale[chosen] if expert_scale else weights, chosen
@@ -767,6 +769,10 @@ def topk_not_renormalised(monkeypatch):
 
 def per_expert_scale_missing(monkeypatch):
     monkeypatch.setattr(port_blocks.Router, "forward", _router_forward(expert_scale=False))
+
+
+def router_skips_best_expert(monkeypatch):
+    monkeypatch.setattr(port_blocks.Router, "forward", _router_forward(skip_best=True))
 
 
 def moe_sum_without_norms(monkeypatch):
@@ -786,10 +792,12 @@ def moe_sum_without_norms(monkeypatch):
 
 # Each family fault is caught at its own part's capture point (harness/points.py layer_parts: the
 # judged points of a layer follow the spec): a PLE fault at the gated per-layer input, a router
-# fault at the chosen experts' weights. On the MoE variant the bf16 stage is not asserted: its clean
-# port already fails there on router near-ties (a token whose k-th and (k+1)-th experts are within
-# bf16 noise routes differently in the port and the reference; no routing near-tie policy yet, so
-# expert weights are judged in the fp32 stage only); the fp32 stage's point, layer and part are.
+# fault at the chosen experts' weights. On the MoE variant the bf16 stage teacher-forces routing
+# (harness/routing.py): the references follow the port's router choices, and each choice that
+# differs from the fp32 top-k must be a near tie. A router that picks the wrong experts therefore
+# fails there as a routing divergence, while its weights compare along the same path; a router
+# softmax in bf16 moves the weights by bf16's own rounding, which only the fp32 stage can see (its
+# bf16 stage fails on the token flips the fp32 port shows too).
 _PLE, _ROUTER = "layers.0.per_layer_input", "layers.0.expert_weights"
 
 
@@ -805,13 +813,16 @@ FAMILY_CATALOG: list[Fault] = [
     Fault("shared-layer-writes-cache", "family: KV sharing",
           "a KV-shared layer writes into the cache it reads (its source's): the source's cache point breaks",
           shared_layer_writes_cache, Expectation(_kv(5, "k"), 5, "attention", fp32_point=_kv(5, "k")), TINY_E4B),
-    Fault("router-softmax-bf16", "family: MoE", "the router's softmax in bf16, not fp32",
-          router_softmax_bf16, Expectation(_ROUTER, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
-    Fault("topk-not-renormalised", "family: MoE", "the top-k router weights not renormalised to sum 1 (the "
-          "experts' post-norm then removes the common factor: only the fp32 stage's weights point shows it)",
+    Fault("router-softmax-bf16", "family: MoE", "the router's softmax in bf16, not fp32 (inside bf16 noise: "
+          "the fp32 stage's weights point shows it, the bf16 stage fails on the tokens the fp32 port flips too)",
+          router_softmax_bf16, Expectation(None, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
+    Fault("topk-not-renormalised", "family: MoE", "the top-k router weights not renormalised to sum 1",
           topk_not_renormalised, Expectation(_ROUTER, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
     Fault("per-expert-scale-missing", "family: MoE", "the router's per-expert scale not applied",
           per_expert_scale_missing, Expectation(_ROUTER, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
+    Fault("router-skips-best-expert", "family: MoE", "top-k takes the experts ranked 2..k+1 (a routing "
+          "error: the bf16 stage's routing verdict names it, not a near tie)",
+          router_skips_best_expert, Expectation(_ROUTER, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
     Fault("moe-sum-without-norms", "family: MoE", "dense MLP and experts summed without their norms",
           moe_sum_without_norms, Expectation("layers.0.mlp_residual", 0, "mlp",
                                              fp32_point="layers.0.mlp_residual"), TINY_MOE),
@@ -860,7 +871,7 @@ def failing_points(result) -> list:
     """Every capture point of the bf16 (envelope) stage that broke the policy, in run order
     (embeddings that are within the envelope but not bit-exact with the same-dtype reference count
     as failing)."""
-    failing = [p for p in result.all_points() + result.probabilities if not p.passed]
+    failing = [p for p in result.all_points() if result.point_failed(p)] + [p for p in result.probabilities if not p.passed]
     if not result.embeddings_exact and result.embeddings not in failing:
         failing.insert(0, result.embeddings)
     return failing

@@ -1,7 +1,7 @@
 """The Gemma-4 family's faults (tests/faults/catalog.py FAMILY_CATALOG), each injected into the
 port on its tiny transformers-built variant: `check` fails, at the expected capture point, layer and
-part; the clean port passes the same check. On the MoE variant only the fp32 stage is asserted
-(the bf16 stage has no routing near-tie policy yet; catalog.py says why)."""
+part; the clean port passes the same check, both stages (on the MoE variant with routing
+teacher-forced in the bf16 stage: harness/routing.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ def test_clean_family_port_passes(monkeypatch, key):
     ckpt, refs = family_checkpoint(_variant(key)), family_reference(_variant(key))
     result = run_family_check(None, monkeypatch, ckpt, refs)
     assert result.fp32.passed, result.fp32.failures()
-    if key != TINY_MOE:
-        assert result.passed and result.divergences == 0, result.failures()
+    assert result.passed and result.divergences == 0, result.failures()
+    if key == TINY_MOE:  # the tiny router's near ties do flip in bf16: the policy is exercised
+        assert result.routing.flips and result.routing.passed, result.routing.describe()
+        assert result.routing.rerouted, result.routing.describe()
 
 
 @pytest.mark.parametrize("fault", FAMILY_CATALOG, ids=lambda f: f.name)
@@ -31,32 +33,32 @@ def test_family_fault_is_caught_where_it_is(monkeypatch, fault):
     caught = Caught.of(result)
     assert not result.passed, fault.name
     missed = set(unmet(fault.expect, caught))
-    if fault.checkpoint == TINY_MOE:  # the fp32 stage names it; the bf16 stage is not asserted
-        missed -= {"first point", "stages", "component"}
-        assert result.fp32.divergent() == (fault.expect.first_layer, fault.expect.component), fault.name
+    assert result.fp32.divergent() == (fault.expect.first_layer, fault.expect.component), fault.name
     assert not missed, f"{fault.name}: misses {missed}; {caught}"
 
 
 def test_family_catalog_covers_every_new_part():
     parts = {f.expect.component for f in FAMILY_CATALOG}
     assert {"attention", "mlp", "per-layer input", "moe router"} <= parts
-    assert len({f.name for f in FAMILY_CATALOG}) == len(FAMILY_CATALOG) == 9
+    assert len({f.name for f in FAMILY_CATALOG}) == len(FAMILY_CATALOG) == 10
 
 
-# What bisect (capture mode) must name for the family's PLE and KV-sharing faults: the layer and
-# part of README's family fault table, the same as `check` (the catalog's Expectation). The MoE
-# variant's router faults are named in the fp32 stage only until the bf16 stage has its routing
-# near-tie policy. Each case is one bisect of a tiny variant (2-4 s).
+# What bisect (capture mode) must name for every family fault: the layer and part of README's
+# family fault table, the same as `check` (the catalog's Expectation). Each case is one bisect of a
+# tiny variant (2-4 s).
 BISECTED = {"ple-combine-factor": (0, "per-layer input"), "ple-table-unscaled": (0, "per-layer input"),
             "ple-wrong-layer-slice": (0, "per-layer input"), "kv-shared-source-off-by-one": (8, "attention"),
-            "shared-layer-writes-cache": (5, "attention"), "moe-sum-without-norms": (0, "mlp")}
+            "shared-layer-writes-cache": (5, "attention"), "moe-sum-without-norms": (0, "mlp"),
+            "router-softmax-bf16": (0, "moe router"), "topk-not-renormalised": (0, "moe router"),
+            "per-expert-scale-missing": (0, "moe router"), "router-skips-best-expert": (0, "moe router")}
 
 
 @pytest.mark.parametrize("name", list(BISECTED))
 def test_bisect_names_the_family_fault(monkeypatch, name):
-    """bisect (capture mode) names the layer and part, as `check` does: per-layer inputs and shared
-    layers by their cumulative points, KV caches included (they cannot run alone: a shared layer
-    that writes its source's cache is named at the source's cache), the MoE layer by its local run."""
+    """bisect (capture mode) names the layer and part, as `check` does: layers with per-layer inputs
+    or shared KV by their cumulative points (they cannot run alone), a structural fault the bf16
+    run shows only later (a shared layer writing its source's cache) by the fp32 stage's earlier
+    point, the MoE layer by its local run."""
     from harness.backends import build_engine
     from harness.bisect import bisect_capture
     from harness.settings import RunSettings

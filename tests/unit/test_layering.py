@@ -33,7 +33,7 @@ LAYERS = {
     # (observe runs the port and the references for the judge; stage judges what it observed)
     "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5,
     "harness.graph_contracts": 5, "harness.verdicts": 5, "harness.observe": 5, "harness.stage": 5,
-    "harness.results": 5, "harness.bisect_result": 5,
+    "harness.results": 5, "harness.bisect_result": 5, "harness.routing": 5,
     # 6: workflows as library functions with result objects
     "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
     "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,

@@ -237,6 +237,7 @@ def test_model_source_hash_follows_the_source_text(monkeypatch):
     names = {p.name for p in neuron.MODEL_SOURCE_FILES}
     assert {"model.py", "sharding.py"} <= names
     assert {"spec.py", "graphs.py", "neuron.py"} <= names  # spec.py derives what the graph bakes in
+    assert {"spec_family.py", "model_blocks.py", "neuron_layers.py"} <= names  # the family's blocks, NxD's layers
     read = neuron_cache._read_source
     for changed in sorted(names):
         monkeypatch.setattr(neuron_cache, "_read_source",

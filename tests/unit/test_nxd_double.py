@@ -245,6 +245,51 @@ def test_gather_output_and_split_input_on_two_ranks(sdk, tmp_path):
     assert not torch.allclose(out, h @ down.T, rtol=0.1, atol=0.1)  # not what each rank re-run would give
 
 
+class PerRankReduce(nn.Module):
+    """A plain parameter holding each rank's own slice (as the MoE experts hold theirs, set per rank
+    by set_weights), reduced and gathered through the backend's NxDCollectives (NxD's mappings)."""
+
+    reduce_dtype = torch.float32
+
+    def __init__(self):
+        from harness.backends.neuron_layers import NxDCollectives
+
+        super().__init__()
+        self.up = nn.Parameter(torch.zeros(8, 8))  # [out, in]: a whole matrix per rank, unlike a parallel layer
+        self.collectives = NxDCollectives(self.reduce_dtype)
+        self.register_buffer("count", torch.zeros(1), persistent=False)
+
+    def forward(self, x, step):
+        self.count = self.count + step
+        part = nn.functional.linear(x, self.up)
+        return self.collectives.all_reduce(part), self.collectives.all_gather(part, dim=1)
+
+
+class PerRankReduceBf16(PerRankReduce):
+    reduce_dtype = torch.bfloat16
+
+
+def test_nxd_mappings_reduce_and_gather_per_rank_weights(sdk, tmp_path):
+    """Each rank's own slice reaches its rank, and NxD's all-reduce sums the ranks' partial results
+    (in the reduce dtype: bf16 partial sums give bf16's rounding), its all-gather concatenates them."""
+    x = torch.randn(1, 4, 8)
+    _, _, shards = _weights(2)
+    parts = [x @ shard["up.weight"].T for shard in shards]  # each rank's own [8, 8]
+    for module_cls in (PerRankReduce, PerRankReduceBf16):
+        model = _compiled(sdk, tmp_path / module_cls.__name__, module_cls)
+        model.set_weights([{"up": s["up.weight"]} for s in shards])
+        model.to_neuron()
+        reduced, gathered = model(x, torch.ones(1))
+        assert torch.equal(gathered, torch.cat(parts, dim=1))
+        want = (parts[0].to(module_cls.reduce_dtype) + parts[1].to(module_cls.reduce_dtype)).float()
+        assert torch.equal(reduced, want), module_cls.__name__
+    assert not torch.equal(parts[0].bfloat16().float() + parts[1].bfloat16().float(), parts[0] + parts[1])
+    from neuronx_distributed.parallel_layers import mappings
+
+    with pytest.raises(NotImplementedError, match="process_group=None"):
+        mappings.reduce_from_tensor_model_parallel_region(x, process_group=object())
+
+
 def test_save_and_load_keep_the_graphs_not_the_weights(sdk, tmp_path):
     model = _compiled(sdk, tmp_path)
     _, _, shards = _weights()

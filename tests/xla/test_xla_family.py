@@ -1,7 +1,6 @@
 """The Gemma-4 family's tiny variants through the XLA lane: the same per-rank modules (per-layer
 inputs, KV-shared attention, router and experts) lowered by torch-xla equal the CPU backend in fp32
-at TP 1 and 2, and `check` passes both stages on them there (the MoE variant: its fp32 stage,
-tests/family/shared.py BF16_STAGE_PENDING)."""
+at TP 1 and 2, and `check` passes both stages on them there."""
 
 from __future__ import annotations
 

@@ -1,1 +1,1 @@
-from . import layers, parallel_state  # noqa: F401
+from . import layers, mappings, parallel_state  # noqa: F401

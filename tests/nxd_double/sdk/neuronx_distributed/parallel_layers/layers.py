@@ -15,7 +15,8 @@ Signatures (names, order, defaults) as upstream:
 Rules modelled: sizes are the full sizes, divided by the TP degree (an indivisible size is an
 error, as upstream's `divide`); weights (out/tp, in) and (out, in/tp); column bias of out (gathered)
 or out/tp; gather_output all-gathers on the last dim; input_is_parallel=False splits the input's
-last dim; the row output is cast to reduce_dtype, all-reduced, cast back; forward(input,
+last dim; the row output is cast to reduce_dtype, all-reduced, cast back (both through
+mappings.py, as upstream); forward(input,
 slice_indices=None). Options the double does not model must stay at their defaults.
 """
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import parallel_state as ps
+from .mappings import gather_from_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -62,7 +64,7 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if slice_indices is None else self.weight[slice_indices, :]
         output = F.linear(input, weight)
         if self.gather_output:
-            output = ps.all_gather_last(output)
+            output = gather_from_tensor_model_parallel_region(output)
         return output + self.bias if self.bias is not None else output
 
 
@@ -89,5 +91,5 @@ class RowParallelLinear(nn.Module):
         output = F.linear(x, weight)
         if self.reduce_output:
             dtype = output.dtype
-            output = ps.all_reduce(output.to(self.reduce_dtype)).to(dtype)
+            output = reduce_from_tensor_model_parallel_region(output.to(self.reduce_dtype)).to(dtype)
         return output + self.bias if self.bias is not None else output

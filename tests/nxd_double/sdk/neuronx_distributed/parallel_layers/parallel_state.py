@@ -87,9 +87,6 @@ class RankGroup:
             total = total + part  # summed in x's dtype (the layer casts to reduce_dtype first)
         return total
 
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self.threads.exchange(self.rank, x), dim=-1)
-
 
 def current_group():
     return getattr(_RUNTIME, "group", None)
@@ -97,14 +94,16 @@ def current_group():
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     group = current_group()
-    return x.clone() if group is None else group.all_reduce(x)
+    if group is None:
+        return x.clone()
+    return x if group.size == 1 else group.all_reduce(x)  # upstream _reduce: a group of one passes through
 
 
-def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+def all_gather_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
     group = current_group()
     if group is None:  # tracing: the right shape; the values are never used
-        return torch.cat([x] * get_tensor_model_parallel_size(), dim=-1)
-    return group.all_gather_last(x)
+        return torch.cat([x] * get_tensor_model_parallel_size(), dim=dim)
+    return torch.cat(group.threads.exchange(group.rank, x), dim=dim)
 
 
 def scatter_last(x: torch.Tensor) -> torch.Tensor:
