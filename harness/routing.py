@@ -28,7 +28,7 @@ import torch
 from harness.compare import NEAR_TIE_ULPS, ROUTING_FACTOR, ROUTING_QUANTILE
 from harness.numerics import bf16_ulp
 from harness.points import Point
-from harness.reference import chosen_experts
+from harness.reference_forcing import chosen_experts
 
 
 @dataclass
