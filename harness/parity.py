@@ -80,7 +80,7 @@ def run_stage(stage: str, engine, checkpoint, refs: tuple, judged: tuple) -> Che
         result.routing = judge_routing(obs, spec, rerun)
     if pinned:
         result.notes.append(f"{stage} stage: {len(pinned)} gated per-layer input rows have no direction at bf16 "
-                            f"precision (the bf16 reference's error >= {PLE_PIN_NOISE:g} of the row); the references "
+                            f"precision (expected bf16 error >= {PLE_PIN_NOISE:g} of the row); the references "
                             f"take the port's value there: {', '.join(pinned[:4])}{' ...' if len(pinned) > 4 else ''}")
     result.seconds["judge"] = round(time.perf_counter() - start, 2)
     return result
