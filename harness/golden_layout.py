@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from harness.errors import GoldenError
+from harness.points import layer_parts
 
-HIDDEN_PARTS = ("attn_residual", "mlp_residual", "output")
 # Groups a golden may lack (a streamed golden decodes nothing; an older writer kept fewer points),
 # but never hold in part.
 OPTIONAL_GROUPS = ("capped_logits", "step_capped_logits", "decode", "kv")
@@ -26,27 +26,41 @@ def inconsistent(path, what: str) -> GoldenError:
                        "reference`: regenerate it")
 
 
-def hidden_points(num_layers: int) -> list[str]:
-    return ["embeddings", "final_norm"] + [f"layers.{i}.{part}" for i in range(num_layers) for part in HIDDEN_PARTS]
+def hidden_points(num_layers: int, spec=None) -> dict[str, int | None]:
+    """Capture name -> width of the per-position points: the embeddings, the final norm and each
+    layer's parts as harness.points lays them out for `spec` (the family's router and per-layer
+    input points included; width None: unknown without a spec)."""
+    hidden = spec.hidden_size if spec is not None else None
+    widths = {"router_logits": spec.moe.num_experts, "expert_weights": spec.moe.num_experts} if getattr(
+        spec, "moe", None) is not None else {}
+    if getattr(spec, "per_layer_input_size", 0):
+        widths["per_layer_input"] = spec.per_layer_input_size
+    points = {"embeddings": hidden, "final_norm": hidden}
+    for i in range(num_layers):
+        points.update({f"layers.{i}.{part}": widths.get(part, hidden) for part in layer_parts(spec)})
+    return points
 
 
 def expected_layout(n: int, new_tokens: int, num_layers: int, spec) -> dict[str, dict[str, tuple]]:
     """Group -> {capture name: (rows, width)} of one prompt of `n` tokens (width None: unknown
-    without a spec). Rows: prompt positions, decode steps, or cache positions."""
-    hidden = spec.hidden_size if spec is not None else None
+    without a spec). Rows: prompt positions, decode steps, or cache positions. A KV-shared layer
+    writes no cache: it has no kv points."""
     vocab = spec.vocab_size if spec is not None else None
     steps = max(new_tokens - 1, 0)  # decode steps the model runs after prefill
+    points = hidden_points(num_layers, spec)
     groups = {
-        "required": {**{name: (n, hidden) for name in hidden_points(num_layers)}, "logits": (n, vocab),
+        "required": {**{name: (n, width) for name, width in points.items()}, "logits": (n, vocab),
                      "step_logits": (new_tokens, vocab)},
         "capped_logits": {"capped_logits": (n, vocab)},
         "step_capped_logits": {"step_capped_logits": (new_tokens, vocab)} if new_tokens else {},
-        "decode": ({f"decode.{name}": (steps, hidden) for name in hidden_points(num_layers)}
+        "decode": ({f"decode.{name}": (steps, width) for name, width in points.items()}
                    | {"decode.logits": (steps, vocab)}) if steps else {},
         "kv": {},
     }
     for i in range(num_layers):
         layer = spec.layers[i] if spec is not None else None
+        if layer is not None and getattr(layer, "kv_source", None) is not None:
+            continue
         width = layer.kv_heads * layer.head_dim if layer is not None else None
         for side in "kv":
             groups["kv"][f"kv.{i}.{side}"] = (n + steps, width)

@@ -19,7 +19,7 @@ from harness.compare import ENVELOPE_FACTOR, LayerResult, PointResult, compare_l
 from harness.spec_family import runs_alone
 from harness.points import Point, first_component, layer_points, locate, prefill_order
 from harness.progress import status
-from harness.reference import chosen_experts
+from harness.reference_forcing import chosen_experts
 from harness.routing import judge_decisions
 
 
@@ -173,7 +173,7 @@ class ReferenceLayers:
         router forced to those experts (harness.reference.force_routing)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        from harness.reference import force_routing
+        from harness.reference_forcing import force_routing
 
         layer_type = self.spec.layers[index].type
         x = x.to(dtype)[None]

@@ -19,8 +19,7 @@ from harness.errors import PromptError
 from harness.local import intra_op_threads_for
 from harness.points import KV_PARTS, Point, kv_points, layer_points
 from harness.progress import status
-from harness.reference import ReferenceResult, rerun_reference, routes_of
-from harness.routing import port_routes
+from harness.reference import ReferenceResult
 from harness.settings import RunSettings
 
 
@@ -219,28 +218,6 @@ def assemble_observation(stage: str, runs: list[PortPrompt], spec, refs: tuple,
         _decode_points(obs, spec, k, run, (r32, r16))
     obs.stack()
     return obs
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[i], b[i]) for i in a)
-
-
-def route_references(obs: StageObservation, spec, checkpoint_dir) -> tuple[StageObservation, list[str]]:
-    """The observation with each reference computed again on the port's routing where it routed
-    otherwise (the same port runs; nothing recomputed when the routes agree)."""
-    k = spec.moe.top_k
-    port = [port_routes(run, k) for run in obs.runs]
-    fed = [r.generated for r in obs.ref32]
-    refs, rerouted = [obs.ref32, obs.ref16], []
-    for j, (dtype, runs) in enumerate((("float32", obs.ref32), ("bfloat16", obs.ref16))):
-        if not all(_same(p, routes_of(r, k)) for p, r in zip(port, runs)):
-            refs[j] = rerun_reference(checkpoint_dir, dtype, fed, (runs, port))
-            rerouted.append(dtype)
-    if not rerouted:
-        return obs, []
-    again = assemble_observation(obs.stage, obs.runs, spec, tuple(refs), obs.reads_cache)
-    again.seconds = obs.seconds
-    return again, rerouted
 
 
 def own_caches(cache: list) -> list:

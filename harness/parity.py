@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+from harness.compare import PLE_PIN_NOISE
 from harness.local import intra_op_threads_for, local_verdicts
 from harness.observe import (PortFailure, build_fp32_port, build_port, check_inputs_fit, load_reference_source,
-                             load_references, observe_stage, port_call, route_references)
+                             load_references, observe_stage, port_call)
+from harness.forced_path import force_references
 from harness.reference import ReferenceResult
 from harness.results import CheckResult, LocalLayer
 from harness.routing import judge_routing
@@ -68,14 +70,18 @@ def run_stage(stage: str, engine, checkpoint, refs: tuple, judged: tuple) -> Che
     """Observe the port for one stage and judge it; judged = (calibration, structural flips, PortRun)."""
     calibration, structural, run = judged
     obs = observe_stage(stage, engine, checkpoint.spec, refs, run.progress)
-    rerouted = None
-    if stage == "bf16" and checkpoint.spec.moe is not None:  # routing teacher-forced (harness.routing)
-        obs, rerouted = route_references(obs, checkpoint.spec, checkpoint.path)
+    spec = checkpoint.spec
+    # routing (bf16 stage, MoE) and ill-conditioned per-layer inputs (PLE) teacher-forced
+    obs, rerun, pinned = force_references(obs, checkpoint, routing=stage == "bf16")
     start = time.perf_counter()
     dtype = "float32" if stage == "fp32" else run.dtype
-    result = judge_stage(obs, checkpoint.spec, calibration, structural, (run.backend, run.tp, dtype))
-    if rerouted is not None:
-        result.routing = judge_routing(obs, checkpoint.spec, rerouted)
+    result = judge_stage(obs, spec, calibration, structural, (run.backend, run.tp, dtype))
+    if stage == "bf16" and spec.moe is not None:
+        result.routing = judge_routing(obs, spec, rerun)
+    if pinned:
+        result.notes.append(f"{stage} stage: {len(pinned)} gated per-layer input rows have no direction at bf16 "
+                            f"precision (expected bf16 error >= {PLE_PIN_NOISE:g} of the row); the references "
+                            f"take the port's value there: {', '.join(pinned[:4])}{' ...' if len(pinned) > 4 else ''}")
     result.seconds["judge"] = round(time.perf_counter() - start, 2)
     return result
 

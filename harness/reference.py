@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 # The dtype vocabulary is the run settings' (one parser for every command and library function).
+from harness.reference_forcing import Forced, routes_of
 from harness.settings import DTYPES, dtype_name, torch_dtype  # noqa: F401
 
 
@@ -196,67 +197,19 @@ def _stack_steps(steps: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
     return {f"decode.{k}": torch.cat([s[k] for s in steps]) for k in steps[0]} if steps else {}
 
 
-# ---- routing (MoE models) -------------------------------------------------------------------------
-
-def routes_of(result: ReferenceResult, top_k: int) -> dict[int, torch.Tensor]:
-    """The experts each MoE layer chose at every position the run computed (the prefill rows, then
-    each decode step's): {layer: [positions, top_k] expert ids, ascending}, read from the
-    `expert_weights` captures (the chosen experts' weights, zero elsewhere)."""
-    routes = {}
-    for name, rows in result.captures.items():
-        if name.startswith("layers.") and name.endswith(".expert_weights"):
-            steps = result.captures.get("decode." + name)
-            full = rows if steps is None else torch.cat([rows, steps])
-            routes[int(name.split(".")[1])] = chosen_experts(full, top_k)
-    return routes
-
-
-def chosen_experts(weights: torch.Tensor, top_k: int) -> torch.Tensor:
-    """[rows, experts] weights, zero off the chosen ones -> [rows, top_k] chosen ids, ascending."""
-    return weights.abs().topk(top_k, dim=-1).indices.sort(dim=-1).values
-
-
-def force_routing(layers: dict, routes: dict[int, torch.Tensor]) -> list:
-    """Forward hooks ({index: decoder layer} `layers`) that make each MoE layer's router choose
-    `routes[index]` (one row per position, in the order the positions are computed). Rows where transformers' own choice is the same set
-    keep its output untouched (bit for bit); elsewhere the forced experts get transformers' weights
-    for them: their fp32 probabilities, renormalised over the k, times the per-expert scale."""
-    handles = []
-    for i, layer in layers.items():
-        if getattr(layer, "router", None) is None or i not in routes:
-            continue
-        done = [0]
-
-        def hook(module, args, out, wanted=routes[i], done=done):
-            probs, weights, chosen = out
-            n = probs.shape[0]
-            if done[0] + n > wanted.shape[0]:
-                raise ValueError(f"forced routing holds {wanted.shape[0]} positions; the run computes more")
-            want = wanted[done[0]:done[0] + n].to(chosen.device)
-            done[0] += n
-            same = (chosen.sort(dim=-1).values == want).all(-1, keepdim=True)
-            picked = probs.gather(-1, want)
-            picked, order = picked.sort(dim=-1, descending=True)  # topk's order
-            want = want.gather(-1, order)
-            forced = picked / picked.sum(dim=-1, keepdim=True) * module.per_expert_scale[want]
-            return probs, torch.where(same, weights, forced.to(weights.dtype)), torch.where(same, chosen, want)
-
-        handles.append(layer.router.register_forward_hook(hook, prepend=True))  # before any recorder
-    return handles
-
-
 def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[int] | None = None,
-                  capture: bool = True, routes: dict[int, torch.Tensor] | None = None) -> ReferenceResult:
+                  capture: bool = True, forcing: Forced | None = None) -> ReferenceResult:
     """Prefill with captures, then greedy decode (argmax of transformers' capped logits, as its
     generate does) with the transformers KV cache. With `forced`, feed those tokens instead
     (teacher forcing) so another run's step logits are comparable position by position. With
     capture, every decode step's capture points and the cache writes are recorded too. With
-    `routes` (MoE models), the routers choose those experts (routing teacher-forced, likewise)."""
+    `forcing` (harness/reference_forcing.py), MoE routers choose the given experts and PLE layers
+    take the given gated per-layer inputs at the given positions (teacher-forced, likewise)."""
     from transformers import DynamicCache
 
     lm = text_model(model)
     recorder = Recorder.on_model(lm) if capture else None
-    routing = force_routing(dict(enumerate(lm.layers)), routes) if routes else []
+    routing = forcing.hooks(dict(enumerate(lm.layers))) if forcing is not None else []
     raw_logits: list[torch.Tensor] = []
     head = model.lm_head.register_forward_hook(lambda m, a, out: raw_logits.append(out.detach().float()))
     writes: dict[int, list] = {}
@@ -319,8 +272,8 @@ def run_reference(checkpoint_dir, prompts: list[list[int]], new_tokens: int,
         for k, prompt in enumerate(prompts):
             say(f"{name} prompt {k + 1}/{len(prompts)} ({len(prompt)} tokens)")
             forced = fp32_runs[k].generated if fp32_runs is not None else None
-            routes = routes_of(fp32_runs[k], top_k) if fp32_runs is not None and top_k else None
-            runs.append(reference_run(model, prompt, new_tokens, forced=forced, routes=routes))
+            routes = Forced(routes=routes_of(fp32_runs[k], top_k)) if fp32_runs is not None and top_k else None
+            runs.append(reference_run(model, prompt, new_tokens, forced=forced, forcing=routes))
         if torch_dtype(name) == torch.float32:
             fp32_runs = runs
         results[dtype_name(torch_dtype(name))] = runs
@@ -329,16 +282,16 @@ def run_reference(checkpoint_dir, prompts: list[list[int]], new_tokens: int,
 
 
 def rerun_reference(checkpoint_dir, dtype: str, fed: list[list[int]],
-                    runs_and_routes: tuple[list[ReferenceResult], list[dict]]) -> list[ReferenceResult]:
+                    runs_and_forcing: tuple[list[ReferenceResult], list[Forced]]) -> list[ReferenceResult]:
     """`runs` again (same prompts, teacher-forced on `fed`, the fp32 reference's tokens) with each
-    prompt's routing forced to `routes[k]`: the reference along another run's routing. The fp32
-    results keep `fed` as their tokens (the tokens the port is judged on); logits, captures and
-    the bf16 results' own choices are the re-routed run's."""
-    runs, routes = runs_and_routes
+    prompt's `forcing[k]` (routing, gated per-layer inputs): the reference along another run's
+    path. The fp32 results keep `fed` as their tokens (the tokens the port is judged on); logits,
+    captures and the bf16 results' own choices are the re-run's."""
+    runs, forcing = runs_and_forcing
     model = load_reference_model(checkpoint_dir, dtype)
     out = []
-    for run, tokens, route in zip(runs, fed, routes):
-        again = reference_run(model, run.prompt, len(tokens), forced=tokens, routes=route)
+    for run, tokens, forced in zip(runs, fed, forcing):
+        again = reference_run(model, run.prompt, len(tokens), forced=tokens, forcing=forced)
         if torch_dtype(dtype) == torch.float32:
             again.generated = list(tokens)
         out.append(again)

@@ -28,7 +28,7 @@ import torch
 from harness.compare import NEAR_TIE_ULPS, ROUTING_FACTOR, ROUTING_QUANTILE
 from harness.numerics import bf16_ulp
 from harness.points import Point
-from harness.reference import chosen_experts
+from harness.reference_forcing import chosen_experts
 
 
 @dataclass
@@ -101,6 +101,8 @@ def port_routes(run, top_k: int) -> dict[int, torch.Tensor]:
 def boundary_shifts(ref: torch.Tensor, env: torch.Tensor, top_k: int) -> torch.Tensor:
     """|bf16 - fp32| of each row's top-k boundary margin (the fp32 k-th expert's logit minus the
     best left out's), both references' logits [rows, experts] along the same routing."""
+    if top_k >= ref.shape[-1]:  # every expert chosen: no boundary, no choice to judge
+        return torch.zeros(0, dtype=torch.double)
     order = ref.double().topk(top_k + 1, dim=-1).indices
     inside, outside = order[:, top_k - 1:top_k], order[:, top_k:]
     m32 = ref.double().gather(1, inside) - ref.double().gather(1, outside)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.reference import rerun_reference, routes_of
+from harness.reference import rerun_reference
+from harness.reference_forcing import Forced, routes_of
 from tests.family.shared import family_checkpoint, family_reference
 
 MOE = "26b-a4b"
@@ -30,7 +31,7 @@ def test_rerun_on_own_routing_is_the_same_run_and_other_routing_is_taken():
     refs, k, ckpt = family_reference(MOE), _top_k(), family_checkpoint(MOE)
     r32 = refs["float32"][:2]
     fed = [r.generated for r in r32]
-    same = rerun_reference(ckpt.path, "float32", fed, (r32, [routes_of(r, k) for r in r32]))
+    same = rerun_reference(ckpt.path, "float32", fed, (r32, [Forced(routes=routes_of(r, k)) for r in r32]))
     for a, b in zip(r32, same):
         assert a.captures.keys() == b.captures.keys() and a.generated == b.generated
         assert all(torch.equal(a.captures[n], b.captures[n]) for n in a.captures)
@@ -39,10 +40,10 @@ def test_rerun_on_own_routing_is_the_same_run_and_other_routing_is_taken():
         routes = routes_of(r, k)
         moved = routes[2].clone()
         moved[5:] = (moved[5:] + 1) % ckpt.spec.moe.num_experts  # layer 2 from position 5 on
-        other.append({**routes, 2: moved.sort(dim=-1).values})
+        other.append(Forced(routes={**routes, 2: moved.sort(dim=-1).values}))
     again = rerun_reference(ckpt.path, "float32", fed, (r32, other))
     for a, b, want in zip(r32, again, other):
-        assert torch.equal(routes_of(b, k)[2][:len(a.prompt)], want[2][:len(a.prompt)])
+        assert torch.equal(routes_of(b, k)[2][:len(a.prompt)], want.routes[2][:len(a.prompt)])
         assert b.generated == a.generated  # the fp32 tokens the port is judged on stay
         before, after = a.captures["layers.2.mlp_residual"], b.captures["layers.2.mlp_residual"]
         # rows before 5 keep their experts (fp32 rounding of a differently batched matmul aside)

@@ -28,12 +28,12 @@ LAYERS = {
     # 3: the port
     "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
     # 4: execution: the backends, and the reference (transformers only)
-    "harness.backends": 4, "harness.reference": 4, "harness.reference_stream": 4,
+    "harness.backends": 4, "harness.reference": 4, "harness.reference_stream": 4, "harness.reference_forcing": 4,
     # 5: judgement
     # (observe runs the port and the references for the judge; stage judges what it observed)
     "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5,
     "harness.graph_contracts": 5, "harness.verdicts": 5, "harness.observe": 5, "harness.stage": 5,
-    "harness.results": 5, "harness.bisect_result": 5, "harness.routing": 5,
+    "harness.results": 5, "harness.bisect_result": 5, "harness.routing": 5, "harness.forced_path": 5,
     # 6: workflows as library functions with result objects
     "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
     "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,

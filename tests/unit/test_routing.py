@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.reference import chosen_experts
+from harness.reference_forcing import chosen_experts
 from harness.routing import (ROUTING_FACTOR, ROUTING_QUANTILE, RoutingResult, boundary_shifts, judge_decisions,
                              port_routes)
 

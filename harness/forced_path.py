@@ -1,0 +1,120 @@
+"""The references along the port's path: which steps bf16 legitimately decides otherwise than
+fp32 (an MoE router's near-tied choice; the direction of a gated per-layer input near zero, which
+the PLE layer's post-norm scales up to full size), and the references computed again with those
+steps teacher-forced to the port's (harness/reference_forcing.py), as the fp32 tokens are. `check`
+(harness/parity.py) applies it to each stage's observation before judging; harness/routing.py
+judges the routing choices themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harness.compare import FORCING_PASSES, PLE_PIN_NOISE
+from harness.observe import StageObservation, assemble_observation
+from harness.points import Point
+from harness.reference import rerun_reference
+from harness.reference_forcing import Forced, routes_of, rows_by_position
+from harness.routing import port_routes
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[i], b[i]) for i in a)
+
+
+def _port_rows(run, name: str) -> torch.Tensor | None:
+    """A layer point of the port's teacher-forced run at every position: prefill rows, then steps."""
+    rows = run.forced.prefill.captures.get(name)
+    if rows is None:
+        return None
+    steps = (run.forced.step_captures or {}).get(name)
+    return rows.float() if steps is None else torch.cat([rows.float(), steps.float()])
+
+
+def _noise_scale(refs: list[tuple]) -> tuple[float, float]:
+    """(median row norm, median absolute bf16 error) of one point over every prompt's rows."""
+    ref = torch.cat([r for r, _ in refs])
+    env = torch.cat([e for _, e in refs])
+    return float(ref.norm(dim=-1).median()), float((env - ref).norm(dim=-1).median())
+
+
+def _gate_noise(gate: torch.Tensor, inputs: list[tuple]) -> float:
+    """The typical bf16 error of a per-layer gate's pre-activation: the median absolute value of
+    the gate applied to the bf16 reference's error in its input (the layer's MLP residual)."""
+    return float(torch.cat([((e - r) @ gate.T).abs().flatten() for r, e in inputs]).median())
+
+
+def _expected_rel_error(ref_gated: torch.Tensor, pre: torch.Tensor, noise: tuple) -> torch.Tensor:
+    """Each row's expected relative bf16 error of the gated per-layer input g = gelu(a) * p: the
+    point's typical absolute error, plus each element's error from its gate's pre-activation
+    moving by its typical noise (large in gelu's tail, where a small move of a changes gelu(a)
+    by a large factor), over the row's norm."""
+    typical, gate_noise = noise
+    act = torch.nn.functional.gelu(pre, approximate="tanh")
+    moved = torch.nn.functional.gelu(pre + gate_noise, approximate="tanh")
+    p = torch.where(act.abs() > 0, ref_gated / act.where(act.abs() > 0, torch.ones_like(act)), torch.zeros_like(act))
+    from_gate = ((moved - act) * p).norm(dim=-1)
+    return (typical + from_gate) / ref_gated.norm(dim=-1).clamp_min(1e-30)
+
+
+def _add_pins(obs: StageObservation, checkpoint, forcing: list[Forced]) -> list[str]:
+    """Pin (force the references to the port's value at) every gated per-layer input row without
+    a direction at bf16 precision: its expected bf16 error (_expected_rel_error: rows that nearly
+    cancel, elements deep in the gate's tail) is at least PLE_PIN_NOISE of the fp32 row. The
+    layer's post-norm scales that direction up to full size. The rule reads the fp32 reference and
+    the typical noise of the point only, never one row's error sample: pinning where the bf16
+    reference happened to err would leave the port's unlucky rows beside an envelope cut short.
+    Returns the new pins' labels."""
+    added, spec = [], checkpoint.spec
+    for layer in spec.layers:
+        name = Point("layer", layer.index, "per_layer_input").name
+        mlp = Point("layer", layer.index, "mlp_residual").name
+        rows = [(_port_rows(run, name), rows_by_position(r32.captures, name), rows_by_position(r16.captures, name),
+                 rows_by_position(r32.captures, mlp), rows_by_position(r16.captures, mlp))
+                for run, r32, r16 in zip(obs.runs, obs.ref32, obs.ref16)]
+        if not rows or any(any(t is None for t in row) or row[0].shape != row[1].shape for row in rows):
+            continue
+        gate = checkpoint.layer_weights(layer.index, torch.float32)["per_layer_input_gate.weight"]
+        median_norm, typical = _noise_scale([(r, e) for _, r, e, _, _ in rows])
+        gate_noise = _gate_noise(gate, [(m32, m16) for *_, m32, m16 in rows])
+        for k, (dev, ref, _, m32, _) in enumerate(rows):
+            expected = _expected_rel_error(ref, m32 @ gate.T, (typical, gate_noise))
+            pins = forcing[k].inputs.setdefault(layer.index, {})
+            for position in (expected >= PLE_PIN_NOISE).nonzero().flatten().tolist():
+                if position not in pins:
+                    pins[position] = dev[position].clone()
+                    added.append(f"layer {layer.index} prompt {k} position {position}")
+    return added
+
+
+def _routes_differ(forcing: list[Forced], runs: list, spec) -> bool:
+    return any(f.routes and not _same(f.routes, routes_of(r, spec.moe.top_k)) for f, r in zip(forcing, runs))
+
+
+def force_references(obs: StageObservation, checkpoint, routing: bool = True):
+    """The observation with the references computed again along the port's path where bf16 decides
+    a step legitimately otherwise (harness/reference_forcing.py): on MoE models (with `routing`) the
+    port's experts wherever it routed otherwise, on PLE models the port's gated per-layer input at
+    rows without a direction at bf16 precision (looked for again on the new path, at most
+    FORCING_PASSES times). The same port runs; nothing recomputed when nothing is forced.
+    Returns (observation, the dtypes re-run, the pinned rows' labels)."""
+    spec = checkpoint.spec
+    forcing = [Forced() for _ in obs.runs]
+    if routing and spec.moe is not None:
+        forcing = [Forced(routes=port_routes(run, spec.moe.top_k)) for run in obs.runs]
+    fed, rerun, pinned = [r.generated for r in obs.ref32], [], []
+    for attempt in range(FORCING_PASSES):
+        added = _add_pins(obs, checkpoint, forcing)
+        pinned += added
+        refs = {"float32": obs.ref32, "bfloat16": obs.ref16}
+        stale = [dtype for dtype, runs in refs.items()
+                 if added or (attempt == 0 and _routes_differ(forcing, runs, spec))]
+        if not stale:
+            break
+        for dtype in stale:
+            refs[dtype] = rerun_reference(checkpoint.path, dtype, fed, (refs[dtype], forcing))
+        seconds = obs.seconds
+        obs = assemble_observation(obs.stage, obs.runs, spec, (refs["float32"], refs["bfloat16"]), obs.reads_cache)
+        obs.seconds = seconds
+        rerun += [d for d in stale if d not in rerun]
+    return obs, rerun, pinned
