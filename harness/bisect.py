@@ -86,9 +86,12 @@ def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: 
 
             result.fp32_stage = fp32_summary(structural_stage(checkpoint, (ref32, ref16), settings, progress))
         return result
+    from harness.golden import same_weights
+
     engine = build_port(checkpoint, settings)
     layers = cpu_layers(checkpoint, engine)
-    run = {"progress": progress, "fp32_engine": "auto" if fp32_stage else None}
+    run = {"progress": progress, "fp32_engine": "auto" if fp32_stage else None,
+           "force_path": same_weights(golden, checkpoint) is not False}  # harness/forced_path.py
     return bisect_capture(checkpoint, engine, (ref32, ref16), layers, run)
 
 

@@ -26,6 +26,7 @@ from typing import Callable
 
 
 from harness.compare import PLE_PIN_NOISE
+from harness.golden import Golden, same_weights
 from harness.local import intra_op_threads_for, local_verdicts
 from harness.observe import (PortFailure, build_fp32_port, build_port, check_inputs_fit, load_reference_source,
                              load_references, observe_stage, port_call)
@@ -44,16 +45,19 @@ ExtraCheck = Callable[[CheckResult, object], None]
 @dataclass(frozen=True)
 class PortRun:
     """What a check's results are labelled with (the run settings' backend, TP degree and dtype
-    name) and whether it shows progress."""
+    name), whether it shows progress, and whether the references may be computed again along the
+    port's path (harness/forced_path.py): not against a golden of other weights, whose references
+    this checkpoint cannot reproduce."""
 
     backend: str
     tp: int
     dtype: str
     progress: bool = False
+    force_path: bool = True
 
     @classmethod
-    def of(cls, settings: RunSettings, progress: bool = False) -> "PortRun":
-        return cls(settings.backend, settings.tp, settings.dtype, progress)
+    def of(cls, settings: RunSettings, progress: bool = False, force_path: bool = True) -> "PortRun":
+        return cls(settings.backend, settings.tp, settings.dtype, progress, force_path)
 
     @property
     def label(self) -> tuple:
@@ -72,12 +76,15 @@ def run_stage(stage: str, engine, checkpoint, refs: tuple, judged: tuple) -> Che
     obs = observe_stage(stage, engine, checkpoint.spec, refs, run.progress)
     spec = checkpoint.spec
     # routing (bf16 stage, MoE) and ill-conditioned per-layer inputs (PLE) teacher-forced
-    obs, rerun, pinned = force_references(obs, checkpoint, routing=stage == "bf16")
+    obs, rerun, pinned = force_references(obs, checkpoint, stage == "bf16") if run.force_path else (obs, [], [])
     start = time.perf_counter()
     dtype = "float32" if stage == "fp32" else run.dtype
     result = judge_stage(obs, spec, calibration, structural, (run.backend, run.tp, dtype))
     if stage == "bf16" and spec.moe is not None:
         result.routing = judge_routing(obs, spec, rerun)
+    if not run.force_path and (spec.moe is not None or spec.per_layer_input_size):
+        result.notes.append(f"{stage} stage: the golden comes from other weights: routing and per-layer inputs "
+                            "are not teacher-forced (this checkpoint cannot reproduce its references)")
     if pinned:
         result.notes.append(f"{stage} stage: {len(pinned)} gated per-layer input rows have no direction at bf16 "
                             f"precision (expected bf16 error >= {PLE_PIN_NOISE:g} of the row); the references "
@@ -131,14 +138,15 @@ def _local(result: CheckResult, checkpoint, layer_backend, refs: tuple, run: Por
 
 def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
                local: bool | None = None, progress: bool = False, fp32_engine="auto", layer_backend=None,
-               extra_checks: tuple[ExtraCheck, ...] = ()) -> CheckResult:
+               extra_checks: tuple[ExtraCheck, ...] = (), force_path: bool = True) -> CheckResult:
     """Both stages: the fp32 structural stage (`fp32_engine`: "auto" builds it, None skips it),
     then the bf16 envelope stage on `engine` with flips the fp32 stage shows marked structural,
     plus (by default wherever the backend's ranks run on CPU; `layer_backend` runs them elsewhere)
     the local verdict of every layer, then `extra_checks`. An exception inside the port is a failed
-    result naming where it was raised. The result is labelled with the engine's run settings."""
+    result naming where it was raised. The result is labelled with the engine's run settings.
+    `force_path` False: the references are not computed again (a golden of other weights)."""
     with intra_op_threads_for(checkpoint.spec):  # the whole check: small models run faster on one thread
-        return _check_port(checkpoint, engine, (ref32, ref16), PortRun.of(engine.settings, progress),
+        return _check_port(checkpoint, engine, (ref32, ref16), PortRun.of(engine.settings, progress, force_path),
                            dict(local=local, fp32_engine=fp32_engine, layer_backend=layer_backend,
                                 extra_checks=extra_checks))
 
@@ -186,7 +194,9 @@ def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=N
     built = time.perf_counter()
     ref32, ref16 = load_references(source, checkpoint, new_tokens, progress)
     referenced = time.perf_counter()
-    result = check_port(checkpoint, engine, ref32, ref16, progress=progress,
+    # a golden of other weights cannot be re-run along the port's path (harness/forced_path.py)
+    force_path = not isinstance(source, Golden) or same_weights(source, checkpoint) is not False
+    result = check_port(checkpoint, engine, ref32, ref16, progress=progress, force_path=force_path,
                         fp32_engine="auto" if fp32_stage else None)
     # The extra stages (the served build) build their own engine: release the parity build first,
     # so a device never holds two builds of the model at once (two 12B builds overflow 32 GiB HBM).

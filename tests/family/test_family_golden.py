@@ -40,3 +40,20 @@ def test_family_golden_with_a_foreign_tensor_is_refused(tmp_path):
     rehash_golden(written.path, edit_tensors=add_shared_cache)
     with pytest.raises(GoldenError, match=f"kv.{shared}.k"):
         read_golden(written.path, expected_spec=ckpt.spec)
+
+
+def test_golden_of_other_weights_is_not_re_run(tmp_path):
+    """A golden written from other weights (same architecture) cannot be reproduced by this
+    checkpoint: check judges against it as it is (no teacher-forced re-run) and says so."""
+    from harness.checkpoint import Checkpoint
+    from harness.parity import run_parity_check
+    from harness.settings import RunSettings
+    from harness.tiny import TINY_FAMILY, tiny_checkpoint
+
+    other = Checkpoint.open(tiny_checkpoint(1, TINY_FAMILY["26b-a4b"]))
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text("[[5, 9, 12, 40, 41, 7, 3, 77, 90, 2, 11, 13]]")
+    written = make_golden(family_checkpoint("26b-a4b").path, tmp_path / "golden", prompts, new_tokens=3)
+    result = run_parity_check(other, other.path, RunSettings(buckets=(16,), kv_len=32), golden=written.path)
+    assert not result.passed
+    assert any("other weights" in n for n in result.notes) and not result.routing.rerouted
