@@ -15,20 +15,11 @@ from harness.observe import StageObservation, assemble_observation
 from harness.points import Point
 from harness.reference import rerun_reference
 from harness.reference_forcing import Forced, routes_of, rows_by_position
-from harness.routing import port_routes
+from harness.routing import port_routes, port_rows
 
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[i], b[i]) for i in a)
-
-
-def _port_rows(run, name: str) -> torch.Tensor | None:
-    """A layer point of the port's teacher-forced run at every position: prefill rows, then steps."""
-    rows = run.forced.prefill.captures.get(name)
-    if rows is None:
-        return None
-    steps = (run.forced.step_captures or {}).get(name)
-    return rows.float() if steps is None else torch.cat([rows.float(), steps.float()])
 
 
 def _noise_scale(refs: list[tuple]) -> tuple[float, float]:
@@ -69,7 +60,7 @@ def _add_pins(obs: StageObservation, checkpoint, forcing: list[Forced]) -> list[
     for layer in spec.layers:
         name = Point("layer", layer.index, "per_layer_input").name
         mlp = Point("layer", layer.index, "mlp_residual").name
-        rows = [(_port_rows(run, name), rows_by_position(r32.captures, name), rows_by_position(r16.captures, name),
+        rows = [(port_rows(run, name), rows_by_position(r32.captures, name), rows_by_position(r16.captures, name),
                  rows_by_position(r32.captures, mlp), rows_by_position(r16.captures, mlp))
                 for run, r32, r16 in zip(obs.runs, obs.ref32, obs.ref16)]
         if not rows or any(any(t is None for t in row) or row[0].shape != row[1].shape for row in rows):

@@ -227,6 +227,18 @@ def make_cache(kind: str, layer: LayerSpec, kv_heads: int, max_len: int, dtype) 
     return KVCache(kv_heads, max_len, layer.head_dim, dtype)
 
 
+def eager_attention(q: torch.Tensor, kv: tuple, mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """q [b, q_heads, s, d] over the keys and values read, kv = ([b, kv_heads, n, d] each), each KV
+    head shared by `groups` query heads -> [b, s, q_heads * d]. Eager: matmul, fp32 softmax, matmul.
+    No fused kernel: at window 1024 the flash kernel's working set overflows SBUF on inf2
+    (docs/design.md#the-port)."""
+    b, heads, s, d = q.shape
+    k_all, v_all = (t.repeat_interleave(groups, dim=1) for t in kv)
+    scores = torch.matmul(q, k_all.transpose(2, 3)) * attention_scale(d) + mask
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v_all).transpose(1, 2).reshape(b, s, heads * d)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer: LayerSpec, plan: LayerPlan, linears: RankLinears,
                  max_len: int, dtype):
@@ -256,14 +268,7 @@ class Attention(nn.Module):
         k = apply_rope(self.k_norm(k_raw), cos, sin).transpose(1, 2)
         v = self.v_norm(v).transpose(1, 2)
         k_all, v_all = self.cache.update(positions, k, v)
-        # Eager attention: matmul, fp32 softmax, matmul. No fused kernel: at window 1024 the
-        # flash kernel's working set overflows SBUF on inf2 (docs/design.md#the-port).
-        k_all = k_all.repeat_interleave(self.groups, dim=1)
-        v_all = v_all.repeat_interleave(self.groups, dim=1)
-        scores = torch.matmul(q, k_all.transpose(2, 3)) * attention_scale(self.head_dim) + mask
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v_all).transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim)
-        return self.o_proj(out)
+        return self.o_proj(eager_attention(q, (k_all, v_all), mask, self.groups))
 
 
 class MLP(nn.Module):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.model import (MLP, Collectives, DecoderLayer, RankDecoder, RankLinears, RMSNorm, apply_rope,
-                           attention_mask, attention_scale, rms_norm, rope_cos_sin, rope_inv_freq)
+                           attention_mask, eager_attention, rms_norm, rope_cos_sin, rope_inv_freq)
 from harness.sharding import LayerPlan
 from harness.spec import LayerSpec, ModelSpec
 
@@ -79,13 +79,7 @@ class SharedKVAttention(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, s, self.q_heads, self.head_dim)), cos, sin).transpose(1, 2)
         # What the source's attention read in this call (it runs first): the same slots of a linear
         # cache, or a ring as it was before this chunk followed by the chunk's own keys.
-        k_all, v_all = self.source_cache.last_read
-        k_all = k_all.repeat_interleave(self.groups, dim=1)
-        v_all = v_all.repeat_interleave(self.groups, dim=1)
-        scores = torch.matmul(q, k_all.transpose(2, 3)) * attention_scale(self.head_dim) + mask
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v_all).transpose(1, 2).reshape(b, s, self.q_heads * self.head_dim)
-        return self.o_proj(out)
+        return self.o_proj(eager_attention(q, self.source_cache.last_read, mask, self.groups))
 
 
 class Router(nn.Module):

@@ -85,15 +85,20 @@ class RoutingResult:
 
 # ---- the port's routing -------------------------------------------------------------------------
 
+def port_rows(run, name: str) -> torch.Tensor | None:
+    """A layer point of the port's teacher-forced run (harness.observe.PortPrompt) at every
+    position: the prefill rows, then each decode step's; None when the run has no such point."""
+    rows = run.forced.prefill.captures.get(name)
+    if rows is None:
+        return None
+    steps = (run.forced.step_captures or {}).get(name)
+    return rows.float() if steps is None else torch.cat([rows.float(), steps.float()])
+
+
 def port_routes(run, top_k: int) -> dict[int, torch.Tensor]:
     """{layer: [positions, top_k]} the port's choices in one prompt's teacher-forced run."""
-    routes = {}
-    for name, rows in run.forced.prefill.captures.items():
-        if name.endswith(".expert_weights"):
-            steps = run.forced.step_captures.get(name) if run.forced.step_captures else None
-            full = rows.float() if steps is None else torch.cat([rows.float(), steps.float()])
-            routes[Point.parse(name).layer] = chosen_experts(full, top_k)
-    return routes
+    return {Point.parse(name).layer: chosen_experts(port_rows(run, name), top_k)
+            for name in run.forced.prefill.captures if name.endswith(".expert_weights")}
 
 
 # ---- judging the port's choices ------------------------------------------------------------------
