@@ -96,6 +96,25 @@ MODEL_SOURCE_FILES = (
     _HARNESS_DIR / "backends" / "neuron.py",
     _HARNESS_DIR / "backends" / "neuron_layers.py",
 )
+# Every file the artifact key depends on: the graph's source (MODEL_SOURCE_FILES, hashed into the key),
+# this module (CACHE_FORMAT, the default flags, the key's layout) and the pinned toolchain (the
+# compiler version in the key). The CI workflow's cache key is `python -m harness.backends.neuron_cache`
+# (ci_cache_key), a hash of exactly these files: one list for both, so no change to an input of the
+# key can leave CI restoring a stale directory and never saving the recompiled one.
+ARTIFACT_KEY_FILES = (*MODEL_SOURCE_FILES, Path(__file__).resolve(),
+                      _HARNESS_DIR / "backends" / "neuron_packages.py", _HARNESS_DIR.parent / "pyproject.toml")
+
+
+def ci_cache_key(files=ARTIFACT_KEY_FILES) -> str:
+    """sha256 over the names and bytes of `files` (relative to the repository): the CI cache key's hash."""
+    digest = hashlib.sha256()
+    for path in files:
+        data = Path(path).read_bytes()
+        digest.update(f"{Path(path).relative_to(_HARNESS_DIR.parent)}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
 # Environment variables read while compiling: flags neuronx-cc or torch-xla add on their own
 # (NEURON_CC_FLAGS, XLA_FLAGS), NxD's layout options, and the platform and LNC NxD asks for.
 COMPILE_ENV_VARS = ("NEURON_CC_FLAGS", "XLA_FLAGS", "NXD_LAYOUT_TRANSFORMATION_OPTIONS",
@@ -201,3 +220,7 @@ def read_cache_meta(entry: Path, key: str) -> dict:
     return meta
 
 
+
+
+if __name__ == "__main__":  # the CI workflow's compile-cache key (.github/workflows/inf2.yml)
+    print(ci_cache_key())

@@ -100,7 +100,7 @@ def python_check(version: tuple[int, int]) -> Check:
     if low <= version <= high:
         return Check("python", True, text)
     return Check("python", False, f"Python {text}, but the Neuron SDK wheels need {low[0]}.{low[1]}-{high[0]}."
-                 f"{high[1]}; fix: python3.11 -m venv .venv && . .venv/bin/activate, then install again")
+                 f"{high[1]}; fix: python3.12 -m venv .venv && . .venv/bin/activate, then install again")
 
 
 def packages_check() -> tuple[dict[str, str], list[Check]]:

@@ -122,7 +122,7 @@ def test_the_real_pypi_placeholders_each_give_one_line(tmp_path, capsys, monkeyp
 def test_python_versions():
     assert doctor.python_check((3, 11)).ok and doctor.python_check((3, 13)).ok
     old = doctor.python_check((3, 10))
-    assert not old.ok and "3.11-3.13" in old.message and "python3.11 -m venv" in old.message
+    assert not old.ok and "3.11-3.13" in old.message and "python3.12 -m venv" in old.message
 
 
 def test_bad_options_exit_2(capsys):

@@ -559,3 +559,42 @@ def test_neuron_linears_build_the_per_rank_shapes_of_the_shards(tiny_spec, fake_
         assert layer.mlp.down_proj.kwargs["input_size"] == tiny_spec.intermediate_size
     assert module.lm_head.kwargs == dict(input_size=h, output_size=tiny_spec.vocab_size, bias=False,
                                          gather_output=True, dtype=dtype, reduce_dtype=torch.float32)
+
+
+# ---- the CI workflow's compile-cache key -------------------------------------------------------
+WORKFLOW = Path(neuron_cache.__file__).resolve().parents[2] / ".github" / "workflows" / "inf2.yml"
+
+
+def test_ci_cache_key_covers_every_input_of_the_artifact_key(tmp_path):
+    """The one list: every file hashed into the artifact key (MODEL_SOURCE_FILES), the module that
+    holds CACHE_FORMAT and the key, and the toolchain pins; the hash follows each file's bytes."""
+    files = neuron_cache.ARTIFACT_KEY_FILES
+    assert set(neuron.MODEL_SOURCE_FILES) <= set(files)
+    assert {"neuron_cache.py", "neuron_packages.py", "pyproject.toml"} <= {p.name for p in files}
+    assert all(p.is_file() for p in files)
+    real = neuron_cache.ci_cache_key()
+    root = Path(neuron_cache.__file__).resolve().parents[2]
+    for path in files:  # a copy of the tree with one file edited gives another key
+        copies = []
+        for other in files:
+            target = tmp_path / other.relative_to(root)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(other.read_bytes() + (b"\n# edit" if other == path else b""))
+            copies.append(target)
+        monkey_root = neuron_cache._HARNESS_DIR
+        try:
+            neuron_cache._HARNESS_DIR = tmp_path / "harness"
+            assert neuron_cache.ci_cache_key(copies) != real, path.name
+        finally:
+            neuron_cache._HARNESS_DIR = monkey_root
+
+
+def test_ci_workflow_keys_its_compile_cache_on_that_list():
+    """inf2.yml's cache key is the module's hash (no hand-kept hashFiles list to fall behind), its
+    step runs after the venv exists, and the venv is made with python3.12."""
+    text = WORKFLOW.read_text()
+    assert "python -m harness.backends.neuron_cache" in text
+    restore = text.split("name: Restore the compile cache", 1)[1].split("- name:", 1)[0]
+    assert "steps.compile-key.outputs.hash" in restore and "hashFiles" not in restore
+    assert text.index("id: compile-key") > text.index("name: Set up the virtual environment")
+    assert re.search(r"^\s*PYTHON: python3\.12\s*$", text, re.M)
