@@ -294,7 +294,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
-        self.register_buffer("layer_scalar", torch.ones(1))
+        # A parameter, not a buffer: a weight every graph reads, never a value a trace could fold
+        # into a constant at its trace-time 1.0 (docs/design.md#backends).
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
 
     def make_attention(self, spec, layer: LayerSpec, plan: LayerPlan, linears, max_len, dtype) -> nn.Module:
         """The layer's attention (model_blocks' family layer overrides it for KV-shared layers)."""

@@ -6,7 +6,6 @@ on any CPU machine."""
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch import nn
@@ -111,8 +110,11 @@ def assemble_rank_weights(states: list[dict[str, torch.Tensor]],
                 + "the checkpoint's spec or the sharding differs from the build (a stale cache entry?): "
                 "delete the entry and run again")
         unused = sorted(set(state) - set(expected))
-        if unused and rank == 0:
-            warnings.warn(f"checkpoint weights {unused[:8]} are not read by {where}", stacklevel=2)
+        if unused:  # a weight no graph reads: the device would run on something else (a folded constant)
+            raise HarnessInputError(
+                f"rank {rank}: checkpoint weights {unused[:8]}{' ...' if len(unused) > 8 else ''} are not read by "
+                f"{where}: the graphs would run without them (a value folded at trace time?); the build and the "
+                "checkpoint's spec differ: delete the cache entry and run again, or report the model code's bug")
         out.append(weights)
     return out
 

@@ -378,8 +378,11 @@ def test_assemble_rank_weights_takes_exactly_what_the_graph_reads():
     states = [{"a.weight": torch.full((2, 3), float(r)), "n.weight": torch.ones(4), "unused": torch.zeros(1)}
               for r in range(2)]
     expected = {"a.weight": ((2, 3), torch.bfloat16), "n.weight": ((4,), torch.float32)}
-    with pytest.warns(UserWarning, match="unused"):
-        out = neuron.assemble_rank_weights(states, expected)
+    with pytest.raises(HarnessInputError, match=r"rank 0: checkpoint weights \['unused'\] are not read"):
+        neuron.assemble_rank_weights(states, expected)  # a weight no graph reads is refused, not warned about
+    for state in states:
+        del state["unused"]
+    out = neuron.assemble_rank_weights(states, expected)
     assert [sorted(d) for d in out] == [sorted(expected)] * 2
     for rank, d in enumerate(out):
         assert d["a.weight"].dtype == torch.bfloat16 and torch.equal(d["a.weight"].float(), states[rank]["a.weight"])

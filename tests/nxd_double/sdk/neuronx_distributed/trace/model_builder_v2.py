@@ -18,7 +18,9 @@ libneuronxla.neuron_xla_compile.
 State, modelled on the documented ModelBuilder v2 behaviour: a buffer reassigned out of place in
 forward becomes aliased device state (same shape and dtype required); an in-place update of a
 buffer or parameter is refused, and so is a parameter reassigned in forward (the docs: "not
-supported"); every other parameter and buffer is a weight the graph reads, keyed by its module path.
+supported"); every other parameter is a weight the graph reads, keyed by its module path; a buffer
+never reassigned is folded into the graph as a constant at its trace-time value (the tracer may do
+so; unverified, so the double does), read by no graph.
 Weight layout optimisation (a priority_model_key, upstream _compile_priority_model and
 functions.py compile_layout_transformer): the priority graph is compiled with the WLO flags, then a
 layout transformer is compiled with flags that carry no --target (`--model-type=transformer
@@ -194,11 +196,15 @@ class ModelBuilder:
             raise
         except Exception as exc:
             raise RuntimeError(f"HLO generation failed: {exc}") from exc
-        weights = {n: (tuple(t.shape), t.dtype) for n, t in _tensors(self.model).items() if n not in states}
+        # A buffer forward never reassigns is a value of the code, not an input: the double folds it
+        # into the graph at its trace-time value (conservative: the tracer may, unverified), so the
+        # graph does not read it and set_weights refuses it. Weights are parameters.
+        weights = {n: (tuple(t.shape), t.dtype) for n, t in self.model.named_parameters() if n not in states}
         art = TraceArtifacts(params, [(n, tuple(t.shape), t.dtype) for n, t in inputs.items()], weights,
                              states, outputs, single)
         art.metaneff = _metaneff(art)
         art.module = copy.deepcopy(self.model).to("meta")
+        art.extra["constants"] = {n: t.detach().clone() for n, t in self.model.named_buffers() if n not in states}
         art.hlo = json.dumps([art.route_key(), sorted(weights), sorted(states), [str(o) for o in outputs]]).encode()
         tag = tag if tag is not None else hashlib.sha256(art.hlo).hexdigest()[:16]
         self.trace_artifacts_collection[tag] = art

@@ -133,13 +133,13 @@ class NxDModel(torch.nn.Module):
         states = self._state_specs()
         self.states = [{k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in states.items()}
                        for _ in range(self.world_size)]
-        self._ranks = [{tag: self._rank_module(rank, module) for tag, module in self.traced_modules.items()}
-                       for rank in range(self.world_size)]
+        self._ranks = [{tag: self._rank_module(rank, module, self.graphs[tag].extra.get("constants", {}))
+                        for tag, module in self.traced_modules.items()} for rank in range(self.world_size)]
         self.loaded_on_neuron = True
 
-    def _rank_module(self, rank, traced):
+    def _rank_module(self, rank, traced, constants):
         module = copy.deepcopy(traced).to_empty(device="cpu")
-        for name, tensor in [*self.weights[rank].items(), *self.states[rank].items()]:
+        for name, tensor in [*constants.items(), *self.weights[rank].items(), *self.states[rank].items()]:
             _set(module, name, tensor)
         return module.eval()
 
