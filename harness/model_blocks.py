@@ -3,8 +3,8 @@ the mixture-of-experts block (26B-A4B), and the decoder that runs them.
 
 The numerics follow transformers' modeling_gemma4 (Gemma4TextModel.project_per_layer_inputs,
 Gemma4TextDecoderLayer.forward, Gemma4TextRouter, Gemma4TextExperts). Everything here has static
-shapes: the experts a token uses are gathered by index (k of them, always k), never by a
-data-dependent mask or count.
+shapes: the experts a token uses are gathered by index (k of them, always k) in decode, or every
+expert runs with zero weights where not chosen (prefill), never a data-dependent mask or count.
 
 Device input: for a model with per-layer inputs the host appends each token's row of the packed
 per-layer table (already scaled, as transformers' scaled embedding does) to the word embedding, so
@@ -20,6 +20,7 @@ from torch import nn
 
 from harness.model import (MLP, Collectives, DecoderLayer, RankDecoder, RankLinears, RMSNorm, apply_rope,
                            attention_mask, eager_attention, rms_norm, rope_cos_sin, rope_inv_freq)
+from harness.device_plan import EXPERT_BLOCK, moe_gathers
 from harness.sharding import LayerPlan
 from harness.spec import LayerSpec, ModelSpec
 
@@ -104,8 +105,11 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Every expert's 1/tp slice (split inside each expert, like the dense MLP); a token's k chosen
-    experts are gathered by index, so shapes never depend on the routing."""
+    """Every expert's 1/tp slice (split inside each expert, like the dense MLP). As NxD does
+    (harness/device_plan.py): where tokens x top-k < experts (decode) a token's k chosen experts'
+    weights are gathered by index; otherwise (prefill) every token runs through every expert,
+    EXPERT_BLOCK experts at a time, and the routing weights (zero where not chosen) select the
+    outputs. Shapes never depend on the routing."""
 
     def __init__(self, spec: ModelSpec, tp: int, collectives: Collectives):
         super().__init__()
@@ -116,11 +120,33 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x [t, hidden], weights/chosen [t, k] -> [t, hidden]: sum of weighted expert outputs."""
+        t, k = chosen.shape
+        if moe_gathers(t, k, self.gate_up_proj.shape[0]):  # static per graph: the trace fixes the branch
+            partial = self.gathered(x, weights, chosen)
+        else:
+            partial = self.all_experts(x, torch.zeros(t, self.gate_up_proj.shape[0], dtype=torch.float32,
+                                                      device=x.device).scatter(-1, chosen, weights))
+        return self.collectives.all_reduce(partial).to(x.dtype)
+
+    @staticmethod
+    def weighted(out: torch.Tensor, weights: torch.Tensor, dtype) -> torch.Tensor:
+        """Weighted in fp32 and cast per expert, as transformers' experts loop does, then summed in fp32."""
+        return (out.float() * weights[..., None]).to(dtype).float().sum(dim=1)
+
+    def gathered(self, x, weights, chosen):
         gate, up = torch.einsum("th,tkoh->tko", x, self.gate_up_proj[chosen]).chunk(2, dim=-1)
         out = torch.einsum("tki,tkhi->tkh", F.gelu(gate, approximate="tanh") * up, self.down_proj[chosen])
-        # Weighted in fp32 and cast per expert, as transformers' experts loop does, then summed.
-        partial = (out.float() * weights[..., None]).to(x.dtype).float().sum(dim=1)
-        return self.collectives.all_reduce(partial).to(x.dtype)
+        return self.weighted(out, weights, x.dtype)
+
+    def all_experts(self, x, dense):
+        """dense [t, E] fp32 routing weights (zero where not chosen): every expert, a block at a time."""
+        partial = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for start in range(0, dense.shape[1], EXPERT_BLOCK):
+            stop = min(start + EXPERT_BLOCK, dense.shape[1])
+            gate, up = torch.einsum("th,eoh->teo", x, self.gate_up_proj[start:stop]).chunk(2, dim=-1)
+            out = torch.einsum("tei,ehi->teh", F.gelu(gate, approximate="tanh") * up, self.down_proj[start:stop])
+            partial = partial + self.weighted(out, dense[:, start:stop], x.dtype)
+        return partial
 
 
 class FamilyDecoderLayer(DecoderLayer):

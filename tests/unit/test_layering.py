@@ -24,7 +24,7 @@ LAYERS = {
     "harness.atomic": 1, "harness.progress": 1, "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.checkpoint_files": 2, "harness.tiny": 2, "harness.sharding": 2,
-    "harness.instances": 2, "harness.prompts": 2,
+    "harness.instances": 2, "harness.prompts": 2, "harness.device_plan": 2,
     # 3: the port
     "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
     # 4: execution: the backends, and the reference (transformers only)

@@ -1,0 +1,69 @@
+"""Device memory of one NeuronCore beyond weights and KV cache: the mixture-of-experts working set,
+the weight-layout transform, and each compiled graph's own instructions and I/O buffers.
+
+One home for these decisions: the MoE block (harness/model_blocks.py) asks `moe_gathers` which way
+to run, and the fit (harness/instances.py) counts what that way holds on the core.
+
+- **MoE** (as neuronx-distributed's ExpertMLPsV2 in inference: selective loading when
+  tokens x top-k / experts < DEFAULT_SELECTIVE_LOADING_THRESHOLD = 1.0, else every expert): a call
+  of `t` tokens gathers the chosen experts' weights by index only when `t * top_k < num_experts`
+  (decode); otherwise every token runs through every expert, `EXPERT_BLOCK` experts at a time, and
+  the routing weights (zero for an expert not chosen) select the outputs. Gathering for a prefill
+  bucket would copy `t * k` experts' weights per layer ([t, k, ...]): 5.67 GiB per layer for the
+  26B-A4B at TP 4 and a 256 bucket, beside 11.79 GiB of weights.
+- **Layout transform**: with a priority graph (`layout_priority`, decode by default) NxD compiles a
+  layout transformer that re-lays out the weights on the device; both layouts may be resident at
+  once (unverified: the transformer is closed source), so the fit counts the weights twice and a
+  run that fits only without it names `layout_priority=none`.
+- **Per graph**: every (length, KV bucket) is its own NEFF with its own instructions and I/O
+  buffers (inputs, logits, captures); `GRAPH_OVERHEAD_BYTES` is an estimate per graph of the
+  instructions and scratch beyond the I/O counted exactly.
+"""
+
+from __future__ import annotations
+
+from harness.spec import ModelSpec
+
+EXPERT_BLOCK = 32  # experts run at once in the all-experts path (bounds its activations)
+GRAPH_OVERHEAD_BYTES = 64 << 20  # instructions + runtime scratch per compiled graph (an estimate)
+MAX_KV_BUCKETS = 8  # KV buckets per run (graphs = lengths x KV buckets); more is refused
+
+
+def moe_gathers(tokens: int, top_k: int, num_experts: int) -> bool:
+    """True when a call of `tokens` tokens gathers its chosen experts' weights (t * k < E: decode);
+    False: every token runs through every expert, in blocks (prefill)."""
+    return tokens * top_k < num_experts
+
+
+def moe_working_set_bytes(spec: ModelSpec, tp: int, tokens: int, nbytes: int) -> int:
+    """Peak bytes of one MoE layer's expert computation on one rank for a call of `tokens` tokens:
+    the gathered weights ([t, k] experts' 1/tp slices) when gathering, else one block of experts'
+    activations (gate/up [t, B, 2m], the gelu product [t, B, m], outputs [t, B, h] and their fp32
+    weighted copy)."""
+    if spec.moe is None:
+        return 0
+    m, h = spec.moe.intermediate_size // tp, spec.hidden_size
+    if moe_gathers(tokens, spec.moe.top_k, spec.moe.num_experts):
+        return tokens * spec.moe.top_k * 3 * m * h * nbytes
+    block = min(EXPERT_BLOCK, spec.moe.num_experts)
+    return tokens * block * ((3 * m + h) * nbytes + 4 * h)
+
+
+def graph_io_bytes(spec: ModelSpec, tp: int, length: int, nbytes: int, last_row_only: bool = False) -> int:
+    """One graph's I/O buffers on a rank: its input [1, s, width] and positions, and the logits
+    (this rank's vocabulary share; the last row only on a perf build)."""
+    width = spec.hidden_size + spec.num_layers * spec.per_layer_input_size
+    rows = 1 if last_row_only else length
+    return length * width * nbytes + length * 4 + rows * (spec.vocab_size // tp) * 4
+
+
+def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int) -> dict:
+    """Per-graph cost of the compiled graphs [(length, KV bucket), ...]: each graph's I/O plus
+    GRAPH_OVERHEAD_BYTES, and the largest MoE working set over their lengths."""
+    io = [graph_io_bytes(spec, tp, length, nbytes) + GRAPH_OVERHEAD_BYTES for length, _ in graphs]
+    moe = max((moe_working_set_bytes(spec, tp, length, nbytes) for length, _ in graphs), default=0)
+    return {"count": len(io), "per_graph": max(io, default=0), "graphs": sum(io), "moe_working_set": moe}
+
+
+__all__ = ["EXPERT_BLOCK", "GRAPH_OVERHEAD_BYTES", "MAX_KV_BUCKETS", "graph_io_bytes", "graphs_bytes",
+           "moe_gathers", "moe_working_set_bytes"]
