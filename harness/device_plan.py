@@ -29,6 +29,33 @@ GRAPH_OVERHEAD_BYTES = 64 << 20  # instructions + runtime scratch per compiled g
 MAX_KV_BUCKETS = 8  # KV buckets per run (graphs = lengths x KV buckets); more is refused
 
 
+def kv_buckets(buckets, max_len: int) -> tuple[int, ...]:
+    """KV lengths the graphs read (their KV buckets): powers of two from the smallest prefill
+    bucket (at least 16) up to the KV length, and the KV length itself. A graph reads the smallest
+    KV bucket that holds every position written so far, so a decode step at position 300 reads 512
+    slots, not a 128K cache. Every KV bucket is a whole graph per length (instructions, I/O), so at
+    most MAX_KV_BUCKETS: past it the step grows (x4, x8, ...) until they fit."""
+    first = 16
+    while first < min(int(b) for b in buckets):
+        first *= 2
+    step = 2
+    while True:
+        out, size = [], first
+        while size < max_len:
+            out.append(size)
+            size *= step
+        if len(out) + 1 <= MAX_KV_BUCKETS:
+            return tuple(out) + (max_len,)
+        step *= 2
+
+
+def graph_shapes(buckets, max_len: int) -> list[tuple[int, int]]:
+    """(sequence length, KV bucket) of every compiled graph (graphs.kv_graph_plan's): each prefill
+    bucket at each KV bucket holding it, and decode (1) at every KV bucket."""
+    lengths = sorted({int(b) for b in buckets} | {1})
+    return [(n, kv) for n in lengths for kv in kv_buckets(buckets, max_len) if kv >= n]
+
+
 def moe_gathers(tokens: int, top_k: int, num_experts: int) -> bool:
     """True when a call of `tokens` tokens gathers its chosen experts' weights (t * k < E: decode);
     False: every token runs through every expert, in blocks (prefill)."""
@@ -65,5 +92,5 @@ def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int) -> dict:
     return {"count": len(io), "per_graph": max(io, default=0), "graphs": sum(io), "moe_working_set": moe}
 
 
-__all__ = ["EXPERT_BLOCK", "GRAPH_OVERHEAD_BYTES", "MAX_KV_BUCKETS", "graph_io_bytes", "graphs_bytes",
-           "moe_gathers", "moe_working_set_bytes"]
+__all__ = ["EXPERT_BLOCK", "GRAPH_OVERHEAD_BYTES", "MAX_KV_BUCKETS", "graph_io_bytes", "graph_shapes",
+           "graphs_bytes", "kv_buckets", "moe_gathers", "moe_working_set_bytes"]

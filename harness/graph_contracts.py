@@ -51,7 +51,7 @@ class Expectation:
     # keys attention reads -> how many layers read that many: the KV bucket on a linear cache
     # (max_len when not bucketed), window + length on a ring; None: every layer reads max_len
     reads: dict[int, int] | None = None
-    rings: frozenset[str] = frozenset()  # ring buffers: rewritten whole by a select, never sliced
+    rings: frozenset[str] = frozenset()  # ring buffers: prefill selects every slot, decode writes one; never sliced
 
 
 @dataclass
@@ -226,7 +226,7 @@ def cache_writes_own_slots(module: HloModule, sig: GraphSignature, exp: Expectat
         if result is None:
             continue
         write = _through(entry, result.name)
-        if name in exp.rings:  # a ring: every slot selected between its prior key and a chunk row
+        if name in exp.rings and exp.length > 1:  # a ring's prefill: every slot selected between its prior key and a chunk row
             if write.opcode != "select" or not reaches(entry, write.name, param.name):
                 out.append(Violation("cache_writes_own_slots", f"{name}: ring produced by {write.opcode}, not a "
                                      "select over the input ring"))
@@ -235,7 +235,8 @@ def cache_writes_own_slots(module: HloModule, sig: GraphSignature, exp: Expectat
             out.append(Violation("cache_writes_own_slots", f"{name} is produced by {write.opcode}, not a slot write"))
             continue
         update = entry.instructions[write.operands[2 if write.opcode == "scatter" else 1]]
-        slots = update.shape[0].elements * exp.max_len // max(param.shape[0].elements, 1)
+        row = param.shape[0].elements // max(param.shape[0].dims[2], 1)  # [b, heads, slots, d]: one slot's elements
+        slots = update.shape[0].elements // max(row, 1)  # (decode: one slot, a ring's too)
         if slots != exp.length or _through(entry, write.operands[0]).name != param.name:
             out.append(Violation("cache_writes_own_slots", f"{name}: {write.opcode} writes {slots} slot(s) of the "
                                  f"{'input cache' if _through(entry, write.operands[0]).name == param.name else 'another buffer'}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from harness.device_plan import kv_buckets  # noqa: F401  (re-exported: the KV buckets, capped)
 from harness.errors import HarnessInputError
 from harness.model import KVCache, RankDecoder, RankLinears
 from harness.model_blocks import FamilyRankDecoder
@@ -116,21 +117,6 @@ def graph_plan(buckets, max_len: int) -> dict[str, int]:
     return plan
 
 
-def kv_buckets(buckets, max_len: int) -> tuple[int, ...]:
-    """KV lengths the graphs read (their KV buckets): powers of two from the smallest prefill
-    bucket (at least 16) up to the KV length, and the KV length itself. A graph reads the smallest
-    KV bucket that holds every position written so far, so a decode step at position 300 reads 512
-    slots, not a 128K cache."""
-    size = 16
-    while size < min(int(b) for b in buckets):
-        size *= 2
-    out = []
-    while size < max_len:
-        out.append(size)
-        size *= 2
-    return tuple(out) + (max_len,)
-
-
 def kv_read_length(positions: torch.Tensor, kv_lengths) -> int:
     """The KV bucket a call reads: the smallest that holds its first position plus its real rows."""
     needed = int(positions[0, 0]) + int((positions[0] >= 0).sum())
@@ -145,6 +131,7 @@ def kv_graph_plan(buckets, max_len: int) -> list[tuple[str, int, int]]:
     bucket at each KV bucket that holds it, and decode at every KV bucket."""
     plan = graph_plan(buckets, max_len)
     return [(tag, length, kv) for tag, length in plan.items() for kv in kv_buckets(buckets, max_len) if kv >= length]
+    # (device_plan.graph_shapes counts the same graphs for the fit, from the same kv_buckets)
 
 
 def tag_for_length(length: int, graphs: dict[str, int]) -> str:

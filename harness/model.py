@@ -72,9 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """x * (mean(x^2) + eps)^-0.5 * weight, in fp32, cast back. The weight is used as stored."""
     xf = x.float()
     normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if weight is not None:
-        normed = normed * weight.float()
-    return normed.type_as(x)
+    return (normed if weight is None else normed * weight.float()).type_as(x)
 
 
 class RMSNorm(nn.Module):
@@ -95,8 +93,7 @@ def rope_inv_freq(layer: LayerSpec, device=None) -> torch.Tensor:
     forward (as NxD-Inference's rotary embedding does), so a traced graph holds them as computed
     constants, not as buffers a compiler must be fed.
     """
-    d = layer.head_dim
-    n_rot = layer.rotated_freqs
+    d, n_rot = layer.head_dim, layer.rotated_freqs
     rotated = 1.0 / (layer.rope_theta ** (torch.arange(0, 2 * n_rot, 2, dtype=torch.float, device=device) / d))
     return torch.cat([rotated, torch.zeros(d // 2 - n_rot, device=device)])
 
@@ -190,12 +187,11 @@ class RingCache(KVCache):
     """A sliding layer's rolling cache: `window` slots, position p in slot p % window.
 
     update returns the ring as it was before this chunk (the prefix still in the window) followed
-    by the chunk's own keys, and only then writes the chunk: a chunk longer than one key must not
-    read slots it has just overwritten (position p's slot held p - window, which query p no longer
-    sees but the chunk's earlier queries do). The mask reads each key's absolute position
-    (key_positions), so rope and masks stay by absolute position. Each slot takes the latest real
-    row of the chunk that maps to it (padded rows, position -1, write nothing): a gather and a
-    select, no scatter with repeated indices, static shapes."""
+    by the chunk's own keys, and only then writes the chunk: a chunk's earlier queries still see
+    the keys its later rows overwrite. The mask reads each key's absolute position (key_positions).
+    Decode writes its one row into its slot; a prefill chunk's slots each take the latest real row
+    mapping to them (padded rows, position -1, write nothing): a gather and a select, no scatter
+    with repeated indices, static shapes."""
 
     def __init__(self, kv_heads: int, window: int, head_dim: int, dtype):
         super().__init__(kv_heads, window, head_dim, dtype)
@@ -205,15 +201,17 @@ class RingCache(KVCache):
         return torch.cat([ring_slot_positions(positions[0, 0], self.window), positions[0]])
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        first = positions[0, 0]
-        written_to = first + (positions[0] >= 0).sum()  # one past the chunk's last real position
-        slot_pos = ring_slot_positions(written_to, self.window)
-        row = slot_pos - first  # the chunk row each slot takes now; negative: the slot keeps its key
-        take = (row >= 0)[None, None, :, None]
-        rows = row.clamp(min=0)
         prior_k, prior_v = self.k, self.v
-        self.k = torch.where(take, k.index_select(2, rows), prior_k)
-        self.v = torch.where(take, v.index_select(2, rows), prior_v)
+        if k.shape[2] == 1:  # decode (static per graph): one row into its slot, not every slot rewritten
+            slot = torch.remainder(positions[0], self.window)
+            self.k, self.v = prior_k.index_copy(2, slot, k), prior_v.index_copy(2, slot, v)
+        else:
+            first = positions[0, 0]
+            written_to = first + (positions[0] >= 0).sum()  # one past the chunk's last real position
+            row = ring_slot_positions(written_to, self.window) - first  # < 0: the slot keeps its key
+            take, rows = (row >= 0)[None, None, :, None], row.clamp(min=0)
+            self.k = torch.where(take, k.index_select(2, rows), prior_k)
+            self.v = torch.where(take, v.index_select(2, rows), prior_v)
         self.last_read = torch.cat([prior_k, k], dim=2), torch.cat([prior_v, v], dim=2)
         return self.last_read
 
@@ -294,8 +292,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
-        # A parameter, not a buffer: a weight every graph reads, never a value a trace could fold
-        # into a constant at its trace-time 1.0 (docs/design.md#backends).
+        # A parameter (a weight every graph reads), never a buffer a trace could fold into a constant.
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
 
     def make_attention(self, spec, layer: LayerSpec, plan: LayerPlan, linears, max_len, dtype) -> nn.Module:

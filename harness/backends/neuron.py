@@ -246,8 +246,13 @@ class NeuronBackend:
                                    "entry and run again")
         weights = assemble_rank_weights(states, self.weight_specs, where=f"the compiled graphs in {self.artifact_dir}")
         del states
-        self.nxd_model.set_weights(weights)
-        self.nxd_model.to_neuron()
+        try:
+            self.nxd_model.set_weights(weights)  # with a priority graph: the layout transform, on the device
+            self.nxd_model.to_neuron()
+        except Exception as exc:
+            hint = ("; the weight-layout transform may hold a second copy of the weights on each core "
+                    "(instances.core_bytes): try --backend-option layout_priority=none") if self.priority_key else ""
+            raise NeuronBuildError(f"loading the weights onto the NeuronCores failed: {exc!r}{hint}") from exc
 
     # -- running -------------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -45,7 +45,9 @@ def validate(args) -> None:
     v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
     from harness.instances import check_fits, smallest_instance
 
-    args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len, sliding_cache=args.sliding_cache)
+    layout = args.settings.backend_options.get("layout_priority", "decode") is not None  # the neuron default
+    args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len, sliding_cache=args.sliding_cache,
+                                buckets=args.settings.buckets, layout=layout)
     if args.instance is None:  # the instance the TP degree needs (the family's larger variants)
         args.instance = smallest_instance(args.tp).name
     _check_instance(args)

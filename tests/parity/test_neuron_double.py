@@ -294,6 +294,17 @@ def test_layout_priority_choices_and_the_layout_transformer(nxd, tiny0_ckpt, tmp
         _build(tiny0_ckpt, tmp_path, layout_priority="tokens")
 
 
+def test_a_load_that_fails_in_the_layout_transform_names_layout_priority_none(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """A core with room for the weights once but not twice: the transform's load fails naming the
+    option that makes it fit, and without the transform the same build loads."""
+    weights = sum(t.numel() * t.element_size() for t in
+                  neuron.rank_state_dicts(tiny0_ckpt, 2, torch.bfloat16)[0].values())
+    monkeypatch.setenv("NXD_DOUBLE_CORE_BYTES", str(int(1.5 * weights)))
+    with pytest.raises(neuron.NeuronBuildError, match="layout_priority=none"):
+        _build(tiny0_ckpt, tmp_path)
+    assert _build(tiny0_ckpt, tmp_path, layout_priority=None).nxd_model.loaded_on_neuron
+
+
 class PythonRankGather(torch.nn.Module):
     """A vocabulary-parallel lm_head whose gather places each rank's slice by the Python rank (module
     level: the compiled model pickles its module)."""

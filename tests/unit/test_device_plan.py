@@ -97,3 +97,49 @@ def test_the_26b_a4b_prefill_working_set_fits_a_core_at_tp4():
     assert moe_working_set_bytes(spec, 4, 256, 2) < 0.25 * 2**30
     assert moe_working_set_bytes(spec, 4, 1, 2) == 8 * 3 * 176 * 2816 * 2  # decode gathers k experts
     assert EXPERT_BLOCK < spec.moe.num_experts
+
+
+def test_the_fit_counts_graphs_moe_and_the_layout_transform():
+    """The 26B-A4B at TP 4 fits by a plan that counts its prefill working set, its graphs and the
+    least the layout transform's load holds; each term is in the total it is judged by."""
+    from harness.device_plan import graph_shapes, graphs_bytes
+    from harness.instances import CORE_HBM, core_bytes, placement
+    from harness.sharding import bytes_per_rank
+
+    spec = load_spec(CONFIGS / "gemma-4-26b-a4b-it.json")
+    core = core_bytes(spec, 4, buckets=(64, 256))
+    base = bytes_per_rank(spec, 4, "bfloat16", 256)
+    graphs = graphs_bytes(spec, 4, graph_shapes((64, 256), 256), 2)
+    assert core["moe_working_set"] == moe_working_set_bytes(spec, 4, 256, 2) > 0
+    assert core["run"] == base["total"] + graphs["graphs"] + core["moe_working_set"]
+    assert core["graphs"] == len(graph_shapes((64, 256), 256)) == 7  # decode at 3 KV buckets, 64 at 3, 256 at 1
+    assert core["layout_most"] - core["layout_least"] == core["weights"] - 262144 // 4 * spec.hidden_size * 2
+    assert core["weights"] < core["layout_least"] <= core["layout_most"] and core["total"] >= core["run"]
+    assert placement(spec, 4, buckets=(64, 256))["fits"] and core["total"] <= CORE_HBM
+    assert core_bytes(spec, 4, buckets=(64, 256), layout=False)["total"] == core["run"]
+
+
+def test_a_run_that_fits_only_without_the_layout_transform_names_it(monkeypatch):
+    from harness import instances
+    from harness.errors import ShardingError
+
+    spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
+    core = instances.core_bytes(spec, 2)
+    assert core["run"] < core["layout_least"]
+    monkeypatch.setattr(instances, "CORE_HBM", (core["run"] + core["layout_least"]) // 2)
+    with pytest.raises(ShardingError, match="layout_priority=none"):
+        instances.check_fits(spec, 2)
+    instances.check_fits(spec, 2, layout=False)  # fits without the transform
+
+
+def test_kv_buckets_are_capped_and_still_cover_every_call():
+    """At a 128K KV length the graphs stay few (a cap on KV buckets), the KV length is a bucket, and
+    every bucket holds the smallest prefill bucket's first call."""
+    from harness.device_plan import MAX_KV_BUCKETS, graph_shapes, kv_buckets
+
+    for buckets, kv_len in [((64,), 131072), ((16, 64, 256), 4096), ((64, 256), 256), ((1024,), 65536)]:
+        kv = kv_buckets(buckets, kv_len)
+        assert len(kv) <= MAX_KV_BUCKETS and kv[-1] == kv_len and list(kv) == sorted(set(kv))
+        assert kv[0] >= min(buckets) and kv[0] < 2 * max(16, min(buckets))
+    assert len(graph_shapes((64,), 131072)) <= 2 * MAX_KV_BUCKETS  # was 34 graphs uncapped
+    assert kv_buckets((64,), 256) == (64, 128, 256)  # few buckets: powers of two, as before

@@ -28,6 +28,7 @@ baked in), all of a rank's graphs sharing that rank's weights and states.
 from __future__ import annotations
 
 import copy
+import os
 import threading
 
 import torch
@@ -122,6 +123,12 @@ class NxDModel(torch.nn.Module):
             if missing or extra or wrong:
                 raise ValueError(f"rank {rank}: weights do not match the graphs: missing {missing[:6]}, not read "
                                  f"by any graph {extra[:6]}, wrong shape/dtype {wrong[:6]}")
+        limit = os.environ.get("NXD_DOUBLE_CORE_BYTES")  # a core's HBM, for tests of the load's peak
+        if limit and self.layout_transformer:  # both layouts on the core while the transformer runs
+            need = 2 * sum(t.numel() * t.element_size() for t in sharded_checkpoint[0].values())
+            if need > int(limit):
+                raise RuntimeError(f"NRT: out of device memory: the layout transformation needs {need} bytes "
+                                   f"on a core of {limit}")
         self.weights = [{k: v.detach().clone().contiguous() for k, v in w.items()} for w in sharded_checkpoint]
         self._weights_set = True
 
