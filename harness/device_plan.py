@@ -25,7 +25,7 @@ from __future__ import annotations
 from harness.spec import ModelSpec
 
 EXPERT_BLOCK = 32  # experts run at once in the all-experts path (bounds its activations)
-GRAPH_OVERHEAD_BYTES = 64 << 20  # instructions + runtime scratch per compiled graph (an estimate)
+GRAPH_OVERHEAD_BYTES = 32 << 20  # instructions + runtime scratch per compiled graph (an estimate, unmeasured)
 MAX_KV_BUCKETS = 8  # KV buckets per run (graphs = lengths x KV buckets); more is refused
 
 
@@ -92,5 +92,15 @@ def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int) -> dict:
     return {"count": len(io), "per_graph": max(io, default=0), "graphs": sum(io), "moe_working_set": moe}
 
 
+def graph_reserve_bytes(spec: ModelSpec, tp: int, nbytes: int, buckets) -> int:
+    """An upper bound, whatever the KV length, of one rank's graph cost (graphs_bytes' I/O,
+    instructions and MoE working set) for `buckets`: every length at MAX_KV_BUCKETS KV buckets.
+    What the longest context that fits (sharding.memory_plan) leaves room for."""
+    lengths = sorted({int(b) for b in buckets} | {1})
+    shapes = [(n, 0) for n in lengths for _ in range(MAX_KV_BUCKETS)]
+    cost = graphs_bytes(spec, tp, shapes, nbytes)
+    return cost["graphs"] + cost["moe_working_set"]
+
+
 __all__ = ["EXPERT_BLOCK", "GRAPH_OVERHEAD_BYTES", "MAX_KV_BUCKETS", "graph_io_bytes", "graph_shapes",
-           "graphs_bytes", "kv_buckets", "moe_gathers", "moe_working_set_bytes"]
+           "graph_reserve_bytes", "graphs_bytes", "kv_buckets", "moe_gathers", "moe_working_set_bytes"]

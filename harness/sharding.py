@@ -298,26 +298,27 @@ def kv_cache_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", sliding_ca
 
 
 def memory_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, *, device_bytes: int, ranks_per_device: int,
-                device: str) -> dict:
+                device: str, reserve_bytes: int = 0) -> dict:
     """Device memory of one `device` (`device_bytes` shared by `ranks_per_device` ranks) for both
     sliding caches: weights, KV bytes per token, the rings' fixed bytes, the KV bytes at kv_len and
-    the longest context that fits next to the weights (capped at the model's positions). Nothing is
-    reserved for activations or runtime scratch: the real limit is lower."""
+    the longest context that fits next to the weights and `reserve_bytes` per rank (the compiled
+    graphs: device_plan.graph_reserve_bytes), capped at the model's positions."""
     weights = bytes_per_rank(spec, tp, dtype, 0)["weights"] * ranks_per_device
+    reserve = reserve_bytes * ranks_per_device
     caches = {}
     for kind in ("linear", "ring"):
         cost = {k: v * ranks_per_device for k, v in kv_cache_bytes(spec, tp, dtype, kind).items()}
-        room = device_bytes - weights - cost["ring"]
+        room = device_bytes - weights - reserve - cost["ring"]
         by_memory = max(room // cost["per_token"], 0) if cost["per_token"] else 0
         longest = by_memory if spec.max_positions is None else min(by_memory, spec.max_positions)
-        total = weights + cost["ring"] + cost["per_token"] * kv_len
+        total = weights + reserve + cost["ring"] + cost["per_token"] * kv_len
         caches[kind] = {"kv_bytes_per_token": cost["per_token"], "ring_bytes": cost["ring"],
                         "kv_bytes_at_kv_len": cost["ring"] + cost["per_token"] * kv_len,
                         "total_bytes": total, "longest_by_memory": int(by_memory),
                         "longest_context": int(longest), "fits": kv_len <= longest}
     return {"device": device, "device_bytes": device_bytes, "ranks_per_device": ranks_per_device,
             "max_positions": spec.max_positions,
-            "weights_bytes": weights, "kv_len": kv_len, "caches": caches}
+            "weights_bytes": weights, "graphs_reserve_bytes": reserve, "kv_len": kv_len, "caches": caches}
 
 
 def plan_summary(spec: ModelSpec, tp: int, dtype: str = DEFAULT_DTYPE, kv_len: int = DEFAULT_KV_LEN) -> dict:

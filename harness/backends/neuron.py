@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -77,7 +78,8 @@ class NeuronBackend:
     decode graph; `capture=True` makes a parity build whose forward can also return captures.
 
     Build options (each part of the cache key): `compiler_args` (a string of shell words or a
-    list); `layout_priority`, the graph whose weight layout the compiler optimises ("decode", the
+    list); `decode_compiler_args`, the decode graphs' own flags (token generation; NxD-Inference
+    compiles it apart from context encoding; default: `compiler_args`, naming the same --target); `layout_priority`, the graph whose weight layout the compiler optimises ("decode", the
     default: it reads every weight once per token and is bandwidth-bound; "prefill" for the largest
     bucket; None for no layout optimisation); `reduce_dtype`, the row-parallel all-reduce dtype.
     `compile_workers`: graphs compiled at once (default: 1 for a model over
@@ -86,13 +88,14 @@ class NeuronBackend:
     name = "neuron"
 
     # The backend options (harness.backends.Backend): name -> converter of a --backend-option value.
-    OPTIONS = {"compiler_args": str, "cache_dir": directory, "compile_workers": positive_int,
+    OPTIONS = {"compiler_args": str, "decode_compiler_args": str, "cache_dir": directory, "compile_workers": positive_int,
                "zero_on_reset": flag, "layout_priority": _layout_priority, "reduce_dtype": torch_dtype}
     reads_cache, host_ranks = True, False
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False, *, compiler_args=None,
                  cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True,
-                 layout_priority: str | None = "decode", reduce_dtype: torch.dtype = torch.float32):
+                 layout_priority: str | None = "decode", reduce_dtype: torch.dtype = torch.float32,
+                 decode_compiler_args=None):
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.sliding_cache = settings.sliding_cache
         self.versions = check_neuron_packages()  # before anything imports the SDK
@@ -107,6 +110,7 @@ class NeuronBackend:
         self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.compiler_args = normalize_compiler_args(compiler_args)
+        self.decode_compiler_args = decode_flags(self.compiler_args, decode_compiler_args)
         self.priority_key = _priority_key(layout_priority, self.kv_graphs)
         self.reduce_dtype = reduce_dtype
         self.compile_workers = (compile_workers if compile_workers is not None else
@@ -118,7 +122,9 @@ class NeuronBackend:
             compiler_args=self.compiler_args, model_source_hash=model_source_hash(), capture=self.capture,
             max_len=max_len, dtype=dtype, sliding_cache=settings.sliding_cache, kv_graphs=self.kv_graphs, environment={**compile_environment(neuron_runtime_version()),
                                                        "layout_priority": str(self.priority_key),
-                                                       "reduce_dtype": _dtype_key(reduce_dtype)})
+                                                       "reduce_dtype": _dtype_key(reduce_dtype),
+                                                       **({"decode_flags": shlex.join(self.decode_compiler_args)}
+                                                          if self.decode_compiler_args != self.compiler_args else {})})
         self.artifact_dir = self.cache_dir / self.cache_key
         self.compiled = False  # True when this process compiled the graphs (a cache miss)
         self.timings: dict[str, float] = {}
@@ -166,7 +172,8 @@ class NeuronBackend:
             meta = {"format": CACHE_FORMAT, "key": self.cache_key, "graphs": _kv_graphs_json(self.kv_graphs),
                     "capture_names": b.capture_names, "kv_buffers": b.kv_names,
                     "weight_shapes": _weight_shapes_to_json(b.weight_shapes), "last_row_only": self.last_row_only,
-                    "compiler_args": self.compiler_args, "versions": self.versions,
+                    "compiler_args": self.compiler_args, "decode_compiler_args": self.decode_compiler_args,
+                    "versions": self.versions,
                     "layout_priority": self.priority_key, "reduce_dtype": _dtype_key(self.reduce_dtype),
                     "compile_workers": self.compile_workers, "spec_hash": self.spec.spec_hash(), "tp": self.tp,
                     "max_len": self.max_len, "dtype": _dtype_key(self.dtype),
@@ -198,6 +205,8 @@ class NeuronBackend:
         use that layout."""
         nxd = import_neuronx_distributed()
         flags = compiler_flag_string(self.compiler_args)
+        per_graph = {tag: compiler_flag_string(self.decode_compiler_args if length == 1 else self.compiler_args)
+                     for tag, (length, _) in self.kv_graphs.items()}  # decode vs context encoding
         try:
             # lnc_size=1: inf2's NeuronCore-v2 has one physical core per logical core. NxD still asks
             # the platform in initialize_model_parallel and for the layout transformer's compile:
@@ -215,7 +224,7 @@ class NeuronBackend:
                                                           last_row=self.last_row_only), tag=tag)
                     module.set_kv_read(None)
                 model = builder.compile(priority_model_key=self.priority_key, compiler_workdir=str(workdir),
-                                        compiler_args=flags, max_workers=self.compile_workers)
+                                        compiler_args=per_graph, max_workers=self.compile_workers)
         except HarnessInputError:
             raise
         except Exception as exc:
@@ -249,7 +258,7 @@ class NeuronBackend:
         try:
             self.nxd_model.set_weights(weights)  # with a priority graph: the layout transform, on the device
             self.nxd_model.to_neuron()
-        except Exception as exc:
+        except RuntimeError as exc:  # the runtime's (out of device memory); a contract ValueError passes as is
             hint = ("; the weight-layout transform may hold a second copy of the weights on each core "
                     "(instances.core_bytes): try --backend-option layout_priority=none") if self.priority_key else ""
             raise NeuronBuildError(f"loading the weights onto the NeuronCores failed: {exc!r}{hint}") from exc
@@ -307,6 +316,22 @@ class Built(NamedTuple):
     capture_names: list[str] | None
     kv_names: list[str]
     weight_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def decode_flags(compiler_args: list[str], decode_compiler_args) -> list[str]:
+    """The decode graphs' flag words: `compiler_args` when not given; refused unless they name the
+    same --target (the build's platform comes from the flags: neuron_env.build_platform)."""
+    if decode_compiler_args is None:
+        return list(compiler_args)
+    words = normalize_compiler_args(decode_compiler_args)
+
+    def target(w):
+        return w[w.index("--target") + 1] if "--target" in w[:-1] else None
+    if target(words) != target(compiler_args):
+        raise HarnessInputError(f"decode_compiler_args {shlex.join(words)!r} name target {target(words)!r}, the "
+                                f"other graphs' flags {target(compiler_args)!r}: give `--target "
+                                f"{target(compiler_args)}` in both")
+    return words
 
 
 def kv_tag(tag: str, kv: int) -> str:

@@ -12,7 +12,9 @@ import math
 
 from harness.errors import HarnessInputError
 from harness.perf.roofline import CHIP, DEFAULT_INSTANCE, INSTANCE_CHIPS
-from harness.sharding import memory_plan
+from harness.device_plan import graph_reserve_bytes
+from harness.settings import DEFAULT_BUCKETS
+from harness.sharding import dtype_bytes, memory_plan
 
 
 def instance_for(tp: int) -> str | None:
@@ -40,8 +42,9 @@ def instance_memory_plan(spec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
     ranks = min(tp, CHIP["cores"])
     device = (f"one Inferentia2 chip of {instance}" if ranks == CHIP["cores"]
               else f"{ranks} of the {CHIP['cores']} NeuronCores of one Inferentia2 chip of {instance}")
+    reserve = graph_reserve_bytes(spec, tp, dtype_bytes(dtype), DEFAULT_BUCKETS)  # the graphs' share
     plan = memory_plan(spec, tp, dtype, kv_len, device_bytes=CHIP["hbm_bytes"] * ranks // CHIP["cores"],
-                       ranks_per_device=ranks, device=device)
+                       ranks_per_device=ranks, device=device, reserve_bytes=reserve)
     return {**plan, "instance": instance}
 
 
@@ -58,7 +61,8 @@ def _capped(plan: dict, cache: dict) -> str:
 def render_memory_plan(plan: dict, sliding_cache: str) -> str:
     """The plan as text lines: the arithmetic behind each cache's longest context."""
     lines = [f"memory plan: {plan['device']}, {gib(plan['device_bytes'])} for {plan['ranks_per_device']} "
-             f"rank(s); weights {gib(plan['weights_bytes'])} (nothing reserved for activations or runtime scratch)"]
+             f"rank(s); weights {gib(plan['weights_bytes'])}, compiled graphs up to {gib(plan['graphs_reserve_bytes'])} "
+             "(harness/device_plan.py; nothing else reserved for activations or runtime scratch)"]
     if plan["weights_bytes"] >= plan["device_bytes"]:
         lines.append(f"  the weights alone exceed {gib(plan['device_bytes'])}: this TP and dtype do not fit the chip")
     for kind, c in plan["caches"].items():
@@ -66,7 +70,7 @@ def render_memory_plan(plan: dict, sliding_cache: str) -> str:
         lines.append(
             f"  {kind}{chosen}: KV {c['kv_bytes_per_token'] / 1024:.1f} KiB/token + rings {gib(c['ring_bytes'])}; "
             f"longest context ({gib(plan['device_bytes'])} - {gib(plan['weights_bytes'])} - "
-            f"{gib(c['ring_bytes'])}) / {c['kv_bytes_per_token']} B = {c['longest_by_memory']} tokens"
+            f"{gib(plan['graphs_reserve_bytes'])} - {gib(c['ring_bytes'])}) / {c['kv_bytes_per_token']} B = {c['longest_by_memory']} tokens"
             f"{_capped(plan, c)}; "
             f"--kv-len {plan['kv_len']} uses {gib(c['total_bytes'])}{'' if c['fits'] else ' (does NOT fit)'}")
     return "\n".join(lines)
@@ -81,7 +85,8 @@ def refuse_unfit_kv_len(plan: dict, sliding_cache: str) -> None:
     hint = (f"; the ring sliding cache holds {plan['caches'][other]['longest_context']} (--sliding-cache ring)"
             if other == "ring" and plan["caches"]["ring"]["longest_context"] > c["longest_context"] else "")
     raise HarnessInputError(
-        f"--kv-len {plan['kv_len']} does not fit {plan['device']}: weights {gib(plan['weights_bytes'])} + rings "
+        f"--kv-len {plan['kv_len']} does not fit {plan['device']}: weights {gib(plan['weights_bytes'])} + graphs "
+        f"{gib(plan['graphs_reserve_bytes'])} + rings "
         f"{gib(c['ring_bytes'])} + {c['kv_bytes_per_token']} B/token x {plan['kv_len']} = {gib(c['total_bytes'])} "
         f"> {gib(plan['device_bytes'])}; with the {sliding_cache} sliding cache at most {c['longest_context']} "
         f"tokens fit{hint}")

@@ -399,3 +399,18 @@ def test_a_core_list_smaller_than_tp_is_refused_before_any_build(nxd, tiny0_ckpt
     assert list(tmp_path.iterdir()) == []
     assert main(["check", "--model", "tiny", "--backend", "neuron", "--buckets", "16,256", "--kv-len", "256"]) == 2
     assert "NEURON_RT_VISIBLE_CORES='3' names 1" in capsys.readouterr().err
+
+
+def test_decode_graphs_take_their_own_compiler_flags(nxd, tiny0_ckpt, tmp_path):
+    """decode_compiler_args reach the decode graphs only (context encoding keeps compiler_args),
+    change the cache key, and must name the same --target."""
+    dge = ["--internal-enable-dge-levels", "vector_dynamic_offsets"]
+    base = _build(tiny0_ckpt, tmp_path)
+    split = _build(tiny0_ckpt, tmp_path, decode_compiler_args=neuron.shlex.join([*neuron.DEFAULT_COMPILER_ARGS, *dge]))
+    assert split.cache_key != base.cache_key
+    for tag, art in split.nxd_model.graphs.items():
+        words = neuron.shlex.split(art.compiler_flags)
+        assert ("vector_dynamic_offsets" in words) == tag.startswith("decode"), tag
+    assert _build(tiny0_ckpt, tmp_path, decode_compiler_args=None).cache_key == base.cache_key
+    with pytest.raises(HarnessInputError, match="--target inf2"):
+        _build(tiny0_ckpt, tmp_path, decode_compiler_args="-O2")

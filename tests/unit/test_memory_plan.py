@@ -10,6 +10,8 @@ import pytest
 
 from harness import FIXTURES_DIR
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
+from harness.device_plan import graph_reserve_bytes
+from harness.settings import DEFAULT_BUCKETS
 from harness.perf.memory import instance_memory_plan
 from harness.sharding import bytes_per_rank, kv_cache_bytes
 from harness.spec import load_spec
@@ -57,12 +59,14 @@ def test_longest_context_on_one_inf2_chip(spec12b):
     for kind in ("linear", "ring"):
         cost = {k: 2 * v for k, v in kv_cache_bytes(spec12b, 2, "bfloat16", kind).items()}
         c = plan["caches"][kind]
-        assert c["longest_by_memory"] == (32 * GiB - weights - cost["ring"]) // cost["per_token"]
+        reserve = plan["graphs_reserve_bytes"]  # the compiled graphs' share (device_plan.graph_reserve_bytes)
+        assert 0 < reserve == 2 * graph_reserve_bytes(spec12b, 2, 2, DEFAULT_BUCKETS)
+        assert c["longest_by_memory"] == (32 * GiB - weights - reserve - cost["ring"]) // cost["per_token"]
         # the longest context fits, one more token does not
-        assert weights + cost["ring"] + c["longest_by_memory"] * cost["per_token"] <= 32 * GiB
-        assert weights + cost["ring"] + (c["longest_by_memory"] + 1) * cost["per_token"] > 32 * GiB
-    assert 20_000 < plan["caches"]["linear"]["longest_context"] < 40_000
-    assert plan["caches"]["ring"]["longest_context"] == 262144 < plan["caches"]["ring"]["longest_by_memory"]
+        assert weights + reserve + cost["ring"] + c["longest_by_memory"] * cost["per_token"] <= 32 * GiB
+        assert weights + reserve + cost["ring"] + (c["longest_by_memory"] + 1) * cost["per_token"] > 32 * GiB
+    assert 10_000 < plan["caches"]["linear"]["longest_context"] < 29163  # 29163 before the graphs were counted
+    assert 131072 < plan["caches"]["ring"]["longest_context"] == plan["caches"]["ring"]["longest_by_memory"] < 262144
 
 
 def test_info_prints_the_plan_and_refuses_a_kv_len_that_does_not_fit(spec12b, tmp_path, capsys):
@@ -92,7 +96,8 @@ def test_floors_at_length_follow_the_kv_buckets(spec12b):
     shape = {"buckets": (64, 256), "max_len": 262144, "rates": rates}
     ring = [context_floors(spec12b, 2, "bf16", n, **shape, sliding_cache="ring") for n in (1024, 8192)]
     linear = context_floors(spec12b, 2, "bf16", 8192, **shape, sliding_cache="linear")
-    assert ring[0]["decode_kv_bucket"] == 2048 and ring[1]["decode_kv_bucket"] == 16384
+    # KV buckets capped (device_plan.MAX_KV_BUCKETS): 64, 256, 1024, 4096, 16384, 65536, 262144
+    assert ring[0]["decode_kv_bucket"] == 4096 and ring[1]["decode_kv_bucket"] == 16384
     assert ring[0]["tpot_ms"] < ring[1]["tpot_ms"] < linear["tpot_ms"]
     assert ring[1]["ttft_ms"] > 8 * ring[0]["ttft_ms"] * 0.99
     # the linear cache's costs are roofline.graph_costs' at the KV bucket

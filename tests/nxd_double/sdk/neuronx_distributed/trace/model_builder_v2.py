@@ -27,8 +27,9 @@ layout transformer is compiled with flags that carry no --target (`--model-type=
 --lnc=1 --internal-hlo2tensorizer-options='...' --logfile=... --verbose=35`), so its platform comes
 from the host or $NEURON_PLATFORM_TARGET_OVERRIDE; when no weight's layout changes it is None. A graph output that is one of the graph's own inputs is refused (no
 upstream example returns an input under aliasing; the double is conservative here).
-A trace is the code as it ran then: the module's Python state at trace() (attributes, branches
-taken) is baked into that tag's graph, so each tag runs a snapshot of the module taken when it was
+A trace is the code as it ran then (fixed.py): the module's Python state at trace() (plain tensor
+attributes, branches taken on tensor values) is baked into that tag's graph and replayed on every
+call; a trace with no input tensor is refused, as upstream, so each tag runs a snapshot of the module taken when it was
 traced; changing the module after its trace changes no compiled graph.
 """
 
@@ -52,6 +53,7 @@ from torch_neuronx.proto import metaneff_pb2
 from torch_neuronx.xla_impl.trace import dtype_name
 
 from ..parallel_layers import parallel_state
+from . import fixed
 from .nxd_model import NxDModel, _set as _set_tensor
 
 DEFAULT_COMPILER_WORKDIR = "/tmp/nxd_model/"
@@ -112,6 +114,8 @@ def _provided_inputs(params, args, kwargs) -> OrderedDict:
     missing = [name for name, required in params if required and name not in provided]
     if missing:
         raise ValueError(f"Missing required parameters: {missing}.")
+    if not provided:  # upstream functions.py _process_example_inputs
+        raise ValueError("At least one input tensor must be provided via args or kwargs")
     return provided
 
 
@@ -189,8 +193,10 @@ class ModelBuilder:
             raise NotImplementedError("MPMD tracing is not currently supported")
         params = _signature_params(self.model)
         inputs = _provided_inputs(params, args, kwargs)
+        before = fixed.plain_attributes(self.model)
         try:
-            out, states = _run_and_find_state(self.model, inputs)
+            with fixed.recording() as python_values:  # what the trace's Python read of tensor values
+                out, states = _run_and_find_state(self.model, inputs)
             outputs, single = _outputs(out, inputs)
         except RuntimeError:
             raise
@@ -205,6 +211,8 @@ class ModelBuilder:
         art.metaneff = _metaneff(art)
         art.module = copy.deepcopy(self.model).to("meta")
         art.extra["constants"] = {n: t.detach().clone() for n, t in self.model.named_buffers() if n not in states}
+        art.extra["python_values"] = python_values  # replayed on every call: the branches the trace took
+        art.extra["attributes"] = fixed.fixed_attributes(before, fixed.plain_attributes(self.model))
         art.hlo = json.dumps([art.route_key(), sorted(weights), sorted(states), [str(o) for o in outputs]]).encode()
         tag = tag if tag is not None else hashlib.sha256(art.hlo).hexdigest()[:16]
         self.trace_artifacts_collection[tag] = art

@@ -19,7 +19,8 @@ graphs' metaneff reports the weights the layout transformer re-lays out (2-D+ we
 compiler-chosen layout (modelled as the last two dims swapped) while set_weights still takes
 checkpoint shapes (the layout transformer converts them); with no transformer (None: no priority
 model, or no layout changed) the metaneff shapes are the checkpoint's.
-Execution replays the one SPMD trace on every rank: each rank runs the traced code with the Python
+All graphs share one state (upstream's StateInitializer is made from the first graph added): a graph
+with other state shapes is refused in add(). Execution replays the one SPMD trace on every rank: each rank runs the traced code with the Python
 rank reporting 0 (parallel_state.get_tensor_model_parallel_rank), its own weights and states, and
 real collectives with the other ranks. Each graph runs its own module as traced (its Python state
 baked in), all of a rank's graphs sharing that rank's weights and states.
@@ -38,6 +39,7 @@ from torch_neuronx.xla_impl.trace import dtype_name
 from harness.backends.cpu import ThreadGroup
 
 from ..parallel_layers import parallel_state
+from . import fixed
 
 
 def _get(module, name):
@@ -77,6 +79,11 @@ class NxDModel(torch.nn.Module):
         if self.model_params and self.model_params != trace_artifacts.model_params:
             raise AssertionError("The model provided appears to have a different signature than all other "
                                  "models added prior.")
+        if self.graphs and trace_artifacts.states != self._state_specs():
+            first = next(iter(self.graphs))  # upstream: one StateInitializer, from the first graph added
+            raise ValueError(f"graph {key!r} holds states {trace_artifacts.states}, graph {first!r} "
+                             f"{self._state_specs()}: every graph runs on the one state the first graph's "
+                             "metaneff initialises; trace every graph with the same state shapes")
         self.model_params = trace_artifacts.model_params
         self.graphs[key] = trace_artifacts
         self.traced_modules[key] = module
@@ -215,7 +222,8 @@ class NxDModel(torch.nn.Module):
 
     def _run_rank(self, rank, model_name, inputs):
         art, module = self.graphs[model_name], self._ranks[rank][model_name]
-        with torch.no_grad():
+        fixed.restore_attributes(module, art.extra.get("attributes", {}))  # constants of the trace
+        with torch.no_grad(), fixed.replaying(art.extra.get("python_values", ())):
             out = module(**{k: v.clone() for k, v in inputs.items()})
         for name in art.states:
             new = _get(module, name)
