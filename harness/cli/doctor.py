@@ -5,8 +5,9 @@ checks: the Python version the Neuron SDK wheels support; the pinned Neuron pack
 no PyPI placeholder, no known-broken release; off-pin versions only warn); importing torch_neuronx,
 neuronx_distributed (the backend's way, harness/backends/neuron_env.py) and libneuronxla; `neuron-ls`
 and the NeuronCores it lists; `neuronx-cc --version` against the pin; the NeuronCores this run may
-use (NEURON_RT_VISIBLE_CORES) against the TP degree; and whether the model's weights plus its KV
-cache fit the HBM of those cores. Nothing is traced or compiled: it takes seconds (the imports are
+use (NEURON_RT_VISIBLE_CORES) against the TP degree; whether the model's weights plus its KV
+cache fit the HBM of those cores; NeuronCores another process holds, free disk for the compile work
+directory, host memory, and the device plan (doctor_host.py). Nothing is traced or compiled: it takes seconds (the imports are
 the slowest part). Exit 0 when every check passes, 2 otherwise.
 """
 
@@ -90,8 +91,32 @@ def diagnose(spec, tp: int, dtype: str, kv_len: int, environ=None) -> list[Check
     checks.append(ls_check)
     checks.append(compiler_check())
     checks.append(cores_check(cores, tp, environ))
-    checks.append(hbm_check(spec, tp, dtype, kv_len))
+    checks += host_checks(spec, tp, dtype, kv_len)
     return checks
+
+
+def host_checks(spec, tp: int, dtype: str, kv_len: int) -> list[Check]:
+    """Cores other processes hold, disk for the compile work directory, host memory, the device plan
+    (harness/cli/doctor_host.py)."""
+    from harness.backends.neuron_cache import default_cache_dir
+    from harness.cli import doctor_host as host
+    from harness.sharding import bytes_per_rank
+
+    listing, _ = _tool("neuron-ls", "--json-output")
+    weights = tp * bytes_per_rank(spec, tp, dtype, kv_len)["weights"]
+    return [host.plan_check(spec, tp, dtype, kv_len, Check),
+            host.cores_in_use_check(listing, neuron_ls_cores(listing), tp, Check),
+            host.disk_check(default_cache_dir() / ".work", Check),
+            host.memory_check(host.read_meminfo(), weights, Check)]
+
+
+def neuron_ls_cores(listing: str | None) -> int:
+    from harness.backends import neuron_env as env
+
+    try:
+        return env._cores_from_neuron_ls(listing) if listing else 0
+    except (ValueError, TypeError, AttributeError):
+        return 0
 
 
 def python_check(version: tuple[int, int]) -> Check:
@@ -209,13 +234,3 @@ def cores_check(total: int, tp: int, environ) -> Check:
         return Check("cores", False, f"tp={tp} needs {tp} NeuronCores but this host has {total}; fix: run on an "
                      f"instance with at least {tp} (inf2.8xlarge has 2) or use --tp {max(total, 1)}")
     return Check("cores", True, f"{total} NeuronCores for tp={tp}")
-
-
-def hbm_check(spec, tp: int, dtype: str, kv_len: int) -> Check:
-    from harness.perf.roofline import hbm_fit, render_hbm_fit
-
-    fit = hbm_fit(spec, tp, dtype, kv_len)
-    line = render_hbm_fit(fit).removeprefix("HBM: ")
-    if fit["fits"]:
-        return Check("HBM", True, line)
-    return Check("HBM", False, f"{line}; fix: a larger --tp (more cores' HBM) or a shorter --kv-len")

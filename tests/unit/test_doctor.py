@@ -16,17 +16,19 @@ from pathlib import Path
 import pytest
 
 from harness.backends import neuron_env
-from harness.cli import doctor, main
+from harness.cli import doctor, doctor_host, main
 from tests.nxd_double import installed
 
 PLACEHOLDER_DISTS = Path(__file__).resolve().parent / "placeholder_dists"
 
 
-def _fake_tools(tmp_path, monkeypatch, cores: int = 2, compiler: str = "2.26.6360.0+a0b1c2d3") -> None:
-    """`neuron-ls --json-output` listing one inf2 chip, `neuronx-cc --version` printing `compiler`."""
+def _fake_tools(tmp_path, monkeypatch, cores: int = 2, compiler: str = "2.26.6360.0+a0b1c2d3", pids=()) -> None:
+    """`neuron-ls --json-output` listing one inf2 chip (held by `pids`), `neuronx-cc --version`
+    printing `compiler`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    listing = json.dumps([{"neuron_device": 0, "nc_count": cores}])
+    listing = json.dumps([{"neuron_device": 0, "nc_count": cores,
+                           "neuron_processes": [{"pid": p, "command": "python serve.py"} for p in pids]}])
     tools = {"neuron-ls": f"print({listing!r})", "neuronx-cc": f"print('NeuronX Compiler version {compiler}')"}
     for name, body in tools.items():
         path = bin_dir / name
@@ -44,6 +46,9 @@ def _run(capsys, *args) -> tuple[int, list[str]]:
 def host(tmp_path, monkeypatch):
     """An inf2.8xlarge as the double sees it: the pinned SDK (the double), both tools, no core list set."""
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
+    monkeypatch.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
+    monkeypatch.setattr(doctor_host, "read_meminfo", lambda: f"MemAvailable: {120 * 2**20} kB\n")  # 120 GiB
+    monkeypatch.setattr(doctor_host, "COMPILE_DISK_BYTES", 1)  # this machine's disk is not an inf2's
     _fake_tools(tmp_path, monkeypatch)
     with installed(monkeypatch):
         yield
@@ -55,9 +60,11 @@ def test_every_check_passes_on_a_healthy_host(host, capsys):
     checks = [line for line in lines if not line.startswith("doctor:")]
     assert all(line.startswith("ok   ") for line in checks), checks
     names = [line.split()[1].rstrip(":") for line in checks]
-    assert names == ["python", "packages", "import", "import", "import", "neuron-ls", "neuronx-cc", "cores", "HBM"]
+    assert names == ["python", "packages", "import", "import", "import", "neuron-ls", "neuronx-cc", "cores", "HBM",
+                     "cores", "disk", "host"]
     assert "ok   neuronx-cc: 2.26.6360.0" in lines and "ok   neuron-ls: 2 NeuronCores" in lines
-    assert any(line.startswith("ok   HBM:") and "of 32 GiB: fits" in line for line in lines)
+    assert any(line.startswith("ok   HBM:") and "of 16 GiB: fits" in line and "7 graphs" in line for line in lines)
+    assert "ok   cores in use: 2 of 2 NeuronCores free" in lines
 
 
 def test_a_core_list_smaller_than_tp_is_one_failure(host, capsys, monkeypatch):
@@ -88,7 +95,7 @@ def test_a_known_broken_compiler(tmp_path, host, capsys, monkeypatch):
 def test_a_model_that_does_not_fit_hbm(host, capsys):
     rc, lines = _run(capsys, "--tp", "1")  # the 12B on one core's 16 GiB
     fails = [line for line in lines if line.startswith("FAIL")]
-    assert rc == 2 and len(fails) == 1 and fails[0].startswith("FAIL HBM:") and "DOES NOT FIT" in fails[0]
+    assert rc == 2 and len(fails) == 1 and fails[0].startswith("FAIL HBM:") and "Use --tp 2 or more" in fails[0]
 
 
 def test_nxd_that_does_not_import_is_one_failure(host, capsys, monkeypatch):
@@ -128,3 +135,27 @@ def test_python_versions():
 def test_bad_options_exit_2(capsys):
     assert main(["doctor", "--tp", "0"]) == 2
     assert main(["doctor", "--config", "/no/such/config.json"]) == 2
+
+
+def _fails(capsys, *args):
+    rc, lines = _run(capsys, *args)
+    return rc, [line for line in lines if line.startswith("FAIL")]
+
+
+def test_cores_another_process_holds(tmp_path, host, capsys, monkeypatch):
+    _fake_tools(tmp_path, monkeypatch, pids=(4242,))
+    rc, fails = _fails(capsys)
+    assert rc == 2 and len(fails) == 1 and fails[0].startswith("FAIL cores in use: tp=2 needs 2 free")
+    assert "device 0 (2 cores) by pid 4242" in fails[0]
+
+
+def test_too_little_disk_for_the_compile_work_directory(host, capsys, monkeypatch):
+    monkeypatch.setattr(doctor_host, "COMPILE_DISK_BYTES", 1 << 60)
+    rc, fails = _fails(capsys)
+    assert rc == 2 and len(fails) == 1 and fails[0].startswith("FAIL disk:") and "GEMMA_PARITY_NEURON_CACHE" in fails[0]
+
+
+def test_too_little_host_memory(host, capsys, monkeypatch):
+    monkeypatch.setattr(doctor_host, "read_meminfo", lambda: f"MemTotal: 1\nMemAvailable: {30 * 2**20} kB\n")
+    rc, fails = _fails(capsys)
+    assert rc == 2 and len(fails) == 1 and fails[0].startswith("FAIL host memory: 30.0 GiB available")
