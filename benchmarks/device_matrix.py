@@ -58,6 +58,8 @@ def variants() -> list[Variant]:
         Variant("dge-offsets", "vector dynamic-offset DGE", {"compiler_args": shlex.join([*flags, *DGE])}),
         Variant("nxdi-gemma3", "NxD-Inference Gemma3 flags",
                 {"compiler_args": shlex.join([*flags, "--enable-mixed-precision-accumulation", OVERLAP, *DGE])}),
+        Variant("decode-dge", "vector dynamic-offset DGE for the decode graphs only (per-graph flags)",
+                {"decode_compiler_args": shlex.join([*flags, *DGE])}),
         Variant("layout-prefill", "weight layout for the prefill graph", {"layout_priority": "prefill"}),
         Variant("layout-none", "no weight layout optimisation", {"layout_priority": "none"}),
         Variant("reduce-bf16", "row-parallel all-reduce in bf16", {"reduce_dtype": "bf16"}),

@@ -78,3 +78,16 @@ def test_unknown_variants_are_refused(double, tmp_path, capsys):
     matrix = _matrix_module()
     assert matrix.main(["--model", "tiny", "--variants", "faster", "--out", str(tmp_path / "m.md")]) == 2
     assert "unknown ['faster']" in capsys.readouterr().err and not (tmp_path / "m.md").exists()
+
+
+def test_every_variant_is_a_valid_set_of_backend_options():
+    """Each variant's options convert through the neuron backend's declared OPTIONS; the per-graph
+    flags variant gives the decode graphs their own flags and leaves compiler_args alone."""
+    from harness.backends import backend_options
+
+    matrix = _matrix_module()
+    for variant in matrix.variants():
+        backend_options("neuron", variant.options)
+    decode = next(v for v in matrix.variants() if v.name == "decode-dge")
+    assert set(decode.options) == {"decode_compiler_args"} and "vector_dynamic_offsets" in decode.options[
+        "decode_compiler_args"]
