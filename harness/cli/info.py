@@ -16,6 +16,10 @@ def add_command(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
+    p.add_argument("--plan", action="store_true", help="also print the resource plan of every command: peak "
+                   "host memory, device memory per NeuronCore and graphs (harness/host_plan.py)")
+    p.add_argument("--host-memory", metavar="GIB", type=float, default=None, help="the host budget of --plan in "
+                   "GiB (default: the RAM of the instance the TP degree needs)")
     p.add_argument("--instance", default=None, help="instance type whose published rates --perf uses "
                    "(inf2.xlarge, inf2.8xlarge, inf2.24xlarge, inf2.48xlarge; default: the smallest with --tp "
                    "NeuronCores, inf2.8xlarge up to tp 2)")
@@ -29,6 +33,8 @@ def validate(args) -> None:
 
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
+    if args.host_memory is not None and not args.host_memory > 0:
+        raise v.OptionError(f"--host-memory {args.host_memory}: give the host budget in GiB, a positive number")
     v._int_option(args, "seed", 0)
     args.settings = run_settings(args)
     inputs = v.model_inputs(args)
@@ -100,6 +106,13 @@ def run(args) -> int:
             payload["roofline"].pop("published_ms", None)  # the published latency is the 12B's, not this model's
         print(render_roofline(payload["roofline"]), end="")
         _print_floors_at_length(args, payload)
+    if args.plan:
+        from harness.host_plan import render_resource_plan, resource_plan
+
+        host = None if args.host_memory is None else int(args.host_memory * 2**30)
+        payload["resource_plan"] = resource_plan(args.spec, s.tp, s.dtype, s.kv_len, s.buckets, host_bytes=host,
+                                                 sliding_cache=s.sliding_cache)
+        print(render_resource_plan(payload["resource_plan"]))
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))
     return EXIT_OK

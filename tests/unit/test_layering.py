@@ -25,6 +25,7 @@ LAYERS = {
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.checkpoint_files": 2, "harness.tiny": 2, "harness.sharding": 2,
     "harness.instances": 2, "harness.prompts": 2, "harness.device_plan": 2,
+    "harness.host_plan": 2,
     # 3: the port
     "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
     # 4: execution: the backends, and the reference (transformers only)
