@@ -97,10 +97,13 @@ def plot_kl(path: Path, kl_values: dict) -> bool:
 
 
 def write_quality_report(report_dir, payload: dict, kl_values: dict) -> Path:
+    """The four files, replacing `report_dir` as a whole (harness/owned_dir.py)."""
+    from harness.owned_dir import owned_directory
+
     report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(report_dir / "quality.json", payload)
-    write_json_atomic(report_dir / "worst_prompts.json", [w["prompt"] for w in payload["worst_positions"]], indent=None)
-    plotted = plot_kl(report_dir / "quality_kl.png", kl_values)
-    write_text_atomic(report_dir / "quality.md", markdown(payload, plotted))
+    with owned_directory(report_dir, "--report", "quality") as tmp:
+        write_json_atomic(tmp / "quality.json", payload)
+        write_json_atomic(tmp / "worst_prompts.json", [w["prompt"] for w in payload["worst_positions"]], indent=None)
+        plotted = plot_kl(tmp / "quality_kl.png", kl_values)
+        write_text_atomic(tmp / "quality.md", markdown(payload, plotted))
     return report_dir

@@ -207,9 +207,10 @@ def validate_compare(args) -> None:
     if args.markdown is not None:
         v.replaceable_file(v.output_location(args.markdown, "--markdown", False, inputs, outputs), "--markdown",
                            v._markdown_is_ours)
-    if args.markdown is not None and _length_png(args.markdown).exists():  # only an earlier length plot is replaced
-        v.replaceable_file(_length_png(args.markdown), "--markdown's length plot",
-                           lambda path: path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n")
+    if args.markdown is not None:  # the plots beside it: only ones an earlier run drew are replaced
+        for png, what in ((_length_png(args.markdown), "length plot"), (_trend_png(args.markdown), "trend plot")):
+            if png.exists() and (what == "length plot" or (args.history and not args.plot)):
+                v.replaceable_file(png, f"--markdown's {what}", _png_is_ours)
     if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
     if args.plot is not None:
@@ -217,7 +218,7 @@ def validate_compare(args) -> None:
             raise OptionError("--plot draws the history's trend: give it with --history DIR")
         plot = v.output_location(args.plot, "--plot", False, inputs, outputs)
         if plot.exists():  # only a PNG (a trend plot of an earlier run) is replaced
-            v.replaceable_file(plot, "--plot", lambda path: path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n")
+            v.replaceable_file(plot, "--plot", _png_is_ours)
     v.clean_leftovers(outputs.values())
 
 
@@ -258,8 +259,25 @@ def _trend_plot(args, comp, budgets):
     if not args.history or not (args.plot or args.markdown):
         return None
     markdown = Path(args.markdown) if args.markdown else None
-    path = Path(args.plot) if args.plot else markdown.with_name(f"{markdown.stem}-trend.png")
+    path = Path(args.plot) if args.plot else _trend_png(markdown)
     return draw_trend(comp, path, budgets)
+
+
+def _png_is_ours(path: Path) -> bool:
+    """A PNG this tool drew: its tEXt chunk names the software (harness/perf/plot.py)."""
+    from harness.perf.plot import PNG_SOFTWARE
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    return head[:8] == b"\x89PNG\r\n\x1a\n" and b"Software\x00" + PNG_SOFTWARE.encode() in head
+
+
+def _trend_png(markdown) -> Path:
+    markdown = Path(markdown)
+    return markdown.with_name(f"{markdown.stem}-trend.png")
 
 
 def _length_png(markdown) -> Path:

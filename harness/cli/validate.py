@@ -21,7 +21,6 @@ from pathlib import Path
 from harness.atomic import clean_stale_temps, temp_prefix
 from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, not_a_file, os_problem, read_json_file
 
-REPORT_FILES = {f"{kind}{ext}" for kind in ("check", "bisect") for ext in (".md", ".json", "_errors.png")}
 GENERATOR = "gemma-parity"  # the "generator" key of every JSON result the commands write
 MARKDOWN_MARK = "<!-- written by gemma-parity -->"
 # Keys that identify a JSON result written by an older gemma-parity (before the generator key).
@@ -166,13 +165,11 @@ def replaceable_file(path: Path, flag: str, ours) -> None:
                           "overwritten. Choose a new name, or move the file away yourself.")
 
 
-def replaceable_report(path: Path, flag: str) -> None:
-    if path.is_dir():
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in REPORT_FILES or not p.is_file()
-                         or p.is_symlink())
-        if foreign:
-            raise OutputError(f"{flag} {path}: holds files that are not part of a gemma-parity report "
-                              f"({', '.join(foreign[:5])}); choose a new or empty --report directory")
+def replaceable_report(path: Path, flag: str, command: str = "") -> None:
+    """Only a directory this tool wrote (its manifest matches every file) may be replaced."""
+    from harness.owned_dir import refuse_foreign
+
+    refuse_foreign(path, flag, command)
 
 
 def clean_leftovers(paths) -> None:
@@ -284,7 +281,7 @@ def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
     if args.json is not None:
         replaceable_file(output_location(args.json, "--json", False, inputs, outputs), "--json", _json_is_ours)
     if args.report is not None:
-        replaceable_report(output_location(args.report, "--report", True, inputs, outputs), "--report")
+        replaceable_report(output_location(args.report, "--report", True, inputs, outputs), "--report", args.command)
     clean_leftovers(outputs.values())
     ckpt = open_checkpoint(args)
     check_tp(ckpt.spec, args.tp)
