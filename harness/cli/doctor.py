@@ -167,8 +167,9 @@ def neuron_ls_check() -> tuple[int, Check]:
                         "aws-neuronx-tools and put /opt/aws/neuron/bin on PATH")
     try:
         cores = env._cores_from_neuron_ls(out)
-    except (ValueError, TypeError, AttributeError) as exc:
-        return 0, Check("neuron-ls", False, f"unreadable --json-output ({exc}); fix: update aws-neuronx-tools")
+    except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:160]
+        return 0, Check("neuron-ls", False, f"unreadable --json-output ({why}); fix: update aws-neuronx-tools")
     if cores == 0:
         return 0, Check("neuron-ls", False, "lists no NeuronCore; fix: run on an inf2 instance with the Neuron "
                         "driver loaded (aws-neuronx-dkms)")

@@ -238,6 +238,25 @@ def check_kv_len(spec, kv_len: int | None) -> None:
     if kv_len is not None and spec.max_positions is not None and kv_len > spec.max_positions:
         raise OptionError(f"--kv-len {kv_len}: more than the model's max_position_embeddings "
                           f"{spec.max_positions} ({spec.source}); use --kv-len {spec.max_positions} or less")
+    if kv_len is not None:
+        _kv_fits_host(spec, kv_len)
+
+
+def _kv_fits_host(spec, kv_len: int) -> None:
+    """The KV cache's least size (one copy, bf16, ring-free) against this host's memory: a KV length
+    no allocation can satisfy is refused with the numbers, not left to fail in the allocator."""
+    from harness.sharding import kv_cache_bytes
+
+    per_token = kv_cache_bytes(spec, 1, "bfloat16")["per_token"]
+    try:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if per_token and per_token * kv_len > host:
+        longest = host // per_token
+        raise OptionError(f"--kv-len {kv_len}: the KV cache alone needs at least {per_token} B/token x {kv_len} = "
+                          f"{per_token * kv_len / 2**30:.1f} GiB, more than this host's {host / 2**30:.1f} GiB of "
+                          f"memory; use --kv-len {longest} or less (the default is 256)")
 
 
 def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear") -> None:

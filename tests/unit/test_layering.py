@@ -42,7 +42,7 @@ LAYERS = {
     # 7: presentation and commands; nothing imports these from below
     "harness.report": 7, "harness.report_bisect": 7, "harness.report_plot": 7, "harness.report_table": 7,
     "harness.quality_report": 7,
-    "harness.cli": 8, "harness.entry": 8, "harness.__main__": 8,
+    "harness.cli": 8, "harness.entry": 8, "harness.entry_guard": 8, "harness.__main__": 8,
 }
 TOP = ("harness.cli", "harness.entry", "harness.__main__")
 
