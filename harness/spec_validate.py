@@ -131,34 +131,24 @@ def _validate_per_layer(overrides, dims: dict, source: str) -> None:
             raise bad_value(where, "head_dim", layer["head_dim"], "must be even (rotary embeddings pair lanes)")
 
 
-def _refuse_heterogeneous_types(text: dict, source: str) -> None:
-    """per_layer_config may not make two layers of one type differ (transformers refuses that
-    inside its model class: "Layer type ... is not homogeneous"); refused here, before it loads."""
-    overrides, types = text.get("per_layer_config"), text.get("layer_types")
-    if not isinstance(overrides, dict) or not isinstance(types, list):
-        return
-    full = {"head_dim": text.get("global_head_dim") or text.get("head_dim"),
-            "num_key_value_heads": text.get("num_global_key_value_heads") or text.get("num_key_value_heads")}
-    sliding = {k: text.get(k) for k in PER_LAYER_KEYS}
-    by_index = {int(k): v for k, v in overrides.items() if isinstance(k, str) and k.strip().isdigit()
-                and isinstance(v, dict)}
-    for key in PER_LAYER_KEYS:
-        seen: dict = {}
-        for index, kind in enumerate(types):
-            value = by_index.get(index, {}).get(key) or (full if kind == "full_attention" else sliding)[key]
-            seen.setdefault(kind, {}).setdefault(value, index)
-        for kind, values in seen.items():
-            if len(values) > 1:
-                (a, i), (b, j) = list(values.items())[:2]
-                raise ConfigError(f"{source}: per_layer_config gives {kind} layers different {key} (layer {i}: "
-                                  f"{a}, layer {j}: {b}); every layer of a type must share it (transformers "
-                                  "refuses the model otherwise). Fix config.json (use the one the weights were "
-                                  "saved with).")
+def refuse_heterogeneous_types(layers, source: str) -> None:
+    """Resolved layers (after per_layer_config): every layer of one type must share its head width
+    and KV heads (transformers refuses the model otherwise, inside its model class: "Layer type ...
+    is not homogeneous"); refused here, before any weight is read or transformers loads a model."""
+    first: dict = {}
+    for layer in layers:
+        ref = first.setdefault(layer.type, layer)
+        for key, a, b in (("head_dim", ref.head_dim, layer.head_dim), ("num_key_value_heads", ref.kv_heads,
+                                                                        layer.kv_heads)):
+            if a != b:
+                raise ConfigError(f"{source}: per_layer_config gives {layer.type} layers different {key} (layer "
+                                  f"{ref.index}: {a}, layer {layer.index}: {b}); every layer of a type must share "
+                                  "it (transformers refuses the model otherwise). Fix config.json (use the one the "
+                                  "weights were saved with).")
 
 
 def validate_text_config(text: dict, source: str, family: bool = False) -> None:
     _validate_dimensions(text, source)
-    _refuse_heterogeneous_types(text, source)
     if text.get("use_bidirectional_attention") == "all":
         raise unsupported(source, "use_bidirectional_attention", "all",
                            "the port is a causal decoder; only None or \"vision\" are supported")
