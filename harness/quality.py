@@ -162,11 +162,11 @@ def verify_golden(golden_dir, settings: GoldenSettings, ids: list[int], vocab: i
         return
     _differing_settings(golden_dir, settings)
     for shard in range(settings.shards):
-        for _ in _verified_parts(golden_dir, settings, shard, ids, vocab):
+        for _ in verified_parts(golden_dir, settings, shard, ids, vocab):
             pass
 
 
-def _verified_parts(golden_dir, settings: GoldenSettings, shard: int, ids, vocab: int, sealed_only: bool = False):
+def verified_parts(golden_dir, settings: GoldenSettings, shard: int, ids, vocab: int, sealed_only: bool = False):
     """(part range, file, tensors) of one shard's existing parts, each verified; a sealed shard's
     parts must also hash to its seal and the seal must name this golden's run."""
     from harness.quality_parts import check_identity, read_own_json, sha256_bytes, verify_part
@@ -237,7 +237,7 @@ def write_shard(checkpoint, ids: list[int], golden_dir, settings: GoldenSettings
     parts = _parts(settings, shard)
     say = status(f"quality reference {shard + 1}/{settings.shards}", progress, total=len(parts))
     vocab = checkpoint.spec.vocab_size
-    done = {file.name for _, file, _ in _verified_parts(golden_dir, settings, shard, ids, vocab)}
+    done = {file.name for _, file, _ in verified_parts(golden_dir, settings, shard, ids, vocab)}
     hashes = {}
     for j, part in enumerate(parts):
         file = out / f"part-{j:05d}.safetensors"
@@ -272,7 +272,7 @@ def read_golden_parts(golden_dir, settings: GoldenSettings, vocab: int | None = 
     checked whole: yields (window range, tensors)."""
     vocab = vocab or (2 ** 31 - 1)  # the ids are int32
     for shard in range(settings.shards):
-        for part, _, tensors in _verified_parts(golden_dir, settings, shard, None, vocab, sealed_only=True):
+        for part, _, tensors in verified_parts(golden_dir, settings, shard, None, vocab, sealed_only=True):
             yield part, tensors
 
 

@@ -73,7 +73,7 @@ def run(args) -> int:
                               prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
                               fp32_stage=not args.skip_fp32_stage,
                               extra_checks=(served_stage(args.settings, progress=True, skip=args.skip_served_build),))
-    payload = with_generator(result.to_json(), "check")
+    payload = with_generator(result.to_json(), "check", args)
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.
     if args.json is not None:

@@ -113,8 +113,40 @@ def add_port_args(p, report_help: str) -> None:
     p.add_argument("--report", metavar="DIR", help=report_help)
 
 
-def with_generator(payload: dict, command: str) -> dict:
-    """A JSON result marked as this tool's, so a later run may replace it (and nothing else)."""
+def with_generator(payload: dict, command: str, args=None) -> dict:
+    """A JSON result marked as this tool's, so a later run may replace it (and nothing else); with
+    the command's `args`, also its provenance (harness/provenance.py)."""
     import harness
 
-    return {"generator": f"gemma-parity {command} {harness.__version__}", **payload}
+    out = {"generator": f"gemma-parity {command} {harness.__version__}", **payload}
+    if args is not None:
+        out["provenance"] = run_provenance(args)
+    return out
+
+
+PROVENANCE_FILES = ("golden", "prompts", "corpus")
+
+
+def run_provenance(args) -> dict:
+    """The command line's settings in full, the resolved run settings, and the inputs' hashes."""
+    import dataclasses
+
+    from harness.provenance import file_sha256, provenance
+
+    plain = (str, int, float, bool, type(None), list, tuple)
+    settings = {k: v for k, v in sorted(vars(args).items()) if isinstance(v, plain) and not k.endswith("_ids")
+                and k not in ("func", "validate")}
+    if dataclasses.is_dataclass(getattr(args, "settings", None)):
+        values = {f.name: getattr(args.settings, f.name) for f in dataclasses.fields(args.settings)}
+        settings["run"] = {k: (v if isinstance(v, plain) else {str(a): str(b) for a, b in v.items()}
+                               if hasattr(v, "items") else str(v)) for k, v in values.items()}
+    inputs = {}
+    if getattr(args, "ckpt", None) is not None:
+        inputs["checkpoint"] = args.ckpt.file_hashes()
+    for name in PROVENANCE_FILES:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and Path(value).is_file():
+            inputs[name] = file_sha256(value)
+        elif isinstance(value, str) and Path(value).is_dir():
+            inputs[name] = {p.name: file_sha256(p) for p in sorted(Path(value).glob("*.json"))}
+    return provenance(settings, inputs)

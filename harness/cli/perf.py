@@ -227,6 +227,12 @@ def validate_compare(args) -> None:
 def run_bench_command(args) -> int:
     result = run_bench(args.ckpt, args.settings, runs=args.runs, warmup=args.warmup, new_tokens=args.new_tokens,
                        progress=True, lengths=args.lengths)
+    from harness.cli.common import run_provenance
+
+    result["provenance"] = run_provenance(args)
+    if result["provenance"]["git"]["dirty"]:
+        print(f"gemma-parity: note: the tree has uncommitted changes; {args.out} records commit "
+              f"{str(result.get('git_commit'))[:12]} with dirty: true", file=sys.stderr)
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
     print(f"wrote {args.out}", file=sys.stderr)
@@ -242,6 +248,7 @@ def run_compare_command(args) -> int:
         comp = compare_history(args.history, **options)
     else:
         comp = compare_files(args.baseline, args.current, **options)
+    _warn_provenance(args)
     plot = _trend_plot(args, comp, args.budgets)
     if args.markdown:  # latency against length, beside the Markdown (a run benched with --lengths)
         draw_length(comp, _length_png(args.markdown))
@@ -252,6 +259,26 @@ def run_compare_command(args) -> int:
     if args.json is not None:
         write_json(args.json, with_generator(comp.to_dict(), "perf compare"), overwrite=True)
     return EXIT_FAIL if comp.failed else EXIT_OK
+
+
+def _warn_provenance(args) -> None:
+    """A warning when the two runs compared were produced under different settings or versions."""
+    import json
+
+    from harness.provenance import differences
+
+    if args.history is not None:
+        return  # a history's runs span commits by design; its changes are the point
+    blocks = []
+    for path in (args.baseline, args.current):
+        try:
+            blocks.append(json.loads(Path(path).read_text()).get("provenance"))
+        except (OSError, ValueError, AttributeError, RecursionError):
+            blocks.append(None)
+    differ = differences(*blocks)
+    if differ:
+        print(f"gemma-parity: warning: baseline and current ran under different settings or versions: "
+              f"{'; '.join(differ[:6])}{' ...' if len(differ) > 6 else ''}", file=sys.stderr)
 
 
 def _trend_plot(args, comp, budgets):

@@ -27,16 +27,23 @@ def add_command(sub) -> None:
     p.add_argument("--topk", type=int, default=None, help="fp32 log-probabilities kept per position (default 32, or the golden's)")
     p.add_argument("--windows-per-part", type=int, default=None,
                    help="windows per golden file, the resume granularity (default 16, or the golden's)")
-    p.add_argument("--shard", metavar="I/N", default=None,
-                   help="write only shard I of N of the golden (0-based; one CI job each) and stop")
+    p.add_argument("--shard", metavar="I/N|auto[/N]", default=None,
+                   help="write only shard I of N of the golden (0-based; one CI job each) and stop; `auto` takes I "
+                        "(and N where set) from AWS Batch, Kubernetes indexed Job or Slurm array variables")
     p.add_argument("--reference-only", action="store_true", help="write the golden's missing shards and stop")
     add_port_args(p, "write quality.md, quality.json, quality_kl.png and worst_prompts.json there")
     p.set_defaults(func=run, validate=validate)
 
 
-def _shard(text: str | None) -> tuple[int, int] | None:
+def _shard(text: str | None, existing: dict) -> tuple[int, int] | None:
     if text is None:
         return None
+    if text.split("/")[0] == "auto":
+        import os
+
+        from harness.array_index import shard_from_environment
+
+        return shard_from_environment(text, os.environ, existing.get("shards"))
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
@@ -88,8 +95,8 @@ def validate(args) -> None:
 
     v._port_options(args)
     args.settings = run_settings(args)
-    args.shard_pair = _shard(args.shard)
     existing = _existing_settings(Path(args.golden))
+    args.shard_pair = _shard(args.shard, existing)
     for name, default in (("window", DEFAULT_WINDOW), ("topk", DEFAULT_TOPK), ("windows_per_part", DEFAULT_WINDOWS_PER_PART)):
         if getattr(args, name) is None:
             setattr(args, name, existing.get(name, default))
@@ -135,7 +142,7 @@ def run(args) -> int:
         return EXIT_OK
     payload = judge_corpus(ckpt, args.golden, settings, args.settings, progress=True)
     kl_values = payload.pop("kl_values")
-    payload = with_generator(payload, "quality")
+    payload = with_generator(payload, "quality", args)
     if args.json is not None:  # the files first: a verdict is printed only once they are written
         write_json_atomic(args.json, payload)
     if args.report is not None:
