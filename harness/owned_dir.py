@@ -70,9 +70,9 @@ def refuse_foreign(directory, flag: str, command: str) -> None:
     foreign = foreign_entries(directory)
     if foreign:
         more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-        raise OutputError(f"{flag} {directory}: holds files gemma-parity {command} did not write (or that changed "
-                          f"since: {', '.join(foreign[:5])}{more}); choose a new or empty directory, or move them "
-                          "away yourself")
+        raise OutputError(f"{flag} {directory}: holds files that are not part of a gemma-parity report "
+                          f"({', '.join(foreign[:5])}{more}): gemma-parity {command} did not write them, or they "
+                          "changed since; choose a new or empty directory, or move them away yourself")
 
 
 def write_manifest(directory: Path) -> None:

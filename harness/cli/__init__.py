@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "0 pass, 1 parity failure or regression, 2 bad input or environment, 70 internal "
                     "error, 130 interrupted.",
     )
+    import harness
+
+    parser.add_argument("--version", action="version", version=f"gemma-parity {harness.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_command(sub)

@@ -80,6 +80,9 @@ def run(args) -> int:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
+    for flag, where in (("report", args.report), ("json", args.json)):
+        if where is not None:
+            print(f"{flag} written to {where}")
     for stage in result.extra_stages:  # the served build
         print(stage.describe())
     print(format_check(result, verbose=args.verbose))

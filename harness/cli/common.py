@@ -20,8 +20,20 @@ def add_model_args(p, config: bool = False) -> None:
     group.add_argument("--checkpoint", metavar="DIR", help="local checkpoint directory (config.json + *.safetensors)")
     if config:
         group.add_argument("--config", metavar="FILE", help="a config.json (no weights needed)")
-    group.add_argument("--model", choices=["tiny"], help="the embedded tiny 12B-shaped model (built and cached on first use)")
+    from harness.tiny import TINY_FAMILY
+
+    group.add_argument("--model", choices=["tiny", *(f"tiny-{name}" for name in TINY_FAMILY)],
+                       help="an embedded tiny model, built and cached on first use: `tiny` is 12B-shaped, "
+                            "tiny-31b, tiny-e2b, tiny-e4b and tiny-26b-a4b the family's shapes")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model (default 0)")
+
+
+def tiny_config(args) -> Path:
+    """The tiny model's config for --model (tiny: the 12B's shape; tiny-NAME: harness.tiny.TINY_FAMILY)."""
+    from harness.tiny import TINY_CONFIG, TINY_FAMILY
+
+    model = getattr(args, "model", None) or "tiny"
+    return TINY_CONFIG if model == "tiny" else TINY_FAMILY[model.removeprefix("tiny-")]
 
 
 def checkpoint_dir(args) -> Path:
@@ -29,7 +41,7 @@ def checkpoint_dir(args) -> Path:
 
     if getattr(args, "checkpoint", None):
         return Path(args.checkpoint)
-    return tiny_checkpoint(seed=args.seed)
+    return tiny_checkpoint(seed=args.seed, config_path=tiny_config(args))
 
 
 def buckets_arg(text: str) -> tuple[int, ...]:

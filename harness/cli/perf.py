@@ -24,7 +24,10 @@ def add_command(subparsers) -> None:
         description="Time prefill per bucket and decode per token. Exit 0 ok, 2 bad input.")
     source = bench.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (safetensors)")
-    source.add_argument("--model", choices=("tiny",), help="the cached tiny fixture model")
+    from harness.tiny import TINY_FAMILY
+
+    source.add_argument("--model", choices=("tiny", *(f"tiny-{name}" for name in TINY_FAMILY)),
+                        help="a cached tiny fixture model (tiny: 12B-shaped; tiny-31b, -e2b, -e4b, -26b-a4b)")
     add_run_args(bench, BENCH_SETTINGS)
     bench.add_argument("--runs", type=int, default=DEFAULT_RUNS,
                        help="timed runs; p90 is reported from 10, p99 from 100 samples (default %(default)s)")

@@ -147,5 +147,8 @@ def run(args) -> int:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_quality_report(args.report, payload, kl_values)
+    for flag, where in (("report", args.report), ("json", args.json)):
+        if where is not None:
+            print(f"{flag} written to {where}")
     print(format_quality(payload))
     return EXIT_OK if payload["passed"] else EXIT_FAIL

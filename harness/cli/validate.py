@@ -211,7 +211,9 @@ def model_inputs(args) -> dict[str, Path]:
         return {"--config": input_path(args.config, "--config", want_dir=False)}
     if getattr(args, "checkpoint", None) is not None:
         return {"--checkpoint": input_path(args.checkpoint, "--checkpoint", want_dir=True)}
-    return {"the tiny-model cache entry": tiny_checkpoint_path(getattr(args, "seed", 0) or 0)}
+    from harness.cli.common import tiny_config
+
+    return {"the tiny-model cache entry": tiny_checkpoint_path(getattr(args, "seed", 0) or 0, tiny_config(args))}
 
 
 def open_checkpoint(args):

@@ -178,7 +178,7 @@ def user_report(c: Ctx, name: str) -> list:
 
 
 for name in ("quality.json", "quality_kl.png", "worst_prompts.json", "notes.txt"):
-    case(f"report-holds-user-{name}", "--report", "did not write", name)(lambda c, name=name: user_report(c, name))
+    case(f"report-holds-user-{name}", "--report", "quality did not write", name)(lambda c, name=name: user_report(c, name))
 
 # ---- perf files beside --markdown, long context, family configs -----------------------------------
 
