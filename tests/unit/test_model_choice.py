@@ -31,7 +31,8 @@ def test_every_command_with_model_offers_the_family(capsys):
             parser.parse_args([command, "--model", "tiny-7b"] if command != "bench" else
                               ["bench", "--model", "tiny-7b", "--out", "x.json"])
         assert exc.value.code == 2
-        assert all(name in capsys.readouterr().err for name in NAMES), command
+        err = capsys.readouterr().err
+        assert all(name in err for name in NAMES), (command, err)
 
 
 @pytest.mark.slow
