@@ -49,12 +49,17 @@ def format_quality(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def _cell(text: str) -> str:
+    """A Markdown table cell: a `|` (as in |dp|) escaped, or it would split the row."""
+    return text.replace("|", r"\|")
+
+
 def markdown(payload: dict, plotted: bool) -> str:
     lines = [MARK, "# gemma-parity quality", "", f"- verdict: **{'PASS' if payload['passed'] else 'FAIL'}**",
              f"- rule: {payload['verdict']['rule']}",
              f"- positions: {payload['golden']['positions']}, golden {payload['golden']['bytes']} bytes", "",
              "| statistic | port vs fp32 | bf16 reference vs fp32 |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in _rows(payload)]
+    lines += [f"| {_cell(a)} | {b} | {c} |" for a, b, c in _rows(payload)]
     lines += ["", *[f"- FAIL {line}" for line in _failed_checks(payload)], "", "## Worst positions", "",
               "| window | position | KL | bf16 KL | next token | fp32 top-1 | port top-1 | context (last ids) |",
               "|---|---|---|---|---|---|---|---|"]

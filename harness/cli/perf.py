@@ -29,8 +29,12 @@ def add_command(subparsers) -> None:
     source.add_argument("--model", choices=("tiny", *(f"tiny-{name}" for name in TINY_FAMILY)),
                         help="a cached tiny fixture model (tiny: 12B-shaped; tiny-31b, -e2b, -e4b, -26b-a4b)")
     add_run_args(bench, BENCH_SETTINGS)
-    bench.add_argument("--runs", type=int, default=DEFAULT_RUNS,
-                       help="timed runs; p90 is reported from 10, p99 from 100 samples (default %(default)s)")
+    bench.add_argument("--runs", type=_runs_arg, default=DEFAULT_RUNS,
+                       help="timed runs; p90 is reported from 10, p99 from 100 samples (default %(default)s); "
+                            "`auto`: a pilot of 10 runs, then as many as resolve a 10%% change of every median "
+                            "(harness/perf/resolution.py) within --time-cap seconds")
+    bench.add_argument("--time-cap", type=float, default=AUTO_TIME_CAP_S,
+                       help="with --runs auto: the most seconds of timed runs after the pilot (default %(default)s)")
     bench.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                        help="runs made first and discarded (default %(default)s)")
     bench.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
@@ -100,7 +104,9 @@ def _is_bench_result(path: Path) -> bool:
 
 
 def validate_bench(args) -> None:
-    v._int_option(args, "runs", 1)
+    if args.runs != "auto":
+        v._int_option(args, "runs", 1)
+    v._finite(args.time_cap, "--time-cap", 1.0)
     v._int_option(args, "warmup", 0)
     v._int_option(args, "new_tokens", 1)
     v._int_option(args, "tp", 1)
@@ -227,8 +233,35 @@ def validate_compare(args) -> None:
 
 # ---- running -------------------------------------------------------------------------------------
 
+AUTO_PILOT_RUNS, AUTO_TIME_CAP_S = 10, 600.0
+
+
+def _runs_arg(text: str):
+    return "auto" if text == "auto" else int(text)
+
+
+def _auto_runs(args) -> int:
+    """--runs auto: a pilot run measures the spread and the time per run; the real run takes as
+    many runs as resolve a 10% change of every median (alpha 0.01, power 0.8), within the cap."""
+    import time
+
+    from harness.perf.resolution import STATED_CHANGE, runs_for
+    from harness.perf.results import metric_samples
+
+    start = time.monotonic()
+    pilot = run_bench(args.ckpt, args.settings, runs=AUTO_PILOT_RUNS, warmup=args.warmup,
+                      new_tokens=args.new_tokens, progress=True, lengths=args.lengths)
+    per_run = (time.monotonic() - start) / (AUTO_PILOT_RUNS + args.warmup)
+    need = max(runs_for(s, s, 0.01, STATED_CHANGE) for s in metric_samples(pilot).values() if len(s) > 1)
+    runs = max(AUTO_PILOT_RUNS, min(need, int(args.time_cap / max(per_run, 1e-6))))
+    print(f"gemma-parity: --runs auto: the pilot's spread needs {need} runs to resolve {STATED_CHANGE:.0%}; "
+          f"running {runs}{' (the --time-cap allows no more)' if runs < need else ''}", file=sys.stderr)
+    return runs
+
+
 def run_bench_command(args) -> int:
-    result = run_bench(args.ckpt, args.settings, runs=args.runs, warmup=args.warmup, new_tokens=args.new_tokens,
+    runs = _auto_runs(args) if args.runs == "auto" else args.runs
+    result = run_bench(args.ckpt, args.settings, runs=runs, warmup=args.warmup, new_tokens=args.new_tokens,
                        progress=True, lengths=args.lengths)
     from harness.cli.common import run_provenance
 

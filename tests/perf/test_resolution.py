@@ -47,3 +47,24 @@ def test_a_comparison_reports_its_resolution_and_the_runs_to_resolve_ten_percent
     cur = perf_result(decode=noisy(20, 5.0, 0.3, 8))
     notes = [n for n in compare_results(base, cur).notes if n.startswith("resolution: decode_ms_per_token")]
     assert len(notes) == 1 and "--runs" in notes[0], notes
+
+
+def test_bench_runs_auto_sizes_the_run_from_a_pilot_within_the_cap(tmp_path, capsys, monkeypatch):
+    import harness.cli.perf as perf_cli
+    from harness.cli import main
+
+    calls = []
+    real = perf_cli.run_bench
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["runs"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(perf_cli, "run_bench", counted)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", "tiny", "--runs", "auto", "--time-cap", "1", "--warmup", "0",
+                 "--new-tokens", "2", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert calls[0] == perf_cli.AUTO_PILOT_RUNS and len(calls) == 2 and "--runs auto:" in err
+    assert calls[1] >= perf_cli.AUTO_PILOT_RUNS and out.is_file()
+    assert main(["bench", "--model", "tiny", "--runs", "auto", "--time-cap", "nan", "--out", str(tmp_path / "c")]) == 2
