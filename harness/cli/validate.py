@@ -271,6 +271,22 @@ def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "
         raise OptionError(str(exc)) from None
 
 
+def _warn_golden_versions(where, recorded) -> None:
+    """A golden written under other torch/transformers versions: its reference may differ by their changes."""
+    import harness
+    from harness.provenance import package_versions
+
+    if not isinstance(recorded, dict):
+        return
+    now = {**package_versions(), "harness": harness.__version__}
+    differ = [f"{k} {recorded[k]} (now {now.get(k, 'absent')})" for k in sorted(recorded)
+              if k in ("torch", "transformers", "harness") and recorded[k] != now.get(k)]
+    if differ:
+        print(f"gemma-parity: warning: golden {where} was written under {', '.join(differ)}; its reference can "
+              "differ from this environment's by those versions' changes (rewrite it here to rule that out)",
+              file=sys.stderr)
+
+
 def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     """Read and verify the golden for the checkpoint's spec; prompts and tokens come from it."""
     from harness.golden import GoldenError, read_golden, same_weights
@@ -281,6 +297,7 @@ def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     golden.results("bfloat16")  # the noise envelope: check and bisect need it (refused here, not later)
     validate_prompt_ids(args.ckpt.spec, golden.prompts, f"golden {args.golden}")
     args.golden_same_weights = same_weights(golden, args.ckpt)
+    _warn_golden_versions(args.golden, golden.manifest.get("versions"))
     if args.golden_same_weights is None:
         print(f"gemma-parity: note: golden {args.golden} records no checkpoint hashes; whether it was written "
               "from these weights cannot be checked", file=sys.stderr)

@@ -28,3 +28,15 @@ def test_differences_name_what_changed_and_nothing_else():
     assert any(d.startswith("settings.kv_len: 256 vs 512") for d in found)
     assert any(d.startswith("packages.torch:") for d in found) and len(found) == 2
     assert differences(a, None) == []
+
+
+def test_check_golden_warns_when_the_golden_was_written_under_other_versions(capsys):
+    import torch
+
+    from harness.cli.validate import _warn_golden_versions
+
+    _warn_golden_versions("G", {"torch": torch.__version__})
+    assert capsys.readouterr().err == ""
+    _warn_golden_versions("G", {"torch": "1.0.0", "transformers": "0.1"})
+    err = capsys.readouterr().err
+    assert "golden G was written under torch 1.0.0" in err and "transformers 0.1" in err
