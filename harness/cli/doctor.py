@@ -208,7 +208,8 @@ def cores_check(total: int, tp: int, environ) -> Check:
         return Check("cores", True, f"NEURON_RT_VISIBLE_CORES={visible} gives tp={tp} its cores")
     if total < tp:
         return Check("cores", False, f"tp={tp} needs {tp} NeuronCores but this host has {total}; fix: run on an "
-                     f"instance with at least {tp} (inf2.8xlarge has 2) or use --tp {max(total, 1)}")
+                     f"instance with at least {tp} (inf2.8xlarge has 2); a smaller --tp helps only if the model "
+                     "fits it (`gemma-parity info --tp N` shows the fit; the 12B needs 2)")
     return Check("cores", True, f"{total} NeuronCores for tp={tp}")
 
 
