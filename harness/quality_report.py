@@ -9,7 +9,6 @@ from pathlib import Path
 
 from harness.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 
-REPORT_FILES = ("quality.md", "quality.json", "quality_kl.png", "worst_prompts.json")
 MARK = "<!-- written by gemma-parity -->"
 STATS = ("mean", "p50", "p90", "p99", "p99.9", "max")
 

@@ -20,6 +20,7 @@ SMOKE = (
     "tests/unit/test_nxd_double.py::",
     # the input contract
     "tests/inputs/test_contract.py::", "tests/inputs/test_hostile_quality.py::",
+    "tests/inputs/test_exit_contract_streams.py::",
     # sharding over machines
     "tests/quality/test_quality_shards.py::test_shard_auto",
 )
