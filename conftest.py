@@ -45,6 +45,9 @@ def _selects_neuron(config) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.smoke import mark_smoke
+
+    mark_smoke(items)  # before -m selects: the PR lane's list lives in tests/smoke.py
     if _selects_neuron(config):
         if _neuron_cores() == 0:
             raise pytest.UsageError(

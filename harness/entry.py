@@ -8,25 +8,9 @@ own handling (harness/cli/__init__.py) takes over. This module imports nothing h
 handlers are in place: keep it that way.
 """
 
-import os
-import signal
 import sys
 
-_STATUS = {signal.SIGINT: (130, "interrupted"), signal.SIGTERM: (143, "terminated")}
-
-
-def _exit_now(signum, frame):
-    code, what = _STATUS[signum]
-    try:
-        os.write(2, f"gemma-parity: {what} while starting; nothing was written\n".encode())
-    finally:
-        os._exit(code)
-
-
-def _guard() -> None:
-    for signum in _STATUS:
-        signal.signal(signum, _exit_now)
-
+from harness.entry_guard import guard as _guard
 
 _guard()  # at import: the console script imports this module before it calls main()
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
 from harness.atomic import write_bytes_atomic, write_json_atomic
 from harness.errors import GoldenError, HarnessInputError, InputFileError, read_problem
@@ -76,10 +76,14 @@ def load_corpus(path, checkpoint_dir, spec) -> list[int]:
     except UnicodeDecodeError as exc:
         raise InputFileError(f"--corpus {path}: not UTF-8 ({exc.reason} at byte {exc.start}); give UTF-8 text "
                              "or a JSON list of token ids") from None
+    if not text.strip():
+        raise InputFileError(f"--corpus {path}: is empty; give a JSON list of token ids or text to tokenize")
     if path.suffix.lower() == ".json":
         ids = _json_ids(path, text)
     else:
         ids = _tokenize(path, text, checkpoint_dir)
+    if not ids:
+        raise InputFileError(f"--corpus {path}: holds no token ids; give a corpus of at least one --window of ids")
     bad = next((k for k, t in enumerate(ids) if not 0 <= t < spec.vocab_size), None)
     if bad is not None:
         raise InputFileError(f"--corpus {path}: token id {ids[bad]} at index {bad} is outside the vocabulary "
@@ -90,8 +94,10 @@ def load_corpus(path, checkpoint_dir, spec) -> list[int]:
 def _json_ids(path: Path, text: str) -> list[int]:
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputFileError(f"--corpus {path}: not valid JSON ({exc}); expected a list of token ids") from None
+    except (ValueError, RecursionError) as exc:  # ValueError: also a number of thousands of digits
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:160]
+        raise InputFileError(f"--corpus {path}: not a usable JSON list of token ids ({reason}); expected a flat "
+                             "list of token ids (or {\"ids\": [...]})") from None
     ids = data.get("ids") if isinstance(data, dict) else data
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise InputFileError(f"--corpus {path}: expected a JSON list of integer token ids (or {{\"ids\": [...]}})")
@@ -109,9 +115,11 @@ def _tokenize(path: Path, text: str, checkpoint_dir) -> list[int]:
 
 def golden_settings(checkpoint, ids: list[int], window: int, *, topk: int = DEFAULT_TOPK, shards: int = 1,
                     windows_per_part: int = DEFAULT_WINDOWS_PER_PART) -> GoldenSettings:
-    if window < 2 or len(ids) < window:
-        raise HarnessInputError(f"--window {window}: need a window of at least 2 tokens and a corpus of at least "
-                                f"one window (the corpus has {len(ids)} ids)")
+    if window < 2:
+        raise HarnessInputError(f"--window {window}: need a window of at least 2 tokens")
+    if len(ids) < window:
+        raise HarnessInputError(f"--window {window}: longer than the whole corpus ({len(ids)} ids); use --window "
+                                f"{len(ids)} or less (at least 2), or a longer corpus")
     settings = GoldenSettings(corpus_sha256=corpus_hash(ids), corpus_ids=len(ids), window=window, topk=topk,
                               shards=shards, windows_per_part=windows_per_part,
                               spec_hash=checkpoint.spec.spec_hash(), weights=checkpoint.file_hashes())
@@ -120,27 +128,70 @@ def golden_settings(checkpoint, ids: list[int], window: int, *, topk: int = DEFA
     return settings
 
 
+def _differing_settings(golden_dir: Path, settings: GoldenSettings) -> None:
+    from harness.quality_parts import checked_settings, read_own_json
+
+    file = golden_dir / SETTINGS_FILE
+    found = checked_settings(read_own_json(file, f"remove {golden_dir} or choose another --golden"), file)
+    differ = sorted(k for k, v in settings.to_json().items() if found.get(k) != v)
+    if differ:
+        raise GoldenError(f"--golden {golden_dir}: written for other settings ({', '.join(differ)} differ); "
+                          "use a new --golden directory, or the same corpus, --window, --topk, shard count "
+                          "and checkpoint as the run that started it")
+
+
 def prepare_golden_dir(golden_dir, settings: GoldenSettings) -> None:
     """A new golden directory gets the settings; an existing one must have been written for the
     same corpus, window, top-k, shards and weights (it is resumed, never mixed or overwritten)."""
     golden_dir = Path(golden_dir)
-    file = golden_dir / SETTINGS_FILE
-    if file.is_file():
-        try:
-            found = json.loads(file.read_text())
-        except (OSError, ValueError) as exc:
-            raise GoldenError(f"--golden {golden_dir}: {SETTINGS_FILE} is unreadable ({exc}); remove the "
-                              "directory or choose another") from None
-        differ = sorted(k for k, v in settings.to_json().items() if found.get(k) != v)
-        if differ:
-            raise GoldenError(f"--golden {golden_dir}: written for other settings ({', '.join(differ)} differ); "
-                              "use a new --golden directory, or the same corpus, --window, --topk, shard count "
-                              "and checkpoint as the run that started it")
+    if (golden_dir / SETTINGS_FILE).exists():
+        _differing_settings(golden_dir, settings)
         return
     if golden_dir.exists() and any(golden_dir.iterdir()):
         raise GoldenError(f"--golden {golden_dir}: exists and is not a quality golden (no {SETTINGS_FILE}); "
                           "choose a new or empty directory")
-    write_json_atomic(file, settings.to_json())
+    write_json_atomic(golden_dir / SETTINGS_FILE, settings.to_json())
+
+
+def verify_golden(golden_dir, settings: GoldenSettings, ids: list[int], vocab: int) -> None:
+    """Before any model work: an existing golden's settings, and every part and seal it holds
+    (harness/quality_parts.py); a damaged one is refused with the file to delete."""
+    golden_dir = Path(golden_dir)
+    if not (golden_dir / SETTINGS_FILE).exists():
+        prepare_golden_dir(golden_dir, settings)  # refuses a foreign directory; writes nothing when it is not
+        return
+    _differing_settings(golden_dir, settings)
+    for shard in range(settings.shards):
+        for _ in verified_parts(golden_dir, settings, shard, ids, vocab):
+            pass
+
+
+def verified_parts(golden_dir, settings: GoldenSettings, shard: int, ids, vocab: int, sealed_only: bool = False):
+    """(part range, file, tensors) of one shard's existing parts, each verified; a sealed shard's
+    parts must also hash to its seal and the seal must name this golden's run."""
+    from harness.quality_parts import check_identity, read_own_json, sha256_bytes, verify_part
+
+    directory = shard_dir(golden_dir, shard, settings.shards)
+    seal_file = directory / COMPLETE_FILE
+    complete = None
+    if seal_file.exists():
+        complete = read_own_json(seal_file, f"delete {directory} and rerun its reference pass")
+        check_identity(complete, settings.to_json(), seal_file, shard)
+    elif sealed_only:
+        raise GoldenError(f"--golden {golden_dir}: shard {shard} of {settings.shards} is not complete; run "
+                          f"`gemma-parity quality --shard {shard}/{settings.shards}` for it")
+    for j, part in enumerate(_parts(settings, shard)):
+        file = directory / f"part-{j:05d}.safetensors"
+        if not file.exists():
+            if complete is not None:
+                raise GoldenError(f"{file}: missing from a complete shard; delete {directory} and rerun its "
+                                  "reference pass")
+            continue
+        if complete is not None and sha256_bytes(file.read_bytes()) != complete["parts"].get(file.name):
+            raise GoldenError(f"{file}: not the file its shard recorded (sha256 differs); delete {directory} and "
+                              "rerun its reference pass")
+        corpus = None if ids is None else _windows(ids, settings, part)
+        yield part, file, verify_part(file, part, settings, vocab, corpus)
 
 
 def shard_dir(golden_dir, shard: int, shards: int) -> Path:
@@ -180,23 +231,29 @@ def _part_tensors(checkpoint, windows: torch.Tensor, topk: int) -> dict[str, tor
 
 def write_shard(checkpoint, ids: list[int], golden_dir, settings: GoldenSettings, shard: int,
                 progress: bool = False) -> Path:
-    """The reference pass of one shard, resumed at its first missing part. Returns its directory."""
+    """The reference pass of one shard, resumed at its first missing part (the parts already there
+    are verified first). Returns its directory."""
     out = shard_dir(golden_dir, shard, settings.shards)
     parts = _parts(settings, shard)
     say = status(f"quality reference {shard + 1}/{settings.shards}", progress, total=len(parts))
+    vocab = checkpoint.spec.vocab_size
+    done = {file.name for _, file, _ in verified_parts(golden_dir, settings, shard, ids, vocab)}
     hashes = {}
     for j, part in enumerate(parts):
         file = out / f"part-{j:05d}.safetensors"
-        if not file.is_file():  # parts are written atomically: one that exists is whole
+        if file.name not in done:
             say(f"part {j + 1}/{len(parts)}: windows {part.start}-{part.stop - 1} (fp32 and bf16, streamed)")
             data = save(_part_tensors(checkpoint, _windows(ids, settings, part), settings.topk),
                         metadata={"windows": f"{part.start}-{part.stop}"})
             write_part(file, data)
         else:
-            say(f"part {j + 1}/{len(parts)}: already written (resumed)")
+            say(f"part {j + 1}/{len(parts)}: already written (verified, resumed)")
         hashes[file.name] = hashlib.sha256(file.read_bytes()).hexdigest()
     say.close()
-    write_json_atomic(out / COMPLETE_FILE, {"shard": shard, "shards": settings.shards, "parts": hashes,
+    from harness.quality_parts import IDENTITY
+
+    identity = {k: v for k, v in settings.to_json().items() if k in IDENTITY}
+    write_json_atomic(out / COMPLETE_FILE, {"shard": shard, **identity, "parts": hashes,
                                             "windows": [parts[0].start, parts[-1].stop] if parts else [0, 0]})
     return out
 
@@ -210,23 +267,13 @@ def missing_shards(golden_dir, settings: GoldenSettings) -> list[int]:
     return [i for i in range(settings.shards) if not (shard_dir(golden_dir, i, settings.shards) / COMPLETE_FILE).is_file()]
 
 
-def read_golden_parts(golden_dir, settings: GoldenSettings):
-    """Every part of every shard in window order, each verified against its shard's hashes:
-    yields (window range, tensors)."""
+def read_golden_parts(golden_dir, settings: GoldenSettings, vocab: int | None = None):
+    """Every part of every shard in window order, each verified against its shard's seal and
+    checked whole: yields (window range, tensors)."""
+    vocab = vocab or (2 ** 31 - 1)  # the ids are int32
     for shard in range(settings.shards):
-        directory = shard_dir(golden_dir, shard, settings.shards)
-        try:
-            complete = json.loads((directory / COMPLETE_FILE).read_text())
-        except (OSError, ValueError) as exc:
-            raise GoldenError(f"--golden {golden_dir}: shard {shard} of {settings.shards} is not complete ({exc}); "
-                              f"run `gemma-parity quality --shard {shard}/{settings.shards}` for it") from None
-        for j, part in enumerate(_parts(settings, shard)):
-            file = directory / f"part-{j:05d}.safetensors"
-            data = file.read_bytes() if file.is_file() else b""
-            if hashlib.sha256(data).hexdigest() != complete["parts"].get(file.name):
-                raise GoldenError(f"{file}: missing or not the file its shard recorded (sha256 differs); "
-                                  f"delete {directory} and rerun its reference pass")
-            yield part, load_file(file)
+        for part, _, tensors in verified_parts(golden_dir, settings, shard, None, vocab, sealed_only=True):
+            yield part, tensors
 
 
 def golden_bytes(golden_dir) -> int:

@@ -48,7 +48,7 @@ def _port_engine(checkpoint, settings):
 def _collect(engine, golden_dir, settings, progress) -> dict[str, list]:
     say = status("quality port", progress, total=settings.windows // settings.windows_per_part + settings.shards)
     cols: dict[str, list] = {}
-    for part, g in read_golden_parts(golden_dir, settings):
+    for part, g in read_golden_parts(golden_dir, settings, engine.spec.vocab_size):
         say(f"windows {part.start}-{part.stop - 1} of {settings.windows}")
         for k, w in enumerate(part):
             tokens = g["tokens"][k].long()

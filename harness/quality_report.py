@@ -9,7 +9,6 @@ from pathlib import Path
 
 from harness.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
 
-REPORT_FILES = ("quality.md", "quality.json", "quality_kl.png", "worst_prompts.json")
 MARK = "<!-- written by gemma-parity -->"
 STATS = ("mean", "p50", "p90", "p99", "p99.9", "max")
 
@@ -49,12 +48,17 @@ def format_quality(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def _cell(text: str) -> str:
+    """A Markdown table cell: a `|` (as in |dp|) escaped, or it would split the row."""
+    return text.replace("|", r"\|")
+
+
 def markdown(payload: dict, plotted: bool) -> str:
     lines = [MARK, "# gemma-parity quality", "", f"- verdict: **{'PASS' if payload['passed'] else 'FAIL'}**",
              f"- rule: {payload['verdict']['rule']}",
              f"- positions: {payload['golden']['positions']}, golden {payload['golden']['bytes']} bytes", "",
              "| statistic | port vs fp32 | bf16 reference vs fp32 |", "|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} |" for a, b, c in _rows(payload)]
+    lines += [f"| {_cell(a)} | {b} | {c} |" for a, b, c in _rows(payload)]
     lines += ["", *[f"- FAIL {line}" for line in _failed_checks(payload)], "", "## Worst positions", "",
               "| window | position | KL | bf16 KL | next token | fp32 top-1 | port top-1 | context (last ids) |",
               "|---|---|---|---|---|---|---|---|"]
@@ -97,10 +101,13 @@ def plot_kl(path: Path, kl_values: dict) -> bool:
 
 
 def write_quality_report(report_dir, payload: dict, kl_values: dict) -> Path:
+    """The four files, replacing `report_dir` as a whole (harness/owned_dir.py)."""
+    from harness.owned_dir import owned_directory
+
     report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(report_dir / "quality.json", payload)
-    write_json_atomic(report_dir / "worst_prompts.json", [w["prompt"] for w in payload["worst_positions"]], indent=None)
-    plotted = plot_kl(report_dir / "quality_kl.png", kl_values)
-    write_text_atomic(report_dir / "quality.md", markdown(payload, plotted))
+    with owned_directory(report_dir, "--report", "quality") as tmp:
+        write_json_atomic(tmp / "quality.json", payload)
+        write_json_atomic(tmp / "worst_prompts.json", [w["prompt"] for w in payload["worst_positions"]], indent=None)
+        plotted = plot_kl(tmp / "quality_kl.png", kl_values)
+        write_text_atomic(tmp / "quality.md", markdown(payload, plotted))
     return report_dir

@@ -214,9 +214,16 @@ def markdown_summary(kind: str, payload: dict) -> str:
 
 
 def write_report(report_dir, kind: str, payload: dict, spec) -> Path:
-    """Markdown summary, the JSON and a PNG plot into report_dir (each file written atomically)."""
+    """Markdown summary, the JSON and a PNG plot into report_dir, replaced as a whole (harness/owned_dir.py)."""
+    from harness.owned_dir import owned_directory
+
     report_dir = Path(report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
+    with owned_directory(report_dir, "--report", kind) as tmp:
+        _write_report_files(tmp, kind, payload, spec)
+    return report_dir
+
+
+def _write_report_files(report_dir: Path, kind: str, payload: dict, spec) -> None:
     write_json_atomic(report_dir / f"{kind}.json", payload)
     layers = payload["layers"]
     path = report_dir / f"{kind}_errors.png"
@@ -234,7 +241,6 @@ def write_report(report_dir, kind: str, payload: dict, spec) -> Path:
     if not ok:
         text += "\n(plot skipped: install the `plot` extra for matplotlib)\n"
     write_text_atomic(report_dir / f"{kind}.md", text)
-    return report_dir
 
 
 # ---- graph statistics ----------------------------------------------------------------------------

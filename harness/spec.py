@@ -10,7 +10,8 @@ from pathlib import Path
 
 from harness.errors import ConfigError, not_a_file, read_json_file
 from harness.spec_family import MoESpec, family_fields
-from harness.spec_validate import FULL, SLIDING, bad_value, unsupported, validate_text_config
+from harness.spec_validate import (FULL, SLIDING, bad_value, refuse_heterogeneous_types, unsupported,
+                                   validate_text_config)
 
 SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text", "gemma4", "gemma4_text")
 # Model types whose text decoder is transformers' modeling_gemma4 (31B, E2B/E4B, 26B-A4B); the
@@ -208,6 +209,7 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
     validate_text_config(text, source, family)
     tc = _resolve_with_transformers(text, source, family)
     layers = [_layer_spec(tc, i, t, source) for i, t in enumerate(tc.layer_types)]
+    refuse_heterogeneous_types(layers, source)
     extra: dict = {}
     if family:
         layers, extra = family_fields(tc, layers, source)

@@ -131,6 +131,22 @@ def _validate_per_layer(overrides, dims: dict, source: str) -> None:
             raise bad_value(where, "head_dim", layer["head_dim"], "must be even (rotary embeddings pair lanes)")
 
 
+def refuse_heterogeneous_types(layers, source: str) -> None:
+    """Resolved layers (after per_layer_config): every layer of one type must share its head width
+    and KV heads (transformers refuses the model otherwise, inside its model class: "Layer type ...
+    is not homogeneous"); refused here, before any weight is read or transformers loads a model."""
+    first: dict = {}
+    for layer in layers:
+        ref = first.setdefault(layer.type, layer)
+        for key, a, b in (("head_dim", ref.head_dim, layer.head_dim), ("num_key_value_heads", ref.kv_heads,
+                                                                        layer.kv_heads)):
+            if a != b:
+                raise ConfigError(f"{source}: per_layer_config gives {layer.type} layers different {key} (layer "
+                                  f"{ref.index}: {a}, layer {layer.index}: {b}); every layer of a type must share "
+                                  "it (transformers refuses the model otherwise). Fix config.json (use the one the "
+                                  "weights were saved with).")
+
+
 def validate_text_config(text: dict, source: str, family: bool = False) -> None:
     _validate_dimensions(text, source)
     if text.get("use_bidirectional_attention") == "all":

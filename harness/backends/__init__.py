@@ -107,3 +107,24 @@ def build_engine(checkpoint, settings: RunSettings, capture: bool = False) -> En
     be = make_backend(checkpoint, settings, capture=capture)
     table = checkpoint.per_layer_table(settings.torch_dtype) if checkpoint.spec.per_layer_input_size else None
     return Engine(checkpoint.spec, be, checkpoint.embed_weight(settings.torch_dtype), settings, per_layer_table=table)
+
+
+def backend_unavailable(name: str) -> str | None:
+    """Why `name` cannot run in this environment (the packages it needs), or None: for commands
+    that do long work before they build the port (quality's reference pass) to refuse first."""
+    import importlib.util
+
+    from harness.errors import HarnessInputError
+
+    if name == "neuron":
+        from harness.backends.neuron_packages import check_neuron_packages
+
+        try:
+            check_neuron_packages()
+        except HarnessInputError as exc:
+            return str(exc)
+    elif name == "xla" and importlib.util.find_spec("torch_xla") is None:
+        from harness.backends.xla import INSTALL_COMMAND
+
+        return f"the xla backend needs torch-xla, which this environment lacks; install it: {INSTALL_COMMAND}"
+    return None

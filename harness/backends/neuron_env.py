@@ -28,10 +28,14 @@ from harness.errors import HarnessInputError
 
 INF2_CORES_PER_DEVICE = 2  # one Inferentia2 chip (/dev/neuronN) has two NeuronCores
 INF2_LNC = 1  # logical NeuronCore size on inf2 (NeuronCore-v2: no LNC=2)
+MAX_CORE_ID = 1023  # far above the largest instance (trn2.48xlarge: 128 cores); a bigger id is a typo
 
 def _cores_from_neuron_ls(text: str) -> int:
     """Sum of nc_count over the devices `neuron-ls --json-output` lists."""
-    return sum(int(device.get("nc_count", 0)) for device in json.loads(text))
+    count = sum(int(device.get("nc_count", 0)) for device in json.loads(text))
+    if not 0 <= count <= MAX_CORE_ID:
+        raise ValueError(f"nc_count total {count} is not a NeuronCore count")
+    return count
 
 
 def _device_files() -> list[str]:
@@ -47,7 +51,8 @@ def neuron_core_count() -> int:
             out = subprocess.run([exe, "--json-output"], capture_output=True, text=True, timeout=60,
                                  check=True)
             return _cores_from_neuron_ls(out.stdout)
-        except (OSError, subprocess.SubprocessError, ValueError, TypeError, AttributeError):
+        except (OSError, subprocess.SubprocessError, ValueError, TypeError, AttributeError, OverflowError,
+                RecursionError):  # output that is not neuron-ls's (deep nesting, nc_count 1e999)
             pass  # fall back to counting device files
     return INF2_CORES_PER_DEVICE * len(_device_files())
 
@@ -84,10 +89,14 @@ def parse_visible_cores(value: str) -> list[int]:
     """The NeuronCore ids a NEURON_RT_VISIBLE_CORES value names: '0-1', '2', '0,1', '0-3,6'."""
     cores: list[int] = []
     for part in value.replace(" ", "").split(","):
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        match = re.fullmatch(r"([0-9]{1,6})(?:-([0-9]{1,6}))?", part)  # ASCII digits only (not \d: ٠-١)
         if not match or (match.group(2) is not None and int(match.group(2)) < int(match.group(1))):
             raise HarnessInputError(f"NEURON_RT_VISIBLE_CORES={value!r}: {part!r} is not a core id or a range "
-                                    "like 0-1; write e.g. NEURON_RT_VISIBLE_CORES=0-1")
+                                    "like 0-1 (ASCII digits); write e.g. NEURON_RT_VISIBLE_CORES=0-1")
+        if int(match.group(2) or match.group(1)) > MAX_CORE_ID:
+            raise HarnessInputError(f"NEURON_RT_VISIBLE_CORES={value!r}: core {int(match.group(2) or match.group(1))} "
+                                    f"is beyond any Neuron host (ids 0-{MAX_CORE_ID}); write e.g. "
+                                    "NEURON_RT_VISIBLE_CORES=0-1")
         first = int(match.group(1))
         cores.extend(range(first, int(match.group(2) or first) + 1))
     return sorted(set(cores))

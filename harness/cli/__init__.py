@@ -12,21 +12,29 @@ gemma-parity), with the traceback written to a file; 130 interrupted; 143 termin
 
 from __future__ import annotations
 
+import sys
+
+if sys.argv[:1] == ["-m"] and sys.orig_argv[len(sys.orig_argv) - len(sys.argv)] == "harness.cli":
+    # `python -m harness.cli`: runpy imports this package before its __main__, so the signal guard
+    # goes in here, before the commands import torch (a library import leaves signals alone)
+    from harness.entry_guard import guard
+
+    guard()
+
 import argparse
 import datetime
 import os
 import signal
-import sys
 import tempfile
 import traceback
 
-from harness.cli import bisect, check, doctor, graphs, info, perf, quality, reference
+from harness.cli import bisect, check, doctor, graphs, info, merge, perf, quality, reference
 from harness.cli.common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                                 EXIT_TERMINATED)
 from harness.atomic import release_claims
 from harness.errors import SHOW_BYTES, HarnessInputError, os_problem
 
-COMMANDS = (info, reference, check, bisect, perf, graphs, doctor, quality)
+COMMANDS = (info, reference, check, bisect, perf, graphs, doctor, quality, merge)
 
 
 class Terminated(BaseException):
@@ -41,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "0 pass, 1 parity failure or regression, 2 bad input or environment, 70 internal "
                     "error, 130 interrupted.",
     )
+    import harness
+
+    parser.add_argument("--version", action="version", version=f"gemma-parity {harness.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.add_command(sub)
@@ -49,6 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _command_name(args) -> str:
     return f"{args.command} {args.perf_command}" if getattr(args, "perf_command", None) else args.command
+
+
+def _err(line: str) -> None:
+    """One line to stderr; a closed stderr (`2>&1 | head -c0`) silences it instead of raising, so
+    the exit status stays the one the contract gives."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # BrokenPipeError, or a stream already closed
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        except (OSError, ValueError):
+            pass
 
 
 def _on_sigterm(signum, frame):
@@ -68,12 +91,12 @@ def _internal_error(name: str, exc: BaseException, argv: list[str]) -> int:
             where = f.name
     except Exception:  # noqa: BLE001  (no crash file: the traceback goes to stderr below)
         pass
-    print(f"gemma-parity {name}: internal error (a bug in gemma-parity, not a parity verdict): "
-          f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    _err(f"gemma-parity {name}: internal error (a bug in gemma-parity, not a parity verdict): "
+         f"{type(exc).__name__}: {exc}")
     if where:
-        print(f"gemma-parity {name}: the traceback is in {where}; please report it with that file", file=sys.stderr)
+        _err(f"gemma-parity {name}: the traceback is in {where}; please report it with that file")
     else:
-        print(text, file=sys.stderr, end="")
+        _err(text.rstrip("\n"))
     return EXIT_INTERNAL
 
 
@@ -94,13 +117,13 @@ def _run(args, name: str, argv: list[str]) -> int:
         args.validate(args)
         return args.func(args)
     except HarnessInputError as exc:
-        print(f"gemma-parity {name}: error: {exc}", file=sys.stderr)
+        _err(f"gemma-parity {name}: error: {exc}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print(f"gemma-parity {name}: interrupted; nothing half written was kept", file=sys.stderr)
+        _err(f"gemma-parity {name}: interrupted; nothing half written was kept")
         return EXIT_INTERRUPTED
     except Terminated:
-        print(f"gemma-parity {name}: terminated; nothing half written was kept", file=sys.stderr)
+        _err(f"gemma-parity {name}: terminated; nothing half written was kept")
         return EXIT_TERMINATED
     except BrokenPipeError:
         # stdout closed early (`| head`): nothing more can be shown; not a parity verdict
@@ -108,11 +131,11 @@ def _run(args, name: str, argv: list[str]) -> int:
         return EXIT_BAD_INPUT
     except OSError as exc:
         where = exc.filename if exc.filename is not None else "a file"
-        print(f"gemma-parity {name}: error: {os_problem(exc, where, 'failed')}", file=sys.stderr)
+        _err(f"gemma-parity {name}: error: {os_problem(exc, where, 'failed')}")
         return EXIT_BAD_INPUT
     except MemoryError:
-        print(f"gemma-parity {name}: error: out of memory; use a machine with more memory (or, for "
-              "`reference`, --stream)", file=sys.stderr)
+        _err(f"gemma-parity {name}: error: out of memory; use a machine with more memory (or, for "
+             "`reference`, --stream)")
         return EXIT_BAD_INPUT
     except Exception as exc:  # noqa: BLE001  (the contract: a bug is reported as one, never as exit 1)
         return _internal_error(name, exc, argv)

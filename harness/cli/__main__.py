@@ -1,11 +1,9 @@
-"""`python -m harness.cli` runs the gemma-parity command."""
+"""`python -m harness.cli` runs the gemma-parity command with its signal guard (harness/entry.py)
+in place before the commands (torch, transformers) are imported: Ctrl-C at any point after the
+interpreter reaches this module exits 130 with one line, never a traceback."""
 
 import sys
 
-from harness.cli import main
+from harness.entry import main  # first: installs the guard; imports nothing heavy
 
-try:
-    sys.exit(main())
-except KeyboardInterrupt:  # Ctrl-C while Python imports torch, before main() can catch it
-    print("gemma-parity: interrupted", file=sys.stderr)
-    sys.exit(130)
+sys.exit(main())

@@ -46,7 +46,7 @@ def run(args) -> int:
     print(ckpt.describe())
     result, payload = bisect_golden(ckpt, args.golden_read, args.settings, mode=args.mode, progress=True)
     text = format_bisect(payload)
-    payload = with_generator(payload, "bisect")
+    payload = with_generator(payload, "bisect", args)
     if args.json is not None:  # the files first: a verdict is printed only once they are written
         write_json_atomic(args.json, payload)
     if args.report is not None:

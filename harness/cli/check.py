@@ -73,13 +73,16 @@ def run(args) -> int:
                               prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
                               fp32_stage=not args.skip_fp32_stage,
                               extra_checks=(served_stage(args.settings, progress=True, skip=args.skip_served_build),))
-    payload = with_generator(result.to_json(), "check")
+    payload = with_generator(result.to_json(), "check", args)
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.
     if args.json is not None:
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_report(args.report, "check", payload, ckpt.spec)
+    for flag, where in (("report", args.report), ("json", args.json)):
+        if where is not None:
+            print(f"{flag} written to {where}")
     for stage in result.extra_stages:  # the served build
         print(stage.describe())
     print(format_check(result, verbose=args.verbose))

@@ -20,8 +20,20 @@ def add_model_args(p, config: bool = False) -> None:
     group.add_argument("--checkpoint", metavar="DIR", help="local checkpoint directory (config.json + *.safetensors)")
     if config:
         group.add_argument("--config", metavar="FILE", help="a config.json (no weights needed)")
-    group.add_argument("--model", choices=["tiny"], help="the embedded tiny 12B-shaped model (built and cached on first use)")
+    from harness.tiny import TINY_FAMILY
+
+    group.add_argument("--model", choices=["tiny", *(f"tiny-{name}" for name in TINY_FAMILY)],
+                       help="an embedded tiny model, built and cached on first use: `tiny` is 12B-shaped, "
+                            "tiny-31b, tiny-e2b, tiny-e4b and tiny-26b-a4b the family's shapes")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model (default 0)")
+
+
+def tiny_config(args) -> Path:
+    """The tiny model's config for --model (tiny: the 12B's shape; tiny-NAME: harness.tiny.TINY_FAMILY)."""
+    from harness.tiny import TINY_CONFIG, TINY_FAMILY
+
+    model = getattr(args, "model", None) or "tiny"
+    return TINY_CONFIG if model == "tiny" else TINY_FAMILY[model.removeprefix("tiny-")]
 
 
 def checkpoint_dir(args) -> Path:
@@ -29,7 +41,7 @@ def checkpoint_dir(args) -> Path:
 
     if getattr(args, "checkpoint", None):
         return Path(args.checkpoint)
-    return tiny_checkpoint(seed=args.seed)
+    return tiny_checkpoint(seed=args.seed, config_path=tiny_config(args))
 
 
 def buckets_arg(text: str) -> tuple[int, ...]:
@@ -113,8 +125,40 @@ def add_port_args(p, report_help: str) -> None:
     p.add_argument("--report", metavar="DIR", help=report_help)
 
 
-def with_generator(payload: dict, command: str) -> dict:
-    """A JSON result marked as this tool's, so a later run may replace it (and nothing else)."""
+def with_generator(payload: dict, command: str, args=None) -> dict:
+    """A JSON result marked as this tool's, so a later run may replace it (and nothing else); with
+    the command's `args`, also its provenance (harness/provenance.py)."""
     import harness
 
-    return {"generator": f"gemma-parity {command} {harness.__version__}", **payload}
+    out = {"generator": f"gemma-parity {command} {harness.__version__}", **payload}
+    if args is not None:
+        out["provenance"] = run_provenance(args)
+    return out
+
+
+PROVENANCE_FILES = ("golden", "prompts", "corpus")
+
+
+def run_provenance(args) -> dict:
+    """The command line's settings in full, the resolved run settings, and the inputs' hashes."""
+    import dataclasses
+
+    from harness.provenance import file_sha256, provenance
+
+    plain = (str, int, float, bool, type(None), list, tuple)
+    settings = {k: v for k, v in sorted(vars(args).items()) if isinstance(v, plain) and not k.endswith("_ids")
+                and k not in ("func", "validate")}
+    if dataclasses.is_dataclass(getattr(args, "settings", None)):
+        values = {f.name: getattr(args.settings, f.name) for f in dataclasses.fields(args.settings)}
+        settings["run"] = {k: (v if isinstance(v, plain) else {str(a): str(b) for a, b in v.items()}
+                               if hasattr(v, "items") else str(v)) for k, v in values.items()}
+    inputs = {}
+    if getattr(args, "ckpt", None) is not None:
+        inputs["checkpoint"] = args.ckpt.file_hashes()
+    for name in PROVENANCE_FILES:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and Path(value).is_file():
+            inputs[name] = file_sha256(value)
+        elif isinstance(value, str) and Path(value).is_dir():
+            inputs[name] = {p.name: file_sha256(p) for p in sorted(Path(value).glob("*.json"))}
+    return provenance(settings, inputs)

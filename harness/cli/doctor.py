@@ -192,8 +192,9 @@ def neuron_ls_check() -> tuple[int, Check]:
                         "aws-neuronx-tools and put /opt/aws/neuron/bin on PATH")
     try:
         cores = env._cores_from_neuron_ls(out)
-    except (ValueError, TypeError, AttributeError) as exc:
-        return 0, Check("neuron-ls", False, f"unreadable --json-output ({exc}); fix: update aws-neuronx-tools")
+    except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:160]
+        return 0, Check("neuron-ls", False, f"unreadable --json-output ({why}); fix: update aws-neuronx-tools")
     if cores == 0:
         return 0, Check("neuron-ls", False, "lists no NeuronCore; fix: run on an inf2 instance with the Neuron "
                         "driver loaded (aws-neuronx-dkms)")
@@ -232,5 +233,6 @@ def cores_check(total: int, tp: int, environ) -> Check:
         return Check("cores", True, f"NEURON_RT_VISIBLE_CORES={visible} gives tp={tp} its cores")
     if total < tp:
         return Check("cores", False, f"tp={tp} needs {tp} NeuronCores but this host has {total}; fix: run on an "
-                     f"instance with at least {tp} (inf2.8xlarge has 2) or use --tp {max(total, 1)}")
+                     f"instance with at least {tp} (inf2.8xlarge has 2); a smaller --tp helps only if the model "
+                     "fits it (`gemma-parity info --tp N` shows the fit; the 12B needs 2)")
     return Check("cores", True, f"{total} NeuronCores for tp={tp}")

@@ -24,10 +24,17 @@ def add_command(subparsers) -> None:
         description="Time prefill per bucket and decode per token. Exit 0 ok, 2 bad input.")
     source = bench.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (safetensors)")
-    source.add_argument("--model", choices=("tiny",), help="the cached tiny fixture model")
+    from harness.tiny import TINY_FAMILY
+
+    source.add_argument("--model", choices=("tiny", *(f"tiny-{name}" for name in TINY_FAMILY)),
+                        help="a cached tiny fixture model (tiny: 12B-shaped; tiny-31b, -e2b, -e4b, -26b-a4b)")
     add_run_args(bench, BENCH_SETTINGS)
-    bench.add_argument("--runs", type=int, default=DEFAULT_RUNS,
-                       help="timed runs; p90 is reported from 10, p99 from 100 samples (default %(default)s)")
+    bench.add_argument("--runs", type=_runs_arg, default=DEFAULT_RUNS,
+                       help="timed runs; p90 is reported from 10, p99 from 100 samples (default %(default)s); "
+                            "`auto`: a pilot of 10 runs, then as many as resolve a 10%% change of every median "
+                            "(harness/perf/resolution.py) within --time-cap seconds")
+    bench.add_argument("--time-cap", type=float, default=AUTO_TIME_CAP_S,
+                       help="with --runs auto: the most seconds of timed runs after the pilot (default %(default)s)")
     bench.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                        help="runs made first and discarded (default %(default)s)")
     bench.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS,
@@ -97,7 +104,9 @@ def _is_bench_result(path: Path) -> bool:
 
 
 def validate_bench(args) -> None:
-    v._int_option(args, "runs", 1)
+    if args.runs != "auto":
+        v._int_option(args, "runs", 1)
+    v._finite(args.time_cap, "--time-cap", 1.0)
     v._int_option(args, "warmup", 0)
     v._int_option(args, "new_tokens", 1)
     v._int_option(args, "tp", 1)
@@ -207,9 +216,10 @@ def validate_compare(args) -> None:
     if args.markdown is not None:
         v.replaceable_file(v.output_location(args.markdown, "--markdown", False, inputs, outputs), "--markdown",
                            v._markdown_is_ours)
-    if args.markdown is not None and _length_png(args.markdown).exists():  # only an earlier length plot is replaced
-        v.replaceable_file(_length_png(args.markdown), "--markdown's length plot",
-                           lambda path: path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n")
+    if args.markdown is not None:  # the plots beside it: only ones an earlier run drew are replaced
+        for png, what in ((_length_png(args.markdown), "length plot"), (_trend_png(args.markdown), "trend plot")):
+            if png.exists() and (what == "length plot" or (args.history and not args.plot)):
+                v.replaceable_file(png, f"--markdown's {what}", _png_is_ours)
     if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
     if args.plot is not None:
@@ -217,15 +227,48 @@ def validate_compare(args) -> None:
             raise OptionError("--plot draws the history's trend: give it with --history DIR")
         plot = v.output_location(args.plot, "--plot", False, inputs, outputs)
         if plot.exists():  # only a PNG (a trend plot of an earlier run) is replaced
-            v.replaceable_file(plot, "--plot", lambda path: path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n")
+            v.replaceable_file(plot, "--plot", _png_is_ours)
     v.clean_leftovers(outputs.values())
 
 
 # ---- running -------------------------------------------------------------------------------------
 
+AUTO_PILOT_RUNS, AUTO_TIME_CAP_S = 10, 600.0
+
+
+def _runs_arg(text: str):
+    return "auto" if text == "auto" else int(text)
+
+
+def _auto_runs(args) -> int:
+    """--runs auto: a pilot run measures the spread and the time per run; the real run takes as
+    many runs as resolve a 10% change of every median (alpha 0.01, power 0.8), within the cap."""
+    import time
+
+    from harness.perf.resolution import STATED_CHANGE, runs_for
+    from harness.perf.results import metric_samples
+
+    start = time.monotonic()
+    pilot = run_bench(args.ckpt, args.settings, runs=AUTO_PILOT_RUNS, warmup=args.warmup,
+                      new_tokens=args.new_tokens, progress=True, lengths=args.lengths)
+    per_run = (time.monotonic() - start) / (AUTO_PILOT_RUNS + args.warmup)
+    need = max(runs_for(s, s, 0.01, STATED_CHANGE) for s in metric_samples(pilot).values() if len(s) > 1)
+    runs = max(AUTO_PILOT_RUNS, min(need, int(args.time_cap / max(per_run, 1e-6))))
+    print(f"gemma-parity: --runs auto: the pilot's spread needs {need} runs to resolve {STATED_CHANGE:.0%}; "
+          f"running {runs}{' (the --time-cap allows no more)' if runs < need else ''}", file=sys.stderr)
+    return runs
+
+
 def run_bench_command(args) -> int:
-    result = run_bench(args.ckpt, args.settings, runs=args.runs, warmup=args.warmup, new_tokens=args.new_tokens,
+    runs = _auto_runs(args) if args.runs == "auto" else args.runs
+    result = run_bench(args.ckpt, args.settings, runs=runs, warmup=args.warmup, new_tokens=args.new_tokens,
                        progress=True, lengths=args.lengths)
+    from harness.cli.common import run_provenance
+
+    result["provenance"] = run_provenance(args)
+    if result["provenance"]["git"]["dirty"]:
+        print(f"gemma-parity: note: the tree has uncommitted changes; {args.out} records commit "
+              f"{str(result.get('git_commit'))[:12]} with dirty: true", file=sys.stderr)
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
     print(f"wrote {args.out}", file=sys.stderr)
@@ -241,6 +284,7 @@ def run_compare_command(args) -> int:
         comp = compare_history(args.history, **options)
     else:
         comp = compare_files(args.baseline, args.current, **options)
+    _warn_provenance(args)
     plot = _trend_plot(args, comp, args.budgets)
     if args.markdown:  # latency against length, beside the Markdown (a run benched with --lengths)
         draw_length(comp, _length_png(args.markdown))
@@ -253,13 +297,50 @@ def run_compare_command(args) -> int:
     return EXIT_FAIL if comp.failed else EXIT_OK
 
 
+def _warn_provenance(args) -> None:
+    """A warning when the two runs compared were produced under different settings or versions."""
+    import json
+
+    from harness.provenance import differences
+
+    if args.history is not None:
+        return  # a history's runs span commits by design; its changes are the point
+    blocks = []
+    for path in (args.baseline, args.current):
+        try:
+            blocks.append(json.loads(Path(path).read_text()).get("provenance"))
+        except (OSError, ValueError, AttributeError, RecursionError):
+            blocks.append(None)
+    differ = differences(*blocks)
+    if differ:
+        print(f"gemma-parity: warning: baseline and current ran under different settings or versions: "
+              f"{'; '.join(differ[:6])}{' ...' if len(differ) > 6 else ''}", file=sys.stderr)
+
+
 def _trend_plot(args, comp, budgets):
     """The history's trend PNG: --plot, else beside --markdown; never without --history."""
     if not args.history or not (args.plot or args.markdown):
         return None
     markdown = Path(args.markdown) if args.markdown else None
-    path = Path(args.plot) if args.plot else markdown.with_name(f"{markdown.stem}-trend.png")
+    path = Path(args.plot) if args.plot else _trend_png(markdown)
     return draw_trend(comp, path, budgets)
+
+
+def _png_is_ours(path: Path) -> bool:
+    """A PNG this tool drew: its tEXt chunk names the software (harness/perf/plot.py)."""
+    from harness.perf.plot import PNG_SOFTWARE
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    return head[:8] == b"\x89PNG\r\n\x1a\n" and b"Software\x00" + PNG_SOFTWARE.encode() in head
+
+
+def _trend_png(markdown) -> Path:
+    markdown = Path(markdown)
+    return markdown.with_name(f"{markdown.stem}-trend.png")
 
 
 def _length_png(markdown) -> Path:

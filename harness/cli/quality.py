@@ -3,13 +3,12 @@ of the fp32 reference, side by side with the bf16 reference (KL, delta-p, top-1,
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from harness.atomic import write_json_atomic
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
-from harness.errors import GoldenError, OptionError, OutputError
+from harness.errors import InputFileError, OptionError
 
 
 def add_command(sub) -> None:
@@ -28,16 +27,23 @@ def add_command(sub) -> None:
     p.add_argument("--topk", type=int, default=None, help="fp32 log-probabilities kept per position (default 32, or the golden's)")
     p.add_argument("--windows-per-part", type=int, default=None,
                    help="windows per golden file, the resume granularity (default 16, or the golden's)")
-    p.add_argument("--shard", metavar="I/N", default=None,
-                   help="write only shard I of N of the golden (0-based; one CI job each) and stop")
+    p.add_argument("--shard", metavar="I/N|auto[/N]", default=None,
+                   help="write only shard I of N of the golden (0-based; one CI job each) and stop; `auto` takes I "
+                        "(and N where set) from AWS Batch, Kubernetes indexed Job or Slurm array variables")
     p.add_argument("--reference-only", action="store_true", help="write the golden's missing shards and stop")
     add_port_args(p, "write quality.md, quality.json, quality_kl.png and worst_prompts.json there")
     p.set_defaults(func=run, validate=validate)
 
 
-def _shard(text: str | None) -> tuple[int, int] | None:
+def _shard(text: str | None, existing: dict) -> tuple[int, int] | None:
     if text is None:
         return None
+    if text.split("/")[0] == "auto":
+        import os
+
+        from harness.array_index import shard_from_environment
+
+        return shard_from_environment(text, os.environ, existing.get("shards"))
     try:
         i, n = (int(x) for x in text.split("/"))
     except ValueError:
@@ -49,43 +55,48 @@ def _shard(text: str | None) -> tuple[int, int] | None:
 
 def _existing_settings(golden: Path) -> dict:
     from harness.quality import SETTINGS_FILE
+    from harness.quality_parts import checked_settings, read_own_json
 
     file = golden / SETTINGS_FILE
-    if not file.is_file():
+    if not file.exists():
         return {}
-    try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise GoldenError(f"--golden {golden}: {SETTINGS_FILE} is unreadable ({exc}); remove the directory") from None
+    return checked_settings(read_own_json(file, f"remove {golden} (or choose another --golden) and rerun"), file)
+
+
+def _refuse_model(spec, backend: str) -> None:
+    """What the reference pass or the port cannot run here, before any model work."""
+    from harness.backends import backend_unavailable
+
+    if spec.per_layer_input_size or spec.shared_layers:
+        raise OptionError(f"{spec.source}: quality streams the reference one layer at a time, which does not run "
+                          "per-layer inputs or KV-shared layers (E2B/E4B-like models); judge these with "
+                          "`gemma-parity check` instead")
+    problem = backend_unavailable(backend)
+    if problem:
+        raise OptionError(f"--backend {backend}: {problem}")
 
 
 def _outputs(args, inputs) -> None:
-    from harness.quality_report import MARK, REPORT_FILES
-
     outputs: dict = {}
     if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
     if args.report is not None:
-        report = v.output_location(args.report, "--report", True, inputs, outputs)
-        foreign = sorted(p.name for p in report.iterdir() if p.name not in REPORT_FILES) if report.is_dir() else []
-        md = report / "quality.md"
-        if foreign or (md.is_file() and MARK not in md.read_text(errors="replace")):
-            raise OutputError(f"--report {report}: holds files gemma-parity quality did not write "
-                              f"({', '.join(foreign[:5]) or 'quality.md'}); choose a new or empty directory")
-    v.output_location(args.golden, "--golden", True, inputs, outputs)
-    v.clean_leftovers(outputs.values())
+        v.replaceable_report(v.output_location(args.report, "--report", True, inputs, outputs), "--report", "quality")
+    golden = v.output_location(args.golden, "--golden", True, inputs, outputs)
+    shards = sorted(p for p in golden.glob("shard-*-of-*") if p.is_dir() and not p.is_symlink()) if golden.is_dir() else []
+    v.clean_leftovers([*outputs.values(), *shards])  # a killed part write leaves its temp in the shard's directory
 
 
 def validate(args) -> None:
     """Options, outputs, the checkpoint, the corpus and an existing golden's settings, in that order."""
-    from harness.quality import DEFAULT_WINDOW, DEFAULT_WINDOWS_PER_PART, golden_settings, load_corpus
+    from harness.quality import DEFAULT_WINDOW, DEFAULT_WINDOWS_PER_PART, golden_settings, load_corpus, verify_golden
     from harness.quality_judge import check_window_fits
     from harness.quality_stats import DEFAULT_TOPK
 
     v._port_options(args)
     args.settings = run_settings(args)
-    args.shard_pair = _shard(args.shard)
     existing = _existing_settings(Path(args.golden))
+    args.shard_pair = _shard(args.shard, existing)
     for name, default in (("window", DEFAULT_WINDOW), ("topk", DEFAULT_TOPK), ("windows_per_part", DEFAULT_WINDOWS_PER_PART)):
         if getattr(args, name) is None:
             setattr(args, name, existing.get(name, default))
@@ -95,15 +106,20 @@ def validate(args) -> None:
         raise OptionError(f"--topk {args.topk}: use 1 to 256 (32-64 keeps the golden compact)")
     inputs = v.model_inputs(args)
     inputs["--corpus"] = v.input_path(args.corpus, "--corpus", want_dir=False)
+    if not inputs["--corpus"].is_file():  # a pipe nobody writes would hang the run; the corpus is read whole
+        raise InputFileError(f"--corpus {args.corpus}: is a named pipe or device, not a regular file; save the "
+                             "corpus to a file and give that")
     _outputs(args, inputs)
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, args.kv_len)
+    _refuse_model(ckpt.spec, args.settings.backend)
     check_window_fits(args.window, args.buckets, args.kv_len)
     args.corpus_ids = load_corpus(args.corpus, args.ckpt_dir, ckpt.spec)
     shards = args.shard_pair[1] if args.shard_pair else existing.get("shards", 1)
     args.golden_settings = golden_settings(ckpt, args.corpus_ids, args.window, topk=args.topk, shards=shards,
-                                    windows_per_part=args.windows_per_part)
+                                           windows_per_part=args.windows_per_part)
+    verify_golden(args.golden, args.golden_settings, args.corpus_ids, ckpt.spec.vocab_size)
 
 
 def run(args) -> int:
@@ -126,10 +142,13 @@ def run(args) -> int:
         return EXIT_OK
     payload = judge_corpus(ckpt, args.golden, settings, args.settings, progress=True)
     kl_values = payload.pop("kl_values")
-    payload = with_generator(payload, "quality")
+    payload = with_generator(payload, "quality", args)
     if args.json is not None:  # the files first: a verdict is printed only once they are written
         write_json_atomic(args.json, payload)
     if args.report is not None:
         write_quality_report(args.report, payload, kl_values)
+    for flag, where in (("report", args.report), ("json", args.json)):
+        if where is not None:
+            print(f"{flag} written to {where}")
     print(format_quality(payload))
     return EXIT_OK if payload["passed"] else EXIT_FAIL

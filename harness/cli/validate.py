@@ -21,7 +21,6 @@ from pathlib import Path
 from harness.atomic import clean_stale_temps, temp_prefix
 from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, not_a_file, os_problem, read_json_file
 
-REPORT_FILES = {f"{kind}{ext}" for kind in ("check", "bisect") for ext in (".md", ".json", "_errors.png")}
 GENERATOR = "gemma-parity"  # the "generator" key of every JSON result the commands write
 MARKDOWN_MARK = "<!-- written by gemma-parity -->"
 # Keys that identify a JSON result written by an older gemma-parity (before the generator key).
@@ -166,13 +165,11 @@ def replaceable_file(path: Path, flag: str, ours) -> None:
                           "overwritten. Choose a new name, or move the file away yourself.")
 
 
-def replaceable_report(path: Path, flag: str) -> None:
-    if path.is_dir():
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in REPORT_FILES or not p.is_file()
-                         or p.is_symlink())
-        if foreign:
-            raise OutputError(f"{flag} {path}: holds files that are not part of a gemma-parity report "
-                              f"({', '.join(foreign[:5])}); choose a new or empty --report directory")
+def replaceable_report(path: Path, flag: str, command: str = "") -> None:
+    """Only a directory this tool wrote (its manifest matches every file) may be replaced."""
+    from harness.owned_dir import refuse_foreign
+
+    refuse_foreign(path, flag, command)
 
 
 def clean_leftovers(paths) -> None:
@@ -214,7 +211,9 @@ def model_inputs(args) -> dict[str, Path]:
         return {"--config": input_path(args.config, "--config", want_dir=False)}
     if getattr(args, "checkpoint", None) is not None:
         return {"--checkpoint": input_path(args.checkpoint, "--checkpoint", want_dir=True)}
-    return {"the tiny-model cache entry": tiny_checkpoint_path(getattr(args, "seed", 0) or 0)}
+    from harness.cli.common import tiny_config
+
+    return {"the tiny-model cache entry": tiny_checkpoint_path(getattr(args, "seed", 0) or 0, tiny_config(args))}
 
 
 def open_checkpoint(args):
@@ -241,6 +240,25 @@ def check_kv_len(spec, kv_len: int | None) -> None:
     if kv_len is not None and spec.max_positions is not None and kv_len > spec.max_positions:
         raise OptionError(f"--kv-len {kv_len}: more than the model's max_position_embeddings "
                           f"{spec.max_positions} ({spec.source}); use --kv-len {spec.max_positions} or less")
+    if kv_len is not None:
+        _kv_fits_host(spec, kv_len)
+
+
+def _kv_fits_host(spec, kv_len: int) -> None:
+    """The KV cache's least size (one copy, bf16, ring-free) against this host's memory: a KV length
+    no allocation can satisfy is refused with the numbers, not left to fail in the allocator."""
+    from harness.sharding import kv_cache_bytes
+
+    per_token = kv_cache_bytes(spec, 1, "bfloat16")["per_token"]
+    try:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return
+    if per_token and per_token * kv_len > host:
+        longest = host // per_token
+        raise OptionError(f"--kv-len {kv_len}: the KV cache alone needs at least {per_token} B/token x {kv_len} = "
+                          f"{per_token * kv_len / 2**30:.1f} GiB, more than this host's {host / 2**30:.1f} GiB of "
+                          f"memory; use --kv-len {longest} or less (the default is 256)")
 
 
 def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear") -> None:
@@ -253,6 +271,22 @@ def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "
         raise OptionError(str(exc)) from None
 
 
+def _warn_golden_versions(where, recorded) -> None:
+    """A golden written under other torch/transformers versions: its reference may differ by their changes."""
+    import harness
+    from harness.provenance import package_versions
+
+    if not isinstance(recorded, dict):
+        return
+    now = {**package_versions(), "harness": harness.__version__}
+    differ = [f"{k} {recorded[k]} (now {now.get(k, 'absent')})" for k in sorted(recorded)
+              if k in ("torch", "transformers", "harness") and recorded[k] != now.get(k)]
+    if differ:
+        print(f"gemma-parity: warning: golden {where} was written under {', '.join(differ)}; its reference can "
+              "differ from this environment's by those versions' changes (rewrite it here to rule that out)",
+              file=sys.stderr)
+
+
 def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     """Read and verify the golden for the checkpoint's spec; prompts and tokens come from it."""
     from harness.golden import GoldenError, read_golden, same_weights
@@ -263,6 +297,7 @@ def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     golden.results("bfloat16")  # the noise envelope: check and bisect need it (refused here, not later)
     validate_prompt_ids(args.ckpt.spec, golden.prompts, f"golden {args.golden}")
     args.golden_same_weights = same_weights(golden, args.ckpt)
+    _warn_golden_versions(args.golden, golden.manifest.get("versions"))
     if args.golden_same_weights is None:
         print(f"gemma-parity: note: golden {args.golden} records no checkpoint hashes; whether it was written "
               "from these weights cannot be checked", file=sys.stderr)
@@ -284,7 +319,7 @@ def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
     if args.json is not None:
         replaceable_file(output_location(args.json, "--json", False, inputs, outputs), "--json", _json_is_ours)
     if args.report is not None:
-        replaceable_report(output_location(args.report, "--report", True, inputs, outputs), "--report")
+        replaceable_report(output_location(args.report, "--report", True, inputs, outputs), "--report", args.command)
     clean_leftovers(outputs.values())
     ckpt = open_checkpoint(args)
     check_tp(ckpt.spec, args.tp)

@@ -263,6 +263,11 @@ def compare_results(baseline: dict | None, current: dict, factor: float = DEFAUL
     comp = compare_samples(None if baseline is None else metric_samples(baseline),
                            metric_samples(current), factor, alpha, budgets, baseline_label, current_label,
                            budget_pool=budget_samples(current), intervals=intervals)
+    if baseline is not None:
+        from harness.perf.resolution import machine_rate_notes, resolution_notes
+
+        notes += machine_rate_notes(baseline, current)
+        notes += resolution_notes(metric_samples(baseline), metric_samples(current), alpha)
     comp.notes = notes + comp.notes
     comp.roofline = current.get("roofline")
     comp.at_length = current.get("at_length")

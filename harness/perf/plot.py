@@ -12,6 +12,7 @@ from harness.atomic import write_bytes_atomic
 from harness.perf.compare import Comparison
 
 MAX_PANELS = 4
+PNG_SOFTWARE = "gemma-parity"  # a tEXt chunk: how `perf compare` knows a PNG beside --markdown is its own
 MAX_TICKS = 20  # commit labels per panel: one per run made 10,000-run histories take minutes to draw
 HEADLINE = ("ttft_ms", "prefill_ms", "tpot_ms", "decode_ms_per_token")
 
@@ -79,7 +80,7 @@ def draw_trend(comp: Comparison, path, budgets: dict[str, float] | None = None) 
     axes[0].set_title(f"perf history: {len(comp.trend[metrics[0]])} runs (x: commit of each run, oldest first)",
                       fontsize=9)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format="png", metadata={"Software": PNG_SOFTWARE})
     out = write_bytes_atomic(path, buffer.getvalue())
     comp.plot = str(out)
     return out
@@ -108,7 +109,7 @@ def draw_length(comp: Comparison, path) -> Path | None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper left")
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format="png", metadata={"Software": PNG_SOFTWARE})
     out = write_bytes_atomic(path, buffer.getvalue())
     comp.length_plot = str(out)
     return out

@@ -90,19 +90,22 @@ def load_instance_rates(path) -> dict:
 
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise HarnessInputError(f"--instance-rates {path}: cannot read it as JSON ({exc})") from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:160]
+        raise HarnessInputError(f"--instance-rates {path}: cannot read it as JSON ({reason})") from None
     if not isinstance(data, dict):
         raise HarnessInputError(f"--instance-rates {path}: expected a JSON object with {', '.join(RATE_KEYS)}")
-    bad = [k for k in RATE_KEYS if not isinstance(data.get(k), (int, float)) or isinstance(data.get(k), bool)
-           or data[k] <= 0]
+    link = data.get("host_link_bytes_per_s", HOST_LINK_BYTES_PER_S)
+    bad = [k for k, value in [*((k, data.get(k)) for k in RATE_KEYS), ("host_link_bytes_per_s", link)]
+           if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0
+           or (k in ("cores", "chips") and (value != int(value) or value > 4096))]
     if bad:
-        raise HarnessInputError(f"--instance-rates {path}: {', '.join(bad)} missing or not a positive number "
-                                f"(give every one of {', '.join(RATE_KEYS)}, per chip)")
+        raise HarnessInputError(f"--instance-rates {path}: {', '.join(bad)} missing or not a finite positive number "
+                                f"(cores and chips whole numbers; give every one of {', '.join(RATE_KEYS)}, per chip)")
     return {"cores": int(data["cores"]), "chips": int(data["chips"]), "hbm_bytes": data["hbm_bytes"],
             "hbm_bytes_per_s": data["hbm_bytes_per_s"],
             "flops_per_s": {"bf16": data["bf16_flops_per_s"], "fp32": data["fp32_flops_per_s"]},
-            "host_link_bytes_per_s": data.get("host_link_bytes_per_s", HOST_LINK_BYTES_PER_S),
+            "host_link_bytes_per_s": link,
             "source": f"--instance-rates {path}"}
 
 

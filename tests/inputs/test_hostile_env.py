@@ -86,7 +86,8 @@ def test_reports_named_with_non_utf8_bytes_are_written_and_printed(tmp_path, tin
     assert outcome.code == 0, outcome.err[-3000:]
     assert "BISECT PASS" in outcome.out and f"report written to {tmp_path}/r\\xff" in outcome.out
     assert "Traceback" not in outcome.err
-    assert sorted(p.name for p in report.iterdir()) == ["bisect.json", "bisect.md", "bisect_errors.png"]
+    assert sorted(p.name for p in report.iterdir()) == [".gemma-parity-manifest.json", "bisect.json", "bisect.md",
+                                                        "bisect_errors.png"]
     assert json_out.is_file()
 
 

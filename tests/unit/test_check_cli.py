@@ -46,7 +46,8 @@ def test_check_with_golden_passes_and_writes_the_contract(tiny0_dir, golden, tmp
     assert "first divergent layer: **none**" in (report / "check.md").read_text()
     assert {"check.md", "check.json"} <= {p.name for p in report.iterdir()}
     require_plot_extra()
-    assert {p.name for p in report.iterdir()} == {"check.md", "check.json", "check_errors.png"}
+    assert {p.name for p in report.iterdir()} == {"check.md", "check.json", "check_errors.png",
+                                                  ".gemma-parity-manifest.json"}  # harness/owned_dir.py
 
 
 def test_check_fails_with_exit_1_on_a_port_bug(tiny0_dir, golden, tmp_path, monkeypatch, capsys):

@@ -82,7 +82,8 @@ def test_too_few_cores_on_the_host(tmp_path, host, capsys, monkeypatch):
     rc, lines = _run(capsys)
     assert rc == 2 and [line for line in lines if line.startswith("FAIL")] == [
         "FAIL cores: tp=2 needs 2 NeuronCores but this host has 1; fix: run on an instance with at least 2 "
-        "(inf2.8xlarge has 2) or use --tp 1"]
+        "(inf2.8xlarge has 2); a smaller --tp helps only if the model fits it (`gemma-parity info --tp N` shows "
+        "the fit; the 12B needs 2)"]  # never `--tp 1`, where the 12B does not fit
 
 
 def test_a_known_broken_compiler(tmp_path, host, capsys, monkeypatch):

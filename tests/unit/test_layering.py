@@ -22,6 +22,7 @@ LAYERS = {
     # 1: facts and plumbing every layer may use
     "harness.errors": 1, "harness.spec": 1, "harness.spec_family": 1, "harness.spec_validate": 1, "harness.numerics": 1,
     "harness.atomic": 1, "harness.progress": 1, "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
+    "harness.owned_dir": 1, "harness.array_index": 1, "harness.provenance": 1,
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.checkpoint_files": 2, "harness.tiny": 2, "harness.sharding": 2,
     "harness.instances": 2, "harness.prompts": 2, "harness.device_plan": 2,
@@ -38,10 +39,11 @@ LAYERS = {
     # 6: workflows as library functions with result objects
     "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
     "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,
+    "harness.quality_parts": 6, "harness.quality_merge": 6,
     # 7: presentation and commands; nothing imports these from below
     "harness.report": 7, "harness.report_bisect": 7, "harness.report_plot": 7, "harness.report_table": 7,
     "harness.quality_report": 7,
-    "harness.cli": 8, "harness.entry": 8, "harness.__main__": 8,
+    "harness.cli": 8, "harness.entry": 8, "harness.entry_guard": 8, "harness.__main__": 8,
 }
 TOP = ("harness.cli", "harness.entry", "harness.__main__")
 

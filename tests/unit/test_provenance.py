@@ -1,0 +1,42 @@
+"""Provenance (harness/provenance.py): a dirty tree is flagged, and two results' differing settings
+or versions are named."""
+
+from __future__ import annotations
+
+import subprocess
+
+from harness.provenance import differences, git_state, provenance
+
+
+def test_a_tree_with_uncommitted_changes_is_dirty(tmp_path):
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("one")
+    git("add", "f.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    clean = git_state(tmp_path)
+    assert clean["dirty"] is False and len(clean["commit"]) == 40
+    (tmp_path / "f.txt").write_text("two")
+    assert git_state(tmp_path) == {"commit": clean["commit"], "dirty": True}
+
+
+def test_differences_name_what_changed_and_nothing_else():
+    a = provenance({"tp": 2, "kv_len": 256}, {"checkpoint": {"model.safetensors": "aa"}})
+    b = {**a, "settings": {"tp": 2, "kv_len": 512}, "packages": {**a["packages"], "torch": "0.0.1"}}
+    assert differences(a, a) == []
+    found = differences(a, b)
+    assert any(d.startswith("settings.kv_len: 256 vs 512") for d in found)
+    assert any(d.startswith("packages.torch:") for d in found) and len(found) == 2
+    assert differences(a, None) == []
+
+
+def test_check_golden_warns_when_the_golden_was_written_under_other_versions(capsys):
+    import torch
+
+    from harness.cli.validate import _warn_golden_versions
+
+    _warn_golden_versions("G", {"torch": torch.__version__})
+    assert capsys.readouterr().err == ""
+    _warn_golden_versions("G", {"torch": "1.0.0", "transformers": "0.1"})
+    err = capsys.readouterr().err
+    assert "golden G was written under torch 1.0.0" in err and "transformers 0.1" in err
