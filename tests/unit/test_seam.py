@@ -6,6 +6,7 @@ and the forcing loop, the routing verdict and the classifiers each called from o
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 from pathlib import Path
@@ -177,16 +178,21 @@ def test_the_teacher_forced_choice_is_checked_when_there_is_one():
 
 # ---- each decision called from its one home ---------------------------------------------------------------
 
-def _calls(name: str) -> set[str]:
-    """Modules of the package that call a function named `name` (by name or attribute)."""
-    found = set()
+@functools.lru_cache(maxsize=None)
+def _callers() -> dict[str, set[str]]:
+    """Per function name, the modules of the package that call it (by name or attribute)."""
+    found: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
                 f = node.func
-                if (isinstance(f, ast.Name) and f.id == name) or (isinstance(f, ast.Attribute) and f.attr == name):
-                    found.add(path.relative_to(PACKAGE.parent).as_posix())
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                found.setdefault(name, set()).add(path.relative_to(PACKAGE.parent).as_posix())
     return found
+
+
+def _calls(name: str) -> set[str]:
+    return _callers().get(name, set())
 
 
 @pytest.mark.parametrize("name, homes", [
