@@ -229,9 +229,8 @@ def _router_hooks(layer, found: dict) -> list:
 
 
 class LayerRuns(NamedTuple):
-    """One layer's local runs, capture points per prompt: the port's layer alone, the golden (the
-    references the stage was judged against), and transformers' own layer in fp32 and bf16 on the
-    same input."""
+    """One layer's capture points per prompt: the port's layer alone, the golden, and transformers'
+    own layer in fp32 and bf16 on the same input."""
 
     port: list[dict]
     golden: list[dict]
@@ -318,8 +317,8 @@ def intra_op_threads_for(spec):
 def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative: LayerResult,
                 device_out: torch.Tensor) -> tuple:
     """One layer alone on the golden's input: the port's ranks and transformers' fp32 and bf16;
-    runners = (the CPU backend whose ranks run the port's layer, ReferenceLayers); `cumulative`:
-    the stage's judged layer, `device_out`: the port's own output of it in the stage."""
+    runners = (the CPU backend whose ranks run the port's layer, ReferenceLayers); `cumulative` and
+    `device_out`: the stage's judged layer and the port's output of it."""
     layer_backend, reference = runners
     spec, i = reference.spec, layer_spec.index
     inputs = [caps[_layer_input_name(i)] for caps in golden_caps]

@@ -200,7 +200,7 @@ def served_stage(settings, progress: bool = False, skip: bool = False):
             result.extra_stages.append(ServedResult(backend=settings.backend, ran=False, notes=[
                 "served build not judged: no stage of the check observed the port (it raised first)"]))
             return
-        refs = (observed.ref32, observed.ref16) if observed is not None else ([], [])
+        refs = observed.references if observed is not None else ([], [])
         result.extra_stages.append(check_served_build(checkpoint, *refs, result, settings=settings,
                                                       progress=progress, skip=skip))
     return check
