@@ -60,7 +60,7 @@ NEAR_TIE_ULPS = 4
 # (the same rule as tokens', on the k-th expert against the next), never below NEAR_TIE_ULPS ULPs.
 ROUTING_QUANTILE = 0.99
 ROUTING_FACTOR = 2.0
-# PLE models (harness/forced_path.py force_references): a gated per-layer input row whose expected
+# PLE models (harness/forced_path.py add_pins): a gated per-layer input row whose expected
 # bf16 error (the point's median relative error x its median row norm / the row's norm) is at least
 # PLE_PIN_NOISE of the row has no direction at bf16 precision, and the layer's post-norm scales that
 # direction up to full size: the references take the port's row there (teacher-forced, as tokens
