@@ -26,9 +26,9 @@ MODES = ("capture", "truncate")
 
 # ---- capture mode: the check's run, each layer alone on the golden's inputs --------------------
 
-def bisect_capture(checkpoint, engine, refs: tuple, layer_backend=None, run: dict | None = None) -> BisectResult:
-    """Capture mode: `check_port` on `engine` (any backend) against refs = (fp32, bf16) golden
-    results, with the local verdicts run by `layer_backend` (a CPU backend; the engine's own on
+def bisect_capture(checkpoint, engine, refs, layer_backend=None, run: dict | None = None) -> BisectResult:
+    """Capture mode: `check_port` on `engine` (any backend) against the golden's references
+    (harness.observe.StageReferences: fp32, bf16), with the local verdicts run by `layer_backend` (a CPU backend; the engine's own on
     cpu); run = check_port's keyword options (progress, fp32_engine). Every
     count and the first divergent layer are the check's."""
     from harness.parity import check_port
@@ -71,7 +71,7 @@ def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: 
     """Bisect `checkpoint` (run as `settings` say) against a golden read for the checkpoint's spec.
     The golden may come from other weights (yesterday's): only the architecture must match. Capture
     mode runs the check's stages (the fp32 one when `fp32_stage`)."""
-    from harness.observe import build_port, layer_backend as cpu_layers
+    from harness.observe import StageReferences, build_port, layer_backend as cpu_layers
 
     backend, buckets = settings.backend, settings.buckets
     mode = mode or ("capture" if backend == "cpu" else "truncate")
@@ -84,15 +84,16 @@ def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: 
         if fp32_stage:
             from harness.parity import structural_stage
 
-            result.fp32_stage = fp32_summary(structural_stage(checkpoint, (ref32, ref16), settings, progress))
+            result.fp32_stage = fp32_summary(structural_stage(checkpoint, StageReferences(ref32, ref16), settings,
+                                                              progress))
         return result
     from harness.golden import same_weights
 
     engine = build_port(checkpoint, settings)
     layers = cpu_layers(checkpoint, engine)
     run = {"progress": progress, "fp32_engine": "auto" if fp32_stage else None,
-           "force_path": same_weights(golden, checkpoint) is not False}  # harness/forced_path.py
-    return bisect_capture(checkpoint, engine, (ref32, ref16), layers, run)
+           "force_path": same_weights(golden, checkpoint) is not False}  # observe.follow_port_path
+    return bisect_capture(checkpoint, engine, StageReferences(ref32, ref16), layers, run)
 
 
 def bisect_golden(checkpoint, golden_path, settings: RunSettings = RunSettings(), mode: str | None = None,

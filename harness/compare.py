@@ -2,9 +2,9 @@
 
 Every calibration number lives here (the README cites them). One settings object per stage
 (`BF16`: the envelope stage, `FP32`: the structural stage), one point judge (`compare_point`), one
-token-flip classifier (`classify_mismatch`) and one departure classifier (`classify_departure`):
-every command judges what harness.observe observed with these, so the same observation gets the
-same verdict wherever it is judged.
+band calibration (`calibrate_band`) and tie helper (`tie_threshold`) for tokens, routers and the
+served build, one flip classifier (`classify_mismatch`) and one departure classifier
+(`classify_departure`): every command judges what harness.observe observed with these.
 
 The port (bf16 on the device) is judged against the CPU fp32 reference by the error that the same
 computation in bf16 on CPU already has at the same point: its noise envelope (README, "How parity is judged"). A fixed
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from harness.numerics import bf16_ulp, softcap
-from harness.points import layer_points
 from harness.verdicts import (LayerResult, LogitsResult, NearTieCalibration, PointResult, ProbabilityResult,
                               TokenVerdict)
 
@@ -51,15 +50,17 @@ ROW_NORM_FLOOR = 1e-2
 NEAR_TIE_QUANTILE = 0.99
 NEAR_TIE_FACTOR = 2.0
 NEAR_TIE_COMPETITORS = 4
-# The band never drops below this many bf16 ULPs at the top-1 logit's magnitude (a few ULPs: at
-# 18 a bf16 ULP is 0.125): two logits one rounding apart can always swap.
+# The band never drops below this many bf16 ULPs at the row's largest magnitude (a few ULPs: at
+# 18 a bf16 ULP is 0.125): two logits one rounding apart can always swap. One ULP basis for every
+# tie (tie_threshold: tokens, routers, served), the row's largest |value|: each is an output of
+# one bf16 matmul, whose rounding scales with the row (docs/design.md#one-home-for-each-decision).
 NEAR_TIE_ULPS = 4
 # MoE routing in the bf16 stage (harness/routing.py): a router choice off the fp32 top-k is a near
 # tie within ROUTING_FACTOR x the ROUTING_QUANTILE of how far bf16 moves the top-k boundary margin
 # (the same rule as tokens', on the k-th expert against the next), never below NEAR_TIE_ULPS ULPs.
 ROUTING_QUANTILE = 0.99
 ROUTING_FACTOR = 2.0
-# PLE models (harness/forced_path.py force_references): a gated per-layer input row whose expected
+# PLE models (harness/forced_path.py add_pins): a gated per-layer input row whose expected
 # bf16 error (the point's median relative error x its median row norm / the row's norm) is at least
 # PLE_PIN_NOISE of the row has no direction at bf16 precision, and the layer's post-norm scales that
 # direction up to full size: the references take the port's row there (teacher-forced, as tokens
@@ -184,41 +185,27 @@ def compare_point(name: str, device: torch.Tensor, ref: torch.Tensor, envelope: 
         passed=finite and ratio <= judge.factor and position_ratio <= judge.factor)
 
 
-def stack_prompts(runs: list[dict], name: str) -> torch.Tensor:
-    """One capture point of every prompt, stacked along the position rows."""
-    return torch.cat([r[name] for r in runs], dim=0)
-
-
-def compare_layers(spec, observed: tuple, judge: StageJudge = BF16, decode: bool = False) -> list[LayerResult]:
-    """Every layer whose three points were observed: observed = (device, reference, envelope) dicts."""
-    dev, ref, env = observed
-    out = []
-    for layer in spec.layers:
-        names = layer_points(layer.index, decode, spec)
-        if all(n in dev for n in names):
-            out.append(LayerResult(layer.index, layer.type,
-                                   [compare_point(n, dev[n], ref[n], env[n], judge) for n in names]))
-    return out
-
-
 # ---- tokens and logits ---------------------------------------------------------------------------
 
-def margin_shifts(ref: torch.Tensor, env: torch.Tensor, competitors: int = NEAR_TIE_COMPETITORS) -> torch.Tensor:
-    """|bf16 margin - fp32 margin| between each row's fp32 top-1 and its next `competitors`."""
-    if ref.shape[0] == 0:
+def margin_shifts(ref: torch.Tensor, env: torch.Tensor, competitors: int = NEAR_TIE_COMPETITORS,
+                  rank: int = 1) -> torch.Tensor:
+    """|bf16 margin - fp32 margin| between each row's fp32 `rank`-th value and its next
+    `competitors` (tokens: the top-1 and the next NEAR_TIE_COMPETITORS; a router: the k-th expert
+    and the best left out); empty where a row has no competitor."""
+    if ref.shape[0] == 0 or rank >= ref.shape[-1]:
         return torch.empty(0, dtype=torch.double)
-    top = ref.topk(min(competitors + 1, ref.shape[-1]), -1).indices
-    first, rest = top[:, :1], top[:, 1:]
-    m32 = ref.double().gather(1, first) - ref.double().gather(1, rest)
-    m16 = env.double().gather(1, first) - env.double().gather(1, rest)
+    top = ref.double().topk(min(rank + competitors, ref.shape[-1]), -1).indices
+    inside, rest = top[:, rank - 1:rank], top[:, rank:]
+    m32 = ref.double().gather(1, inside) - ref.double().gather(1, rest)
+    m16 = env.double().gather(1, inside) - env.double().gather(1, rest)
     return (m16 - m32).abs().flatten()
 
 
-def calibrate_near_ties(pairs, quantile: float = NEAR_TIE_QUANTILE,
-                        factor: float = NEAR_TIE_FACTOR) -> NearTieCalibration:
-    """pairs: (fp32 reference logits, bf16 reference logits) [n, vocab] for every prompt's prefill
-    rows and decode steps. The band is `factor` x the `quantile` of the margin shifts."""
-    shifts = torch.cat([margin_shifts(r, e) for r, e in pairs] or [torch.empty(0, dtype=torch.double)])
+def calibrate_band(shifts: list[torch.Tensor], quantile: float = NEAR_TIE_QUANTILE,
+                   factor: float = NEAR_TIE_FACTOR) -> NearTieCalibration:
+    """The one band calibration: `factor` x the `quantile` of the margin shifts (margin_shifts) of
+    every decision, from the references alone (0 without any)."""
+    shifts = torch.cat(list(shifts) or [torch.empty(0, dtype=torch.double)]).double()
     if shifts.numel() == 0:
         return NearTieCalibration(quantile=quantile, factor=factor, samples=0, shift_at_quantile=0.0,
                                   shift_max=0.0, band=0.0)
@@ -227,16 +214,31 @@ def calibrate_near_ties(pairs, quantile: float = NEAR_TIE_QUANTILE,
                               shift_max=float(shifts.max()), band=factor * at_q)
 
 
+def calibrate_near_ties(pairs, quantile: float = NEAR_TIE_QUANTILE,
+                        factor: float = NEAR_TIE_FACTOR) -> NearTieCalibration:
+    """pairs: (fp32 reference logits, bf16 reference logits) [n, vocab] for every prompt's prefill
+    rows and decode steps. The band is `factor` x the `quantile` of the margin shifts."""
+    return calibrate_band([margin_shifts(r, e) for r, e in pairs], quantile, factor)
+
+
+def tie_threshold(band: float, row: torch.Tensor, ulp_floor: bool = True) -> float:
+    """The one tie helper: how far apart two values of `row` may be and still swap legitimately:
+    the calibrated `band`, at least NEAR_TIE_ULPS bf16 ULPs of the row's largest magnitude (the
+    one ULP basis; see NEAR_TIE_ULPS) unless `ulp_floor` is off (the fp32 stage)."""
+    if not ulp_floor or row.numel() == 0:
+        return band
+    return max(band, NEAR_TIE_ULPS * bf16_ulp(float(row.double().abs().max())))
+
+
 def classify_mismatch(position: int, ref_row: torch.Tensor, dev_token: int, band: float = 0.0,
                       ref_token: int | None = None, structural: bool = False,
                       ulp_floor: bool = True) -> TokenVerdict:
     """A flip is a near tie when the reference's margin over the device's token is within `band`
-    (the calibrated margin noise, at least NEAR_TIE_ULPS bf16 ULPs); a flip that the fp32 stage
-    also shows (`structural`) is never a near tie."""
-    top1_val = float(ref_row.double().max())
+    (the calibrated margin noise, at least NEAR_TIE_ULPS bf16 ULPs: tie_threshold); a flip that the
+    fp32 stage also shows (`structural`) is never a near tie."""
     ref_token = int(ref_row.argmax()) if ref_token is None else ref_token
     margin = max(float(ref_row[ref_token].double() - ref_row[dev_token].double()), 0.0)
-    threshold = max(band, NEAR_TIE_ULPS * bf16_ulp(top1_val)) if ulp_floor else band
+    threshold = tie_threshold(band, ref_row, ulp_floor)
     if structural:
         kind, evidence = "divergence", "the fp32 port flips here too: structural, not rounding"
     elif margin <= threshold:
@@ -253,22 +255,31 @@ def saturation_tie(ref_capped_row: torch.Tensor, dev_token: int) -> bool:
     return float(ref_capped_row[dev_token]) == float(ref_capped_row.max())
 
 
-def classify_departure(reference, run, band: float, structural: set, judge: StageJudge = BF16):
-    """Where the free-running sequence first departs from the reference, classified, or None.
-    reference: .generated, .step_logits, .captures; run: .free and .forced (.tokens, .step_logits).
-    unexplained: the free run's token is not what its own logits, or the same prefix
-    teacher-forced, choose; saturation_tie: among the reference's capped maxima; else the flip's
-    class (a flip the fp32 stage also shows, `structural`, is never a near tie)."""
-    tokens, ref = run.free.tokens, reference.generated
+def classify_departure(reference, free, band: float, forced=None, structural=frozenset(),
+                       judge: StageJudge = BF16) -> TokenVerdict | None:
+    """Where a free-running sequence first departs from the reference, classified, or None: the
+    one departure classifier (the check's free run, harness/stage.py; the served build's,
+    harness/served.py). reference: .generated, .step_logits, .captures; free: .tokens and
+    .step_logits of the free run; forced: .step_logits of the same prompt teacher-forced (None: not
+    run). unexplained: a run of another length, or a token that is not what the run's own logits
+    (or the same prefix teacher-forced) choose; saturation_tie: among the reference's capped maxima;
+    else the flip's class (a flip the fp32 stage also shows, `structural`, is never a near tie)."""
+    tokens, ref = list(free.tokens), list(reference.generated)
     if tokens == ref:
         return None
-    s = next(i for i, (a, b) in enumerate(zip(ref, tokens)) if a != b)
-    dev, own, forced_choice = tokens[s], int(run.free.step_logits[s].argmax()), int(run.forced.step_logits[s].argmax())
+    s = next((i for i, (a, b) in enumerate(zip(ref, tokens)) if a != b), min(len(ref), len(tokens)))
+    if s == min(len(ref), len(tokens)):  # one run is a prefix of the other
+        return TokenVerdict(position=s, reference_token=ref[s] if s < len(ref) else -1,
+                            device_token=tokens[s] if s < len(tokens) else -1, margin=math.nan, threshold=math.nan,
+                            kind="unexplained", evidence=f"the free run produced {len(tokens)} tokens where the "
+                                                         f"reference has {len(ref)}")
+    dev, own = tokens[s], int(free.step_logits[s].argmax())
+    forced_choice = own if forced is None else int(forced.step_logits[s].argmax())
     if dev != own or dev != forced_choice:
+        also = "" if forced is None else f" and the same prefix teacher-forced gives {forced_choice}"
         return TokenVerdict(position=s, reference_token=ref[s], device_token=dev, margin=math.nan,
                             threshold=math.nan, kind="unexplained",
-                            evidence=f"the free run chose {dev} at step {s}, but the argmax of its logits is {own} "
-                                     f"and the same prefix teacher-forced gives {forced_choice}")
+                            evidence=f"the free run chose {dev} at step {s}, but the argmax of its logits is {own}{also}")
     capped = reference.captures.get("step_capped_logits")
     if capped is not None and saturation_tie(capped[s], dev):
         return TokenVerdict(position=s, reference_token=ref[s], device_token=dev, margin=0.0, threshold=0.0,

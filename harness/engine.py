@@ -15,6 +15,7 @@ import torch
 from harness.errors import HarnessInputError, PromptError
 from harness.model_blocks import per_layer_rows
 from harness.numerics import embed_scale, softcap
+from harness.prompts import kv_positions_used
 from harness.settings import RunSettings
 from harness.sharding import merge_rank_caches, ring_windows
 
@@ -181,7 +182,7 @@ class Engine:
         (teacher forcing) and still collect the logits at every step. `observe(written)` is called
         after prefill and after each decode step with the number of cache positions written."""
         ids = self.validate_ids(ids)
-        if ids.numel() + new_tokens > self.kv_len + 1:
+        if kv_positions_used(ids.numel(), new_tokens) > self.kv_len:  # the prompt-fit rule's count (prompts.py)
             raise PromptError(f"{ids.numel()} prompt + {new_tokens} new tokens exceed the KV length "
                               f"{self.kv_len}")
         pre = self.prefill(ids, capture=capture)

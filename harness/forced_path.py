@@ -1,19 +1,23 @@
-"""The references along the port's path: which steps bf16 legitimately decides otherwise than
-fp32 (an MoE router's near-tied choice; the direction of a gated per-layer input near zero, which
-the PLE layer's post-norm scales up to full size), and the references computed again with those
-steps teacher-forced to the port's (harness/reference_forcing.py), as the fp32 tokens are. `check`
-(harness/parity.py) applies it to each stage's observation before judging; harness/routing.py
-judges the routing choices themselves.
+"""The judge's rules for the references' path: which steps bf16 legitimately decides otherwise
+than fp32, so that the references are computed again along the port's choice there, as they are
+teacher-forced on the fp32 tokens (harness/reference_forcing.py forces them):
+
+- routing (`follow_routing`): on MoE models the references follow the port's experts wherever it
+  routed otherwise (a near-tied router choice puts a whole expert's output into the residual
+  stream); each choice is then judged by the routing band (harness/routing.py, in the stage judge);
+- pins (`add_pins`): a gated per-layer input row (PLE models) without a direction at bf16
+  precision takes the port's value (the layer's post-norm scales that direction up to full size).
+
+harness/observe.py (observe_stage) applies these rules while it observes a stage; nothing else
+re-runs the references.
 """
 
 from __future__ import annotations
 
 import torch
 
-from harness.compare import FORCING_PASSES, PLE_PIN_NOISE
-from harness.observe import StageObservation, assemble_observation
+from harness.compare import PLE_PIN_NOISE
 from harness.points import Point
-from harness.reference import rerun_reference
 from harness.reference_forcing import Forced, routes_of, rows_by_position
 from harness.routing import port_routes, port_rows
 
@@ -48,14 +52,14 @@ def _expected_rel_error(ref_gated: torch.Tensor, pre: torch.Tensor, noise: tuple
     return (typical + from_gate) / ref_gated.norm(dim=-1).clamp_min(1e-30)
 
 
-def _add_pins(obs: StageObservation, checkpoint, forcing: list[Forced]) -> list[str]:
+def add_pins(obs, checkpoint, forcing: list[Forced]) -> list[str]:
     """Pin (force the references to the port's value at) every gated per-layer input row without
     a direction at bf16 precision: its expected bf16 error (_expected_rel_error: rows that nearly
     cancel, elements deep in the gate's tail) is at least PLE_PIN_NOISE of the fp32 row. The
     layer's post-norm scales that direction up to full size. The rule reads the fp32 reference and
     the typical noise of the point only, never one row's error sample: pinning where the bf16
     reference happened to err would leave the port's unlucky rows beside an envelope cut short.
-    Returns the new pins' labels."""
+    obs: a harness.observe.StageObservation. Returns the new pins' labels."""
     added, spec = [], checkpoint.spec
     for layer in spec.layers:
         name = Point("layer", layer.index, "per_layer_input").name
@@ -78,34 +82,15 @@ def _add_pins(obs: StageObservation, checkpoint, forcing: list[Forced]) -> list[
     return added
 
 
-def _routes_differ(forcing: list[Forced], runs: list, spec) -> bool:
-    return any(f.routes and not _same(f.routes, routes_of(r, spec.moe.top_k)) for f, r in zip(forcing, runs))
+def follow_routing(runs: list, spec, stage: str) -> list[Forced]:
+    """The routing rule: per prompt, what its references are forced to before any pin: in the bf16
+    stage of an MoE model the port's experts at every position it computed (harness.observe.PortPrompt
+    runs); nothing in the fp32 stage, where the port must route as the fp32 reference does."""
+    if spec.moe is None or stage != "bf16":
+        return [Forced() for _ in runs]
+    return [Forced(routes=port_routes(run, spec.moe.top_k)) for run in runs]
 
 
-def force_references(obs: StageObservation, checkpoint, routing: bool = True):
-    """The observation with the references computed again along the port's path where bf16 decides
-    a step legitimately otherwise (harness/reference_forcing.py): on MoE models (with `routing`) the
-    port's experts wherever it routed otherwise, on PLE models the port's gated per-layer input at
-    rows without a direction at bf16 precision (looked for again on the new path, at most
-    FORCING_PASSES times). The same port runs; nothing recomputed when nothing is forced.
-    Returns (observation, the dtypes re-run, the pinned rows' labels)."""
-    spec = checkpoint.spec
-    forcing = [Forced() for _ in obs.runs]
-    if routing and spec.moe is not None:
-        forcing = [Forced(routes=port_routes(run, spec.moe.top_k)) for run in obs.runs]
-    fed, rerun, pinned = [r.generated for r in obs.ref32], [], []
-    for attempt in range(FORCING_PASSES):
-        added = _add_pins(obs, checkpoint, forcing)
-        pinned += added
-        refs = {"float32": obs.ref32, "bfloat16": obs.ref16}
-        stale = [dtype for dtype, runs in refs.items()
-                 if added or (attempt == 0 and _routes_differ(forcing, runs, spec))]
-        if not stale:
-            break
-        for dtype in stale:
-            refs[dtype] = rerun_reference(checkpoint.path, dtype, fed, (refs[dtype], forcing))
-        seconds = obs.seconds
-        obs = assemble_observation(obs.stage, obs.runs, spec, (refs["float32"], refs["bfloat16"]), obs.reads_cache)
-        obs.seconds = seconds
-        rerun += [d for d in stale if d not in rerun]
-    return obs, rerun, pinned
+def routes_differ(forcing: list[Forced], references: list, spec) -> bool:
+    """Whether some prompt's references routed otherwise than they are to be forced."""
+    return any(f.routes and not _same(f.routes, routes_of(r, spec.moe.top_k)) for f, r in zip(forcing, references))

@@ -11,16 +11,17 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
 from harness import engine as port_engine
-from harness.compare import ENVELOPE_FACTOR, LayerResult, PointResult, compare_layers, compare_point, rel_l2, stack_prompts
+from harness.compare import ENVELOPE_FACTOR, LayerResult, PointResult, compare_point, rel_l2
 from harness.spec_family import runs_alone
 from harness.points import Point, first_component, layer_points, locate, prefill_order
 from harness.progress import status
 from harness.reference_forcing import chosen_experts
-from harness.routing import judge_decisions
+from harness.routing import RouterDecisions, judge_decisions
 
 
 def _finite_or_none(value):
@@ -42,6 +43,11 @@ def tensor_stats(t: torch.Tensor | None) -> dict | None:
     finite = bool(torch.isfinite(t).all())
     return {"mean": float(t.mean()), "std": float(t.std()) if t.numel() > 1 else 0.0,
             "min": float(t.min()), "max": float(t.max()), "finite": finite}
+
+
+def stack_prompts(runs: list[dict], name: str) -> torch.Tensor:
+    """One capture point of every prompt, stacked along the position rows."""
+    return torch.cat([r[name] for r in runs], dim=0)
 
 
 def _layer_input_name(index: int) -> str:
@@ -222,12 +228,22 @@ def _router_hooks(layer, found: dict) -> list:
     return [router.proj.register_forward_hook(logits_hook), router.register_forward_hook(weights_hook)]
 
 
-def judge_layer_alone(spec, index: int, runs: tuple, cumulative: LayerResult, device_out: torch.Tensor) -> LayerVerdict:
+class LayerRuns(NamedTuple):
+    """One layer's capture points per prompt: the port's layer alone, the golden, and transformers'
+    own layer in fp32 and bf16 on the same input."""
+
+    port: list[dict]
+    golden: list[dict]
+    fp32: list[dict]
+    bf16: list[dict]
+
+
+def judge_layer_alone(spec, index: int, runs: LayerRuns, cumulative: LayerResult,
+                      device_out: torch.Tensor) -> LayerVerdict:
     """Judge one layer's local run. The error is the port against the golden; the envelope is the
     bf16-vs-fp32 noise of transformers' layer on the same input, added to the golden's value so
     compare_point applies the same policy (floor, per-position ratio) as everywhere else. Using
-    this checkpoint's own bf16 output as the envelope would hide a weight change in the envelope.
-    runs = (port, golden, transformers fp32, transformers bf16) captures per prompt."""
+    this checkpoint's own bf16 output as the envelope would hide a weight change in the envelope."""
     port, golden, ref32, ref16 = runs
     local, against_checkpoint = [], []
     for name in layer_points(index, spec=spec):
@@ -298,10 +314,11 @@ def intra_op_threads_for(spec):
         torch.set_num_threads(before)
 
 
-def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative: list[LayerResult],
-                captures: dict) -> tuple:
+def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative: LayerResult,
+                device_out: torch.Tensor) -> tuple:
     """One layer alone on the golden's input: the port's ranks and transformers' fp32 and bf16;
-    runners = (the CPU backend whose ranks run the port's layer, ReferenceLayers)."""
+    runners = (the CPU backend whose ranks run the port's layer, ReferenceLayers); `cumulative` and
+    `device_out`: the stage's judged layer and the port's output of it."""
     layer_backend, reference = runners
     spec, i = reference.spec, layer_spec.index
     inputs = [caps[_layer_input_name(i)] for caps in golden_caps]
@@ -313,21 +330,21 @@ def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative:
     r16 = [reference.captures(ref_layers[torch.bfloat16], i, x, torch.bfloat16, r) for x, r in zip(inputs, routes)]
     # An MoE layer alone routes by its own input's bf16 noise: it is judged against transformers'
     # layer on its routing (fp32 and bf16, as the bf16 stage is), and its choices by the routing band.
-    golden = r32 if moe else golden_caps
-    verdict = judge_layer_alone(spec, i, (port, golden, r32, r16), cumulative[i], captures[f"layers.{i}.output"])
+    runs = LayerRuns(port, r32 if moe else golden_caps, r32, r16)
+    verdict = judge_layer_alone(spec, i, runs, cumulative, device_out)
     if moe:
-        _judge_local_routing(verdict, spec, (port, r32, r16))
+        _judge_local_routing(verdict, spec, runs)
     lengths = [caps["embeddings"].shape[0] for caps in golden_caps]
     return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i, spec=spec)}, lengths)
 
 
-def _judge_local_routing(verdict: LayerVerdict, spec, runs: tuple) -> None:
+def _judge_local_routing(verdict: LayerVerdict, spec, runs: LayerRuns) -> None:
     """An MoE layer alone: a router choice off the fp32 top-k beyond the routing band fails its
     expert-weights point (harness/routing.py judges it as the bf16 stage does)."""
-    port, r32, r16 = runs
     i, name = verdict.index, f"layers.{verdict.index}.expert_weights"
     logits = f"layers.{i}.router_logits"
-    routing = judge_decisions([(name, stack_prompts(port, name), stack_prompts(r32, logits), stack_prompts(r16, logits))],
+    routing = judge_decisions([RouterDecisions(name, stack_prompts(runs.port, name), stack_prompts(runs.fp32, logits),
+                                               stack_prompts(runs.bf16, logits))],
                               spec.moe.top_k, lambda n, row: f"row {row}")
     verdict.routing = routing
     if not routing.passed:  # the port's choice against this checkpoint's own logits: the port's error
@@ -335,28 +352,28 @@ def _judge_local_routing(verdict: LayerVerdict, spec, runs: tuple) -> None:
         verdict.port_matches_checkpoint = False
 
 
-def local_verdicts(checkpoint, layer_backend, refs: tuple, captures: dict[str, torch.Tensor],
+def local_verdicts(checkpoint, layer_backend, obs, cumulative: list[LayerResult],
                    progress: bool = False) -> tuple[list[LayerVerdict], dict | None]:
     """Every layer of the port alone on the reference's (golden's) input to it, judged by the
-    policy, next to its cumulative points (`captures`: the port's prefill captures stacked over
-    prompts); refs = (fp32, bf16) references. The verdicts and the first non-finite local capture
-    (or None)."""
-    ref32, ref16 = refs
+    policy, next to its cumulative points as the stage judged them. obs: the stage's observation
+    (harness.observe.StageObservation: the references it was judged against, the port's captures);
+    cumulative: the stage's judged layers (CheckResult.layers), read, never judged again here.
+    The verdicts and the first non-finite local capture (or None)."""
     spec = checkpoint.spec
-    golden_caps = [r.captures for r in ref32]
-    ref = {n: stack_prompts(golden_caps, n) for n in captures}
-    env = {n: stack_prompts([r.captures for r in ref16], n) for n in captures}
-    cumulative = compare_layers(spec, (captures, ref, env))
+    golden_caps = [r.captures for r in obs.ref32]
+    judged = {layer.index: layer for layer in cumulative}
     runners = (layer_backend, ReferenceLayers(checkpoint))
     verdicts, local_nonfinite = [], None
     with status("local", progress, total=spec.num_layers) as say, intra_op_threads_for(spec):
         for layer_spec in spec.layers:
+            stage_layer = judged[layer_spec.index]
             if not runs_alone(spec, layer_spec.index):  # per-layer input or shared KV: cumulative only
-                verdicts.append(LayerVerdict(layer_spec.index, layer_spec.type, cumulative[layer_spec.index].points))
+                verdicts.append(LayerVerdict(layer_spec.index, layer_spec.type, stage_layer.points))
                 continue
             say(f"layer {layer_spec.index} of 0..{spec.num_layers - 1} ({layer_spec.type}) alone on the "
                 "reference's input")
-            verdict, nonfinite = local_layer(layer_spec, golden_caps, runners, cumulative, captures)
+            verdict, nonfinite = local_layer(layer_spec, golden_caps, runners, stage_layer,
+                                             obs.dev[f"layers.{layer_spec.index}.output"])
             verdicts.append(verdict)
             local_nonfinite = local_nonfinite or nonfinite
     return verdicts, local_nonfinite

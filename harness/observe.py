@@ -1,9 +1,13 @@
 """Observing a run: the port and the references, and per capture point the device, reference
 and noise-envelope values, with the token runs (free-running and teacher-forced).
 
-`check`, `bisect` and the local per-layer verdicts judge what this module observed; none of them
-runs the port or the reference another way. Engines are built here only (`build_port`,
-`build_fp32_port`, `layer_backend`), so run settings reach the backends through one place.
+The whole observation is made here: `observe_stage` runs the port, sets it beside the references,
+and computes the references again along the port's path where the judge's rules say bf16 decides a
+step legitimately otherwise (harness/forced_path.py: MoE routing, PLE pins). `check`, `bisect` and
+the local per-layer verdicts judge what this module observed; none of them runs the port or the
+reference another way. Engines are built here only (`build_port`, `build_fp32_port`,
+`layer_backend`), so run settings reach the backends through one place, and the prompt-fit rule
+(harness.prompts.validate_prompt_fit) is applied here for the library as the commands apply it.
 """
 
 from __future__ import annotations
@@ -12,15 +16,43 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from harness.errors import PromptError
+from harness.compare import FORCING_PASSES
+from harness.forced_path import add_pins, follow_routing, routes_differ
 from harness.local import intra_op_threads_for
 from harness.points import KV_PARTS, Point, kv_points, layer_points
 from harness.progress import status
-from harness.reference import ReferenceResult
+from harness.prompts import validate_prompt_fit
+from harness.reference import ReferenceResult, rerun_reference
 from harness.settings import RunSettings
+from harness.verdicts import NearTieCalibration
+
+
+class StageReferences(NamedTuple):
+    """The references of a stage: the fp32 and the bf16 reference results, one per prompt."""
+
+    fp32: list[ReferenceResult]
+    bf16: list[ReferenceResult]
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """The context of a stage: its name (fp32 | bf16), what its result is labelled with (backend,
+    TP degree, dtype name), the check's near-tie calibration, the fp32 stage's structural flips
+    ((prompt, "prefill"|"decode") -> rows), whether it shows progress, and whether the references
+    may be computed again along the port's path (not against a golden of other weights)."""
+
+    stage: str
+    backend: str
+    tp: int
+    dtype: str
+    calibration: NearTieCalibration | None = None
+    structural: dict = field(default_factory=dict)
+    progress: bool = False
+    force_path: bool = True
 
 
 # ---- engines: the one place run settings reach a backend ---------------------------------------
@@ -85,14 +117,17 @@ def load_references(source, checkpoint, new_tokens: int, progress: bool = False)
     return refs["float32"], refs["bfloat16"]
 
 
-def check_inputs_fit(buckets, kv_len: int, prompts: list[list[int]], new_tokens: int) -> None:
-    """Bad input is told apart from a port failure before the port runs: every prompt, with its new
-    tokens, fits the KV length (a prompt longer than the largest bucket is prefilled in chunks)."""
-    for k, prompt in enumerate(prompts):
-        n = len(prompt)
-        if n + new_tokens > kv_len + 1:
-            raise PromptError(f"prompt {k}: {n} tokens + {new_tokens} new tokens exceed the KV length "
-                              f"{kv_len}; pass a larger --kv-len or fewer --new-tokens")
+def check_fit(spec, settings: RunSettings, references: list[ReferenceResult] | list[list[int]],
+              new_tokens: int | None = None) -> None:
+    """The prompt-fit rule (harness.prompts.validate_prompt_fit, the one the commands apply) for the
+    library: bad input is told apart from a port failure before the port runs. `references`: the
+    reference results (their prompts and tokens) or prompts with `new_tokens`."""
+    prompts = [getattr(r, "prompt", r) for r in references]
+    if new_tokens is None:
+        new_tokens = max((len(r.generated) for r in references), default=0)
+    if prompts:
+        validate_prompt_fit(prompts, new_tokens, "the checked prompts", buckets=settings.buckets,
+                            kv_len=settings.kv_len, max_positions=spec.max_positions)
 
 
 # ---- running the port ---------------------------------------------------------------------------
@@ -158,7 +193,9 @@ def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
 @dataclass
 class StageObservation:
     """Per capture point the device, fp32 reference and bf16 reference (envelope) values stacked
-    over prompts, a label per row, and the token runs."""
+    over prompts, a label per row, and the token runs. `rerouted`: the references' dtypes computed
+    again along the port's path; `pinned`: the gated per-layer input rows the references took from
+    the port; `followed`: whether the references could follow the port's path at all."""
 
     stage: str
     runs: list[PortPrompt]
@@ -170,6 +207,13 @@ class StageObservation:
     labels: dict[str, list[str]] = field(default_factory=dict)
     reads_cache: bool = True
     seconds: float = 0.0
+    rerouted: list[str] = field(default_factory=list)
+    pinned: list[str] = field(default_factory=list)
+    followed: bool = True
+
+    @property
+    def references(self) -> StageReferences:
+        return StageReferences(self.ref32, self.ref16)
 
     def add(self, name: str, values: tuple, labels: list[str]) -> None:
         """values: (device, fp32 reference, bf16 reference) rows of one prompt."""
@@ -190,30 +234,64 @@ class StageObservation:
         return labels[row] if 0 <= row < len(labels) else f"row {row}"
 
 
-def observe_stage(stage: str, engine, spec, refs: tuple, progress: bool = False) -> StageObservation:
-    """Every prompt through the engine (prefill with captures and cache reads, teacher-forced
-    decode with captures, free greedy decode, host probabilities) next to refs = (fp32, bf16)."""
-    ref32, _ = refs
+def observe_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> StageObservation:
+    """The whole observation of one stage: every prompt through the engine (prefill with captures
+    and cache reads, teacher-forced decode with captures, free greedy decode, host probabilities)
+    next to the references, which then follow the port's path where the judge's rules say so
+    (follow_port_path). The prompt-fit rule is applied first: a prompt that does not fit is bad
+    input (harness.errors.PromptError), never a port failure."""
+    spec = checkpoint.spec
+    check_fit(spec, engine.settings, refs.fp32)
     start = time.perf_counter()
     runs = []
-    say = status(f"port {stage}", progress, total=len(ref32))
+    say = status(f"port {context.stage}", context.progress, total=len(refs.fp32))
     with intra_op_threads_for(spec):
-        for k, r32 in enumerate(ref32):
-            say(f"prompt {k}/{len(ref32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
-            runs.append(run_port_prompt(engine, r32, f"{stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
+        for k, r32 in enumerate(refs.fp32):
+            say(f"prompt {k}/{len(refs.fp32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
+            runs.append(run_port_prompt(engine, r32, f"{context.stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
     say.close()
-    obs = assemble_observation(stage, runs, spec, refs, engine.backend.reads_cache)
-    obs.seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    obs = assemble_observation(context.stage, runs, spec, refs, engine.backend.reads_cache)
+    if context.force_path:
+        obs = follow_port_path(obs, checkpoint)
+    else:
+        obs.followed = False
+    obs.seconds = seconds
     return obs
 
 
-def assemble_observation(stage: str, runs: list[PortPrompt], spec, refs: tuple,
+def follow_port_path(obs: StageObservation, checkpoint) -> StageObservation:
+    """The observation with the references computed again along the port's path where bf16 decides
+    a step legitimately otherwise (harness/forced_path.py's rules, applied by
+    harness/reference_forcing.py): on MoE models in the bf16 stage the port's experts wherever it
+    routed otherwise, on PLE models the port's gated per-layer input at rows without a direction
+    at bf16 precision (looked for again on the new path, at most FORCING_PASSES times). The same
+    port runs; nothing is recomputed when nothing is forced."""
+    spec = checkpoint.spec
+    forcing = follow_routing(obs.runs, spec, obs.stage)
+    fed, rerun, pinned = [r.generated for r in obs.ref32], [], []
+    for attempt in range(FORCING_PASSES):
+        added = add_pins(obs, checkpoint, forcing)
+        pinned += added
+        refs = {"float32": obs.ref32, "bfloat16": obs.ref16}
+        stale = [dtype for dtype, runs in refs.items()
+                 if added or (attempt == 0 and routes_differ(forcing, runs, spec))]
+        if not stale:
+            break
+        for dtype in stale:
+            refs[dtype] = rerun_reference(checkpoint.path, dtype, fed, (refs[dtype], forcing))
+        obs = assemble_observation(obs.stage, obs.runs, spec, StageReferences(refs["float32"], refs["bfloat16"]),
+                                   obs.reads_cache)
+        rerun += [d for d in stale if d not in rerun]
+    obs.rerouted, obs.pinned = rerun, pinned
+    return obs
+
+
+def assemble_observation(stage: str, runs: list[PortPrompt], spec, refs: StageReferences,
                          reads_cache: bool = True) -> StageObservation:
-    """The port's runs beside refs = (fp32, bf16), point by point. Also how the same runs are set
-    beside other references (the MoE routing policy's re-routed ones, harness.routing)."""
-    ref32, ref16 = refs
-    obs = StageObservation(stage, runs, ref32, ref16, reads_cache=reads_cache)
-    for k, (run, r32, r16) in enumerate(zip(runs, ref32, ref16)):
+    """The port's runs beside the references, point by point."""
+    obs = StageObservation(stage, runs, refs.fp32, refs.bf16, reads_cache=reads_cache)
+    for k, (run, r32, r16) in enumerate(zip(runs, refs.fp32, refs.bf16)):
         _prefill_points(obs, spec, k, run, (r32, r16))
         _decode_points(obs, spec, k, run, (r32, r16))
     obs.stack()

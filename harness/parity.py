@@ -12,9 +12,11 @@ by compare.py's policy in two stages. What `gemma-parity check` and the parity s
 - **local verdicts** (where the backend's ranks run on CPU): each layer alone on the reference's
   input to it, so a failure is attributed to the layer that is itself wrong.
 
-This module only orders the steps: harness.observe runs the port and the references,
-harness.stage and harness.compare judge, harness.results holds the verdict. Further checks of a
-finished result (`extra_checks`, e.g. a served build) run last, each adding its own stage.
+This module only orders the steps: harness.observe observes each stage whole (the port, the
+references, and the references along the port's path), harness.stage and harness.compare judge it
+(routing included), harness.local judges each layer alone beside the stage's observation, and
+harness.results holds the verdict. Further checks of a finished result (`extra_checks`, e.g. a
+served build) run last, each adding its own stage.
 """
 
 from __future__ import annotations
@@ -25,15 +27,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 
-from harness.compare import PLE_PIN_NOISE
 from harness.golden import Golden, same_weights
 from harness.local import intra_op_threads_for, local_verdicts
-from harness.observe import (PortFailure, build_fp32_port, build_port, check_inputs_fit, load_reference_source,
-                             load_references, observe_stage, port_call)
-from harness.forced_path import force_references
+from harness.observe import (PortFailure, StageContext, StageReferences, build_fp32_port, build_port, check_fit,
+                             load_reference_source, load_references, observe_stage, port_call)
 from harness.reference import ReferenceResult
 from harness.results import CheckResult, LocalLayer
-from harness.routing import judge_routing
 from harness.settings import RunSettings
 from harness.stage import judge_stage, near_tie_calibration, structural_flips
 
@@ -46,8 +45,8 @@ ExtraCheck = Callable[[CheckResult, object], None]
 class PortRun:
     """What a check's results are labelled with (the run settings' backend, TP degree and dtype
     name), whether it shows progress, and whether the references may be computed again along the
-    port's path (harness/forced_path.py): not against a golden of other weights, whose references
-    this checkpoint cannot reproduce."""
+    port's path (harness/observe.py follow_port_path): not against a golden of other weights, whose
+    references this checkpoint cannot reproduce."""
 
     backend: str
     tp: int
@@ -59,76 +58,65 @@ class PortRun:
     def of(cls, settings: RunSettings, progress: bool = False, force_path: bool = True) -> "PortRun":
         return cls(settings.backend, settings.tp, settings.dtype, progress, force_path)
 
-    @property
-    def label(self) -> tuple:
-        return self.backend, self.tp, self.dtype
+    def context(self, stage: str, calibration, structural: dict | None = None) -> StageContext:
+        """The context of one stage of this run (the fp32 stage is labelled float32)."""
+        dtype = "float32" if stage == "fp32" else self.dtype
+        return StageContext(stage, self.backend, self.tp, dtype, calibration=calibration,
+                            structural=structural or {}, progress=self.progress, force_path=self.force_path)
 
 
-def _failed_stage(run: PortRun, stage: str, failure: PortFailure, calibration=None) -> CheckResult:
-    dtype = "float32" if stage == "fp32" else run.dtype
-    return CheckResult(backend=run.backend, tp=run.tp, dtype=dtype, stage=stage, port_error=failure.describe(),
-                       calibration=calibration)
+def _failed_stage(context: StageContext, failure: PortFailure) -> CheckResult:
+    calibration = context.calibration if context.stage == "bf16" else None
+    return CheckResult(backend=context.backend, tp=context.tp, dtype=context.dtype, stage=context.stage,
+                       port_error=failure.describe(), calibration=calibration)
 
 
-def run_stage(stage: str, engine, checkpoint, refs: tuple, judged: tuple) -> CheckResult:
-    """Observe the port for one stage and judge it; judged = (calibration, structural flips, PortRun)."""
-    calibration, structural, run = judged
-    obs = observe_stage(stage, engine, checkpoint.spec, refs, run.progress)
-    spec = checkpoint.spec
-    # routing (bf16 stage, MoE) and ill-conditioned per-layer inputs (PLE) teacher-forced
-    obs, rerun, pinned = force_references(obs, checkpoint, stage == "bf16") if run.force_path else (obs, [], [])
+def run_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> CheckResult:
+    """Observe the port for one stage and judge it."""
+    obs = observe_stage(engine, checkpoint, refs, context)
     start = time.perf_counter()
-    dtype = "float32" if stage == "fp32" else run.dtype
-    result = judge_stage(obs, spec, calibration, structural, (run.backend, run.tp, dtype))
-    if stage == "bf16" and spec.moe is not None:
-        result.routing = judge_routing(obs, spec, rerun)
-    if not run.force_path and (spec.moe is not None or spec.per_layer_input_size):
-        result.notes.append(f"{stage} stage: the golden comes from other weights: routing and per-layer inputs "
-                            "are not teacher-forced (this checkpoint cannot reproduce its references)")
-    if pinned:
-        result.notes.append(f"{stage} stage: {len(pinned)} gated per-layer input rows have no direction at bf16 "
-                            f"precision (expected bf16 error >= {PLE_PIN_NOISE:g} of the row); the references "
-                            f"take the port's value there: {', '.join(pinned[:4])}{' ...' if len(pinned) > 4 else ''}")
+    result = judge_stage(obs, checkpoint.spec, context)
     result.seconds["judge"] = round(time.perf_counter() - start, 2)
     return result
 
 
-def _fp32_stage(checkpoint, engines: tuple, refs: tuple, calibration, run: PortRun) -> CheckResult:
-    """engines = (the port's engine, the fp32 engine or "auto" to build it)."""
-    engine, fp32_engine = engines
+def _fp32_stage(checkpoint, engine, fp32_engine, refs: StageReferences, context: StageContext) -> CheckResult:
+    """fp32_engine: the fp32 engine, or "auto" to build it beside the port's `engine`."""
     try:
         if fp32_engine == "auto":
             start = time.perf_counter()
-            fp32_engine = engine if run.dtype == "float32" else build_fp32_port(checkpoint, engine.settings)
+            fp32_engine = engine if engine.settings.dtype == "float32" else build_fp32_port(checkpoint, engine.settings)
             built = round(time.perf_counter() - start, 2)
         else:
             built = 0.0
-        result = run_stage("fp32", fp32_engine, checkpoint, refs, (calibration, {}, run))
+        result = run_stage(fp32_engine, checkpoint, refs, context)
         result.seconds["build"] = built
         return result
     except PortFailure as failure:
-        return _failed_stage(run, "fp32", failure)
+        return _failed_stage(context, failure)
 
 
-def structural_stage(checkpoint, refs: tuple, settings: RunSettings, progress: bool = False) -> CheckResult:
+def structural_stage(checkpoint, refs: StageReferences | tuple, settings: RunSettings,
+                     progress: bool = False) -> CheckResult:
     """The fp32 stage alone (what truncate-mode bisect adds): the port in fp32 on the host backend
     against the fp32 reference."""
-    run = PortRun.of(settings, progress)
-    check_inputs_fit(settings.buckets, settings.kv_len, [r.prompt for r in refs[0]],
-                     max((len(r.generated) for r in refs[0]), default=0))
+    refs = StageReferences(*refs)
+    context = PortRun.of(settings, progress).context("fp32", near_tie_calibration(*refs))
+    check_fit(checkpoint.spec, settings, refs.fp32)
     try:
         engine = build_fp32_port(checkpoint, settings)
     except PortFailure as failure:
-        return _failed_stage(run, "fp32", failure)
-    return _fp32_stage(checkpoint, (engine, engine), refs, near_tie_calibration(*refs), run)
+        return _failed_stage(context, failure)
+    return _fp32_stage(checkpoint, engine, engine, refs, context)
 
 
-def _local(result: CheckResult, checkpoint, layer_backend, refs: tuple, run: PortRun) -> None:
-    """Each layer alone on the reference's input, beside the stage's cumulative points."""
+def _local(result: CheckResult, checkpoint, layer_backend, progress: bool) -> None:
+    """Each layer alone on the reference's input, beside the stage's observation and its judged
+    cumulative layers (the references the stage was judged against: on MoE models, on the port's
+    routing)."""
     start = time.perf_counter()
-    captures = {n: t for n, t in result.observation.dev.items() if not n.startswith(("decode", "kv."))}
-    verdicts, nonfinite = port_call("bf16 stage: local layer verdicts",
-                                    lambda: local_verdicts(checkpoint, layer_backend, refs, captures, run.progress))
+    verdicts, nonfinite = port_call("bf16 stage: local layer verdicts", lambda: local_verdicts(
+        checkpoint, layer_backend, result.observation, result.layers, progress))
     result.local_verdicts, result.local_nonfinite = verdicts, nonfinite
     result.local = [LocalLayer(index=v.index, passed=v.passed, component=v.component,
                                ratio=max(p.required_factor for p in v.judged), rel_l2=v.judged[-1].rel_l2,
@@ -146,30 +134,31 @@ def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[Ref
     result naming where it was raised. The result is labelled with the engine's run settings.
     `force_path` False: the references are not computed again (a golden of other weights)."""
     with intra_op_threads_for(checkpoint.spec):  # the whole check: small models run faster on one thread
-        return _check_port(checkpoint, engine, (ref32, ref16), PortRun.of(engine.settings, progress, force_path),
+        return _check_port(checkpoint, engine, StageReferences(ref32, ref16),
+                           PortRun.of(engine.settings, progress, force_path),
                            dict(local=local, fp32_engine=fp32_engine, layer_backend=layer_backend,
                                 extra_checks=extra_checks))
 
 
-def _check_port(checkpoint, engine, refs: tuple, run: PortRun, options: dict) -> CheckResult:
+def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options: dict) -> CheckResult:
     local, fp32_engine, layer_backend = options["local"], options["fp32_engine"], options["layer_backend"]
-    ref32, ref16 = refs
-    check_inputs_fit(engine.buckets, engine.kv_len, [r.prompt for r in ref32], max((len(r.generated) for r in ref32), default=0))
-    calibration = near_tie_calibration(ref32, ref16)
-    fp32 = None if fp32_engine is None else _fp32_stage(checkpoint, (engine, fp32_engine), refs, calibration, run)
+    check_fit(checkpoint.spec, engine.settings, refs.fp32)
+    calibration = near_tie_calibration(*refs)
+    fp32 = None if fp32_engine is None else _fp32_stage(checkpoint, engine, fp32_engine, refs,
+                                                        run.context("fp32", calibration))
+    context = run.context("bf16", calibration, structural_flips(fp32))
     try:
-        result = run_stage("bf16", engine, checkpoint, refs, (calibration, structural_flips(fp32), run))
+        result = run_stage(engine, checkpoint, refs, context)
         layer_backend = layer_backend or (engine.backend if engine.backend.host_ranks else None)
         if local is None:
             local = layer_backend is not None
         if local:
-            # the references the stage was judged against (on MoE models: on the port's routing)
-            _local(result, checkpoint, layer_backend or engine.backend, (result.observation.ref32, result.observation.ref16), run)
+            _local(result, checkpoint, layer_backend or engine.backend, run.progress)
         else:
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")
     except PortFailure as failure:
-        result = _failed_stage(run, "bf16", failure, calibration)
+        result = _failed_stage(context, failure)
     result.fp32 = fp32
     if fp32 is None:
         result.notes.append("fp32 structural stage skipped")
@@ -185,8 +174,8 @@ def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=N
     (recomputed for `prompts`, or read from `golden`), judged in two stages."""
     start = time.perf_counter()
     source = load_reference_source(checkpoint, checkpoint_dir, golden, prompts)
-    new = getattr(source, "new_tokens", new_tokens)
-    check_inputs_fit(settings.buckets, settings.kv_len, list(getattr(source, "prompts", source)), new)
+    check_fit(checkpoint.spec, settings, list(getattr(source, "prompts", source)),
+              getattr(source, "new_tokens", new_tokens))
     # The backend before the reference: a missing SDK or a bad TP degree is reported before minutes
     # of reference work, and loading the shards checks every weight for NaN/Inf (Checkpoint.get)
     # before transformers (which does not) computes the reference.
@@ -194,7 +183,7 @@ def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=N
     built = time.perf_counter()
     ref32, ref16 = load_references(source, checkpoint, new_tokens, progress)
     referenced = time.perf_counter()
-    # a golden of other weights cannot be re-run along the port's path (harness/forced_path.py)
+    # a golden of other weights cannot be re-run along the port's path (harness/observe.py follow_port_path)
     force_path = not isinstance(source, Golden) or same_weights(source, checkpoint) is not False
     result = check_port(checkpoint, engine, ref32, ref16, progress=progress, force_path=force_path,
                         fp32_engine="auto" if fp32_stage else None)

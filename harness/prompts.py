@@ -91,16 +91,28 @@ def validate_prompt_ids(spec, prompts, source=None) -> None:
                                   f"vocabulary [0, {spec.vocab_size}); {fix}")
 
 
+def kv_positions_used(n: int, new_tokens: int) -> int:
+    """Cache positions an n-token prompt and `new_tokens` greedy tokens write: the prompt's n (a
+    prompt is prefilled whole even at 0 new tokens), then every chosen token but the last (it is
+    never written back)."""
+    return n + max(new_tokens, 1) - 1
+
+
 def validate_prompt_fit(prompts, new_tokens: int, source=None, buckets=None, kv_len: int | None = None,
                         max_positions: int | None = None) -> None:
-    """Prompt + new tokens fit the KV cache (the last token chosen is never written back:
-    n + new_tokens - 1 slots) and the model's positions; a prompt longer than the largest bucket
-    is prefilled in chunks (engine.chunk_plan), so `buckets` no longer limits it.
-    Each refusal names the prompt and the option that fixes it."""
+    """The one prompt-fit rule, applied by the commands (harness/cli) and the library
+    (harness.observe.check_fit) alike, before any model work: the buckets fit the KV cache, and
+    every prompt with its new tokens fits the KV cache (kv_positions_used) and the model's
+    positions; a prompt longer than the largest bucket is prefilled in chunks (engine.chunk_plan),
+    so `buckets` does not limit its length. Each refusal names the prompt and the option that fixes
+    it."""
     where = f"{source or DEFAULT_PROMPTS}: "
+    if buckets and kv_len is not None and max(buckets) > kv_len:
+        raise PromptError(f"--buckets {','.join(map(str, buckets))}: bucket {max(buckets)} exceeds --kv-len "
+                          f"{kv_len}; buckets must fit the KV cache (raise --kv-len or use smaller buckets)")
     longest = max(range(len(prompts)), key=lambda k: len(prompts[k]))
     n = len(prompts[longest])
-    used = n + max(new_tokens, 1) - 1
+    used = kv_positions_used(n, new_tokens)
     if kv_len is not None and used > kv_len:
         raise PromptError(f"{where}prompt {longest} has {n} tokens; with --new-tokens {new_tokens} the KV "
                           f"cache needs {used} positions but --kv-len is {kv_len}; raise --kv-len to "

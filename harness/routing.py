@@ -17,16 +17,21 @@ the margin and then the references are teacher-forced on the fp32 tokens:
    the ROUTING_QUANTILE of how far bf16 moves the fp32 top-k boundary margin (both references
    along the same path), at least NEAR_TIE_ULPS bf16 ULPs of the largest router logit; else it is
    a routing divergence, which fails the stage at `layers.{i}.expert_weights` (part: moe router).
+   The band and the tie are the judge's one calibration and tie helper (compare.calibrate_band,
+   compare.tie_threshold), as tokens' are.
+
+Steps 1 and 2 are harness/observe.py's (observe_stage follows the port's path, by the rule of
+harness/forced_path.py); step 3 is the stage judge's (harness/stage.py calls judge_routing).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from harness.compare import NEAR_TIE_ULPS, ROUTING_FACTOR, ROUTING_QUANTILE
-from harness.numerics import bf16_ulp
+from harness.compare import ROUTING_FACTOR, ROUTING_QUANTILE, calibrate_band, margin_shifts, tie_threshold
 from harness.points import Point
 from harness.reference_forcing import chosen_experts
 
@@ -105,14 +110,9 @@ def port_routes(run, top_k: int) -> dict[int, torch.Tensor]:
 
 def boundary_shifts(ref: torch.Tensor, env: torch.Tensor, top_k: int) -> torch.Tensor:
     """|bf16 - fp32| of each row's top-k boundary margin (the fp32 k-th expert's logit minus the
-    best left out's), both references' logits [rows, experts] along the same routing."""
-    if top_k >= ref.shape[-1]:  # every expert chosen: no boundary, no choice to judge
-        return torch.zeros(0, dtype=torch.double)
-    order = ref.double().topk(top_k + 1, dim=-1).indices
-    inside, outside = order[:, top_k - 1:top_k], order[:, top_k:]
-    m32 = ref.double().gather(1, inside) - ref.double().gather(1, outside)
-    m16 = env.double().gather(1, inside) - env.double().gather(1, outside)
-    return (m16 - m32).abs().flatten()
+    best left out's), both references' logits [rows, experts] along the same routing; empty when
+    every expert is chosen (no boundary, no choice to judge)."""
+    return margin_shifts(ref, env, competitors=1, rank=top_k)
 
 
 def _swap_margin(logits: torch.Tensor, port: set, reference: set) -> float:
@@ -130,21 +130,32 @@ def _router_names(spec, obs) -> list[tuple[str, str]]:
     return names
 
 
-def judge_routing(obs, spec, rerouted: list[str]) -> RoutingResult:
+class RouterDecisions(NamedTuple):
+    """One router point's decisions: the expert-weights point's name, the port's expert weights,
+    and the fp32 and bf16 references' router logits [rows, experts] on the port's routing."""
+
+    point: str
+    weights: torch.Tensor
+    ref_logits: torch.Tensor
+    env_logits: torch.Tensor
+
+
+def judge_routing(obs, spec) -> RoutingResult:
     """Every router decision of a stage's observation (harness.observe.StageObservation) judged
     against the fp32 logits (obs.ref, on the port's routing), the band calibrated from obs.env."""
-    decisions = [(w, obs.dev[w], obs.ref[lg], obs.env[lg]) for lg, w in _router_names(spec, obs)]
-    return judge_decisions(decisions, spec.moe.top_k, obs.label, rerouted)
+    decisions = [RouterDecisions(w, obs.dev[w], obs.ref[lg], obs.env[lg]) for lg, w in _router_names(spec, obs)]
+    return judge_decisions(decisions, spec.moe.top_k, obs.label, obs.rerouted)
 
 
-def judge_decisions(decisions: list[tuple], top_k: int, label, rerouted: list[str] = ()) -> RoutingResult:
-    """decisions: (expert_weights point name, the port's expert weights, fp32 router logits, bf16
-    router logits) [rows, experts] each, the references on the port's routing; label(name, row)
-    names a row."""
-    shifts = torch.cat([boundary_shifts(ref, env, top_k) for _, _, ref, env in decisions] or [torch.zeros(0)])
-    at_q = float(torch.quantile(shifts.double(), ROUTING_QUANTILE)) if shifts.numel() else 0.0
-    result = RoutingResult(decisions=sum(ref.shape[0] for _, _, ref, _ in decisions), band=ROUTING_FACTOR * at_q,
-                           samples=int(shifts.numel()), shift_at_quantile=at_q, rerouted=list(rerouted))
+def judge_decisions(decisions: list[RouterDecisions], top_k: int, label, rerouted: list[str] = ()) -> RoutingResult:
+    """Each router point's decisions judged; label(name, row) names a row. The band is the judge's
+    one calibration (compare.calibrate_band) over every decision's boundary shift, the tie its one
+    tie helper (compare.tie_threshold)."""
+    calibration = calibrate_band([boundary_shifts(d.ref_logits, d.env_logits, top_k) for d in decisions],
+                                 ROUTING_QUANTILE, ROUTING_FACTOR)
+    result = RoutingResult(decisions=sum(d.ref_logits.shape[0] for d in decisions), band=calibration.band,
+                           samples=calibration.samples, shift_at_quantile=calibration.shift_at_quantile,
+                           rerouted=list(rerouted))
     for name, weights, ref, _ in decisions:
         port, own = chosen_experts(weights, top_k), ref.topk(top_k, dim=-1).indices
         for row in range(ref.shape[0]):
@@ -152,7 +163,7 @@ def judge_decisions(decisions: list[tuple], top_k: int, label, rerouted: list[st
             if p == r:
                 continue
             margin = _swap_margin(ref[row].double(), p, r)
-            threshold = max(result.band, NEAR_TIE_ULPS * bf16_ulp(float(ref[row].abs().max())))
+            threshold = tie_threshold(result.band, ref[row])
             result.flips.append(RoutingChoice(
                 point=name, where=label(name, row), port_experts=sorted(p), reference_experts=sorted(r),
                 margin=margin, threshold=threshold, kind="near_tie" if margin <= threshold else "divergence"))

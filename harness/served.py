@@ -12,7 +12,8 @@ What is judged, per prompt:
 - the step logits (the last row at prefill, then each decode step) while the served build's prefix
   is still the reference's: against the fp32 reference by the bf16 envelope (compare_point);
 - its first token that departs from the reference: a near tie (the check's calibrated band), a
-  saturation tie, or a real divergence (compare.classify_mismatch / saturation_tie);
+  saturation tie, or a real divergence, by the check's own departure classifier
+  (compare.classify_departure, with the bf16 stage's judge: served keeps no classifier of its own);
 - its tokens against the parity build's: a difference is reported as "the served build differs
   from the judged build at prompt k step s" (a failure when the served choice is a divergence).
 """
@@ -25,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from harness.compare import (PointResult, TokenVerdict, calibrate_near_ties, classify_mismatch, compare_point,
-                             saturation_tie)
+from harness.compare import BF16, PointResult, StageJudge, TokenVerdict, classify_departure, compare_point
 from harness.progress import status
+from harness.stage import near_tie_calibration
 
 SKIPPED_NOTE = "served build not judged (--skip-served-build): the perf build bench times was not run"
 SAME_CODE_NOTE = ("on the {backend} backend the perf build is the same code as the parity build (the backend "
@@ -127,34 +128,16 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def _departure(r32, tokens: list[int], step_logits: torch.Tensor, band: float, ulp_floor: bool):
-    """The first step where the served tokens leave the reference's, classified like any flip: the
-    prefix up to that step is the reference's, so its logits row is comparable."""
-    s = _first_difference(r32.generated, tokens)
-    if s is None:
-        return None
-    dev = tokens[s]
-    if dev != int(step_logits[s].argmax()):
-        evidence = (f"the served build chose {dev} at step {s} but the argmax of its logits is "
-                    f"{int(step_logits[s].argmax())}")
-        return TokenVerdict(position=s, reference_token=r32.generated[s], device_token=dev, margin=math.nan,
-                            threshold=math.nan, kind="unexplained", evidence=evidence)
-    capped = r32.captures.get("step_capped_logits")
-    if capped is not None and saturation_tie(capped[s], dev):
-        evidence = "the served build's raw argmax is among the reference's capped maxima (softcap saturates)"
-        return TokenVerdict(position=s, reference_token=r32.generated[s], device_token=dev, margin=0.0,
-                            threshold=0.0, kind="saturation_tie", evidence=evidence)
-    return classify_mismatch(s, r32.step_logits[s], dev, band=band, ref_token=r32.generated[s], ulp_floor=ulp_floor)
-
-
 def judge_served(runs: list, ref32: list, ref16: list, parity_tokens: list | None, band: float,
-                 ulp_floor: bool = True) -> tuple[list[ServedPrompt], PointResult | None, list[str]]:
-    """`runs`: the served build's DecodeResult per prompt. Returns the per-prompt verdicts and the
-    step logits on the reference's prefix judged by the bf16 envelope (with a label per row)."""
+                 judge: StageJudge = BF16) -> tuple[list[ServedPrompt], PointResult | None, list[str]]:
+    """`runs`: the served build's DecodeResult per prompt. Returns the per-prompt verdicts (each
+    departure classified by compare.classify_departure with `judge`, as the check's stage does) and
+    the step logits on the reference's prefix judged by the bf16 envelope (with a label per row)."""
     prompts, dev, ref, env, labels = [], [], [], [], []
     for k, (run, r32, r16) in enumerate(zip(runs, ref32, ref16)):
-        departure = _departure(r32, run.tokens, run.step_logits, band, ulp_floor)
+        departure = classify_departure(r32, run, band, judge=judge)
         same = len(r32.generated) if departure is None else departure.position + 1  # rows on the same prefix
+        same = min(same, run.step_logits.shape[0], len(r32.generated))
         dev.append(run.step_logits[:same])
         ref.append(r32.step_logits[:same])
         env.append(r16.step_logits[:same])
@@ -180,11 +163,7 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
     backend = settings.backend
     if skip:
         return ServedResult(backend=backend, ran=False, notes=[SKIPPED_NOTE])
-    calibration = getattr(parity_result, "calibration", None)
-    if calibration is None:
-        pairs = [(a.captures["logits"], b.captures["logits"]) for a, b in zip(ref32, ref16)]
-        pairs += [(a.step_logits, b.step_logits) for a, b in zip(ref32, ref16) if a.step_logits is not None]
-        calibration = calibrate_near_ties(pairs)
+    calibration = getattr(parity_result, "calibration", None) or near_tie_calibration(ref32, ref16)
     prompts_run = getattr(parity_result, "prompts", None)
     parity_tokens = [p.device_tokens for p in prompts_run] if prompts_run else None
     say = status(f"{backend} served build", progress, total=len(ref32) + 1)
@@ -199,8 +178,7 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
         return ServedResult(backend=backend, ran=True, error=_error("served build: build and free greedy decode", exc))
     finally:
         say.close()
-    prompts, point, labels = judge_served(runs, ref32, ref16, parity_tokens, calibration.band,
-                                          ulp_floor=settings.torch_dtype != torch.float32)
+    prompts, point, labels = judge_served(runs, ref32, ref16, parity_tokens, calibration.band)
     same_code = getattr(engine.backend, "name", backend) == "cpu"
     last_row = bool(getattr(engine.backend, "last_row_only", False))
     notes = [SAME_CODE_NOTE.format(backend=backend)] if same_code else []
@@ -222,7 +200,7 @@ def served_stage(settings, progress: bool = False, skip: bool = False):
             result.extra_stages.append(ServedResult(backend=settings.backend, ran=False, notes=[
                 "served build not judged: no stage of the check observed the port (it raised first)"]))
             return
-        refs = (observed.ref32, observed.ref16) if observed is not None else ([], [])
+        refs = observed.references if observed is not None else ([], [])
         result.extra_stages.append(check_served_build(checkpoint, *refs, result, settings=settings,
                                                       progress=progress, skip=skip))
     return check

@@ -1,22 +1,39 @@
 """One stage judged: what harness.observe saw of the port and the references, judged point by
-point, token by token and distribution by distribution with compare.py's rules for that stage."""
+point, token by token, router decision by router decision and distribution by distribution with
+compare.py's rules for that stage."""
 
 from __future__ import annotations
 
 import torch
 
-from harness.compare import (BF16, StageJudge, calibrate_near_ties, classify_departure, compare_layers,
+from harness.compare import (BF16, JUDGES, PLE_PIN_NOISE, StageJudge, calibrate_near_ties, classify_departure,
                              compare_logits, compare_point, compare_probabilities)
-from harness.points import Point
+from harness.points import Point, layer_points
 from harness.results import CheckResult, PromptOutcome
-from harness.verdicts import NearTieCalibration, ProbabilityResult
+from harness.routing import judge_routing
+from harness.verdicts import LayerResult, NearTieCalibration, ProbabilityResult
 
 
 def near_tie_calibration(ref32: list, ref16: list) -> NearTieCalibration:
-    """The near-tie band from the references alone: every prompt's prefill rows and decode steps."""
+    """A check's token band from its references alone (compare.calibrate_near_ties): every
+    prompt's prefill rows and decode steps."""
     pairs = [(a.captures["logits"], b.captures["logits"]) for a, b in zip(ref32, ref16)]
     pairs += [(a.step_logits, b.step_logits) for a, b in zip(ref32, ref16) if a.step_logits is not None]
     return calibrate_near_ties(pairs)
+
+
+def compare_layers(spec, observed, judge: StageJudge = BF16, decode: bool = False) -> list[LayerResult]:
+    """Every layer whose points were observed, judged point by point (compare.compare_point):
+    `observed` holds per point name the device's (.dev), the fp32 reference's (.ref) and the bf16
+    reference's (.env) rows (a harness.observe.StageObservation)."""
+    dev, ref, env = observed.dev, observed.ref, observed.env
+    out = []
+    for layer in spec.layers:
+        names = layer_points(layer.index, decode, spec)
+        if all(n in dev for n in names):
+            out.append(LayerResult(layer.index, layer.type,
+                                   [compare_point(n, dev[n], ref[n], env[n], judge) for n in names]))
+    return out
 
 
 def structural_flips(fp32: CheckResult | None) -> dict:
@@ -30,12 +47,14 @@ def structural_flips(fp32: CheckResult | None) -> dict:
     return flips
 
 
-def judge_tokens(obs, k: int, cap, flips: tuple, judge: StageJudge = BF16) -> PromptOutcome:
+def judge_tokens(obs, k: int, cap, context) -> PromptOutcome:
     """Prompt k's tokens: prefill rows and teacher-forced steps flip by flip, and where the free run
-    departs; the same classifier for every command. flips = (calibrated band, structural flips)."""
-    band, structural = flips
+    departs; the same classifier for every command. context: the stage's (harness.observe.StageContext:
+    its calibrated band and the fp32 stage's structural flips)."""
+    judge: StageJudge = JUDGES[obs.stage]
+    structural = context.structural
     run, r32 = obs.runs[k], obs.ref32[k]
-    band = judge.tie_band(band, r32.captures["logits"])
+    band = judge.tie_band(context.calibration.band, r32.captures["logits"])
     prefill = compare_logits(run.forced.prefill.logits, r32.captures["logits"], None, cap, band=band,
                              structural=structural.get((k, "prefill"), set()),
                              ref_capped=r32.captures.get("capped_logits"), dev_probs=run.prefill_probs,
@@ -44,7 +63,8 @@ def judge_tokens(obs, k: int, cap, flips: tuple, judge: StageJudge = BF16) -> Pr
                             structural=structural.get((k, "decode"), set()),
                             ref_capped=r32.captures.get("step_capped_logits"), dev_probs=run.step_probs,
                             ulp_floor=judge.envelope_ties)
-    departure = classify_departure(r32, run, band, structural.get((k, "decode"), set()), judge)
+    departure = classify_departure(r32, run.free, band, forced=run.forced,
+                                   structural=structural.get((k, "decode"), set()), judge=judge)
     return PromptOutcome(prompt=r32.prompt, reference_tokens=r32.generated, device_tokens=run.free.tokens,
                          prefill=prefill, decode=decode, departure=departure)
 
@@ -66,22 +86,31 @@ def _probabilities(obs, judge: StageJudge) -> list[ProbabilityResult]:
     return out
 
 
-def _notes(obs, backend: str) -> list[str]:
+def _notes(obs, spec, backend: str) -> list[str]:
     notes = [] if obs.reads_cache else [
         f"{obs.stage} stage: the {backend} backend cannot read its KV cache; the cache is judged in the fp32 stage"]
     if not any(n.startswith("decode.layers.") for n in obs.dev) and any(r.generated for r in obs.ref32):
         notes.append(f"{obs.stage} stage: the reference has no per-layer decode captures (an older golden?); "
                      "decode is judged at its logits only")
+    if not obs.followed and (spec.moe is not None or spec.per_layer_input_size):
+        notes.append(f"{obs.stage} stage: the golden comes from other weights: routing and per-layer inputs "
+                     "are not teacher-forced (this checkpoint cannot reproduce its references)")
+    if obs.pinned:
+        pinned = obs.pinned
+        notes.append(f"{obs.stage} stage: {len(pinned)} gated per-layer input rows have no direction at bf16 "
+                     f"precision (expected bf16 error >= {PLE_PIN_NOISE:g} of the row); the references "
+                     f"take the port's value there: {', '.join(pinned[:4])}{' ...' if len(pinned) > 4 else ''}")
     return notes
 
 
-def judge_stage(obs, spec, calibration: NearTieCalibration, structural: dict, port: tuple) -> CheckResult:
-    """A stage's observation judged by its StageJudge (obs.stage); port = (backend, tp, dtype name)."""
-    from harness.compare import JUDGES
-
-    judge, (backend, tp, dtype) = JUDGES[obs.stage], port
+def judge_stage(obs, spec, context) -> CheckResult:
+    """A stage's observation (harness.observe.StageObservation) judged by its StageJudge
+    (obs.stage), in its context (harness.observe.StageContext: the labels, the near-tie
+    calibration, the fp32 stage's structural flips); on MoE models the bf16 stage also judges
+    every router decision (harness/routing.py)."""
+    judge = JUDGES[obs.stage]
     dev, ref, env = obs.dev, obs.ref, obs.env
-    same_dtype = obs.ref16 if dtype == "bfloat16" else obs.ref32
+    same_dtype = obs.ref16 if context.dtype == "bfloat16" else obs.ref32
     exact = all(torch.equal(run.forced.prefill.captures["embeddings"], r.captures["embeddings"])
                 for run, r in zip(obs.runs, same_dtype))
     point = {n: compare_point(n, dev[n], ref[n], env[n], judge) for n in
@@ -89,12 +118,13 @@ def judge_stage(obs, spec, calibration: NearTieCalibration, structural: dict, po
              if n in dev}
     cap = spec.final_logit_softcapping
     return CheckResult(
-        backend=backend, tp=tp, dtype=dtype, stage=obs.stage, judge=judge.describe(), embeddings_exact=exact,
-        embeddings=point["embeddings"], layers=compare_layers(spec, (dev, ref, env), judge),
+        backend=context.backend, tp=context.tp, dtype=context.dtype, stage=obs.stage, judge=judge.describe(),
+        embeddings_exact=exact, embeddings=point["embeddings"], layers=compare_layers(spec, obs, judge),
         final_norm=point["final_norm"], logits=point["logits"], decode_logits=point.get("decode_logits"),
-        prompts=[judge_tokens(obs, k, cap, (calibration.band, structural), judge) for k in range(len(obs.runs))],
-        calibration=calibration, decode_layers=compare_layers(spec, (dev, ref, env), judge, decode=True),
+        prompts=[judge_tokens(obs, k, cap, context) for k in range(len(obs.runs))],
+        calibration=context.calibration, decode_layers=compare_layers(spec, obs, judge, decode=True),
         decode_points=[point[n] for n in ("decode.embeddings", "decode.final_norm") if n in point],
         kv=[compare_point(n, dev[n], ref[n], env[n], judge) for n in dev if Point.parse(n).kind == "kv"],
-        probabilities=_probabilities(obs, judge), row_labels=obs.labels, notes=_notes(obs, backend),
+        probabilities=_probabilities(obs, judge), row_labels=obs.labels, notes=_notes(obs, spec, context.backend),
+        routing=judge_routing(obs, spec) if obs.stage == "bf16" and spec.moe is not None else None,
         seconds={"port": round(obs.seconds, 2)}, observation=obs)

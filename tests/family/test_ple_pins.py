@@ -1,8 +1,8 @@
-"""Ill-conditioned gated per-layer inputs (E2B/E4B) teacher-forced (harness/forced_path.py
-force_references, harness/reference_forcing.py force_inputs): where a gated per-layer input row has
-no direction at bf16 precision, the layer's post-norm scales noise up to full size; the references
-take the port's row there, so a healthy port is not failed for it, while every PLE fault still is
-(tests/faults/test_family_faults.py)."""
+"""Ill-conditioned gated per-layer inputs (E2B/E4B) teacher-forced (the rule harness/forced_path.py
+add_pins, applied by harness/observe.py follow_port_path; harness/reference_forcing.py force_inputs):
+where a gated per-layer input row has no direction at bf16 precision, the layer's post-norm scales
+noise up to full size; the references take the port's row there, so a healthy port is not failed
+for it, while every PLE fault still is (tests/faults/test_family_faults.py)."""
 
 from __future__ import annotations
 

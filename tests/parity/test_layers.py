@@ -138,3 +138,13 @@ def test_logit_margins_show_clear_top1(tiny_reference):
     print(f"top-1 margin quantiles (10/50/90%): {q.tolist()}")
     # bf16 ULP at |logit| ~ 16-32 is 0.125: the median margin should be many ULPs
     assert float(q[1]) > 4 * 0.125
+
+
+def test_local_verdicts_read_the_stages_judged_layers(port_check):
+    """The local verdicts sit beside the stage's own judged layers (harness/local.py reads the
+    stage's observation): the same cumulative points, not a second judgement of them."""
+    if not port_check.local_verdicts:
+        pytest.skip("local verdicts need the CPU backend's ranks")
+    assert [v.index for v in port_check.local_verdicts] == [layer.index for layer in port_check.layers]
+    for verdict, layer in zip(port_check.local_verdicts, port_check.layers):
+        assert verdict.cumulative is layer.points

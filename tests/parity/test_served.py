@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from harness.compare import FP32
 from harness.reference import ReferenceResult
 from harness.served import SKIPPED_NOTE, check_served_build, judge_served
 from harness.settings import RunSettings
@@ -79,7 +80,7 @@ def test_a_flip_among_saturated_capped_maxima_is_a_saturation_tie():
     ref_rows = torch.tensor([[900.0, 899.0, 0.0]])  # capped at 30: both tanh to exactly 30.0 in fp32
     ref = _ref([1], [0], ref_rows)
     served = torch.tensor([[899.0, 900.0, 0.0]])
-    prompts, _, _ = judge_served([_run([1], served)], [ref], [ref], [[0]], band=0.0, ulp_floor=False)
+    prompts, _, _ = judge_served([_run([1], served)], [ref], [ref], [[0]], band=0.0, judge=FP32)
     assert prompts[0].departure.kind == "saturation_tie" and prompts[0].accounted
 
 

@@ -174,7 +174,8 @@ def _ref(tokens, step_logits):
 
 def test_departure_classes():
     def _departure(ref, run, band, structural, envelope_ties):
-        return classify_departure(ref, run, band, structural, BF16 if envelope_ties else FP32)
+        return classify_departure(ref, run.free, band, forced=run.forced, structural=structural,
+                                  judge=BF16 if envelope_ties else FP32)
 
     steps = torch.tensor([[5.0, 1.0, 0.0], [3.0, 2.8, 0.0]])
     ref = _ref([0, 0], steps)

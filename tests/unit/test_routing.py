@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from harness.reference_forcing import chosen_experts
-from harness.routing import (ROUTING_FACTOR, ROUTING_QUANTILE, RoutingResult, boundary_shifts, judge_decisions,
-                             port_routes)
+from harness.routing import (ROUTING_FACTOR, ROUTING_QUANTILE, RouterDecisions, RoutingResult, boundary_shifts,
+                             judge_decisions, port_routes)
 
 
 def _dense(chosen: list[list[int]], experts: int = 4) -> torch.Tensor:
@@ -56,7 +56,7 @@ def _rows(n: int, near: float):
 def test_near_tie_and_divergence_by_the_band():
     ref, env = _rows(4, near=0.08)
     port = _dense([[0, 2], [0, 1], [0, 2], [0, 1]])  # row 0 swaps at margin 0.08, row 2 at 0.4
-    result = judge_decisions([("layers.0.expert_weights", port, ref, env)], 2, _label)
+    result = judge_decisions([RouterDecisions("layers.0.expert_weights", port, ref, env)], 2, _label)
     assert abs(result.band - 0.1) < 1e-6 and result.samples == 4 and result.decisions == 4
     kinds = [(f.where, f.kind, round(f.margin, 4)) for f in result.flips]
     assert kinds == [("layers.0.expert_weights row 0", "near_tie", 0.08),
@@ -73,7 +73,7 @@ def test_band_is_the_quantile_of_the_shifts():
     env = ref.clone()
     env[:, 1] += torch.linspace(0.01, 1.0, n)  # shifts 0.01 .. 1.00
     port = _dense([[0, 1]] * n)
-    result = judge_decisions([("layers.0.expert_weights", port, ref, env)], 2, _label)
+    result = judge_decisions([RouterDecisions("layers.0.expert_weights", port, ref, env)], 2, _label)
     expected = 2.0 * float(torch.quantile(torch.linspace(0.01, 1.0, n).double(), 0.99))
     assert abs(result.band - expected) < 1e-6 and result.passed and not result.flips
 
@@ -81,7 +81,7 @@ def test_band_is_the_quantile_of_the_shifts():
 def test_ulp_floor_when_bf16_does_not_move_the_boundary():
     ref, _ = _rows(2, near=0.02)
     port = _dense([[0, 2], [0, 1]])
-    result = judge_decisions([("layers.0.expert_weights", port, ref, ref.clone())], 2, _label)
+    result = judge_decisions([RouterDecisions("layers.0.expert_weights", port, ref, ref.clone())], 2, _label)
     assert result.band == 0.0
     flip = result.flips[0]
     # 4 bf16 ULPs at the largest logit 1.0: 4 * 2^-7 = 0.03125 >= 0.02
@@ -92,7 +92,7 @@ def test_swap_margin_takes_the_worst_swap():
     ref = torch.tensor([[1.0, 0.9, 0.85, 0.1]])
     env = ref.clone()
     port = _dense([[2, 3]])  # left out 0 and 1 (best 1.0), took 2 and 3 (worst 0.1): margin 0.9
-    result = judge_decisions([("layers.0.expert_weights", port, ref, env)], 2, _label)
+    result = judge_decisions([RouterDecisions("layers.0.expert_weights", port, ref, env)], 2, _label)
     assert abs(result.flips[0].margin - 0.9) < 1e-6 and result.flips[0].kind == "divergence"
 
 

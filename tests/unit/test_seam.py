@@ -1,0 +1,213 @@
+"""One home for each decision of a check (issue 26, item 3; docs/design.md "One home for each
+decision"): the prompt-fit rule shared by the commands and the library, one tie helper with one
+ULP basis for tokens, routers and the served build, one departure classifier (edges included),
+and the forcing loop, the routing verdict and the classifiers each called from one place."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import harness
+from harness.compare import (BF16, FP32, NEAR_TIE_ULPS, classify_departure, classify_mismatch, saturation_tie,
+                             tie_threshold)
+from harness.errors import PromptError
+from harness.numerics import bf16_ulp
+from harness.prompts import kv_positions_used, validate_prompt_fit
+from harness.routing import RouterDecisions, judge_decisions
+from harness.served import judge_served
+
+PACKAGE = Path(harness.__file__).parent
+
+
+# ---- one prompt-fit rule ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, new, fits", [(16, 0, True), (17, 0, False), (16, 1, True), (17, 1, False),
+                                          (15, 2, True), (16, 2, False)])
+def test_the_fit_rule_counts_the_positions_written(n, new, fits):
+    assert kv_positions_used(n, new) == n + max(new, 1) - 1
+    if fits:
+        validate_prompt_fit([[1] * n], new, "p.json", buckets=(16,), kv_len=16)
+    else:
+        with pytest.raises(PromptError, match="--kv-len is 16"):
+            validate_prompt_fit([[1] * n], new, "p.json", buckets=(16,), kv_len=16)
+
+
+def test_the_fit_rule_checks_buckets_and_max_positions():
+    with pytest.raises(PromptError, match="bucket 32 exceeds --kv-len 16"):
+        validate_prompt_fit([[1] * 4], 1, "p.json", buckets=(8, 32), kv_len=16)
+    with pytest.raises(PromptError, match="max_position_embeddings 12"):
+        validate_prompt_fit([[1] * 10], 3, "p.json", kv_len=64, max_positions=12)
+
+
+@pytest.fixture(scope="module")
+def edge_references(tiny0_dir):
+    """The tiny model's references for a prompt of 16 and one of 17 tokens, at 0 new tokens."""
+    from harness.reference import run_reference
+
+    refs = run_reference(tiny0_dir, [list(range(3, 19)), list(range(3, 20))], 0)
+    return {n: ([refs["float32"][k]], [refs["bfloat16"][k]]) for k, n in enumerate((16, 17))}
+
+
+def _engine(tiny0_ckpt):
+    from harness.backends import build_engine
+    from harness.settings import RunSettings
+
+    return build_engine(tiny0_ckpt, RunSettings(buckets=(16,), kv_len=16), capture=True)
+
+
+def test_the_library_refuses_what_the_command_refuses_before_the_port_runs(tiny0_ckpt, edge_references, monkeypatch):
+    """At 0 new tokens a prompt of kv_len + 1 tokens is bad input for `check_port` too (it used to
+    be accepted and then fail inside the port): PromptError, and the port never ran."""
+    from harness import engine as port_engine
+    from harness.parity import check_port
+
+    def no_port(*args, **kwargs):
+        raise AssertionError("the port ran on a prompt that does not fit")
+
+    monkeypatch.setattr(port_engine.Engine, "generate", no_port)
+    with pytest.raises(PromptError, match="prompt 0 has 17 tokens.*--kv-len is 16"):
+        check_port(tiny0_ckpt, _engine(tiny0_ckpt), *edge_references[17])
+
+
+def test_the_library_accepts_a_prompt_of_kv_len_tokens_at_0_new_tokens(tiny0_ckpt, edge_references):
+    from harness.parity import check_port
+
+    result = check_port(tiny0_ckpt, _engine(tiny0_ckpt), *edge_references[16], local=False)
+    # the port ran and was judged: the fp32 stage passes and the bf16 stage judged every layer (its
+    # host-probability verdict at one 16-row prompt is issue 26's item 1, not the fit rule's)
+    assert result.port_error is None and result.fp32.passed, result.fp32.failures()
+    assert len(result.layers) == tiny0_ckpt.spec.num_layers and all(layer.passed for layer in result.layers)
+
+
+def test_the_command_refuses_a_prompt_of_kv_len_plus_one_at_0_new_tokens(tiny0_dir, tmp_path, capsys):
+    prompts = tmp_path / "edge.json"
+    prompts.write_text(json.dumps([list(range(3, 20))]))
+    assert harness_main(["check", "--checkpoint", str(tiny0_dir), "--prompts", str(prompts), "--new-tokens", "0",
+                         "--buckets", "16", "--kv-len", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt 0 has 17 tokens" in err and "--kv-len is 16" in err
+
+
+def harness_main(argv):
+    from harness.cli import main
+
+    return main(argv)
+
+
+# ---- one tie helper, one ULP basis ----------------------------------------------------------------------
+
+def test_the_ulp_floor_is_the_rows_largest_magnitude():
+    row = torch.tensor([0.3, 0.2, -20.0])  # top-1 0.3 (ULP 2^-9), largest magnitude 20 (ULP 2^-3)
+    assert tie_threshold(0.0, row) == NEAR_TIE_ULPS * bf16_ulp(20.0) == 0.5
+    assert tie_threshold(0.7, row) == 0.7 and tie_threshold(0.0, row, ulp_floor=False) == 0.0
+    # a flip of 0.1 is within four roundings of the row's scale: a near tie
+    assert classify_mismatch(0, row, 1).kind == "near_tie" and classify_mismatch(0, row, 1).threshold == 0.5
+
+
+def test_tokens_and_routers_tie_by_the_same_threshold():
+    """The same row, band and margin: the token classifier and the router judge agree."""
+    ref = torch.tensor([[0.3, 0.2, -20.0, -21.0]])
+    token = classify_mismatch(0, ref[0], 1, band=0.0)
+    weights = torch.tensor([[0.0, 1.0, 0.0, 0.0]])  # top-1 routing took expert 1 over expert 0
+    routing = judge_decisions([RouterDecisions("layers.0.expert_weights", weights, ref, ref.clone())], 1,
+                              lambda name, row: f"row {row}")
+    flip = routing.flips[0]
+    assert routing.band == 0.0 and flip.threshold == token.threshold and flip.kind == token.kind == "near_tie"
+
+
+# ---- one departure classifier, edges included ---------------------------------------------------------------
+
+def _ref(tokens, rows):
+    rows = torch.tensor(rows)
+    return SimpleNamespace(prompt=[1], generated=tokens, step_logits=rows,
+                           captures={"step_capped_logits": 30 * torch.tanh(rows / 30)})
+
+
+def _free(tokens, rows):
+    return SimpleNamespace(tokens=tokens, step_logits=torch.tensor(rows))
+
+
+REF_ROWS = [[5.0, 4.99, 0.0], [0.0, 0.0, 6.0]]
+DEPARTURES = {
+    "same": ([0, 2], REF_ROWS, None),
+    "near tie": ([1, 2], [[5.0, 5.01, 0.0], [0.0, 0.0, 6.0]], "near_tie"),
+    "divergence": ([0, 0], [[5.0, 4.99, 0.0], [6.0, 0.0, 0.0]], "divergence"),
+    "not its own argmax": ([1, 2], REF_ROWS, "unexplained"),
+    "shorter": ([0], REF_ROWS[:1], "unexplained"),
+    "longer": ([0, 2, 2], REF_ROWS + [[0.0, 0.0, 6.0]], "unexplained"),
+}
+
+
+@pytest.mark.parametrize("case", list(DEPARTURES))
+def test_served_departures_are_the_checks(case):
+    tokens, rows, kind = DEPARTURES[case]
+    ref = _ref([0, 2], REF_ROWS)
+    checked = classify_departure(ref, _free(tokens, rows), 0.05, judge=BF16)
+    prompts, _, _ = judge_served([_free(tokens, rows)], [ref], [ref], None, 0.05)
+    served = prompts[0].departure
+    assert (checked and checked.kind) == (served and served.kind) == kind
+    if kind is not None:
+        assert (served.position, served.evidence) == (checked.position, checked.evidence)
+        assert prompts[0].accounted == (kind == "near_tie")
+
+
+def test_a_saturation_tie_is_the_same_for_both():
+    rows = [[900.0, 899.0, 0.0]]
+    ref = _ref([0], rows)
+    free = _free([1], [[899.0, 900.0, 0.0]])
+    assert saturation_tie(ref.captures["step_capped_logits"][0], 1)
+    assert classify_departure(ref, free, 0.0, judge=FP32).kind == "saturation_tie"
+    assert judge_served([free], [ref], [ref], None, 0.0, judge=FP32)[0][0].departure.kind == "saturation_tie"
+
+
+def test_the_teacher_forced_choice_is_checked_when_there_is_one():
+    ref = _ref([0, 2], REF_ROWS)
+    free = _free([1, 2], [[5.0, 5.01, 0.0], [0.0, 0.0, 6.0]])
+    forced = SimpleNamespace(step_logits=torch.tensor(REF_ROWS))  # teacher-forced, the same prefix picks 0
+    verdict = classify_departure(ref, free, 0.05, forced=forced)
+    assert verdict.kind == "unexplained" and math.isnan(verdict.margin) and "teacher-forced gives 0" in verdict.evidence
+
+
+# ---- each decision called from its one home ---------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _callers() -> dict[str, set[str]]:
+    """Per function name, the modules of the package that call it (by name or attribute)."""
+    found: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                found.setdefault(name, set()).add(path.relative_to(PACKAGE.parent).as_posix())
+    return found
+
+
+def _calls(name: str) -> set[str]:
+    return _callers().get(name, set())
+
+
+@pytest.mark.parametrize("name, homes", [
+    ("rerun_reference", {"harness/observe.py"}),  # the references re-run along the port's path: observe only
+    ("follow_routing", {"harness/observe.py"}),
+    ("add_pins", {"harness/observe.py"}),
+    ("judge_routing", {"harness/stage.py"}),  # the stage judge judges routing; parity does not
+    ("compare_layers", {"harness/stage.py"}),  # local reads the stage's judged layers
+    ("classify_departure", {"harness/stage.py", "harness/served.py"}),
+    ("classify_mismatch", {"harness/compare.py"}),
+    ("saturation_tie", {"harness/compare.py"}),
+    ("calibrate_band", {"harness/compare.py", "harness/routing.py"}),
+    ("tie_threshold", {"harness/compare.py", "harness/routing.py"}),
+    ("validate_prompt_fit", {"harness/observe.py", "harness/golden.py", "harness/cli/check.py",
+                             "harness/cli/bisect.py", "harness/cli/reference.py"}),
+])
+def test_each_decision_has_one_home(name, homes):
+    assert _calls(name) == homes
