@@ -37,6 +37,16 @@ class ReferenceResult:
     step_logits: torch.Tensor | None = None  # [new_tokens, vocab] raw logits that chose each token
 
 
+def transformers_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The final softcap exactly as transformers' Gemma-4 forward writes it (divide, tanh,
+    multiply), in fp32: the capped distribution the judge holds the host's probabilities to, and the
+    streaming reference's capped logits."""
+    logits = logits.float()
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 def load_reference_model(checkpoint_dir, dtype=torch.float32):
     """transformers' own class for the checkpoint, eager attention (as the port runs)."""
     import transformers

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.reference import Recorder, hf_decoder_parts
+from harness.reference import Recorder, hf_decoder_parts, transformers_capped
 from harness.settings import dtype_name, torch_dtype
 
 
@@ -57,7 +57,7 @@ class _StreamedPrompt:
         self.captures["final_norm"] = x[self.rows].float()
         logits = (x[self.rows] @ head.T).float()
         self.captures["logits"] = logits
-        self.captures["capped_logits"] = _transformers_softcap(logits, cap)
+        self.captures["capped_logits"] = transformers_capped(logits, cap)
         return self.captures
 
 
@@ -111,11 +111,3 @@ def _scaled_embedding(hf, weight: torch.Tensor, spec):
     emb.weight = torch.nn.Parameter(weight, requires_grad=False)
     emb.embed_scale = torch.tensor(emb.scalar_embed_scale)  # what transformers' init puts there
     return emb
-
-
-def _transformers_softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """The final softcap exactly as transformers' Gemma-4 forward writes it (divide, tanh,
-    multiply), for the streaming path that has no whole model to run it."""
-    if cap is None:
-        return logits
-    return torch.tanh(logits / cap) * cap

@@ -49,20 +49,17 @@ def judge_tokens(obs, k: int, cap, flips: tuple, judge: StageJudge = BF16) -> Pr
                          prefill=prefill, decode=decode, departure=departure)
 
 
-def _probabilities(obs, judge: StageJudge) -> list[ProbabilityResult]:
-    """The host's served distribution vs the reference's own capped one (transformers' softcap),
-    judged by the bf16 reference's (bf16 stage) or fp32 precision (fp32 stage)."""
-    def stacked(refs, key):
-        return torch.cat([r.captures[key] for r in refs])
-
-    def envelope(key):
-        return stacked(obs.ref16, key) if judge.envelope_ties else None
+def _probabilities(obs, cap) -> list[ProbabilityResult]:
+    """The host transform as a function, in both stages: the host's served distribution for the
+    port's own raw logits against transformers' capped distribution of the same logits (fp32)."""
+    from harness.reference import transformers_capped
 
     out = [compare_probabilities("probabilities", torch.cat([r.prefill_probs for r in obs.runs]),
-                                 stacked(obs.ref32, "capped_logits"), envelope("capped_logits"))]
-    if all("step_capped_logits" in r.captures for r in obs.ref32) and any(r.generated for r in obs.ref32):
-        out.append(compare_probabilities("decode_probabilities", torch.cat([r.step_probs for r in obs.runs]),
-                                         stacked(obs.ref32, "step_capped_logits"), envelope("step_capped_logits")))
+                                 transformers_capped(torch.cat([r.forced.prefill.logits for r in obs.runs]), cap))]
+    steps = [r for r in obs.runs if r.forced.step_logits.shape[0]]
+    if steps:
+        out.append(compare_probabilities("decode_probabilities", torch.cat([r.step_probs for r in steps]),
+                                         transformers_capped(torch.cat([r.forced.step_logits for r in steps]), cap)))
     return out
 
 
@@ -96,5 +93,5 @@ def judge_stage(obs, spec, calibration: NearTieCalibration, structural: dict, po
         calibration=calibration, decode_layers=compare_layers(spec, (dev, ref, env), judge, decode=True),
         decode_points=[point[n] for n in ("decode.embeddings", "decode.final_norm") if n in point],
         kv=[compare_point(n, dev[n], ref[n], env[n], judge) for n in dev if Point.parse(n).kind == "kv"],
-        probabilities=_probabilities(obs, judge), row_labels=obs.labels, notes=_notes(obs, backend),
+        probabilities=_probabilities(obs, cap), row_labels=obs.labels, notes=_notes(obs, backend),
         seconds={"port": round(obs.seconds, 2)}, observation=obs)
