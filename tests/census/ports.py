@@ -107,3 +107,8 @@ def run_check(shape: Shape, run: Run):
     settings = RunSettings(tp=run.tp, buckets=run.buckets, kv_len=run.kv_len, backend_options=dict(run.options))
     engine = build_engine(ckpt, settings, capture=True)
     return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
+
+
+# The healthy port issue 26 names: 6 layers, full layers with 2 KV heads, hidden 64 (default init).
+ISSUE_SHAPE = Shape("issue26", "default", (("layer_types", ("sliding_attention",) * 5 + ("full_attention",)),
+                                           ("num_global_key_value_heads", 2)))
