@@ -70,17 +70,18 @@ ROUTING_FACTOR = 2.0
 PLE_PIN_NOISE = 0.25
 FORCING_PASSES = 3
 # The fp32 structural stage: the port in fp32 must equal the fp32 reference to fp32 precision. Its
-# envelope is the bf16 envelope scaled by the ratio of the two unit roundoffs (fp32 2^-24 over bf16
-# 2^-8): the same computation rounded 65536 times finer. Where from: on the tiny seeds 0 and 1 and
-# two transformers-default-init checkpoints, the healthy fp32 port (TP=2 against transformers) sits
-# at most at 2.4x that scaled envelope (whole tensor) and 3.3x (worst position) at every point
-# (tests/parity prints it); a fixed
-# tolerance does not carry over (default init's fp32 error is 6x the tiny builder's, a 48-layer model's
-# more). FP32_FACTOR 16 leaves that headroom; the smallest structural fault of tests/faults (the
-# exact GELU) lands at over 100x.
-FP32_SCALE = 2.0 ** -16
-FP32_FACTOR = 16.0
-FP32_FLOOR = ENVELOPE_FLOOR * FP32_SCALE  # 2^-25: one fp32 rounding, for points exact in bf16 too
+# envelope is measured, not scaled from bf16: at every point the fp32 reference's own error against
+# transformers in float64 along the same path (harness/reference64.py), whole tensor and per
+# position, floored at one fp32 rounding (FP32_FLOOR, 2^-24; embeddings are exact in both). The
+# bf16 error saturates in deep models (rel_l2 0.5 at the last layer of a 224M default-init
+# checkpoint) while fp32's keeps growing, so a scaled bf16 envelope was too tight exactly where
+# models get real (issue 26). Where from: FP32_FACTOR is measured by the census (tests/census):
+# two independent fp32 computations of the same function (the port's TP partial sums, transformers'
+# single rank) each err about as much against float64, so a healthy port sits near sqrt(2); the
+# largest healthy ratio over the census is in docs/design.md (margin table); the smallest structural
+# fault of tests/faults (the exact GELU) lands far above.
+FP32_FACTOR = 8.0
+FP32_FLOOR = 2.0 ** -24
 # Host probabilities, both stages: the host transform judged as a function. The engine's served
 # probabilities for the port's OWN raw logits against transformers' capped distribution of the same
 # logits (harness.reference.transformers_capped: fp32, as transformers' Gemma-4 forward writes it),
@@ -106,13 +107,13 @@ FP32_TIE_FRACTION = 1e-4
 
 @dataclass(frozen=True)
 class StageJudge:
-    """How one stage judges: its points by `factor` x the bf16 envelope scaled by `scale` (floored
-    at `floor`), its token flips by the calibrated band (bf16: at least NEAR_TIE_ULPS ULPs) or by
-    fp32 rounding (fp32), its probabilities by the bf16 reference's (bf16) or by fp32 precision."""
+    """How one stage judges: its points by `factor` x its envelope (bf16: the bf16 reference's
+    error; fp32: the fp32 reference's error against float64), floored at `floor`, its token flips by
+    the calibrated band (bf16: at least NEAR_TIE_ULPS ULPs) or by fp32 rounding (fp32). The host
+    probabilities are judged as a function in both (compare_probabilities)."""
 
     name: str
     factor: float
-    scale: float
     floor: float
     envelope_ties: bool  # bf16: ties within the calibrated band; fp32: within fp32 rounding only
 
@@ -124,12 +125,12 @@ class StageJudge:
     def describe(self) -> str:
         if self.envelope_ties:
             return "bf16 envelope"
-        return (f"fp32 precision: error <= {self.factor:g}x the bf16 envelope scaled to fp32 (x2^-16) at "
+        return (f"fp32 precision: error <= {self.factor:g}x the fp32 reference's own error against float64 at "
                 "every point and position, tokens exact")
 
 
-BF16 = StageJudge("bf16", ENVELOPE_FACTOR, 1.0, ENVELOPE_FLOOR, True)
-FP32 = StageJudge("fp32", FP32_FACTOR, FP32_SCALE, FP32_FLOOR, False)
+BF16 = StageJudge("bf16", ENVELOPE_FACTOR, ENVELOPE_FLOOR, True)
+FP32 = StageJudge("fp32", FP32_FACTOR, FP32_FLOOR, False)
 JUDGES = {"bf16": BF16, "fp32": FP32}
 
 
@@ -164,14 +165,14 @@ def per_position_rel_l2(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def compare_point(name: str, device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tensor,
                   judge: StageJudge = BF16) -> PointResult:
-    """`device`, `ref` (fp32 reference) and `envelope` (bf16 reference) are [n, ...] at one point.
-    The error is judged by the envelope scaled by the stage's scale, whole tensor and worst
-    position, each within the stage's factor. The envelope fields hold the scaled envelope."""
+    """`device`, `ref` (fp32 reference) and `envelope` (the stage's envelope reference: bf16, or
+    float64 in the fp32 stage) are [n, ...] at one point. The error is judged by the envelope's
+    distance from `ref` (floored), whole tensor and worst position, each within the stage's factor."""
     finite = bool(torch.isfinite(device).all())
-    env = max(rel_l2(envelope, ref) * judge.scale, judge.floor)
+    env = max(rel_l2(envelope, ref), judge.floor)
     err = rel_l2(device, ref) if finite else math.inf
     dev_pos = per_position_rel_l2(device, ref)
-    env_pos = (per_position_rel_l2(envelope, ref) * judge.scale).clamp_min(judge.floor)
+    env_pos = per_position_rel_l2(envelope, ref).clamp_min(judge.floor)
     worst = int(dev_pos.argmax()) if finite else 0
     position_ratio = float(dev_pos.max() / env_pos.max()) if finite else math.inf
     ratio = err / env

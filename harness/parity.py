@@ -35,7 +35,7 @@ from harness.reference import ReferenceResult
 from harness.results import CheckResult, LocalLayer
 from harness.routing import judge_routing
 from harness.settings import RunSettings
-from harness.stage import judge_stage, near_tie_calibration, structural_flips
+from harness.stage import fp32_envelope, judge_stage, near_tie_calibration, structural_flips
 
 # A further check of a finished result (the served build, ...): called with the result and the
 # checkpoint, it adds its stage, failures or notes to the result.
@@ -76,7 +76,11 @@ def run_stage(stage: str, engine, checkpoint, refs: tuple, judged: tuple) -> Che
     obs = observe_stage(stage, engine, checkpoint.spec, refs, run.progress)
     spec = checkpoint.spec
     # routing (bf16 stage, MoE) and ill-conditioned per-layer inputs (PLE) teacher-forced
-    obs, rerun, pinned = force_references(obs, checkpoint, stage == "bf16") if run.force_path else (obs, [], [])
+    # fp32: nothing forced; its envelope is the float64 reference along the fp32 reference's path
+    forced = run.force_path and stage == "bf16"
+    obs, rerun, pinned = force_references(obs, checkpoint, True) if forced else (obs, [], [])
+    if stage == "fp32":
+        obs.env = fp32_envelope(obs, checkpoint, run.progress)
     start = time.perf_counter()
     dtype = "float32" if stage == "fp32" else run.dtype
     result = judge_stage(obs, spec, calibration, structural, (run.backend, run.tp, dtype))

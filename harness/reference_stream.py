@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.reference import Recorder, hf_decoder_parts, transformers_capped
+from harness.reference import Recorder, kv_rows, record_cache_writes, hf_decoder_parts, transformers_capped
 from harness.settings import dtype_name, torch_dtype
 
 
@@ -23,7 +23,7 @@ class _StreamedPrompt:
     [batch, n] tensor of equal-length prompts runs as one batch (the corpus-quality pass); its
     captures keep the batch dimension."""
 
-    def __init__(self, checkpoint, config, embedding, prompt):
+    def __init__(self, checkpoint, config, embedding, prompt, forcing=None):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         spec = checkpoint.spec
@@ -37,6 +37,7 @@ class _StreamedPrompt:
         self.positions = torch.arange(ids.shape[1])[None]
         mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, past_key_values=None,
                          position_ids=self.positions)
+        self.forcing, self.cache, self.writes = forcing, None, {}
         self.masks = {"full_attention": create_causal_mask(**mask_args),
                       "sliding_attention": create_sliding_window_causal_mask(**mask_args)}
 
@@ -44,9 +45,15 @@ class _StreamedPrompt:
         """One decoder layer; its capture points are kept only when `keep` (else only the logits)."""
         i = layer_spec.index
         recorder = Recorder.on_layer(layer, i, self.x) if keep else None
+        forced = self.forcing.hooks({i: layer}) if self.forcing is not None else []
         cos_sin = rotary(self.x, self.positions, layer_spec.type)
-        self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
-                       position_ids=self.positions)
+        extra = {"past_key_values": self.cache} if self.cache is not None else {}
+        try:
+            self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
+                           position_ids=self.positions, **extra)
+        finally:
+            for handle in forced:
+                handle.remove()
         if recorder is not None:
             recorder.remove()
             self.captures.update({k: v[self.rows].float() for k, v in recorder.captures.items()})
@@ -58,15 +65,25 @@ class _StreamedPrompt:
         logits = (x[self.rows] @ head.T).float()
         self.captures["logits"] = logits
         self.captures["capped_logits"] = transformers_capped(logits, cap)
+        self.captures.update(kv_rows(self.writes))
         return self.captures
 
 
+def stream_sequences(checkpoint, sequences: list[list[int]], forcing: list, progress: bool = False) -> list[dict]:
+    """Every capture point of each sequence in float64, one layer at a time, with the KV rows
+    transformers writes (harness/reference64.py); forcing[k] (a Forced or None) steers sequence k's
+    MoE routers."""
+    return stream_prefill_captures_many(checkpoint, sequences, torch.float64, progress, kv_forcing=forcing)
+
+
 def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=torch.float32,
-                                 progress: bool = False, layer_captures: bool = True) -> list[dict[str, torch.Tensor]]:
+                                 progress: bool = False, layer_captures: bool = True,
+                                 kv_forcing: list | None = None) -> list[dict[str, torch.Tensor]]:
     """Prefill captures of every prompt in ONE pass over the checkpoint: each decoder layer is read
     and built once and runs every prompt's hidden state before the next layer is read. Peak memory
     is about the embedding matrix plus one layer plus the prompts' activations (without
-    `layer_captures`, only the embeddings, final norm and logits are kept: the corpus-quality pass)."""
+    `layer_captures`, only the embeddings, final norm and logits are kept: the corpus-quality pass).
+    With `kv_forcing` (one Forced or None per prompt) the KV rows are recorded and routers forced."""
     from transformers import AutoConfig
 
     from harness.errors import HarnessInputError
@@ -84,7 +101,14 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
     hf = hf_decoder_parts(spec)
     embed = checkpoint.embed_weight(dtype)
     embedding = _scaled_embedding(hf, embed, spec)
-    states = [_StreamedPrompt(checkpoint, config, embedding, prompt) for prompt in prompts]
+    states = [_StreamedPrompt(checkpoint, config, embedding, prompt, forced)
+              for prompt, forced in zip(prompts, kv_forcing or [None] * len(prompts))]
+    if kv_forcing is not None:
+        from transformers import DynamicCache
+
+        for state in states:
+            state.cache = DynamicCache(config=config)
+            record_cache_writes(state.cache, state.writes)
     rotary = hf.rotary(config)
     say = status("stream", progress, total=spec.num_layers)
     with torch.no_grad():

@@ -63,6 +63,16 @@ def _probabilities(obs, cap) -> list[ProbabilityResult]:
     return out
 
 
+def fp32_envelope(obs, checkpoint, progress: bool = False) -> dict:
+    """The fp32 stage's envelope values: transformers in float64 along the fp32 reference's path
+    (harness/reference64.py), stacked as the observation's rows (the stage's `env`)."""
+    from harness.observe import assemble_observation
+    from harness.reference64 import float64_references
+
+    ref64 = float64_references(checkpoint, obs.ref32, progress)
+    return assemble_observation(obs.stage, obs.runs, checkpoint.spec, (obs.ref32, ref64), obs.reads_cache).env
+
+
 def _notes(obs, backend: str) -> list[str]:
     notes = [] if obs.reads_cache else [
         f"{obs.stage} stage: the {backend} backend cannot read its KV cache; the cache is judged in the fp32 stage"]

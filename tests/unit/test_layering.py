@@ -29,6 +29,7 @@ LAYERS = {
     "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
     # 4: execution: the backends, and the reference (transformers only)
     "harness.backends": 4, "harness.reference": 4, "harness.reference_stream": 4, "harness.reference_forcing": 4,
+    "harness.reference64": 4,
     # 5: judgement
     # (observe runs the port and the references for the judge; stage judges what it observed)
     "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5,
