@@ -73,17 +73,18 @@ def stream_sequences(checkpoint, sequences: list[list[int]], forcing: list, prog
     """Every capture point of each sequence in float64, one layer at a time, with the KV rows
     transformers writes (harness/reference64.py); forcing[k] (a Forced or None) steers sequence k's
     MoE routers."""
-    return stream_prefill_captures_many(checkpoint, sequences, torch.float64, progress, kv_forcing=forcing)
+    return stream_prefill_captures_many(checkpoint, sequences, torch.float64, progress, forcing=forcing, kv=True)
 
 
 def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=torch.float32,
                                  progress: bool = False, layer_captures: bool = True,
-                                 kv_forcing: list | None = None) -> list[dict[str, torch.Tensor]]:
+                                 forcing: list | None = None, kv: bool = False) -> list[dict[str, torch.Tensor]]:
     """Prefill captures of every prompt in ONE pass over the checkpoint: each decoder layer is read
     and built once and runs every prompt's hidden state before the next layer is read. Peak memory
     is about the embedding matrix plus one layer plus the prompts' activations (without
     `layer_captures`, only the embeddings, final norm and logits are kept: the corpus-quality pass).
-    With `kv_forcing` (one Forced or None per prompt) the KV rows are recorded and routers forced."""
+    `forcing` (one harness.reference_forcing.Forced or None per prompt) steers the MoE routers; with
+    `kv` the KV rows transformers writes are recorded too."""
     from transformers import AutoConfig
 
     from harness.errors import HarnessInputError
@@ -102,8 +103,8 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
     embed = checkpoint.embed_weight(dtype)
     embedding = _scaled_embedding(hf, embed, spec)
     states = [_StreamedPrompt(checkpoint, config, embedding, prompt, forced)
-              for prompt, forced in zip(prompts, kv_forcing or [None] * len(prompts))]
-    if kv_forcing is not None:
+              for prompt, forced in zip(prompts, forcing or [None] * len(prompts))]
+    if kv:
         from transformers import DynamicCache
 
         for state in states:

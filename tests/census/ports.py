@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +37,7 @@ class Run:
     tp: int = 2
     buckets: tuple = (64,)
     kv_len: int = 96
-    options: tuple = ()  # backend options, e.g. (("sliding_cache", "ring"),)
+    sliding_cache: str = "linear"
 
 
 def prompt_of(n: int, seed: int = 0, vocab: int = 512) -> tuple:
@@ -89,13 +89,6 @@ def references(shape: Shape, prompts: tuple, new_tokens: int):
         return run_reference(ckpt.path, [list(p) for p in prompts], new_tokens)
 
 
-@dataclass
-class Census:
-    """What the census ran: (shape, run, result) per port."""
-
-    rows: list = field(default_factory=list)
-
-
 def run_check(shape: Shape, run: Run):
     """`check` (both stages, no local verdicts) of the bf16 port at the run's settings."""
     from harness.backends import build_engine
@@ -104,7 +97,7 @@ def run_check(shape: Shape, run: Run):
 
     ckpt = checkpoint(shape)
     refs = references(shape, run.prompts, run.new_tokens)
-    settings = RunSettings(tp=run.tp, buckets=run.buckets, kv_len=run.kv_len, backend_options=dict(run.options))
+    settings = RunSettings(tp=run.tp, buckets=run.buckets, kv_len=run.kv_len, sliding_cache=run.sliding_cache)
     engine = build_engine(ckpt, settings, capture=True)
     return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
 

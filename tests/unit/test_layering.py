@@ -38,6 +38,7 @@ LAYERS = {
     # 6: workflows as library functions with result objects
     "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
     "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,
+    "harness.quality_moe": 6,
     # 7: presentation and commands; nothing imports these from below
     "harness.report": 7, "harness.report_bisect": 7, "harness.report_plot": 7, "harness.report_table": 7,
     "harness.quality_report": 7,
