@@ -221,8 +221,9 @@ def compare_layers(spec, observed: tuple, judge: StageJudge = BF16, decode: bool
     pooled = {part: pooled_floors([n for _, names in judged for n in names if n.endswith("." + part)], ref, env)
               for part in POOLED_PARTS}
     return [LayerResult(layer.index, layer.type,
-                        [compare_point(n, dev[n], ref[n], env[n], judge, pooled.get(n.rsplit(".", 1)[1], (0.0, 0.0)))
-                         for n in names]) for layer, names in judged]
+                        [compare_point(n, dev[n], ref[n], env[n], judge,
+                                       pooled=pooled.get(n.rsplit(".", 1)[1], (0.0, 0.0))) for n in names])
+            for layer, names in judged]
 
 
 # ---- tokens and logits ---------------------------------------------------------------------------
@@ -344,7 +345,9 @@ def compare_probabilities(name: str, dev_probs: torch.Tensor, expected_capped: t
     precision of softmax(expected_capped) (HOST_RELATIVE_TOLERANCE, HOST_TV_TOLERANCE); the ratio
     is the worst row's error over its tolerance (<= 1 passes). KL and top-k mass are reported."""
     if expected_capped.shape[0] == 0:
-        return ProbabilityResult(name, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, True)
+        return ProbabilityResult(name=name, rows=0, kl_mean=0.0, kl_max=0.0, topk_mass_error=0.0,
+                                 relative_error_max=0.0, total_variation_max=0.0, ratio=0.0, worst_position=0,
+                                 passed=True)
     p = torch.softmax(expected_capped.double(), -1)
     q = dev_probs.double()
     diff = (q - p).abs()

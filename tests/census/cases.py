@@ -64,3 +64,16 @@ CASES += [
     Case("issue26-one-token", ISSUE_SHAPE, ONE),
     Case("issue26-one-new", ISSUE_SHAPE, ONE_NEW),
 ]
+
+# Realistic width and depth (slow lane): 12 layers, 5 sliding : 1 full, transformers' default init and
+# the builder's conditioned weights; short prompts bound the time.
+REALISTIC = (("hidden_size", 768), ("intermediate_size", 3072), ("num_attention_heads", 12), ("num_key_value_heads", 4),
+             ("head_dim", 64), ("global_head_dim", 128))
+WIDE = (("hidden_size", 1024), ("intermediate_size", 4096), ("num_attention_heads", 16), ("num_key_value_heads", 8),
+        ("head_dim", 64), ("global_head_dim", 128))
+REALISTIC_CASES = [
+    Case("realistic-768-default", Shape("r768", "default", REALISTIC), Run((prompt_of(8), prompt_of(3)), 4)),
+    Case("realistic-768-builder", Shape("r768", "builder", REALISTIC), Run((prompt_of(8), prompt_of(3)), 4)),
+    Case("realistic-1024-default-past-window", Shape("r1024", "default", WIDE), Run((prompt_of(40),), 4)),
+]
+CASES += REALISTIC_CASES

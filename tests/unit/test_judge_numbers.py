@@ -60,17 +60,42 @@ def test_worst_position_at_5x_the_envelope_fails_and_at_3x_passes():
     assert ok.position_ratio == pytest.approx(3.0, rel=1e-3) and ok.passed
 
 
-def test_fp32_stage_fails_at_17x_the_scaled_envelope_and_passes_at_15x():
-    """The fp32 judge: the bf16 envelope x 2^-16, factor 16, whole tensor and worst position."""
-    scale = 2.0 ** -16
-    for c, passed in ((15.0, True), (17.0, False)):
-        dev, env = _worst(c * A * scale)
-        result = compare_point("p", dev, _ref(), env, FP32)
-        assert result.envelope_rel_l2 == pytest.approx(A * scale, rel=1e-3)
+def test_fp32_stage_fails_at_9x_the_float64_measured_envelope_and_passes_at_7x():
+    """The fp32 judge: the fp32 reference's own error against float64 (unscaled), factor 8, whole
+    tensor and worst position."""
+    e = 1e-6  # far above one fp32 rounding
+    for c, passed in ((7.0, True), (9.0, False)):
+        result = compare_point("p", _with_row_errors([0, 0, c * e, 0]), _ref(), _with_row_errors([e] * ROWS), FP32)
+        assert result.envelope_rel_l2 == pytest.approx(e, rel=1e-3)
         assert result.position_ratio == pytest.approx(c, rel=1e-3) and result.passed is passed
-        dev, env = _whole(c / 2 * A * scale)
-        result = compare_point("p", dev, _ref(), env, FP32)
+        result = compare_point("p", _with_row_errors([c / 2 * e] * ROWS), _ref(), _with_row_errors([e, 0, 0, 0]), FP32)
         assert result.ratio == pytest.approx(c, rel=1e-3) and result.passed is passed
+
+
+def test_fp32_envelope_floor_is_one_fp32_rounding():
+    """An fp32 envelope of 0 (the float64 reference rounds to the fp32 one) is floored at 2^-24:
+    an error of 7 x 2^-24 passes, 9x fails."""
+    for k, passed in ((7.0, True), (9.0, False)):
+        result = compare_point("p", _with_row_errors([k * 2.0 ** -24] * ROWS), _ref(), _ref(), FP32)
+        assert result.envelope_rel_l2 == 2.0 ** -24 and result.passed is passed
+
+
+def test_per_layer_input_is_judged_by_its_pooled_envelope():
+    """The median over >= 3 layers of one part's envelope floors each layer's (whole and worst
+    position); fewer layers pool nothing."""
+    from harness.compare import pooled_floors
+
+    names = [f"layers.{i}.per_layer_input" for i in range(3)]
+    env = {n: _with_row_errors([k * A] * ROWS) for n, k in zip(names, (1, 2, 3))}
+    ref = {n: _ref() for n in names}
+    whole, worst = pooled_floors(names, ref, env)
+    assert whole == pytest.approx(2 * A, rel=1e-3) and worst == pytest.approx(2 * A, rel=1e-3)
+    assert pooled_floors(names[:2], ref, env) == (0.0, 0.0)
+    dev = _with_row_errors([7 * A] * ROWS)  # 7x layer 0's own envelope, 3.5x the pooled one
+    assert not compare_point(names[0], dev, _ref(), env[names[0]]).passed
+    assert compare_point(names[0], dev, _ref(), env[names[0]], pooled=(whole, worst)).passed
+    assert not compare_point(names[0], _with_row_errors([9 * A] * ROWS), _ref(), env[names[0]],
+                             pooled=(whole, worst)).passed
 
 
 def test_envelope_floor_is_one_bf16_rounding():
@@ -203,8 +228,8 @@ def test_host_transform_faults_fail_at_one_row():
 
 
 def test_stage_settings_are_pinned():
-    assert (BF16.factor, BF16.scale, BF16.floor, BF16.envelope_ties) == (4.0, 1.0, 2.0 ** -9, True)
-    assert (FP32.factor, FP32.scale, FP32.floor, FP32.envelope_ties) == (16.0, 2.0 ** -16, 2.0 ** -25, False)
+    assert (BF16.factor, BF16.floor, BF16.envelope_ties) == (4.0, 2.0 ** -9, True)
+    assert (FP32.factor, FP32.floor, FP32.envelope_ties) == (8.0, 2.0 ** -24, False)
 
 
 def test_a_row_is_measured_against_at_least_one_percent_of_the_median_row_norm():
