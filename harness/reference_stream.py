@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from harness.reference import Recorder, kv_rows, record_cache_writes, hf_decoder_parts, transformers_capped
-from harness.settings import dtype_name, torch_dtype
+from harness.settings import torch_dtype
 
 
 def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
@@ -90,7 +90,7 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
     from harness.errors import HarnessInputError
     from harness.progress import status
 
-    dtype = torch_dtype(dtype)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)  # float64: harness/reference64.py
     config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
@@ -114,7 +114,7 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
     say = status("stream", progress, total=spec.num_layers)
     with torch.no_grad():
         for layer_spec in spec.layers:
-            say(f"{dtype_name(dtype)} layer {layer_spec.index + 1}/{spec.num_layers}, {len(prompts)} prompt(s)")
+            say(f"{str(dtype).removeprefix('torch.')} layer {layer_spec.index + 1}/{spec.num_layers}, {len(prompts)} prompt(s)")
             with torch.device("meta"):
                 layer = hf.layer(config, layer_spec.index)
             layer.load_state_dict(checkpoint.layer_weights(layer_spec.index, dtype), assign=True, strict=True)
