@@ -36,6 +36,18 @@ ENVELOPE_FLOOR = 2.0 ** -9
 # (per_position_rel_l2). On the tiny E2B a gated per-layer-input row at 5e-4 of the median turned a
 # healthy bf16 port into a 6x per-position ratio; 1% keeps such rows judged on a meaningful scale.
 ROW_NORM_FLOOR = 1e-2
+# The family's gated per-layer input (8 to 256 lanes a row; its noise is the gate's, not carried from
+# layer to layer) is judged by at least the median over its layers of the envelope's whole-tensor and
+# worst-position errors. Where from: at one row a narrow point's envelope is a single draw of a
+# heavy-tailed quantity (8 lanes on the tiny E4B): the census (tests/census) saw a healthy bf16
+# port at 4.7x one layer's envelope at a 1-token prompt and 5.5x at prompts of 3 and 8 tokens while
+# the neighbouring layers' envelopes were 2-3x larger; the median of POOLED_MIN_LAYERS or more
+# draws holds at one row. The residual stream's points are not pooled (their noise grows with depth).
+# Its rows' errors are measured against at least the point's median row norm (an absolute error at
+# the point's scale): a healthy row at 0.28 of the median norm measured 0.27 relative error against
+# an envelope of 0.05 at its worst row (the census, tiny E4B, prompts of 3 and 8 tokens).
+POOLED_PARTS = ("per_layer_input",)
+POOLED_MIN_LAYERS = 3
 # A token mismatch is a near-tie flip when the reference prefers its token over the device's by
 # no more than the noise of that margin. The noise is calibrated per check, from the data: over
 # every position and prompt (prefill rows and decode steps), how far the bf16 reference's margin
@@ -71,35 +83,34 @@ ROUTING_FACTOR = 2.0
 PLE_PIN_NOISE = 0.25
 FORCING_PASSES = 3
 # The fp32 structural stage: the port in fp32 must equal the fp32 reference to fp32 precision. Its
-# envelope is the bf16 envelope scaled by the ratio of the two unit roundoffs (fp32 2^-24 over bf16
-# 2^-8): the same computation rounded 65536 times finer. Where from: on the tiny seeds 0 and 1 and
-# two transformers-default-init checkpoints, the healthy fp32 port (TP=2 against transformers) sits
-# at most at 2.4x that scaled envelope (whole tensor) and 3.3x (worst position) at every point
-# (tests/parity prints it); a fixed
-# tolerance does not carry over (default init's fp32 error is 6x the tiny builder's, a 48-layer model's
-# more). FP32_FACTOR 16 leaves that headroom; the smallest structural fault of tests/faults (the
-# exact GELU) lands at over 100x.
-FP32_SCALE = 2.0 ** -16
-FP32_FACTOR = 16.0
-FP32_FLOOR = ENVELOPE_FLOOR * FP32_SCALE  # 2^-25: one fp32 rounding, for points exact in bf16 too
-# fp32 stage, probabilities: the host softcap + softmax against transformers' capped distribution
-# in fp32. KL from fp32 probabilities carries their rounding (~6e-8 relative each): measured up
-# to 2.4e-7 on a healthy port, so 2e-6; a wrong formula is orders of magnitude above. The top-k mass
-# error is held to FP32_MASS_TOLERANCE (measured up to 1.3e-6).
-FP32_KL_TOLERANCE = 2e-6
-FP32_MASS_TOLERANCE = 2e-5
-# bf16 stage, probabilities: the host's per-row KL(reference || host) and top-k mass error are
-# judged as a distribution against the bf16 reference's own per-row values, not row by row. At one
-# row both are draws of a heavy-tailed quantity (a KL of a peaked distribution is ~ a chi-square
-# of one or two degrees of freedom: two healthy bf16 runs differ 16x at single rows), so a row's
-# ratio to the envelope's largest row false-alarms on healthy ports of other shapes. The host's
-# transform (softcap, softmax) is the same at every row, so a wrong one moves the whole
-# distribution: its mean and its PROBABILITY_QUANTILE move together. A point fault at one row is the
-# logits point's to catch (judged per position). Where from: over healthy ports of eight shapes and
-# seeds (tiny builder, transformers default init, 2 and 4 global KV heads, hidden 48 to 128) the
-# judged ratio stays at or below 1.3 (README, "How parity is judged"); every probability fault of
-# tests/faults lands at 369x or more. The factor is ENVELOPE_FACTOR.
-PROBABILITY_QUANTILE = 0.9
+# envelope is measured, not scaled from bf16: at every point the fp32 reference's own error against
+# transformers in float64 along the same path (harness/reference64.py), whole tensor and per
+# position, floored at one fp32 rounding (FP32_FLOOR, 2^-24; embeddings are exact in both). The
+# bf16 error saturates in deep models (rel_l2 0.5 at the last layer of a 224M default-init
+# checkpoint) while fp32's keeps growing, so a scaled bf16 envelope was too tight exactly where
+# models get real (issue 26). Where from: FP32_FACTOR is measured by the census (tests/census):
+# two independent fp32 computations of the same function (the port's TP partial sums, transformers'
+# single rank) each err about as much against float64, so a healthy port sits near sqrt(2); the
+# largest healthy ratio over the census is in docs/design.md (margin table); the smallest structural
+# fault of tests/faults (the exact GELU) lands far above.
+FP32_FACTOR = 8.0
+FP32_FLOOR = 2.0 ** -24
+# Host probabilities, both stages: the host transform judged as a function. The engine's served
+# probabilities for the port's OWN raw logits against transformers' capped distribution of the same
+# logits (harness.reference.transformers_capped: fp32, as transformers' Gemma-4 forward writes it),
+# softmax taken in float64, every row. The same logits on both sides: no model noise enters, so a
+# row's error is the fp32 softmax's own rounding. Per row, the largest relative error of a
+# probability (over probabilities >= HOST_PROBABILITY_FLOOR: fp32 is normal there, and mass below
+# it is the total variation's) within HOST_RELATIVE_TOLERANCE, and the total variation within
+# HOST_TV_TOLERANCE. Where from: fp32 softmax of capped logits against its float64 value over
+# vocabularies of 512 and 262144 (the 12B's), logits of scale 0.01 to 1000, bf16-valued or not
+# (tests/unit/test_judge_numbers.py repeats the measurement): relative error up to
+# 1.2e-5 and total variation up to 5.7e-6 at the 12B's vocabulary (the normalising sum's rounding
+# over 262144 terms), 2.2e-6 and 1.2e-7 at 512. The tolerances sit 8x above: a wrong softcap, an
+# uncapped softmax or a temperature of 0.999 moves relative errors to 1e-3 and more.
+HOST_RELATIVE_TOLERANCE = 1e-4
+HOST_TV_TOLERANCE = 5e-5
+HOST_PROBABILITY_FLOOR = 1e-30
 TOPK = 5
 
 # fp32 stage: a token flip is a tie only when the reference's margin is within this fraction of the
@@ -109,13 +120,13 @@ FP32_TIE_FRACTION = 1e-4
 
 @dataclass(frozen=True)
 class StageJudge:
-    """How one stage judges: its points by `factor` x the bf16 envelope scaled by `scale` (floored
-    at `floor`), its token flips by the calibrated band (bf16: at least NEAR_TIE_ULPS ULPs) or by
-    fp32 rounding (fp32), its probabilities by the bf16 reference's (bf16) or by fp32 precision."""
+    """How one stage judges: its points by `factor` x its envelope (bf16: the bf16 reference's
+    error; fp32: the fp32 reference's error against float64), floored at `floor`, its token flips by
+    the calibrated band (bf16: at least NEAR_TIE_ULPS ULPs) or by fp32 rounding (fp32). The host
+    probabilities are judged as a function in both (compare_probabilities)."""
 
     name: str
     factor: float
-    scale: float
     floor: float
     envelope_ties: bool  # bf16: ties within the calibrated band; fp32: within fp32 rounding only
 
@@ -127,12 +138,12 @@ class StageJudge:
     def describe(self) -> str:
         if self.envelope_ties:
             return "bf16 envelope"
-        return (f"fp32 precision: error <= {self.factor:g}x the bf16 envelope scaled to fp32 (x2^-16) at "
+        return (f"fp32 precision: error <= {self.factor:g}x the fp32 reference's own error against float64 at "
                 "every point and position, tokens exact")
 
 
-BF16 = StageJudge("bf16", ENVELOPE_FACTOR, 1.0, ENVELOPE_FLOOR, True)
-FP32 = StageJudge("fp32", FP32_FACTOR, FP32_SCALE, FP32_FLOOR, False)
+BF16 = StageJudge("bf16", ENVELOPE_FACTOR, ENVELOPE_FLOOR, True)
+FP32 = StageJudge("fp32", FP32_FACTOR, FP32_FLOOR, False)
 JUDGES = {"bf16": BF16, "fp32": FP32}
 
 
@@ -152,37 +163,49 @@ def max_abs(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.double() - ref.double()).abs().max()) if x.numel() else 0.0
 
 
-def per_position_rel_l2(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+def per_position_rel_l2(x: torch.Tensor, ref: torch.Tensor, floor: float = ROW_NORM_FLOOR) -> torch.Tensor:
     """Relative L2 of each position (rows of [n, hidden]): one bad position is not averaged away.
     A row is measured against at least ROW_NORM_FLOOR x the point's median row norm: a gated
     point (the family's per-layer input, gate x input) has rows near zero whose own norm would turn
     bf16 rounding into a huge relative error; the residual streams' rows never come near it."""
     x, ref = x.double(), ref.double()
     norms = ref.norm(dim=-1)
-    floor = ROW_NORM_FLOOR * float(norms.median()) if norms.numel() else 0.0
+    floor = floor * float(norms.median()) if norms.numel() else 0.0
     return (x - ref).norm(dim=-1) / norms.clamp_min(max(floor, 1e-30))
 
 
 # ---- the point judge -----------------------------------------------------------------------------
 
 def compare_point(name: str, device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tensor,
-                  judge: StageJudge = BF16) -> PointResult:
-    """`device`, `ref` (fp32 reference) and `envelope` (bf16 reference) are [n, ...] at one point.
-    The error is judged by the envelope scaled by the stage's scale, whole tensor and worst
-    position, each within the stage's factor. The envelope fields hold the scaled envelope."""
+                  judge: StageJudge = BF16, pooled: tuple[float, float] = (0.0, 0.0)) -> PointResult:
+    """`device`, `ref` (fp32 reference) and `envelope` (the stage's envelope reference: bf16, or
+    float64 in the fp32 stage) are [n, ...] at one point. The error is judged by the envelope's
+    distance from `ref` (floored), whole tensor and worst position, each within the stage's factor.
+    `pooled` (whole, worst position): floors from the same part at the other layers (pooled_floors)."""
     finite = bool(torch.isfinite(device).all())
-    env = max(rel_l2(envelope, ref) * judge.scale, judge.floor)
+    env = max(rel_l2(envelope, ref), judge.floor, pooled[0])
     err = rel_l2(device, ref) if finite else math.inf
-    dev_pos = per_position_rel_l2(device, ref)
-    env_pos = (per_position_rel_l2(envelope, ref) * judge.scale).clamp_min(judge.floor)
+    row_floor = 1.0 if name.rsplit(".", 1)[-1] in POOLED_PARTS else ROW_NORM_FLOOR
+    dev_pos = per_position_rel_l2(device, ref, row_floor)
+    env_pos = per_position_rel_l2(envelope, ref, row_floor).clamp_min(judge.floor)
     worst = int(dev_pos.argmax()) if finite else 0
-    position_ratio = float(dev_pos.max() / env_pos.max()) if finite else math.inf
+    position_ratio = float(dev_pos.max() / max(float(env_pos.max()), pooled[1])) if finite else math.inf
     ratio = err / env
     return PointResult(
         name=name, rel_l2=err, cosine=cosine(device, ref) if finite else float("nan"),
         max_abs=max_abs(device, ref) if finite else math.inf, envelope_rel_l2=env, ratio=ratio,
         position_ratio=position_ratio, worst_position=worst, finite=finite,
         passed=finite and ratio <= judge.factor and position_ratio <= judge.factor)
+
+
+def pooled_floors(names: list[str], ref: dict, env: dict) -> tuple[float, float]:
+    """The median over `names` (one part at every layer) of the envelope's whole-tensor and
+    worst-position errors: the part's typical noise from many draws, not one."""
+    if len(names) < POOLED_MIN_LAYERS:
+        return 0.0, 0.0
+    whole = torch.tensor([rel_l2(env[n], ref[n]) for n in names])
+    worst = torch.tensor([float(per_position_rel_l2(env[n], ref[n], 1.0).max()) for n in names])
+    return float(whole.median()), float(worst.median())
 
 
 # ---- tokens and logits ---------------------------------------------------------------------------
@@ -325,46 +348,29 @@ def compare_logits(device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tens
 
 # ---- host probabilities ----------------------------------------------------------------------------
 
-def _kl_and_mass(probs: torch.Tensor, ref_p: torch.Tensor, top: torch.Tensor):
-    log_p = ref_p.clamp_min(1e-300).log()
-    kl = (ref_p * (log_p - probs.double().clamp_min(1e-300).log())).sum(-1)
-    mass = (probs.double().gather(1, top).sum(-1) - ref_p.gather(1, top).sum(-1)).abs()
-    return kl, mass
-
-
-def distribution_ratio(device: torch.Tensor, envelope: torch.Tensor, floor: float) -> float:
-    """How far per-row device values sit above the envelope's, as distributions: the larger of the
-    ratios of their means and of their PROBABILITY_QUANTILEs (each envelope statistic floored)."""
-    if device.numel() == 0:
-        return 0.0
-    if not bool(torch.isfinite(device).all()):
-        return math.inf
-    ratios = [float(device.mean()) / max(float(envelope.mean()), floor)]
-    at_q = float(torch.quantile(device, PROBABILITY_QUANTILE))
-    ratios.append(at_q / max(float(torch.quantile(envelope, PROBABILITY_QUANTILE)), floor))
-    return max(ratios)
-
-
-def compare_probabilities(name: str, dev_probs: torch.Tensor, ref_capped: torch.Tensor,
-                          env_capped: torch.Tensor | None, factor: float = ENVELOPE_FACTOR) -> ProbabilityResult:
-    """dev_probs: the host's probabilities [n, vocab]; ref_capped/env_capped: the fp32/bf16
-    references' capped logits. bf16 stage: the distribution of per-row KL and top-k mass error
-    against the bf16 reference's (distribution_ratio) within `factor`. Without an envelope (fp32
-    stage) every row within fp32 precision (FP32_KL_TOLERANCE, FP32_MASS_TOLERANCE)."""
-    ref_p = torch.softmax(ref_capped.double(), -1)
-    top = ref_capped.topk(min(TOPK, ref_capped.shape[-1]), -1).indices
-    kl, mass = _kl_and_mass(dev_probs, ref_p, top)
-    if env_capped is None:
-        env_kl, env_mass = torch.zeros_like(kl), torch.zeros_like(mass)
-        per_row = torch.maximum(kl / FP32_KL_TOLERANCE, mass / FP32_MASS_TOLERANCE)
-        ratio = float(per_row.max()) if bool(torch.isfinite(per_row).all()) else math.inf
-        factor = 1.0
-    else:
-        env_kl, env_mass = _kl_and_mass(torch.softmax(env_capped.double(), -1), ref_p, top)
-        ratio = max(distribution_ratio(kl, env_kl, FP32_KL_TOLERANCE),
-                    distribution_ratio(mass, env_mass, FP32_MASS_TOLERANCE))
-    worst = int(kl.nan_to_num(math.inf).argmax()) if kl.numel() else 0
-    return ProbabilityResult(name=name, kl_mean=float(kl.mean()), kl_max=float(kl.max()),
-                             topk_mass_error=float(mass.max()), envelope_kl_max=float(env_kl.max()),
-                             envelope_topk_mass_error=float(env_mass.max()), ratio=ratio, worst_position=worst,
-                             passed=math.isfinite(ratio) and ratio <= factor)
+def compare_probabilities(name: str, dev_probs: torch.Tensor, expected_capped: torch.Tensor) -> ProbabilityResult:
+    """dev_probs: the host's probabilities [n, vocab] for the port's own raw logits;
+    expected_capped: transformers' capped logits of those same raw logits. Every row within fp32
+    precision of softmax(expected_capped) (HOST_RELATIVE_TOLERANCE, HOST_TV_TOLERANCE); the ratio
+    is the worst row's error over its tolerance (<= 1 passes). KL and top-k mass are reported."""
+    if expected_capped.shape[0] == 0:
+        return ProbabilityResult(name=name, rows=0, kl_mean=0.0, kl_max=0.0, topk_mass_error=0.0,
+                                 relative_error_max=0.0, total_variation_max=0.0, ratio=0.0, worst_position=0,
+                                 passed=True)
+    p = torch.softmax(expected_capped.double(), -1)
+    q = dev_probs.double()
+    diff = (q - p).abs()
+    judged = p >= HOST_PROBABILITY_FLOOR
+    rel = torch.where(judged, diff / p.clamp_min(HOST_PROBABILITY_FLOOR), torch.zeros_like(p)).amax(-1)
+    tv = 0.5 * diff.sum(-1)
+    per_row = torch.maximum(rel / HOST_RELATIVE_TOLERANCE, tv / HOST_TV_TOLERANCE)
+    finite = bool(torch.isfinite(q).all())
+    ratio = float(per_row.max()) if finite and per_row.numel() else (0.0 if finite else math.inf)
+    top = expected_capped.topk(min(TOPK, expected_capped.shape[-1]), -1).indices
+    kl = (p * (p.clamp_min(1e-300).log() - q.clamp_min(1e-300).log())).sum(-1)
+    mass = (q.gather(1, top).sum(-1) - p.gather(1, top).sum(-1)).abs()
+    worst = int(per_row.nan_to_num(math.inf).argmax()) if per_row.numel() else 0
+    return ProbabilityResult(name=name, rows=int(p.shape[0]), kl_mean=float(kl.mean()), kl_max=float(kl.max()),
+                             topk_mass_error=float(mass.max()), relative_error_max=float(rel.max()),
+                             total_variation_max=float(tv.max()), ratio=ratio, worst_position=worst,
+                             passed=finite and ratio <= 1.0)

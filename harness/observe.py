@@ -252,12 +252,23 @@ def observe_stage(engine, checkpoint, refs: StageReferences, context: StageConte
     say.close()
     seconds = time.perf_counter() - start
     obs = assemble_observation(context.stage, runs, spec, refs, engine.backend.reads_cache)
-    if context.force_path:
+    obs.followed = context.force_path
+    if context.stage == "fp32":  # nothing forced: the envelope is float64 along the fp32 reference's path
+        obs.env = fp32_envelope(obs, checkpoint, context.progress)
+    elif context.force_path:
         obs = follow_port_path(obs, checkpoint)
-    else:
-        obs.followed = False
     obs.seconds = seconds
     return obs
+
+
+def fp32_envelope(obs: StageObservation, checkpoint, progress: bool = False) -> dict:
+    """The fp32 stage's envelope values: transformers in float64 along the fp32 reference's path
+    (harness/reference64.py), stacked as the observation's rows (the stage's `env`)."""
+    from harness.reference64 import float64_references
+
+    ref64 = float64_references(checkpoint, obs.ref32, progress)
+    return assemble_observation(obs.stage, obs.runs, checkpoint.spec, StageReferences(obs.ref32, ref64),
+                                obs.reads_cache).env
 
 
 def follow_port_path(obs: StageObservation, checkpoint) -> StageObservation:

@@ -41,15 +41,29 @@ def port_window_logits(engine, window: list[int]) -> torch.Tensor:
 def _port_engine(checkpoint, settings):
     from harness.backends import build_engine
 
-    # capture=True: on a compiled backend the parity build, which returns every row's logits
-    return build_engine(checkpoint, settings, capture=settings.backend != "cpu")
+    # capture=True: on a compiled backend the parity build, which returns every row's logits; on
+    # MoE models everywhere (the port's routing is read from its captures, harness/quality_moe.py)
+    moe = checkpoint.spec.moe is not None
+    return build_engine(checkpoint, settings, capture=moe or settings.backend != "cpu")
 
 
-def _collect(engine, golden_dir, settings, progress) -> dict[str, list]:
+def _collect(engine, golden_dir, settings, progress, checkpoint=None) -> tuple[dict[str, list], list]:
+    """Per-position columns over every window, and (MoE) the routing decisions."""
+    from harness.quality_moe import moe_part_columns
+
     say = status("quality port", progress, total=settings.windows // settings.windows_per_part + settings.shards)
     cols: dict[str, list] = {}
+    decisions: list = []
     for part, g in read_golden_parts(golden_dir, settings, engine.spec.vocab_size):
         say(f"windows {part.start}-{part.stop - 1} of {settings.windows}")
+        if checkpoint is not None and checkpoint.spec.moe is not None:  # references along the port's routing
+            part_cols, part_decisions = moe_part_columns(checkpoint, engine, g["tokens"].long(), settings.topk)
+            decisions += part_decisions
+            for name, ts in part_cols.items():
+                cols.setdefault(name, []).extend(ts)
+            cols.setdefault("window", []).extend(torch.full((settings.window - 1,), w) for w in part)
+            cols.setdefault("tokens", []).extend(t for t in g["tokens"].long())
+            continue
         for k, w in enumerate(part):
             tokens = g["tokens"][k].long()
             logits = port_window_logits(engine, tokens.tolist())
@@ -64,7 +78,7 @@ def _collect(engine, golden_dir, settings, progress) -> dict[str, list]:
                 cols.setdefault(name, []).append(t)
             cols.setdefault("tokens", []).append(tokens)
     say.close()
-    return cols
+    return cols, decisions
 
 
 def _worst(cols: dict, window: int, n: int) -> list[dict]:
@@ -89,14 +103,20 @@ def judge_corpus(checkpoint, golden_dir, settings, run=None, *, progress: bool =
 
     run = run or RunSettings()
     engine = engine or _port_engine(checkpoint, run)
-    cols = _collect(engine, golden_dir, settings, progress)
+    cols, decisions = _collect(engine, golden_dir, settings, progress, checkpoint)
     cat = {name: torch.cat(ts) for name, ts in cols.items() if name != "tokens"}
     ref_nll = -cat["target_logprob"].double()
     port = summarize(cat["kl"], cat["dp"], cat["top1"], cat["nll"], ref_nll)
     bf16 = summarize(cat["bf16_kl"], cat["bf16_dp"], cat["bf16_top1"].bool(), cat["bf16_nll"], ref_nll)
     judged = verdict(port, bf16, factor)
+    routing = None
+    if checkpoint.spec.moe is not None:
+        from harness.quality_moe import judge_moe_routing
+
+        routing = judge_moe_routing(decisions, checkpoint.spec.moe.top_k)
     size = golden_bytes(golden_dir)
-    return {"passed": judged["passed"], "backend": run.backend, "tp": run.tp, "dtype": run.dtype,
+    return {"passed": judged["passed"] and (routing is None or routing.passed), "backend": run.backend,
+            "tp": run.tp, "dtype": run.dtype, "routing": routing.to_json() if routing is not None else None,
             "settings": {k: v for k, v in settings.to_json().items() if k != "weights"},
             "golden": {"path": str(golden_dir), "bytes": size, "positions": port["positions"],
                        "bytes_per_position": size / max(port["positions"], 1)},

@@ -41,6 +41,12 @@ def format_quality(payload: dict) -> str:
     lines += [f"{a:<18} {b:>12} {c:>12}" for a, b, c in _rows(payload)]
     lines.append(f"verdict rule: {payload['verdict']['rule']}")
     lines += [f"FAIL {line}" for line in _failed_checks(payload)]
+    routing = payload.get("routing")
+    if routing is not None:  # MoE: references along the port's routing (harness/quality_moe.py)
+        lines.append(f"{'PASS' if routing['passed'] else 'FAIL'} {routing['summary']}")
+        lines += [f"FAIL {f['point']} at {f['where']}: experts {f['port_experts']} where fp32's top-k is "
+                  f"{f['reference_experts']}, margin {f['margin']:.4g} > band {f['threshold']:.4g}"
+                  for f in routing["flips"] if f["kind"] == "divergence"][:5]
     worst = payload["worst_positions"][:3]
     lines += [f"worst: window {w['window']} position {w['position']} KL {w['kl']:.3e} (bf16 {w['bf16_kl']:.3e}), "
               f"next token {w['target']}, fp32 top-1 {w['reference_top1']}, port top-1 {w['port_top1']}" for w in worst]

@@ -37,6 +37,16 @@ class ReferenceResult:
     step_logits: torch.Tensor | None = None  # [new_tokens, vocab] raw logits that chose each token
 
 
+def transformers_capped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The final softcap exactly as transformers' Gemma-4 forward writes it (divide, tanh,
+    multiply), in fp32: the capped distribution the judge holds the host's probabilities to, and the
+    streaming reference's capped logits."""
+    logits = logits.float()
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
 def load_reference_model(checkpoint_dir, dtype=torch.float32):
     """transformers' own class for the checkpoint, eager attention (as the port runs)."""
     import transformers
@@ -49,7 +59,8 @@ def load_reference_model(checkpoint_dir, dtype=torch.float32):
     name, kwargs = REFERENCE_CLASSES.get(config.model_type, REFERENCE_CLASSES["gemma4_unified_text"]), {}
     if config.model_type in ("gemma4", "gemma4_text"):
         kwargs["experts_implementation"] = "eager"  # the plain per-expert loop, not a fused kernel
-    model = getattr(transformers, name).from_pretrained(checkpoint_dir, dtype=torch_dtype(dtype),
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)  # float64: harness/reference64.py
+    model = getattr(transformers, name).from_pretrained(checkpoint_dir, dtype=dtype,
                                                         attn_implementation="eager", **kwargs)
     return model.eval()
 
@@ -172,7 +183,7 @@ class Recorder:
             h.remove()
 
 
-def _record_cache_writes(cache, writes: dict[int, list]) -> None:
+def record_cache_writes(cache, writes: dict[int, list]) -> None:
     """Record every (key, value) transformers writes into `cache`, per layer, as it stores them."""
     update = cache.update
 
@@ -183,7 +194,7 @@ def _record_cache_writes(cache, writes: dict[int, list]) -> None:
     cache.update = recording
 
 
-def _kv_rows(writes: dict[int, list]) -> dict[str, torch.Tensor]:
+def kv_rows(writes: dict[int, list]) -> dict[str, torch.Tensor]:
     """kv.{i}.k / kv.{i}.v: [positions, kv_heads * head_dim] fp32, positions in write order."""
     out = {}
     for i, parts in sorted(writes.items()):
@@ -216,7 +227,7 @@ def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[in
     try:
         cache = DynamicCache(config=model.config.get_text_config())
         if capture:
-            _record_cache_writes(cache, writes)
+            record_cache_writes(cache, writes)
         with torch.no_grad():
             out = model(input_ids=torch.tensor([prompt], dtype=torch.long), past_key_values=cache, use_cache=True)
             captures = {}
@@ -246,10 +257,11 @@ def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[in
             recorder.remove()
     if capture:
         captures.update(_stack_steps(step_caps))
-        captures.update(_kv_rows(writes))
+        captures.update(kv_rows(writes))
         if capped:
             captures["step_capped_logits"] = torch.stack(capped)
-    return ReferenceResult(prompt=list(prompt), dtype=dtype_name(model.dtype), captures=captures,
+    dtype = "float64" if model.dtype == torch.float64 else dtype_name(model.dtype)
+    return ReferenceResult(prompt=list(prompt), dtype=dtype, captures=captures,
                            generated=generated,
                            step_logits=torch.stack(steps) if steps else torch.empty(0, raw_logits[0].shape[-1]))
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.reference import Recorder, hf_decoder_parts
-from harness.settings import dtype_name, torch_dtype
+from harness.reference import Recorder, kv_rows, record_cache_writes, hf_decoder_parts, transformers_capped
+from harness.settings import torch_dtype
 
 
 def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
@@ -23,7 +23,7 @@ class _StreamedPrompt:
     [batch, n] tensor of equal-length prompts runs as one batch (the corpus-quality pass); its
     captures keep the batch dimension."""
 
-    def __init__(self, checkpoint, config, embedding, prompt):
+    def __init__(self, checkpoint, config, embedding, prompt, forcing=None):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         spec = checkpoint.spec
@@ -37,6 +37,7 @@ class _StreamedPrompt:
         self.positions = torch.arange(ids.shape[1])[None]
         mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, past_key_values=None,
                          position_ids=self.positions)
+        self.forcing, self.cache, self.writes = forcing, None, {}
         self.masks = {"full_attention": create_causal_mask(**mask_args),
                       "sliding_attention": create_sliding_window_causal_mask(**mask_args)}
 
@@ -44,9 +45,15 @@ class _StreamedPrompt:
         """One decoder layer; its capture points are kept only when `keep` (else only the logits)."""
         i = layer_spec.index
         recorder = Recorder.on_layer(layer, i, self.x) if keep else None
+        forced = self.forcing.hooks({i: layer}) if self.forcing is not None else []
         cos_sin = rotary(self.x, self.positions, layer_spec.type)
-        self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
-                       position_ids=self.positions)
+        extra = {"past_key_values": self.cache} if self.cache is not None else {}
+        try:
+            self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
+                           position_ids=self.positions, **extra)
+        finally:
+            for handle in forced:
+                handle.remove()
         if recorder is not None:
             recorder.remove()
             self.captures.update({k: v[self.rows].float() for k, v in recorder.captures.items()})
@@ -57,22 +64,33 @@ class _StreamedPrompt:
         self.captures["final_norm"] = x[self.rows].float()
         logits = (x[self.rows] @ head.T).float()
         self.captures["logits"] = logits
-        self.captures["capped_logits"] = _transformers_softcap(logits, cap)
+        self.captures["capped_logits"] = transformers_capped(logits, cap)
+        self.captures.update(kv_rows(self.writes))
         return self.captures
 
 
+def stream_sequences(checkpoint, sequences: list[list[int]], forcing: list, progress: bool = False) -> list[dict]:
+    """Every capture point of each sequence in float64, one layer at a time, with the KV rows
+    transformers writes (harness/reference64.py); forcing[k] (a Forced or None) steers sequence k's
+    MoE routers."""
+    return stream_prefill_captures_many(checkpoint, sequences, torch.float64, progress, forcing=forcing, kv=True)
+
+
 def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=torch.float32,
-                                 progress: bool = False, layer_captures: bool = True) -> list[dict[str, torch.Tensor]]:
+                                 progress: bool = False, layer_captures: bool = True,
+                                 forcing: list | None = None, kv: bool = False) -> list[dict[str, torch.Tensor]]:
     """Prefill captures of every prompt in ONE pass over the checkpoint: each decoder layer is read
     and built once and runs every prompt's hidden state before the next layer is read. Peak memory
     is about the embedding matrix plus one layer plus the prompts' activations (without
-    `layer_captures`, only the embeddings, final norm and logits are kept: the corpus-quality pass)."""
+    `layer_captures`, only the embeddings, final norm and logits are kept: the corpus-quality pass).
+    `forcing` (one harness.reference_forcing.Forced or None per prompt) steers the MoE routers; with
+    `kv` the KV rows transformers writes are recorded too."""
     from transformers import AutoConfig
 
     from harness.errors import HarnessInputError
     from harness.progress import status
 
-    dtype = torch_dtype(dtype)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)  # float64: harness/reference64.py
     config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
@@ -84,12 +102,19 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
     hf = hf_decoder_parts(spec)
     embed = checkpoint.embed_weight(dtype)
     embedding = _scaled_embedding(hf, embed, spec)
-    states = [_StreamedPrompt(checkpoint, config, embedding, prompt) for prompt in prompts]
+    states = [_StreamedPrompt(checkpoint, config, embedding, prompt, forced)
+              for prompt, forced in zip(prompts, forcing or [None] * len(prompts))]
+    if kv:
+        from transformers import DynamicCache
+
+        for state in states:
+            state.cache = DynamicCache(config=config)
+            record_cache_writes(state.cache, state.writes)
     rotary = hf.rotary(config)
     say = status("stream", progress, total=spec.num_layers)
     with torch.no_grad():
         for layer_spec in spec.layers:
-            say(f"{dtype_name(dtype)} layer {layer_spec.index + 1}/{spec.num_layers}, {len(prompts)} prompt(s)")
+            say(f"{str(dtype).removeprefix('torch.')} layer {layer_spec.index + 1}/{spec.num_layers}, {len(prompts)} prompt(s)")
             with torch.device("meta"):
                 layer = hf.layer(config, layer_spec.index)
             layer.load_state_dict(checkpoint.layer_weights(layer_spec.index, dtype), assign=True, strict=True)
@@ -111,11 +136,3 @@ def _scaled_embedding(hf, weight: torch.Tensor, spec):
     emb.weight = torch.nn.Parameter(weight, requires_grad=False)
     emb.embed_scale = torch.tensor(emb.scalar_embed_scale)  # what transformers' init puts there
     return emb
-
-
-def _transformers_softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """The final softcap exactly as transformers' Gemma-4 forward writes it (divide, tanh,
-    multiply), for the streaming path that has no whole model to run it."""
-    if cap is None:
-        return logits
-    return torch.tanh(logits / cap) * cap

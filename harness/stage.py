@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.compare import (BF16, JUDGES, PLE_PIN_NOISE, StageJudge, calibrate_near_ties, classify_departure,
-                             compare_logits, compare_point, compare_probabilities)
+from harness.compare import (BF16, JUDGES, PLE_PIN_NOISE, POOLED_PARTS, StageJudge, calibrate_near_ties,
+                             classify_departure, compare_logits, compare_point, compare_probabilities,
+                             pooled_floors)
 from harness.points import Point, layer_points
 from harness.results import CheckResult, PromptOutcome
 from harness.routing import judge_routing
@@ -24,16 +25,18 @@ def near_tie_calibration(ref32: list, ref16: list) -> NearTieCalibration:
 
 def compare_layers(spec, observed, judge: StageJudge = BF16, decode: bool = False) -> list[LayerResult]:
     """Every layer whose points were observed, judged point by point (compare.compare_point):
-    `observed` holds per point name the device's (.dev), the fp32 reference's (.ref) and the bf16
-    reference's (.env) rows (a harness.observe.StageObservation)."""
+    `observed` holds per point name the device's (.dev), the fp32 reference's (.ref) and the stage's
+    envelope reference's (.env) rows (a harness.observe.StageObservation). POOLED_PARTS are judged
+    by at least their part's pooled envelope (compare.pooled_floors)."""
     dev, ref, env = observed.dev, observed.ref, observed.env
-    out = []
-    for layer in spec.layers:
-        names = layer_points(layer.index, decode, spec)
-        if all(n in dev for n in names):
-            out.append(LayerResult(layer.index, layer.type,
-                                   [compare_point(n, dev[n], ref[n], env[n], judge) for n in names]))
-    return out
+    judged = [(layer, layer_points(layer.index, decode, spec)) for layer in spec.layers]
+    judged = [(layer, names) for layer, names in judged if all(n in dev for n in names)]
+    pooled = {part: pooled_floors([n for _, names in judged for n in names if n.endswith("." + part)], ref, env)
+              for part in POOLED_PARTS}
+    return [LayerResult(layer.index, layer.type,
+                        [compare_point(n, dev[n], ref[n], env[n], judge,
+                                       pooled=pooled.get(n.rsplit(".", 1)[1], (0.0, 0.0))) for n in names])
+            for layer, names in judged]
 
 
 def structural_flips(fp32: CheckResult | None) -> dict:
@@ -69,20 +72,17 @@ def judge_tokens(obs, k: int, cap, context) -> PromptOutcome:
                          prefill=prefill, decode=decode, departure=departure)
 
 
-def _probabilities(obs, judge: StageJudge) -> list[ProbabilityResult]:
-    """The host's served distribution vs the reference's own capped one (transformers' softcap),
-    judged by the bf16 reference's (bf16 stage) or fp32 precision (fp32 stage)."""
-    def stacked(refs, key):
-        return torch.cat([r.captures[key] for r in refs])
-
-    def envelope(key):
-        return stacked(obs.ref16, key) if judge.envelope_ties else None
+def _probabilities(obs, cap) -> list[ProbabilityResult]:
+    """The host transform as a function, in both stages: the host's served distribution for the
+    port's own raw logits against transformers' capped distribution of the same logits (fp32)."""
+    from harness.reference import transformers_capped
 
     out = [compare_probabilities("probabilities", torch.cat([r.prefill_probs for r in obs.runs]),
-                                 stacked(obs.ref32, "capped_logits"), envelope("capped_logits"))]
-    if all("step_capped_logits" in r.captures for r in obs.ref32) and any(r.generated for r in obs.ref32):
-        out.append(compare_probabilities("decode_probabilities", torch.cat([r.step_probs for r in obs.runs]),
-                                         stacked(obs.ref32, "step_capped_logits"), envelope("step_capped_logits")))
+                                 transformers_capped(torch.cat([r.forced.prefill.logits for r in obs.runs]), cap))]
+    steps = [r for r in obs.runs if r.forced.step_logits.shape[0]]
+    if steps:
+        out.append(compare_probabilities("decode_probabilities", torch.cat([r.step_probs for r in steps]),
+                                         transformers_capped(torch.cat([r.forced.step_logits for r in steps]), cap)))
     return out
 
 
@@ -125,6 +125,6 @@ def judge_stage(obs, spec, context) -> CheckResult:
         calibration=context.calibration, decode_layers=compare_layers(spec, obs, judge, decode=True),
         decode_points=[point[n] for n in ("decode.embeddings", "decode.final_norm") if n in point],
         kv=[compare_point(n, dev[n], ref[n], env[n], judge) for n in dev if Point.parse(n).kind == "kv"],
-        probabilities=_probabilities(obs, judge), row_labels=obs.labels, notes=_notes(obs, spec, context.backend),
+        probabilities=_probabilities(obs, cap), row_labels=obs.labels, notes=_notes(obs, spec, context.backend),
         routing=judge_routing(obs, spec) if obs.stage == "bf16" and spec.moe is not None else None,
         seconds={"port": round(obs.seconds, 2)}, observation=obs)

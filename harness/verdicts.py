@@ -127,23 +127,24 @@ class LogitsResult:
 
 @dataclass
 class ProbabilityResult:
-    """The host's served distribution (softcap + softmax) against the reference's own capped one:
-    KL(reference || host) and the mass the host puts on the reference's top-k, judged by the bf16
-    reference's own values (bf16 stage) or fp32 precision (fp32 stage)."""
+    """The host transform judged as a function: the host's served distribution (softcap + softmax)
+    for the port's own raw logits against transformers' capped distribution of the same logits, row
+    by row to fp32 precision (compare.compare_probabilities). KL(expected || host) and the top-k
+    mass error are reported beside the judged relative error and total variation."""
 
     name: str
+    rows: int
     kl_mean: float
     kl_max: float
-    topk_mass_error: float  # largest |host mass - reference mass| on the reference's top-k
-    envelope_kl_max: float
-    envelope_topk_mass_error: float
-    ratio: float
+    topk_mass_error: float  # largest |host mass - expected mass| on the expected top-k
+    relative_error_max: float  # largest |host p - expected p| / expected p (expected p >= the floor)
+    total_variation_max: float  # largest half L1 distance of a row
+    ratio: float  # worst row's error over its tolerance (<= 1 passes)
     worst_position: int
     passed: bool
 
     def explain(self) -> str:
-        return (f"{self.name}: {'PASS' if self.passed else 'FAIL'} KL max {self.kl_max:.3e} (envelope "
-                f"{self.envelope_kl_max:.3e}), top-k mass error {self.topk_mass_error:.3e} (envelope "
-                f"{self.envelope_topk_mass_error:.3e}), ratio {self.ratio:.2f} at row {self.worst_position}")
-
-
+        return (f"{self.name}: {'PASS' if self.passed else 'FAIL'} host transform on the port's own logits, "
+                f"{self.rows} rows: relative error max {self.relative_error_max:.3e}, total variation max "
+                f"{self.total_variation_max:.3e} (KL max {self.kl_max:.3e}), {self.ratio:.2f}x the fp32 "
+                f"tolerance at row {self.worst_position}")

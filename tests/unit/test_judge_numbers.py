@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from harness.compare import (per_position_rel_l2, BF16, FP32, compare_logits, compare_point, compare_probabilities, distribution_ratio,
+from harness.compare import (per_position_rel_l2, BF16, FP32, compare_logits, compare_point, compare_probabilities,
                              saturation_tie)
 
 ROWS, WIDTH = 4, 8
@@ -60,17 +60,42 @@ def test_worst_position_at_5x_the_envelope_fails_and_at_3x_passes():
     assert ok.position_ratio == pytest.approx(3.0, rel=1e-3) and ok.passed
 
 
-def test_fp32_stage_fails_at_17x_the_scaled_envelope_and_passes_at_15x():
-    """The fp32 judge: the bf16 envelope x 2^-16, factor 16, whole tensor and worst position."""
-    scale = 2.0 ** -16
-    for c, passed in ((15.0, True), (17.0, False)):
-        dev, env = _worst(c * A * scale)
-        result = compare_point("p", dev, _ref(), env, FP32)
-        assert result.envelope_rel_l2 == pytest.approx(A * scale, rel=1e-3)
+def test_fp32_stage_fails_at_9x_the_float64_measured_envelope_and_passes_at_7x():
+    """The fp32 judge: the fp32 reference's own error against float64 (unscaled), factor 8, whole
+    tensor and worst position."""
+    e = 1e-6  # far above one fp32 rounding
+    for c, passed in ((7.0, True), (9.0, False)):
+        result = compare_point("p", _with_row_errors([0, 0, c * e, 0]), _ref(), _with_row_errors([e] * ROWS), FP32)
+        assert result.envelope_rel_l2 == pytest.approx(e, rel=1e-3)
         assert result.position_ratio == pytest.approx(c, rel=1e-3) and result.passed is passed
-        dev, env = _whole(c / 2 * A * scale)
-        result = compare_point("p", dev, _ref(), env, FP32)
+        result = compare_point("p", _with_row_errors([c / 2 * e] * ROWS), _ref(), _with_row_errors([e, 0, 0, 0]), FP32)
         assert result.ratio == pytest.approx(c, rel=1e-3) and result.passed is passed
+
+
+def test_fp32_envelope_floor_is_one_fp32_rounding():
+    """An fp32 envelope of 0 (the float64 reference rounds to the fp32 one) is floored at 2^-24:
+    an error of 7 x 2^-24 passes, 9x fails."""
+    for k, passed in ((7.0, True), (9.0, False)):
+        result = compare_point("p", _with_row_errors([k * 2.0 ** -24] * ROWS), _ref(), _ref(), FP32)
+        assert result.envelope_rel_l2 == 2.0 ** -24 and result.passed is passed
+
+
+def test_per_layer_input_is_judged_by_its_pooled_envelope():
+    """The median over >= 3 layers of one part's envelope floors each layer's (whole and worst
+    position); fewer layers pool nothing."""
+    from harness.compare import pooled_floors
+
+    names = [f"layers.{i}.per_layer_input" for i in range(3)]
+    env = {n: _with_row_errors([k * A] * ROWS) for n, k in zip(names, (1, 2, 3))}
+    ref = {n: _ref() for n in names}
+    whole, worst = pooled_floors(names, ref, env)
+    assert whole == pytest.approx(2 * A, rel=1e-3) and worst == pytest.approx(2 * A, rel=1e-3)
+    assert pooled_floors(names[:2], ref, env) == (0.0, 0.0)
+    dev = _with_row_errors([7 * A] * ROWS)  # 7x layer 0's own envelope, 3.5x the pooled one
+    assert not compare_point(names[0], dev, _ref(), env[names[0]]).passed
+    assert compare_point(names[0], dev, _ref(), env[names[0]], pooled=(whole, worst)).passed
+    assert not compare_point(names[0], _with_row_errors([9 * A] * ROWS), _ref(), env[names[0]],
+                             pooled=(whole, worst)).passed
 
 
 def test_envelope_floor_is_one_bf16_rounding():
@@ -135,63 +160,76 @@ def _tail_kl(ref_p: torch.Tensor, target: float) -> torch.Tensor:
     return _tail_shift(ref_p, (lo + hi) / 2)
 
 
-@pytest.mark.parametrize("times, passed", [(0.5, True), (1.4, False), (90.0, False)])
-def test_fp32_probability_kl_tolerance_is_2e_6(times, passed):
-    """The fp32 stage holds the host's KL to 2e-6 at every row: 0.5x passes, 1.4x and 90x fail."""
-    logits = torch.linspace(8.0, -8.0, 64, dtype=torch.float64)[None]
-    ref_p = torch.softmax(logits, -1)
-    q = _tail_kl(ref_p[0], times * 2e-6)[None]
-    result = compare_probabilities("p", q, logits, None)
-    assert result.kl_max == pytest.approx(times * 2e-6, rel=1e-3)
-    assert result.topk_mass_error < 1e-12
+def _scaled_row(p: torch.Tensor, rel: float) -> torch.Tensor:
+    """p with its largest probability off by the relative error `rel` and the rest renormalised
+    (a total variation of about rel * max p)."""
+    q = p.clone()
+    top = int(q.argmax())
+    q[top] *= 1 + rel
+    rest = torch.ones_like(q, dtype=torch.bool)
+    rest[top] = False
+    q[rest] *= (1 - float(q[top])) / float(q[rest].sum())
+    return q
+
+
+@pytest.mark.parametrize("rel, passed", [(0.5e-4, True), (1.4e-4, False), (4e-4, False)])
+def test_host_relative_error_tolerance_is_1e_4(rel, passed):
+    """Every row's largest relative probability error within 1e-4 (the total variation stays below
+    its own tolerance here: the top probability is about 0.09)."""
+    capped = torch.linspace(3.0, -3.0, 64, dtype=torch.float64)[None]
+    q = _scaled_row(torch.softmax(capped[0], -1), rel)[None]
+    result = compare_probabilities("p", q, capped)
+    assert result.relative_error_max == pytest.approx(rel, rel=1e-6)
+    assert result.total_variation_max < 5e-5
     assert result.passed is passed
 
 
-@pytest.mark.parametrize("times, passed", [(3.0, True), (5.0, False)])
-def test_bf16_probability_judge_is_4x_the_envelopes_distribution(times, passed):
-    """The bf16 stage: per-row KL (and mass error) judged as a distribution against the bf16
-    reference's; a host at 5x the envelope's KL at every row fails, at 3x passes."""
-    env = torch.tensor([1e-4, 2e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7e-4, 8e-4, 9e-4, 1e-3], dtype=torch.float64)
-    assert distribution_ratio(times * env, env, 2e-6) == pytest.approx(times)
-    assert (distribution_ratio(times * env, env, 2e-6) <= 4.0) is passed
+@pytest.mark.parametrize("tv, passed", [(2.5e-5, True), (7e-5, False)])
+def test_host_total_variation_tolerance_is_5e_5(tv, passed):
+    """Mass moved into probabilities below the 1e-30 floor (no relative error judged there): the
+    total variation catches it at 5e-5."""
+    capped = torch.zeros(1, 4, dtype=torch.float64)
+    capped[0, 3] = -200.0  # p ~ 1e-87: below the floor
+    p = torch.softmax(capped, -1)
+    q = p.clone()
+    q[0, :3] *= 1 - tv
+    q[0, 3] = tv
+    result = compare_probabilities("p", q, capped)
+    assert result.total_variation_max == pytest.approx(tv, rel=1e-6)
+    assert result.passed is passed
 
 
-def test_one_heavy_row_of_a_healthy_host_is_not_a_failure():
-    """The false alarm of issue 18: one row at 16x the envelope's largest, the others as noisy as
-    the envelope's: the distribution is the envelope's, the host passes."""
+@pytest.mark.parametrize("vocab", [512, 262144])
+def test_host_tolerances_hold_fp32_softmax_with_room(vocab):
+    """The measurement behind the tolerances: the engine's fp32 softcap + softmax of logits of any
+    scale against the float64 softmax of transformers' fp32 capped logits stays below an eighth of
+    both tolerances (measured: 1.2e-5 and 5.7e-6 at 262144, the 12B's vocabulary)."""
+    from harness.numerics import softcap
+    from harness.reference import transformers_capped
+
     gen = torch.Generator().manual_seed(0)
-    env = torch.randn(400, generator=gen, dtype=torch.float64) ** 2 * 1e-4  # chi-square, 1 degree of freedom
-    dev = torch.randn(400, generator=gen, dtype=torch.float64) ** 2 * 1e-4
-    dev[7] = 16 * float(env.max())
-    assert distribution_ratio(dev, env, 2e-6) < 1.5
+    for scale in (0.01, 1.0, 3.0, 10.0, 1000.0):
+        raw = scale * torch.randn(4, vocab, generator=gen)
+        result = compare_probabilities("p", torch.softmax(softcap(raw, 30.0), -1), transformers_capped(raw, 30.0))
+        assert result.passed and result.ratio < 0.5, (scale, result.explain())
 
 
-def test_bf16_probability_judge_on_softmax_rows():
-    """End to end on [n, vocab] rows: the host equal to the fp32 reference's distribution passes;
-    the host serving softmax of raw (uncapped) logits fails."""
-    cap = 30.0
-    raw = 20 * torch.randn(50, 64, generator=torch.Generator().manual_seed(3))
-    ref_capped = torch.tanh(raw / cap) * cap
-    env_capped = torch.tanh(raw.bfloat16().float() / cap) * cap
-    served = torch.softmax(ref_capped, -1)
-    assert compare_probabilities("p", served, ref_capped, env_capped).passed
-    result = compare_probabilities("p", torch.softmax(raw, -1), ref_capped, env_capped)
-    assert not result.passed and result.ratio > 40
+def test_host_transform_faults_fail_at_one_row():
+    """One row (a 1-token prompt) of a tiny model's nearly flat logits: a softcap without the
+    division, an uncapped softmax and a temperature of 0.999 each fail."""
+    from harness.reference import transformers_capped
+
+    raw = 0.2 * torch.randn(1, 512, generator=torch.Generator().manual_seed(1))
+    expected = transformers_capped(raw, 30.0)
+    assert compare_probabilities("p", torch.softmax(30.0 * torch.tanh(raw / 30.0), -1), expected).passed
+    for served in (torch.softmax(30.0 * torch.tanh(raw), -1), torch.softmax(raw, -1),
+                   torch.softmax(30.0 * torch.tanh(raw / 30.0) / 0.999, -1)):
+        assert not compare_probabilities("p", served, expected).passed
 
 
 def test_stage_settings_are_pinned():
-    assert (BF16.factor, BF16.scale, BF16.floor, BF16.envelope_ties) == (4.0, 1.0, 2.0 ** -9, True)
-    assert (FP32.factor, FP32.scale, FP32.floor, FP32.envelope_ties) == (16.0, 2.0 ** -16, 2.0 ** -25, False)
-
-
-def test_probability_distribution_is_judged_at_its_0_9_quantile_and_mean():
-    """Two rows of ten at 5x the envelope: the mean moves 1.8x, the 0.9 quantile 5x (fails)."""
-    env = torch.full((10,), 1e-4, dtype=torch.float64)
-    dev = env.clone()
-    dev[8:] = 5e-4
-    assert distribution_ratio(dev, env, 2e-6) == pytest.approx(5.0)
-    dev[9] = 1e-4
-    assert distribution_ratio(dev, env, 2e-6) == pytest.approx(1.4)  # one row at 5x: mean and q0.9 both 1.4
+    assert (BF16.factor, BF16.floor, BF16.envelope_ties) == (4.0, 2.0 ** -9, True)
+    assert (FP32.factor, FP32.floor, FP32.envelope_ties) == (8.0, 2.0 ** -24, False)
 
 
 def test_a_row_is_measured_against_at_least_one_percent_of_the_median_row_norm():

@@ -31,6 +31,7 @@ LAYERS = {
     "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
     # 4: execution: the backends, and the reference (transformers only)
     "harness.backends": 4, "harness.reference": 4, "harness.reference_stream": 4, "harness.reference_forcing": 4,
+    "harness.reference64": 4,
     # 5: judgement
     # (observe runs the port and the references for the judge; stage judges what it observed)
     "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5,
@@ -39,7 +40,7 @@ LAYERS = {
     # 6: workflows as library functions with result objects
     "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
     "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,
-    "harness.quality_parts": 6, "harness.quality_merge": 6,
+    "harness.quality_parts": 6, "harness.quality_merge": 6, "harness.quality_moe": 6,
     # 7: presentation and commands; nothing imports these from below
     "harness.report": 7, "harness.report_bisect": 7, "harness.report_plot": 7, "harness.report_table": 7,
     "harness.quality_report": 7,

@@ -13,7 +13,7 @@ import torch
 
 from tests.unit.test_layering import PACKAGE, harness_imports, module_name
 
-REFERENCE_PATH = ("harness.reference", "harness.reference_stream")
+REFERENCE_PATH = ("harness.reference", "harness.reference_stream", "harness.reference64")
 PORT = ("harness.model", "harness.engine", "harness.sharding", "harness.backends", "harness.graphs",
         "harness.numerics")
 
