@@ -132,12 +132,23 @@ def kv_buckets(buckets, max_len: int) -> tuple[int, ...]:
 
 
 def kv_read_length(positions: torch.Tensor, kv_lengths) -> int:
-    """The KV bucket a call reads: the smallest that holds its first position plus its real rows."""
-    needed = int(positions[0, 0]) + int((positions[0] >= 0).sum())
+    """The KV bucket a call reads: the smallest that holds, in every row, its first position plus
+    its real rows."""
+    needed = int((positions[:, 0] + (positions >= 0).sum(dim=1)).max())
     for size in sorted(kv_lengths):
         if size >= needed:
             return size
     raise HarnessInputError(f"positions up to {needed - 1} are past the KV length {max(kv_lengths)}")
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes graphs are compiled for (NxD Inference's batch buckets): powers of two below the
+    KV slots `max_batch`, and `max_batch` itself. A call runs the smallest that holds its rows."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes) + (max_batch,)
 
 
 def kv_graph_plan(buckets, max_len: int) -> list[tuple[str, int, int]]:
