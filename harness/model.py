@@ -324,7 +324,7 @@ class RankDecoder(nn.Module):
         )
         for layer, plan, block in zip(spec.layers, plans, self.layers):
             if layer.kv_source is None:  # a KV-shared layer (model_blocks) reads its source's cache
-                block.self_attn.cache = make_cache(sliding_cache, layer, plan.kv_heads_per_rank, max_len, dtype, slots)
+                block.self_attn.cache = make_cache(sliding_cache, layer, plan.kv_heads_per_rank, max_len, dtype, slots=slots)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = linears.vocab(spec.hidden_size, spec.vocab_size // tp)
         self.to(dtype)
