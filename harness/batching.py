@@ -45,6 +45,7 @@ class _Sequence:
     prefill: PrefillResult
     tokens: list[int] = field(default_factory=list)
     steps: list[torch.Tensor] = field(default_factory=list)
+    fed: list[int] = field(default_factory=list)  # the tokens fed to decode (forced or chosen)
     step_caps: list[dict] = field(default_factory=list)
 
 
@@ -122,44 +123,63 @@ class BatchEngine:
         one = lambda layer, rank: tuple(t[slot:slot + 1] for t in self.backend.kv_cache(layer, rank))  # noqa: E731
         return merge_rank_caches(self.engine.spec, self.backend.tp, one, written, rings)
 
-    def generate(self, prompts: list, new_tokens: int, capture: bool = False) -> list[DecodeResult]:
+    def generate(self, prompts: list, new_tokens, capture: bool = False, forced: list | None = None,
+                 observe=None) -> list[DecodeResult]:
         """Greedy decode of every prompt with continuous batching: prompts fill the free slots (one
         prefill call for those admitted together), all live sequences decode together, and a
         finished sequence's slot takes the next prompt while the others keep decoding. Results in
-        prompt order, each as Engine.generate returns it."""
-        queue = [(i, self.engine.validate_ids(p)) for i, p in enumerate(prompts)]
-        for _, p in queue:
-            if new_tokens < 1 or p.numel() + new_tokens > self.engine.kv_len + 1:
-                raise PromptError(f"{p.numel()} prompt + {new_tokens} new tokens: need 1 or more new tokens "
-                                  f"within the KV length {self.engine.kv_len}")
+        prompt order, each as Engine.generate returns it. `new_tokens` an int or one per prompt;
+        `forced` one token list per prompt fed instead of the argmax (teacher forcing);
+        `observe(prompt index, slot, written)` after its prefill and after each of its decode steps."""
+        ids = [self.engine.validate_ids(p) for p in prompts]
+        wants = [new_tokens] * len(ids) if isinstance(new_tokens, int) else list(new_tokens)
+        for p, want in zip(ids, wants):
+            if want < 0 or p.numel() + want > self.engine.kv_len + 1:
+                raise PromptError(f"{p.numel()} prompt + {want} new tokens exceed the KV length {self.engine.kv_len}")
         self.backend.reset()
-        live: list[_Sequence] = []
-        done: dict[int, DecodeResult] = {}
+        queue, live, done = list(range(len(ids))), [], {}
         while queue or live:
             free = [s for s in range(self.slots) if s not in {q.slot for q in live}]
             admit, queue = queue[:len(free)], queue[len(free):]
             if admit:
-                pres = self.prefill([p for _, p in admit], free[:len(admit)], capture=capture)
-                live += [_Sequence(i, p, s, pre.logits[-1], pre) for (i, p), s, pre in zip(admit, free, pres)]
-            feeding = []
-            for q in live:
+                pres = self.prefill([ids[i] for i in admit], free[:len(admit)], capture=capture)
+                live += [_Sequence(i, ids[i], s, pre.logits[-1], pre) for i, s, pre in zip(admit, free, pres)]
+                for q in live[len(live) - len(admit):]:
+                    if observe is not None:
+                        observe(q.index, q.slot, q.ids.numel())
+            live = self._choose(live, wants, forced, done)
+            if live:
+                self._step(live, capture, observe)
+        return [done[i] for i in range(len(ids))]
+
+    @staticmethod
+    def _choose(live: list, wants: list, forced, done: dict) -> list:
+        """Each live sequence takes its token (the argmax); the finished ones leave (into `done`),
+        the rest are returned with the token each is fed next (forced or chosen) appended."""
+        feeding = []
+        for q in live:
+            if len(q.tokens) < wants[q.index]:
                 q.steps.append(q.logits)
                 q.tokens.append(int(q.logits.argmax()))
-                if len(q.tokens) == new_tokens:
-                    done[q.index] = _result(q)
-                else:
-                    feeding.append(q)
-            live = feeding
-            if live:
-                steps = self.decode([q.tokens[-1] for q in live], [q.ids.numel() + len(q.tokens) - 1 for q in live],
-                                    [q.slot for q in live], capture=capture)
-                for q, step in zip(live, steps):
-                    q.logits = step.logits
-                    if capture:
-                        q.step_caps.append(step.captures)
-        return [done[i] for i in range(len(prompts))]
+            if len(q.tokens) == wants[q.index]:
+                done[q.index] = _result(q)
+                continue
+            q.fed.append(forced[q.index][len(q.tokens) - 1] if forced is not None else q.tokens[-1])
+            feeding.append(q)
+        return feeding
+
+    def _step(self, live: list, capture: bool, observe) -> None:
+        positions = [q.ids.numel() + len(q.tokens) - 1 for q in live]
+        steps = self.decode([q.fed[-1] for q in live], positions, [q.slot for q in live], capture=capture)
+        for q, step, position in zip(live, steps, positions):
+            q.logits = step.logits
+            if capture:
+                q.step_caps.append(step.captures)
+            if observe is not None:
+                observe(q.index, q.slot, position + 1)
 
 
 def _result(q: _Sequence) -> DecodeResult:
     stacked = {k: torch.cat([c[k] for c in q.step_caps]) for k in q.step_caps[0]} if q.step_caps else {}
-    return DecodeResult(tokens=q.tokens, step_logits=torch.stack(q.steps), prefill=q.prefill, step_captures=stacked)
+    logits = torch.stack(q.steps) if q.steps else torch.empty(0, q.logits.shape[-1])
+    return DecodeResult(tokens=q.tokens, step_logits=logits, prefill=q.prefill, step_captures=stacked)

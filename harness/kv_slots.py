@@ -9,8 +9,9 @@ position each holds), so a reused slot needs no reset. A row of padding only (al
 batch bucket's filler) writes nothing: its slot is written back unchanged. Shapes are static; the
 slots a call names must be distinct.
 
-model.KVCache and model.RingCache call these when a call names its slots (`cache.seq_ids` set);
-without seq_ids they keep the one-sequence path of batch 1.
+model.KVCache and model.RingCache call these when a call names its slots (`cache.seq_ids` set) or
+the cache holds several (row r then in slot r); a cache of one sequence without seq_ids keeps the
+one-sequence path of batch 1.
 """
 
 from __future__ import annotations
@@ -27,14 +28,17 @@ def ring_slot_positions(next_position: torch.Tensor, window: int) -> torch.Tenso
     return last - torch.remainder(last - slots, window)
 
 
-def _slots(cache) -> torch.Tensor:
+def _slots(cache, rows: int) -> torch.Tensor:
+    """The slot of each row: the call's seq_ids, or row r in slot r when the call names none."""
+    if cache.seq_ids is None:
+        return torch.arange(rows, device=cache.k.device)
     return cache.seq_ids.to(torch.long).reshape(-1)
 
 
 def linear_slot_update(cache, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Write each row's chunk into its slot at the row's positions (a chunk's padded rows after its
     real ones, hidden by causality as in batch 1) and return each row's slot, its first read_len keys."""
-    seq = _slots(cache)
+    seq = _slots(cache, k.shape[0])
     real = (positions >= 0).any(dim=1)[:, None, None, None]
     first = positions[:, :1].clamp(min=0)
     rows = (first + torch.arange(positions.shape[1], device=positions.device))[:, None, :, None]
@@ -58,7 +62,7 @@ def ring_key_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
 def ring_slot_update(cache, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """model.RingCache.update per row: each row's ring as it was before its chunk followed by the
     chunk's keys is returned, then each slot takes the latest real row of the chunk mapping to it."""
-    seq = _slots(cache)
+    seq = _slots(cache, k.shape[0])
     first = positions[:, :1]
     slot_pos = ring_slot_positions(first + (positions >= 0).sum(dim=1, keepdim=True), cache.window)
     row = slot_pos - first  # [b, window]: the chunk row each slot takes; negative: it keeps its key

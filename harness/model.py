@@ -169,7 +169,7 @@ class KVCache(nn.Module):
         return self.read_len or self.k.shape[2]
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        if self.seq_ids is not None:  # rows naming their slots (kv_slots); reassigning the buffers
+        if self.seq_ids is not None or self.k.shape[0] > 1:  # slots (kv_slots); reassigning the buffers
             return linear_slot_update(self, positions, k, v)  # (not in-place): NxD's aliased state
         rows = chunk_rows(positions)
         self.k = self.k.index_copy(2, rows, k)
@@ -198,7 +198,7 @@ class RingCache(KVCache):
         return ring_key_positions(positions, self.window)  # [b, window + s]: per row
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        if self.seq_ids is not None:
+        if self.seq_ids is not None or self.k.shape[0] > 1:
             return ring_slot_update(self, positions, k, v)
         first = positions[0, 0]
         written_to = first + (positions[0] >= 0).sum()  # one past the chunk's last real position

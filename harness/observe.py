@@ -153,6 +153,25 @@ def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
     return PortPrompt(forced, free, snaps, probs, steps)
 
 
+def run_port_batch(engine, ref32: list[ReferenceResult], phase: str) -> list[PortPrompt]:
+    """Every prompt as a sequence of a batch (harness.batching: settings.batch KV slots, ragged
+    prefill, continuous batching): the same runs as run_port_prompt, each sequence read from its
+    own slot, so each is judged against the reference of its prompt alone."""
+    from harness.batching import BatchEngine
+
+    be = port_call(f"{phase}: batch engine", BatchEngine, engine)
+    prompts, wants = [r.prompt for r in ref32], [len(r.generated) for r in ref32]
+    snaps: list[list] = [[] for _ in ref32]
+    observe = ((lambda k, slot, written: snaps[k].append((written, be.read_cache(slot, written))))
+               if engine.backend.reads_cache else None)
+    forced = port_call(f"{phase}: batched prefill and teacher-forced decode", be.generate, prompts, wants,
+                       capture=True, forced=[r.generated for r in ref32], observe=observe)
+    free = port_call(f"{phase}: batched free greedy decode", be.generate, prompts, wants) if any(wants) else forced
+    return [PortPrompt(f, g, kv, port_call(f"{phase}: host probabilities", engine.probabilities, f.prefill.logits),
+                       port_call(f"{phase}: host probabilities", engine.probabilities, f.step_logits))
+            for f, g, kv in zip(forced, free, snaps)]
+
+
 # ---- the observation of one stage ----------------------------------------------------------------
 
 @dataclass
@@ -198,7 +217,10 @@ def observe_stage(stage: str, engine, spec, refs: tuple, progress: bool = False)
     runs = []
     say = status(f"port {stage}", progress, total=len(ref32))
     with intra_op_threads_for(spec):
-        for k, r32 in enumerate(ref32):
+        if engine.settings.batch > 1:  # the prompts as the sequences of a batch
+            say(f"{len(ref32)} prompts as a batch of {engine.settings.batch} sequences")
+            runs = run_port_batch(engine, ref32, f"{stage} stage, batch of {engine.settings.batch}")
+        for k, r32 in enumerate(ref32 if engine.settings.batch == 1 else ()):
             say(f"prompt {k}/{len(ref32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
             runs.append(run_port_prompt(engine, r32, f"{stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
     say.close()

@@ -89,6 +89,9 @@ def run_stage(stage: str, engine, checkpoint, refs: tuple, judged: tuple) -> Che
         result.notes.append(f"{stage} stage: {len(pinned)} gated per-layer input rows have no direction at bf16 "
                             f"precision (expected bf16 error >= {PLE_PIN_NOISE:g} of the row); the references "
                             f"take the port's value there: {', '.join(pinned[:4])}{' ...' if len(pinned) > 4 else ''}")
+    if engine.settings.batch > 1:
+        result.notes.append(f"{stage} stage: the prompts ran as a batch of {engine.settings.batch} sequences (a KV "
+                            "slot each, continuous batching); each judged against its prompt alone")
     result.seconds["judge"] = round(time.perf_counter() - start, 2)
     return result
 
