@@ -53,6 +53,8 @@ class BatchEngine:
     """Prefill and decode of several sequences per call, each in its own KV slot."""
 
     def __init__(self, engine: Engine):
+        if not engine.backend.serves_batch:
+            raise HarnessInputError(f"the {engine.backend.name} backend does not serve batches (no seq_ids)")
         if engine.backend.last_row_only:
             raise HarnessInputError(f"the {engine.backend.name} backend is a last-row-only perf build; batched "
                                     "serving here needs every row's logits (build it with capture=True)")

@@ -58,7 +58,7 @@ class CpuBackend:
 
     name = "cpu"
     OPTIONS: dict = {}  # no backend options
-    returns_captures, last_row_only, reads_cache, host_ranks = True, False, True, True
+    returns_captures, last_row_only, reads_cache, host_ranks, serves_batch = True, False, True, True, True
     compiler_args = ()  # nothing is compiled ahead of time
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
