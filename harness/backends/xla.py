@@ -322,7 +322,8 @@ class XlaBackend:
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]. A batched
         build (settings.batch > 1) takes [b, s] rows and `seq_ids` [b] (harness/kv_slots.py)."""
         if self.slots > 1:
-            graph_in = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids, self.dtype)
+            graph_in = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
+                                          dtype=self.dtype)
         else:
             _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
                                        parity_build=self.capture, last_row_only=self.last_row_only, last=last)

@@ -35,7 +35,7 @@ def batch_fit(spec: ModelSpec, tp: int, dtype: str, batch: int, kv_len: int, chi
 def fit_table(spec: ModelSpec, tp: int, dtype: str, batches, kv_lens, chip: dict | None = None,
               sliding_cache: str = "linear") -> list[dict]:
     """batch_fit of every batch size at every KV length."""
-    return [batch_fit(spec, tp, dtype, b, n, chip, sliding_cache) for n in kv_lens for b in batches]
+    return [batch_fit(spec, tp, dtype, b, n, chip=chip, sliding_cache=sliding_cache) for n in kv_lens for b in batches]
 
 
 def refuse_unfit_batch(fit: dict) -> None:
@@ -73,7 +73,7 @@ def batch_floors(spec: ModelSpec, tp: int, dtype: str, batches, kv_len: int, rat
     rows = []
     for b in batches:
         for name, tokens in [(f"prefill[{bucket}]", bucket) for bucket in sorted(buckets)] + [("decode", 1)]:
-            costs = batch_costs(spec, tp, dtype, b, tokens, kv_len)
+            costs = batch_costs(spec, tp, dtype, b, tokens=tokens, kv_len=kv_len)
             row = {"graph": name, "batch": b, **costs, **floors(costs, rates)}
             if name == "decode":
                 row["tokens_per_s_floor"] = b / row["floor_ms"] * 1e3
@@ -151,7 +151,7 @@ def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, p
     measured = [time_batch(be, [bench_prompt(spec.vocab_size, prompt_len, seed=k) for k in range(b)], new_tokens, runs)
                 for b in batches]
     rates, _ = bench_rates(settings.backend, settings.tp, settings.dtype)
-    floor_rows = batch_floors(spec, settings.tp, settings.dtype, batches, settings.kv_len, rates,
+    floor_rows = batch_floors(spec, settings.tp, settings.dtype, batches, settings.kv_len, rates=rates,
                               buckets=[b for b in settings.buckets if b >= prompt_len][:1])
     return {"batches": batches, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,
             "rows": with_batch_efficiency(measured, floor_rows), "floors": floor_rows, "rates": rates.to_dict()}

@@ -30,11 +30,11 @@ def test_batch_fit_adds_one_kv_slot_per_sequence_and_refuses_with_numbers(spec12
 
 
 def test_a_batched_decode_reads_the_weights_once_and_each_rows_kv(spec12b):
-    one, four = (batch_costs(spec12b, 2, "bf16", b, 1, 4096) for b in (1, 4))
+    one, four = (batch_costs(spec12b, 2, "bf16", b, tokens=1, kv_len=4096) for b in (1, 4))
     assert four["weight_bytes"] == one["weight_bytes"]
     assert four["kv_bytes"] == pytest.approx(4 * one["kv_bytes"], rel=1e-6)
     assert four["flops"] == pytest.approx(4 * one["flops"], rel=1e-6)
-    rows = batch_floors(spec12b, 2, "bf16", (1, 2, 4, 8), 4096, instance_rates("inf2.8xlarge", 2, "bf16"))
+    rows = batch_floors(spec12b, 2, "bf16", (1, 2, 4, 8), 4096, rates=instance_rates("inf2.8xlarge", 2, "bf16"))
     per_s = [r["tokens_per_s_floor"] for r in rows if r["graph"] == "decode"]
     assert per_s == sorted(per_s) and per_s[-1] > 4 * per_s[0]  # nearly linear while the weights bind
 
