@@ -51,8 +51,10 @@ class TracedDecoder(RankDecoder):
     """
 
     def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears: RankLinears,
-                 with_captures: bool = False, last_row_only: bool = False, sliding_cache: str = "linear"):
-        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears, sliding_cache=sliding_cache)
+                 with_captures: bool = False, last_row_only: bool = False, sliding_cache: str = "linear",
+                 slots: int = 1):
+        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears, sliding_cache=sliding_cache,
+                         slots=slots)
         if with_captures and last_row_only:
             raise ValueError("a parity build (captures) returns every row; last_row_only is for perf builds")
         self.with_captures, self.last_row_only = with_captures, last_row_only
@@ -75,8 +77,29 @@ class TracedFamilyDecoder(TracedDecoder, FamilyRankDecoder):
     """TracedDecoder over the gemma4 family's per-rank decoder (model_blocks)."""
 
 
-def traced_class(spec) -> type:
-    """The traced module class for a spec: the 12B's decoder or the family's."""
+class TracedBatchDecoder(TracedDecoder):
+    """A batched build (a KV cache of `slots` sequences, harness/kv_slots.py): forward(inputs_embeds
+    [b, s, hidden], positions [b, s], seq_ids [b], each row's KV slot, as NxD Inference passes them)
+    -> what TracedDecoder returns, for every row. A parity build (every row's logits and captures)."""
+
+    def forward(self, inputs_embeds, positions, seq_ids):
+        positions, seq_ids = positions.to(torch.long), seq_ids.to(torch.long)
+        if not self.with_captures:
+            return super(TracedDecoder, self).forward(inputs_embeds, positions, seq_ids=seq_ids)
+        logits, captures = super(TracedDecoder, self).forward(inputs_embeds, positions, capture=True, seq_ids=seq_ids)
+        captures = {k: v for k, v in captures.items() if k not in HOST_CAPTURES}
+        self.capture_names = list(captures)
+        return (logits, *captures.values())
+
+
+class TracedFamilyBatchDecoder(TracedBatchDecoder, FamilyRankDecoder):
+    """TracedBatchDecoder over the gemma4 family's per-rank decoder."""
+
+
+def traced_class(spec, batched: bool = False) -> type:
+    """The traced module class for a spec: the 12B's decoder or the family's (batched: taking seq_ids)."""
+    if batched:
+        return TracedFamilyBatchDecoder if spec.is_family else TracedBatchDecoder
     return TracedFamilyDecoder if spec.is_family else TracedDecoder
 
 
@@ -118,12 +141,23 @@ def graph_plan(buckets, max_len: int) -> dict[str, int]:
 
 
 def kv_read_length(positions: torch.Tensor, kv_lengths) -> int:
-    """The KV bucket a call reads: the smallest that holds its first position plus its real rows."""
-    needed = int(positions[0, 0]) + int((positions[0] >= 0).sum())
+    """The KV bucket a call reads: the smallest that holds, in every row, its first position plus
+    its real rows."""
+    needed = int((positions[:, 0] + (positions >= 0).sum(dim=1)).max())
     for size in sorted(kv_lengths):
         if size >= needed:
             return size
     raise HarnessInputError(f"positions up to {needed - 1} are past the KV length {max(kv_lengths)}")
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes graphs are compiled for (NxD Inference's batch buckets): powers of two below the
+    KV slots `max_batch`, and `max_batch` itself. A call runs the smallest that holds its rows."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes) + (max_batch,)
 
 
 def kv_graph_plan(buckets, max_len: int) -> list[tuple[str, int, int]]:
@@ -191,6 +225,24 @@ def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, posi
     if last_row_only:
         inputs.append(torch.tensor([length - 1 if last is None else int(last)], dtype=POSITION_DTYPE))
     return tag, inputs
+
+
+def batch_graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                       seq_ids: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The inputs of a batched build's graph for one call: inputs_embeds [b, s, hidden] in the build's
+    dtype, int32 positions [b, s] and seq_ids [b] (row r in slot r when None); shapes checked."""
+    hidden = input_width(spec)
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != hidden:
+        raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [b, s, {hidden}]")
+    rows, length = inputs_embeds.shape[:2]
+    if tuple(positions.shape) != (rows, length):
+        raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [{rows}, {length}]")
+    tag_for_length(length, graphs)
+    seq_ids = torch.arange(rows) if seq_ids is None else torch.as_tensor(seq_ids).reshape(-1)
+    if seq_ids.numel() != rows:
+        raise HarnessInputError(f"seq_ids {seq_ids.tolist()}: one slot per row of the {rows} rows")
+    return [inputs_embeds.to(dtype).contiguous(), positions.to(POSITION_DTYPE).contiguous(),
+            seq_ids.to(POSITION_DTYPE).contiguous()]
 
 
 def graph_result(out, capture_names: list[str] | None, inputs_embeds: torch.Tensor, capture: bool,

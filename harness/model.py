@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.kv_slots import linear_slot_update, ring_key_positions, ring_slot_positions, ring_slot_update
 from harness.settings import DEFAULT_KV_LEN
 from harness.sharding import LayerPlan, plan_model
 from harness.spec import LayerSpec, ModelSpec
@@ -120,10 +121,10 @@ def attention_mask(positions: torch.Tensor, keys, window: int | None, dtype) -> 
     query i sees keys j with i - window < j <= i (window keys including itself).
 
     `keys` is a linear cache's length (key j sits in slot j) or the absolute position of each key
-    read ([kv]: a ring's slots then the chunk's own keys); a negative position is an empty slot or a
-    padded row and is never seen. A padded query (position -1) sees nothing (its row is discarded)."""
-    if isinstance(keys, int):
-        keys = torch.arange(keys, device=positions.device)
+    read ([kv], or [b, kv] per row: a ring's slots then the chunk's own keys); a negative position is
+    an empty slot or a padded row, never seen. A padded query (position -1) sees nothing."""
+    keys = torch.arange(keys, device=positions.device) if isinstance(keys, int) else keys
+    keys = keys[:, None, None, :] if keys.dim() == 2 else keys  # per row: [b, 1, 1, kv]
     q = positions[:, None, :, None]
     allowed = (keys <= q) & (keys >= 0)
     if window is not None:
@@ -142,7 +143,7 @@ SLIDING_CACHES = ("linear", "ring")  # how sliding layers keep their keys (READM
 
 def chunk_rows(positions: torch.Tensor) -> torch.Tensor:
     """Cache slots of a chunk's rows in a linear cache: its first position onwards, padded rows
-    (position -1, always after the real ones) included, where later writes or causality hide them."""
+    (position -1, after the real ones) included, hidden by later writes or causality."""
     return positions[0, :1] + torch.arange(positions.shape[-1], device=positions.device)
 
 
@@ -150,15 +151,14 @@ class KVCache(nn.Module):
     """Linear cache of the compiled max length, written at absolute positions: key j in slot j.
     update writes the chunk, then returns the whole cache for attention to read."""
 
-    def __init__(self, kv_heads: int, max_len: int, head_dim: int, dtype):
+    def __init__(self, kv_heads: int, max_len: int, head_dim: int, dtype, slots: int = 1):
         super().__init__()
-        self.register_buffer("k", torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
-        # Slots attention reads: the graph's KV bucket (graphs.kv_read_length), a static length per
-        # graph; None reads the whole cache.
+        self.register_buffer("k", torch.zeros(slots, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(slots, kv_heads, max_len, head_dim, dtype=dtype), persistent=False)
+        self.seq_ids: torch.Tensor | None = None  # the slot of each row of this call (kv_slots); None: batch 1
+        # Slots attention reads: the graph's KV bucket (graphs.kv_read_length); None: the whole cache.
         self.read_len: int | None = None
-        # What the last update returned for attention to read (a KV-shared layer reads the same
-        # keys and values as its source in the same call: model_blocks.SharedKVAttention).
+        # What the last update returned for attention to read (a KV-shared layer reads it too).
         self.last_read: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def key_positions(self, positions: torch.Tensor):
@@ -166,21 +166,14 @@ class KVCache(nn.Module):
         return self.read_len or self.k.shape[2]
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        # Reassigning the buffers (not in-place) is what NxD turns into aliased device state.
+        if self.seq_ids is not None or self.k.shape[0] > 1:  # slots (kv_slots); reassigning the buffers
+            return linear_slot_update(self, positions, k, v)  # (not in-place): NxD's aliased state
         rows = chunk_rows(positions)
         self.k = self.k.index_copy(2, rows, k)
         self.v = self.v.index_copy(2, rows, v)
         n = self.read_len or self.k.shape[2]
         self.last_read = self.k[:, :, :n], self.v[:, :, :n]
         return self.last_read
-
-
-def ring_slot_positions(next_position: torch.Tensor, window: int) -> torch.Tensor:
-    """[window] absolute position each ring slot holds once positions [0, next_position) are written
-    (slot s holds the latest position p < next_position with p % window == s; -1: never written)."""
-    slots = torch.arange(window, device=next_position.device)
-    last = next_position - 1
-    return last - torch.remainder(last - slots, window)
 
 
 class RingCache(KVCache):
@@ -193,14 +186,16 @@ class RingCache(KVCache):
     mapping to them (padded rows, position -1, write nothing): a gather and a select, no scatter
     with repeated indices, static shapes."""
 
-    def __init__(self, kv_heads: int, window: int, head_dim: int, dtype):
-        super().__init__(kv_heads, window, head_dim, dtype)
+    def __init__(self, kv_heads: int, window: int, head_dim: int, dtype, slots: int = 1):
+        super().__init__(kv_heads, window, head_dim, dtype, slots)
         self.window = window
 
     def key_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return torch.cat([ring_slot_positions(positions[0, 0], self.window), positions[0]])
+        return ring_key_positions(positions, self.window)  # [b, window + s]: per row
 
     def update(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if self.seq_ids is not None or self.k.shape[0] > 1:
+            return ring_slot_update(self, positions, k, v)
         prior_k, prior_v = self.k, self.v
         if k.shape[2] == 1:  # decode (static per graph): one row into its slot, not every slot rewritten
             slot = torch.remainder(positions[0], self.window)
@@ -216,13 +211,13 @@ class RingCache(KVCache):
         return self.last_read
 
 
-def make_cache(kind: str, layer: LayerSpec, kv_heads: int, max_len: int, dtype) -> KVCache:
-    """A layer's cache: a ring of `window` slots for a sliding layer when kind is "ring", else linear."""
+def make_cache(kind: str, layer: LayerSpec, kv_heads: int, max_len: int, dtype, slots: int = 1) -> KVCache:
+    """A layer's cache of `slots` sequences: a ring of `window` slots on a sliding layer when "ring"."""
     if kind not in SLIDING_CACHES:
         raise ValueError(f"sliding cache {kind!r}: choose one of {SLIDING_CACHES}")
     if kind == "ring" and layer.is_sliding and layer.window < max_len:
-        return RingCache(kv_heads, layer.window, layer.head_dim, dtype)
-    return KVCache(kv_heads, max_len, layer.head_dim, dtype)
+        return RingCache(kv_heads, layer.window, layer.head_dim, dtype, slots)
+    return KVCache(kv_heads, max_len, layer.head_dim, dtype, slots)
 
 
 def eager_attention(q: torch.Tensor, kv: tuple, mask: torch.Tensor, groups: int) -> torch.Tensor:
@@ -311,25 +306,24 @@ class DecoderLayer(nn.Module):
 class RankDecoder(nn.Module):
     """One rank's decoder: inputs_embeds and absolute positions in, raw logits out.
 
-    forward(inputs_embeds [1, s, hidden], positions [1, s]) -> logits [1, s, vocab], and with
-    capture=True also a dict of the reference's capture points (full hidden on every rank).
-    """
+    forward(inputs_embeds [b, s, hidden], positions [b, s], seq_ids [b] (each row's KV slot of
+    `slots`; None: batch 1)) -> logits [b, s, vocab], with capture=True also the capture points."""
 
     layer_class = DecoderLayer  # model_blocks.FamilyRankDecoder runs the gemma4 family's layers
 
     def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = DEFAULT_KV_LEN, dtype=torch.bfloat16,
-                 linears: RankLinears | None = None, sliding_cache: str = "linear"):
+                 linears: RankLinears | None = None, sliding_cache: str = "linear", slots: int = 1):
         super().__init__()
         linears = linears or RankLinears()
         plans = plan_model(spec, tp)
-        self.spec, self.tp, self.max_len, self.dtype = spec, tp, max_len, dtype
+        self.spec, self.tp, self.max_len, self.dtype, self.slots = spec, tp, max_len, dtype, slots
         self.sliding_cache = sliding_cache
         self.layers = nn.ModuleList(
             self.layer_class(spec, layer, plan, linears, max_len=max_len, dtype=dtype) for layer, plan in zip(spec.layers, plans)
         )
         for layer, plan, block in zip(spec.layers, plans, self.layers):
             if layer.kv_source is None:  # a KV-shared layer (model_blocks) reads its source's cache
-                block.self_attn.cache = make_cache(sliding_cache, layer, plan.kv_heads_per_rank, max_len, dtype)
+                block.self_attn.cache = make_cache(sliding_cache, layer, plan.kv_heads_per_rank, max_len, dtype, slots=slots)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = linears.vocab(spec.hidden_size, spec.vocab_size // tp)
         self.to(dtype)
@@ -346,7 +340,12 @@ class RankDecoder(nn.Module):
         for layer in self.layers:
             layer.self_attn.cache.read_len = length
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
+    def set_seq_ids(self, seq_ids: torch.Tensor | None) -> None:  # each row's KV slot; None: batch 1
+        for cache in (m for m in self.modules() if isinstance(m, KVCache)):
+            cache.seq_ids = seq_ids
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False, seq_ids=None):
+        self.set_seq_ids(seq_ids)
         captures = {"embeddings": inputs_embeds} if capture else None
         x = self.final_hidden(inputs_embeds, positions, captures)
         logits = self.lm_head(x)

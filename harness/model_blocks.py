@@ -209,8 +209,8 @@ class FamilyRankDecoder(RankDecoder):
     layer_class = FamilyDecoderLayer
 
     def __init__(self, spec: ModelSpec, tp: int = 1, max_len: int = 256, dtype=torch.bfloat16,
-                 linears: RankLinears | None = None, sliding_cache: str = "linear"):
-        super().__init__(spec, tp, max_len, dtype, linears=linears, sliding_cache=sliding_cache)
+                 linears: RankLinears | None = None, sliding_cache: str = "linear", slots: int = 1):
+        super().__init__(spec, tp, max_len, dtype, linears=linears, sliding_cache=sliding_cache, slots=slots)
         self.per_layer = PerLayerInputs(spec).to(dtype) if spec.per_layer_input_size else None
         for layer in spec.layers:
             if layer.kv_source is not None:
@@ -245,8 +245,8 @@ class FamilyRankDecoder(RankDecoder):
         self._per_layer_inputs = self.per_layer(embeds, inputs[..., h:]) if self.per_layer is not None else None
         return embeds
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False):
-        return super().forward(self._split(inputs_embeds), positions, capture)
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False, seq_ids=None):
+        return super().forward(self._split(inputs_embeds), positions, capture, seq_ids)
 
     def final_hidden(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, captures=None) -> torch.Tensor:
         if inputs_embeds.shape[-1] != self.spec.hidden_size:  # called directly with the device input

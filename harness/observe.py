@@ -188,6 +188,24 @@ def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
     return PortPrompt(forced, free, snaps, probs, steps)
 
 
+def run_port_batch(engine, ref32: list[ReferenceResult], phase: str) -> list[PortPrompt]:
+    """Every prompt as a sequence of a batch (harness.batching: KV slots, ragged prefill, continuous
+    batching): run_port_prompt's runs, each read from its own slot and judged against its prompt alone."""
+    from harness.batching import BatchEngine
+
+    be = port_call(f"{phase}: batch engine", BatchEngine, engine)
+    prompts, wants = [r.prompt for r in ref32], [len(r.generated) for r in ref32]
+    snaps: list[list] = [[] for _ in ref32]
+    observe = ((lambda k, slot, written: snaps[k].append((written, be.read_cache(slot, written))))
+               if engine.backend.reads_cache else None)
+    forced = port_call(f"{phase}: batched prefill and teacher-forced decode", be.generate, prompts, wants,
+                       capture=True, forced=[r.generated for r in ref32], observe=observe)
+    free = port_call(f"{phase}: batched free greedy decode", be.generate, prompts, wants) if any(wants) else forced
+    return [PortPrompt(f, g, kv, port_call(f"{phase}: host probabilities", engine.probabilities, f.prefill.logits),
+                       port_call(f"{phase}: host probabilities", engine.probabilities, f.step_logits))
+            for f, g, kv in zip(forced, free, snaps)]
+
+
 # ---- the observation of one stage ----------------------------------------------------------------
 
 @dataclass
@@ -246,7 +264,10 @@ def observe_stage(engine, checkpoint, refs: StageReferences, context: StageConte
     runs = []
     say = status(f"port {context.stage}", context.progress, total=len(refs.fp32))
     with intra_op_threads_for(spec):
-        for k, r32 in enumerate(refs.fp32):
+        if engine.settings.batch > 1:  # the prompts as the sequences of a batch
+            say(f"{len(refs.fp32)} prompts as a batch of {engine.settings.batch} sequences")
+            runs = run_port_batch(engine, refs.fp32, f"{context.stage} stage, batch of {engine.settings.batch}")
+        for k, r32 in enumerate(refs.fp32 if engine.settings.batch == 1 else ()):
             say(f"prompt {k}/{len(refs.fp32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
             runs.append(run_port_prompt(engine, r32, f"{context.stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
     say.close()
@@ -272,12 +293,9 @@ def fp32_envelope(obs: StageObservation, checkpoint, progress: bool = False) -> 
 
 
 def follow_port_path(obs: StageObservation, checkpoint) -> StageObservation:
-    """The observation with the references computed again along the port's path where bf16 decides
-    a step legitimately otherwise (harness/forced_path.py's rules, applied by
-    harness/reference_forcing.py): on MoE models in the bf16 stage the port's experts wherever it
-    routed otherwise, on PLE models the port's gated per-layer input at rows without a direction
-    at bf16 precision (looked for again on the new path, at most FORCING_PASSES times). The same
-    port runs; nothing is recomputed when nothing is forced."""
+    """The references computed again along the port's path where bf16 legitimately decides otherwise
+    (harness/forced_path.py's rules): MoE, the port's experts; PLE, the port's gated per-layer input
+    at rows without a direction at bf16 precision (at most FORCING_PASSES passes). Same port runs."""
     spec = checkpoint.spec
     forcing = follow_routing(obs.runs, spec, obs.stage)
     fed, rerun, pinned = [r.generated for r in obs.ref32], [], []

@@ -76,6 +76,9 @@ def run_stage(engine, checkpoint, refs: StageReferences, context: StageContext) 
     obs = observe_stage(engine, checkpoint, refs, context)
     start = time.perf_counter()
     result = judge_stage(obs, checkpoint.spec, context)
+    if engine.settings.batch > 1:
+        result.notes.append(f"{context.stage} stage: the prompts ran as a batch of {engine.settings.batch} sequences "
+                            "(a KV slot each, continuous batching); each judged against its prompt alone")
     result.seconds["judge"] = round(time.perf_counter() - start, 2)
     return result
 

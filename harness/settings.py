@@ -118,6 +118,7 @@ class RunSettings:
     kv_len: int = DEFAULT_KV_LEN
     backend_options: Mapping[str, object] = field(default_factory=dict)
     sliding_cache: str = DEFAULT_SLIDING_CACHE
+    batch: int = 1  # KV slots: the most sequences served at once (NxD Inference's max_batch_size)
 
     def __post_init__(self):
         if self.sliding_cache not in SLIDING_CACHES:
@@ -127,6 +128,8 @@ class RunSettings:
         object.__setattr__(self, "backend_options", MappingProxyType(dict(self.backend_options)))
         if not self.buckets or min(self.buckets) < 1:
             raise OptionError(f"--buckets {self.buckets}: need at least one positive bucket")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise OptionError(f"--batch {self.batch!r}: need a positive number of sequences")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -34,6 +34,8 @@ class Backend(Protocol):
       reads_cache       kv_cache(layer, rank) reads the device KV cache back
       host_ranks        the ranks are modules on this host (`ranks`, `on_ranks`): a layer can be
                         run alone on them (the local verdict of check and bisect)
+      serves_batch      forward takes rows naming their KV slots (`seq_ids`) of a cache of
+                        settings.batch sequences (harness/batching.py, harness/kv_slots.py)
     `compiler_args` are the flags its graphs were compiled with (empty where nothing is compiled
     ahead of time); a bench result records them.
     """
@@ -46,6 +48,7 @@ class Backend(Protocol):
     last_row_only: bool
     reads_cache: bool
     host_ranks: bool
+    serves_batch: bool
     compiler_args: tuple | list
 
     def reset(self) -> None:

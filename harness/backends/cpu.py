@@ -58,7 +58,7 @@ class CpuBackend:
 
     name = "cpu"
     OPTIONS: dict = {}  # no backend options
-    returns_captures, last_row_only, reads_cache, host_ranks = True, False, True, True
+    returns_captures, last_row_only, reads_cache, host_ranks, serves_batch = True, False, True, True, True
     compiler_args = ()  # nothing is compiled ahead of time
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
@@ -71,7 +71,7 @@ class CpuBackend:
         states = rank_state_dicts(checkpoint, tp, dtype)
         self.ranks = []
         for rank in range(tp):
-            module = rank_decoder(self.spec, tp=tp, max_len=max_len, dtype=dtype,
+            module = rank_decoder(self.spec, tp=tp, max_len=max_len, dtype=dtype, slots=settings.batch,
                                  linears=RankLinears(RankCollectives(self.group, rank)), sliding_cache=sliding_cache)
             module.load_state_dict(states[rank], strict=True)
             module.eval()
@@ -107,19 +107,22 @@ class CpuBackend:
         return results
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
-                last: int | None = None):
+                last: int | None = None, seq_ids: torch.Tensor | None = None):
         """Every rank runs the same step, reading the KV bucket a compiled graph of this call would
         read (graphs.kv_read_length); rank 0's (gathered, identical) outputs are returned:
-        (logits, captures), captures empty unless asked for; only row `last` when it is given."""
+        (logits, captures), captures empty unless asked for; only row `last` when it is given.
+        `seq_ids` [b]: the KV slot of each row (harness.kv_slots); None: batch 1."""
         read = kv_read_length(positions, self.kv_lengths)
         for module in self.ranks:
             module.set_kv_read(read)
-        out = self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture))[0]
+        out = self.on_ranks(lambda rank: self.ranks[rank](inputs_embeds, positions, capture=capture,
+                                                          seq_ids=seq_ids))[0]
         logits, captures = out if capture else (out, {})
         return (logits if last is None else logits[:, last:last + 1]), captures
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of one layer's cache on one rank: [1, kv_heads, slots, d] (max_len slots, or a ring's window)."""
+        """(k, v) of one layer's cache on one rank: [seqs, kv_heads, slots, d] (max_len slots, or a
+        ring's window; one per sequence: settings.batch)."""
         attn = self.ranks[rank].layers[layer].self_attn
         cache = getattr(attn, "cache", None) or attn.source_cache  # a KV-shared layer: its source's
         return cache.k, cache.v

@@ -90,13 +90,15 @@ class NeuronBackend:
     # The backend options (harness.backends.Backend): name -> converter of a --backend-option value.
     OPTIONS = {"compiler_args": str, "decode_compiler_args": str, "cache_dir": directory, "compile_workers": positive_int,
                "zero_on_reset": flag, "layout_priority": _layout_priority, "reduce_dtype": torch_dtype}
-    reads_cache, host_ranks = True, False
+    reads_cache, host_ranks, serves_batch = True, False, False  # batches: cpu and xla so far
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False, *, compiler_args=None,
                  cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True,
                  layout_priority: str | None = "decode", reduce_dtype: torch.dtype = torch.float32,
                  decode_compiler_args=None):
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
+        if settings.batch > 1:  # the graphs take no seq_ids here yet (xla and cpu serve batches)
+            raise HarnessInputError(f"--batch {settings.batch}: the neuron backend serves batch 1 only so far")
         self.sliding_cache = settings.sliding_cache
         self.versions = check_neuron_packages()  # before anything imports the SDK
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len

@@ -31,7 +31,8 @@ import torch
 from torch import nn
 
 from harness.errors import HarnessInputError
-from harness.graphs import (GraphBuildError, constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result,
+from harness.graphs import (GraphBuildError, TracedBatchDecoder, batch_graph_inputs, constant_buffers, example_inputs,
+                            graph_inputs, graph_plan, graph_result,
                             input_width, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
 from harness.model import Collectives, RankLinears
 from harness.settings import RunSettings
@@ -102,13 +103,13 @@ class XlaCollectives(Collectives):
 
 
 def build_graph_module(spec, tp: int, max_len: int, dtype: torch.dtype, capture: bool = False,
-                       module_cls=None, sliding_cache: str = "linear") -> nn.Module:
+                       module_cls=None, sliding_cache: str = "linear", slots: int = 1) -> nn.Module:
     """The traced module of harness/graphs.py with XLA collectives, in eval mode without grads: a
     parity build (captures) or, as the Neuron backend builds it, a perf build returning only the
-    last real row's logits."""
-    module_cls = module_cls or traced_class(spec)  # the 12B's decoder or the family's
+    last real row's logits; with `slots` > 1 a batched parity build taking seq_ids."""
+    module_cls = module_cls or traced_class(spec, batched=slots > 1)  # the 12B's decoder or the family's
     module = module_cls(spec, tp, max_len, dtype, RankLinears(XlaCollectives(tp)), with_captures=capture,
-                        last_row_only=not capture, sliding_cache=sliding_cache)
+                        last_row_only=not capture, sliding_cache=sliding_cache, slots=slots)
     module.eval()
     module.requires_grad_(False)
     return module
@@ -187,9 +188,13 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     xlac = torch_xla._XLAC
     kv_names = [n for n, r in roles.items() if r == "state"]
     local = {n: t.to(device) for n, t in tensors.items()}
-    inputs = [t.to(device) for t in example_inputs(length, input_width(module.spec), module.dtype,
-                                                    last_row=getattr(module, "last_row_only", False))]
-    input_names = ("inputs_embeds", "positions", "last_index")[:len(inputs)]
+    examples = example_inputs(length, input_width(module.spec), module.dtype,
+                              last_row=getattr(module, "last_row_only", False))
+    if isinstance(module, TracedBatchDecoder):  # seq_ids: the KV slot of each row
+        examples = (*examples, torch.zeros(1, dtype=examples[1].dtype))
+    inputs = [t.to(device) for t in examples]
+    input_names = ("inputs_embeds", "positions", "seq_ids" if isinstance(module, TracedBatchDecoder)
+                   else "last_index")[:len(inputs)]
     named = {**{n: (roles[n], t) for n, t in local.items()},
              **{n: ("input", t) for n, t in zip(input_names, inputs)}}
     # each tensor's device buffer, taken before tracing (tensor ids change under in-place ops)
@@ -234,7 +239,7 @@ class XlaBackend:
     name = "xla"
 
     OPTIONS: dict = {}  # no backend options
-    reads_cache, host_ranks = True, False
+    reads_cache, host_ranks, serves_batch = True, False, True
     compiler_args = ()  # XLA's CPU compiler runs with its defaults
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):
@@ -250,8 +255,12 @@ class XlaBackend:
         self.kv_lengths = kv_buckets(buckets, max_len)
         self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
+        self.slots = settings.batch
+        if self.slots > 1 and not self.capture:
+            raise HarnessInputError(f"--batch {self.slots}: the xla backend builds batched graphs as parity builds "
+                                    "(capture=True) only; a batched perf build is not implemented")
         self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture,
-                                         sliding_cache=sliding_cache)
+                                         sliding_cache=sliding_cache, slots=self.slots)
         self.kv_names = kv_buffer_names(self.module)
         self.capture_names: list[str] | None = None
         xs = self.rt.xs
@@ -307,12 +316,17 @@ class XlaBackend:
                       for n in self.kv_names}
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
-                last: int | None = None):
+                last: int | None = None, seq_ids: torch.Tensor | None = None):
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures on a
         parity build). s must be a bucket of the plan or 1 (decode), as on the device. A perf build
-        returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]."""
-        _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
-                                   parity_build=self.capture, last_row_only=self.last_row_only, last=last)
+        returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]. A batched
+        build (settings.batch > 1) takes [b, s] rows and `seq_ids` [b] (harness/kv_slots.py)."""
+        if self.slots > 1:
+            graph_in = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
+                                          dtype=self.dtype)
+        else:
+            _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
+                                       parity_build=self.capture, last_row_only=self.last_row_only, last=last)
         self.module.set_kv_read(kv_read_length(positions, self.kv_lengths))  # one graph per KV bucket
         outputs = self._step(*graph_in)
         if self.capture and self.capture_names is None:

@@ -21,7 +21,7 @@ def add_command(sub) -> None:
                    help="golden written by `gemma-parity reference` (may be from other weights of the same spec)")
     p.add_argument("--mode", choices=list(MODES), default=None,
                    help="capture (default on cpu) or truncate (default on neuron: no extra graph outputs)")
-    add_port_args(p, "write bisect.md, bisect.json and bisect_errors.png there")
+    add_port_args(p, "write bisect.md, bisect.json and bisect_errors.png there", batch=True)
     p.set_defaults(func=run, validate=validate)
 
 

@@ -25,7 +25,7 @@ def add_command(sub) -> None:
                    help="do not run and judge the perf build bench times (the served build); said in the result")
     p.add_argument("--verbose", action="store_true", help="print the wall time of each stage and phase "
                    "(always in the JSON under \"seconds\")")
-    add_port_args(p, "write a Markdown summary, the JSON and a PNG plot")
+    add_port_args(p, "write a Markdown summary, the JSON and a PNG plot", batch=True)
     p.set_defaults(func=run, validate=validate)
 
 

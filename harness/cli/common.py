@@ -95,6 +95,10 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
         p.add_argument("--sliding-cache", choices=list(SLIDING_CACHES), default=d.sliding_cache,
                        help=f"sliding layers' KV cache: linear (--kv-len slots) or ring (window slots) "
                             f"(default {d.sliding_cache}; README, 'Long context')")
+    if "batch" in fields:
+        p.add_argument("--batch", type=int, default=d.batch, metavar="N",
+                       help=f"serve the prompts as a batch of N sequences, each in its own KV slot, with "
+                            f"continuous batching; each is judged against its prompt alone (default {d.batch})")
     if "backend_options" in fields:
         p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE", dest="backend_option",
                        help="an option of the backend, e.g. compile_workers=4 for neuron (repeatable; an option "
@@ -117,9 +121,10 @@ def run_settings(args):
     return settings
 
 
-def add_port_args(p, report_help: str) -> None:
-    """How the port runs (the run settings) and where results go (check, bisect)."""
-    add_run_args(p)
+def add_port_args(p, report_help: str, batch: bool = False) -> None:
+    """How the port runs (the run settings; --batch where the prompts may run as a batch) and where
+    results go (check, bisect)."""
+    add_run_args(p, fields=RUN_ARGS + (("batch",) if batch else ()))
     p.add_argument("--json", metavar="FILE", help="write the result as JSON (replaces only a result "
                    "gemma-parity wrote)")
     p.add_argument("--report", metavar="DIR", help=report_help)

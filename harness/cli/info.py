@@ -5,6 +5,7 @@ from __future__ import annotations
 from harness.atomic import write_json_atomic
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args, add_run_args, run_settings, with_generator
+from harness.errors import HarnessInputError, OptionError
 
 
 def add_command(sub) -> None:
@@ -14,6 +15,9 @@ def add_command(sub) -> None:
     add_model_args(p, config=True)
     add_run_args(p, fields=("tp", "dtype", "kv_len", "sliding_cache"), purpose="device dtype of the memory estimate")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    p.add_argument("--batch", type=_batches_arg, default=(), metavar="1,2,4,8",
+                   help="also the KV bytes and HBM fit of these batch sizes (a KV slot per sequence) at --kv-len "
+                        "and longer contexts; a batch that does not fit at --kv-len is refused (exit 2)")
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
     p.add_argument("--plan", action="store_true", help="also print the resource plan of every command: peak "
@@ -26,6 +30,12 @@ def add_command(sub) -> None:
     p.add_argument("--instance-rates", metavar="FILE", help="JSON file of per-chip figures for an instance type "
                    "not in the table (cores, chips, hbm_bytes, hbm_bytes_per_s, bf16_flops_per_s, fp32_flops_per_s)")
     p.set_defaults(func=run, validate=validate)
+
+
+def _batches_arg(text: str) -> tuple[int, ...]:
+    from harness.cli.perf import _batches_arg as parse
+
+    return parse(text)
 
 
 def validate(args) -> None:
@@ -57,6 +67,15 @@ def validate(args) -> None:
     if args.instance is None:  # the instance the TP degree needs (the family's larger variants)
         args.instance = smallest_instance(args.tp).name
     _check_instance(args)
+    if args.batch:
+        from harness.perf.batch import batch_fit, refuse_unfit_batch
+
+        for batch in args.batch:
+            try:
+                refuse_unfit_batch(batch_fit(args.spec, args.tp, args.dtype, batch, args.kv_len, chip=args.chip,
+                                             sliding_cache=args.sliding_cache))
+            except HarnessInputError as exc:
+                raise OptionError(str(exc)) from None
 
 
 def _check_instance(args) -> None:
@@ -97,6 +116,13 @@ def run(args) -> int:
     print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
     payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache)
     print(render_hbm_fit(payload["hbm"]))
+    if args.batch:
+        from harness.perf.batch import fit_table, render_fit_table
+
+        lengths = sorted({s.kv_len, *(n for n in (4096, 32768, 131072) if n <= (args.spec.max_positions or n))})
+        payload["batch_fit"] = fit_table(args.spec, s.tp, s.dtype, args.batch, lengths, chip=args.chip,
+                                         sliding_cache=s.sliding_cache)
+        print(render_fit_table(payload["batch_fit"]), end="")
     if args.perf:
         from harness.perf import info_floors, render_roofline
 

@@ -42,12 +42,26 @@ def add_command(subparsers) -> None:
     bench.add_argument("--lengths", type=_lengths_arg, default=(), metavar="16,64,200",
                        help="also time TTFT at these prompt lengths (longer than a bucket: chunked prefill) and "
                        "TPOT decoding from them, each with its floor (metrics ttft_ms@L, tpot_ms@L)")
+    bench.add_argument("--batch", type=_batches_arg, default=(), metavar="1,2,4,8",
+                       help="also time batches of these sizes (a KV slot per sequence): tokens/s, per-token latency "
+                            "and prefill per batch, each against the batch's roofline floor")
     bench.add_argument("--out", required=True, metavar="FILE", help="result JSON (never overwritten "
                        "without --force, and then only a result file bench wrote)")
     bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
     bench.add_argument("--history", metavar="DIR", help="also add the run to this history directory")
     bench.set_defaults(func=run_bench_command, validate=validate_bench, seed=0)
     _add_compare(subparsers)
+
+
+def _batches_arg(text: str) -> tuple[int, ...]:
+    import argparse
+
+    from harness.errors import OptionError
+    from harness.settings import parse_buckets
+    try:
+        return parse_buckets(text)
+    except OptionError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("--buckets", "--batch")) from None
 
 
 def _lengths_arg(text: str) -> tuple[int, ...]:
@@ -269,8 +283,15 @@ def run_bench_command(args) -> int:
     if result["provenance"]["git"]["dirty"]:
         print(f"gemma-parity: note: the tree has uncommitted changes; {args.out} records commit "
               f"{str(result.get('git_commit'))[:12]} with dirty: true", file=sys.stderr)
+    if args.batch:
+        from harness.perf.batch import render_batch_bench, run_batch_bench
+
+        result["batch"] = run_batch_bench(args.ckpt, args.settings, args.batch, runs=args.runs,
+                                          new_tokens=args.new_tokens, prompt_len=min(args.settings.buckets))
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
+    if args.batch:
+        print(render_batch_bench(result["batch"]["rows"]), end="")
     print(f"wrote {args.out}", file=sys.stderr)
     if args.history is not None:
         print(f"added {append_history(result, args.history)}", file=sys.stderr)

@@ -120,8 +120,8 @@ def repeat_not_interleave(monkeypatch):
     _after_attention_init(monkeypatch, edit)
     real_make_cache = port_model.make_cache
 
-    def make_cache(kind, layer, kv_heads, max_len, dtype):  # the decoder gives each layer its cache
-        cache = real_make_cache(kind, layer, kv_heads, max_len, dtype)
+    def make_cache(kind, layer, kv_heads, max_len, dtype, **slots):  # the decoder gives each layer its cache
+        cache = real_make_cache(kind, layer, kv_heads, max_len, dtype, **slots)
         if kv_heads > 1:
             groups, update = layer.q_heads // layer.kv_heads, cache.update
 

@@ -29,6 +29,7 @@ LAYERS = {
     "harness.host_plan": 2,
     # 3: the port
     "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
+    "harness.kv_slots": 3, "harness.batching": 3,
     # 4: execution: the backends, and the reference (transformers only)
     "harness.backends": 4, "harness.reference": 4, "harness.reference_stream": 4, "harness.reference_forcing": 4,
     "harness.reference64": 4,

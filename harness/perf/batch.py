@@ -1,0 +1,157 @@
+"""Performance per batch size (issue 29): the KV fit of a batch, the roofline of a batched decode
+step and prefill, and `bench --batch` (tokens/s, per-token latency and prefill per batch bucket,
+each against its floor).
+
+A decode step of b sequences reads the weights once and each sequence's KV slot: throughput grows
+nearly linearly with b until the KV reads (b x kv bytes) or the compute (b x the FLOPs of a token)
+bind. A batch needs b KV slots beside the weights: `batch_fit` says whether they fit the HBM.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from harness.errors import HarnessInputError
+from harness.perf.roofline import CHIP, GiB, Rates, floors, graph_costs, lm_head_params_per_rank
+from harness.sharding import bytes_per_rank
+from harness.spec import ModelSpec
+
+
+def batch_fit(spec: ModelSpec, tp: int, dtype: str, batch: int, kv_len: int, chip: dict | None = None,
+              sliding_cache: str = "linear") -> dict:
+    """Weights plus `batch` KV slots of `kv_len` against the HBM of the TP group's cores (as
+    roofline.hbm_fit for one sequence)."""
+    chip = chip or CHIP
+    memory = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
+    weights, kv_one = tp * memory["weights"], tp * memory["kv_cache"]
+    capacity = tp * chip["hbm_bytes"] / chip["cores"]
+    needed = weights + batch * kv_one
+    return {"batch": batch, "kv_len": kv_len, "weights_bytes": weights, "kv_bytes_per_sequence": kv_one,
+            "kv_bytes": batch * kv_one, "needed_bytes": needed, "capacity_bytes": capacity, "fits": needed <= capacity,
+            "max_batch": int(max(capacity - weights, 0) // kv_one) if kv_one else None}
+
+
+def fit_table(spec: ModelSpec, tp: int, dtype: str, batches, kv_lens, chip: dict | None = None,
+              sliding_cache: str = "linear") -> list[dict]:
+    """batch_fit of every batch size at every KV length."""
+    return [batch_fit(spec, tp, dtype, b, n, chip=chip, sliding_cache=sliding_cache) for n in kv_lens for b in batches]
+
+
+def refuse_unfit_batch(fit: dict) -> None:
+    """Bad input (naming the numbers) when a batch's KV slots do not fit beside the weights."""
+    if not fit["fits"]:
+        raise HarnessInputError(
+            f"--batch {fit['batch']} at --kv-len {fit['kv_len']}: weights {fit['weights_bytes'] / GiB:.2f} GiB + "
+            f"{fit['batch']} x {fit['kv_bytes_per_sequence'] / GiB:.3f} GiB of KV = {fit['needed_bytes'] / GiB:.2f} GiB, "
+            f"more than the {fit['capacity_bytes'] / GiB:.0f} GiB of HBM; at most {fit['max_batch']} sequences fit "
+            "at this KV length (lower --batch or --kv-len)")
+
+
+def render_fit_table(rows: list[dict]) -> str:
+    lines = ["batch fit (weights + batch x KV slot, against HBM):",
+             f"  {'kv_len':>8} {'batch':>5} {'KV/seq GiB':>10} {'KV GiB':>8} {'total GiB':>9} {'of GiB':>6}  fit"]
+    for r in rows:
+        lines.append(f"  {r['kv_len']:>8} {r['batch']:>5} {r['kv_bytes_per_sequence'] / GiB:>10.3f} "
+                     f"{r['kv_bytes'] / GiB:>8.2f} {r['needed_bytes'] / GiB:>9.2f} {r['capacity_bytes'] / GiB:>6.0f}  "
+                     f"{'yes' if r['fits'] else 'NO'} (at most {r['max_batch']})")
+    return "\n".join(lines) + "\n"
+
+
+def batch_costs(spec: ModelSpec, tp: int, dtype: str, batch: int, tokens: int, kv_len: int) -> dict:
+    """One call of `batch` rows of `tokens` tokens each: the weights read once (the experts the
+    batch's tokens use), every row's KV slot read and written, every row's FLOPs and lm_head."""
+    costs = graph_costs(spec, tp, dtype, batch * tokens, kv_len)  # weights once, one KV slot, all rows' FLOPs
+    kv_slot = tp * bytes_per_rank(spec, tp, dtype, kv_len)["kv_cache"]
+    costs["kv_bytes"] += (batch - 1) * kv_slot
+    costs["flops"] += (batch - 1) * tp * 2 * lm_head_params_per_rank(spec, tp)  # each row's last position
+    return {**costs, "batch": batch, "tokens": tokens}
+
+
+def batch_floors(spec: ModelSpec, tp: int, dtype: str, batches, kv_len: int, rates: Rates, buckets=()) -> list[dict]:
+    """Per batch size: the decode step's floor and the throughput it allows, and prefill per bucket."""
+    rows = []
+    for b in batches:
+        for name, tokens in [(f"prefill[{bucket}]", bucket) for bucket in sorted(buckets)] + [("decode", 1)]:
+            costs = batch_costs(spec, tp, dtype, b, tokens=tokens, kv_len=kv_len)
+            row = {"graph": name, "batch": b, **costs, **floors(costs, rates)}
+            if name == "decode":
+                row["tokens_per_s_floor"] = b / row["floor_ms"] * 1e3
+            rows.append(row)
+    return rows
+
+
+def _median_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def time_batch(batch_engine, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
+    """`runs` timed runs of one batch: prefill of every prompt in one batched call per chunk, then
+    `new_tokens` decode steps of all of them. Medians of the prefill and the per-step latency,
+    tokens per second (rows / step), and the tokens each row generated (pinned outputs)."""
+    prefill, steps, tokens = [], [], None
+    slots = list(range(len(prompts)))
+    for _ in range(runs):
+        batch_engine.backend.reset()
+        start = time.perf_counter()
+        pres = batch_engine.prefill(prompts, slots)
+        prefill.append(time.perf_counter() - start)
+        fed = [int(p.logits[-1].argmax()) for p in pres]
+        out = [[t] for t in fed]
+        for step in range(new_tokens - 1):
+            start = time.perf_counter()
+            results = batch_engine.decode(fed, [len(p) + step for p in prompts], slots)
+            steps.append(time.perf_counter() - start)
+            fed = [int(r.logits.argmax()) for r in results]
+            for row, t in zip(out, fed):
+                row.append(t)
+        if tokens is not None and tokens != out:
+            raise RuntimeError("a batch generated different tokens in two runs of the same inputs")
+        tokens = out
+    step_ms = _median_ms(steps) if steps else None
+    return {"batch": len(prompts), "prefill_ms": _median_ms(prefill), "step_ms": step_ms,
+            "tokens_per_s": len(prompts) / step_ms * 1e3 if step_ms else None, "tokens": tokens,
+            "prefill_samples_ms": [s * 1e3 for s in prefill], "step_samples_ms": [s * 1e3 for s in steps]}
+
+
+def with_batch_efficiency(measured: list[dict], floor_rows: list[dict]) -> list[dict]:
+    """Each measured batch beside its decode floor: efficiency = floor / measured step."""
+    by_batch = {r["batch"]: r for r in floor_rows if r["graph"] == "decode"}
+    out = []
+    for m in measured:
+        floor = by_batch[m["batch"]]
+        out.append({**m, "step_floor_ms": floor["floor_ms"], "bound": floor["bound"],
+                    "tokens_per_s_floor": floor["tokens_per_s_floor"],
+                    "efficiency": floor["floor_ms"] / m["step_ms"] if m["step_ms"] else None})
+    return out
+
+
+def render_batch_bench(rows: list[dict]) -> str:
+    lines = ["per batch size (decode step of all rows; prefill of all prompts):",
+             f"  {'batch':>5} {'prefill ms':>10} {'step ms':>8} {'tok/s':>8} {'floor ms':>9} {'tok/s floor':>11} "
+             f"{'eff':>6} bound"]
+    for r in rows:
+        lines.append(f"  {r['batch']:>5} {r['prefill_ms']:>10.1f} {r['step_ms'] or 0:>8.2f} {r['tokens_per_s'] or 0:>8.1f} "
+                     f"{r['step_floor_ms']:>9.3f} {r['tokens_per_s_floor']:>11.1f} {r['efficiency'] or 0:>6.3f} {r['bound']}")
+    return "\n".join(lines) + "\n"
+
+
+def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, prompt_len: int) -> dict:
+    """`bench --batch`: one build with max(batches) KV slots; per batch size, `runs` timed runs of
+    that many prompts of `prompt_len` tokens, beside the floors on this backend's rates."""
+    from harness.backends import build_engine
+    from harness.batching import BatchEngine
+    from harness.perf.bench import bench_prompt, bench_rates
+
+    batches = sorted(set(batches))
+    # xla builds batched graphs as parity builds only (its perf build returns one row)
+    engine = build_engine(checkpoint, settings.but(batch=batches[-1]), capture=settings.backend == "xla")
+    be = BatchEngine(engine)
+    spec = checkpoint.spec
+    measured = [time_batch(be, [bench_prompt(spec.vocab_size, prompt_len, seed=k) for k in range(b)], new_tokens, runs)
+                for b in batches]
+    rates, _ = bench_rates(settings.backend, settings.tp, settings.dtype)
+    floor_rows = batch_floors(spec, settings.tp, settings.dtype, batches, settings.kv_len, rates=rates,
+                              buckets=[b for b in settings.buckets if b >= prompt_len][:1])
+    return {"batches": batches, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,
+            "rows": with_batch_efficiency(measured, floor_rows), "floors": floor_rows, "rates": rates.to_dict()}
