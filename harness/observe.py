@@ -189,8 +189,7 @@ def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
 
 
 def run_port_batch(engine, ref32: list[ReferenceResult], phase: str) -> list[PortPrompt]:
-    """Every prompt as a sequence of a batch (harness.batching: KV slots, ragged prefill, continuous
-    batching): run_port_prompt's runs, each read from its own slot and judged against its prompt alone."""
+    """Every prompt as a sequence of a batch (harness.batching), each read from its own KV slot."""
     from harness.batching import BatchEngine
 
     be = port_call(f"{phase}: batch engine", BatchEngine, engine)
