@@ -35,7 +35,8 @@ class _StreamedPrompt:
         self.x = embedding(ids)
         self.captures = {"embeddings": self.x[self.rows].float()}
         self.positions = torch.arange(ids.shape[1])[None]
-        mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, past_key_values=None,
+        self.shared_kv: dict = {}  # what "store" layers leave for the "reuse" layers after them
+        mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, cache=None,
                          position_ids=self.positions)
         self.masks = {"full_attention": create_causal_mask(**mask_args),
                       "sliding_attention": create_sliding_window_causal_mask(**mask_args)}
@@ -46,7 +47,7 @@ class _StreamedPrompt:
         recorder = Recorder.on_layer(layer, i, self.x) if keep else None
         cos_sin = rotary(self.x, self.positions, layer_spec.type)
         self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
-                       position_ids=self.positions)
+                       position_ids=self.positions, shared_kv_states=self.shared_kv)
         if recorder is not None:
             recorder.remove()
             self.captures.update({k: v[self.rows].float() for k, v in recorder.captures.items()})
