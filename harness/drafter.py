@@ -21,6 +21,13 @@ from harness.sharding import LayerPlan, plan_layer, shard_layer
 DRAFTER_PREFIX = "drafter."
 
 
+def window_keys(window: int | None) -> int | None:
+    """How many of the latest keys a drafter's sliding layer reads: window + 1. transformers' assistant
+    masks its sliding layers bidirectionally (|i - j| <= window, over the keys flipped to face the
+    past), one key more than the target's own causal window (docs/speculative.md)."""
+    return None if window is None else window + 1
+
+
 class DraftAttention(nn.Module):
     """Queries only; keys and values are the target's (already normed and roped)."""
 
@@ -111,8 +118,8 @@ class RankDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             spec = self.aspec.layers[i]
             k, v = kv[i]
-            if spec.window not in masks:  # keys j with position - window <= j < position
-                masks[spec.window] = attention_mask(position - 1, k.shape[2], spec.window, x.dtype)
+            if spec.window not in masks:  # keys j with position - window - 1 <= j < position (window_keys)
+                masks[spec.window] = attention_mask(position - 1, k.shape[2], window_keys(spec.window), x.dtype)
             x = layer(x, position, (k.to(x.dtype), v.to(x.dtype)), masks[spec.window])
             caps[f"layers.{i}.output"] = x
         x = self.norm(x)

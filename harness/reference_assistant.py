@@ -30,6 +30,16 @@ def load_assistant(path, dtype: torch.dtype):
     return model.eval()
 
 
+def load_target(path):
+    """The target through transformers' multimodal class, fp32, eager attention (as the reference runs it)."""
+    import transformers
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    cls = ("Gemma4UnifiedForConditionalGeneration" if config["model_type"] == "gemma4_unified"
+           else "Gemma4ForConditionalGeneration")
+    return getattr(transformers, cls).from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 class AssistantReference:
     def __init__(self, path, dtype: torch.dtype):
         self.model, self.dtype = load_assistant(path, dtype), dtype

@@ -19,6 +19,7 @@ import torch
 
 from harness import FIXTURES_DIR
 from harness.errors import CheckpointError, read_json_file
+from harness.reference_assistant import load_target
 from harness.tiny import TINY_CONFIG, TINY_FAMILY, _save_atomically, cache_dir, randomize_for_margins, tiny_checkpoint
 
 TINY_ASSISTANT_VERSION = 1
@@ -34,16 +35,6 @@ def assistant_class(config: dict):
     unified = config["model_type"] == "gemma4_unified_assistant"
     prefix = "Gemma4UnifiedAssistant" if unified else "Gemma4Assistant"
     return getattr(transformers, prefix + "Config"), getattr(transformers, prefix + "ForCausalLM")
-
-
-def load_target(target_dir: Path):
-    import transformers
-
-    config = read_json_file(Path(target_dir) / "config.json", "config", CheckpointError, "")
-    cls = ("Gemma4UnifiedForConditionalGeneration" if config["model_type"] == "gemma4_unified"
-           else "Gemma4ForConditionalGeneration")
-    model = getattr(transformers, cls).from_pretrained(target_dir, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
 
 
 def _continuations(target, vocab: int, gen: torch.Generator):

@@ -107,3 +107,14 @@ def build_engine(checkpoint, settings: RunSettings, capture: bool = False) -> En
     be = make_backend(checkpoint, settings, capture=capture)
     table = checkpoint.per_layer_table(settings.torch_dtype) if checkpoint.spec.per_layer_input_size else None
     return Engine(checkpoint.spec, be, checkpoint.embed_weight(settings.torch_dtype), settings, per_layer_table=table)
+
+
+def build_drafter(engine, assistant):
+    """The assistant's drafter on the engine's backend, reading its target's cache
+    (docs/speculative.md); the cpu backend only so far."""
+    if getattr(engine.backend, "name", None) != "cpu":
+        raise OptionError(f"--assistant on the {engine.backend.name} backend: the drafter is ported to the cpu "
+                          "backend only so far (docs/speculative.md); use --backend cpu")
+    from harness.backends.cpu_drafter import CpuDrafter
+
+    return CpuDrafter(engine.backend, assistant)
