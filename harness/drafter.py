@@ -21,6 +21,11 @@ from harness.sharding import LayerPlan, plan_layer, shard_layer
 DRAFTER_PREFIX = "drafter."
 
 
+def join_inputs(embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """pre_projection's input: the token's embedding first, then the hidden state."""
+    return torch.cat([embeds, hidden], dim=-1)
+
+
 def window_keys(window: int | None) -> int | None:
     """How many of the latest keys a drafter's sliding layer reads: window + 1. transformers' assistant
     masks its sliding layers bidirectionally (|i - j| <= window, over the keys flipped to face the
@@ -112,7 +117,7 @@ class RankDrafter(nn.Module):
 
     def forward(self, embeds, hidden, position, kv, capture: bool = False):
         caps: dict[str, torch.Tensor] = {}
-        x = self.pre_projection(torch.cat([embeds, hidden], dim=-1).to(self.pre_projection.weight.dtype))
+        x = self.pre_projection(join_inputs(embeds, hidden).to(self.pre_projection.weight.dtype))
         caps["pre_projection"] = x
         masks = {}
         for i, layer in enumerate(self.layers):

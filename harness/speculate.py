@@ -60,7 +60,7 @@ def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
     return m
 
 
-def draft_round(engine, drafter, token: int, hidden: torch.Tensor, position: int, k: int, out: SpeculativeResult,
+def draft_round(engine, drafter, token: int, hidden: torch.Tensor, *, position: int, k: int, out: SpeculativeResult,
                 capture: bool) -> list[int]:
     drafts, state, last = [], hidden, token
     for _ in range(k):
@@ -88,7 +88,8 @@ def speculative_generate(engine, drafter, ids, new_tokens: int, k: int, capture:
         room = min(k, new_tokens - len(out.tokens) - 1, engine.kv_len - position - 1)
         if capture:  # what the drafter reads this round: the target's cache [0, position)
             out.round_caches.append(engine.read_cache(position))
-        drafts = draft_round(engine, drafter, out.tokens[-1], hidden, position, room, out, capture) if room > 0 else []
+        drafts = draft_round(engine, drafter, out.tokens[-1], hidden, position=position, k=room, out=out,
+                                                 capture=capture) if room > 0 else []
         rows, caps = engine.verify([out.tokens[-1]] + drafts, position, capture=True)
         greedy = [int(g) for g in rows.argmax(-1)]
         m = accepted_prefix(drafts, greedy)

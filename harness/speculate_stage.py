@@ -119,7 +119,7 @@ def judge_acceptance(runs: list, ref32: list, target, assistant, k: int) -> list
     return out
 
 
-def check_speculative(checkpoint, ref32: list, ref16: list, band: float, settings, assistant_dir, k: int) -> SpeculativeStage:
+def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, settings, assistant_dir, k: int) -> SpeculativeStage:
     """Run speculative greedy decode of every reference prompt in the run's dtype and in fp32 and
     judge it (tokens, drafter points, acceptance)."""
     from harness.assistant_checkpoint import AssistantCheckpoint
@@ -159,6 +159,6 @@ def speculative_stage(settings, assistant_dir, k: int):
             return
         calibration = getattr(result, "calibration", None)
         band = calibration.band if calibration is not None else 0.0
-        result.extra_stages.append(check_speculative(checkpoint, observed.ref32, observed.ref16, band, settings,
-                                                     assistant_dir, k))
+        result.extra_stages.append(check_speculative(checkpoint, observed.ref32, observed.ref16, band, settings=settings,
+                                                     assistant_dir=assistant_dir, k=k))
     return check
