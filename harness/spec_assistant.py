@@ -49,12 +49,17 @@ class AssistantSpec:
         """Tokens the masked head scores per row: top_k clusters of per_centroid tokens (static)."""
         return self.top_k_centroids * self.per_centroid
 
-    def parameter_count(self) -> int:
+    def bytes_per_rank(self, tp: int, dtype_bytes: int) -> int:
+        """Device bytes of one rank's drafter (harness/drafter.py): query/output projections and the
+        MLP split across ranks; norms, head, projections, centroids replicated; token_ordering as
+        int64. No KV cache: it reads the target's."""
         h, n = self.hidden_size, 0
         for layer in self.layers:
-            n += 2 * h * layer.q_heads * layer.head_dim + layer.head_dim + 3 * h * self.intermediate_size + 4 * h
-        n += self.vocab_size * h + h + 2 * self.backbone_hidden_size * h + h * self.backbone_hidden_size
-        return n + (self.num_centroids * h + self.vocab_size if self.ordered else 0)
+            n += (2 * h * layer.q_heads * layer.head_dim + 3 * h * self.intermediate_size) // tp
+            n += layer.head_dim + 4 * h + 1  # q_norm, four norms, layer_scalar
+        n += self.vocab_size * h + h + 3 * self.backbone_hidden_size * h
+        n += self.num_centroids * h if self.ordered else 0
+        return n * dtype_bytes + (8 * self.vocab_size if self.ordered else 0)
 
 
 def _key_problem(source: str, key: str, value, want: str) -> ConfigError:

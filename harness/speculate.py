@@ -60,6 +60,17 @@ def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
     return m
 
 
+def next_state(fed: torch.Tensor, produced: torch.Tensor) -> torch.Tensor:
+    """The state the next draft step is fed: this step's post-projection."""
+    return produced
+
+
+def next_position(position: int, accepted: int, drafted: int) -> int:
+    """Where the next round starts: after the accepted drafts and the target's own token. The
+    rejected entries past it are rolled back by position alone (Engine.verify)."""
+    return position + accepted + 1
+
+
 def draft_round(engine, drafter, token: int, hidden: torch.Tensor, *, position: int, k: int, out: SpeculativeResult,
                 capture: bool) -> list[int]:
     drafts, state, last = [], hidden, token
@@ -69,7 +80,7 @@ def draft_round(engine, drafter, token: int, hidden: torch.Tensor, *, position: 
         if capture:
             out.draft_inputs.append({"position": position, "token": last, "state": state.float(), "round": len(out.drafted)})
             out.draft_captures.append(caps)
-        last, state = int(logits.argmax()), new_state
+        last, state = int(logits.argmax()), next_state(state, new_state)
         drafts.append(last)
     return drafts
 
@@ -97,7 +108,7 @@ def speculative_generate(engine, drafter, ids, new_tokens: int, k: int, capture:
         out.accepted.append(m)
         out.tokens += greedy[:m + 1]  # d1..dm equal g0..g(m-1); g(m) is the target's own next token
         steps += list(rows[:m + 1])
-        hidden, position = caps["final_norm"][m:m + 1][None], position + m + 1
+        hidden, position = caps["final_norm"][m:m + 1][None], next_position(position, m, len(drafts))
     out.step_logits = torch.stack(steps)[:new_tokens]
     out.tokens = out.tokens[:new_tokens]
     return out
