@@ -8,8 +8,9 @@ things are judged:
   (the port's own embedding, state, cache and position at each draft step): in fp32 by the fp32
   stage's judge, and in the run's dtype by the bf16 envelope; the masked head's chosen clusters
   exactly in fp32;
-- acceptance: per prompt, accepted draft tokens per verify call against transformers' assisted
-  generation with the same k, which must not fall more than ACCEPTANCE_BAND below it."""
+- acceptance: per prompt, the fp32 run's accepted draft tokens per verify call against
+  transformers' assisted generation (fp32) with the same k, which must not fall more than
+  acceptance_band below it; the run dtype's acceptance is reported beside it."""
 
 from __future__ import annotations
 
@@ -139,11 +140,15 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
             points, off = drafter_points(runs, engine, checkpoint.spec, references, judge)
             stage.drafter_points += points
             stage.cluster_mismatches += off
+            if dtype == "float32":  # acceptance like for like: transformers' assisted generation runs in fp32
+                fp32_runs = runs
             if dtype == settings.dtype:
                 judged = runs
                 stage.prompts, _, _ = judge_served(runs, ref32, ref16, None, band,
                                                    ulp_floor=engine.settings.torch_dtype != torch.float32)
-        stage.acceptance = judge_acceptance(judged, ref32, load_target(checkpoint.path), references[torch.float32].model, k)
+        stage.acceptance = judge_acceptance(fp32_runs, ref32, load_target(checkpoint.path), references[torch.float32].model, k)
+        for a, run in zip(stage.acceptance, judged):
+            a["port_" + settings.dtype] = run.acceptance  # reported, not judged: bf16 drafts flip near ties
     except Exception as exc:  # anything the speculative run raises is its failure
         stage.error = _error("speculative decoding", exc)
     return stage

@@ -55,7 +55,7 @@ def test_healthy_pairs_pass_the_speculative_stage(name, tp):
     stage = run_stage(name, tp)
     assert stage.passed, stage.describe()
     assert all(p.departure is None or p.accounted for p in stage.prompts)
-    assert max(a["reference"] for a in stage.acceptance) >= 1.0  # the fitted pair's drafts do get accepted
+    assert max(a["reference"] for a in stage.acceptance) >= 0.5  # the fitted pair's drafts do get accepted
     assert len(stage.drafter_points) == 2 * 8  # bf16 and fp32, eight points each
 
 
