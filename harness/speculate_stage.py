@@ -7,7 +7,9 @@ things are judged:
 - the drafter at its capture points against transformers' assistant fed the same target states
   (the port's own embedding, state, cache and position at each draft step): in fp32 by the fp32
   stage's judge, and in the run's dtype by the bf16 envelope; the masked head's chosen clusters
-  exactly in fp32;
+  exactly in fp32; in bf16 a step choosing other clusters is classified like a token flip (near
+  tie of the centroid scores within the calibrated band, else a failure) and its logits, whose
+  candidates differ, are left out of the envelope;
 - acceptance: per prompt, the fp32 run's accepted draft tokens per verify call against
   transformers' assisted generation (fp32) with the same k, which must not fall more than
   acceptance_band below it; the run dtype's acceptance is reported beside it."""
@@ -18,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from harness.compare import BF16, FP32, compare_point
+from harness.compare import BF16, FP32, classify_mismatch, compare_point
+from harness.reference_assistant import DRAFTER
 from harness.served import _error, judge_served
 
 # The port's acceptance may fall below transformers' by at most max(ACCEPTANCE_FLOOR, fraction x
@@ -42,6 +45,7 @@ class SpeculativeStage:
     acceptance: list = field(default_factory=list)  # per prompt: port, reference, band, verifies
     drafter_points: list = field(default_factory=list)  # PointResult per (stage, point)
     cluster_mismatches: int = 0  # fp32 draft steps whose chosen clusters differ from transformers'
+    cluster_departures: list = field(default_factory=list)  # bf16 draft steps choosing other clusters, classified
     error: dict | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -56,6 +60,9 @@ class SpeculativeStage:
         if self.cluster_mismatches:
             out.append({"stage": "speculative", "point": "drafter.clusters", "where": f"{self.cluster_mismatches} fp32 steps",
                         "detail": "the masked head chose other clusters than transformers' assistant"})
+        out += [{"stage": "speculative", "point": "drafter.clusters", "where": f"bf16 draft step {d['position']}",
+                 "detail": f"the masked head chose cluster {d['device_token']} over {d['reference_token']}: {d['evidence']}"}
+                for d in self.cluster_departures if d["kind"] != "near_tie"]
         out += [{"stage": "speculative", "point": "acceptance", "where": f"prompt {a['prompt']}",
                  "detail": f"{a['port']:.2f} accepted tokens per verify, transformers' assisted generation "
                            f"{a['reference']:.2f} (band {a['band']:.2f})"}
@@ -80,31 +87,55 @@ class SpeculativeStage:
         return {"ran": self.ran, "passed": self.passed, "k": self.k, "acceptance": self.acceptance,
                 "prompts": [p.to_json() for p in self.prompts],
                 "drafter_points": [asdict(p) for p in self.drafter_points],
-                "cluster_mismatches": self.cluster_mismatches, "failures": self.failures(), "error": self.error,
+                "cluster_mismatches": self.cluster_mismatches, "cluster_departures": self.cluster_departures,
+                "failures": self.failures(), "error": self.error,
                 "notes": self.notes}
 
 
-def drafter_points(runs: list, engine, spec, references: dict, judge) -> tuple[list, int]:
+def same_clusters(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).sort().values, b.reshape(-1).sort().values)
+
+
+def cluster_departure(step: int, dev: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor, band: float) -> dict:
+    """A draft step whose masked head chose other clusters than the fp32 reference, classified like
+    a token flip (compare.classify_mismatch) on the reference's centroid scores: the margin is how
+    much the reference's weakest chosen cluster beats the device's weakest extra one."""
+    scores, ref_set, dev_set = scores.reshape(-1), set(ref.reshape(-1).tolist()), set(dev.reshape(-1).tolist())
+    weakest = min(ref_set, key=lambda c: float(scores[c]))
+    extra = min(dev_set - ref_set, key=lambda c: float(scores[c]))
+    return asdict(classify_mismatch(step, scores, extra, band=band, ref_token=weakest))
+
+
+def drafter_points(runs: list, engine, spec, references: dict, judge, band: float = 0.0) -> tuple[list, int, list]:
     """The drafter's capture points of every draft step of `runs` (SpeculativeResults with
-    captures) against transformers' assistant in fp32 and bf16 fed the same states."""
-    dev, ref32, ref16, clusters_off = {}, {}, {}, 0
+    captures) against transformers' assistant in fp32 and bf16 fed the same states, the fp32 steps
+    whose chosen clusters differ, and the bf16 steps' cluster departures (classified like token
+    flips within `band`). In bf16 the logits are judged only on steps where the device, the fp32
+    and the bf16 reference chose the same clusters: the other candidates' logits do not compare."""
+    dev, ref32, ref16, clusters_off, departures = {}, {}, {}, 0, []
     steps = [(run, inp, caps) for run in runs for inp, caps in zip(run.draft_inputs, run.draft_captures)]
-    for run, inp, caps in steps:
+    for step, (run, inp, caps) in enumerate(steps):
         cache = run.round_caches[inp["round"]]
         kv = {typ: (cache[i][0][None], cache[i][1][None]) for typ, i in spec.kv_store.items()}
         embeds = engine.embed(torch.tensor([inp["token"]]))[..., :spec.hidden_size].float()
         r32 = references[torch.float32].captures(embeds, inp["state"], inp["position"], kv)
         r16 = references[torch.bfloat16].captures(embeds, inp["state"], inp["position"], kv)
+        name = DRAFTER + "clusters"
+        agree = name not in caps or (same_clusters(caps[name], r32[name]) and same_clusters(r16[name], r32[name]))
+        if name in caps and not same_clusters(caps[name], r32[name]):
+            if judge is FP32:
+                clusters_off += 1
+            else:
+                departures.append(cluster_departure(step, caps[name], r32[name], r32[DRAFTER + "centroid_scores"], band))
         for name, value in caps.items():
-            if name.endswith("clusters"):
-                clusters_off += int(judge is FP32 and not torch.equal(value.sort(-1).values, r32[name].sort(-1).values))
+            if name.endswith("clusters") or (name.endswith("logits") and judge is not FP32 and not agree):
                 continue
             dev.setdefault(name, []).append(value.reshape(1, -1))
             ref32.setdefault(name, []).append(r32[name].reshape(1, -1))
             ref16.setdefault(name, []).append(r16[name].reshape(1, -1))
     points = [compare_point(f"{judge.name}.{name}", torch.cat(dev[name]), torch.cat(ref32[name]),
                             torch.cat(ref16[name]), judge) for name in dev]
-    return points, clusters_off
+    return points, clusters_off, departures
 
 
 def judge_acceptance(runs: list, ref32: list, target, assistant, k: int) -> list[dict]:
@@ -137,9 +168,13 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
             drafter = build_drafter(engine, assistant)
             runs = [speculative_generate(engine, drafter, r.prompt, len(r.generated), k, capture=True) for r in ref32]
             judge = FP32 if engine.settings.torch_dtype == torch.float32 else BF16
-            points, off = drafter_points(runs, engine, checkpoint.spec, references, judge)
+            points, off, departures = drafter_points(runs, engine, checkpoint.spec, references, judge, band)
             stage.drafter_points += points
             stage.cluster_mismatches += off
+            stage.cluster_departures += departures
+            if departures:
+                stage.notes.append(f"{len(departures)} {dtype} draft steps chose other clusters than the fp32 reference "
+                                   f"({sum(d['kind'] == 'near_tie' for d in departures)} near ties); their logits not compared")
             if dtype == "float32":  # acceptance like for like: transformers' assisted generation runs in fp32
                 fp32_runs = runs
             if dtype == settings.dtype:

@@ -120,7 +120,7 @@ def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transform
         assert run.tokens == engine.generate(prompt, 10).tokens
         assert sum(run.accepted) + run.verifies + 1 == 10
     refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
-    points, clusters_off = drafter_points(runs, engine, ckpt.spec, refs, FP32)
+    points, clusters_off, _ = drafter_points(runs, engine, ckpt.spec, refs, FP32)
     assert {p.name for p in points} >= {"fp32.drafter.pre_projection", "fp32.drafter.layers.3.output",
                                         "fp32.drafter.post_projection", "fp32.drafter.logits"}
     assert all(p.passed for p in points), [(p.name, p.ratio) for p in points if not p.passed]
@@ -140,5 +140,20 @@ def test_drafter_with_the_inputs_swapped_departs_from_transformers(random_pair, 
     engine = build_engine(ckpt, RunSettings(tp=1, dtype="float32", buckets=(16,), kv_len=32), capture=True)
     run = speculative_generate(engine, build_drafter(engine, assistant), [2, 17, 93, 5], 4, 3, capture=True)
     refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
-    points, _ = drafter_points([run], engine, ckpt.spec, refs, FP32)
+    points, _, _ = drafter_points([run], engine, ckpt.spec, refs, FP32)
     assert not next(p for p in points if p.name == "fp32.drafter.pre_projection").passed
+
+
+def test_a_cluster_departure_is_classified_like_a_token_flip():
+    """bf16 draft steps choosing other clusters: a near tie when the reference's weakest chosen
+    cluster beats the device's extra one by no more than the band, else a divergence."""
+    from harness.speculate_stage import cluster_departure, same_clusters
+
+    scores = torch.tensor([[5.0, 3.0, 2.95, 1.0, -4.0]])
+    ref = torch.tensor([[0, 1]])
+    assert same_clusters(torch.tensor([[1, 0]]), ref) and not same_clusters(torch.tensor([[0, 2]]), ref)
+    tie = cluster_departure(7, torch.tensor([[2, 0]]), ref, scores, band=0.1)
+    assert (tie["kind"], tie["position"], tie["reference_token"], tie["device_token"]) == ("near_tie", 7, 1, 2)
+    assert abs(tie["margin"] - 0.05) < 1e-6
+    far = cluster_departure(7, torch.tensor([[0, 4]]), ref, scores, band=0.1)
+    assert far["kind"] == "divergence" and abs(far["margin"] - 7.0) < 1e-6
