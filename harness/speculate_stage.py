@@ -106,7 +106,7 @@ def cluster_departure(step: int, dev: torch.Tensor, ref: torch.Tensor, scores: t
     return asdict(classify_mismatch(step, scores, extra, band=band, ref_token=weakest))
 
 
-def drafter_points(runs: list, engine, spec, references: dict, judge, band: float = 0.0) -> tuple[list, int, list]:
+def drafter_points(runs: list, engine, spec, references: dict, judge, *, band: float = 0.0) -> tuple[list, int, list]:
     """The drafter's capture points of every draft step of `runs` (SpeculativeResults with
     captures) against transformers' assistant in fp32 and bf16 fed the same states, the fp32 steps
     whose chosen clusters differ, and the bf16 steps' cluster departures (classified like token
@@ -168,7 +168,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
             drafter = build_drafter(engine, assistant)
             runs = [speculative_generate(engine, drafter, r.prompt, len(r.generated), k, capture=True) for r in ref32]
             judge = FP32 if engine.settings.torch_dtype == torch.float32 else BF16
-            points, off, departures = drafter_points(runs, engine, checkpoint.spec, references, judge, band)
+            points, off, departures = drafter_points(runs, engine, checkpoint.spec, references, judge, band=band)
             stage.drafter_points += points
             stage.cluster_mismatches += off
             stage.cluster_departures += departures
