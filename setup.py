@@ -16,7 +16,8 @@ class BuildWithFixtures(build_py):
         source = Path(__file__).resolve().parent / "fixtures"
         target = Path(self.build_lib) / "harness" / "fixtures"
         if source.is_dir():
-            shutil.copytree(source, target, dirs_exist_ok=True)
+            shutil.copytree(source, target, dirs_exist_ok=True,
+                            ignore=shutil.ignore_patterns("goldens-*"))  # the drift goldens are for tests
 
 
 setup(cmdclass={"build_py": BuildWithFixtures})

@@ -161,6 +161,22 @@ class Engine:
                                                 capture=capture)
         return Step(logits[0, -1].float(), {k: v[0, -1:].float() for k, v in captures.items()})
 
+    def verify(self, tokens, position: int, capture: bool = False) -> Step:
+        """Speculative decoding's verify call (harness/speculate.py): the target on k+1 tokens at
+        positions position.. in one call, a prefill chunk at the current position against the cache.
+        Writes their k+1 KV entries; returns k+1 rows of raw fp32 logits [k+1, vocab] (and captures,
+        name -> [k+1, ...]). Rollback needs no call: the cache is linear by absolute position and
+        masks go by position, so the entries of rejected tokens are never read (a later query sits
+        before them) and the next verify at the same positions overwrites them."""
+        ids = self.validate_ids(tokens)
+        if position + ids.numel() > self.kv_len:
+            raise PromptError(f"verify of {ids.numel()} tokens at position {position} is past the KV length "
+                              f"{self.kv_len}; ask for fewer new tokens or compile a longer cache")
+        self._check_capture(capture)
+        positions = torch.arange(position, position + ids.numel())[None]
+        logits, captures = self.backend.forward(self.embed(ids), positions, capture=capture)
+        return Step(logits[0].float(), {k: v[0].float() for k, v in captures.items()})
+
     def _check_capture(self, capture: bool) -> None:
         if capture and not self.backend.returns_captures:
             raise HarnessInputError(f"the {self.backend.name} backend was built without captures (a perf "

@@ -185,7 +185,7 @@ class ReferenceLayers:
         x = x.to(dtype)[None]
         positions = torch.arange(x.shape[1])[None]
         make_mask = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=x, attention_mask=None, past_key_values=None,
+        mask = make_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
                          position_ids=positions)
         prefix, found = f"layers.{index}.", {}
 
@@ -201,7 +201,7 @@ class ReferenceLayers:
         try:
             with torch.no_grad():
                 out = layer(x, position_embeddings=self.rotary(x, positions, layer_type), attention_mask=mask,
-                            position_ids=positions)
+                            position_ids=positions, shared_kv_states={})  # a "store" layer writes into it
         finally:
             for h in hooks:
                 h.remove()

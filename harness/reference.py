@@ -229,7 +229,7 @@ def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[in
         if capture:
             record_cache_writes(cache, writes)
         with torch.no_grad():
-            out = model(input_ids=torch.tensor([prompt], dtype=torch.long), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([prompt], dtype=torch.long), cache=cache, use_cache=True)
             captures = {}
             if recorder is not None:
                 captures = {k: v[0].float() for k, v in recorder.captures.items()}
@@ -245,7 +245,7 @@ def reference_run(model, prompt: list[int], new_tokens: int = 0, forced: list[in
                 fed = forced[step] if forced is not None else generated[-1]
                 if recorder is not None:
                     recorder.captures = {}
-                out = model(input_ids=torch.tensor([[fed]]), past_key_values=cache, use_cache=True)
+                out = model(input_ids=torch.tensor([[fed]]), cache=cache, use_cache=True)
                 if recorder is not None:
                     step_caps.append({k: v[0].float() for k, v in recorder.captures.items()})
                     step_caps[-1]["logits"] = raw_logits[-1][0]

@@ -35,7 +35,8 @@ class _StreamedPrompt:
         self.x = embedding(ids)
         self.captures = {"embeddings": self.x[self.rows].float()}
         self.positions = torch.arange(ids.shape[1])[None]
-        mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, past_key_values=None,
+        self.shared_kv: dict = {}  # what "store" layers leave for the "reuse" layers after them
+        mask_args = dict(config=config, inputs_embeds=self.x, attention_mask=None, cache=None,
                          position_ids=self.positions)
         self.forcing, self.cache, self.writes = forcing, None, {}
         self.masks = {"full_attention": create_causal_mask(**mask_args),
@@ -47,10 +48,10 @@ class _StreamedPrompt:
         recorder = Recorder.on_layer(layer, i, self.x) if keep else None
         forced = self.forcing.hooks({i: layer}) if self.forcing is not None else []
         cos_sin = rotary(self.x, self.positions, layer_spec.type)
-        extra = {"past_key_values": self.cache} if self.cache is not None else {}
+        extra = {"cache": self.cache} if self.cache is not None else {}
         try:
             self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
-                           position_ids=self.positions, **extra)
+                           position_ids=self.positions, shared_kv_states=self.shared_kv, **extra)
         finally:
             for handle in forced:
                 handle.remove()

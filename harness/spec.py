@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness.errors import ConfigError, not_a_file, read_json_file
-from harness.spec_family import MoESpec, family_fields
+from harness.spec_family import MoESpec, family_fields, kv_store_layers
 from harness.spec_validate import (FULL, SLIDING, bad_value, refuse_heterogeneous_types, unsupported,
                                    validate_text_config)
 
@@ -84,6 +84,9 @@ class ModelSpec:
     per_layer_vocab_size: int = 0
     moe: MoESpec | None = None
     model_type: str = field(default="gemma4_unified", compare=False)
+    # Per attention type, the layer transformers marks "store" (its cache is what KV-shared layers
+    # and an assistant read); derived from the layers, so not part of the spec hash.
+    kv_store: dict = field(default_factory=dict, compare=False)
 
     @property
     def is_family(self) -> bool:
@@ -107,7 +110,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for key in ("source", "inert_parts", "max_positions", "model_type"):
+        for key in ("source", "inert_parts", "max_positions", "model_type", "kv_store"):
             d.pop(key)
         # Family fields at their defaults are left out, so a 12B's spec hash is what it always was.
         for key, default in (("per_layer_input_size", 0), ("per_layer_vocab_size", 0), ("moe", None)):
@@ -234,6 +237,7 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
         source=source,
         max_positions=_max_positions(text, tc),
         model_type=str(config["model_type"]),
+        kv_store=kv_store_layers(tc, source),
         **extra,
     )
 

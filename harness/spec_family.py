@@ -83,25 +83,33 @@ def validate_family_keys(text: dict, source: str) -> None:
                                "would be ignored; set enable_moe_block or drop the key")
 
 
-def kv_sources(layer_types: list[str], shared: int, source: str) -> list[int | None]:
-    """For each layer, the layer whose cache it reads (None: its own). The last `shared` layers
-    reuse the last non-shared layer of their own attention type (transformers'
-    Gemma4TextConfig.kv_sharing_modes: that layer "stores", the shared ones "reuse")."""
-    n = len(layer_types)
-    first = n - shared
-    out: list[int | None] = [None] * n
-    for i in range(first, n):
-        producers = [j for j in range(first) if layer_types[j] == layer_types[i]]
-        if not producers:
-            raise _problem(source, "num_kv_shared_layers", shared, f"leaves no unshared {layer_types[i]} "
-                           f"layer for shared layer {i} to read")
-        out[i] = producers[-1]
-    return out
+def kv_store_layers(tc, source: str) -> dict[str, int]:
+    """Per attention type, the layer transformers marks "store" (kv_sharing_modes, 5.24): the last
+    unshared layer of that type, whose keys and values the shared layers and an assistant read.
+    Marked on every model, with KV sharing or without."""
+    layer_types = list(tc.layer_types)
+    try:
+        modes = list(tc.kv_sharing_modes)
+    except ValueError as exc:  # transformers' own refusal (a type with no producing layer)
+        raise _problem(source, "num_kv_shared_layers", tc.num_kv_shared_layers, f"is refused by transformers: {exc}") from None
+    stores = {layer_types[i]: i for i, mode in enumerate(modes) if mode == "store"}
+    if set(stores) != set(layer_types):
+        missing = sorted(set(layer_types) - set(stores))
+        raise _problem(source, "num_kv_shared_layers", tc.num_kv_shared_layers, f"leaves no unshared {missing[0]} "
+                       "layer to store the keys and values that layer type's readers need")
+    return stores
+
+
+def kv_sources(tc, source: str) -> list[int | None]:
+    """For each layer, the layer whose cache it reads (None: its own): a layer transformers marks
+    "reuse" reads the "store" layer of its own attention type (kv_sharing_modes)."""
+    stores = kv_store_layers(tc, source)
+    return [stores[t] if mode == "reuse" else None for t, mode in zip(tc.layer_types, tc.kv_sharing_modes)]
 
 
 def family_fields(tc, layers: list, source: str) -> tuple[list, dict]:
     """Layers with their KV source and MLP width, and the ModelSpec fields of PLE and MoE."""
-    sources = kv_sources(list(tc.layer_types), int(tc.num_kv_shared_layers or 0), source)
+    sources = kv_sources(tc, source)
     wide = 2 * int(tc.intermediate_size) if tc.use_double_wide_mlp else None
     layers = [replace(layer, kv_source=src, intermediate_size=wide if src is not None else None)
               for layer, src in zip(layers, sources)]

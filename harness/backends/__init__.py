@@ -131,3 +131,14 @@ def backend_unavailable(name: str) -> str | None:
 
         return f"the xla backend needs torch-xla, which this environment lacks; install it: {INSTALL_COMMAND}"
     return None
+
+
+def build_drafter(engine, assistant):
+    """The assistant's drafter on the engine's backend, reading its target's cache
+    (docs/speculative.md); the cpu backend only so far."""
+    if getattr(engine.backend, "name", None) != "cpu":
+        raise OptionError(f"--assistant on the {engine.backend.name} backend: the drafter is ported to the cpu "
+                          "backend only so far (docs/speculative.md); use --backend cpu")
+    from harness.backends.cpu_drafter import CpuDrafter
+
+    return CpuDrafter(engine.backend, assistant)

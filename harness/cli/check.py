@@ -26,7 +26,33 @@ def add_command(sub) -> None:
     p.add_argument("--verbose", action="store_true", help="print the wall time of each stage and phase "
                    "(always in the JSON under \"seconds\")")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot", batch=True)
+    add_speculate_args(p)
     p.set_defaults(func=run, validate=validate)
+
+
+def add_speculate_args(p) -> None:
+    p.add_argument("--assistant", metavar="DIR", help="the target's Gemma-4 assistant checkpoint: also run and "
+                   "judge speculative decoding with it (with --speculate; docs/speculative.md)")
+    p.add_argument("--speculate", type=int, default=None, metavar="K",
+                   help="draft length of speculative decoding (tokens drafted per verify call; with --assistant)")
+
+
+def validate_speculate(args, ckpt) -> None:
+    """--assistant and --speculate go together; the assistant is checked against the target now."""
+    from harness.assistant_checkpoint import AssistantCheckpoint
+    from harness.speculate import check_speculate
+
+    args.assistant_ckpt = None
+    if args.assistant is None and args.speculate is None:
+        return
+    if args.assistant is None or args.speculate is None:
+        given, missing = ("--assistant", "--speculate K") if args.speculate is None else ("--speculate", "--assistant DIR")
+        raise OptionError(f"{given} needs {missing}: speculative decoding drafts with the assistant K tokens per verify")
+    check_speculate(args.speculate, args.settings)
+    if args.settings.backend != "cpu":
+        raise OptionError(f"--assistant with --backend {args.settings.backend}: the drafter is ported to the cpu "
+                          "backend only so far (docs/speculative.md); use --backend cpu")
+    args.assistant_ckpt = AssistantCheckpoint.open(v.input_path(args.assistant, "--assistant", True), ckpt.spec)
 
 
 def validate(args) -> None:
@@ -60,19 +86,23 @@ def validate(args) -> None:
         args.reference_source, args.prompt_ids = None, prompts
     validate_prompt_fit(prompts, new_tokens, source, buckets=args.settings.buckets, kv_len=args.settings.kv_len,
                         max_positions=ckpt.spec.max_positions)
+    validate_speculate(args, ckpt)
 
 
 def run(args) -> int:
     from harness.parity import run_parity_check
     from harness.report import format_check, write_report
     from harness.served import served_stage
+    from harness.speculate_stage import speculative_stage
 
     ckpt = args.ckpt
     print(ckpt.describe())
     result = run_parity_check(ckpt, args.ckpt_dir, args.settings, golden=args.reference_source,
                               prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
                               fp32_stage=not args.skip_fp32_stage,
-                              extra_checks=(served_stage(args.settings, progress=True, skip=args.skip_served_build),))
+                              extra_checks=(served_stage(args.settings, progress=True, skip=args.skip_served_build),)
+                              + ((speculative_stage(args.settings, args.assistant, args.speculate),)
+                                 if args.assistant_ckpt is not None else ()))
     payload = with_generator(result.to_json(), "check", args)
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.

@@ -29,6 +29,8 @@ def add_command(sub) -> None:
                    "NeuronCores, inf2.8xlarge up to tp 2)")
     p.add_argument("--instance-rates", metavar="FILE", help="JSON file of per-chip figures for an instance type "
                    "not in the table (cores, chips, hbm_bytes, hbm_bytes_per_s, bf16_flops_per_s, fp32_flops_per_s)")
+    p.add_argument("--assistant", metavar="DIR", help="the target's Gemma-4 assistant (drafter) checkpoint "
+                   "directory: its bytes per rank and whether the pair fits (docs/speculative.md)")
     p.set_defaults(func=run, validate=validate)
 
 
@@ -64,6 +66,10 @@ def validate(args) -> None:
     layout = args.settings.backend_options.get("layout_priority", "decode") is not None  # the neuron default
     args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len, sliding_cache=args.sliding_cache,
                                 buckets=args.settings.buckets, layout=layout)
+    if args.assistant is not None:
+        from harness.spec_assistant import load_assistant_spec
+
+        args.assistant_spec = load_assistant_spec(v.input_path(args.assistant, "--assistant", True), args.spec)
     if args.instance is None:  # the instance the TP degree needs (the family's larger variants)
         args.instance = smallest_instance(args.tp).name
     _check_instance(args)
@@ -123,6 +129,8 @@ def run(args) -> int:
         payload["batch_fit"] = fit_table(args.spec, s.tp, s.dtype, args.batch, lengths, chip=args.chip,
                                          sliding_cache=s.sliding_cache)
         print(render_fit_table(payload["batch_fit"]), end="")
+    if args.assistant is not None:
+        payload["assistant"] = _assistant_fit(args, payload["memory_plan"])
     if args.perf:
         from harness.perf import info_floors, render_roofline
 
@@ -158,3 +166,21 @@ def _print_floors_at_length(args, payload) -> None:
     payload["floors_at_length"] = rows
     print(f"floors at length ({args.sliding_cache} sliding cache, buckets 64,256, KV length {longest}):")
     print(render_floors_at_length(rows), end="")
+
+
+def _assistant_fit(args, plan: dict) -> dict:
+    """The assistant's bytes per rank beside the target's, on the instance's device."""
+    from harness.spec import dtype_bytes
+
+    aspec, cache = args.assistant_spec, plan["caches"][args.sliding_cache]
+    per_rank = aspec.bytes_per_rank(args.tp, dtype_bytes(args.dtype))
+    total = cache["total_bytes"] + per_rank * plan["ranks_per_device"]
+    fit = {"model_type": aspec.model_type, "layers": len(aspec.layers), "hidden_size": aspec.hidden_size,
+           "reads_target_layers": sorted({layer.kv_source for layer in aspec.layers}),
+           "masked_head": aspec.ordered, "bytes_per_rank": per_rank, "device": plan["device"],
+           "pair_bytes_per_device": total, "device_bytes": plan["device_bytes"], "fits": total <= plan["device_bytes"]}
+    print(f"assistant ({aspec.model_type}, {len(aspec.layers)} layers, hidden {aspec.hidden_size}, reads target "
+          f"layers {fit['reads_target_layers']}, no cache of its own): {per_rank / 2**20:.1f} MiB per rank; "
+          f"target + assistant {total / 2**30:.2f} GiB of {plan['device_bytes'] / 2**30:.0f} GiB per {plan['device']}: "
+          f"{'fits' if fit['fits'] else 'DOES NOT FIT'}")
+    return fit

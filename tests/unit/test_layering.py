@@ -22,17 +22,17 @@ LAYERS = {
     # 1: facts and plumbing every layer may use
     "harness.errors": 1, "harness.spec": 1, "harness.spec_family": 1, "harness.spec_validate": 1, "harness.numerics": 1,
     "harness.atomic": 1, "harness.progress": 1, "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
-    "harness.owned_dir": 1, "harness.array_index": 1, "harness.provenance": 1,
+    "harness.owned_dir": 1, "harness.array_index": 1, "harness.provenance": 1, "harness.spec_assistant": 1,
     # 2: weights, plans, inputs
     "harness.checkpoint": 2, "harness.checkpoint_files": 2, "harness.tiny": 2, "harness.sharding": 2,
     "harness.instances": 2, "harness.prompts": 2, "harness.device_plan": 2,
-    "harness.host_plan": 2,
+    "harness.host_plan": 2, "harness.assistant_checkpoint": 2,
     # 3: the port
     "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
-    "harness.kv_slots": 3, "harness.batching": 3,
+    "harness.kv_slots": 3, "harness.batching": 3, "harness.drafter": 3, "harness.speculate": 3,
     # 4: execution: the backends, and the reference (transformers only)
     "harness.backends": 4, "harness.reference": 4, "harness.reference_stream": 4, "harness.reference_forcing": 4,
-    "harness.reference64": 4,
+    "harness.reference64": 4, "harness.reference_assistant": 4, "harness.tiny_assistant": 4,
     # 5: judgement
     # (observe runs the port and the references for the judge; stage judges what it observed)
     "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5,
@@ -42,6 +42,7 @@ LAYERS = {
     "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
     "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,
     "harness.quality_parts": 6, "harness.quality_merge": 6, "harness.quality_moe": 6,
+    "harness.speculate_stage": 6,
     # 7: presentation and commands; nothing imports these from below
     "harness.report": 7, "harness.report_bisect": 7, "harness.report_plot": 7, "harness.report_table": 7,
     "harness.quality_report": 7,

@@ -1,0 +1,93 @@
+"""The assistant's reference: transformers' own Gemma-4 assistant classes (never the port's code).
+
+- `AssistantReference.captures`: the assistant fed given target states (the target's scaled
+  embedding of a token, a hidden state, the target's keys and values of its store layers, a
+  position), at the drafter's capture points;
+- `assisted_acceptance`: transformers' assisted generation (its SinglePositionMultiTokenCandidate
+  generator) of a target with its assistant at a fixed draft length, and the accepted draft tokens
+  per verify call it achieved (from the target calls it made)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+DRAFTER = "drafter."
+
+
+def _assistant_class(model_type: str):
+    import transformers
+
+    return getattr(transformers, "Gemma4UnifiedAssistantForCausalLM" if model_type == "gemma4_unified_assistant"
+                   else "Gemma4AssistantForCausalLM")
+
+
+def load_assistant(path, dtype: torch.dtype):
+    config = json.loads((Path(path) / "config.json").read_text())
+    model = _assistant_class(config["model_type"]).from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    return model.eval()
+
+
+def load_target(path):
+    """The target through transformers' multimodal class, fp32, eager attention (as the reference runs it)."""
+    import transformers
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    cls = ("Gemma4UnifiedForConditionalGeneration" if config["model_type"] == "gemma4_unified"
+           else "Gemma4ForConditionalGeneration")
+    return getattr(transformers, cls).from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+class AssistantReference:
+    def __init__(self, path, dtype: torch.dtype):
+        self.model, self.dtype = load_assistant(path, dtype), dtype
+
+    def captures(self, embeds: torch.Tensor, state: torch.Tensor, position: int,
+                 shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """embeds, state [1, 1, H]; shared_kv: attention type -> (k, v) [1, kv_heads, position, d]."""
+        m, found, hooks = self.model, {}, []
+
+        def keep(name):
+            def hook(module, args, out):
+                found[name] = (out[0] if isinstance(out, tuple) else out).detach()
+            return hook
+
+        hooks.append(m.pre_projection.register_forward_hook(keep("pre_projection")))
+        for i, layer in enumerate(m.model.layers):
+            hooks.append(layer.register_forward_hook(keep(f"layers.{i}.output")))
+        hooks.append(m.model.norm.register_forward_hook(keep("final_norm")))
+        kv = {t: (k.to(self.dtype), v.to(self.dtype)) for t, (k, v) in shared_kv.items()}
+        try:
+            with torch.no_grad():
+                out = m(inputs_embeds=torch.cat([embeds, state], -1).to(self.dtype),
+                        position_ids=torch.tensor([[position]]), shared_kv_states=kv, use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        found["post_projection"] = out.last_hidden_state
+        found["logits"] = out.logits
+        if m.masked_embedding is not None:
+            found["centroid_scores"] = m.masked_embedding.centroids(found["final_norm"])
+            found["clusters"] = torch.topk(found["centroid_scores"], m.config.centroid_intermediate_top_k, dim=-1).indices
+        return {DRAFTER + k: v.float() for k, v in found.items()}
+
+
+def assisted_acceptance(target, assistant, prompt: list[int], new_tokens: int, k: int) -> tuple[list[int], float, int]:
+    """(tokens, accepted draft tokens per verify, verify calls) of transformers' assisted greedy
+    generation. Every target call after the prefill is one verify; each emits its accepted drafts
+    plus one token of its own, so accepted = (new_tokens - 1 - verifies) / verifies."""
+    assistant.generation_config.num_assistant_tokens = k
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    calls = []
+    hook = target.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        with torch.no_grad():
+            out = target.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, assistant_model=assistant)
+    finally:
+        hook.remove()
+    tokens = out[0, len(prompt):].tolist()
+    verifies = len(calls) - 1
+    return tokens, ((len(tokens) - 1 - verifies) / verifies if verifies else 0.0), verifies

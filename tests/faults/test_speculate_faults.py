@@ -1,0 +1,140 @@
+"""Speculative decoding on the fitted tiny target + assistant pairs (harness/tiny_assistant.py):
+the healthy port passes the speculative stage (tokens, drafter points, acceptance within the band
+of transformers' assisted generation) on the unified 12B-like pair and the gemma4 family pair at
+TP 1 and 2; each drafter/verify fault fails it, and says where. `acceptance_only` faults leave the
+tokens and the drafter's points right and are caught by acceptance alone.
+
+Slow lane: the fitted pairs take minutes to build on first use (then cached)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+from harness import drafter as port_drafter
+from harness import engine as port_engine
+from harness import speculate as port_speculate
+from harness.backends import cpu_drafter
+from harness.settings import RunSettings
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[167, 112, 284, 335, 342, 278, 194], [363, 311, 417, 83, 309, 76, 504, 405, 494],
+           [2, 17, 93, 5, 44, 301, 7, 8]]
+NEW_TOKENS, K = 12, 3
+
+
+@functools.lru_cache(maxsize=None)
+def pair(name: str):
+    from harness.checkpoint import Checkpoint
+    from harness.reference import run_reference
+    from harness.tiny import TINY_CONFIG, TINY_FAMILY
+    from harness.tiny_assistant import tiny_assistant
+
+    target, assistant = tiny_assistant(0, TINY_CONFIG if name == "12b" else TINY_FAMILY["31b"])
+    refs = run_reference(target, PROMPTS, NEW_TOKENS)
+    return Checkpoint.open(target), assistant, refs
+
+
+def run_stage(name: str, tp: int = 2):
+    from harness.speculate_stage import check_speculative
+
+    ckpt, assistant, refs = pair(name)
+    settings = RunSettings(tp=tp, dtype="bfloat16", buckets=(16, 64), kv_len=64)
+    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], 4.0, settings=settings,
+                             assistant_dir=assistant, k=K)
+
+
+@pytest.mark.parametrize("name", ["12b", "31b"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_healthy_pairs_pass_the_speculative_stage(name, tp):
+    stage = run_stage(name, tp)
+    assert stage.passed, stage.describe()
+    assert all(p.departure is None or p.accounted for p in stage.prompts)
+    assert max(a["reference"] for a in stage.acceptance) >= 0.5  # the fitted pair's drafts do get accepted
+    assert len(stage.drafter_points) == 2 * 8  # bf16 and fp32, eight points each
+
+
+@dataclass(frozen=True)
+class SpecFault:
+    name: str
+    inject: Callable  # (monkeypatch) -> None
+    caught_by: str  # "tokens" | "drafter" | "acceptance" | "error"
+
+
+def _wrong_layer(mp):
+    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank: [
+        self.backend.kv_cache(layer.kv_source - 2, rank) for layer in self.spec.layers])
+
+
+def _other_type(mp):
+    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank: [
+        self.backend.kv_cache(self.spec.layers[-1 - i].kv_source, rank) for i in range(len(self.spec.layers))])
+
+
+def _swapped_inputs(mp):
+    mp.setattr(port_drafter, "join_inputs", lambda embeds, hidden: torch.cat([hidden, embeds], dim=-1))
+
+
+def _no_token_ordering(mp):
+    original = port_drafter.rank_drafter_state
+
+    def state(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if "masked_embedding.token_ordering" in out:
+            out["masked_embedding.token_ordering"] = torch.arange(out["masked_embedding.token_ordering"].numel())
+        return out
+    mp.setattr(cpu_drafter, "rank_drafter_state", state)
+
+
+def _verify_one_off(mp):
+    original = port_engine.Engine.verify
+    mp.setattr(port_engine.Engine, "verify", lambda self, tokens, position, capture=False:
+               original(self, tokens, position + 1, capture))
+
+
+def _rejected_visible(mp):
+    """No rollback: the next round starts after every drafted position, rejected ones included."""
+    mp.setattr(port_speculate, "next_position", lambda position, accepted, drafted: position + drafted + 1)
+
+
+def _state_not_fed_back(mp):
+    mp.setattr(port_speculate, "next_state", lambda fed, produced: fed)
+
+
+def _accept_at_most_one(mp):
+    original = port_speculate.accepted_prefix
+    mp.setattr(port_speculate, "accepted_prefix", lambda drafts, greedy: min(1, original(drafts, greedy)))
+
+
+FAULTS = [
+    SpecFault("drafter reads the wrong layer's KV", _wrong_layer, "drafter"),
+    SpecFault("drafter reads the other attention type's KV", _other_type, "error"),
+    SpecFault("hidden state and embedding concatenated in the wrong order", _swapped_inputs, "drafter"),
+    SpecFault("token ordering not applied", _no_token_ordering, "drafter"),
+    SpecFault("verify graph one position off", _verify_one_off, "tokens"),
+    SpecFault("rejected KV entries left visible", _rejected_visible, "tokens"),
+    SpecFault("post-projection state not fed back", _state_not_fed_back, "acceptance"),
+    SpecFault("the engine accepts at most one draft token", _accept_at_most_one, "acceptance"),
+]
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
+def test_each_speculative_fault_fails_the_stage(fault, monkeypatch):
+    fault.inject(monkeypatch)
+    stage = run_stage("12b")
+    assert not stage.passed, fault.name
+    failures = stage.failures()
+    points = {f["point"] for f in failures}
+    if fault.caught_by == "error":
+        assert stage.error is not None
+    elif fault.caught_by == "tokens":
+        assert "speculative token" in points or stage.error is not None, failures
+    elif fault.caught_by == "drafter":
+        assert any(p.startswith(("bf16.drafter", "fp32.drafter", "drafter.clusters")) for p in points), failures
+    else:  # acceptance alone: the tokens and the drafter's points are right
+        assert points == {"acceptance"}, failures

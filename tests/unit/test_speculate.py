@@ -1,0 +1,159 @@
+"""Speculative decoding's parts that need no fitted assistant (default lane): the assistant's
+config validated against its target with the key named, the accept rule, the drafter against
+transformers' assistant on a random (unfitted) assistant, and speculative greedy output equal to
+plain greedy decode whatever the drafter proposes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness import FIXTURES_DIR
+from harness.errors import CheckpointError, ConfigError, OptionError
+from harness.settings import RunSettings
+from harness.spec import load_spec
+from harness.spec_assistant import assistant_spec_from_dict
+from harness.speculate import accepted_prefix, check_speculate, speculative_generate
+
+UNIFIED = FIXTURES_DIR / "configs" / "tiny" / "gemma-4-tiny-assistant.json"
+FAMILY = FIXTURES_DIR / "configs" / "tiny" / "gemma-4-tiny-31b-assistant.json"
+
+
+def _config(path=UNIFIED):
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def target_spec(tiny0_dir):
+    return load_spec(tiny0_dir)
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("backbone_hidden_size", 48, "backbone_hidden_size=48"),
+    ("text_config.vocab_size", 256, "text_config.vocab_size=256"),
+    ("text_config.head_dim", 8, "text_config.head_dim=8"),
+    ("num_centroids", 7, "num_centroids=7"),
+    ("centroid_intermediate_top_k", 99, "centroid_intermediate_top_k=99"),
+    ("model_type", "gemma4_assistant", "model_type='gemma4_assistant'"),
+])
+def test_assistant_that_does_not_fit_the_target_is_refused_naming_the_key(target_spec, key, value, named):
+    config = _config()
+    section, _, leaf = key.rpartition(".")
+    (config[section] if section else config)[leaf] = value
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace("[", r"\[")):
+        assistant_spec_from_dict(config, target_spec, "a.json")
+
+
+def test_assistant_layers_read_the_targets_store_layers(target_spec):
+    aspec = assistant_spec_from_dict(_config(), target_spec)
+    assert [layer.kv_source for layer in aspec.layers] == [target_spec.kv_store[layer.type] for layer in aspec.layers]
+    assert {layer.kv_source for layer in aspec.layers} == {10, 11}  # the last sliding and the last full layer
+    full = aspec.layers[-1]
+    assert (full.kv_heads, full.head_dim) == (target_spec.layers[11].kv_heads, target_spec.layers[11].head_dim)
+
+
+def test_accepted_prefix_stops_at_the_first_disagreement():
+    assert accepted_prefix([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_prefix([5, 9, 7], [5, 6, 7, 8]) == 1
+    assert accepted_prefix([9, 6, 7], [5, 6, 7, 8]) == 0
+    assert accepted_prefix([], [4]) == 0
+
+
+@pytest.mark.parametrize("k, cache", [(0, "linear"), (17, "linear"), (True, "linear"), (3, "ring")])
+def test_bad_speculate_settings_are_refused(k, cache):
+    with pytest.raises(OptionError):
+        check_speculate(k, RunSettings(sliding_cache=cache))
+
+
+@pytest.fixture(scope="module")
+def random_pair(tiny0_dir, tmp_path_factory):
+    """The tiny 12B and an unfitted assistant of it (random weights, a random token ordering)."""
+    from harness.assistant_checkpoint import AssistantCheckpoint
+    from harness.checkpoint import Checkpoint
+    from harness.tiny import _save_atomically, randomize_for_margins
+    from harness.tiny_assistant import assistant_class
+
+    config = _config()
+    config.pop("architectures")
+    config_cls, model_cls = assistant_class(config)
+    torch.manual_seed(1)
+    model = model_cls(config_cls(**config))
+    randomize_for_margins(model, 1)
+    model.masked_embedding.token_ordering.copy_(torch.randperm(512, generator=torch.Generator().manual_seed(1)))
+    out = tmp_path_factory.mktemp("assistant") / "a"
+    _save_atomically(model, out, False)
+    ckpt = Checkpoint.open(tiny0_dir)
+    return ckpt, AssistantCheckpoint.open(out, ckpt.spec), out
+
+
+def test_assistant_checkpoint_with_a_damaged_tensor_is_refused_naming_it(random_pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from harness.assistant_checkpoint import AssistantCheckpoint
+
+    ckpt, _, path = random_pair
+    weights = load_file(str(path / "model.safetensors"))
+    weights["masked_embedding.token_ordering"] = torch.zeros(512, dtype=torch.long)
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="masked_embedding.token_ordering"):
+        AssistantCheckpoint.open(tmp_path, ckpt.spec)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transformers(random_pair, tp):
+    """fp32: the same tokens as plain greedy decode, and every drafter capture point of every draft
+    step within fp32 rounding of transformers' assistant fed the same target states."""
+    from harness.backends import build_drafter, build_engine
+    from harness.compare import FP32
+    from harness.reference_assistant import AssistantReference
+    from harness.speculate_stage import drafter_points
+
+    ckpt, assistant, path = random_pair
+    engine = build_engine(ckpt, RunSettings(tp=tp, dtype="float32", buckets=(16, 64), kv_len=64), capture=True)
+    drafter = build_drafter(engine, assistant)
+    prompts = [[2, 17, 93, 5, 44, 301, 7], list(range(3, 27))]  # the second passes the window of 16
+    runs = [speculative_generate(engine, drafter, p, 10, 3, capture=True) for p in prompts]
+    for prompt, run in zip(prompts, runs):
+        assert run.tokens == engine.generate(prompt, 10).tokens
+        assert sum(run.accepted) + run.verifies + 1 == 10
+    refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
+    points, clusters_off, _ = drafter_points(runs, engine, ckpt.spec, refs, FP32)
+    assert {p.name for p in points} >= {"fp32.drafter.pre_projection", "fp32.drafter.layers.3.output",
+                                        "fp32.drafter.post_projection", "fp32.drafter.logits"}
+    assert all(p.passed for p in points), [(p.name, p.ratio) for p in points if not p.passed]
+    assert clusters_off == 0
+
+
+def test_drafter_with_the_inputs_swapped_departs_from_transformers(random_pair, monkeypatch):
+    """The same comparison fails when the hidden state and the embedding are joined the wrong way."""
+    from harness import drafter as port_drafter
+    from harness.backends import build_drafter, build_engine
+    from harness.compare import FP32
+    from harness.reference_assistant import AssistantReference
+    from harness.speculate_stage import drafter_points
+
+    monkeypatch.setattr(port_drafter, "join_inputs", lambda embeds, hidden: torch.cat([hidden, embeds], dim=-1))
+    ckpt, assistant, path = random_pair
+    engine = build_engine(ckpt, RunSettings(tp=1, dtype="float32", buckets=(16,), kv_len=32), capture=True)
+    run = speculative_generate(engine, build_drafter(engine, assistant), [2, 17, 93, 5], 4, 3, capture=True)
+    refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
+    points, _, _ = drafter_points([run], engine, ckpt.spec, refs, FP32)
+    assert not next(p for p in points if p.name == "fp32.drafter.pre_projection").passed
+
+
+def test_a_cluster_departure_is_classified_like_a_token_flip():
+    """bf16 draft steps choosing other clusters: a near tie when the reference's weakest chosen
+    cluster beats the device's extra one by no more than the band, else a divergence."""
+    from harness.speculate_stage import cluster_departure, same_clusters
+
+    scores = torch.tensor([[5.0, 3.0, 2.95, 1.0, -4.0]])
+    ref = torch.tensor([[0, 1]])
+    assert same_clusters(torch.tensor([[1, 0]]), ref) and not same_clusters(torch.tensor([[0, 2]]), ref)
+    tie = cluster_departure(7, torch.tensor([[2, 0]]), ref, scores, band=0.1)
+    assert (tie["kind"], tie["position"], tie["reference_token"], tie["device_token"]) == ("near_tie", 7, 1, 2)
+    assert abs(tie["margin"] - 0.05) < 1e-6
+    far = cluster_departure(7, torch.tensor([[0, 4]]), ref, scores, band=0.1)
+    assert far["kind"] == "divergence" and abs(far["margin"] - 7.0) < 1e-6
