@@ -1,13 +1,13 @@
 """The judge: the one tolerance policy used by the suites, `check` and `bisect`.
 
-Every calibration number lives here (the README cites them). One settings object per stage
+Every calibration number lives here (docs/judging.md cites them). One settings object per stage
 (`BF16`: the envelope stage, `FP32`: the structural stage), one point judge (`compare_point`), one
 token-flip classifier (`classify_mismatch`) and one departure classifier (`classify_departure`):
 every command judges what harness.observe observed with these, so the same observation gets the
 same verdict wherever it is judged.
 
 The port (bf16 on the device) is judged against the CPU fp32 reference by the error that the same
-computation in bf16 on CPU already has at the same point: its noise envelope (README, "How parity is judged"). A fixed
+computation in bf16 on CPU already has at the same point: its noise envelope (docs/judging.md). A fixed
 atol/rtol at bf16 either fails healthy ports or hides broken ones; a ratio to the envelope does
 neither, and it carries over to checkpoints and configs the harness has never seen.
 """
@@ -96,7 +96,7 @@ FP32_MASS_TOLERANCE = 2e-5
 # distribution: its mean and its PROBABILITY_QUANTILE move together. A point fault at one row is the
 # logits point's to catch (judged per position). Where from: over healthy ports of eight shapes and
 # seeds (tiny builder, transformers default init, 2 and 4 global KV heads, hidden 48 to 128) the
-# judged ratio stays at or below 1.3 (README, "How parity is judged"); every probability fault of
+# judged ratio stays at or below 1.3 (docs/judging.md); every probability fault of
 # tests/faults lands at 369x or more. The factor is ENVELOPE_FACTOR.
 PROBABILITY_QUANTILE = 0.9
 TOPK = 5

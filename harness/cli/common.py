@@ -82,7 +82,7 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
 
         p.add_argument("--sliding-cache", choices=list(SLIDING_CACHES), default=d.sliding_cache,
                        help=f"sliding layers' KV cache: linear (--kv-len slots) or ring (window slots) "
-                            f"(default {d.sliding_cache}; README, 'Long context')")
+                            f"(default {d.sliding_cache}; docs/long-context.md)")
     if "backend_options" in fields:
         p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE", dest="backend_option",
                        help="an option of the backend, e.g. compile_workers=4 for neuron (repeatable; an option "
