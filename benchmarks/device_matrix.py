@@ -8,7 +8,7 @@ run of the whole matrix on the 12B takes many hours; compiled builds are cached)
     python benchmarks/device_matrix.py --checkpoint ~/models/gemma-4-12B-it --prompts short.json \\
         --runs 20 --out matrix.md --json matrix.json
 
-Variants (README, "The device experiment matrix", says what each is expected to change and why):
+Variants (docs/neuron.md#the-device-experiment-matrix says what each is expected to change and why):
     baseline        the shipped build: the default flags, decode as the layout priority, fp32 reduce
     cc-overlap      + --tensorizer-options='--enable-ccop-compute-overlap --cc-pipeline-tiling-factor=2'
     dge-offsets     + --internal-enable-dge-levels vector_dynamic_offsets

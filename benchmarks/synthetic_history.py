@@ -3,7 +3,7 @@
 Runs of the real 12B's shape on inf2 (numbers invented, seeded): TTFT at bucket 64 near 95 ms and
 TPOT near 40 ms, with a +12% TTFT step planted at run 15 of 24 (the 16th run onward), so the
 change point, the commit of the first slow run and the budget line are all on the plot. Not a
-measurement: the README's plot is drawn from it with
+measurement: docs/performance.md's plot is drawn from it with
 
     python benchmarks/synthetic_history.py --out /tmp/synthetic-history
     gemma-parity perf compare --history /tmp/synthetic-history --budget ttft_ms=101 --budget tpot_ms=56 \\

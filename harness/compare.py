@@ -1,13 +1,13 @@
 """The judge: the one tolerance policy used by the suites, `check` and `bisect`.
 
-Every calibration number lives here (the README cites them). One settings object per stage
+Every calibration number lives here (docs/judging.md cites them). One settings object per stage
 (`BF16`: the envelope stage, `FP32`: the structural stage), one point judge (`compare_point`), one
 band calibration (`calibrate_band`) and tie helper (`tie_threshold`) for tokens, routers and the
 served build, one flip classifier (`classify_mismatch`) and one departure classifier
 (`classify_departure`): every command judges what harness.observe observed with these.
 
 The port (bf16 on the device) is judged against the CPU fp32 reference by the error that the same
-computation in bf16 on CPU already has at the same point: its noise envelope (README, "How parity is judged"). A fixed
+computation in bf16 on CPU already has at the same point: its noise envelope (docs/judging.md). A fixed
 atol/rtol at bf16 either fails healthy ports or hides broken ones; a ratio to the envelope does
 neither, and it carries over to checkpoints and configs the harness has never seen.
 """

@@ -138,7 +138,7 @@ def attention_scale(head_dim: int) -> float:
     return 1.0
 
 
-SLIDING_CACHES = ("linear", "ring")  # how sliding layers keep their keys (README, "KV cache")
+SLIDING_CACHES = ("linear", "ring")  # how sliding layers keep their keys (docs/long-context.md)
 
 
 def chunk_rows(positions: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ expert runs with zero weights where not chosen (prefill), never a data-dependent
 Device input: for a model with per-layer inputs the host appends each token's row of the packed
 per-layer table (already scaled, as transformers' scaled embedding does) to the word embedding, so
 the graph's one input is [1, s, hidden + layers * per_layer_input]. The table itself is
-vocabulary-sized and stays on the host like the word embeddings (README "The Gemma-4 family").
+vocabulary-sized and stays on the host like the word embeddings (docs/family.md).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ DEFAULT_KV_LEN = 256  # the published port's KV length
 PUBLISHED_BUCKET = 64  # the published port's prefill bucket (what `bench` times by default)
 # `check` and `bisect` run the default prompts, the longest of which reaches position 247.
 DEFAULT_BUCKETS = (PUBLISHED_BUCKET, 256)
-# How sliding layers keep their keys: "linear" (kv_len slots) or "ring" (window slots); README,
-# "Long context", says why linear is the default.
+# How sliding layers keep their keys: "linear" (kv_len slots) or "ring" (window slots); docs/long-context.md
+# says why linear is the default.
 SLIDING_CACHES = ("linear", "ring")
 DEFAULT_SLIDING_CACHE = "linear"
 

@@ -21,8 +21,7 @@ KV_ROWS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 Q_COLS = ("self_attn.o_proj.weight",)
 MLP_ROWS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
 MLP_COLS = ("mlp.down_proj.weight",)
-# The 26B-A4B's experts are split inside each expert, like the dense MLP (docs: README "The Gemma-4
-# family"): [E, 2*mi, h] gate|up rows and [E, h, mi] down columns, each rank a 1/tp slice of every expert.
+# The 26B-A4B's experts are split inside each expert, like the dense MLP (docs/family.md): [E, 2*mi, h] gate|up rows and [E, h, mi] down columns, each rank a 1/tp slice of every expert.
 EXPERT_GATE_UP = "experts.gate_up_proj"
 EXPERT_DOWN = "experts.down_proj"
 

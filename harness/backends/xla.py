@@ -13,8 +13,7 @@ executed (and its HLO inspected, harness/graph_contracts.py) on any machine.
   devices, each rank's graph inside a manual-sharding region (each device runs rank r's graph on
   rank r's weights), with an explicit all-reduce (in fp32: XLA's CPU all-reduce refuses bf16, and
   fp32 is NxD's reduce_dtype) and all-gather over the replica group of both ranks. Replicated
-  per-thread execution and multi-process replicas stall in XLA's CPU rendezvous (README, "The XLA
-  lane").
+  per-thread execution and multi-process replicas stall in XLA's CPU rendezvous (docs/xla-lane.md).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
 
         p.add_argument("--sliding-cache", choices=list(SLIDING_CACHES), default=d.sliding_cache,
                        help=f"sliding layers' KV cache: linear (--kv-len slots) or ring (window slots) "
-                            f"(default {d.sliding_cache}; README, 'Long context')")
+                            f"(default {d.sliding_cache}; docs/long-context.md)")
     if "batch" in fields:
         p.add_argument("--batch", type=int, default=d.batch, metavar="N",
                        help=f"serve the prompts as a batch of N sequences, each in its own KV slot, with "

@@ -5,7 +5,7 @@ injected into the port, each of which the parity check must fail on, and where i
 Every fault patches the port (harness.model / harness.sharding / harness.engine) through a
 pytest MonkeyPatch and never the reference, which is transformers itself: one reference run serves
 every fault. `python -m tests.faults.catalog` runs the catalog and prints what caught each fault
-as a Markdown table (the one in the README).
+as a Markdown table (the one in docs/faults.md).
 """
 
 from __future__ import annotations

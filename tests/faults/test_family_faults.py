@@ -43,7 +43,7 @@ def test_family_catalog_covers_every_new_part():
     assert len({f.name for f in FAMILY_CATALOG}) == len(FAMILY_CATALOG) == 10
 
 
-# What bisect (capture mode) must name for every family fault: the layer and part of README's
+# What bisect (capture mode) must name for every family fault: the layer and part of docs/faults.md's
 # family fault table, the same as `check` (the catalog's Expectation). Each case is one bisect of a
 # tiny variant (2-4 s).
 BISECTED = {"ple-combine-factor": (0, "per-layer input"), "ple-table-unscaled": (0, "per-layer input"),

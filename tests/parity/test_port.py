@@ -146,7 +146,7 @@ def real_window_ckpt(tmp_path_factory):
 
 @pytest.mark.slow  # an 1100-token prompt through transformers and the port twice
 def test_real_sliding_window_is_reachable(real_window_ckpt, monkeypatch):
-    """With the README's configuration for the 12B's window (a bucket of 1280 in a 1296-slot cache)
+    """With docs/judging.md's configuration for the 12B's window (a bucket of 1280 in a 1296-slot cache)
     a 1100-token prompt reaches past position 1024, where a sliding query first loses key 0: the
     fp32 port equals transformers there, and a window one key too wide shows only past it."""
     from harness.reference import load_reference_model

@@ -75,6 +75,65 @@ def test_every_reference_resolves_in_a_clone():
     assert problems(ROOT) == []
 
 
+# A Markdown link or image: [text](target) / ![alt](target), target relative to the file or #anchor.
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def markdown_pages(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def link_problems(root: Path) -> list[str]:
+    """Every link of README.md and docs/*.md that is not a web address resolves from the file that
+    holds it (as GitHub resolves it), and its #anchor is a heading of the target; every docs page
+    is linked from the README."""
+    found = []
+    for page in markdown_pages(root):
+        if not page.is_file():
+            continue
+        text = page.read_text(encoding="utf-8")
+        for target in sorted({m[1] for m in LINK.finditer(text)}):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            where = page.relative_to(root)
+            if not resolved.exists() or not resolved.is_relative_to(root.resolve()):
+                found.append(f"{where}: link {target} does not resolve")
+            elif anchor and (resolved.suffix != ".md" or anchor not in anchors(resolved)):
+                found.append(f"{where}: link {target}: no heading #{anchor}")
+    readme = (root / "README.md").read_text(encoding="utf-8") if (root / "README.md").is_file() else ""
+    linked = {m[1].partition("#")[0] for m in LINK.finditer(readme)}
+    found += [f"README.md does not link docs/{p.name}" for p in sorted((root / "docs").glob("*.md"))
+              if f"docs/{p.name}" not in linked]
+    return found
+
+
+def test_every_markdown_link_resolves_and_every_page_is_reachable():
+    assert len(markdown_pages(ROOT)) > 5, "the docs pages were found"
+    assert link_problems(ROOT) == []
+
+
+@pytest.mark.parametrize("readme, page, problem", [
+    ("[judging](docs/judging.md)\n", "[back](README.md)\n", "link README.md does not resolve"),
+    ("[judging](docs/judging.md#nowhere)\n", "# Judging\n", "no heading #nowhere"),
+    ("[judging](docs/judging.md)\n", "[stages](#no-such-section)\n# Judging\n", "no heading #no-such-section"),
+    ("see the docs\n", "# Judging\n", "README.md does not link docs/judging.md"),
+])
+def test_the_link_checker_catches_each_kind_of_broken_link(tmp_path, readme, page, problem):
+    """The checker itself: a link resolved from the wrong directory (docs/ pages link ../README.md),
+    a missing anchor in another page or its own, and a page the README does not link are each
+    reported; a small tree with valid links is clean."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# Tool\n## Exit status\n[judging](docs/judging.md#judging)\n", encoding="utf-8")
+    (tmp_path / "docs" / "judging.md").write_text("# Judging\n[back](../README.md#exit-status)\n", encoding="utf-8")
+    assert link_problems(tmp_path) == []
+    (tmp_path / "README.md").write_text(readme, encoding="utf-8")
+    (tmp_path / "docs" / "judging.md").write_text(page, encoding="utf-8")
+    found = link_problems(tmp_path)
+    assert any(problem in p for p in found), found
+
+
 def test_the_tolerance_policy_cites_the_judge_by_name():
     """The design cites calibration constants by name, never by value: each exists in harness.compare
     (the one place the numbers are written), so a renamed or removed constant fails here."""

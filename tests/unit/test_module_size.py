@@ -1,4 +1,4 @@
-"""One job per module, kept small (README "Layout"): no module in harness/ over MAX_MODULE_LINES
+"""One job per module, kept small (docs/testing.md): no module in harness/ over MAX_MODULE_LINES
 lines and no function over MAX_FUNCTION_LINES lines. An exception is listed here with its reason;
 an exception that is no longer needed fails too, so the list only shrinks."""
 
