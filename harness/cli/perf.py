@@ -148,7 +148,7 @@ def validate_bench(args) -> None:
     claim_output(out, "--out")  # a second bench for the same --out is refused now, not after its runs
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
-    v.check_kv_len(ckpt.spec, kv_len)
+    v.check_kv_len(ckpt.spec, kv_len, getattr(args, "sliding_cache", "linear") if args.backend != "neuron" else None)
 
 
 def _positive_int(x) -> bool:

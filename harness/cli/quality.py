@@ -112,7 +112,7 @@ def validate(args) -> None:
     _outputs(args, inputs)
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
-    v.check_kv_len(ckpt.spec, args.kv_len)
+    v.check_kv_len(ckpt.spec, args.kv_len, "linear" if args.settings.backend != "neuron" else None)
     _refuse_model(ckpt.spec, args.settings.backend)
     check_window_fits(args.window, args.buckets, args.kv_len)
     args.corpus_ids = load_corpus(args.corpus, args.ckpt_dir, ckpt.spec)

@@ -236,29 +236,33 @@ def check_tp(spec, tp: int) -> None:
                             "head counts and sizes divide by (2 for the 12B on one inf2 chip)") from None
 
 
-def check_kv_len(spec, kv_len: int | None) -> None:
+def check_kv_len(spec, kv_len: int | None, host_cache: str | None = None) -> None:
+    """--kv-len against the model's positions; with `host_cache` (the sliding cache of a run that
+    allocates the KV cache on this host: the cpu and xla backends) also against this host's memory."""
     if kv_len is not None and spec.max_positions is not None and kv_len > spec.max_positions:
         raise OptionError(f"--kv-len {kv_len}: more than the model's max_position_embeddings "
                           f"{spec.max_positions} ({spec.source}); use --kv-len {spec.max_positions} or less")
-    if kv_len is not None:
-        _kv_fits_host(spec, kv_len)
+    if kv_len is not None and host_cache is not None:
+        _kv_fits_host(spec, kv_len, host_cache)
 
 
-def _kv_fits_host(spec, kv_len: int) -> None:
-    """The KV cache's least size (one copy, bf16, ring-free) against this host's memory: a KV length
-    no allocation can satisfy is refused with the numbers, not left to fail in the allocator."""
+def _kv_fits_host(spec, kv_len: int, sliding_cache: str) -> None:
+    """The KV cache's least size (one copy, bf16) against this host's memory: a KV length no
+    allocation can satisfy is refused with the numbers, not left to fail in the allocator."""
     from harness.sharding import kv_cache_bytes
 
-    per_token = kv_cache_bytes(spec, 1, "bfloat16")["per_token"]
+    cost = kv_cache_bytes(spec, 1, "bfloat16", sliding_cache)
+    per_token, fixed = cost["per_token"], cost.get("ring", 0)
     try:
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return
-    if per_token and per_token * kv_len > host:
-        longest = host // per_token
-        raise OptionError(f"--kv-len {kv_len}: the KV cache alone needs at least {per_token} B/token x {kv_len} = "
-                          f"{per_token * kv_len / 2**30:.1f} GiB, more than this host's {host / 2**30:.1f} GiB of "
-                          f"memory; use --kv-len {longest} or less (the default is 256)")
+    if per_token and per_token * kv_len + fixed > host:
+        longest = max((host - fixed) // per_token, 0)
+        raise OptionError(f"--kv-len {kv_len}: the KV cache alone needs at least {per_token} B/token x {kv_len}"
+                          f"{f' + {fixed} B of rings' if fixed else ''} = {(per_token * kv_len + fixed) / 2**30:.1f} GiB, "
+                          f"more than this host's {host / 2**30:.1f} GiB of memory; use --kv-len {longest} or less "
+                          "(the default is 256)")
 
 
 def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear") -> None:
@@ -323,7 +327,8 @@ def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
     clean_leftovers(outputs.values())
     ckpt = open_checkpoint(args)
     check_tp(ckpt.spec, args.tp)
-    check_kv_len(ckpt.spec, args.kv_len)
-    if getattr(args, "backend", None) == "neuron":  # the device's memory, before any compile
+    on_host = getattr(args, "backend", None) != "neuron"  # the cpu and xla backends hold the cache here
+    check_kv_len(ckpt.spec, args.kv_len, getattr(args, "sliding_cache", "linear") if on_host else None)
+    if not on_host:  # the device's memory, before any compile
         check_kv_fits(ckpt.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
     return ckpt

@@ -38,6 +38,8 @@ def test_the_wheel_carries_the_fixtures_and_the_guarded_entry_point(tmp_path):
         names = set(z.namelist())
         entry_points = next(z.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     for fixture in (REPO / "fixtures").rglob("*.json"):
+        if fixture.relative_to(REPO / "fixtures").parts[0].startswith("goldens-"):
+            continue  # the reference-drift goldens are the tests' own (setup.py leaves them out)
         assert f"harness/fixtures/{fixture.relative_to(REPO / 'fixtures')}" in names, fixture
     assert "gemma-parity = harness.entry:main" in entry_points
 

@@ -202,7 +202,7 @@ def _calls(name: str) -> set[str]:
     ("judge_routing", {"harness/stage.py"}),  # the stage judge judges routing; parity does not
     ("compare_layers", {"harness/stage.py"}),  # local reads the stage's judged layers
     ("classify_departure", {"harness/stage.py", "harness/served.py"}),
-    ("classify_mismatch", {"harness/compare.py"}),
+    ("classify_mismatch", {"harness/compare.py", "harness/speculate_stage.py"}),  # drafter cluster flips: the same classifier
     ("saturation_tie", {"harness/compare.py"}),
     ("calibrate_band", {"harness/compare.py", "harness/routing.py"}),
     ("tie_threshold", {"harness/compare.py", "harness/routing.py"}),
