@@ -93,14 +93,14 @@ class SpeculativeStage:
 
 
 def same_clusters(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).sort().values, b.reshape(-1).sort().values)
+    return torch.equal(a.reshape(-1).long().sort().values, b.reshape(-1).long().sort().values)
 
 
 def cluster_departure(step: int, dev: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor, band: float) -> dict:
     """A draft step whose masked head chose other clusters than the fp32 reference, classified like
     a token flip (compare.classify_mismatch) on the reference's centroid scores: the margin is how
     much the reference's weakest chosen cluster beats the device's weakest extra one."""
-    scores, ref_set, dev_set = scores.reshape(-1), set(ref.reshape(-1).tolist()), set(dev.reshape(-1).tolist())
+    scores, ref_set, dev_set = scores.reshape(-1), set(ref.reshape(-1).long().tolist()), set(dev.reshape(-1).long().tolist())
     weakest = min(ref_set, key=lambda c: float(scores[c]))
     extra = min(dev_set - ref_set, key=lambda c: float(scores[c]))
     return asdict(classify_mismatch(step, scores, extra, band=band, ref_token=weakest))

@@ -150,7 +150,7 @@ def test_a_cluster_departure_is_classified_like_a_token_flip():
     from harness.speculate_stage import cluster_departure, same_clusters
 
     scores = torch.tensor([[5.0, 3.0, 2.95, 1.0, -4.0]])
-    ref = torch.tensor([[0, 1]])
+    ref = torch.tensor([[0.0, 1.0]])  # captures hold the cluster indices as floats
     assert same_clusters(torch.tensor([[1, 0]]), ref) and not same_clusters(torch.tensor([[0, 2]]), ref)
     tie = cluster_departure(7, torch.tensor([[2, 0]]), ref, scores, band=0.1)
     assert (tie["kind"], tie["position"], tie["reference_token"], tie["device_token"]) == ("near_tie", 7, 1, 2)
