@@ -69,7 +69,7 @@ class AssistantReference:
         found["post_projection"] = out.last_hidden_state
         found["logits"] = out.logits
         if m.masked_embedding is not None:
-            found["centroid_scores"] = m.masked_embedding.centroids(found["final_norm"])
+            found["centroid_scores"] = m.masked_embedding.centroids(found["final_norm"]).detach()
             found["clusters"] = torch.topk(found["centroid_scores"], m.config.centroid_intermediate_top_k, dim=-1).indices
         return {DRAFTER + k: v.float() for k, v in found.items()}
 

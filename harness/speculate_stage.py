@@ -7,7 +7,8 @@ things are judged:
 - the drafter at its capture points against transformers' assistant fed the same target states
   (the port's own embedding, state, cache and position at each draft step): in fp32 by the fp32
   stage's judge, and in the run's dtype by the bf16 envelope; the masked head's chosen clusters
-  exactly in fp32; in bf16 a step choosing other clusters is classified like a token flip (near
+  exactly in fp32; each later step of a round must have been fed the step before's post-projection
+  (`drafter.state_fed`); in bf16 a step choosing other clusters is classified like a token flip (near
   tie of the centroid scores within the calibrated band, else a failure) and its logits, whose
   candidates differ, are left out of the envelope;
 - acceptance: per prompt, the fp32 run's accepted draft tokens per verify call against
@@ -92,15 +93,20 @@ class SpeculativeStage:
                 "notes": self.notes}
 
 
+# The state a later draft step of a round was fed, against the reference's post-projection of the
+# step before it (fed the port's inputs): a port that does not feed its post-projection back fails.
+STATE_FED = DRAFTER + "state_fed"
+
+
 def same_clusters(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.reshape(-1).sort().values, b.reshape(-1).sort().values)
+    return torch.equal(a.reshape(-1).long().sort().values, b.reshape(-1).long().sort().values)
 
 
 def cluster_departure(step: int, dev: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor, band: float) -> dict:
     """A draft step whose masked head chose other clusters than the fp32 reference, classified like
     a token flip (compare.classify_mismatch) on the reference's centroid scores: the margin is how
     much the reference's weakest chosen cluster beats the device's weakest extra one."""
-    scores, ref_set, dev_set = scores.reshape(-1), set(ref.reshape(-1).tolist()), set(dev.reshape(-1).tolist())
+    scores, ref_set, dev_set = scores.reshape(-1), set(ref.reshape(-1).long().tolist()), set(dev.reshape(-1).long().tolist())
     weakest = min(ref_set, key=lambda c: float(scores[c]))
     extra = min(dev_set - ref_set, key=lambda c: float(scores[c]))
     return asdict(classify_mismatch(step, scores, extra, band=band, ref_token=weakest))
@@ -112,9 +118,12 @@ def drafter_points(runs: list, engine, spec, references: dict, judge, *, band: f
     whose chosen clusters differ, and the bf16 steps' cluster departures (classified like token
     flips within `band`). In bf16 the logits are judged only on steps where the device, the fp32
     and the bf16 reference chose the same clusters: the other candidates' logits do not compare."""
-    dev, ref32, ref16, clusters_off, departures = {}, {}, {}, 0, []
+    dev, ref32, ref16, clusters_off, departures, last = {}, {}, {}, 0, [], None
     steps = [(run, inp, caps) for run in runs for inp, caps in zip(run.draft_inputs, run.draft_captures)]
     for step, (run, inp, caps) in enumerate(steps):
+        if last is not None and last[0] == (id(run), inp["round"]):  # a later step of a round: fed the last one's state
+            for d, found in ((dev, inp["state"]), (ref32, last[1]), (ref16, last[2])):
+                d.setdefault(STATE_FED, []).append(found.reshape(1, -1))
         cache = run.round_caches[inp["round"]]
         kv = {typ: (cache[i][0][None], cache[i][1][None]) for typ, i in spec.kv_store.items()}
         embeds = engine.embed(torch.tensor([inp["token"]]))[..., :spec.hidden_size].float()
@@ -133,6 +142,8 @@ def drafter_points(runs: list, engine, spec, references: dict, judge, *, band: f
             dev.setdefault(name, []).append(value.reshape(1, -1))
             ref32.setdefault(name, []).append(r32[name].reshape(1, -1))
             ref16.setdefault(name, []).append(r16[name].reshape(1, -1))
+        post = DRAFTER + "post_projection"
+        last = ((id(run), inp["round"]), r32[post], r16[post])
     points = [compare_point(f"{judge.name}.{name}", torch.cat(dev[name]), torch.cat(ref32[name]),
                             torch.cat(ref16[name]), judge) for name in dev]
     return points, clusters_off, departures

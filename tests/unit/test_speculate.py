@@ -122,7 +122,8 @@ def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transform
     refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
     points, clusters_off, _ = drafter_points(runs, engine, ckpt.spec, refs, FP32)
     assert {p.name for p in points} >= {"fp32.drafter.pre_projection", "fp32.drafter.layers.3.output",
-                                        "fp32.drafter.post_projection", "fp32.drafter.logits"}
+                                        "fp32.drafter.post_projection", "fp32.drafter.logits",
+                                        "fp32.drafter.state_fed"}
     assert all(p.passed for p in points), [(p.name, p.ratio) for p in points if not p.passed]
     assert clusters_off == 0
 
@@ -150,10 +151,28 @@ def test_a_cluster_departure_is_classified_like_a_token_flip():
     from harness.speculate_stage import cluster_departure, same_clusters
 
     scores = torch.tensor([[5.0, 3.0, 2.95, 1.0, -4.0]])
-    ref = torch.tensor([[0, 1]])
+    ref = torch.tensor([[0.0, 1.0]])  # captures hold the cluster indices as floats
     assert same_clusters(torch.tensor([[1, 0]]), ref) and not same_clusters(torch.tensor([[0, 2]]), ref)
     tie = cluster_departure(7, torch.tensor([[2, 0]]), ref, scores, band=0.1)
     assert (tie["kind"], tie["position"], tie["reference_token"], tie["device_token"]) == ("near_tie", 7, 1, 2)
     assert abs(tie["margin"] - 0.05) < 1e-6
     far = cluster_departure(7, torch.tensor([[0, 4]]), ref, scores, band=0.1)
     assert far["kind"] == "divergence" and abs(far["margin"] - 7.0) < 1e-6
+
+
+def test_drafter_not_fed_its_post_projection_fails_state_fed(random_pair, monkeypatch):
+    """A later draft step of a round fed the round's first state instead of the step before's
+    post-projection: every point of the step itself agrees (fed the port's own inputs), state_fed fails."""
+    from harness import speculate as port_speculate
+    from harness.backends import build_drafter, build_engine
+    from harness.compare import FP32
+    from harness.reference_assistant import AssistantReference
+    from harness.speculate_stage import drafter_points
+
+    monkeypatch.setattr(port_speculate, "next_state", lambda fed, produced: fed)
+    ckpt, assistant, path = random_pair
+    engine = build_engine(ckpt, RunSettings(tp=1, dtype="float32", buckets=(16,), kv_len=32), capture=True)
+    run = speculative_generate(engine, build_drafter(engine, assistant), [2, 17, 93, 5], 4, 3, capture=True)
+    refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
+    points, _, _ = drafter_points([run], engine, ckpt.spec, refs, FP32)
+    assert [p.name for p in points if not p.passed] == ["fp32.drafter.state_fed"]
