@@ -76,43 +76,43 @@ def pytest_collection_modifyitems(config, items):
 def tiny_dir(request):
     """The tiny 12B-shaped checkpoint directory, one per seed (built once, cached on disk). The
     default lane runs the first seed; the others (each a whole parity run) are in the slow lane."""
-    from harness.tiny import tiny_checkpoint
+    from harness.inputs.tiny import tiny_checkpoint
 
     return tiny_checkpoint(seed=request.param)
 
 
 @pytest.fixture(scope="session")
 def tiny0_dir():
-    from harness.tiny import tiny_checkpoint
+    from harness.inputs.tiny import tiny_checkpoint
 
     return tiny_checkpoint(seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tiny_dir):
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
     return Checkpoint.open(tiny_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny0_ckpt(tiny0_dir):
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
     return Checkpoint.open(tiny0_dir)
 
 
 @pytest.fixture(scope="session")
 def default_prompts():
-    from harness.prompts import load_prompts
+    from harness.inputs.prompts import load_prompts
 
     return load_prompts()
 
 
 @functools.lru_cache(maxsize=None)
 def _reference(seed: int, prompts: tuple[tuple[int, ...], ...]):
-    from harness.tiny import tiny_checkpoint
-    from harness.reference import run_reference
+    from harness.inputs.tiny import tiny_checkpoint
+    from harness.reference.run import run_reference
 
     return run_reference(tiny_checkpoint(seed=seed), [list(p) for p in prompts], new_tokens=8)
 
@@ -138,7 +138,7 @@ def _deterministic_torch():
 @pytest.fixture(scope="session")
 def inexact_scale_ckpt(tmp_path_factory):
     """The tiny config (the fault catalog's hidden-72 variant) at a hidden size whose sqrt is not a bf16 number, built once in tmp."""
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
     from tests.faults.catalog import inexact_scale_checkpoint
 
     return Checkpoint.open(inexact_scale_checkpoint(tmp_path_factory.mktemp("inexact-scale")))
@@ -147,8 +147,8 @@ def inexact_scale_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def inexact_scale_reference(inexact_scale_ckpt, default_prompts):
     """fp32 and bf16 references of the variant for the default prompts (8 new tokens)."""
-    from harness.prompts import DEFAULT_NEW_TOKENS
-    from harness.reference import run_reference
+    from harness.inputs.prompts import DEFAULT_NEW_TOKENS
+    from harness.reference.run import run_reference
 
     return run_reference(inexact_scale_ckpt.path, default_prompts, new_tokens=DEFAULT_NEW_TOKENS)
 
@@ -158,7 +158,7 @@ def long_dir(tmp_path_factory):
     """The tiny config at a window of 8 (tests/faults/catalog.py, LONG): prompts of 2-4 windows."""
     import json
 
-    from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
+    from harness.inputs.tiny import TINY_CONFIG, build_tiny_checkpoint
     from tests.faults.catalog import LONG_WINDOW
 
     out = tmp_path_factory.mktemp("long-context")
@@ -171,14 +171,14 @@ def long_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def long_ckpt(long_dir):
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
     return Checkpoint.open(long_dir)
 
 
 @pytest.fixture(scope="session")
 def long_prompts():
-    from harness.prompts import load_prompts
+    from harness.inputs.prompts import load_prompts
     from tests.faults.catalog import LONG_PROMPTS
 
     return load_prompts(LONG_PROMPTS)
@@ -187,7 +187,7 @@ def long_prompts():
 @pytest.fixture(scope="session")
 def long_reference(long_dir, long_prompts):
     """fp32 and bf16 references of the long prompts (8 new tokens, decode past the window)."""
-    from harness.reference import run_reference
+    from harness.reference.run import run_reference
     from tests.faults.catalog import LONG_NEW_TOKENS
 
     return run_reference(long_dir, long_prompts, new_tokens=LONG_NEW_TOKENS)

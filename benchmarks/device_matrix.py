@@ -91,9 +91,9 @@ def recording(built: list):
 
 def run_variant(variant: Variant, ckpt, args, prompts) -> dict:
     """Parity (a parity build, judged by check) and speed (a perf build, benched) of one variant."""
-    from harness.parity import run_parity_check
+    from harness.base.settings import RunSettings
+    from harness.parity.check import run_parity_check
     from harness.perf import run_bench
-    from harness.settings import RunSettings
 
     settings = RunSettings(backend=args.backend, tp=args.tp, dtype="bfloat16", buckets=args.buckets,
                            kv_len=args.kv_len, backend_options=variant.options)
@@ -148,7 +148,7 @@ def table(rows: list[dict], baseline: dict | None, buckets) -> str:
 
 
 def parse_args(argv=None):
-    from harness.settings import parse_buckets
+    from harness.base.settings import parse_buckets
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -169,7 +169,7 @@ def parse_args(argv=None):
 
 
 def select(names: str | None) -> list[Variant]:
-    from harness.errors import HarnessInputError
+    from harness.base.errors import HarnessInputError
 
     every = variants()
     if names is None:
@@ -182,11 +182,11 @@ def select(names: str | None) -> list[Variant]:
 
 
 def main(argv=None) -> int:
-    from harness.atomic import write_json_atomic, write_text_atomic
-    from harness.checkpoint import Checkpoint
-    from harness.tiny import tiny_checkpoint
-    from harness.errors import HarnessInputError
-    from harness.prompts import load_prompts
+    from harness.base.atomic import write_json_atomic, write_text_atomic
+    from harness.base.errors import HarnessInputError
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.prompts import load_prompts
+    from harness.inputs.tiny import tiny_checkpoint
 
     args = parse_args(argv)
     try:

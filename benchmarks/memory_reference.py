@@ -7,7 +7,7 @@ It is written one layer per safetensors shard, never holding more than one layer
 
 Each measurement runs in a fresh subprocess and reports its peak RSS (VmHWM; see peak_rss_bytes):
   imports       python + torch + transformers + harness imported (the floor under both)
-  streaming     harness.reference_stream.stream_prefill_captures: one decoder layer resident at a time
+  streaming     harness.reference.stream.stream_prefill_captures: one decoder layer resident at a time
   transformers  Gemma4UnifiedForConditionalGeneration.from_pretrained + one forward
 Both forwards run the same prompt; the table also compares their raw last-position logits.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from harness import FIXTURES_DIR
-from harness.tiny import cache_dir
+from harness.inputs.tiny import cache_dir
 from harness.perf import bench_prompt, write_json
 
 REAL_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"
@@ -139,7 +139,7 @@ def prompts_for(vocab_size: int, prompt_len: int, count: int) -> list[list[int]]
 
 def measure(mode: str, path: Path, dtype_name: str, prompt_len: int, count: int = 1) -> dict:
     """Run one mode and report peak RSS; called in a fresh child process so peaks never mix."""
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -147,9 +147,9 @@ def measure(mode: str, path: Path, dtype_name: str, prompt_len: int, count: int 
     if mode == "imports":
         import transformers.models.gemma4_unified.modeling_gemma4_unified  # noqa: F401
 
-        import harness.reference  # noqa: F401
+        import harness.reference.run  # noqa: F401
     elif mode == "streaming":
-        from harness.reference_stream import stream_prefill_captures_many
+        from harness.reference.stream import stream_prefill_captures_many
 
         checkpoint = Checkpoint.open(path)
         prompts = prompts_for(checkpoint.spec.vocab_size, prompt_len, count)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from harness.settings import torch_dtype
+from harness.base.settings import torch_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_reference import build_checkpoint, checkpoint_dir, warm_page_cache  # noqa: E402
@@ -50,19 +50,19 @@ def _timed(fn, repeats: int) -> tuple[list[float], list[float]]:
 
 
 def measure(side: str, path: Path, dtype_name: str, repeats: int) -> dict:
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
     dtype = torch_dtype(dtype_name)
     prompt = bench_prompt(Checkpoint.open(path).spec.vocab_size, BUCKET)
     if side == "port":
         from harness.backends import build_engine
 
-        from harness.settings import RunSettings
+        from harness.base.settings import RunSettings
 
         engine = build_engine(Checkpoint.open(path), RunSettings(dtype=dtype, buckets=(BUCKET,), kv_len=BUCKET + 16))
         samples = _timed(lambda: engine.prefill(prompt), repeats)
     else:
-        from harness.reference import load_reference_model
+        from harness.reference.run import load_reference_model
 
         model = load_reference_model(path, dtype)
         ids = torch.tensor([prompt])
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         print(json.dumps(measure(args.child, args.checkpoint, args.dtype, args.repeats)))
         return 0
     if args.model == "tiny":
-        from harness.tiny import tiny_checkpoint
+        from harness.inputs.tiny import tiny_checkpoint
 
         path = tiny_checkpoint(seed=0)
     else:

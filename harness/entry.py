@@ -10,7 +10,7 @@ handlers are in place: keep it that way.
 
 import sys
 
-from harness.entry_guard import guard as _guard
+from harness.base.signal_guard import guard as _guard
 
 _guard()  # at import: the console script imports this module before it calls main()
 

@@ -37,7 +37,7 @@ class ModelWork:
         import torch
         from transformers import PreTrainedModel
 
-        from harness.checkpoint import Checkpoint
+        from harness.inputs.checkpoint import Checkpoint
 
         self._wrap(Checkpoint, "get", "weight tensors read")
         self._wrap(PreTrainedModel, "from_pretrained", "transformers models loaded", classmethod_=True)

@@ -12,9 +12,9 @@ from typing import Callable, ClassVar, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from harness.engine import Engine
-from harness.errors import OptionError
-from harness.settings import RunSettings
+from harness.base.errors import OptionError
+from harness.base.settings import RunSettings
+from harness.port.engine import Engine
 
 BACKENDS = ("cpu", "neuron", "xla")
 
@@ -35,7 +35,7 @@ class Backend(Protocol):
       host_ranks        the ranks are modules on this host (`ranks`, `on_ranks`): a layer can be
                         run alone on them (the local verdict of check and bisect)
       serves_batch      forward takes rows naming their KV slots (`seq_ids`) of a cache of
-                        settings.batch sequences (harness/batching.py, harness/kv_slots.py)
+                        settings.batch sequences (harness/port/batching.py, harness/port/kv_slots.py)
     `compiler_args` are the flags its graphs were compiled with (empty where nothing is compiled
     ahead of time); a bench result records them.
     """
@@ -117,7 +117,7 @@ def backend_unavailable(name: str) -> str | None:
     that do long work before they build the port (quality's reference pass) to refuse first."""
     import importlib.util
 
-    from harness.errors import HarnessInputError
+    from harness.base.errors import HarnessInputError
 
     if name == "neuron":
         from harness.backends.neuron_packages import check_neuron_packages

@@ -12,11 +12,11 @@ import threading
 
 import torch
 
-from harness.graphs import kv_buckets, kv_read_length
-from harness.model import Collectives, RankLinears
-from harness.model_blocks import rank_decoder
-from harness.settings import RunSettings
-from harness.sharding import rank_state_dicts
+from harness.base.settings import RunSettings
+from harness.port.blocks import rank_decoder
+from harness.port.graphs import kv_buckets, kv_read_length
+from harness.port.model import Collectives, RankLinears
+from harness.port.sharding import rank_state_dicts
 
 COLLECTIVE_TIMEOUT_S = 600.0
 
@@ -111,7 +111,7 @@ class CpuBackend:
         """Every rank runs the same step, reading the KV bucket a compiled graph of this call would
         read (graphs.kv_read_length); rank 0's (gathered, identical) outputs are returned:
         (logits, captures), captures empty unless asked for; only row `last` when it is given.
-        `seq_ids` [b]: the KV slot of each row (harness.kv_slots); None: batch 1."""
+        `seq_ids` [b]: the KV slot of each row (harness.port.kv_slots); None: batch 1."""
         read = kv_read_length(positions, self.kv_lengths)
         for module in self.ranks:
             module.set_kv_read(read)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from harness.backends.cpu import RankCollectives
-from harness.drafter import RankDrafter, rank_drafter_state
-from harness.model import RankLinears
+from harness.port.drafter import RankDrafter, rank_drafter_state
+from harness.port.model import RankLinears
 
 
 class CpuDrafter:

@@ -6,16 +6,16 @@ harness.backends.neuron` works on any CPU machine, and the pure parts are tested
 Neuron environment (version guard, cores, platform, the NxD import) is in neuron_env.py; compiler
 flags and the artifact cache in neuron_cache.py; both are re-exported here.
 
-What runs on the device is `harness.graphs.traced_class(spec)` (the graphs, defined once for this
-and the XLA backend): the 12B's `TracedDecoder` over `harness.model.RankDecoder`, or for the rest of
-the Gemma-4 family `TracedFamilyDecoder` over `harness.model_blocks.FamilyRankDecoder` (per-layer
+What runs on the device is `harness.port.graphs.traced_class(spec)` (the graphs, defined once for this
+and the XLA backend): the 12B's `TracedDecoder` over `harness.port.model.RankDecoder`, or for the rest of
+the Gemma-4 family `TracedFamilyDecoder` over `harness.port.blocks.FamilyRankDecoder` (per-layer
 inputs, KV-shared layers, the MoE block), the same code the CPU backend runs, built with
 `NeuronLinears` (NxD's ColumnParallelLinear / RowParallelLinear instead of nn.Linear, NxD's
 all-reduce instead of explicit collectives: neuron_layers.py) and traced with ModelBuilder v2 under NxDParallelState: one graph per
 (sequence length, KV bucket) of `graphs.kv_graph_plan` (each prefill bucket at every KV bucket that
 holds it, decode (s=1) at every KV bucket), tagged `kv_tag(tag, kv)`; each call runs the graph of
 its length at the smallest KV bucket holding its positions (`graphs.kv_read_length`). The KV cache buffers, reassigned in forward, become device state
-aliased between calls. Per-rank weights come from `harness.sharding.rank_state_dicts` and are
+aliased between calls. Per-rank weights come from `harness.port.sharding.rank_state_dicts` and are
 loaded with NxDModel.set_weights + to_neuron. Compiled graphs are cached on disk under a key of
 everything that changes them (docs/design.md#backends); weights are never part of a cache entry.
 
@@ -52,16 +52,16 @@ from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host'
 from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the SDK's pinned packages)
     NEURON_SDK_RELEASE, PINNED_VERSIONS, check_neuron_packages, installed_neuron_packages, toolchain_version,
     version_matches)
-from harness.errors import HarnessInputError
-from harness.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
+from harness.base.errors import HarnessInputError
+from harness.port.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
     graph_inputs, graph_plan, graph_result, input_width, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length,
     tag_for_length, traced_class, unpack_outputs)
-from harness.settings import RunSettings, directory, flag, positive_int, torch_dtype
-from harness.sharding import bytes_per_rank, plan_model, rank_state_dicts
+from harness.base.settings import RunSettings, directory, flag, positive_int, torch_dtype
+from harness.port.sharding import bytes_per_rank, plan_model, rank_state_dicts
 
 # Tracing or compiling a graph failed (not bad input: the compiler or the model code); one error
-# type whatever lowers the graph (harness/graphs.py).
+# type whatever lowers the graph (harness/port/graphs.py).
 NeuronBuildError = GraphBuildError
 
 

@@ -4,7 +4,7 @@ Flags: what the backend passes to ModelBuilder.compile, kept as the user's words
 style, so a quoted value (NxD-Inference's `--tensorizer-options='--a --b'`) reaches neuronx-cc as one
 word. Cache: one directory per build, named by a key of everything that changes the compiled graphs
 (spec, buckets, TP, KV length, dtype, build kind, toolchain and runtime versions, flags, the compile-
-time environment, the model source), published whole (harness/atomic.py). Weights are never part of
+time environment, the model source), published whole (harness/base/atomic.py). Weights are never part of
 an entry: they are loaded per run.
 """
 
@@ -19,10 +19,10 @@ from typing import Callable
 
 import torch
 
-from harness.atomic import atomic_directory
-from harness.errors import HarnessInputError
-from harness.graphs import GraphBuildError
-from harness.settings import DEFAULT_KV_LEN
+from harness.base.atomic import atomic_directory
+from harness.base.errors import HarnessInputError
+from harness.base.settings import DEFAULT_KV_LEN
+from harness.port.graphs import GraphBuildError
 
 # ---- compiler flags -----------------------------------------------------------------------------
 
@@ -83,16 +83,16 @@ META_FILE = "artifact.json"
 ENTRY_FILES = (MODEL_FILE, META_FILE)
 _HARNESS_DIR = Path(__file__).resolve().parent.parent
 # The source the compiled graph is made from. spec.py derives the per-layer facts the graph bakes in
-# (head dims, windows, rope constants; spec_family.py the family's); sharding.py decides every
-# per-rank shape; model.py, model_blocks.py and graphs.py define the traced module and its inputs;
+# (head dims, windows, rope constants; inputs/family.py the family's); sharding.py decides every
+# per-rank shape; model.py, port/blocks.py and graphs.py define the traced module and its inputs;
 # neuron.py and neuron_layers.py build it with NxD's layers and collectives.
 MODEL_SOURCE_FILES = (
-    _HARNESS_DIR / "spec.py",
-    _HARNESS_DIR / "model.py",
-    _HARNESS_DIR / "sharding.py",
-    _HARNESS_DIR / "spec_family.py",
-    _HARNESS_DIR / "model_blocks.py",
-    _HARNESS_DIR / "graphs.py",
+    _HARNESS_DIR / "inputs" / "spec.py",
+    _HARNESS_DIR / "port" / "model.py",
+    _HARNESS_DIR / "port" / "sharding.py",
+    _HARNESS_DIR / "inputs" / "family.py",
+    _HARNESS_DIR / "port" / "blocks.py",
+    _HARNESS_DIR / "port" / "graphs.py",
     _HARNESS_DIR / "backends" / "neuron.py",
     _HARNESS_DIR / "backends" / "neuron_layers.py",
 )
@@ -175,7 +175,7 @@ def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, 
 
 
 def default_cache_dir() -> Path:
-    from harness.tiny import cache_dir
+    from harness.inputs.tiny import cache_dir
 
     return Path(os.environ.get("GEMMA_PARITY_NEURON_CACHE", cache_dir() / "neuron"))
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import types
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
 
 # ==== NeuronCores and pytest-xdist workers =========================================================
 

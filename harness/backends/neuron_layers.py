@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from harness.backends.neuron_env import import_neuronx_distributed
-from harness.errors import HarnessInputError
-from harness.graphs import GraphBuildError
-from harness.model import Collectives, RankLinears
+from harness.base.errors import HarnessInputError
+from harness.port.graphs import GraphBuildError
+from harness.port.model import Collectives, RankLinears
 
-# ==== the NxD layers of the traced module (harness/graphs.py defines the module) ====================
+# ==== the NxD layers of the traced module (harness/port/graphs.py defines the module) ====================
 
 def _nxd_layers():
     """neuronx_distributed.parallel_layers.layers, imported through import_neuronx_distributed."""
@@ -35,7 +35,7 @@ def _nxd_mappings():
 
 class NxDCollectives(Collectives):
     """The collectives model code asks for outside a parallel layer (the MoE experts' all-reduce,
-    harness/model_blocks.py), as NxD's own ops over the tensor-parallel group: the all-reduce is
+    harness/port/blocks.py), as NxD's own ops over the tensor-parallel group: the all-reduce is
     reduce_from_tensor_model_parallel_region, the op RowParallelLinear reduces with (its partial
     sums cast to `reduce_dtype` first, as that layer does), so it lowers to the same device
     collective; the all-gather is gather_from_tensor_model_parallel_region_with_dim (names from
@@ -60,7 +60,7 @@ class NeuronLinears(RankLinears):
     Weights outside the parallel layers (norms, the router, the per-layer input's projections, a
     replicated KV head, the MoE experts' per-rank slices) are plain per-rank tensors: the module
     holds one rank's shape, and NxDModel.set_weights takes each rank's own values, assembled from
-    harness.sharding's shards like every other weight (assemble_rank_weights)."""
+    harness.port.sharding's shards like every other weight (assemble_rank_weights)."""
 
     def __init__(self, tp: int, dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32):
         super().__init__(NxDCollectives(reduce_dtype))

@@ -9,7 +9,7 @@ import re
 import warnings
 from importlib import metadata
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
 
 # ---- versions: keep in step with pyproject's `neuron` extra ------------------------------------
 

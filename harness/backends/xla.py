@@ -1,11 +1,11 @@
-"""XLA backend: the device graphs of harness/graphs.py lowered by torch-xla on the CPU PJRT device
+"""XLA backend: the device graphs of harness/port/graphs.py lowered by torch-xla on the CPU PJRT device
 and executed, on the Neuron host's torch 2.9. The only module of the project that imports torch_xla.
 
 torch-neuronx does not run eager code: it traces these same graphs through torch-xla into HLO for
 neuronx-cc. Here torch-xla lowers them for XLA's CPU compiler instead, so what inf2 would trace is
-executed (and its HLO inspected, harness/graph_contracts.py) on any machine.
+executed (and its HLO inspected, harness/hlo/contracts.py) on any machine.
 
-- Per-rank weights come from `harness.sharding.rank_state_dicts`; the KV cache is state carried
+- Per-rank weights come from `harness.port.sharding.rank_state_dicts`; the KV cache is state carried
   between calls; positions enter as int32, as the Neuron backend feeds them.
 - KV state follows NxD's rule: a buffer *reassigned* in forward is state (an output aliased to its
   input); a buffer updated in place is not (ModelBuilder does not support it), so it is dropped.
@@ -29,13 +29,13 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from harness.errors import HarnessInputError
-from harness.graphs import (GraphBuildError, TracedBatchDecoder, batch_graph_inputs, constant_buffers, example_inputs,
-                            graph_inputs, graph_plan, graph_result,
-                            input_width, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
-from harness.model import Collectives, RankLinears
-from harness.settings import RunSettings
-from harness.sharding import plan_model, rank_state_dicts
+from harness.base.errors import HarnessInputError
+from harness.port.graphs import (GraphBuildError, TracedBatchDecoder, batch_graph_inputs, constant_buffers, example_inputs,
+                                 graph_inputs, graph_plan, graph_result,
+                                 input_width, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
+from harness.base.settings import RunSettings
+from harness.port.model import Collectives, RankLinears
+from harness.port.sharding import plan_model, rank_state_dicts
 
 TORCH_XLA_VERSION = "2.9.0"  # keep in step with pyproject's `xla` extra
 INSTALL_COMMAND = (f"pip install torch=={TORCH_XLA_VERSION} torch-xla=={TORCH_XLA_VERSION} "
@@ -103,7 +103,7 @@ class XlaCollectives(Collectives):
 
 def build_graph_module(spec, tp: int, max_len: int, dtype: torch.dtype, capture: bool = False,
                        module_cls=None, sliding_cache: str = "linear", slots: int = 1) -> nn.Module:
-    """The traced module of harness/graphs.py with XLA collectives, in eval mode without grads: a
+    """The traced module of harness/port/graphs.py with XLA collectives, in eval mode without grads: a
     parity build (captures) or, as the Neuron backend builds it, a perf build returning only the
     last real row's logits; with `slots` > 1 a batched parity build taking seq_ids."""
     module_cls = module_cls or traced_class(spec, batched=slots > 1)  # the 12B's decoder or the family's
@@ -319,7 +319,7 @@ class XlaBackend:
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures on a
         parity build). s must be a bucket of the plan or 1 (decode), as on the device. A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]. A batched
-        build (settings.batch > 1) takes [b, s] rows and `seq_ids` [b] (harness/kv_slots.py)."""
+        build (settings.batch > 1) takes [b, s] rows and `seq_ids` [b] (harness/port/kv_slots.py)."""
         if self.slots > 1:
             graph_in = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
                                           dtype=self.dtype)

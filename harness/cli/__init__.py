@@ -17,7 +17,7 @@ import sys
 if sys.argv[:1] == ["-m"] and sys.orig_argv[len(sys.orig_argv) - len(sys.argv)] == "harness.cli":
     # `python -m harness.cli`: runpy imports this package before its __main__, so the signal guard
     # goes in here, before the commands import torch (a library import leaves signals alone)
-    from harness.entry_guard import guard
+    from harness.base.signal_guard import guard
 
     guard()
 
@@ -31,8 +31,8 @@ import traceback
 from harness.cli import bisect, check, doctor, graphs, info, merge, perf, quality, reference
 from harness.cli.common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                                 EXIT_TERMINATED)
-from harness.atomic import release_claims
-from harness.errors import SHOW_BYTES, HarnessInputError, os_problem
+from harness.base.atomic import release_claims
+from harness.base.errors import SHOW_BYTES, HarnessInputError, os_problem
 
 COMMANDS = (info, reference, check, bisect, perf, graphs, doctor, quality, merge)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from harness.atomic import write_json_atomic
+from harness.base.atomic import write_json_atomic
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 
 
 def add_command(sub) -> None:
-    from harness.bisect import MODES
+    from harness.parity.bisect import MODES
 
     p = sub.add_parser(
         "bisect", help="find the first layer that breaks parity with a golden, its component and why",
@@ -26,7 +26,7 @@ def add_command(sub) -> None:
 
 
 def validate(args) -> None:
-    from harness.prompts import validate_prompt_fit
+    from harness.inputs.prompts import validate_prompt_fit
 
     v._port_options(args)
     args.settings = run_settings(args)
@@ -39,8 +39,8 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from harness.bisect import bisect_golden
-    from harness.report import format_bisect, write_report
+    from harness.parity.bisect import bisect_golden
+    from harness.report.formats import format_bisect, write_report
 
     ckpt = args.ckpt
     print(ckpt.describe())

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from harness.atomic import write_json_atomic
+from harness.base.atomic import write_json_atomic
+from harness.base.errors import OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
-from harness.errors import OptionError
-from harness.prompts import DEFAULT_NEW_TOKENS
+from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
 
 def add_command(sub) -> None:
@@ -39,8 +39,8 @@ def add_speculate_args(p) -> None:
 
 def validate_speculate(args, ckpt) -> None:
     """--assistant and --speculate go together; the assistant is checked against the target now."""
-    from harness.assistant_checkpoint import AssistantCheckpoint
-    from harness.speculate import check_speculate
+    from harness.inputs.assistant_checkpoint import AssistantCheckpoint
+    from harness.port.speculate import check_speculate
 
     args.assistant_ckpt = None
     if args.assistant is None and args.speculate is None:
@@ -57,7 +57,7 @@ def validate_speculate(args, ckpt) -> None:
 
 def validate(args) -> None:
     """Options, outputs, then the checkpoint and (golden or prompts) against its spec."""
-    from harness.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
+    from harness.inputs.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
 
     if args.golden is not None and (args.prompts is not None or args.new_tokens is not None):
         given = " and ".join(f for f, val in (("--prompts", args.prompts), ("--new-tokens", args.new_tokens))
@@ -90,10 +90,10 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from harness.parity import run_parity_check
-    from harness.report import format_check, write_report
-    from harness.served import served_stage
-    from harness.speculate_stage import speculative_stage
+    from harness.parity.check import run_parity_check
+    from harness.parity.served import served_stage
+    from harness.parity.speculative import speculative_stage
+    from harness.report.formats import format_check, write_report
 
     ckpt = args.ckpt
     print(ckpt.describe())

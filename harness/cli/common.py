@@ -20,7 +20,7 @@ def add_model_args(p, config: bool = False) -> None:
     group.add_argument("--checkpoint", metavar="DIR", help="local checkpoint directory (config.json + *.safetensors)")
     if config:
         group.add_argument("--config", metavar="FILE", help="a config.json (no weights needed)")
-    from harness.tiny import TINY_FAMILY
+    from harness.inputs.tiny import TINY_FAMILY
 
     group.add_argument("--model", choices=["tiny", *(f"tiny-{name}" for name in TINY_FAMILY)],
                        help="an embedded tiny model, built and cached on first use: `tiny` is 12B-shaped, "
@@ -29,15 +29,15 @@ def add_model_args(p, config: bool = False) -> None:
 
 
 def tiny_config(args) -> Path:
-    """The tiny model's config for --model (tiny: the 12B's shape; tiny-NAME: harness.tiny.TINY_FAMILY)."""
-    from harness.tiny import TINY_CONFIG, TINY_FAMILY
+    """The tiny model's config for --model (tiny: the 12B's shape; tiny-NAME: harness.inputs.tiny.TINY_FAMILY)."""
+    from harness.inputs.tiny import TINY_CONFIG, TINY_FAMILY
 
     model = getattr(args, "model", None) or "tiny"
     return TINY_CONFIG if model == "tiny" else TINY_FAMILY[model.removeprefix("tiny-")]
 
 
 def checkpoint_dir(args) -> Path:
-    from harness.tiny import tiny_checkpoint
+    from harness.inputs.tiny import tiny_checkpoint
 
     if getattr(args, "checkpoint", None):
         return Path(args.checkpoint)
@@ -45,8 +45,8 @@ def checkpoint_dir(args) -> Path:
 
 
 def buckets_arg(text: str) -> tuple[int, ...]:
-    from harness.errors import OptionError
-    from harness.settings import parse_buckets
+    from harness.base.errors import OptionError
+    from harness.base.settings import parse_buckets
 
     try:
         return parse_buckets(text)
@@ -56,8 +56,8 @@ def buckets_arg(text: str) -> tuple[int, ...]:
 
 def dtype_arg(text: str) -> str:
     """Any name of the dtype vocabulary (bf16, bfloat16, fp32, float32) -> the canonical name."""
-    from harness.errors import OptionError
-    from harness.settings import dtype_name
+    from harness.base.errors import OptionError
+    from harness.base.settings import dtype_name
 
     try:
         return dtype_name(text)
@@ -72,7 +72,7 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
     """The run-settings options `fields` of a command, their defaults taken from `defaults` (a
     RunSettings; the settings' own defaults when None). `run_settings(args)` reads them back."""
     from harness.backends import BACKENDS
-    from harness.settings import DTYPES, RunSettings
+    from harness.base.settings import DTYPES, RunSettings
 
     d = defaults or RunSettings()
     if "backend" in fields:
@@ -90,7 +90,7 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
     if "kv_len" in fields:
         p.add_argument("--kv-len", type=int, default=d.kv_len, help=f"KV cache length (default {d.kv_len})")
     if "sliding_cache" in fields:
-        from harness.settings import SLIDING_CACHES
+        from harness.base.settings import SLIDING_CACHES
 
         p.add_argument("--sliding-cache", choices=list(SLIDING_CACHES), default=d.sliding_cache,
                        help=f"sliding layers' KV cache: linear (--kv-len slots) or ring (window slots) "
@@ -111,7 +111,7 @@ def run_settings(args):
     defaults). Backend options are checked against the backend's declared options here, in the
     validation pass: a misspelt option is refused (exit 2) before any model work."""
     from harness.backends import backend_options
-    from harness.settings import parse_backend_options
+    from harness.base.settings import parse_backend_options
 
     given = {name: getattr(args, name) for name in args.run_fields if name != "backend_options"}
     settings = args.run_defaults.but(**given)
@@ -132,7 +132,7 @@ def add_port_args(p, report_help: str, batch: bool = False) -> None:
 
 def with_generator(payload: dict, command: str, args=None) -> dict:
     """A JSON result marked as this tool's, so a later run may replace it (and nothing else); with
-    the command's `args`, also its provenance (harness/provenance.py)."""
+    the command's `args`, also its provenance (harness/base/provenance.py)."""
     import harness
 
     out = {"generator": f"gemma-parity {command} {harness.__version__}", **payload}
@@ -148,7 +148,7 @@ def run_provenance(args) -> dict:
     """The command line's settings in full, the resolved run settings, and the inputs' hashes."""
     import dataclasses
 
-    from harness.provenance import file_sha256, provenance
+    from harness.base.provenance import file_sha256, provenance
 
     plain = (str, int, float, bool, type(None), list, tuple)
     settings = {k: v for k, v in sorted(vars(args).items()) if isinstance(v, plain) and not k.endswith("_ids")

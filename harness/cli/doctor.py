@@ -52,7 +52,7 @@ def add_command(sub) -> None:
 
 def validate(args) -> None:
     from harness import FIXTURES_DIR
-    from harness.spec import DTYPE_BYTES, load_spec
+    from harness.inputs.spec import DTYPE_BYTES, load_spec
 
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
@@ -100,7 +100,7 @@ def host_checks(spec, tp: int, dtype: str, kv_len: int) -> list[Check]:
     (harness/cli/doctor_host.py)."""
     from harness.backends.neuron_cache import default_cache_dir
     from harness.cli import doctor_host as host
-    from harness.sharding import bytes_per_rank
+    from harness.port.sharding import bytes_per_rank
 
     listing, _ = _tool("neuron-ls", "--json-output")
     weights = tp * bytes_per_rank(spec, tp, dtype, kv_len)["weights"]
@@ -222,7 +222,7 @@ def compiler_check() -> Check:
 
 def cores_check(total: int, tp: int, environ) -> Check:
     from harness.backends import neuron_env as env
-    from harness.errors import HarnessInputError
+    from harness.base.errors import HarnessInputError
 
     visible = environ.get("NEURON_RT_VISIBLE_CORES")
     if visible:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from harness.atomic import write_json_atomic
+from harness.base.atomic import write_json_atomic
+from harness.base.settings import PUBLISHED_BUCKET, RunSettings
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
-from harness.settings import PUBLISHED_BUCKET, RunSettings
 
 # What graphs lowers unless told: the published port's prefill bucket.
 GRAPHS_SETTINGS = RunSettings(backend="xla", buckets=(PUBLISHED_BUCKET,))
@@ -25,7 +25,7 @@ def add_command(sub) -> None:
 
 
 def validate(args) -> None:
-    from harness.spec import load_spec
+    from harness.inputs.spec import load_spec
 
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
@@ -39,15 +39,15 @@ def validate(args) -> None:
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
     if max(args.buckets) > args.kv_len:
-        from harness.errors import OptionError
+        from harness.base.errors import OptionError
 
         raise OptionError(f"--buckets {max(args.buckets)}: larger than --kv-len {args.kv_len}; buckets must fit "
                           "in the cache")
 
 
 def run(args) -> int:
-    from harness.graph_stats import model_graph_stats
-    from harness.report import format_graph_stats
+    from harness.hlo.stats import model_graph_stats
+    from harness.report.formats import format_graph_stats
 
     result = model_graph_stats(args.spec, args.settings, progress=True)
     print(format_graph_stats(result))

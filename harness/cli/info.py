@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from harness.atomic import write_json_atomic
+from harness.base.atomic import write_json_atomic
+from harness.base.errors import HarnessInputError, OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args, add_run_args, run_settings, with_generator
-from harness.errors import HarnessInputError, OptionError
 
 
 def add_command(sub) -> None:
@@ -21,7 +21,7 @@ def add_command(sub) -> None:
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
     p.add_argument("--plan", action="store_true", help="also print the resource plan of every command: peak "
-                   "host memory, device memory per NeuronCore and graphs (harness/host_plan.py)")
+                   "host memory, device memory per NeuronCore and graphs (harness/perf/host_plan.py)")
     p.add_argument("--host-memory", metavar="GIB", type=float, default=None, help="the host budget of --plan in "
                    "GiB (default: the RAM of the instance the TP degree needs)")
     p.add_argument("--instance", default=None, help="instance type whose published rates --perf uses "
@@ -41,7 +41,7 @@ def _batches_arg(text: str) -> tuple[int, ...]:
 
 
 def validate(args) -> None:
-    from harness.spec import load_spec
+    from harness.inputs.spec import load_spec
 
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
@@ -61,13 +61,13 @@ def validate(args) -> None:
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
     v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
-    from harness.instances import check_fits, smallest_instance
+    from harness.perf.instances import check_fits, smallest_instance
 
     layout = args.settings.backend_options.get("layout_priority", "decode") is not None  # the neuron default
     args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len, sliding_cache=args.sliding_cache,
                                 buckets=args.settings.buckets, layout=layout)
     if args.assistant is not None:
-        from harness.spec_assistant import load_assistant_spec
+        from harness.inputs.assistant_spec import load_assistant_spec
 
         args.assistant_spec = load_assistant_spec(v.input_path(args.assistant, "--assistant", True), args.spec)
     if args.instance is None:  # the instance the TP degree needs (the family's larger variants)
@@ -96,14 +96,14 @@ def _is_published_model(spec) -> bool:
     """Whether the spec is the model the published latency was measured on (the 12B, whose config
     the repository ships): only then is "floor / published" a comparison of like with like."""
     from harness import FIXTURES_DIR
-    from harness.spec import load_spec
+    from harness.inputs.spec import load_spec
 
     return spec.spec_hash() == load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json").spec_hash()
 
 
 def run(args) -> int:
-    from harness.report import format_info
-    from harness.sharding import plan_summary
+    from harness.port.sharding import plan_summary
+    from harness.report.formats import format_info
 
     if args.ckpt is not None:
         print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
@@ -112,7 +112,7 @@ def run(args) -> int:
 
     s = args.settings
     payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
-    from harness.instances import plan_notes
+    from harness.perf.instances import plan_notes
 
     payload["placement"] = args.placement
     payload["notes"] = plan_notes(args.spec, args.placement)
@@ -141,7 +141,7 @@ def run(args) -> int:
         print(render_roofline(payload["roofline"]), end="")
         _print_floors_at_length(args, payload)
     if args.plan:
-        from harness.host_plan import render_resource_plan, resource_plan
+        from harness.perf.host_plan import render_resource_plan, resource_plan
 
         host = None if args.host_memory is None else int(args.host_memory * 2**30)
         payload["resource_plan"] = resource_plan(args.spec, s.tp, s.dtype, s.kv_len, s.buckets, host_bytes=host,
@@ -170,7 +170,7 @@ def _print_floors_at_length(args, payload) -> None:
 
 def _assistant_fit(args, plan: dict) -> dict:
     """The assistant's bytes per rank beside the target's, on the instance's device."""
-    from harness.spec import dtype_bytes
+    from harness.inputs.spec import dtype_bytes
 
     aspec, cache = args.assistant_spec, plan["caches"][args.sliding_cache]
     per_rank = aspec.bytes_per_rank(args.tp, dtype_bytes(args.dtype))

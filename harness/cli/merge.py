@@ -1,13 +1,13 @@
 """`gemma-parity merge`: gather the quality golden's shards written on several machines into one
-golden directory (harness/quality_merge.py), then judge it with `gemma-parity quality --golden`."""
+golden directory (harness/quality/merge.py), then judge it with `gemma-parity quality --golden`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from harness.base.errors import OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK
-from harness.errors import OptionError
 
 
 def add_command(sub) -> None:
@@ -23,7 +23,7 @@ def add_command(sub) -> None:
 
 
 def validate(args) -> None:
-    from harness.quality_merge import check_destination, plan_merge
+    from harness.quality.merge import check_destination, plan_merge
 
     inputs = {f"source {k}": v.input_path(s, "GOLDEN_DIR", want_dir=True) for k, s in enumerate(args.sources)}
     if len({p.resolve() for p in inputs.values()}) < len(inputs):
@@ -34,7 +34,7 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from harness.quality_merge import write_merge
+    from harness.quality.merge import write_merge
 
     settings, _, owner = args.plan
     write_merge(Path(args.out), settings, owner)

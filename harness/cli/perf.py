@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness.atomic import claim_output
+from harness.base.atomic import claim_output
+from harness.base.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
-from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
 from harness.perf.results import history_files, length_lists, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
                           append_history, compare_files, compare_history, draw_length, draw_trend, parse_budgets,
@@ -24,7 +24,7 @@ def add_command(subparsers) -> None:
         description="Time prefill per bucket and decode per token. Exit 0 ok, 2 bad input.")
     source = bench.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (safetensors)")
-    from harness.tiny import TINY_FAMILY
+    from harness.inputs.tiny import TINY_FAMILY
 
     source.add_argument("--model", choices=("tiny", *(f"tiny-{name}" for name in TINY_FAMILY)),
                         help="a cached tiny fixture model (tiny: 12B-shaped; tiny-31b, -e2b, -e4b, -26b-a4b)")
@@ -56,8 +56,8 @@ def add_command(subparsers) -> None:
 def _batches_arg(text: str) -> tuple[int, ...]:
     import argparse
 
-    from harness.errors import OptionError
-    from harness.settings import parse_buckets
+    from harness.base.errors import OptionError
+    from harness.base.settings import parse_buckets
     try:
         return parse_buckets(text)
     except OptionError as e:
@@ -322,7 +322,7 @@ def _warn_provenance(args) -> None:
     """A warning when the two runs compared were produced under different settings or versions."""
     import json
 
-    from harness.provenance import differences
+    from harness.base.provenance import differences
 
     if args.history is not None:
         return  # a history's runs span commits by design; its changes are the point

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.atomic import write_json_atomic
+from harness.base.atomic import write_json_atomic
+from harness.base.errors import InputFileError, OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
-from harness.errors import InputFileError, OptionError
 
 
 def add_command(sub) -> None:
@@ -41,7 +41,7 @@ def _shard(text: str | None, existing: dict) -> tuple[int, int] | None:
     if text.split("/")[0] == "auto":
         import os
 
-        from harness.array_index import shard_from_environment
+        from harness.base.array_index import shard_from_environment
 
         return shard_from_environment(text, os.environ, existing.get("shards"))
     try:
@@ -54,8 +54,8 @@ def _shard(text: str | None, existing: dict) -> tuple[int, int] | None:
 
 
 def _existing_settings(golden: Path) -> dict:
-    from harness.quality import SETTINGS_FILE
-    from harness.quality_parts import checked_settings, read_own_json
+    from harness.quality.golden import SETTINGS_FILE
+    from harness.quality.parts import checked_settings, read_own_json
 
     file = golden / SETTINGS_FILE
     if not file.exists():
@@ -89,9 +89,9 @@ def _outputs(args, inputs) -> None:
 
 def validate(args) -> None:
     """Options, outputs, the checkpoint, the corpus and an existing golden's settings, in that order."""
-    from harness.quality import DEFAULT_WINDOW, DEFAULT_WINDOWS_PER_PART, golden_settings, load_corpus, verify_golden
-    from harness.quality_judge import check_window_fits
-    from harness.quality_stats import DEFAULT_TOPK
+    from harness.quality.golden import DEFAULT_WINDOW, DEFAULT_WINDOWS_PER_PART, golden_settings, load_corpus, verify_golden
+    from harness.quality.judge import check_window_fits
+    from harness.quality.stats import DEFAULT_TOPK
 
     v._port_options(args)
     args.settings = run_settings(args)
@@ -123,9 +123,9 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from harness.quality import golden_bytes, missing_shards, prepare_golden_dir, write_shard
-    from harness.quality_judge import judge_corpus
-    from harness.quality_report import format_quality, write_quality_report
+    from harness.quality.golden import golden_bytes, missing_shards, prepare_golden_dir, write_shard
+    from harness.quality.judge import judge_corpus
+    from harness.report.quality import format_quality, write_quality_report
 
     ckpt, settings = args.ckpt, args.golden_settings
     print(ckpt.describe())

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from harness.atomic import claim_output
+from harness.base.atomic import claim_output
+from harness.base.errors import OptionError, OutputError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args
-from harness.errors import OptionError, OutputError
-from harness.prompts import DEFAULT_NEW_TOKENS
+from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
 
 def add_command(sub) -> None:
@@ -26,8 +26,8 @@ def add_command(sub) -> None:
 
 
 def validate(args) -> None:
-    from harness.golden import check_replaceable, is_golden_dir
-    from harness.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
+    from harness.inputs.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
+    from harness.reference.golden import check_replaceable, is_golden_dir
 
     if args.stream and args.new_tokens is not None:
         raise OptionError(f"--new-tokens {args.new_tokens} with --stream: the streaming reference computes "
@@ -56,7 +56,7 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from harness.golden import make_golden
+    from harness.reference.golden import make_golden
 
     written = make_golden(args.ckpt_dir, args.out, args.prompts, args.new_tokens, stream=args.stream,
                           overwrite=args.overwrite, progress=True)

@@ -18,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.atomic import clean_stale_temps, temp_prefix
-from harness.errors import HarnessInputError, InputFileError, OptionError, OutputError, not_a_file, os_problem, read_json_file
+from harness.base.atomic import clean_stale_temps, temp_prefix
+from harness.base.errors import HarnessInputError, InputFileError, OptionError, OutputError, not_a_file, os_problem, read_json_file
 
 GENERATOR = "gemma-parity"  # the "generator" key of every JSON result the commands write
 MARKDOWN_MARK = "<!-- written by gemma-parity -->"
@@ -64,7 +64,7 @@ def _dtype(args, allowed) -> None:
 
 def _port_options(args) -> None:
     """--tp, --kv-len, --buckets, --dtype, --seed of check and bisect."""
-    from harness.settings import DTYPES
+    from harness.base.settings import DTYPES
 
     _int_option(args, "tp", 1)
     _int_option(args, "kv_len", 1)
@@ -167,14 +167,14 @@ def replaceable_file(path: Path, flag: str, ours) -> None:
 
 def replaceable_report(path: Path, flag: str, command: str = "") -> None:
     """Only a directory this tool wrote (its manifest matches every file) may be replaced."""
-    from harness.owned_dir import refuse_foreign
+    from harness.base.owned_dir import refuse_foreign
 
     refuse_foreign(path, flag, command)
 
 
 def clean_leftovers(paths) -> None:
     """Remove what killed runs left beside (or in) the outputs and in the tiny-model cache."""
-    from harness.tiny import cache_dir
+    from harness.inputs.tiny import cache_dir
 
     dirs = {p.parent for p in paths} | {p for p in paths if p.is_dir()} | {cache_dir()}
     for directory in sorted(dirs):
@@ -205,7 +205,7 @@ def input_path(value: str | None, flag: str, want_dir: bool) -> Path | None:
 
 def model_inputs(args) -> dict[str, Path]:
     """The checkpoint this run reads: --checkpoint, or the tiny model's cache entry."""
-    from harness.tiny import tiny_checkpoint_path
+    from harness.inputs.tiny import tiny_checkpoint_path
 
     if getattr(args, "config", None) is not None:
         return {"--config": input_path(args.config, "--config", want_dir=False)}
@@ -217,8 +217,8 @@ def model_inputs(args) -> dict[str, Path]:
 
 
 def open_checkpoint(args):
-    from harness.checkpoint import Checkpoint
     from harness.cli.common import checkpoint_dir
+    from harness.inputs.checkpoint import Checkpoint
 
     args.ckpt_dir = checkpoint_dir(args)
     args.ckpt = Checkpoint.open(args.ckpt_dir)
@@ -226,8 +226,8 @@ def open_checkpoint(args):
 
 
 def check_tp(spec, tp: int) -> None:
-    from harness.errors import ShardingError
-    from harness.sharding import plan_model
+    from harness.base.errors import ShardingError
+    from harness.port.sharding import plan_model
 
     try:
         plan_model(spec, tp)
@@ -249,7 +249,7 @@ def check_kv_len(spec, kv_len: int | None, host_cache: str | None = None) -> Non
 def _kv_fits_host(spec, kv_len: int, sliding_cache: str) -> None:
     """The KV cache's least size (one copy, bf16) against this host's memory: a KV length no
     allocation can satisfy is refused with the numbers, not left to fail in the allocator."""
-    from harness.sharding import kv_cache_bytes
+    from harness.port.sharding import kv_cache_bytes
 
     cost = kv_cache_bytes(spec, 1, "bfloat16", sliding_cache)
     per_token, fixed = cost["per_token"], cost.get("ring", 0)
@@ -278,7 +278,7 @@ def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "
 def _warn_golden_versions(where, recorded) -> None:
     """A golden written under other torch/transformers versions: its reference may differ by their changes."""
     import harness
-    from harness.provenance import package_versions
+    from harness.base.provenance import package_versions
 
     if not isinstance(recorded, dict):
         return
@@ -293,9 +293,9 @@ def _warn_golden_versions(where, recorded) -> None:
 
 def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     """Read and verify the golden for the checkpoint's spec; prompts and tokens come from it."""
-    from harness.golden import GoldenError, read_golden, same_weights
+    from harness.reference.golden import GoldenError, read_golden, same_weights
 
-    from harness.prompts import validate_prompt_ids
+    from harness.inputs.prompts import validate_prompt_ids
 
     golden = read_golden(args.golden, expected_spec=args.ckpt.spec)
     golden.results("bfloat16")  # the noise envelope: check and bisect need it (refused here, not later)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import statistics
 import time
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
+from harness.inputs.spec import ModelSpec
 from harness.perf.roofline import CHIP, GiB, Rates, floors, graph_costs, lm_head_params_per_rank
-from harness.sharding import bytes_per_rank
-from harness.spec import ModelSpec
+from harness.port.sharding import bytes_per_rank
 
 
 def batch_fit(spec: ModelSpec, tp: int, dtype: str, batch: int, kv_len: int, chip: dict | None = None,
@@ -140,8 +140,8 @@ def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, p
     """`bench --batch`: one build with max(batches) KV slots; per batch size, `runs` timed runs of
     that many prompts of `prompt_len` tokens, beside the floors on this backend's rates."""
     from harness.backends import build_engine
-    from harness.batching import BatchEngine
     from harness.perf.bench import bench_prompt, bench_rates
+    from harness.port.batching import BatchEngine
 
     batches = sorted(set(batches))
     # xla builds batched graphs as parity builds only (its perf build returns one row)

@@ -17,13 +17,13 @@ import statistics
 import time
 from datetime import datetime, timezone
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
+from harness.base.progress import status
+from harness.base.settings import PUBLISHED_BUCKET, RunSettings
 from harness.perf import length, machine, outputs
 from harness.perf.results import FORMAT, latency_samples, metric_samples
 from harness.perf.roofline import measured_rates, neuron_instance_rates, roofline_block
 from harness.perf.stats import summarize
-from harness.progress import status
-from harness.settings import PUBLISHED_BUCKET, RunSettings
 
 DEFAULT_RUNS, DEFAULT_WARMUP, DEFAULT_NEW_TOKENS = 20, 3, 16
 # What bench runs unless told: the published port's prefill bucket (the one its figure was measured at).
@@ -115,7 +115,7 @@ def _check_bench_options(runs, warmup, buckets, new_tokens, kv_len) -> None:
 def perf_engine(checkpoint, settings: RunSettings):
     """The perf build `bench` times and serving runs: no capture outputs (on a compiled backend its
     prefill graphs return only the last real row). `check` judges this same build
-    (harness/served.py), so what is timed is what is judged."""
+    (harness/parity/served.py), so what is timed is what is judged."""
     from harness.backends import build_engine
 
     if settings.backend == "neuron":

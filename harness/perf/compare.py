@@ -19,7 +19,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
 from harness.perf import outputs, stats
 from harness.perf.length import pin_length_outputs
 from harness.perf.results import load_result, metric_samples, mismatches, budget_samples

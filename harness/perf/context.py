@@ -8,11 +8,11 @@ layers' reads and attention are their window plus the chunk instead of the bucke
 
 from __future__ import annotations
 
-from harness.engine import chunk_plan
-from harness.graphs import kv_buckets
+from harness.inputs.spec import dtype_bytes
 from harness.perf.roofline import floors, graph_costs
-from harness.sharding import kv_cache_bytes, plan_layer
-from harness.spec import dtype_bytes
+from harness.port.engine import chunk_plan
+from harness.port.graphs import kv_buckets
+from harness.port.sharding import kv_cache_bytes, plan_layer
 
 
 def call_costs(spec, tp: int, dtype: str, tokens: int, *, kv_read: int, sliding_cache: str) -> dict:

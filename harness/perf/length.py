@@ -14,7 +14,7 @@ import gc
 import statistics
 import time
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
 from harness.perf import outputs
 from harness.perf.context import context_floors
 

@@ -2,7 +2,7 @@
 longest context that fits next to the weights, for the linear and the ring sliding cache.
 
 The chip facts (HBM per chip, cores per chip, chips per instance) are roofline.py's; the bytes are
-harness.sharding's per-rank arithmetic. Ranks fill a chip's cores before the next chip, so on an
+harness.port.sharding's per-rank arithmetic. Ranks fill a chip's cores before the next chip, so on an
 inf2.8xlarge (one chip, two NeuronCore-v2) both ranks of TP=2 share its 32 GiB.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
+from harness.base.settings import DEFAULT_BUCKETS
 from harness.perf.roofline import CHIP, DEFAULT_INSTANCE, INSTANCE_CHIPS
-from harness.device_plan import graph_reserve_bytes
-from harness.settings import DEFAULT_BUCKETS
-from harness.sharding import dtype_bytes, memory_plan
+from harness.port.device_plan import graph_reserve_bytes
+from harness.port.sharding import dtype_bytes, memory_plan
 
 
 def instance_for(tp: int) -> str | None:
@@ -38,7 +38,7 @@ def instance_memory_plan(spec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
         raise HarnessInputError(f"--tp {tp} needs {chips} Inferentia2 chips ({CHIP['cores']} cores each); "
                                 f"{instance} has {INSTANCE_CHIPS[instance]}")
     # Each NeuronCore-v2 owns its share of the chip's HBM: TP=1 has one core's 16 GiB, not the chip's
-    # 32 (the same rule as the per-core fit in harness.instances).
+    # 32 (the same rule as the per-core fit in harness.perf.instances).
     ranks = min(tp, CHIP["cores"])
     device = (f"one Inferentia2 chip of {instance}" if ranks == CHIP["cores"]
               else f"{ranks} of the {CHIP['cores']} NeuronCores of one Inferentia2 chip of {instance}")
@@ -62,7 +62,7 @@ def render_memory_plan(plan: dict, sliding_cache: str) -> str:
     """The plan as text lines: the arithmetic behind each cache's longest context."""
     lines = [f"memory plan: {plan['device']}, {gib(plan['device_bytes'])} for {plan['ranks_per_device']} "
              f"rank(s); weights {gib(plan['weights_bytes'])}, compiled graphs up to {gib(plan['graphs_reserve_bytes'])} "
-             "(harness/device_plan.py; nothing else reserved for activations or runtime scratch)"]
+             "(harness/port/device_plan.py; nothing else reserved for activations or runtime scratch)"]
     if plan["weights_bytes"] >= plan["device_bytes"]:
         lines.append(f"  the weights alone exceed {gib(plan['device_bytes'])}: this TP and dtype do not fit the chip")
     for kind, c in plan["caches"].items():

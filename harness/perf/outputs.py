@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
 
 MARGIN_DECIMALS = 4  # the fingerprint's resolution: margins are raw logits, O(1)-O(10)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from harness.atomic import write_bytes_atomic
+from harness.base.atomic import write_bytes_atomic
 from harness.perf.compare import Comparison
 
 MAX_PANELS = 4

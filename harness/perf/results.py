@@ -12,9 +12,9 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness.atomic import write_json_atomic, write_text_atomic
-from harness.errors import HarnessInputError, read_json_file
-from harness.settings import short_dtype_name
+from harness.base.atomic import write_json_atomic, write_text_atomic
+from harness.base.errors import HarnessInputError, read_json_file
+from harness.base.settings import short_dtype_name
 
 FORMAT = 1
 BASELINE_FILE = "baseline.json"
@@ -160,7 +160,7 @@ def load_result(path) -> dict:
 
 
 def write_text(path, text: str, overwrite: bool = False) -> Path:
-    """Atomic, and without `overwrite` never over an existing file (see harness.atomic)."""
+    """Atomic, and without `overwrite` never over an existing file (see harness.base.atomic)."""
     return write_text_atomic(path, text, no_clobber=not overwrite)
 
 

@@ -1,7 +1,7 @@
 """Roofline floors per device graph: the least time the hardware could take for one call.
 
 For each graph (prefill at a bucket, one decode step) three costs come from the spec and the TP
-plan (harness.sharding), summed over the ranks of the chip:
+plan (harness.port.sharding), summed over the ranks of the chip:
   * bytes read from device memory: every rank's weights once, plus the whole KV cache the static
     graph attends over (both K and V, every layer) and the slots it writes;
   * FLOPs: 2 per weight per token for every projection and the lm_head, and the two attention
@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from harness.errors import HarnessInputError
-from harness.settings import DEFAULT_KV_LEN, PUBLISHED_BUCKET
-from harness.sharding import bytes_per_rank, plan_layer, plan_model
-from harness.spec import ModelSpec, dtype_bytes
+from harness.base.errors import HarnessInputError
+from harness.base.settings import DEFAULT_KV_LEN, PUBLISHED_BUCKET
+from harness.inputs.spec import ModelSpec, dtype_bytes
+from harness.port.sharding import bytes_per_rank, plan_layer, plan_model
 
 GiB = 2**30
 # Per Inferentia2 chip. Source: AWS Neuron documentation, "Inferentia2 Architecture" and "Amazon EC2

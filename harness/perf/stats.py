@@ -11,7 +11,7 @@ import functools
 import math
 import statistics
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
 
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 20260101  # fixed: the same files always print the same interval

@@ -5,7 +5,7 @@ raise. `python -m tests.census.margins` runs the whole census and prints the tab
 
 from __future__ import annotations
 
-from harness.compare import ENVELOPE_FACTOR, FP32_FACTOR
+from harness.judge.compare import ENVELOPE_FACTOR, FP32_FACTOR
 
 
 def _points(stage, factor: float, label: str) -> dict:

@@ -18,14 +18,14 @@ _ROOT = Path(tempfile.mkdtemp(prefix="census-"))
 @dataclass(frozen=True)
 class Shape:
     """A checkpoint: `init` "default" (transformers' own initialisation) or "builder"
-    (harness/tiny.py's margin-widening weights), config edits on the tiny config (or a family
+    (harness/inputs/tiny.py's margin-widening weights), config edits on the tiny config (or a family
     variant's), a seed."""
 
     name: str
     init: str = "default"
     edits: tuple = ()
     seed: int = 0
-    variant: str | None = None  # a harness.tiny.TINY_FAMILY key
+    variant: str | None = None  # a harness.inputs.tiny.TINY_FAMILY key
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ def prompt_of(n: int, seed: int = 0, vocab: int = 512) -> tuple:
 
 
 def _config(shape: Shape) -> dict:
-    from harness.tiny import TINY_CONFIG, TINY_FAMILY
+    from harness.inputs.tiny import TINY_CONFIG, TINY_FAMILY
 
     path = TINY_FAMILY[shape.variant] if shape.variant else TINY_CONFIG
     config = json.loads(Path(path).read_text())
@@ -65,8 +65,8 @@ def checkpoint(shape: Shape):
     """The shape's checkpoint, written once per process."""
     import transformers
 
-    from harness.checkpoint import Checkpoint
-    from harness.tiny import TINY_CLASSES, randomize_for_margins
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import TINY_CLASSES, randomize_for_margins
 
     config = _config(shape)
     config_cls, model_cls = TINY_CLASSES[config.get("model_type", "gemma4_unified")]
@@ -81,8 +81,8 @@ def checkpoint(shape: Shape):
 
 @functools.lru_cache(maxsize=None)
 def references(shape: Shape, prompts: tuple, new_tokens: int):
-    from harness.local import intra_op_threads_for
-    from harness.reference import run_reference
+    from harness.parity.local import intra_op_threads_for
+    from harness.reference.run import run_reference
 
     ckpt = checkpoint(shape)
     with intra_op_threads_for(ckpt.spec):
@@ -92,8 +92,8 @@ def references(shape: Shape, prompts: tuple, new_tokens: int):
 def run_check(shape: Shape, run: Run):
     """`check` (both stages, no local verdicts) of the bf16 port at the run's settings."""
     from harness.backends import build_engine
-    from harness.parity import check_port
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
+    from harness.parity.check import check_port
 
     ckpt = checkpoint(shape)
     refs = references(shape, run.prompts, run.new_tokens)

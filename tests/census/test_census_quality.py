@@ -1,15 +1,15 @@
 """The census through `quality` (issue 26): every family variant's healthy port passes the corpus
 judge over a 192-id corpus (3 windows of 64). The MoE variant is the false alarm the issue names (the
-corpus judge now shares check's routing policy, harness/quality_moe.py) (builder weights) runs in the
+corpus judge now shares check's routing policy, harness/quality/moe.py) (builder weights) runs in the
 default lane; the others in the slow lane. A routing fault still fails the MoE variant's corpus verdict."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness import quality
-from harness.quality_judge import judge_corpus
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.quality import golden as quality
+from harness.quality.judge import judge_corpus
 from tests.census.ports import Shape, checkpoint
 from tests.quality.test_quality import corpus_ids
 

@@ -13,8 +13,8 @@ VARIANTS = ("31b", "e2b", "e4b", "26b-a4b")
 
 @functools.lru_cache(maxsize=None)
 def family_checkpoint(variant: str):
-    from harness.checkpoint import Checkpoint
-    from harness.tiny import TINY_FAMILY, tiny_checkpoint
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import TINY_FAMILY, tiny_checkpoint
 
     return Checkpoint.open(tiny_checkpoint(0, TINY_FAMILY[variant]))
 
@@ -22,7 +22,7 @@ def family_checkpoint(variant: str):
 @functools.lru_cache(maxsize=None)
 def family_reference(variant: str):
     """fp32 and bf16 references of the family prompts (bf16 teacher-forced on the fp32 tokens)."""
-    from harness.reference import run_reference
+    from harness.reference.run import run_reference
 
     return run_reference(family_checkpoint(variant).path, FAMILY_PROMPTS, FAMILY_NEW_TOKENS)
 
@@ -31,8 +31,8 @@ def family_check(variant: str, backend: str, tp: int):
     """`check` (both stages, no local verdicts) of the port in bf16 on `backend` at `tp`, on the
     variant's tiny checkpoint against its references."""
     from harness.backends import build_engine
-    from harness.parity import check_port
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
+    from harness.parity.check import check_port
 
     ckpt, refs = family_checkpoint(variant), family_reference(variant)
     settings = RunSettings(backend=backend, tp=tp, dtype="bfloat16", buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
@@ -42,7 +42,7 @@ def family_check(variant: str, backend: str, tp: int):
 
 def assert_family_check_passes(result, variant: str, backend: str, tp: int) -> None:
     """The fp32 stage ran on the backend itself at its TP and equals transformers token for token;
-    the bf16 stage passes (on the MoE variant with routing teacher-forced, harness/routing.py)."""
+    the bf16 stage passes (on the MoE variant with routing teacher-forced, harness/judge/routing.py)."""
     fp32 = result.fp32
     assert fp32 is not None and (fp32.backend, fp32.tp, fp32.dtype) == (backend, tp, "float32")
     assert fp32.passed and fp32.seq_match, fp32.failures()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.errors import GoldenError
-from harness.golden import make_golden, read_golden
+from harness.base.errors import GoldenError
+from harness.reference.golden import make_golden, read_golden
 from tests.family.shared import family_checkpoint
 from tests.inputs.scenarios import rehash_golden
 
@@ -45,10 +45,10 @@ def test_family_golden_with_a_foreign_tensor_is_refused(tmp_path):
 def test_golden_of_other_weights_is_not_re_run(tmp_path):
     """A golden written from other weights (same architecture) cannot be reproduced by this
     checkpoint: check judges against it as it is (no teacher-forced re-run) and says so."""
-    from harness.checkpoint import Checkpoint
-    from harness.parity import run_parity_check
-    from harness.settings import RunSettings
-    from harness.tiny import TINY_FAMILY, tiny_checkpoint
+    from harness.base.settings import RunSettings
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import TINY_FAMILY, tiny_checkpoint
+    from harness.parity.check import run_parity_check
 
     other = Checkpoint.open(tiny_checkpoint(1, TINY_FAMILY["26b-a4b"]))
     prompts = tmp_path / "prompts.json"

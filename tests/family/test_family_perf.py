@@ -4,9 +4,9 @@ layers read and write no KV of their own, the per-layer table rows cross the hos
 from __future__ import annotations
 
 from harness import FIXTURES_DIR
+from harness.inputs.spec import load_spec
 from harness.perf.roofline import graph_costs, info_floors
-from harness.sharding import bytes_per_rank
-from harness.spec import load_spec
+from harness.port.sharding import bytes_per_rank
 
 CONFIGS = FIXTURES_DIR / "configs"
 

@@ -10,9 +10,9 @@ import torch
 
 from harness import FIXTURES_DIR
 from harness.backends import build_engine
-from harness.compare import rel_l2
-from harness.settings import RunSettings
-from harness.spec import load_spec
+from harness.base.settings import RunSettings
+from harness.inputs.spec import load_spec
+from harness.judge.compare import rel_l2
 from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN
 from tests.family.shared import assert_family_check_passes, family_check, family_checkpoint, family_reference
 

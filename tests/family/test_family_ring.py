@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import model as port_model
-from harness import model_blocks as port_blocks
+from harness.port import blocks as port_blocks
+from harness.port import model as port_model
 from tests.family.shared import family_checkpoint, family_reference
 
 
 def _check(variant: str, buckets: tuple):
     from harness.backends import build_engine
-    from harness.parity import check_port
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
+    from harness.parity.check import check_port
     from tests.faults.catalog import FAMILY_KV_LEN
 
     ckpt, refs = family_checkpoint(variant), family_reference(variant)

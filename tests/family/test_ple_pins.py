@@ -1,5 +1,5 @@
-"""Ill-conditioned gated per-layer inputs (E2B/E4B) teacher-forced (the rule harness/forced_path.py
-add_pins, applied by harness/observe.py follow_port_path; harness/reference_forcing.py force_inputs):
+"""Ill-conditioned gated per-layer inputs (E2B/E4B) teacher-forced (the rule harness/parity/forced_path.py
+add_pins, applied by harness/parity/observe.py follow_port_path; harness/reference/forcing.py force_inputs):
 where a gated per-layer input row has no direction at bf16 precision, the layer's post-norm scales
 noise up to full size; the references take the port's row there, so a healthy port is not failed
 for it, while every PLE fault still is (tests/faults/test_family_faults.py)."""
@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from harness import forced_path
-from harness.compare import PLE_PIN_NOISE
-from harness.reference import rerun_reference
-from harness.reference_forcing import Forced
+from harness.judge.compare import PLE_PIN_NOISE
+from harness.parity import forced_path
+from harness.reference.forcing import Forced
+from harness.reference.run import rerun_reference
 from tests.family.shared import family_checkpoint, family_reference
 
 
@@ -49,10 +49,10 @@ def test_forced_gated_input_is_taken_at_its_position_only():
 def test_healthy_ple_port_needs_the_pins(monkeypatch):
     """The tiny E4B (seed 0) on the default prompts: without pins the healthy port fails on a row
     whose gated input is near zero; with them it passes."""
-    from harness.checkpoint import Checkpoint
-    from harness.parity import run_parity_check
-    from harness.settings import RunSettings
-    from harness.tiny import TINY_FAMILY, tiny_checkpoint
+    from harness.base.settings import RunSettings
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import TINY_FAMILY, tiny_checkpoint
+    from harness.parity.check import run_parity_check
 
     ckpt = Checkpoint.open(tiny_checkpoint(0, TINY_FAMILY["e4b"]))
     result = run_parity_check(ckpt, ckpt.path, RunSettings())

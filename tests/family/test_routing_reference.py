@@ -1,4 +1,4 @@
-"""Routing teacher-forced (harness/reference.py force_routing, harness/routing.py) on the tiny
+"""Routing teacher-forced (harness/reference/run.py force_routing, harness/judge/routing.py) on the tiny
 transformers-built 26B-A4B shape: the bf16 reference follows the fp32 routing, a re-run on a run's
 own routing is bit for bit that run, a re-run on other routing takes it, and the local verdicts of
 MoE layers judge the routing of each layer alone."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.reference import rerun_reference
-from harness.reference_forcing import Forced, routes_of
+from harness.reference.forcing import Forced, routes_of
+from harness.reference.run import rerun_reference
 from tests.family.shared import family_checkpoint, family_reference
 
 MOE = "26b-a4b"
@@ -54,8 +54,8 @@ def test_rerun_on_own_routing_is_the_same_run_and_other_routing_is_taken():
 
 def test_local_verdicts_follow_each_layers_own_routing(monkeypatch):
     from harness.backends import build_engine
-    from harness.parity import check_port
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
+    from harness.parity.check import check_port
     from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_CATALOG, FAMILY_KV_LEN
 
     refs, ckpt = family_reference(MOE), family_checkpoint(MOE)

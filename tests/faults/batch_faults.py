@@ -1,6 +1,6 @@
 """Faults only a batch has (issue 29), each injected into the port: `check --batch` must fail on
-each and name the sequence it broke. They patch the port (harness.model, harness.kv_slots,
-harness.batching, harness.model_blocks) through a pytest MonkeyPatch, like tests/faults/catalog.py.
+each and name the sequence it broke. They patch the port (harness.port.model, harness.port.kv_slots,
+harness.port.batching, harness.port.blocks) through a pytest MonkeyPatch, like tests/faults/catalog.py.
 
 The 12B's faults run on the tiny fixture with the prompts of BATCH_PROMPTS served by BATCH_SLOTS
 slots: the 64-token prompt first, so the 7-token one starts in the slot it leaves (a reused slot
@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from harness import batching as port_batching
-from harness import model as port_model
-from harness import model_blocks as port_blocks
+from harness.port import batching as port_batching
+from harness.port import blocks as port_blocks
+from harness.port import model as port_model
 
 BATCH_SLOTS = 3
 BATCH_BUCKETS, BATCH_KV_LEN, BATCH_NEW_TOKENS = (16, 64), 128, 8
@@ -25,7 +25,7 @@ BATCH_BUCKETS, BATCH_KV_LEN, BATCH_NEW_TOKENS = (16, 64), 128, 8
 
 def batch_prompts() -> list[list[int]]:
     """The default prompts of at most 64 tokens, longest first (64, 40, 24, 7)."""
-    from harness.prompts import load_prompts
+    from harness.inputs.prompts import load_prompts
 
     return sorted((p for p in load_prompts() if len(p) <= 64), key=len, reverse=True)
 
@@ -217,8 +217,8 @@ BATCH_CATALOG = [
 @functools.lru_cache(maxsize=None)
 def batch_reference():
     """fp32 and bf16 references of batch_prompts() on the tiny fixture (seed 0)."""
-    from harness.reference import run_reference
-    from harness.tiny import tiny_checkpoint
+    from harness.inputs.tiny import tiny_checkpoint
+    from harness.reference.run import run_reference
 
     return run_reference(tiny_checkpoint(seed=0), batch_prompts(), new_tokens=BATCH_NEW_TOKENS)
 
@@ -227,10 +227,10 @@ def run_batch_check(fault: BatchFault | None, monkeypatch, variant: str | None =
     """`check --batch` (both stages, no local verdicts) of the tiny 12B (or a family variant, on its
     family prompts with 4 slots) with `fault` injected."""
     from harness.backends import build_engine
-    from harness.checkpoint import Checkpoint
-    from harness.parity import check_port
-    from harness.settings import RunSettings
-    from harness.tiny import tiny_checkpoint
+    from harness.base.settings import RunSettings
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import tiny_checkpoint
+    from harness.parity.check import check_port
 
     variant = fault.variant if fault is not None else variant
     if variant is None:

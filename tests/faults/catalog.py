@@ -2,7 +2,7 @@
 injected into the port, each of which the parity check must fail on, and where it must say so
 (first divergent layer, capture point, tokens).
 
-Every fault patches the port (harness.model / harness.sharding / harness.engine) through a
+Every fault patches the port (harness.port.model / harness.port.sharding / harness.port.engine) through a
 pytest MonkeyPatch and never the reference, which is transformers itself: one reference run serves
 every fault. `python -m tests.faults.catalog` runs the catalog and prints what caught each fault
 as a Markdown table (the one in docs/faults.md).
@@ -19,13 +19,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from harness import engine as port_engine
-from harness import model as port_model
-from harness import model_blocks as port_blocks
-from harness import sharding as port_sharding
 from harness.backends import cpu as port_cpu
-from harness.compare import compare_logits
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.judge.compare import compare_logits
+from harness.port import blocks as port_blocks
+from harness.port import engine as port_engine
+from harness.port import model as port_model
+from harness.port import sharding as port_sharding
 
 TINY = "tiny0"  # the default tiny fixture (hidden 64)
 # A variant whose sqrt(hidden) is not a bf16 number, so that whether the scale is cast first
@@ -74,8 +74,8 @@ class Expectation:
 
 @dataclass(frozen=True)
 class PolicyGap:
-    """Expectations (names as `unmet` returns them) the current policy of harness/compare.py and
-    harness/parity.py does not meet for a fault, and why. The test requires exactly these to be
+    """Expectations (names as `unmet` returns them) the current policy of harness/judge/compare.py and
+    harness/parity/check.py does not meet for a fault, and why. The test requires exactly these to be
     missed, so it fails both when the gap widens and when a policy fix closes it."""
 
     unmet: tuple[str, ...]
@@ -352,11 +352,11 @@ def host_softcap_without_divide(monkeypatch):
 
 
 def shared_softcap_formula_wrong(monkeypatch):
-    """The softcap formula wrong at its source, harness.numerics, where the port and the judge's
+    """The softcap formula wrong at its source, harness.base.numerics, where the port and the judge's
     fallbacks both read it (cap * tanh(x)): the reference, which takes its capped distribution and
     its greedy tokens from transformers alone, does not lean on it, so the check still sees it."""
-    from harness import compare as judge
-    from harness import numerics
+    from harness.base import numerics
+    from harness.judge import compare as judge
 
     def wrong(logits, cap):
         return logits.float() if cap is None else cap * torch.tanh(logits.float())
@@ -504,7 +504,7 @@ def chunk_ignores_cached_prefix(monkeypatch):
 def decode_kv_bucket_one_too_small(monkeypatch):
     """Decode steps read the KV bucket below the one that holds their positions (where there is
     one): the newest keys, the step's own included, drop out of attention."""
-    from harness import graphs as port_graphs
+    from harness.port import graphs as port_graphs
 
     original = port_graphs.kv_read_length
 
@@ -632,7 +632,7 @@ CATALOG: list[Fault] = [
           "greedy tokens never change, but every served probability is wrong",
           host_softcap_without_divide, Expectation("probabilities", fp32_point="probabilities")),
     Fault("shared-softcap-formula-wrong", "port: host softcap; layers",
-          "the softcap formula wrong in harness.numerics, "
+          "the softcap formula wrong in harness.base.numerics, "
           "shared by the port and the judge's fallbacks: the reference computes from transformers alone",
           shared_softcap_formula_wrong, Expectation("probabilities", fp32_point="probabilities")),
     Fault("host-probabilities-uncapped", "port: host softcap", "the host serves softmax of the raw logits",
@@ -690,7 +690,7 @@ TINY_E2B, TINY_E4B, TINY_MOE = "tiny-e2b", "tiny-e4b", "tiny-26b-a4b"
 # The default prompts of 7, 24, 40 and 64 tokens (past the sliding window of 16) with decode steps:
 # enough rows for the probability envelope's quantile, and still cheap on the tiny variants.
 def _family_prompts() -> list[list[int]]:
-    from harness.prompts import load_prompts
+    from harness.inputs.prompts import load_prompts
 
     return [p for p in load_prompts() if len(p) <= 64]
 
@@ -790,10 +790,10 @@ def moe_sum_without_norms(monkeypatch):
     monkeypatch.setattr(port_blocks.FamilyDecoderLayer, "feed_forward", feed_forward)
 
 
-# Each family fault is caught at its own part's capture point (harness/points.py layer_parts: the
+# Each family fault is caught at its own part's capture point (harness/base/points.py layer_parts: the
 # judged points of a layer follow the spec): a PLE fault at the gated per-layer input, a router
 # fault at the chosen experts' weights. On the MoE variant the bf16 stage teacher-forces routing
-# (harness/routing.py): the references follow the port's router choices, and each choice that
+# (harness/judge/routing.py): the references follow the port's router choices, and each choice that
 # differs from the fp32 top-k must be a near tie. A router that picks the wrong experts therefore
 # fails there as a routing divergence, while its weights compare along the same path; a router
 # softmax in bf16 moves the weights by bf16's own rounding, which only the fp32 stage can see (its
@@ -833,8 +833,8 @@ def run_family_check(fault: Fault | None, monkeypatch, checkpoint, references, t
     """Inject `fault`, build the port (bf16, CPU) for a family checkpoint and run the check (both
     stages, no local verdicts: their layers mostly cannot run alone)."""
     from harness.backends import build_engine
-    from harness.parity import check_port
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
+    from harness.parity.check import check_port
 
     if fault is not None:
         fault.inject(monkeypatch)
@@ -855,8 +855,8 @@ def run_faulty_check(fault: Fault | None, monkeypatch, checkpoint, references, l
     the fault's fixture, else of `key`) and run the parity check against the references (fp32 and
     bf16) computed once for the checkpoint."""
     from harness.backends import build_engine
-    from harness.parity import check_port
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
+    from harness.parity.check import check_port
 
     if fault is not None:
         fault.inject(monkeypatch)
@@ -1020,7 +1020,7 @@ def inexact_scale_checkpoint(out_dir):
     """The tiny config with a hidden size whose sqrt is inexact in bf16, built into `out_dir`."""
     import json
 
-    from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
+    from harness.inputs.tiny import TINY_CONFIG, build_tiny_checkpoint
 
     config = json.loads(TINY_CONFIG.read_text())
     config["text_config"]["hidden_size"] = INEXACT_SCALE_HIDDEN
@@ -1037,11 +1037,11 @@ def main(argv=None) -> int:
 
     import pytest
 
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
-    from harness.tiny import tiny_checkpoint
-    from harness.prompts import DEFAULT_NEW_TOKENS, load_prompts
-    from harness.reference import run_reference
+    from harness.inputs.prompts import DEFAULT_NEW_TOKENS, load_prompts
+    from harness.inputs.tiny import tiny_checkpoint
+    from harness.reference.run import run_reference
 
     names = set(sys.argv[1:] if argv is None else argv)
     unknown = names - set(BY_NAME)

@@ -34,10 +34,10 @@ def test_bisect_names_the_sequence_of_a_batch_fault(monkeypatch):
     """bisect --batch (capture mode) of the neighbouring-slot write: its check fails naming a sequence,
     and its first failing point's worst row is located in a sequence (worst_prompt)."""
     from harness.backends import build_engine
-    from harness.bisect import bisect_capture
-    from harness.checkpoint import Checkpoint
-    from harness.settings import RunSettings
-    from harness.tiny import tiny_checkpoint
+    from harness.base.settings import RunSettings
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import tiny_checkpoint
+    from harness.parity.bisect import bisect_capture
     from tests.faults.batch_faults import BATCH_BUCKETS, BATCH_KV_LEN, BATCH_SLOTS, batch_reference
 
     fault = next(f for f in BATCH_CATALOG if f.name == "batch-kv-write-neighbour-slot")

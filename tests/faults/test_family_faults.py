@@ -1,7 +1,7 @@
 """The Gemma-4 family's faults (tests/faults/catalog.py FAMILY_CATALOG), each injected into the
 port on its tiny transformers-built variant: `check` fails, at the expected capture point, layer and
 part; the clean port passes the same check, both stages (on the MoE variant with routing
-teacher-forced in the bf16 stage: harness/routing.py)."""
+teacher-forced in the bf16 stage: harness/judge/routing.py)."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def test_bisect_names_the_family_fault(monkeypatch, name):
     run shows only later (a shared layer writing its source's cache) by the fp32 stage's earlier
     point, the MoE layer by its local run."""
     from harness.backends import build_engine
-    from harness.bisect import bisect_capture
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
+    from harness.parity.bisect import bisect_capture
     from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN
 
     fault = next(f for f in FAMILY_CATALOG if f.name == name)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import engine as port_engine
-from harness.engine import Engine
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.port import engine as port_engine
+from harness.port.engine import Engine
 from tests.faults.catalog import (CATALOG, LONG, TINY, TINY_INEXACT_SCALE, Caught, embed_scale_not_cast,
                                   failing_points, run_faulty_check, unmet)
 
@@ -127,8 +127,8 @@ def test_bisect_locates_gaps(request, monkeypatch, fault):
     """Where the layer's residual points of the port's own run stay under the factor, bisect's
     local error (the layer fed the reference's input) names the layer and component, as the
     check's local verdict does."""
-    from harness.bisect import bisect_capture
     from harness.backends import build_engine
+    from harness.parity.bisect import bisect_capture
     from tests.faults.catalog import CHECK_BUCKETS, CHECK_KV_LEN
 
     ckpt, refs = _checkpoint_and_reference(request, fault.checkpoint)
@@ -156,8 +156,8 @@ def test_local_verdict_runs_the_decoders_own_wiring(monkeypatch, tiny0_ckpt, tin
     layer 5 alone on the reference's input, on a prompt longer than the window. In fp32 the clean
     port's layer equals transformers' to rounding and the faulty one does not."""
     from harness.backends import build_engine
-    from harness.compare import rel_l2
-    from harness.local import port_layer_captures
+    from harness.judge.compare import rel_l2
+    from harness.parity.local import port_layer_captures
     from tests.faults.catalog import BY_NAME
 
     ref = tiny0_reference["float32"][2]  # 40 tokens, past the window of 16

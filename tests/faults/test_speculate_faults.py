@@ -1,4 +1,4 @@
-"""Speculative decoding on the fitted tiny target + assistant pairs (harness/tiny_assistant.py):
+"""Speculative decoding on the fitted tiny target + assistant pairs (harness/reference/tiny_assistant.py):
 the healthy port passes the speculative stage (tokens, drafter points, acceptance within the band
 of transformers' assisted generation) on the unified 12B-like pair and the gemma4 family pair at
 TP 1 and 2; each drafter/verify fault fails it, and says where. `acceptance_only` faults leave the
@@ -15,11 +15,11 @@ from typing import Callable
 import pytest
 import torch
 
-from harness import drafter as port_drafter
-from harness import engine as port_engine
-from harness import speculate as port_speculate
 from harness.backends import cpu_drafter
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.port import drafter as port_drafter
+from harness.port import engine as port_engine
+from harness.port import speculate as port_speculate
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +30,10 @@ NEW_TOKENS, K = 12, 3
 
 @functools.lru_cache(maxsize=None)
 def pair(name: str):
-    from harness.checkpoint import Checkpoint
-    from harness.reference import run_reference
-    from harness.tiny import TINY_CONFIG, TINY_FAMILY
-    from harness.tiny_assistant import tiny_assistant
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import TINY_CONFIG, TINY_FAMILY
+    from harness.reference.run import run_reference
+    from harness.reference.tiny_assistant import tiny_assistant
 
     target, assistant = tiny_assistant(0, TINY_CONFIG if name == "12b" else TINY_FAMILY["31b"])
     refs = run_reference(target, PROMPTS, NEW_TOKENS)
@@ -41,7 +41,7 @@ def pair(name: str):
 
 
 def run_stage(name: str, tp: int = 2):
-    from harness.speculate_stage import check_speculative
+    from harness.parity.speculative import check_speculative
 
     ckpt, assistant, refs = pair(name)
     settings = RunSettings(tp=tp, dtype="bfloat16", buckets=(16, 64), kv_len=64)

@@ -120,8 +120,8 @@ def write_json(path: Path, payload) -> Path:
 
 def small_golden(out: Path, ckpt, prompts=((5, 6, 7),), new_tokens: int = 2) -> Path:
     """A real golden of `ckpt` (fp32 and bf16 references) for short prompts."""
-    from harness.golden import write_golden
-    from harness.reference import run_reference
+    from harness.reference.golden import write_golden
+    from harness.reference.run import run_reference
 
     results = run_reference(ckpt.path, [list(p) for p in prompts], new_tokens)
     return write_golden(out, ckpt.spec, results, new_tokens, ckpt.file_hashes(), str(ckpt.path))
@@ -130,8 +130,8 @@ def small_golden(out: Path, ckpt, prompts=((5, 6, 7),), new_tokens: int = 2) -> 
 def rehash_golden(golden: Path, edit_manifest=None, edit_tensors=None) -> Path:
     """Edit a golden and recompute its hashes, as someone forging a consistent-looking golden
     would: what is left to catch it is the consistency and finiteness checks."""
-    from harness.checkpoint import sha256_file
-    from harness.golden import MANIFEST, TENSORS, golden_hash
+    from harness.inputs.checkpoint import sha256_file
+    from harness.reference.golden import MANIFEST, TENSORS, golden_hash
 
     manifest = json.loads((golden / MANIFEST).read_text())
     if edit_tensors:

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from harness.checkpoint import Checkpoint
+from harness.inputs.checkpoint import Checkpoint
 from tests.inputs.scenarios import REPO, cli_env
 
 
@@ -46,11 +46,11 @@ def test_a_second_builder_waits_for_the_lock_and_takes_the_winners_entry(tmp_pat
     cache = tmp_path / "cache"
     cache.mkdir()
     env = cli_env(GEMMA_PARITY_CACHE=str(cache))
-    name = subprocess.run([sys.executable, "-c", "from harness.tiny import tiny_checkpoint_path as p; "
+    name = subprocess.run([sys.executable, "-c", "from harness.inputs.tiny import tiny_checkpoint_path as p; "
                            "print(p(0).name)"], capture_output=True, text=True, env=env, check=True).stdout.strip()
     with open(cache / f".lock-{name}", "a") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        proc = subprocess.Popen([sys.executable, "-c", "from harness.tiny import tiny_checkpoint; "
+        proc = subprocess.Popen([sys.executable, "-c", "from harness.inputs.tiny import tiny_checkpoint; "
                                  "print(tiny_checkpoint(0))"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, env=env)
         time.sleep(4)

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import harness.atomic
-import harness.checkpoint
-import harness.checkpoint_files
-from harness.atomic import TEMP_MARK, atomic_directory, clean_stale_temps, temp_prefix
+import harness.base.atomic
+import harness.inputs.checkpoint
+import harness.inputs.weight_files
+from harness.base.atomic import TEMP_MARK, atomic_directory, clean_stale_temps, temp_prefix
 from tests.inputs.scenarios import (REPO, TEXT, WEIGHTS, cli_env, copy_checkpoint, rewrite_weights,
                                     run_inprocess, small_golden, snapshot, split_weights)
 
@@ -37,12 +37,12 @@ def shared_golden(tmp_path_factory, tiny0_ckpt):
 def test_an_internal_error_exits_70_with_the_traceback_in_a_file(tmp_path, monkeypatch, capsys):
     """A bug (here: plan_summary raising ZeroDivisionError) is reported as an internal error with
     exit 70, never 1 (which CI reads as a parity failure), and the traceback is kept in a file."""
-    import harness.sharding
+    import harness.port.sharding
 
     def broken(*args, **kwargs):
         return 1 / 0
 
-    monkeypatch.setattr(harness.sharding, "plan_summary", broken)
+    monkeypatch.setattr(harness.port.sharding, "plan_summary", broken)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     outcome = run_inprocess(["info", "--model", "tiny"], capsys)
     assert outcome.code == 70
@@ -58,7 +58,7 @@ def test_a_full_disk_exits_2_naming_the_users_path(tmp_path, monkeypatch, capsys
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(harness.atomic.os, "fsync", full)
+    monkeypatch.setattr(harness.base.atomic.os, "fsync", full)
     out = tmp_path / "info.json"
     outcome = run_inprocess(["info", "--model", "tiny", "--json", out], capsys)
     assert outcome.code == 2
@@ -87,16 +87,16 @@ def test_a_full_disk_while_writing_a_golden_or_the_cache_is_exit_2_with_nothing_
     """ENOSPC in each writer of big files (safetensors' own error type included): exit 2 naming
     the user's location and that the disk is full, no traceback, and no partial file or temp
     directory left behind."""
-    import harness.golden
+    import harness.reference.golden
 
     prompts = tmp_path / "p.json"
     prompts.write_text("[[5, 6, 7]]")
     out = tmp_path / "golden"
     argv = ["reference", "--model", "tiny", "--prompts", prompts, "--new-tokens", 1, "--out", out]
     if where == "golden-tensors":
-        monkeypatch.setattr(harness.golden, "save_file", _tensors_disk_full)
+        monkeypatch.setattr(harness.reference.golden, "save_file", _tensors_disk_full)
     elif where == "golden-manifest":
-        monkeypatch.setattr(harness.golden.os, "fsync", _manifest_disk_full)
+        monkeypatch.setattr(harness.reference.golden.os, "fsync", _manifest_disk_full)
     else:
         monkeypatch.setenv("GEMMA_PARITY_CACHE", str(tmp_path / "cache"))
         monkeypatch.setattr("transformers.modeling_utils.safe_save_file", _tensors_disk_full)
@@ -121,7 +121,7 @@ def test_permission_denied_on_a_shard_is_not_called_corruption(tmp_path, tiny0_d
             raise PermissionError(errno.EACCES, "Permission denied", str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(harness.checkpoint_files, "open", guarded, raising=False)
+    monkeypatch.setattr(harness.inputs.weight_files, "open", guarded, raising=False)
     outcome = run_inprocess(["info", "--checkpoint", ckpt], capsys)
     assert outcome.code == 2
     assert f"{ckpt / WEIGHTS}: cannot read the safetensors file: permission denied" in outcome.err
@@ -179,7 +179,7 @@ def test_a_stray_shard_beside_model_safetensors_is_ignored_like_transformers(tmp
     outcome = run_inprocess(["info", "--checkpoint", ckpt], capsys)
     assert outcome.code == 0, outcome.err
     assert "not loaded (transformers does not load them either): extra.safetensors" in outcome.out
-    opened = harness.checkpoint.Checkpoint.open(ckpt)
+    opened = harness.inputs.checkpoint.Checkpoint.open(ckpt)
     assert set(opened.key_to_file.values()) == {ckpt / WEIGHTS}
     assert bool(torch.isfinite(opened.final_norm_weight()).all())
 
@@ -187,10 +187,10 @@ def test_a_stray_shard_beside_model_safetensors_is_ignored_like_transformers(tmp
 def test_an_index_with_its_shards_is_read_and_agrees_with_the_single_file(tmp_path, tiny0_dir):
     """A correctly sharded checkpoint (index + two shards) maps every key to the shard holding it
     and reads the same tensors as the single file."""
-    single = harness.checkpoint.Checkpoint.open(tiny0_dir)
+    single = harness.inputs.checkpoint.Checkpoint.open(tiny0_dir)
     ckpt = copy_checkpoint(tiny0_dir, tmp_path / "ckpt")
     first, second = split_weights(ckpt, f"{TEXT}layers.3.")
-    sharded = harness.checkpoint.Checkpoint.open(ckpt)
+    sharded = harness.inputs.checkpoint.Checkpoint.open(ckpt)
     assert {k: v.name for k, v in sharded.key_to_file.items()} == {
         k: (second if k.startswith(f"{TEXT}layers.3.") else first) for k in single.key_to_file}
     assert torch.equal(sharded.layer_weights(3)["mlp.up_proj.weight"], single.layer_weights(3)["mlp.up_proj.weight"])
@@ -211,7 +211,7 @@ def test_bisect_accepts_a_golden_of_other_weights(tmp_path, tiny0_dir, shared_go
 
 
 def test_a_prompts_file_with_a_byte_order_mark_is_read(tmp_path):
-    from harness.prompts import load_prompts
+    from harness.inputs.prompts import load_prompts
 
     path = tmp_path / "prompts.json"
     path.write_bytes("\ufeff[[5, 6, 7]]".encode("utf-8"))
@@ -225,7 +225,7 @@ def test_overwrite_replaces_a_golden_whole(tmp_path, tiny0_dir, shared_golden, c
     normal permissions, and nothing else appears beside it."""
     import shutil
 
-    from harness.golden import read_golden
+    from harness.reference.golden import read_golden
 
     target = Path(shutil.copytree(shared_golden, tmp_path / "golden"))
     prompts = tmp_path / "p.json"
@@ -378,7 +378,7 @@ def test_an_unusable_cache_location_is_an_environment_error(tmp_path, monkeypatc
 
 
 def test_an_empty_cache_variable_means_the_default(monkeypatch):
-    from harness.tiny import cache_dir
+    from harness.inputs.tiny import cache_dir
 
     monkeypatch.setenv("GEMMA_PARITY_CACHE", "")
     assert cache_dir() == Path.home() / ".cache" / "gemma-parity"
@@ -391,7 +391,7 @@ def test_a_write_that_fails_after_the_check_is_exit_2_and_no_verdict(tmp_path, t
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(harness.atomic.os, "fsync", full)
+    monkeypatch.setattr(harness.base.atomic.os, "fsync", full)
     out = tmp_path / "check.json"
     outcome = run_inprocess(["check", "--checkpoint", tiny0_dir, "--golden", shared_golden, "--json", out], capsys)
     assert outcome.code == 2, outcome.err
@@ -405,7 +405,7 @@ def test_replace_swaps_in_the_new_directory_either_way(tmp_path, monkeypatch, ex
     """With the kernel's atomic exchange, and without it (move aside, rename in): the new content
     replaces the old, and nothing is left beside it."""
     if not exchange:
-        monkeypatch.setattr(harness.atomic, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(harness.base.atomic, "_exchange", lambda a, b: False)
     target = tmp_path / "out"
     target.mkdir()
     (target / "old-only").write_text("old")
@@ -421,18 +421,18 @@ def test_a_second_run_for_the_same_new_output_is_refused_before_its_work(tmp_pat
     takes), a second run for the same --out is refused at validation (exit 2, naming it), without
     loading a model or computing anything, and leaves the disk as it was; once released, the
     claim file is gone and the output can be claimed again."""
-    import harness.reference
-    from harness.atomic import _claim_file
+    import harness.reference.run
+    from harness.base.atomic import _claim_file
 
     def no_model_work(*args, **kwargs):
         raise AssertionError("model work started although the output was claimed by another run")
 
-    monkeypatch.setattr(harness.reference, "run_reference", no_model_work)
+    monkeypatch.setattr(harness.reference.run, "run_reference", no_model_work)
     monkeypatch.setattr("harness.cli.perf.run_bench", no_model_work)
     out = tmp_path / ("golden" if command == "reference" else "bench.json")
-    harness.atomic.claim_output(out, "--out")  # another run's claim (a second open file: flock conflicts)
+    harness.base.atomic.claim_output(out, "--out")  # another run's claim (a second open file: flock conflicts)
     claimed = _claim_file(out)
-    fd, path = harness.atomic._claims.pop()  # keep holding it, outside this process's own release
+    fd, path = harness.base.atomic._claims.pop()  # keep holding it, outside this process's own release
     try:
         before = snapshot(tmp_path)
         argv = (["reference", "--model", "tiny", "--new-tokens", 1, "--out", out] if command == "reference"
@@ -442,9 +442,9 @@ def test_a_second_run_for_the_same_new_output_is_refused_before_its_work(tmp_pat
         assert f"--out {out}: another gemma-parity run is writing it right now" in outcome.err
         assert snapshot(tmp_path) == before
     finally:
-        harness.atomic._claims.append((fd, path))
-        harness.atomic.release_claims()
+        harness.base.atomic._claims.append((fd, path))
+        harness.base.atomic.release_claims()
     assert not claimed.exists()
-    harness.atomic.claim_output(out, "--out")  # free again
-    harness.atomic.release_claims()
+    harness.base.atomic.claim_output(out, "--out")  # free again
+    harness.base.atomic.release_claims()
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -62,9 +62,9 @@ def test_an_internal_error_with_a_non_utf8_argument_still_writes_its_crash_file(
     """Today's failure: the crash file could not be written (two tracebacks, exit 1, an empty
     file). Now: exit 70, one message, and the crash file holds the argument (as \\xff) and the
     traceback."""
-    import harness.sharding
+    import harness.port.sharding
 
-    monkeypatch.setattr(harness.sharding, "plan_summary", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(harness.port.sharding, "plan_summary", lambda *a, **k: 1 / 0)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     out = tmp_path / f"info{NOT_UTF8}.json"
     outcome = run_inprocess(["info", "--model", "tiny", "--json", out], capsys)

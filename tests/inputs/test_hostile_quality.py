@@ -283,7 +283,7 @@ def test_hostile_input_is_refused_before_model_work(case, tmp_path, tiny0_dir, q
 def test_the_intact_golden_is_accepted_and_judged(tmp_path, tiny0_dir, quality_golden, capsys):
     """The control for every case above: the same copy, undamaged, is judged (exit 0), and its
     report directory is written whole with the manifest that lets the next run replace it."""
-    from harness.owned_dir import MANIFEST, foreign_entries
+    from harness.base.owned_dir import MANIFEST, foreign_entries
 
     ctx = Ctx(tmp_path, tiny0_dir, *quality_golden)
     report = tmp_path / "report"

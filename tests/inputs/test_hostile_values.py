@@ -13,8 +13,8 @@ import warnings
 
 import pytest
 
-from harness.tiny import TINY_CONFIG
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
+from harness.inputs.tiny import TINY_CONFIG
 from tests.inputs.scenarios import perf_result, rehash_golden, small_golden
 
 HOSTILE = [None, -1, 0, "x", "", [], {}, True, 1e30, 2 ** 70, float("nan"), float("inf"), [1], {"a": 1}, [[]],
@@ -50,7 +50,7 @@ def _config_variants():
 
 
 def test_every_hostile_config_value_is_accepted_or_refused_as_bad_input():
-    from harness.spec import spec_from_config_dict
+    from harness.inputs.spec import spec_from_config_dict
 
     outcomes = {}
     with warnings.catch_warnings():
@@ -67,7 +67,7 @@ def test_every_hostile_config_value_is_accepted_or_refused_as_bad_input():
 @pytest.mark.parametrize("content", [json.dumps(v) for v in HOSTILE] + [
     json.dumps([v]) for v in HOSTILE] + [json.dumps([[1, v]]) for v in HOSTILE] + ["", "[", "\x00", "[[1]] junk"])
 def test_every_hostile_prompts_file_is_accepted_or_refused_as_bad_input(tmp_path, tiny0_ckpt, content):
-    from harness.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
+    from harness.inputs.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
 
     path = tmp_path / "prompts.json"
     path.write_text(content)
@@ -93,7 +93,7 @@ MANIFEST_FIELDS = ["prompts", "new_tokens", "results", "num_layers", "spec_hash"
 def test_every_hostile_manifest_value_is_refused_as_bad_input(tmp_path, sealed_golden, tiny0_ckpt, field):
     """A re-sealed manifest whose field holds a hostile value: read_golden accepts it only when the
     value is harmless (provenance), and never raises anything but bad input."""
-    from harness.golden import read_golden, same_weights
+    from harness.reference.golden import read_golden, same_weights
 
     accepted = []
     for k, value in enumerate(HOSTILE):

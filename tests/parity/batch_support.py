@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from harness.backends import build_engine
-from harness.batching import BatchEngine
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.port.batching import BatchEngine
 
 
 def batch_engine(ckpt, batch: int, backend: str = "cpu", **settings) -> BatchEngine:

@@ -17,9 +17,9 @@ def backend_name(request):
 def port_check(tiny_ckpt, tiny_reference, backend_name):
     """The port (TP=2, bf16) on `backend_name` judged against the tiny model's references."""
     from harness.backends import build_engine
-    from harness.parity import check_port
+    from harness.parity.check import check_port
 
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
 
     engine = build_engine(tiny_ckpt, RunSettings(backend=backend_name, buckets=(16, 64, 256), kv_len=256),
                           capture=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.graphs import TracedDecoder
 from harness.perf import bench
+from harness.port.graphs import TracedDecoder
 
 _original_forward = TracedDecoder.forward
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import model as port_model
+from harness.port import model as port_model
 from tests.parity.batch_support import assert_same_row, batch_engine, random_prompts, run_rows
 
 STEPS = 3

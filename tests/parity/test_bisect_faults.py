@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness import model as port_model
-from harness.bisect import run_bisect
-from harness.checkpoint import Checkpoint
 from harness.cli import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_OK, main
-from harness.golden import golden_hash, read_golden, write_golden
-from harness.local import intra_op_threads_for
-from harness.reference import run_reference
-from harness.report import format_bisect
+from harness.inputs.checkpoint import Checkpoint
+from harness.parity.bisect import run_bisect
+from harness.parity.local import intra_op_threads_for
+from harness.port import model as port_model
+from harness.reference.golden import golden_hash, read_golden, write_golden
+from harness.reference.run import run_reference
+from harness.report.formats import format_bisect
 from tests.plot_extra import require_plot_extra
 
 GOLDEN_NEW_TOKENS = 2  # enough for SEQ_MATCH; decode is the costly part of a reference run
@@ -226,7 +226,7 @@ def test_golden_of_another_spec_is_bad_input(tmp_path, golden_dir, tiny0_dir, ca
 def test_bisect_runs_the_fp32_stage(monkeypatch, tiny0_ckpt, golden_dir):
     """The exact GELU stays inside the bf16 envelope (bisect's layers all pass), but bisect also runs
     the fp32 structural stage, which names layer 0's MLP residual and fails the bisect."""
-    from harness.bisect import bisect_golden
+    from harness.parity.bisect import bisect_golden
     from tests.faults.catalog import exact_gelu
 
     exact_gelu(monkeypatch)

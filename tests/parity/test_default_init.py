@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
 
 SEEDS = (0, 1)
 
@@ -21,11 +21,11 @@ def default_init(request, tmp_path_factory, default_prompts):
     its fp32 and bf16 references for the default prompts."""
     from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
 
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
-    from harness.tiny import TINY_CONFIG
-    from harness.prompts import DEFAULT_NEW_TOKENS
-    from harness.reference import run_reference
+    from harness.inputs.prompts import DEFAULT_NEW_TOKENS
+    from harness.inputs.tiny import TINY_CONFIG
+    from harness.reference.run import run_reference
 
     config = json.loads(TINY_CONFIG.read_text())
     config.pop("architectures")
@@ -40,7 +40,7 @@ def test_default_init_checkpoint_passes_with_every_flip_a_near_tie(default_init)
     """Both stages pass; the bf16 port flips many argmaxes (flat logits), every one inside the
     calibrated band, and every sequence departure is classified as a near tie."""
     from harness.backends import build_engine
-    from harness.parity import check_port
+    from harness.parity.check import check_port
 
     ckpt, refs = default_init
     engine = build_engine(ckpt, RunSettings(buckets=(64, 256), kv_len=256))

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import engine as port_engine
-from harness.numerics import softcap
+from harness.base.numerics import softcap
+from harness.port import engine as port_engine
 from tests.census.ports import ISSUE_SHAPE, Run, Shape, prompt_of, run_check
 
 ONE_TOKEN = Run((prompt_of(1),), 0)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.tiny import TINY_CONFIG
-from harness.compare import ENVELOPE_FACTOR, FP32_FACTOR
-from harness.spec import load_spec
+from harness.inputs.spec import load_spec
+from harness.inputs.tiny import TINY_CONFIG
+from harness.judge.compare import ENVELOPE_FACTOR, FP32_FACTOR
 
 # The layer range comes from the tiny config the fixtures are built from, not a constant.
 TINY_LAYERS = range(load_spec(TINY_CONFIG).num_layers)
@@ -141,7 +141,7 @@ def test_logit_margins_show_clear_top1(tiny_reference):
 
 
 def test_local_verdicts_read_the_stages_judged_layers(port_check):
-    """The local verdicts sit beside the stage's own judged layers (harness/local.py reads the
+    """The local verdicts sit beside the stage's own judged layers (harness/parity/local.py reads the
     stage's observation): the same cumulative points, not a second judgement of them."""
     if not port_check.local_verdicts:
         pytest.skip("local verdicts need the CPU backend's ranks")

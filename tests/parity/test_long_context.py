@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from harness.backends import build_engine
-from harness.compare import rel_l2
-from harness.engine import chunk_plan
-from harness.parity import check_port
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.judge.compare import rel_l2
+from harness.parity.check import check_port
+from harness.port.engine import chunk_plan
 from tests.faults.catalog import CATALOG, LONG, LONG_BUCKETS, LONG_KV_LEN, LONG_WINDOW, engine_options
 
 FP32_ROUNDING = 1e-5
@@ -83,7 +83,7 @@ def test_ring_reads_back_the_linear_caches_last_window(long_ckpt, long_prompts):
 def test_bisect_names_layer_zero(request, monkeypatch, long_ckpt, long_reference, fault):
     """bisect (capture mode: each layer alone on the reference's input, in the engine's chunks)
     names the first sliding layer and its attention for every long-context fault."""
-    from harness.bisect import bisect_capture
+    from harness.parity.bisect import bisect_capture
 
     fault.inject(monkeypatch)
     engine = build_engine(long_ckpt, RunSettings(**engine_options(LONG)), capture=True)
@@ -96,7 +96,7 @@ def test_bisect_names_layer_zero(request, monkeypatch, long_ckpt, long_reference
 def test_bisect_names_layer_zero_for_a_decode_kv_bucket_one_too_small(monkeypatch, tiny0_ckpt, tiny0_reference):
     """A decode-only fault (decode steps read the KV bucket below the one holding their positions):
     bisect's capture mode runs the check's decode points too, and names layer 0's attention."""
-    from harness.bisect import bisect_capture
+    from harness.parity.bisect import bisect_capture
 
     fault = next(f for f in CATALOG if f.name == "decode-kv-bucket-one-too-small")
     fault.inject(monkeypatch)

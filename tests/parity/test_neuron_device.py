@@ -6,7 +6,7 @@ parity build (every row's logits and the captures).
 
 tests/parity/test_neuron_double.py runs these same tests on CPU through the NxD contract double.
 
-Judged by the project's tolerance policy (harness.compare): the device's bf16 logits against the
+Judged by the project's tolerance policy (harness.judge.compare): the device's bf16 logits against the
 CPU backend in fp32, with the CPU backend's own bf16 error as the envelope; greedy tokens must agree
 except near-tie flips."""
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.compare import compare_logits, compare_point
 from harness.backends import build_engine
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.judge.compare import compare_logits, compare_point
 
 pytestmark = pytest.mark.neuron
 
@@ -157,7 +157,7 @@ def test_perf_build_agrees_with_parity_build(perf, parity, cpu32, cpu16):
 
 
 def test_perf_build_refuses_capture(perf):
-    from harness.errors import HarnessInputError
+    from harness.base.errors import HarnessInputError
 
     with pytest.raises(HarnessInputError, match="capture=True"):
         perf.prefill(prompt(8), capture=True)

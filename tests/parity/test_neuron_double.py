@@ -15,11 +15,11 @@ import json
 import pytest
 import torch
 
-from harness import graphs
-from harness import model as port_model
 from harness.backends import neuron, neuron_cache, neuron_env
-from harness.errors import HarnessInputError
-from harness.settings import RunSettings
+from harness.base.errors import HarnessInputError
+from harness.base.settings import RunSettings
+from harness.port import graphs
+from harness.port import model as port_model
 from tests.nxd_double import installed
 from tests.parity import test_neuron_device as device
 

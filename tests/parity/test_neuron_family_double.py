@@ -4,7 +4,7 @@ Each variant's tiny transformers-built checkpoint (tests/family/shared.py) is tr
 run at TP 2 exactly as NeuronBackend builds it on inf2: `graphs.traced_class(spec)` with NxD's
 parallel layers, the per-layer rows appended to the graphs' one input (E2B/E4B), no KV state for
 KV-shared layers, the MoE experts' per-rank slices reduced by NxD's own all-reduce. `check` passes
-both stages on every variant (the MoE's bf16 stage with its routing teacher-forced, harness/routing.py),
+both stages on every variant (the MoE's bf16 stage with its routing teacher-forced, harness/judge/routing.py),
 and the MoE variant's bf16 run is the CPU backend's bit for bit.
 """
 
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from harness.backends import build_engine, neuron, neuron_env
-from harness.graphs import input_width
-from harness.model_blocks import SharedKVAttention
-from harness.parity import check_port
-from harness.settings import RunSettings
-from harness.sharding import rank_state_dicts
+from harness.base.settings import RunSettings
+from harness.parity.check import check_port
+from harness.port.blocks import SharedKVAttention
+from harness.port.graphs import input_width
+from harness.port.sharding import rank_state_dicts
 from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN, FAMILY_PROMPTS
 from tests.family.shared import family_checkpoint, family_reference
 from tests.nxd_double import installed
@@ -116,7 +116,7 @@ def test_the_instances_tp_runs_as_the_cpu_port(nxd, monkeypatch, variant, tp):
 def test_the_graphs_are_the_family_module(parity_builds, variant):
     """What the compiled graphs are made of: the family's traced class, an input of the hidden size
     plus each layer's per-layer row, no KV state for a KV-shared layer, and exactly the weights
-    harness.sharding gives each rank (router, experts, per-layer projections and gates, extra norms,
+    harness.port.sharding gives each rank (router, experts, per-layer projections and gates, extra norms,
     k_eq_v layers without v_proj), each rank its own slice."""
     be = parity_builds(variant).backend
     spec = be.spec
@@ -152,7 +152,7 @@ def test_moe_experts_without_nxd_reduce_give_partial_sums(nxd, monkeypatch, tmp_
     """The double executes each rank on its own slice of the experts: a build whose experts' reduce
     is not NxD's (the base Collectives, a no-op) returns each rank's partial sum, so its outputs
     leave the CPU port's. What the experts' NxD all-reduce is for."""
-    from harness.model import Collectives
+    from harness.port.model import Collectives
 
     ckpt = family_checkpoint(MOE)
     real = neuron.NeuronLinears.__init__
@@ -175,7 +175,7 @@ def test_a_shared_layer_holding_a_cache_of_its_own_fails_the_build(nxd, monkeypa
     makes state only of buffers reassigned in forward, so that cache would be a weight of zeros, not
     device state. The build fails with a NeuronBuildError naming the buffers, and nothing reaches the
     artifact cache."""
-    from harness.model import KVCache
+    from harness.port.model import KVCache
 
     real = SharedKVAttention.__init__
 

@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from harness import graphs
 from harness.backends import neuron, neuron_env
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.port import graphs
 from tests.faults.catalog import LONG_BUCKETS, LONG_KV_LEN, LONG_NEW_TOKENS, LONG_PROMPTS
 from tests.nxd_double import installed
 

@@ -16,11 +16,11 @@ EDITS = {"hidden_size": 96, "intermediate_size": 192, "num_global_key_value_head
 def other_shape(tmp_path_factory, default_prompts):
     from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
 
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
-    from harness.tiny import TINY_CONFIG
-    from harness.local import intra_op_threads_for
-    from harness.reference import run_reference
+    from harness.inputs.tiny import TINY_CONFIG
+    from harness.parity.local import intra_op_threads_for
+    from harness.reference.run import run_reference
 
     config = json.loads(TINY_CONFIG.read_text())
     config.pop("architectures")
@@ -38,8 +38,8 @@ def other_shape(tmp_path_factory, default_prompts):
 def test_healthy_port_of_another_shape_passes(other_shape):
     """Both stages pass, every probability within the judge with room (a healthy host sits near 1)."""
     from harness.backends import build_engine
-    from harness.parity import check_port
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
+    from harness.parity.check import check_port
 
     ckpt, refs = other_shape
     assert ckpt.spec.hidden_size == 96

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.compare import rel_l2
 from harness.backends import build_engine
-from harness.errors import PromptError
-from harness.settings import RunSettings
+from harness.base.errors import PromptError
+from harness.base.settings import RunSettings
+from harness.judge.compare import rel_l2
 
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
 
@@ -101,7 +101,7 @@ def test_decode_past_kv_length_is_refused(tiny0_ckpt):
 def test_sliding_window_crossing_matches_reference(tiny0_dir, tiny0_ckpt):
     """A prompt longer than the window (40 > 16) and a decode that crosses it from inside
     (prompt 10, 14 new tokens) both match the fp32 reference tokens and logits in fp32."""
-    from harness.reference import load_reference_model, reference_run
+    from harness.reference.run import load_reference_model, reference_run
 
     model = load_reference_model(tiny0_dir)
     engine = _engine(tiny0_ckpt)
@@ -115,7 +115,7 @@ def test_sliding_window_crossing_matches_reference(tiny0_dir, tiny0_ckpt):
 def test_multimodal_placeholder_ids_become_pad(tiny0_dir, tiny0_ckpt):
     """A prompt holding an image placeholder id computes what transformers' unified wrapper does
     (placeholder swapped for the pad id before embedding)."""
-    from harness.reference import load_reference_model, reference_run
+    from harness.reference.run import load_reference_model, reference_run
 
     spec = tiny0_ckpt.spec
     assert spec.placeholder_token_ids, "the tiny config is a unified config with placeholder ids"
@@ -133,9 +133,9 @@ def real_window_ckpt(tmp_path_factory):
     """The tiny model with the 12B's real sliding window of 1024 keys."""
     import json
 
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
-    from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
+    from harness.inputs.tiny import TINY_CONFIG, build_tiny_checkpoint
 
     config = json.loads(TINY_CONFIG.read_text())
     config["text_config"].update(sliding_window=REAL_WINDOW, max_position_embeddings=2048)
@@ -149,7 +149,7 @@ def test_real_sliding_window_is_reachable(real_window_ckpt, monkeypatch):
     """With docs/judging.md's configuration for the 12B's window (a bucket of 1280 in a 1296-slot cache)
     a 1100-token prompt reaches past position 1024, where a sliding query first loses key 0: the
     fp32 port equals transformers there, and a window one key too wide shows only past it."""
-    from harness.reference import load_reference_model
+    from harness.reference.run import load_reference_model
     from tests.faults.catalog import window_one_too_wide
 
     prompt = [(7 * i) % 509 + 3 for i in range(1100)]

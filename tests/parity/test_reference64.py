@@ -1,4 +1,4 @@
-"""The fp32 stage's envelope reference (harness/reference64.py): transformers in float64 along the
+"""The fp32 stage's envelope reference (harness/reference/float64.py): transformers in float64 along the
 fp32 reference's path, laid out as the fp32 reference (prefill rows, decode steps as rows of one
 teacher-forced sequence, KV rows), whole or streamed one layer at a time, the same numbers either way;
 and its distance from the fp32 reference is fp32-sized, far below bf16's."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import reference64
-from harness.compare import rel_l2
+from harness.judge.compare import rel_l2
+from harness.reference import float64 as reference64
 from tests.census.ports import Shape, checkpoint, prompt_of, references
 
 SHAPE = Shape("ref64", "builder")

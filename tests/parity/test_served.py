@@ -9,10 +9,10 @@ import math
 
 import torch
 
-from harness.compare import FP32
-from harness.reference import ReferenceResult
-from harness.served import SKIPPED_NOTE, check_served_build, judge_served
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.judge.compare import FP32
+from harness.parity.served import SKIPPED_NOTE, check_served_build, judge_served
+from harness.reference.run import ReferenceResult
 from tests.parity import served_faults
 
 CPU = RunSettings(backend="cpu", buckets=(64, 256), kv_len=256)
@@ -142,7 +142,7 @@ def test_the_parity_build_is_released_before_an_extra_stage_builds_its_own(tiny0
     import gc
     import weakref
 
-    from harness import parity
+    from harness.parity import check as parity
 
     built = []
     real_build = parity.build_port

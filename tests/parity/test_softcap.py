@@ -16,8 +16,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from harness import FIXTURES_DIR, engine
-from harness.reference import load_reference_model, text_model
+from harness import FIXTURES_DIR
+from harness.port import engine
+from harness.reference.run import load_reference_model, text_model
 from tests.strategies import logit_vectors, realistic_logit_rows, saturating_logit, vocab_logits
 
 # The 12B's final_logit_softcapping, read from its released config rather than restated.

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.errors import HarnessInputError
+from harness import FIXTURES_DIR
+from harness.base.errors import HarnessInputError
+from harness.inputs.spec import load_spec
 from harness.perf.batch import batch_costs, batch_fit, batch_floors, refuse_unfit_batch, time_batch
 from harness.perf.roofline import instance_rates
-from harness.spec import load_spec
-from harness import FIXTURES_DIR
 
 
 @pytest.fixture(scope="module")

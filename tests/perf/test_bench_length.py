@@ -12,9 +12,9 @@ import json
 import pytest
 
 from harness import perf
-from harness.checkpoint import Checkpoint
-from harness.tiny import tiny_checkpoint
 from harness.cli import main as cli_main
+from harness.inputs.checkpoint import Checkpoint
+from harness.inputs.tiny import tiny_checkpoint
 from harness.perf.context import context_floors
 from harness.perf.roofline import Rates
 
@@ -61,8 +61,8 @@ def test_one_entry_per_length_with_its_floor(benched):
 def test_pinned_tokens_are_the_greedy_continuation(benched):
     """The lengths' pinned tokens are what the engine generates greedily from each prompt."""
     from harness.backends import build_engine
+    from harness.base.settings import RunSettings
     from harness.perf.bench import bench_prompt
-    from harness.settings import RunSettings
 
     _, _, result = benched
     ckpt = Checkpoint.open(tiny_checkpoint(seed=0))

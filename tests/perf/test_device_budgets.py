@@ -39,9 +39,9 @@ def checkpoint_path() -> Path:
 
 @pytest.fixture(scope="module")
 def device_run() -> dict:
-    from harness.checkpoint import Checkpoint
+    from harness.inputs.checkpoint import Checkpoint
 
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
 
     result = perf.run_bench(Checkpoint.open(checkpoint_path()),
                             RunSettings(backend="neuron", dtype="bf16", buckets=(perf.PUBLISHED_BUCKET,)),

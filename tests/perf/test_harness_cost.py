@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from harness.checkpoint import _all_finite
-from harness.reference_stream import stream_prefill_captures, stream_prefill_captures_many
+from harness.inputs.checkpoint import _all_finite
+from harness.reference.stream import stream_prefill_captures, stream_prefill_captures_many
 
 
 def test_many_prompts_stream_in_one_pass_and_match_one_at_a_time(tiny0_ckpt, default_prompts, monkeypatch):

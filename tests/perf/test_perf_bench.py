@@ -14,11 +14,11 @@ import sys
 import pytest
 
 from harness import perf
+from harness.base.errors import HarnessInputError
+from harness.base.settings import RunSettings
 from harness.cli import main as cli_main
-from harness.checkpoint import Checkpoint
-from harness.tiny import tiny_checkpoint
-from harness.errors import HarnessInputError
-from harness.settings import RunSettings
+from harness.inputs.checkpoint import Checkpoint
+from harness.inputs.tiny import tiny_checkpoint
 
 RUNS, NEW_TOKENS = 3, 2
 BENCH_ARGS = ["--model", "tiny", "--backend", "cpu", "--runs", RUNS, "--warmup", 1, "--buckets", "8,16",

@@ -13,8 +13,8 @@ import random
 import pytest
 
 from harness import perf
+from harness.base.errors import HarnessInputError
 from harness.cli import main as cli_main
-from harness.errors import HarnessInputError
 
 TRIALS = 200
 N = 20  # samples per side, the bench default (perf.DEFAULT_RUNS)

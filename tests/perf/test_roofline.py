@@ -1,15 +1,15 @@
 """Roofline floors: the arithmetic checked against figures derived here by hand from the 12B table
-of docs/design.md#the-model-facts-and-traps (not from harness.spec or harness.sharding), and `info --perf` printing them."""
+of docs/design.md#the-model-facts-and-traps (not from harness.inputs.spec or harness.port.sharding), and `info --perf` printing them."""
 
 from __future__ import annotations
 
 import pytest
 
 from harness import FIXTURES_DIR, perf
+from harness.base.errors import HarnessInputError
 from harness.cli import main as cli_main
-from harness.errors import HarnessInputError
+from harness.inputs.spec import load_spec
 from harness.perf import roofline
-from harness.spec import load_spec
 
 CONFIG_12B = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"
 

@@ -12,7 +12,7 @@ import torch
 
 @functools.lru_cache(maxsize=4)
 def _bigram(checkpoint_dir) -> torch.Tensor:
-    from harness.reference import load_reference_model
+    from harness.reference.run import load_reference_model
 
     model = load_reference_model(checkpoint_dir, "float32")
     vocab = model.config.get_text_config().vocab_size
@@ -39,7 +39,7 @@ if __name__ == "__main__":  # how fixtures/corpus/tiny-20k.json was made
     import sys
 
     from harness import FIXTURES_DIR
-    from harness.tiny import tiny_checkpoint
+    from harness.inputs.tiny import tiny_checkpoint
 
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 20_480
     (FIXTURES_DIR / "corpus" / "tiny-20k.json").write_text(json.dumps(model_corpus(tiny_checkpoint(seed=0), n)) + "\n")

@@ -10,11 +10,12 @@ import json
 import pytest
 import torch
 
-from harness import FIXTURES_DIR, quality
+from harness import FIXTURES_DIR
+from harness.base.settings import RunSettings
 from harness.cli import main
-from harness.quality_judge import judge_corpus
-from harness.settings import RunSettings
-from harness.quality_stats import FLOORS, position_metrics, reference_stats, verdict
+from harness.quality import golden as quality
+from harness.quality.judge import judge_corpus
+from harness.quality.stats import FLOORS, position_metrics, reference_stats, verdict
 
 SMALL_WINDOW = 32
 

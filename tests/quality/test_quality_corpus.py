@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness import quality
-from harness.quality_judge import judge_corpus
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.quality import golden as quality
+from harness.quality.judge import judge_corpus
 from tests.faults.catalog import BY_NAME
 from tests.quality.test_quality import corpus_ids
 

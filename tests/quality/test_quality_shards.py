@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
-from harness.array_index import shard_from_environment
+from harness.base.array_index import shard_from_environment
+from harness.base.errors import OptionError
 from harness.cli import main
-from harness.errors import OptionError
 
 SCHEDULER_VARS = ("AWS_BATCH_JOB_ARRAY_INDEX", "JOB_COMPLETION_INDEX", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN",
                   "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_STEP")
@@ -84,7 +84,7 @@ def machines(tmp_path_factory, tiny0_dir, corpus):
 
 
 def test_shards_from_two_machines_merge_to_the_one_process_result(tmp_path, tiny0_dir, corpus, machines, capsys):
-    from harness.quality import shard_dir
+    from harness.quality.golden import shard_dir
 
     assert sorted(p.name for p in (machines / "batch").iterdir()) == ["quality-golden.json", "shard-000-of-002"]
     assert sorted(p.name for p in (machines / "k8s").iterdir()) == ["quality-golden.json", "shard-001-of-002"]

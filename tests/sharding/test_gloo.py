@@ -13,11 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harness.backends.cpu import CpuBackend
-from harness.checkpoint import Checkpoint
-from harness.engine import embed_scale
-from harness.model import Collectives, RankDecoder, RankLinears
-from harness.settings import RunSettings
-from harness.sharding import rank_state_dicts
+from harness.base.settings import RunSettings
+from harness.inputs.checkpoint import Checkpoint
+from harness.port.engine import embed_scale
+from harness.port.model import Collectives, RankDecoder, RankLinears
+from harness.port.sharding import rank_state_dicts
 
 WORLD_SIZE = 2
 MAX_LEN = 32

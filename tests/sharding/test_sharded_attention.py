@@ -1,4 +1,4 @@
-"""Sharded attention equals unsharded attention: one layer of harness.model.Attention run at tp=1
+"""Sharded attention equals unsharded attention: one layer of harness.port.model.Attention run at tp=1
 and as tp ranks whose o_proj partial outputs are summed in fp32 (what the all-reduce does)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from harness.tiny import TINY_CONFIG
-from harness.model import Attention, RankLinears, attention_mask, rope_cos_sin, rope_inv_freq
-from harness.sharding import plan_layer, shard_layer
-from harness.spec import LayerSpec, load_spec
+from harness.inputs.spec import LayerSpec, load_spec
+from harness.inputs.tiny import TINY_CONFIG
+from harness.port.model import Attention, RankLinears, attention_mask, rope_cos_sin, rope_inv_freq
+from harness.port.sharding import plan_layer, shard_layer
 from tests.strategies import head_layouts
 
 # fp32 results that differ only in how o_proj's inner sum is split across ranks: a few fp32 ulps
@@ -114,7 +114,7 @@ def test_tiny_checkpoint_attention_sharded_equals_unsharded(tiny0_ckpt):
 def test_wrong_kv_head_on_a_rank_is_detected(tiny_spec, monkeypatch):
     """The comparison can fail: if replicated ranks all read KV head 0 (a plausible sharding bug
     for the 31B's full layers), sharded attention no longer equals unsharded."""
-    import harness.sharding as sharding
+    import harness.port.sharding as sharding
 
     monkeypatch.setattr(sharding, "kv_heads_for_rank", lambda plan, rank: [0] * plan.kv_heads_per_rank)
     layer = _layer(32, 4, 8, True, None)

@@ -13,19 +13,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.backends import build_engine
-from harness.bisect import (
+from harness.parity.bisect import (
     PrefixCheckpoint,
     backend_prefix_build,
     bisect_truncate,
     first_failing_prefix,
     run_bisect,
 )
-from harness.checkpoint import Checkpoint
-from harness.golden import read_golden, write_golden
-from harness.local import intra_op_threads_for
-from harness.model import rms_norm
-from harness.reference import ReferenceResult, run_reference
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.inputs.checkpoint import Checkpoint
+from harness.parity.local import intra_op_threads_for
+from harness.port.model import rms_norm
+from harness.reference.golden import read_golden, write_golden
+from harness.reference.run import ReferenceResult, run_reference
 
 HIDDEN = 8
 

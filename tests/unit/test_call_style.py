@@ -14,9 +14,9 @@ MAX_POSITIONAL = 5
 # (module path, callee) -> why it is still allowed
 KNOWN = {
     ("backends/xla.py", "xlac._xla_all_gather"): "torch-xla's C API takes positional arguments only",
-    ("golden.py", "write_golden"): "to convert", ("golden.py", "check_prompt_tensors"): "to convert",
-    ("model.py", "Attention"): "to convert", ("model.py", "DecoderLayer"): "to convert",
-    ("model.py", "self.layers[i]"): "to convert", ("perf/changepoints.py", "ChangePoint"): "to convert",
+    ("reference/golden.py", "write_golden"): "to convert", ("reference/golden.py", "check_prompt_tensors"): "to convert",
+    ("port/model.py", "Attention"): "to convert", ("port/model.py", "DecoderLayer"): "to convert",
+    ("port/model.py", "self.layers[i]"): "to convert", ("perf/changepoints.py", "ChangePoint"): "to convert",
     ("perf/compare.py", "decide"): "to convert", ("perf/compare.py", "MetricComparison"): "to convert",
     ("perf/compare.py", "compare_samples"): "to convert", ("perf/compare.py", "compare_metric"): "to convert",
     ("perf/history.py", "compare_samples"): "to convert", ("perf/history.py", "compare_results"): "to convert",

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from harness import model as port_model
 from harness.cli import main
+from harness.port import model as port_model
 from tests.plot_extra import require_plot_extra
 
 
@@ -47,7 +47,7 @@ def test_check_with_golden_passes_and_writes_the_contract(tiny0_dir, golden, tmp
     assert {"check.md", "check.json"} <= {p.name for p in report.iterdir()}
     require_plot_extra()
     assert {p.name for p in report.iterdir()} == {"check.md", "check.json", "check_errors.png",
-                                                  ".gemma-parity-manifest.json"}  # harness/owned_dir.py
+                                                  ".gemma-parity-manifest.json"}  # harness/base/owned_dir.py
 
 
 def test_check_fails_with_exit_1_on_a_port_bug(tiny0_dir, golden, tmp_path, monkeypatch, capsys):
@@ -89,7 +89,7 @@ def test_check_names_stage_and_point_of_a_sub_envelope_bug(tiny0_dir, golden, tm
 
 def test_an_exception_inside_the_port_is_a_parity_failure(tiny0_dir, golden, tmp_path, monkeypatch, capsys):
     """A port bug that raises in decode is exit 1 (not 2, bad input), naming where it was raised."""
-    from harness import engine as port_engine
+    from harness.port import engine as port_engine
 
     def decode_step(self, token, position, capture=False):
         raise IndexError(f"cache slot {position} out of range")
@@ -101,7 +101,7 @@ def test_an_exception_inside_the_port_is_a_parity_failure(tiny0_dir, golden, tmp
     payload = json.loads((tmp_path / "check.json").read_text())
     error = payload["port_error"]
     assert error["type"] == "IndexError" and "test_check_cli.py" in error["where"]
-    assert "in decode_step" in error["where"] and "harness/engine.py" in error["where"]
+    assert "in decode_step" in error["where"] and "harness/port/engine.py" in error["where"]
     assert payload["failed_stages"] == ["fp32", "bf16"]
 
 

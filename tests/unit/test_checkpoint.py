@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.checkpoint import Checkpoint, expected_layer_shapes
+from harness.inputs.checkpoint import Checkpoint, expected_layer_shapes
 
-from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
-from harness.errors import CheckpointError
-from harness.spec import spec_from_config_dict
+from harness.base.errors import CheckpointError
+from harness.inputs.spec import spec_from_config_dict
+from harness.inputs.tiny import TINY_CONFIG, build_tiny_checkpoint
 
 WEIGHTS = "model.safetensors"
 FULL_LAYER, SLIDING_LAYER = 5, 4

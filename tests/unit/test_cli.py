@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness import FIXTURES_DIR
-from harness.tiny import TINY_CONFIG
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from harness.golden import write_golden
-from harness.reference import ReferenceResult
-from harness.spec import spec_from_config_dict
+from harness.inputs.spec import spec_from_config_dict
+from harness.inputs.tiny import TINY_CONFIG
+from harness.reference.golden import write_golden
+from harness.reference.run import ReferenceResult
 
 CONFIG_12B = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"
 CONFIG_31B = FIXTURES_DIR / "configs" / "gemma-4-31b-it.json"
@@ -104,7 +104,7 @@ def test_info_sizes_in_units_that_fit_and_no_published_figure_for_another_model(
 @pytest.mark.parametrize("n_bytes, shown", [(11.97e9, "11.97 GB"), (46.14e6, "46.14 MB"), (965_660, "965.66 kB"),
                                              (786, "786 B"), (0, "0 B")])
 def test_sizes_are_shown_in_the_unit_that_fits(n_bytes, shown):
-    from harness.report import size_text
+    from harness.report.formats import size_text
 
     assert size_text(n_bytes) == shown
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.compare import (BF16, FP32, FP32_FACTOR, calibrate_near_ties, classify_departure,
-                             classify_mismatch, compare_logits, compare_point, compare_probabilities,
-                             margin_shifts, saturation_tie)
+from harness.judge.compare import (BF16, FP32, FP32_FACTOR, calibrate_near_ties, classify_departure,
+                                   classify_mismatch, compare_logits, compare_point, compare_probabilities,
+                                   margin_shifts, saturation_tie)
 
 CAP = 30.0
 
@@ -189,8 +189,8 @@ def test_departure_classes():
 
 
 def test_unclassified_sequence_mismatch_fails_the_check():
-    from harness.results import CheckResult, PromptOutcome
-    from harness.verdicts import LogitsResult, TokenVerdict
+    from harness.judge.results import CheckResult, PromptOutcome
+    from harness.judge.verdicts import LogitsResult, TokenVerdict
 
     clean = LogitsResult(2, 1.0, 1.0, 0.0, 0.0)
     outcome = PromptOutcome([1, 2], [5, 6], [5, 7], clean, clean, departure=None)

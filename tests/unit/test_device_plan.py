@@ -1,4 +1,4 @@
-"""The device plan's MoE rule and working set (harness/device_plan.py) against what the MoE block
+"""The device plan's MoE rule and working set (harness/port/device_plan.py) against what the MoE block
 really allocates, and the two expert paths against each other."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.device_plan import EXPERT_BLOCK, moe_gathers, moe_working_set_bytes
-from harness.model import Collectives
-from harness.model_blocks import Experts
-from harness.spec import load_spec
 from harness import FIXTURES_DIR
+from harness.inputs.spec import load_spec
+from harness.port.blocks import Experts
+from harness.port.device_plan import EXPERT_BLOCK, moe_gathers, moe_working_set_bytes
+from harness.port.model import Collectives
 
 CONFIGS = FIXTURES_DIR / "configs"
 
@@ -102,9 +102,9 @@ def test_the_26b_a4b_prefill_working_set_fits_a_core_at_tp4():
 def test_the_fit_counts_graphs_moe_and_the_layout_transform():
     """The 26B-A4B at TP 4 fits by a plan that counts its prefill working set, its graphs and the
     least the layout transform's load holds; each term is in the total it is judged by."""
-    from harness.device_plan import graph_shapes, graphs_bytes
-    from harness.instances import CORE_HBM, core_bytes, placement
-    from harness.sharding import bytes_per_rank
+    from harness.perf.instances import CORE_HBM, core_bytes, placement
+    from harness.port.device_plan import graph_shapes, graphs_bytes
+    from harness.port.sharding import bytes_per_rank
 
     spec = load_spec(CONFIGS / "gemma-4-26b-a4b-it.json")
     core = core_bytes(spec, 4, buckets=(64, 256))
@@ -120,8 +120,8 @@ def test_the_fit_counts_graphs_moe_and_the_layout_transform():
 
 
 def test_a_run_that_fits_only_without_the_layout_transform_names_it(monkeypatch):
-    from harness import instances
-    from harness.errors import ShardingError
+    from harness.base.errors import ShardingError
+    from harness.perf import instances
 
     spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
     core = instances.core_bytes(spec, 2)
@@ -135,7 +135,7 @@ def test_a_run_that_fits_only_without_the_layout_transform_names_it(monkeypatch)
 def test_kv_buckets_are_capped_and_still_cover_every_call():
     """At a 128K KV length the graphs stay few (a cap on KV buckets), the KV length is a bucket, and
     every bucket holds the smallest prefill bucket's first call."""
-    from harness.device_plan import MAX_KV_BUCKETS, graph_shapes, kv_buckets
+    from harness.port.device_plan import MAX_KV_BUCKETS, graph_shapes, kv_buckets
 
     for buckets, kv_len in [((64,), 131072), ((16, 64, 256), 4096), ((64, 256), 256), ((1024,), 65536)]:
         kv = kv_buckets(buckets, kv_len)

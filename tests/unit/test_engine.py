@@ -11,8 +11,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.engine import Engine, choose_bucket, chunk_plan, chunk_positions, embed_scale, softcap
-from harness.errors import PromptError
+from harness.base.errors import PromptError
+from harness.port.engine import Engine, choose_bucket, chunk_plan, chunk_positions, embed_scale, softcap
 
 BUCKETS = (16, 64, 128)
 

@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-import harness.golden
-from harness.tiny import TINY_CONFIG
-from harness.errors import GoldenError, OutputError
-from harness.golden import MANIFEST, TENSORS, read_golden, write_golden
-from harness.spec import spec_from_config_dict
+import harness.reference.golden
+from harness.base.errors import GoldenError, OutputError
+from harness.inputs.spec import spec_from_config_dict
+from harness.inputs.tiny import TINY_CONFIG
+from harness.reference.golden import MANIFEST, TENSORS, read_golden, write_golden
 
 NEW_TOKENS = 8  # what the tiny0_reference fixture decodes
 
@@ -60,7 +60,7 @@ def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch, tiny0_ckpt, t
             f.write(b"\0" * 100)
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(harness.golden, "save_file", save_half_then_fail)
+    monkeypatch.setattr(harness.reference.golden, "save_file", save_half_then_fail)
     with pytest.raises(OutputError, match=rf"{tmp_path / 'golden'}: cannot write \(No space") as caught:
         _write(tmp_path / "golden", tiny0_ckpt, tiny0_reference)
     assert ".partial-" not in str(caught.value)
@@ -76,7 +76,7 @@ def test_failed_overwrite_keeps_the_old_golden(tmp_path, monkeypatch, golden_dir
     def fail(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(harness.golden, "save_file", fail)
+    monkeypatch.setattr(harness.reference.golden, "save_file", fail)
     with pytest.raises(OutputError, match="No space"):
         _write(target, tiny0_ckpt, tiny0_reference, overwrite=True)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import graphs
 from harness.backends import neuron
+from harness.port import graphs
 from tests.sdk_free import SDK_MODULES, import_without_sdks
 
 

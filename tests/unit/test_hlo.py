@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.graph_contracts import Expectation, GraphSignature, check_graph, graph_stats
-from harness.hlo import dot_flops, parse_hlo, parse_shape
+from harness.hlo.contracts import Expectation, GraphSignature, check_graph, graph_stats
+from harness.hlo.ir import dot_flops, parse_hlo, parse_shape
 
 # One rank's decode graph of a 1-layer model: hidden 4, 2 heads of dim 2, KV length 8, vocab 6.
 DECODE = """HloModule toy, input_output_alias={ {1}: (2, {}, may-alias) }, entry_computation_layout={(bf16[1,1,4]{2,1,0}, s32[1,1]{1,0}, bf16[1,1,8,2]{3,2,1,0}, bf16[6,4]{1,0})->(bf16[1,1,6]{2,1,0}, bf16[1,1,8,2]{3,2,1,0})}

@@ -1,4 +1,4 @@
-"""The resource plan (`info --plan`, harness/host_plan.py): per command host peak, device bytes per
+"""The resource plan (`info --plan`, harness/perf/host_plan.py): per command host peak, device bytes per
 core and graphs, for the 12B, 31B and 26B-A4B, from a config like `info`."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 
 from harness import FIXTURES_DIR
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from harness.host_plan import COMMANDS, HOST_MODEL, fp32_model_bytes, resource_plan
-from harness.instances import core_bytes
-from harness.spec import load_spec
+from harness.inputs.spec import load_spec
+from harness.perf.host_plan import COMMANDS, HOST_MODEL, fp32_model_bytes, resource_plan
+from harness.perf.instances import core_bytes
 
 CONFIGS = FIXTURES_DIR / "configs"
 GIB = 1 << 30

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from harness.compare import (per_position_rel_l2, BF16, FP32, compare_logits, compare_point, compare_probabilities,
-                             saturation_tie)
+from harness.judge.compare import (per_position_rel_l2, BF16, FP32, compare_logits, compare_point, compare_probabilities,
+                                   saturation_tie)
 
 ROWS, WIDTH = 4, 8
 A = 0.01  # the envelope's relative error per affected row: far above the bf16 floor (2^-9)
@@ -83,7 +83,7 @@ def test_fp32_envelope_floor_is_one_fp32_rounding():
 def test_per_layer_input_is_judged_by_its_pooled_envelope():
     """The median over >= 3 layers of one part's envelope floors each layer's (whole and worst
     position); fewer layers pool nothing."""
-    from harness.compare import pooled_floors
+    from harness.judge.compare import pooled_floors
 
     names = [f"layers.{i}.per_layer_input" for i in range(3)]
     env = {n: _with_row_errors([k * A] * ROWS) for n, k in zip(names, (1, 2, 3))}
@@ -129,7 +129,7 @@ def test_saturation_exemption_only_for_exactly_equal_capped_maxima():
 
 def test_near_tie_floor_is_four_bf16_ulps():
     """With a zero band, a flip at |logit| 20 (bf16 ULP 0.125) is a tie up to 0.5 and not at 0.6."""
-    from harness.compare import classify_mismatch
+    from harness.judge.compare import classify_mismatch
 
     assert classify_mismatch(0, torch.tensor([20.0, 19.5]), 1).kind == "near_tie"
     assert classify_mismatch(0, torch.tensor([20.0, 19.4]), 1).kind == "divergence"
@@ -204,8 +204,8 @@ def test_host_tolerances_hold_fp32_softmax_with_room(vocab):
     """The measurement behind the tolerances: the engine's fp32 softcap + softmax of logits of any
     scale against the float64 softmax of transformers' fp32 capped logits stays below an eighth of
     both tolerances (measured: 1.2e-5 and 5.7e-6 at 262144, the 12B's vocabulary)."""
-    from harness.numerics import softcap
-    from harness.reference import transformers_capped
+    from harness.base.numerics import softcap
+    from harness.reference.run import transformers_capped
 
     gen = torch.Generator().manual_seed(0)
     for scale in (0.01, 1.0, 3.0, 10.0, 1000.0):
@@ -217,7 +217,7 @@ def test_host_tolerances_hold_fp32_softmax_with_room(vocab):
 def test_host_transform_faults_fail_at_one_row():
     """One row (a 1-token prompt) of a tiny model's nearly flat logits: a softcap without the
     division, an uncapped softmax and a temperature of 0.999 each fail."""
-    from harness.reference import transformers_capped
+    from harness.reference.run import transformers_capped
 
     raw = 0.2 * torch.randn(1, 512, generator=torch.Generator().manual_seed(1))
     expected = transformers_capped(raw, 30.0)

@@ -19,34 +19,35 @@ PACKAGE = Path(harness.__file__).parent
 # placed here: an unplaced module fails the test, so the rule holds as the code grows.
 LAYERS = {
     "harness": 0,
+    "harness.base": 1, "harness.inputs": 1, "harness.port": 2, "harness.reference": 4, "harness.judge": 5, "harness.hlo": 1, "harness.parity": 5, "harness.quality": 6, "harness.report": 7,
     # 1: facts and plumbing every layer may use
-    "harness.errors": 1, "harness.spec": 1, "harness.spec_family": 1, "harness.spec_validate": 1, "harness.numerics": 1,
-    "harness.atomic": 1, "harness.progress": 1, "harness.hlo": 1, "harness.points": 1, "harness.settings": 1,
-    "harness.owned_dir": 1, "harness.array_index": 1, "harness.provenance": 1, "harness.spec_assistant": 1,
+    "harness.base.errors": 1, "harness.inputs.spec": 1, "harness.inputs.family": 1, "harness.inputs.validation": 1, "harness.base.numerics": 1,
+    "harness.base.atomic": 1, "harness.base.progress": 1, "harness.hlo.ir": 1, "harness.base.points": 1, "harness.base.settings": 1,
+    "harness.base.owned_dir": 1, "harness.base.array_index": 1, "harness.base.provenance": 1, "harness.inputs.assistant_spec": 1,
     # 2: weights, plans, inputs
-    "harness.checkpoint": 2, "harness.checkpoint_files": 2, "harness.tiny": 2, "harness.sharding": 2,
-    "harness.instances": 2, "harness.prompts": 2, "harness.device_plan": 2,
-    "harness.host_plan": 2, "harness.assistant_checkpoint": 2,
+    "harness.inputs.checkpoint": 2, "harness.inputs.weight_files": 2, "harness.inputs.tiny": 2, "harness.port.sharding": 2,
+    "harness.perf.instances": 2, "harness.inputs.prompts": 2, "harness.port.device_plan": 2,
+    "harness.perf.host_plan": 2, "harness.inputs.assistant_checkpoint": 2,
     # 3: the port
-    "harness.model": 3, "harness.model_blocks": 3, "harness.graphs": 3, "harness.engine": 3,
-    "harness.kv_slots": 3, "harness.batching": 3, "harness.drafter": 3, "harness.speculate": 3,
+    "harness.port.model": 3, "harness.port.blocks": 3, "harness.port.graphs": 3, "harness.port.engine": 3,
+    "harness.port.kv_slots": 3, "harness.port.batching": 3, "harness.port.drafter": 3, "harness.port.speculate": 3,
     # 4: execution: the backends, and the reference (transformers only)
-    "harness.backends": 4, "harness.reference": 4, "harness.reference_stream": 4, "harness.reference_forcing": 4,
-    "harness.reference64": 4, "harness.reference_assistant": 4, "harness.tiny_assistant": 4,
+    "harness.backends": 4, "harness.reference.run": 4, "harness.reference.stream": 4, "harness.reference.forcing": 4,
+    "harness.reference.float64": 4, "harness.reference.assistant": 4, "harness.reference.tiny_assistant": 4,
     # 5: judgement
     # (observe runs the port and the references for the judge; stage judges what it observed)
-    "harness.compare": 5, "harness.local": 5, "harness.golden": 5, "harness.golden_layout": 5,
-    "harness.graph_contracts": 5, "harness.verdicts": 5, "harness.observe": 5, "harness.stage": 5,
-    "harness.results": 5, "harness.bisect_result": 5, "harness.routing": 5, "harness.forced_path": 5,
+    "harness.judge.compare": 5, "harness.parity.local": 5, "harness.reference.golden": 5, "harness.reference.golden_layout": 5,
+    "harness.hlo.contracts": 5, "harness.judge.verdicts": 5, "harness.parity.observe": 5, "harness.judge.stage": 5,
+    "harness.judge.results": 5, "harness.parity.bisect_result": 5, "harness.judge.routing": 5, "harness.parity.forced_path": 5,
     # 6: workflows as library functions with result objects
-    "harness.parity": 6, "harness.bisect": 6, "harness.truncate": 6, "harness.perf": 6, "harness.graph_stats": 6,
-    "harness.served": 6, "harness.quality": 6, "harness.quality_stats": 6, "harness.quality_judge": 6,
-    "harness.quality_parts": 6, "harness.quality_merge": 6, "harness.quality_moe": 6,
-    "harness.speculate_stage": 6,
+    "harness.parity.check": 6, "harness.parity.bisect": 6, "harness.parity.truncate": 6, "harness.perf": 6, "harness.hlo.stats": 6,
+    "harness.parity.served": 6, "harness.quality.golden": 6, "harness.quality.stats": 6, "harness.quality.judge": 6,
+    "harness.quality.parts": 6, "harness.quality.merge": 6, "harness.quality.moe": 6,
+    "harness.parity.speculative": 6,
     # 7: presentation and commands; nothing imports these from below
-    "harness.report": 7, "harness.report_bisect": 7, "harness.report_plot": 7, "harness.report_table": 7,
-    "harness.quality_report": 7,
-    "harness.cli": 8, "harness.entry": 8, "harness.entry_guard": 8, "harness.__main__": 8,
+    "harness.report.formats": 7, "harness.report.bisect": 7, "harness.report.plot": 7, "harness.report.table": 7,
+    "harness.report.quality": 7,
+    "harness.cli": 8, "harness.entry": 8, "harness.base.signal_guard": 8, "harness.__main__": 8,
 }
 TOP = ("harness.cli", "harness.entry", "harness.__main__")
 
@@ -151,9 +152,9 @@ def test_only_the_neuron_backend_imports_the_neuron_sdk():
 
 
 @pytest.mark.parametrize("graph, problem", [
-    ({"harness.spec": {"harness.sharding"}, "harness.sharding": {"harness.spec"}}, "layer"),
-    ({"harness.bisect": {"harness.cli"}, "harness.cli": set()}, "command layer"),
-    ({"harness.parity": {"harness.bisect"}, "harness.bisect": {"harness.parity"}}, "cycle"),
+    ({"harness.inputs.spec": {"harness.port.sharding"}, "harness.port.sharding": {"harness.inputs.spec"}}, "layer"),
+    ({"harness.parity.bisect": {"harness.cli"}, "harness.cli": set()}, "command layer"),
+    ({"harness.parity.check": {"harness.parity.bisect"}, "harness.parity.bisect": {"harness.parity.check"}}, "cycle"),
     ({"harness.newthing": set()}, "not placed"),
 ])
 def test_the_rule_catches_each_kind_of_violation(graph, problem):

@@ -9,12 +9,12 @@ import json
 import pytest
 
 from harness import FIXTURES_DIR
+from harness.base.settings import DEFAULT_BUCKETS
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
-from harness.device_plan import graph_reserve_bytes
-from harness.settings import DEFAULT_BUCKETS
+from harness.inputs.spec import load_spec
 from harness.perf.memory import instance_memory_plan
-from harness.sharding import bytes_per_rank, kv_cache_bytes
-from harness.spec import load_spec
+from harness.port.device_plan import graph_reserve_bytes
+from harness.port.sharding import bytes_per_rank, kv_cache_bytes
 
 CONFIG_12B = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"
 GiB = 2**30

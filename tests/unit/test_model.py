@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
 
-from harness import model as port
+from harness.port import model as port
 
 
 def rms_norm_matches_transformers(dtype=torch.bfloat16, with_weight: bool = True) -> bool:
@@ -36,11 +36,11 @@ def test_rms_norm_is_bitwise_transformers_in_bf16_and_fp32():
 def test_rope_tables_equal_transformers():
     """inv_freq of both layer types equals transformers' rotary embedding's (proportional rope
     divides by the full head_dim and zeroes the rest)."""
-    from harness.tiny import TINY_CONFIG
+    from harness.inputs.tiny import TINY_CONFIG
     import json
 
     from transformers import Gemma4UnifiedConfig
-    from harness.spec import spec_from_config_dict
+    from harness.inputs.spec import spec_from_config_dict
 
     config = json.loads(TINY_CONFIG.read_text())
     spec = spec_from_config_dict(config)

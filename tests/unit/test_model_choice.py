@@ -1,5 +1,5 @@
 """`--model tiny-31b|tiny-e2b|tiny-e4b|tiny-26b-a4b`: the family's tiny shapes from the command line,
-built and cached like the tiny 12B (harness/tiny.py TINY_FAMILY), on every command with --model."""
+built and cached like the tiny 12B (harness/inputs/tiny.py TINY_FAMILY), on every command with --model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from harness.cli import main
-from harness.tiny import TINY_FAMILY, tiny_checkpoint_path
+from harness.inputs.tiny import TINY_FAMILY, tiny_checkpoint_path
 
 NAMES = [f"tiny-{name}" for name in TINY_FAMILY]
 

@@ -9,8 +9,8 @@ import json
 
 import torch
 
-from harness.checkpoint import Checkpoint
 from harness.cli import main
+from harness.inputs.checkpoint import Checkpoint
 from tests.model_work import ModelWork
 
 

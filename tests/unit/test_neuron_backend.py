@@ -20,12 +20,12 @@ import torch
 from torch import nn
 
 from harness.backends import neuron, neuron_cache, neuron_env
-from harness.tiny import TINY_CONFIG
-from harness.errors import HarnessInputError
-from harness.model import RankDecoder, RankLinears
-from harness.settings import RunSettings
-from harness.sharding import plan_model
-from harness.spec import load_spec
+from harness.base.errors import HarnessInputError
+from harness.base.settings import RunSettings
+from harness.inputs.spec import load_spec
+from harness.inputs.tiny import TINY_CONFIG
+from harness.port.model import RankDecoder, RankLinears
+from harness.port.sharding import plan_model
 from tests.sdk_free import import_without_sdks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,7 +237,7 @@ def test_model_source_hash_follows_the_source_text(monkeypatch):
     names = {p.name for p in neuron.MODEL_SOURCE_FILES}
     assert {"model.py", "sharding.py"} <= names
     assert {"spec.py", "graphs.py", "neuron.py"} <= names  # spec.py derives what the graph bakes in
-    assert {"spec_family.py", "model_blocks.py", "neuron_layers.py"} <= names  # the family's blocks, NxD's layers
+    assert {"family.py", "blocks.py", "neuron_layers.py"} <= names  # the family's blocks, NxD's layers
     read = neuron_cache._read_source
     for changed in sorted(names):
         monkeypatch.setattr(neuron_cache, "_read_source",

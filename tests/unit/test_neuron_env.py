@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from harness.backends import neuron, neuron_cache, neuron_env
-from harness.errors import HarnessInputError
-from harness.settings import RunSettings
-from harness.sharding import bytes_per_rank
-from harness.spec import load_spec
+from harness.base.errors import HarnessInputError
+from harness.base.settings import RunSettings
+from harness.inputs.spec import load_spec
+from harness.port.sharding import bytes_per_rank
 
 # ---- NEURON_RT_VISIBLE_CORES --------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from harness.progress import status
+from harness.base.progress import status
 
 
 class FakeTerminal(io.StringIO):
@@ -60,8 +60,8 @@ def test_transformers_bars_are_silent_where_stderr_is_not_a_terminal(tmp_path, m
     GEMMA_PARITY_PROGRESS=1 (which asks for the harness's own plain lines, not third-party bars)."""
     from transformers.utils import logging as transformers_logging
 
-    from harness.tiny import build_tiny_checkpoint
-    from harness.reference import load_reference_model
+    from harness.inputs.tiny import build_tiny_checkpoint
+    from harness.reference.run import load_reference_model
 
     monkeypatch.setenv("GEMMA_PARITY_PROGRESS", "1")
     transformers_logging.enable_progress_bar()  # as a fresh process starts
@@ -77,7 +77,7 @@ def test_transformers_bars_are_silent_where_stderr_is_not_a_terminal(tmp_path, m
 def test_transformers_bars_are_left_alone_on_a_terminal(monkeypatch):
     from transformers.utils import logging as transformers_logging
 
-    from harness.progress import third_party_bars
+    from harness.base.progress import third_party_bars
 
     monkeypatch.setattr("sys.stderr", FakeTerminal())
     transformers_logging.enable_progress_bar()

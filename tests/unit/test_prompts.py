@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from harness.errors import PromptError
-from harness.prompts import load_prompts
+from harness.base.errors import PromptError
+from harness.inputs.prompts import load_prompts
 
 
 def _word_tokenizer(directory):
@@ -54,9 +54,9 @@ def test_malformed_prompt_files_are_refused(tmp_path, content, fragment):
 def test_an_id_outside_the_vocabulary_names_where_the_prompts_came_from(source, said, fix):
     """With no --prompts the default prompts file is named as such (and the fix is --prompts, not
     "check the prompts file", which the user never gave); a golden's prompts say to regenerate it."""
-    from harness.tiny import TINY_CONFIG
-    from harness.prompts import DEFAULT_PROMPTS, validate_prompt_ids
-    from harness.spec import spec_from_config_dict
+    from harness.inputs.prompts import DEFAULT_PROMPTS, validate_prompt_ids
+    from harness.inputs.spec import spec_from_config_dict
+    from harness.inputs.tiny import TINY_CONFIG
 
     config = json.loads(TINY_CONFIG.read_text())
     config["text_config"]["vocab_size"] = 300

@@ -1,11 +1,11 @@
-"""Provenance (harness/provenance.py): a dirty tree is flagged, and two results' differing settings
+"""Provenance (harness/base/provenance.py): a dirty tree is flagged, and two results' differing settings
 or versions are named."""
 
 from __future__ import annotations
 
 import subprocess
 
-from harness.provenance import differences, git_state, provenance
+from harness.base.provenance import differences, git_state, provenance
 
 
 def test_a_tree_with_uncommitted_changes_is_dirty(tmp_path):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.reference import load_reference_model, text_model
-from harness.reference_stream import stream_prefill_captures
+from harness.reference.run import load_reference_model, text_model
+from harness.reference.stream import stream_prefill_captures
 
 CAP = 30.0  # final_logit_softcapping of the tiny config (and of the 12B)
 NEW_TOKENS = 8  # what the tiny0_reference fixture decodes

@@ -13,9 +13,9 @@ import torch
 
 from tests.unit.test_layering import PACKAGE, harness_imports, module_name
 
-REFERENCE_PATH = ("harness.reference", "harness.reference_stream", "harness.reference64")
-PORT = ("harness.model", "harness.engine", "harness.sharding", "harness.backends", "harness.graphs",
-        "harness.numerics")
+REFERENCE_PATH = ("harness.reference.run", "harness.reference.stream", "harness.reference.float64")
+PORT = ("harness.port.model", "harness.port.engine", "harness.port.sharding", "harness.backends", "harness.port.graphs",
+        "harness.base.numerics")
 
 
 def module_file(name: str):
@@ -47,34 +47,35 @@ def _imports_on_disk(module: str) -> set[str]:
 
 
 def test_reference_path_imports_no_port_code():
-    """harness.reference and everything it imports, transitively, stay clear of the port."""
+    """harness.reference.run and everything it imports, transitively, stay clear of the port."""
     assert port_leaks(REFERENCE_PATH, _imports_on_disk) == []
-    assert "harness.reference" in {module_name(p) for p in PACKAGE.rglob("*.py")}
+    assert "harness.reference.run" in {module_name(p) for p in PACKAGE.rglob("*.py")}
 
 
 @pytest.mark.parametrize("source", [
-    "from harness.numerics import softcap",
-    "import harness.engine",
-    "def f():\n    from harness.model import rms_norm\n",
-    "from harness.checkpoint import Checkpoint",  # checkpoint itself is clean, but see below
+    "from harness.base.numerics import softcap",
+    "import harness.port.engine",
+    "def f():\n    from harness.port.model import rms_norm\n",
+    "from harness.inputs.checkpoint import Checkpoint",  # checkpoint itself is clean, but see below
 ])
 def test_the_boundary_check_catches_a_leaning_reference(tmp_path, source):
     """The checker itself: a reference importing port code directly, inside a function, or through
     a module that does is reported."""
-    path = tmp_path / "reference.py"
+    path = tmp_path / "run.py"
     path.write_text(source)
-    graph = {"harness.reference": harness_imports(path),
-             "harness.checkpoint": {"harness.numerics"}}  # a weight reader that leaned on the port
+    graph = {"harness.reference.run": harness_imports(path),
+             "harness.inputs.checkpoint": {"harness.base.numerics"}}  # a weight reader that leaned on the port
     leaks = port_leaks(REFERENCE_PATH, lambda m: graph.get(m, set()))
-    assert leaks and all(chain.startswith("harness.reference") for chain in leaks)
+    assert leaks and all(chain.startswith("harness.reference.run") for chain in leaks)
     assert ast.parse(source)  # the sample is valid Python
 
 
 def test_broken_port_numerics_leave_the_reference_unchanged(monkeypatch, tiny0_ckpt, default_prompts):
     """Break the port's embedding scale and softcap at their source: the streamed reference (which
     builds its own embeddings and caps its own logits) computes the same numbers bit for bit."""
-    from harness import engine, numerics
-    from harness.reference_stream import stream_prefill_captures
+    from harness.base import numerics
+    from harness.port import engine
+    from harness.reference.stream import stream_prefill_captures
 
     prompt = default_prompts[1]
     before = stream_prefill_captures(tiny0_ckpt, prompt, torch.bfloat16)
@@ -92,7 +93,7 @@ def test_streaming_bf16_equals_the_full_reference_on_inexact_scale(inexact_scale
     """On the hidden-72 variant (sqrt(72) is inexact in bf16, so the scale's cast shows) the streamed
     bf16 reference's embeddings equal the full transformers model's bit for bit, and every other
     prefill capture agrees to bf16 rounding of the different op order (layer by layer vs whole model)."""
-    from harness.reference_stream import stream_prefill_captures
+    from harness.reference.stream import stream_prefill_captures
 
     for full in inexact_scale_reference["bfloat16"][:2]:
         streamed = stream_prefill_captures(inexact_scale_ckpt, full.prompt, torch.bfloat16)

@@ -12,7 +12,7 @@ import pytest
 
 from harness import FIXTURES_DIR
 from harness.cli import main
-from harness.tiny import TINY_CONFIG, TINY_FAMILY, tiny_checkpoint
+from harness.inputs.tiny import TINY_CONFIG, TINY_FAMILY, tiny_checkpoint
 
 GOLDENS = FIXTURES_DIR / "goldens-5.23"
 CONFIGS = {"12b": TINY_CONFIG, **TINY_FAMILY}
@@ -51,7 +51,7 @@ def test_family_reads_the_store_marks():
     on a model with KV sharing (e2b) and on one without (31b, the 12B)."""
     from transformers import Gemma4TextConfig
 
-    from harness.spec import load_spec
+    from harness.inputs.spec import load_spec
 
     for name in ("e2b", "31b", "12b"):
         spec = load_spec(tiny_checkpoint(0, CONFIGS[name]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from harness.report import layer_rows
+from harness.report.formats import layer_rows
 from tests.plot_extra import require_plot_extra
 
 
@@ -32,7 +32,7 @@ def _ratio_axes(layers):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from harness.report_plot import _plot_ratios
+    from harness.report.plot import _plot_ratios
 
     fig, ax = plt.subplots()
     _plot_ratios(ax, layers, [5], ("cumulative_ratio", "local_ratio"))
@@ -50,7 +50,7 @@ def test_check_plot_raises_no_warning(tmp_path):
     """A check's plot (no local series on some layers, nothing failing) draws without warnings
     (an empty legend was one)."""
     require_plot_extra()
-    from harness.report_plot import plot_layer_errors
+    from harness.report.plot import plot_layer_errors
 
     layers = [_layer(i, local_rel_l2=None, local_envelope_rel_l2=None, local_ratio=None) for i in range(3)]
     with warnings.catch_warnings():

@@ -1,4 +1,4 @@
-"""The routing policy's numbers (harness/routing.py), pinned with hand-made router logits: the
+"""The routing policy's numbers (harness/judge/routing.py), pinned with hand-made router logits: the
 band is ROUTING_FACTOR x the ROUTING_QUANTILE of the top-k boundary margin shifts, at least
 NEAR_TIE_ULPS bf16 ULPs; a choice off the fp32 top-k is a near tie when the swap's fp32 margin is
 within it, else a divergence. Each planted judge bug (wrong quantile, factor, boundary, margin
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.reference_forcing import chosen_experts
-from harness.routing import (ROUTING_FACTOR, ROUTING_QUANTILE, RouterDecisions, RoutingResult, boundary_shifts,
-                             judge_decisions, port_routes)
+from harness.reference.forcing import chosen_experts
+from harness.judge.routing import (ROUTING_FACTOR, ROUTING_QUANTILE, RouterDecisions, RoutingResult, boundary_shifts,
+                                   judge_decisions, port_routes)
 
 
 def _dense(chosen: list[list[int]], experts: int = 4) -> torch.Tensor:

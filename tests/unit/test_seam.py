@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import harness
-from harness.compare import (BF16, FP32, NEAR_TIE_ULPS, classify_departure, classify_mismatch, saturation_tie,
-                             tie_threshold)
-from harness.errors import PromptError
-from harness.numerics import bf16_ulp
-from harness.prompts import kv_positions_used, validate_prompt_fit
-from harness.routing import RouterDecisions, judge_decisions
-from harness.served import judge_served
+from harness.judge.compare import (BF16, FP32, NEAR_TIE_ULPS, classify_departure, classify_mismatch, saturation_tie,
+                                   tie_threshold)
+from harness.base.errors import PromptError
+from harness.base.numerics import bf16_ulp
+from harness.inputs.prompts import kv_positions_used, validate_prompt_fit
+from harness.judge.routing import RouterDecisions, judge_decisions
+from harness.parity.served import judge_served
 
 PACKAGE = Path(harness.__file__).parent
 
@@ -50,7 +50,7 @@ def test_the_fit_rule_checks_buckets_and_max_positions():
 @pytest.fixture(scope="module")
 def edge_references(tiny0_dir):
     """The tiny model's references for a prompt of 16 and one of 17 tokens, at 0 new tokens."""
-    from harness.reference import run_reference
+    from harness.reference.run import run_reference
 
     refs = run_reference(tiny0_dir, [list(range(3, 19)), list(range(3, 20))], 0)
     return {n: ([refs["float32"][k]], [refs["bfloat16"][k]]) for k, n in enumerate((16, 17))}
@@ -58,7 +58,7 @@ def edge_references(tiny0_dir):
 
 def _engine(tiny0_ckpt):
     from harness.backends import build_engine
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
 
     return build_engine(tiny0_ckpt, RunSettings(buckets=(16,), kv_len=16), capture=True)
 
@@ -66,8 +66,8 @@ def _engine(tiny0_ckpt):
 def test_the_library_refuses_what_the_command_refuses_before_the_port_runs(tiny0_ckpt, edge_references, monkeypatch):
     """At 0 new tokens a prompt of kv_len + 1 tokens is bad input for `check_port` too (it used to
     be accepted and then fail inside the port): PromptError, and the port never ran."""
-    from harness import engine as port_engine
-    from harness.parity import check_port
+    from harness.parity.check import check_port
+    from harness.port import engine as port_engine
 
     def no_port(*args, **kwargs):
         raise AssertionError("the port ran on a prompt that does not fit")
@@ -78,7 +78,7 @@ def test_the_library_refuses_what_the_command_refuses_before_the_port_runs(tiny0
 
 
 def test_the_library_accepts_a_prompt_of_kv_len_tokens_at_0_new_tokens(tiny0_ckpt, edge_references):
-    from harness.parity import check_port
+    from harness.parity.check import check_port
 
     result = check_port(tiny0_ckpt, _engine(tiny0_ckpt), *edge_references[16], local=False)
     # the port ran and was judged: the fp32 stage passes and the bf16 stage judged every layer (its
@@ -196,17 +196,17 @@ def _calls(name: str) -> set[str]:
 
 
 @pytest.mark.parametrize("name, homes", [
-    ("rerun_reference", {"harness/observe.py"}),  # the references re-run along the port's path: observe only
-    ("follow_routing", {"harness/observe.py"}),
-    ("add_pins", {"harness/observe.py"}),
-    ("judge_routing", {"harness/stage.py"}),  # the stage judge judges routing; parity does not
-    ("compare_layers", {"harness/stage.py"}),  # local reads the stage's judged layers
-    ("classify_departure", {"harness/stage.py", "harness/served.py"}),
-    ("classify_mismatch", {"harness/compare.py", "harness/speculate_stage.py"}),  # drafter cluster flips: the same classifier
-    ("saturation_tie", {"harness/compare.py"}),
-    ("calibrate_band", {"harness/compare.py", "harness/routing.py"}),
-    ("tie_threshold", {"harness/compare.py", "harness/routing.py"}),
-    ("validate_prompt_fit", {"harness/observe.py", "harness/golden.py", "harness/cli/check.py",
+    ("rerun_reference", {"harness/parity/observe.py"}),  # the references re-run along the port's path: observe only
+    ("follow_routing", {"harness/parity/observe.py"}),
+    ("add_pins", {"harness/parity/observe.py"}),
+    ("judge_routing", {"harness/judge/stage.py"}),  # the stage judge judges routing; parity does not
+    ("compare_layers", {"harness/judge/stage.py"}),  # local reads the stage's judged layers
+    ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py"}),
+    ("classify_mismatch", {"harness/judge/compare.py", "harness/parity/speculative.py"}),  # drafter cluster flips: the same classifier
+    ("saturation_tie", {"harness/judge/compare.py"}),
+    ("calibrate_band", {"harness/judge/compare.py", "harness/judge/routing.py"}),
+    ("tie_threshold", {"harness/judge/compare.py", "harness/judge/routing.py"}),
+    ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
 ])
 def test_each_decision_has_one_home(name, homes):

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from harness.backends import BACKENDS, Backend, backend_class, backend_options, build_engine, make_backend
+from harness.base.errors import HarnessInputError, OptionError
 from harness.cli import build_parser, main
 from harness.cli.common import EXIT_BAD_INPUT
-from harness.engine import Engine
-from harness.errors import HarnessInputError, OptionError
-from harness.settings import (DEFAULT_BUCKETS, DEFAULT_KV_LEN, DEFAULT_TP, RunSettings, dtype_name,
-                              parse_backend_options, parse_buckets, short_dtype_name, torch_dtype)
+from harness.port.engine import Engine
+from harness.base.settings import (DEFAULT_BUCKETS, DEFAULT_KV_LEN, DEFAULT_TP, RunSettings, dtype_name,
+                                   parse_backend_options, parse_buckets, short_dtype_name, torch_dtype)
 
 ALIASES = [("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp32", "float32"), ("float32", "float32")]
 CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
@@ -130,7 +130,7 @@ def test_cpu_backend_implements_the_interface(tiny0_ckpt):
 def test_engine_reads_the_cache_through_the_one_merge(tiny0_ckpt, monkeypatch):
     """Engine.read_cache is the one path: it merges the backend's per-rank caches with
     sharding.merge_rank_caches, and a backend that says it cannot read its cache is refused."""
-    from harness import engine as port_engine
+    from harness.port import engine as port_engine
 
     engine = build_engine(tiny0_ckpt, RunSettings(buckets=(16,), kv_len=32))
     engine.prefill(list(range(3, 12)))
@@ -204,7 +204,7 @@ def golden_dir(tmp_path_factory, tiny0_ckpt):
 
 @pytest.mark.parametrize("alias, canonical", ALIASES)
 def test_check_takes_every_dtype_name(alias, canonical, tiny0_dir, monkeypatch):
-    _reach(monkeypatch, "harness.parity.run_parity_check", lambda ckpt, ckpt_dir, settings, **kw: settings)
+    _reach(monkeypatch, "harness.parity.check.run_parity_check", lambda ckpt, ckpt_dir, settings, **kw: settings)
     settings = _run_command(["check", "--checkpoint", tiny0_dir, "--dtype", alias, "--tp", 1, "--kv-len", 320,
                              "--buckets", "256,16"])
     assert settings == RunSettings(tp=1, dtype=canonical, buckets=(16, 256), kv_len=320)
@@ -212,7 +212,7 @@ def test_check_takes_every_dtype_name(alias, canonical, tiny0_dir, monkeypatch):
 
 @pytest.mark.parametrize("alias, canonical", ALIASES)
 def test_bisect_takes_every_dtype_name(alias, canonical, tiny0_dir, golden_dir, monkeypatch):
-    _reach(monkeypatch, "harness.bisect.bisect_golden", lambda ckpt, golden, settings, **kw: (settings, kw["mode"]))
+    _reach(monkeypatch, "harness.parity.bisect.bisect_golden", lambda ckpt, golden, settings, **kw: (settings, kw["mode"]))
     settings, mode = _run_command(["bisect", "--checkpoint", tiny0_dir, "--golden", golden_dir, "--dtype", alias,
                                    "--mode", "truncate"])
     assert settings == RunSettings(dtype=canonical) and mode == "truncate"
@@ -228,7 +228,7 @@ def test_bench_takes_every_dtype_name(alias, canonical, tiny0_dir, tmp_path, mon
 
 @pytest.mark.parametrize("alias, canonical", ALIASES)
 def test_graphs_takes_every_dtype_name(alias, canonical, monkeypatch):
-    _reach(monkeypatch, "harness.graph_stats.model_graph_stats", lambda spec, settings, **kw: settings)
+    _reach(monkeypatch, "harness.hlo.stats.model_graph_stats", lambda spec, settings, **kw: settings)
     settings = _run_command(["graphs", "--config", TINY_CONFIG, "--dtype", alias])
     assert (settings.dtype, settings.torch_dtype, settings.buckets) == (canonical, torch_dtype(canonical), (64,))
 

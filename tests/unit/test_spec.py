@@ -9,8 +9,8 @@ import json
 import pytest
 
 from harness import FIXTURES_DIR
-from harness.errors import ConfigError
-from harness.spec import FULL, SLIDING, load_spec, spec_from_config_dict
+from harness.base.errors import ConfigError
+from harness.inputs.spec import FULL, SLIDING, load_spec, spec_from_config_dict
 
 CONFIGS = FIXTURES_DIR / "configs"
 CONFIG_12B = CONFIGS / "gemma-4-12b-it.json"

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from harness import FIXTURES_DIR
-from harness.errors import CheckpointError, ConfigError, OptionError
-from harness.settings import RunSettings
-from harness.spec import load_spec
-from harness.spec_assistant import assistant_spec_from_dict
-from harness.speculate import accepted_prefix, check_speculate, speculative_generate
+from harness.base.errors import CheckpointError, ConfigError, OptionError
+from harness.base.settings import RunSettings
+from harness.inputs.assistant_spec import assistant_spec_from_dict
+from harness.inputs.spec import load_spec
+from harness.port.speculate import accepted_prefix, check_speculate, speculative_generate
 
 UNIFIED = FIXTURES_DIR / "configs" / "tiny" / "gemma-4-tiny-assistant.json"
 FAMILY = FIXTURES_DIR / "configs" / "tiny" / "gemma-4-tiny-31b-assistant.json"
@@ -70,10 +70,10 @@ def test_bad_speculate_settings_are_refused(k, cache):
 @pytest.fixture(scope="module")
 def random_pair(tiny0_dir, tmp_path_factory):
     """The tiny 12B and an unfitted assistant of it (random weights, a random token ordering)."""
-    from harness.assistant_checkpoint import AssistantCheckpoint
-    from harness.checkpoint import Checkpoint
-    from harness.tiny import _save_atomically, randomize_for_margins
-    from harness.tiny_assistant import assistant_class
+    from harness.inputs.assistant_checkpoint import AssistantCheckpoint
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import _save_atomically, randomize_for_margins
+    from harness.reference.tiny_assistant import assistant_class
 
     config = _config()
     config.pop("architectures")
@@ -91,7 +91,7 @@ def random_pair(tiny0_dir, tmp_path_factory):
 def test_assistant_checkpoint_with_a_damaged_tensor_is_refused_naming_it(random_pair, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from harness.assistant_checkpoint import AssistantCheckpoint
+    from harness.inputs.assistant_checkpoint import AssistantCheckpoint
 
     ckpt, _, path = random_pair
     weights = load_file(str(path / "model.safetensors"))
@@ -107,9 +107,9 @@ def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transform
     """fp32: the same tokens as plain greedy decode, and every drafter capture point of every draft
     step within fp32 rounding of transformers' assistant fed the same target states."""
     from harness.backends import build_drafter, build_engine
-    from harness.compare import FP32
-    from harness.reference_assistant import AssistantReference
-    from harness.speculate_stage import drafter_points
+    from harness.judge.compare import FP32
+    from harness.parity.speculative import drafter_points
+    from harness.reference.assistant import AssistantReference
 
     ckpt, assistant, path = random_pair
     engine = build_engine(ckpt, RunSettings(tp=tp, dtype="float32", buckets=(16, 64), kv_len=64), capture=True)
@@ -130,11 +130,11 @@ def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transform
 
 def test_drafter_with_the_inputs_swapped_departs_from_transformers(random_pair, monkeypatch):
     """The same comparison fails when the hidden state and the embedding are joined the wrong way."""
-    from harness import drafter as port_drafter
     from harness.backends import build_drafter, build_engine
-    from harness.compare import FP32
-    from harness.reference_assistant import AssistantReference
-    from harness.speculate_stage import drafter_points
+    from harness.judge.compare import FP32
+    from harness.parity.speculative import drafter_points
+    from harness.port import drafter as port_drafter
+    from harness.reference.assistant import AssistantReference
 
     monkeypatch.setattr(port_drafter, "join_inputs", lambda embeds, hidden: torch.cat([hidden, embeds], dim=-1))
     ckpt, assistant, path = random_pair
@@ -148,7 +148,7 @@ def test_drafter_with_the_inputs_swapped_departs_from_transformers(random_pair, 
 def test_a_cluster_departure_is_classified_like_a_token_flip():
     """bf16 draft steps choosing other clusters: a near tie when the reference's weakest chosen
     cluster beats the device's extra one by no more than the band, else a divergence."""
-    from harness.speculate_stage import cluster_departure, same_clusters
+    from harness.parity.speculative import cluster_departure, same_clusters
 
     scores = torch.tensor([[5.0, 3.0, 2.95, 1.0, -4.0]])
     ref = torch.tensor([[0.0, 1.0]])  # captures hold the cluster indices as floats
@@ -163,11 +163,11 @@ def test_a_cluster_departure_is_classified_like_a_token_flip():
 def test_drafter_not_fed_its_post_projection_fails_state_fed(random_pair, monkeypatch):
     """A later draft step of a round fed the round's first state instead of the step before's
     post-projection: every point of the step itself agrees (fed the port's own inputs), state_fed fails."""
-    from harness import speculate as port_speculate
     from harness.backends import build_drafter, build_engine
-    from harness.compare import FP32
-    from harness.reference_assistant import AssistantReference
-    from harness.speculate_stage import drafter_points
+    from harness.judge.compare import FP32
+    from harness.parity.speculative import drafter_points
+    from harness.port import speculate as port_speculate
+    from harness.reference.assistant import AssistantReference
 
     monkeypatch.setattr(port_speculate, "next_state", lambda fed, produced: fed)
     ckpt, assistant, path = random_pair

@@ -11,8 +11,8 @@ BUCKET = 16
 
 @pytest.fixture(scope="session")
 def tiny_spec():
-    from harness.tiny import TINY_CONFIG
-    from harness.spec import load_spec
+    from harness.inputs.spec import load_spec
+    from harness.inputs.tiny import TINY_CONFIG
 
     return load_spec(TINY_CONFIG)
 
@@ -21,8 +21,8 @@ def lower_tiny(spec, tp: int, length: int, module_cls=None, dtype=torch.bfloat16
     """One rank's graph of the tiny model (weights as the module initialised them), lowered by
     torch-xla: (LoweredGraph, GraphSignature, Expectation)."""
     from harness.backends.xla import build_graph_module, graph_tensors, lower_graph
-    from harness.graph_contracts import GraphSignature, expectation_for
-    from harness.graphs import TracedDecoder
+    from harness.hlo.contracts import GraphSignature, expectation_for
+    from harness.port.graphs import TracedDecoder
 
     module = build_graph_module(spec, tp, KV_LEN, dtype, module_cls=module_cls or TracedDecoder)
     tensors, roles = graph_tensors(module)
@@ -43,7 +43,7 @@ VARIANT_TEXT = {"hidden_size": 96, "intermediate_size": 160, "num_attention_head
 def variant_dir(tmp_path_factory):
     import json
 
-    from harness.tiny import TINY_CONFIG, build_tiny_checkpoint
+    from harness.inputs.tiny import TINY_CONFIG, build_tiny_checkpoint
 
     out = tmp_path_factory.mktemp("variant")
     config = json.loads(TINY_CONFIG.read_text())

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import model
-from harness.engine import softcap
-from harness.graph_contracts import CONTRACTS, check_graph, graph_stats
-from harness.graphs import TracedDecoder
+from harness.hlo.contracts import CONTRACTS, check_graph, graph_stats
+from harness.port import model
+from harness.port.engine import softcap
+from harness.port.graphs import TracedDecoder
 from tests.xla.conftest import BUCKET, KV_LEN, lower_tiny
 
 pytestmark = pytest.mark.xla

@@ -1,5 +1,5 @@
 """Under `-m neuron` on an inf2 host: the same graph contracts on what torch-neuronx traces. The
-graph module is built exactly as NeuronBackend builds it (harness/graphs.py's TracedDecoder with
+graph module is built exactly as NeuronBackend builds it (harness/port/graphs.py's TracedDecoder with
 NxD's parallel layers under NxDParallelState at TP=2) and lowered by the Neuron host's torch-xla
 on the Neuron XLA device (tracing only, nothing compiled or run); the contracts are the CPU lane's.
 Skipped elsewhere (no NeuronCore), like every neuron test."""
@@ -20,10 +20,10 @@ def test_contracts_hold_on_the_graphs_torch_neuronx_traces(length):
 
     from harness.backends.neuron import NeuronLinears, import_neuronx_distributed
     from harness.backends.xla import graph_tensors, lower_graph
-    from harness.tiny import TINY_CONFIG
-    from harness.graph_contracts import GraphSignature, check_graph, expectation_for
-    from harness.graphs import TracedDecoder
-    from harness.spec import load_spec
+    from harness.hlo.contracts import GraphSignature, check_graph, expectation_for
+    from harness.inputs.spec import load_spec
+    from harness.inputs.tiny import TINY_CONFIG
+    from harness.port.graphs import TracedDecoder
 
     spec, tp, dtype = load_spec(TINY_CONFIG), 2, torch.bfloat16
     # NxD through the backend's import (it reaches transformers.utils.fx, absent in transformers 5)

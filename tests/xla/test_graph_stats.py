@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.graph_contracts import graph_stats
-from harness.graph_stats import model_graph_stats
-from harness.report import format_graph_stats
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.hlo.contracts import graph_stats
+from harness.hlo.stats import model_graph_stats
+from harness.report.formats import format_graph_stats
 from tests.xla.conftest import KV_LEN, lower_tiny
 
 pytestmark = pytest.mark.xla
@@ -37,7 +37,7 @@ def test_scaled_pieces_equal_the_whole_graph(tiny_spec, tp):
 def test_12b_decode_reads_its_weights_once_and_returns_one_row_of_logits():
     """The 12B's real config at TP=2, decode graph only: weights per rank near docs/design.md#performance-facts's ~12 GB,
     2 FLOPs per weight per token, one bf16 vocab row back to the host, two all-reduces per layer."""
-    from harness.spec import load_spec
+    from harness.inputs.spec import load_spec
 
     spec = load_spec("fixtures/configs/gemma-4-12b-it.json")
     result = model_graph_stats(spec, RunSettings(tp=2, kv_len=256, buckets=(1,)))

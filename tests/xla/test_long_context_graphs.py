@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from harness.backends import build_engine
-from harness.graph_contracts import GraphSignature, check_graph, expectation_for
-from harness.graphs import TracedDecoder, kv_buckets
-from harness.parity import check_port
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.hlo.contracts import GraphSignature, check_graph, expectation_for
+from harness.parity.check import check_port
+from harness.port.graphs import TracedDecoder, kv_buckets
 from tests.faults.catalog import LONG_BUCKETS, LONG_KV_LEN
 from tests.xla.conftest import BUCKET, KV_LEN
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.reference import run_reference
-from harness.served import check_served_build
-from harness.settings import RunSettings
+from harness.base.settings import RunSettings
+from harness.parity.served import check_served_build
+from harness.reference.run import run_reference
 from tests.parity import served_faults
 
 pytestmark = pytest.mark.xla

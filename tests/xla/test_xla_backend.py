@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.checkpoint import Checkpoint
-from harness.compare import rel_l2
 from harness.backends import build_engine
-from harness.errors import HarnessInputError
-from harness.settings import RunSettings
+from harness.base.errors import HarnessInputError
+from harness.base.settings import RunSettings
+from harness.inputs.checkpoint import Checkpoint
+from harness.judge.compare import rel_l2
 
 pytestmark = pytest.mark.xla
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
@@ -82,7 +82,7 @@ def test_each_rank_graph_on_its_own_shards_meets_the_contracts(tiny0_ckpt, rank)
     """Every TP=2 rank's graph, lowered on that rank's shards from the checkpoint, traces with the
     plan's per-rank shapes and its collectives, and meets every contract."""
     from harness.backends.xla import XlaBackend
-    from harness.graph_contracts import GraphSignature, check_graph, expectation_for
+    from harness.hlo.contracts import GraphSignature, check_graph, expectation_for
 
     backend = XlaBackend(tiny0_ckpt, RunSettings(backend="xla", buckets=(16,), kv_len=32))
     graphs = backend.lower_graphs(rank=rank)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.errors import HarnessInputError
+from harness.base.errors import HarnessInputError
 from tests.parity.batch_support import assert_same_row, batch_engine, random_prompts, run_rows
 
 pytestmark = pytest.mark.xla
@@ -34,8 +34,8 @@ def test_xla_rows_are_isolated_and_a_reused_slot_shows_nothing_old(xla_be):
 @pytest.mark.slow
 def test_xla_batched_check_passes(tiny0_ckpt, tiny0_reference):
     from harness.backends import build_engine
-    from harness.parity import check_port
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
+    from harness.parity.check import check_port
 
     engine = build_engine(tiny0_ckpt, RunSettings(backend="xla", batch=4, buckets=(64, 256), kv_len=288), capture=True)
     result = check_port(tiny0_ckpt, engine, tiny0_reference["float32"], tiny0_reference["bfloat16"], local=False)
@@ -45,7 +45,7 @@ def test_xla_batched_check_passes(tiny0_ckpt, tiny0_reference):
 
 def test_xla_batched_perf_build_is_refused(tiny0_ckpt):
     from harness.backends import build_engine
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
 
     with pytest.raises(HarnessInputError, match="--batch 2"):
         build_engine(tiny0_ckpt, RunSettings(backend="xla", batch=2, buckets=(16,), kv_len=32))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness.backends import build_engine
-from harness.compare import rel_l2
+from harness.judge.compare import rel_l2
 from tests.family.shared import VARIANTS, assert_family_check_passes, family_check, family_checkpoint
 
 pytestmark = pytest.mark.xla
@@ -18,7 +18,7 @@ FP32_ROUNDING = 1e-5
 @pytest.mark.parametrize("variant, tp", [("31b", 2), ("e2b", 1), ("e2b", 2), ("26b-a4b", 2)])
 def test_fp32_xla_equals_cpu_backend(variant, tp):
     ckpt = family_checkpoint(variant)
-    from harness.settings import RunSettings
+    from harness.base.settings import RunSettings
 
     runs = {name: build_engine(ckpt, RunSettings(backend=name, tp=tp, dtype="float32", buckets=(16,), kv_len=32),
                                capture=name == "xla") for name in ("cpu", "xla")}

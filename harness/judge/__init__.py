@@ -1,0 +1,1 @@
+"""The judge: the one tolerance policy, the verdicts it returns and the stage and routing decisions."""

@@ -1,0 +1,1 @@
+"""Parity workflows: observe the port and the references, check, served check, bisect, truncate."""

@@ -1,0 +1,201 @@
+"""One parity run: the port on a backend against the reference (fresh or from a golden), judged
+by compare.py's policy in two stages. What `gemma-parity check` and the parity suites execute;
+`bisect` (capture mode) runs the same `check_port` and reads its layers from it.
+
+- **fp32 structural stage**: the port in fp32 (on CPU, or on the backend itself when it is cpu/xla)
+  must equal the fp32 reference to fp32 precision at every capture point and token for token. A
+  structural bug (a wrong activation, rope angles in low precision, a decode-only mask) cannot
+  hide inside bf16 noise there.
+- **bf16 envelope stage**: the port in its own dtype, judged by the bf16 noise envelope, with the
+  near-tie band calibrated from the references' own margins; a flip the fp32 stage also shows is
+  never a near tie.
+- **local verdicts** (where the backend's ranks run on CPU): each layer alone on the reference's
+  input to it, so a failure is attributed to the layer that is itself wrong.
+
+This module only orders the steps: harness.parity.observe observes each stage whole (the port, the
+references, and the references along the port's path), harness.judge.stage and harness.judge.compare judge it
+(routing included), harness.parity.local judges each layer alone beside the stage's observation, and
+harness.judge.results holds the verdict. Further checks of a finished result (`extra_checks`, e.g. a
+served build) run last, each adding its own stage.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+from harness.parity.local import intra_op_threads_for, local_verdicts
+from harness.reference.golden import Golden, same_weights
+from harness.parity.observe import (PortFailure, StageContext, StageReferences, build_fp32_port, build_port, check_fit,
+                                    load_reference_source, load_references, observe_stage, port_call)
+from harness.base.settings import RunSettings
+from harness.judge.results import CheckResult, LocalLayer
+from harness.judge.stage import judge_stage, near_tie_calibration, structural_flips
+from harness.reference.run import ReferenceResult
+
+# A further check of a finished result (the served build, ...): called with the result and the
+# checkpoint, it adds its stage, failures or notes to the result.
+ExtraCheck = Callable[[CheckResult, object], None]
+
+
+@dataclass(frozen=True)
+class PortRun:
+    """What a check's results are labelled with (the run settings' backend, TP degree and dtype
+    name), whether it shows progress, and whether the references may be computed again along the
+    port's path (harness/parity/observe.py follow_port_path): not against a golden of other weights, whose
+    references this checkpoint cannot reproduce."""
+
+    backend: str
+    tp: int
+    dtype: str
+    progress: bool = False
+    force_path: bool = True
+
+    @classmethod
+    def of(cls, settings: RunSettings, progress: bool = False, force_path: bool = True) -> "PortRun":
+        return cls(settings.backend, settings.tp, settings.dtype, progress, force_path)
+
+    def context(self, stage: str, calibration, structural: dict | None = None) -> StageContext:
+        """The context of one stage of this run (the fp32 stage is labelled float32)."""
+        dtype = "float32" if stage == "fp32" else self.dtype
+        return StageContext(stage, self.backend, self.tp, dtype, calibration=calibration,
+                            structural=structural or {}, progress=self.progress, force_path=self.force_path)
+
+
+def _failed_stage(context: StageContext, failure: PortFailure) -> CheckResult:
+    calibration = context.calibration if context.stage == "bf16" else None
+    return CheckResult(backend=context.backend, tp=context.tp, dtype=context.dtype, stage=context.stage,
+                       port_error=failure.describe(), calibration=calibration)
+
+
+def run_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> CheckResult:
+    """Observe the port for one stage and judge it."""
+    obs = observe_stage(engine, checkpoint, refs, context)
+    start = time.perf_counter()
+    result = judge_stage(obs, checkpoint.spec, context)
+    if engine.settings.batch > 1:
+        result.notes.append(f"{context.stage} stage: the prompts ran as a batch of {engine.settings.batch} sequences "
+                            "(a KV slot each, continuous batching); each judged against its prompt alone")
+    result.seconds["judge"] = round(time.perf_counter() - start, 2)
+    return result
+
+
+def _fp32_stage(checkpoint, engine, fp32_engine, refs: StageReferences, context: StageContext) -> CheckResult:
+    """fp32_engine: the fp32 engine, or "auto" to build it beside the port's `engine`."""
+    try:
+        if fp32_engine == "auto":
+            start = time.perf_counter()
+            fp32_engine = engine if engine.settings.dtype == "float32" else build_fp32_port(checkpoint, engine.settings)
+            built = round(time.perf_counter() - start, 2)
+        else:
+            built = 0.0
+        result = run_stage(fp32_engine, checkpoint, refs, context)
+        result.seconds["build"] = built
+        return result
+    except PortFailure as failure:
+        return _failed_stage(context, failure)
+
+
+def structural_stage(checkpoint, refs: StageReferences | tuple, settings: RunSettings,
+                     progress: bool = False) -> CheckResult:
+    """The fp32 stage alone (what truncate-mode bisect adds): the port in fp32 on the host backend
+    against the fp32 reference."""
+    refs = StageReferences(*refs)
+    context = PortRun.of(settings, progress).context("fp32", near_tie_calibration(*refs))
+    check_fit(checkpoint.spec, settings, refs.fp32)
+    try:
+        engine = build_fp32_port(checkpoint, settings)
+    except PortFailure as failure:
+        return _failed_stage(context, failure)
+    return _fp32_stage(checkpoint, engine, engine, refs, context)
+
+
+def _local(result: CheckResult, checkpoint, layer_backend, progress: bool) -> None:
+    """Each layer alone on the reference's input, beside the stage's observation and its judged
+    cumulative layers (the references the stage was judged against: on MoE models, on the port's
+    routing)."""
+    start = time.perf_counter()
+    verdicts, nonfinite = port_call("bf16 stage: local layer verdicts", lambda: local_verdicts(
+        checkpoint, layer_backend, result.observation, result.layers, progress))
+    result.local_verdicts, result.local_nonfinite = verdicts, nonfinite
+    result.local = [LocalLayer(index=v.index, passed=v.passed, component=v.component,
+                               ratio=max(p.required_factor for p in v.judged), rel_l2=v.judged[-1].rel_l2,
+                               envelope_rel_l2=v.judged[-1].envelope_rel_l2) for v in verdicts]
+    result.seconds["local"] = round(time.perf_counter() - start, 2)
+
+
+def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
+               local: bool | None = None, progress: bool = False, fp32_engine="auto", layer_backend=None,
+               extra_checks: tuple[ExtraCheck, ...] = (), force_path: bool = True) -> CheckResult:
+    """Both stages: the fp32 structural stage (`fp32_engine`: "auto" builds it, None skips it),
+    then the bf16 envelope stage on `engine` with flips the fp32 stage shows marked structural,
+    plus (by default wherever the backend's ranks run on CPU; `layer_backend` runs them elsewhere)
+    the local verdict of every layer, then `extra_checks`. An exception inside the port is a failed
+    result naming where it was raised. The result is labelled with the engine's run settings.
+    `force_path` False: the references are not computed again (a golden of other weights)."""
+    with intra_op_threads_for(checkpoint.spec):  # the whole check: small models run faster on one thread
+        return _check_port(checkpoint, engine, StageReferences(ref32, ref16),
+                           PortRun.of(engine.settings, progress, force_path),
+                           dict(local=local, fp32_engine=fp32_engine, layer_backend=layer_backend,
+                                extra_checks=extra_checks))
+
+
+def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options: dict) -> CheckResult:
+    local, fp32_engine, layer_backend = options["local"], options["fp32_engine"], options["layer_backend"]
+    check_fit(checkpoint.spec, engine.settings, refs.fp32)
+    calibration = near_tie_calibration(*refs)
+    fp32 = None if fp32_engine is None else _fp32_stage(checkpoint, engine, fp32_engine, refs,
+                                                        run.context("fp32", calibration))
+    context = run.context("bf16", calibration, structural_flips(fp32))
+    try:
+        result = run_stage(engine, checkpoint, refs, context)
+        layer_backend = layer_backend or (engine.backend if engine.backend.host_ranks else None)
+        if local is None:
+            local = layer_backend is not None
+        if local:
+            _local(result, checkpoint, layer_backend or engine.backend, run.progress)
+        else:
+            result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
+                                "run `gemma-parity bisect` to pin a layer on this backend")
+    except PortFailure as failure:
+        result = _failed_stage(context, failure)
+    result.fp32 = fp32
+    if fp32 is None:
+        result.notes.append("fp32 structural stage skipped")
+    for extra in options["extra_checks"]:  # additional stages (a served build, ...) judge the finished result
+        extra(result, checkpoint)
+    return result
+
+
+def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=None, prompts=None,
+                     new_tokens: int = 8, progress: bool = False, fp32_stage: bool = True,
+                     extra_checks: tuple[ExtraCheck, ...] = ()) -> CheckResult:
+    """What `gemma-parity check` does: the port run as `settings` say against the reference
+    (recomputed for `prompts`, or read from `golden`), judged in two stages."""
+    start = time.perf_counter()
+    source = load_reference_source(checkpoint, checkpoint_dir, golden, prompts)
+    check_fit(checkpoint.spec, settings, list(getattr(source, "prompts", source)),
+              getattr(source, "new_tokens", new_tokens))
+    # The backend before the reference: a missing SDK or a bad TP degree is reported before minutes
+    # of reference work, and loading the shards checks every weight for NaN/Inf (Checkpoint.get)
+    # before transformers (which does not) computes the reference.
+    engine = build_port(checkpoint, settings)
+    built = time.perf_counter()
+    ref32, ref16 = load_references(source, checkpoint, new_tokens, progress)
+    referenced = time.perf_counter()
+    # a golden of other weights cannot be re-run along the port's path (harness/parity/observe.py follow_port_path)
+    force_path = not isinstance(source, Golden) or same_weights(source, checkpoint) is not False
+    result = check_port(checkpoint, engine, ref32, ref16, progress=progress, force_path=force_path,
+                        fp32_engine="auto" if fp32_stage else None)
+    # The extra stages (the served build) build their own engine: release the parity build first,
+    # so a device never holds two builds of the model at once (two 12B builds overflow 32 GiB HBM).
+    del engine
+    gc.collect()
+    for extra in extra_checks:
+        extra(result, checkpoint)
+    result.run_seconds = {"build": round(built - start, 2), "reference": round(referenced - built, 2),
+                          "total": round(time.perf_counter() - start, 2)}
+    return result

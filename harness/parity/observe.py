@@ -1,0 +1,380 @@
+"""Observing a run: the port and the references, and per capture point the device, reference
+and noise-envelope values, with the token runs (free-running and teacher-forced).
+
+The whole observation is made here: `observe_stage` runs the port, sets it beside the references,
+and computes the references again along the port's path where the judge's rules say bf16 decides a
+step legitimately otherwise (harness/parity/forced_path.py: MoE routing, PLE pins). `check`, `bisect` and
+the local per-layer verdicts judge what this module observed; none of them runs the port or the
+reference another way. Engines are built here only (`build_port`, `build_fp32_port`,
+`layer_backend`), so run settings reach the backends through one place, and the prompt-fit rule
+(harness.inputs.prompts.validate_prompt_fit) is applied here for the library as the commands apply it.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from harness.base.points import KV_PARTS, Point, kv_points, layer_points
+from harness.base.progress import status
+from harness.base.settings import RunSettings
+from harness.inputs.prompts import validate_prompt_fit
+from harness.judge.compare import FORCING_PASSES
+from harness.judge.verdicts import NearTieCalibration
+from harness.parity.forced_path import add_pins, follow_routing, routes_differ
+from harness.parity.local import intra_op_threads_for
+from harness.reference.run import ReferenceResult, rerun_reference
+
+
+class StageReferences(NamedTuple):
+    """The references of a stage: the fp32 and the bf16 reference results, one per prompt."""
+
+    fp32: list[ReferenceResult]
+    bf16: list[ReferenceResult]
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """The context of a stage: its name (fp32 | bf16), what its result is labelled with (backend,
+    TP degree, dtype name), the check's near-tie calibration, the fp32 stage's structural flips
+    ((prompt, "prefill"|"decode") -> rows), whether it shows progress, and whether the references
+    may be computed again along the port's path (not against a golden of other weights)."""
+
+    stage: str
+    backend: str
+    tp: int
+    dtype: str
+    calibration: NearTieCalibration | None = None
+    structural: dict = field(default_factory=dict)
+    progress: bool = False
+    force_path: bool = True
+
+
+# ---- engines: the one place run settings reach a backend ---------------------------------------
+
+def build_port(checkpoint, settings: RunSettings):
+    """The parity build of the port (captures as extra outputs), run as `settings` say."""
+    from harness.backends import build_engine
+
+    return build_engine(checkpoint, settings, capture=True)
+
+
+def fp32_settings(settings: RunSettings) -> RunSettings:
+    """Where the fp32 stage runs: on the backend itself when it runs on the host (cpu, xla), else
+    on cpu (without the device's options), in fp32, with the same TP degree, buckets and KV length."""
+    if settings.backend in ("cpu", "xla"):
+        return settings.but(dtype="float32")
+    return settings.but(backend="cpu", dtype="float32", backend_options={})
+
+
+def build_fp32_port(checkpoint, settings: RunSettings):
+    """The port in fp32 for the structural stage, on the host backend."""
+    return port_call("fp32 stage: building the fp32 port", lambda: build_port(checkpoint, fp32_settings(settings)))
+
+
+def layer_backend(checkpoint, engine):
+    """A backend whose rank modules run one layer alone: the engine's own when its ranks live on
+    this host, else a CPU backend of the engine's settings."""
+    if engine.backend.host_ranks:
+        return engine.backend
+    from harness.backends import make_backend
+
+    return make_backend(checkpoint, engine.settings.but(backend="cpu", backend_options={}))
+
+
+# ---- the reference ------------------------------------------------------------------------------
+
+def load_reference_source(checkpoint, checkpoint_dir, golden=None, prompts=None):
+    """The golden (read and verified against the checkpoint's spec) or the validated prompts:
+    every input checked before any expensive work starts. `golden` may be a Golden already read
+    and `prompts` token-id lists already loaded (the command's validation pass did it)."""
+    from harness.inputs.prompts import load_prompts, validate_prompt_ids
+    from harness.reference.golden import Golden, read_golden
+
+    if isinstance(golden, Golden):
+        return golden
+    if golden:
+        return read_golden(golden, expected_spec=checkpoint.spec)
+    loaded = prompts if isinstance(prompts, list) else load_prompts(prompts, checkpoint_dir)
+    validate_prompt_ids(checkpoint.spec, loaded, None if isinstance(prompts, list) else prompts)
+    return loaded
+
+
+def load_references(source, checkpoint, new_tokens: int, progress: bool = False):
+    """(fp32, bf16) reference results: from a golden, or computed now (once) for the prompts."""
+    from harness.reference.golden import Golden
+    from harness.reference.run import run_reference
+
+    if isinstance(source, Golden):
+        return source.results("float32"), source.results("bfloat16")
+    with intra_op_threads_for(checkpoint.spec):
+        refs = run_reference(checkpoint.path, source, new_tokens, progress=progress)
+    return refs["float32"], refs["bfloat16"]
+
+
+def check_fit(spec, settings: RunSettings, references: list[ReferenceResult] | list[list[int]],
+              new_tokens: int | None = None) -> None:
+    """The prompt-fit rule (harness.inputs.prompts.validate_prompt_fit, the one the commands apply) for the
+    library: bad input is told apart from a port failure before the port runs. `references`: the
+    reference results (their prompts and tokens) or prompts with `new_tokens`."""
+    prompts = [getattr(r, "prompt", r) for r in references]
+    if new_tokens is None:
+        new_tokens = max((len(r.generated) for r in references), default=0)
+    if prompts:
+        validate_prompt_fit(prompts, new_tokens, "the checked prompts", buckets=settings.buckets,
+                            kv_len=settings.kv_len, max_positions=spec.max_positions)
+
+
+# ---- running the port ---------------------------------------------------------------------------
+
+class PortFailure(Exception):
+    """An exception raised inside the port while it was observed: a parity failure, not bad input."""
+
+    def __init__(self, phase: str, exc: BaseException):
+        super().__init__(f"{phase}: {type(exc).__name__}: {exc}")
+        self.phase, self.exc = phase, exc
+
+    def describe(self) -> dict:
+        """Where it was raised (the innermost frame) and, when that is outside the package, the
+        innermost frame of the port that called it."""
+        frames = traceback.extract_tb(self.exc.__traceback__)
+        package = Path(__file__).parent.parent
+        inside = [f for f in frames if f.filename.startswith(str(package))]
+        where = _frame(frames[-1], package.parent) if frames else "unknown"
+        if inside and inside[-1] is not frames[-1]:
+            where += f" (called from {_frame(inside[-1], package.parent)})"
+        return {"where": where, "phase": self.phase, "type": type(self.exc).__name__, "message": str(self.exc)}
+
+
+def _frame(frame, root: Path) -> str:
+    path = Path(frame.filename)
+    shown = path.relative_to(root) if path.is_relative_to(root) else path
+    return f"{shown}:{frame.lineno} in {frame.name}"
+
+
+def port_call(phase: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # anything the port raises is the port's failure
+        raise PortFailure(phase, exc) from exc
+
+
+@dataclass
+class PortPrompt:
+    """One prompt through the port: teacher-forced run with captures and cache reads, free run."""
+
+    forced: object  # DecodeResult
+    free: object  # DecodeResult
+    kv: list  # [(written, [(k, v) per layer])]
+    prefill_probs: torch.Tensor
+    step_probs: torch.Tensor
+
+
+def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
+    n_new = len(r32.generated)
+    read = engine.read_cache if engine.backend.reads_cache else None
+    snaps = []
+    observe = (lambda written: snaps.append((written, read(written)))) if read else None
+    forced = port_call(f"{phase}: prefill and teacher-forced decode", engine.generate, r32.prompt, n_new,
+                       capture=True, forced=r32.generated or None, observe=observe)
+    free = port_call(f"{phase}: free greedy decode", engine.generate, r32.prompt, n_new) if n_new else forced
+    probs = port_call(f"{phase}: host probabilities", engine.probabilities, forced.prefill.logits)
+    steps = port_call(f"{phase}: host probabilities", engine.probabilities, forced.step_logits)
+    return PortPrompt(forced, free, snaps, probs, steps)
+
+
+def run_port_batch(engine, ref32: list[ReferenceResult], phase: str) -> list[PortPrompt]:
+    """Every prompt as a sequence of a batch (harness.port.batching), each read from its own KV slot."""
+    from harness.port.batching import BatchEngine
+
+    be = port_call(f"{phase}: batch engine", BatchEngine, engine)
+    prompts, wants = [r.prompt for r in ref32], [len(r.generated) for r in ref32]
+    snaps: list[list] = [[] for _ in ref32]
+    observe = ((lambda k, slot, written: snaps[k].append((written, be.read_cache(slot, written))))
+               if engine.backend.reads_cache else None)
+    forced = port_call(f"{phase}: batched prefill and teacher-forced decode", be.generate, prompts, wants,
+                       capture=True, forced=[r.generated for r in ref32], observe=observe)
+    free = port_call(f"{phase}: batched free greedy decode", be.generate, prompts, wants) if any(wants) else forced
+    return [PortPrompt(f, g, kv, port_call(f"{phase}: host probabilities", engine.probabilities, f.prefill.logits),
+                       port_call(f"{phase}: host probabilities", engine.probabilities, f.step_logits))
+            for f, g, kv in zip(forced, free, snaps)]
+
+
+# ---- the observation of one stage ----------------------------------------------------------------
+
+@dataclass
+class StageObservation:
+    """Per capture point the device, fp32 reference and bf16 reference (envelope) values stacked
+    over prompts, a label per row, and the token runs. `rerouted`: the references' dtypes computed
+    again along the port's path; `pinned`: the gated per-layer input rows the references took from
+    the port; `followed`: whether the references could follow the port's path at all."""
+
+    stage: str
+    runs: list[PortPrompt]
+    ref32: list[ReferenceResult]
+    ref16: list[ReferenceResult]
+    dev: dict[str, torch.Tensor] = field(default_factory=dict)
+    ref: dict[str, torch.Tensor] = field(default_factory=dict)
+    env: dict[str, torch.Tensor] = field(default_factory=dict)
+    labels: dict[str, list[str]] = field(default_factory=dict)
+    reads_cache: bool = True
+    seconds: float = 0.0
+    rerouted: list[str] = field(default_factory=list)
+    pinned: list[str] = field(default_factory=list)
+    followed: bool = True
+
+    @property
+    def references(self) -> StageReferences:
+        return StageReferences(self.ref32, self.ref16)
+
+    def add(self, name: str, values: tuple, labels: list[str]) -> None:
+        """values: (device, fp32 reference, bf16 reference) rows of one prompt."""
+        for store, t in zip((self.dev, self.ref, self.env), values):
+            store.setdefault(name, []).append(t.float())
+        if name in ("embeddings", "decode.embeddings", "decode_logits", "decode.kv.0.k"):
+            self.labels.setdefault(Point.parse(name).rows, []).extend(labels)
+        if Point.parse(name).kind == "kv":  # a ring layer holds fewer rows than its row group
+            self.labels.setdefault(name, []).extend(labels)
+
+    def stack(self) -> None:
+        for store in (self.dev, self.ref, self.env):
+            for name, parts in store.items():
+                store[name] = torch.cat(parts)
+
+    def label(self, name: str, row: int) -> str:
+        labels = self.labels.get(name) or self.labels.get(Point.parse(name).rows, [])
+        return labels[row] if 0 <= row < len(labels) else f"row {row}"
+
+
+def observe_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> StageObservation:
+    """The whole observation of one stage: every prompt through the engine (prefill with captures
+    and cache reads, teacher-forced decode with captures, free greedy decode, host probabilities)
+    next to the references, which then follow the port's path where the judge's rules say so
+    (follow_port_path). The prompt-fit rule is applied first: a prompt that does not fit is bad
+    input (harness.base.errors.PromptError), never a port failure."""
+    spec = checkpoint.spec
+    check_fit(spec, engine.settings, refs.fp32)
+    start = time.perf_counter()
+    runs = []
+    say = status(f"port {context.stage}", context.progress, total=len(refs.fp32))
+    with intra_op_threads_for(spec):
+        if engine.settings.batch > 1:  # the prompts as the sequences of a batch
+            say(f"{len(refs.fp32)} prompts as a batch of {engine.settings.batch} sequences")
+            runs = run_port_batch(engine, refs.fp32, f"{context.stage} stage, batch of {engine.settings.batch}")
+        for k, r32 in enumerate(refs.fp32 if engine.settings.batch == 1 else ()):
+            say(f"prompt {k}/{len(refs.fp32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
+            runs.append(run_port_prompt(engine, r32, f"{context.stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
+    say.close()
+    seconds = time.perf_counter() - start
+    obs = assemble_observation(context.stage, runs, spec, refs, engine.backend.reads_cache)
+    obs.followed = context.force_path
+    if context.stage == "fp32":  # nothing forced: the envelope is float64 along the fp32 reference's path
+        obs.env = fp32_envelope(obs, checkpoint, context.progress)
+    elif context.force_path:
+        obs = follow_port_path(obs, checkpoint)
+    obs.seconds = seconds
+    return obs
+
+
+def fp32_envelope(obs: StageObservation, checkpoint, progress: bool = False) -> dict:
+    """The fp32 stage's envelope values: transformers in float64 along the fp32 reference's path
+    (harness/reference/float64.py), stacked as the observation's rows (the stage's `env`)."""
+    from harness.reference.float64 import float64_references
+
+    ref64 = float64_references(checkpoint, obs.ref32, progress)
+    return assemble_observation(obs.stage, obs.runs, checkpoint.spec, StageReferences(obs.ref32, ref64),
+                                obs.reads_cache).env
+
+
+def follow_port_path(obs: StageObservation, checkpoint) -> StageObservation:
+    """The references computed again along the port's path where bf16 legitimately decides otherwise
+    (harness/parity/forced_path.py's rules): MoE, the port's experts; PLE, the port's gated per-layer input
+    at rows without a direction at bf16 precision (at most FORCING_PASSES passes). Same port runs."""
+    spec = checkpoint.spec
+    forcing = follow_routing(obs.runs, spec, obs.stage)
+    fed, rerun, pinned = [r.generated for r in obs.ref32], [], []
+    for attempt in range(FORCING_PASSES):
+        added = add_pins(obs, checkpoint, forcing)
+        pinned += added
+        refs = {"float32": obs.ref32, "bfloat16": obs.ref16}
+        stale = [dtype for dtype, runs in refs.items()
+                 if added or (attempt == 0 and routes_differ(forcing, runs, spec))]
+        if not stale:
+            break
+        for dtype in stale:
+            refs[dtype] = rerun_reference(checkpoint.path, dtype, fed, (refs[dtype], forcing))
+        obs = assemble_observation(obs.stage, obs.runs, spec, StageReferences(refs["float32"], refs["bfloat16"]),
+                                   obs.reads_cache)
+        rerun += [d for d in stale if d not in rerun]
+    obs.rerouted, obs.pinned = rerun, pinned
+    return obs
+
+
+def assemble_observation(stage: str, runs: list[PortPrompt], spec, refs: StageReferences,
+                         reads_cache: bool = True) -> StageObservation:
+    """The port's runs beside the references, point by point."""
+    obs = StageObservation(stage, runs, refs.fp32, refs.bf16, reads_cache=reads_cache)
+    for k, (run, r32, r16) in enumerate(zip(runs, refs.fp32, refs.bf16)):
+        _prefill_points(obs, spec, k, run, (r32, r16))
+        _decode_points(obs, spec, k, run, (r32, r16))
+    obs.stack()
+    return obs
+
+
+def own_caches(cache: list) -> list:
+    """(layer, (k, v)) of the layers that hold a cache (None: a KV-shared layer)."""
+    return [(i, c) for i, c in enumerate(cache) if c is not None]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A cache read [kv_heads, positions, head_dim] as the reference stores it: [positions, kv_heads * head_dim]."""
+    return t.transpose(0, 1).reshape(t.shape[1], -1)
+
+
+def _prefill_points(obs: StageObservation, spec, k: int, run: PortPrompt, refs: tuple) -> None:
+    r32, r16 = refs
+    pre = run.forced.prefill
+    dev = dict(pre.captures, logits=pre.logits)
+    labels = [f"prompt {k} position {p}" for p in range(pre.logits.shape[0])]
+    names = ["embeddings"] + [n for layer in spec.layers for n in layer_points(layer.index, spec=spec)] + ["final_norm", "logits"]
+    for name in names:
+        obs.add(name, (dev[name], r32.captures[name], r16.captures[name]), labels)
+    if run.kv and all(kv_points(i)[0] in r32.captures for i, c in enumerate(run.kv[0][1]) if c is not None):
+        written, cache = run.kv[0]
+        for i, pair in own_caches(cache):  # a KV-shared layer (model_blocks) holds none
+            held = written - pair[0].shape[1]  # a ring layer holds only its last window positions
+            for name, t in zip(kv_points(i), pair):
+                obs.add(name, (_rows(t), r32.captures[name][held:written], r16.captures[name][held:written]),
+                        labels[held:])
+
+
+def _decode_points(obs: StageObservation, spec, k: int, run: PortPrompt, refs: tuple) -> None:
+    r32, r16 = refs
+    n, forced = len(r32.prompt), run.forced
+    steps = forced.step_logits.shape[0]
+    step_labels = [f"prompt {k} decode step {s} (position {n + s - 1})" for s in range(steps)]
+    if steps:
+        obs.add("decode_logits", (forced.step_logits, r32.step_logits, r16.step_logits), step_labels)
+    if steps > 1 and "decode.final_norm" in r32.captures:
+        for name, dev in forced.step_captures.items():
+            full = f"decode.{name}"
+            obs.add(full, (dev, r32.captures[full], r16.captures[full]), step_labels[1:])
+    if len(run.kv) > 1 and "kv.0.k" in r32.captures:
+        for s, (written, cache) in enumerate(run.kv[1:], 1):
+            # after each step every slot decode has written so far, and after the last step every
+            # written slot (a step that overwrote a prefill slot shows there)
+            start = 0 if s == len(run.kv) - 1 else n
+            labels = [f"prompt {k} position {p} after decode step {s}" for p in range(start, written)]
+            for i, pair in own_caches(cache):  # a KV-shared layer (model_blocks) holds none
+                first = written - pair[0].shape[1]  # a ring layer holds only its last window positions
+                held = max(start, first)
+                for side, t in zip(KV_PARTS, pair):
+                    ref_name = Point("kv", i, side).name
+                    obs.add(Point("kv", i, side, decode=True).name,
+                            (_rows(t)[held - first:], r32.captures[ref_name][held:written],
+                             r16.captures[ref_name][held:written]), labels[held - start:])

@@ -1,0 +1,206 @@
+"""The served build judged: the perf build `bench` times (built by the same function) runs free
+greedy decode on every prompt of `check`, and what it produced is judged against the reference
+and against the parity build's own tokens.
+
+Why a second build: the parity build returns every row's logits and every layer's captures as
+extra graph outputs; the perf build returns one row and nothing else. On a compiler a graph
+change alone can move numerics (a near tie flips at a different step), and a fault can live only
+in the perf graph (its last-row gather, its lm_head slice). MLPerf's audit test TEST01 checks the
+same thing: the performance run's outputs must match the accuracy run's.
+
+What is judged, per prompt:
+- the step logits (the last row at prefill, then each decode step) while the served build's prefix
+  is still the reference's: against the fp32 reference by the bf16 envelope (compare_point);
+- its first token that departs from the reference: a near tie (the check's calibrated band), a
+  saturation tie, or a real divergence, by the check's own departure classifier
+  (compare.classify_departure, with the bf16 stage's judge: served keeps no classifier of its own);
+- its tokens against the parity build's: a difference is reported as "the served build differs
+  from the judged build at prompt k step s" (a failure when the served choice is a divergence).
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from harness.base.progress import status
+from harness.judge.compare import BF16, PointResult, StageJudge, TokenVerdict, classify_departure, compare_point
+from harness.judge.stage import near_tie_calibration
+
+SKIPPED_NOTE = "served build not judged (--skip-served-build): the perf build bench times was not run"
+SAME_CODE_NOTE = ("on the {backend} backend the perf build is the same code as the parity build (the backend "
+                  "has no separate perf graphs); the served check still ran it as bench builds it")
+
+
+@dataclass
+class ServedPrompt:
+    """One prompt through the served build."""
+
+    tokens: list[int]
+    reference_tokens: list[int]
+    parity_tokens: list[int] | None  # the parity build's free run (None: it did not run)
+    departure: TokenVerdict | None = None  # the first step departing from the reference, classified
+    differs_from_parity_at: int | None = None
+
+    @property
+    def accounted(self) -> bool:
+        return self.departure is None or self.departure.kind in ("near_tie", "saturation_tie")
+
+    def to_json(self) -> dict:
+        return {"tokens": self.tokens, "reference_tokens": self.reference_tokens,
+                "parity_build_tokens": self.parity_tokens, "seq_match": self.tokens == self.reference_tokens,
+                "departure": asdict(self.departure) if self.departure else None,
+                "differs_from_parity_build_at": self.differs_from_parity_at, "accounted": self.accounted}
+
+
+@dataclass
+class ServedResult:
+    """The served-build stage of `check`."""
+
+    stage = "served"
+    backend: str
+    ran: bool
+    same_code: bool = False
+    last_row_only: bool = False  # the build's prefill returns only the last real row (a compiled perf build)
+    prompts: list[ServedPrompt] = field(default_factory=list)
+    step_logits: PointResult | None = None  # every step on the reference's prefix, stacked over prompts
+    row_labels: list[str] = field(default_factory=list, repr=False)
+    error: dict | None = None  # an exception raised inside the served build
+    notes: list[str] = field(default_factory=list)
+
+    def failures(self) -> list[dict]:
+        if self.error:
+            return [dict(self.error, stage="served", point="exception inside the served build")]
+        out = []
+        if self.step_logits is not None and not self.step_logits.passed:
+            row = self.step_logits.worst_position
+            where = self.row_labels[row] if 0 <= row < len(self.row_labels) else f"row {row}"
+            out.append({"stage": "served", "point": "served build step logits", "where": where,
+                        "ratio": _finite(self.step_logits.required_factor),
+                        "detail": "the served build's logits are outside the bf16 envelope of the reference"})
+        for k, p in enumerate(self.prompts):
+            if p.accounted:
+                continue
+            d = p.departure
+            where = f"prompt {k} step {d.position}"
+            if p.differs_from_parity_at is not None:
+                where += f"; the served build differs from the judged build at prompt {k} step {p.differs_from_parity_at}"
+            out.append({"stage": "served", "point": "served build token", "where": where, "detail": d.evidence})
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures()
+
+    def describe(self) -> str:
+        if not self.ran:
+            return "served build: " + "; ".join(self.notes or [SKIPPED_NOTE])
+        lines = [f"served build ({self.backend}, {'last row only' if self.last_row_only else 'all rows'}): "
+                 f"{'PASS' if self.passed else 'FAIL'}"]
+        lines += [f"  {n}" for n in self.notes]
+        lines += [f"  {f['point']} at {f.get('where', '?')}: {f.get('detail', f.get('message', ''))}"
+                  for f in self.failures()]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"ran": self.ran, "passed": self.passed, "backend": self.backend,
+                "same_code_as_parity_build": self.same_code, "last_row_only": self.last_row_only,
+                "built_by": "harness.perf.bench.perf_engine (as `bench` builds it)",
+                "step_logits": asdict(self.step_logits) if self.step_logits else None,
+                "prompts": [p.to_json() for p in self.prompts], "failures": self.failures(),
+                "error": self.error, "notes": self.notes}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _error(phase: str, exc: BaseException) -> dict:
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "unknown"
+    return {"phase": phase, "type": type(exc).__name__, "message": str(exc), "where": where}
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def judge_served(runs: list, ref32: list, ref16: list, parity_tokens: list | None, band: float,
+                 judge: StageJudge = BF16) -> tuple[list[ServedPrompt], PointResult | None, list[str]]:
+    """`runs`: the served build's DecodeResult per prompt. Returns the per-prompt verdicts (each
+    departure classified by compare.classify_departure with `judge`, as the check's stage does) and
+    the step logits on the reference's prefix judged by the bf16 envelope (with a label per row)."""
+    prompts, dev, ref, env, labels = [], [], [], [], []
+    for k, (run, r32, r16) in enumerate(zip(runs, ref32, ref16)):
+        departure = classify_departure(r32, run, band, judge=judge)
+        same = len(r32.generated) if departure is None else departure.position + 1  # rows on the same prefix
+        same = min(same, run.step_logits.shape[0], len(r32.generated))
+        dev.append(run.step_logits[:same])
+        ref.append(r32.step_logits[:same])
+        env.append(r16.step_logits[:same])
+        labels += [f"prompt {k} step {s} (position {len(r32.prompt) + s - 1})" for s in range(same)]
+        theirs = parity_tokens[k] if parity_tokens is not None and k < len(parity_tokens) else None
+        differs = _first_difference(theirs, run.tokens) if theirs is not None else None
+        prompts.append(ServedPrompt(run.tokens, r32.generated, theirs, departure, differs))
+    point = None
+    if labels:
+        point = compare_point("served.step_logits", torch.cat(dev), torch.cat(ref), torch.cat(env))
+    return prompts, point, labels
+
+
+def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None, *, settings=None,
+                       progress: bool = False, skip: bool = False) -> ServedResult:
+    """Build the perf build exactly as `bench` does, run free greedy decode on every reference
+    prompt, judge it (judge_served). `parity_result`: the check's result (its bf16 stage's tokens
+    and calibrated near-tie band); None judges against the reference alone."""
+    from harness.base.settings import RunSettings
+    from harness.perf.bench import perf_engine
+
+    settings = settings or RunSettings()
+    backend = settings.backend
+    if skip:
+        return ServedResult(backend=backend, ran=False, notes=[SKIPPED_NOTE])
+    calibration = getattr(parity_result, "calibration", None) or near_tie_calibration(ref32, ref16)
+    prompts_run = getattr(parity_result, "prompts", None)
+    parity_tokens = [p.device_tokens for p in prompts_run] if prompts_run else None
+    say = status(f"{backend} served build", progress, total=len(ref32) + 1)
+    say("building the perf build as bench builds it")
+    try:
+        engine = perf_engine(checkpoint, settings)
+        runs = []
+        for k, r in enumerate(ref32):
+            say(f"prompt {k + 1}/{len(ref32)}: free greedy decode of {len(r.generated)} tokens")
+            runs.append(engine.generate(r.prompt, len(r.generated)))
+    except Exception as exc:  # anything the served build raises is the served build's failure
+        return ServedResult(backend=backend, ran=True, error=_error("served build: build and free greedy decode", exc))
+    finally:
+        say.close()
+    prompts, point, labels = judge_served(runs, ref32, ref16, parity_tokens, calibration.band)
+    same_code = getattr(engine.backend, "name", backend) == "cpu"
+    last_row = bool(getattr(engine.backend, "last_row_only", False))
+    notes = [SAME_CODE_NOTE.format(backend=backend)] if same_code else []
+    for k, p in enumerate(prompts):
+        if p.differs_from_parity_at is not None and p.accounted:
+            notes.append(f"the served build differs from the judged build at prompt {k} step "
+                         f"{p.differs_from_parity_at} ({p.departure.kind if p.departure else 'the parity build departed'}: accounted)")
+    return ServedResult(backend=backend, ran=True, same_code=same_code, last_row_only=last_row, prompts=prompts,
+                        step_logits=point, row_labels=labels, notes=notes)
+
+
+def served_stage(settings, progress: bool = False, skip: bool = False):
+    """The served-build stage as one of parity's extra checks: called with the finished result
+    and the checkpoint, it judges the perf build on the references the check observed and adds
+    itself to `result.extra_stages`."""
+    def check(result, checkpoint) -> None:
+        observed = result.observation or getattr(result.fp32, "observation", None)
+        if observed is None and not skip:  # the port raised before any stage observed it: already failed
+            result.extra_stages.append(ServedResult(backend=settings.backend, ran=False, notes=[
+                "served build not judged: no stage of the check observed the port (it raised first)"]))
+            return
+        refs = observed.references if observed is not None else ([], [])
+        result.extra_stages.append(check_served_build(checkpoint, *refs, result, settings=settings,
+                                                      progress=progress, skip=skip))
+    return check

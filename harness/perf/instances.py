@@ -1,0 +1,153 @@
+"""Where a model runs: the inf2 instances, the TP degrees a model's heads and sizes allow, and
+whether its weights and KV cache fit one NeuronCore's share of device memory at a TP degree.
+
+An Inferentia2 chip has 2 NeuronCores and 32 GiB of HBM (AWS, "Amazon EC2 Inf2 instances"): one
+rank per core, 16 GiB each. The fit counts weights, the KV cache at the compiled length, every
+graph's I/O and instructions, the MoE working set and the weight-layout transform
+(harness/port/device_plan.py); other activations and the runtime's scratch come on top, so a plan using
+nearly all 16 GiB is marked tight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.base.errors import ShardingError
+from harness.base.settings import DEFAULT_BUCKETS
+from harness.inputs.spec import ModelSpec
+from harness.port.device_plan import GRAPH_OVERHEAD_BYTES, graph_shapes, graphs_bytes
+from harness.port.sharding import bytes_per_rank, dtype_bytes, plan_model
+
+GIB = 1 << 30
+CORE_HBM = 16 * GIB
+TIGHT = 0.9  # more than this share of a core's HBM in weights + KV leaves little for activations
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    chips: int
+
+    @property
+    def cores(self) -> int:
+        return 2 * self.chips
+
+
+INSTANCES = (Instance("inf2.8xlarge", 1), Instance("inf2.24xlarge", 6), Instance("inf2.48xlarge", 12))
+MAX_CORES = INSTANCES[-1].cores
+
+
+def allowed_tps(spec: ModelSpec) -> list[int]:
+    """TP degrees up to the largest instance's core count that the heads and sizes split into."""
+    allowed = []
+    for tp in range(1, MAX_CORES + 1):
+        try:
+            plan_model(spec, tp)
+        except ShardingError:
+            continue
+        allowed.append(tp)
+    return allowed
+
+
+def smallest_instance(tp: int) -> Instance | None:
+    return next((inst for inst in INSTANCES if inst.cores >= tp), None)
+
+
+def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
+               *, buckets=DEFAULT_BUCKETS, layout: bool = True) -> dict:
+    """One NeuronCore's device memory for a build (harness/port/device_plan.py). `run`: weights, KV
+    cache, the compiled graphs' I/O and instructions (each (length, KV bucket) one graph) and the
+    MoE working set of the largest call. With the weight-layout transform (`layout`: NxD's
+    set_weights re-lays the weights out on the device before the states exist) the load holds the
+    weights plus at least the largest weight re-laid out (`layout_least`), at most a second copy of
+    every weight (`layout_most`; the transformer is closed source, unverified). `total` is the
+    larger of the run and the least the load needs."""
+    per_rank = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
+    nbytes = dtype_bytes(dtype)
+    graphs = graphs_bytes(spec, tp, graph_shapes(buckets, kv_len), nbytes)
+    run = per_rank["total"] + graphs["graphs"] + graphs["moe_working_set"]
+    largest = spec.vocab_size // tp * spec.hidden_size * nbytes  # the lm_head shard
+    if spec.moe is not None:
+        largest = max(largest, spec.moe.num_experts * 2 * (spec.moe.intermediate_size // tp) * spec.hidden_size * nbytes)
+    resident = per_rank["weights"] + graphs["count"] * GRAPH_OVERHEAD_BYTES
+    least, most = (resident + largest, resident + per_rank["weights"]) if layout else (0, 0)
+    return {"weights": per_rank["weights"], "kv_cache": per_rank["kv_cache"], "graphs": graphs["count"],
+            "graph_bytes": graphs["graphs"], "per_graph_bytes": graphs["per_graph"],
+            "moe_working_set": graphs["moe_working_set"], "run": run, "layout_least": least,
+            "layout_most": most, "total": max(run, least)}
+
+
+def placement(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,
+              sliding_cache: str = "linear", *, buckets=DEFAULT_BUCKETS, layout: bool = True) -> dict:
+    """The instance a TP degree needs and the per-core fit (core_bytes vs 16 GiB)."""
+    core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
+    per_rank = core["total"]
+    inst = smallest_instance(tp)
+    fitting = [t for t in allowed_tps(spec)
+               if core_bytes(spec, t, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)["total"] <= CORE_HBM]
+    return {"tp": tp, "instance": inst.name if inst else None, "chips_used": -(-tp // 2),
+            "bytes_per_rank": per_rank, "core": core, "core_hbm": CORE_HBM, "fits": per_rank <= CORE_HBM,
+            "tight": per_rank > TIGHT * CORE_HBM, "allowed_tps": allowed_tps(spec),
+            "smallest_fitting_tp": fitting[0] if fitting else None}
+
+
+def check_fits(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,
+               sliding_cache: str = "linear", *, buckets=DEFAULT_BUCKETS, layout: bool = True) -> dict:
+    """placement(), or a ShardingError naming the numbers and the option that makes it fit when no
+    instance has `tp` cores or one core's plan (core_bytes) exceeds its HBM."""
+    where = placement(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
+    if where["instance"] is None:
+        raise ShardingError(f"tp={tp} needs {tp} NeuronCores but the largest inf2 instance "
+                            f"({INSTANCES[-1].name}) has {MAX_CORES}; the heads allow tp in {where['allowed_tps']}")
+    if not where["fits"]:
+        core, better = where["core"], where["smallest_fitting_tp"]
+        hints = []
+        if layout and core["run"] <= CORE_HBM:
+            hints.append("--backend-option layout_priority=none (no weight-layout transform)")
+        hints.append(f"--tp {better} or more" if better else "no TP degree up to 24 fits")
+        raise ShardingError(f"at tp={tp} one NeuronCore needs {core['total'] / GIB:.2f} GiB ({core_summary(core)}) "
+                            f"but has {CORE_HBM / GIB:.0f} GiB ({dtype}, kv_len {kv_len}, {sliding_cache} sliding "
+                            f"cache). Use {' or '.join(hints)} (allowed by the heads: {where['allowed_tps']})")
+    return where
+
+
+def core_summary(core: dict) -> str:
+    """One line of a core's plan: what the run holds, and what the layout transform's load may."""
+    text = (f"weights {core['weights'] / GIB:.2f}, KV {core['kv_cache'] / GIB:.2f}, {core['graphs']} graphs "
+            f"{core['graph_bytes'] / GIB:.2f} at {core['per_graph_bytes'] / 2**20:.0f} MiB each, MoE working set "
+            f"{core['moe_working_set'] / GIB:.2f}: run {core['run'] / GIB:.2f} GiB")
+    if core["layout_most"]:
+        text += (f"; layout transform load {core['layout_least'] / GIB:.2f}-{core['layout_most'] / GIB:.2f} GiB"
+                 + (" (the upper bound is over a core: if loading fails, --backend-option layout_priority=none)"
+                    if core["layout_most"] > CORE_HBM else ""))
+    return text
+
+
+def plan_notes(spec: ModelSpec, where: dict) -> list[str]:
+    """What `info` says beyond the per-layer table: the instance, the family's extra parts and how
+    each is placed."""
+    gib = where["bytes_per_rank"] / GIB
+    fit = "fits" if where["fits"] else "does NOT fit"
+    lines = [f"instance: {where['instance']} ({where['chips_used']} chip(s), tp={where['tp']} ranks, one per "
+             f"NeuronCore); per core {gib:.2f} GiB of {CORE_HBM / GIB:.0f} GiB: {fit}"
+             + (" (tight: little left for activations)" if where["fits"] and where["tight"] else ""),
+             f"per core: {core_summary(where['core'])}",
+             f"TP degrees the heads and sizes allow (up to {MAX_CORES} cores): {where['allowed_tps']}; "
+             f"smallest that fits: {where['smallest_fitting_tp']}"]
+    shared = [layer for layer in spec.layers if layer.kv_source is not None]
+    if shared:
+        sources = sorted({layer.kv_source for layer in shared})
+        lines.append(f"KV sharing: layers {shared[0].index}-{shared[-1].index} read the cache of layer(s) "
+                     f"{sources} (same attention type) and hold no cache or k/v projections of their own")
+        wide = [layer.index for layer in shared if layer.intermediate_size]
+        if wide:
+            lines.append(f"double-wide MLP ({2 * spec.intermediate_size}) on shared layers {wide[0]}-{wide[-1]}")
+    if spec.per_layer_input_size:
+        lines.append(f"per-layer inputs: packed table {spec.per_layer_vocab_size} x {spec.num_layers}*"
+                     f"{spec.per_layer_input_size} on the host (counted in host-side embeddings); the "
+                     "projection, norm and per-layer gates replicated on every rank")
+    if spec.moe is not None:
+        m = spec.moe
+        lines.append(f"MoE: {m.num_experts} experts (top-{m.top_k}, width {m.intermediate_size}) split inside "
+                     f"each expert across ranks ({m.intermediate_size // where['tp']} per rank), router replicated")
+    return lines

@@ -1,0 +1,106 @@
+"""Device memory of one NeuronCore beyond weights and KV cache: the mixture-of-experts working set,
+the weight-layout transform, and each compiled graph's own instructions and I/O buffers.
+
+One home for these decisions: the MoE block (harness/port/blocks.py) asks `moe_gathers` which way
+to run, and the fit (harness/perf/instances.py) counts what that way holds on the core.
+
+- **MoE** (as neuronx-distributed's ExpertMLPsV2 in inference: selective loading when
+  tokens x top-k / experts < DEFAULT_SELECTIVE_LOADING_THRESHOLD = 1.0, else every expert): a call
+  of `t` tokens gathers the chosen experts' weights by index only when `t * top_k < num_experts`
+  (decode); otherwise every token runs through every expert, `EXPERT_BLOCK` experts at a time, and
+  the routing weights (zero for an expert not chosen) select the outputs. Gathering for a prefill
+  bucket would copy `t * k` experts' weights per layer ([t, k, ...]): 5.67 GiB per layer for the
+  26B-A4B at TP 4 and a 256 bucket, beside 11.79 GiB of weights.
+- **Layout transform**: with a priority graph (`layout_priority`, decode by default) NxD compiles a
+  layout transformer that re-lays out the weights on the device; both layouts may be resident at
+  once (unverified: the transformer is closed source), so the fit counts the weights twice and a
+  run that fits only without it names `layout_priority=none`.
+- **Per graph**: every (length, KV bucket) is its own NEFF with its own instructions and I/O
+  buffers (inputs, logits, captures); `GRAPH_OVERHEAD_BYTES` is an estimate per graph of the
+  instructions and scratch beyond the I/O counted exactly.
+"""
+
+from __future__ import annotations
+
+from harness.inputs.spec import ModelSpec
+
+EXPERT_BLOCK = 32  # experts run at once in the all-experts path (bounds its activations)
+GRAPH_OVERHEAD_BYTES = 32 << 20  # instructions + runtime scratch per compiled graph (an estimate, unmeasured)
+MAX_KV_BUCKETS = 8  # KV buckets per run (graphs = lengths x KV buckets); more is refused
+
+
+def kv_buckets(buckets, max_len: int) -> tuple[int, ...]:
+    """KV lengths the graphs read (their KV buckets): powers of two from the smallest prefill
+    bucket (at least 16) up to the KV length, and the KV length itself. A graph reads the smallest
+    KV bucket that holds every position written so far, so a decode step at position 300 reads 512
+    slots, not a 128K cache. Every KV bucket is a whole graph per length (instructions, I/O), so at
+    most MAX_KV_BUCKETS: past it the step grows (x4, x8, ...) until they fit."""
+    first = 16
+    while first < min(int(b) for b in buckets):
+        first *= 2
+    step = 2
+    while True:
+        out, size = [], first
+        while size < max_len:
+            out.append(size)
+            size *= step
+        if len(out) + 1 <= MAX_KV_BUCKETS:
+            return tuple(out) + (max_len,)
+        step *= 2
+
+
+def graph_shapes(buckets, max_len: int) -> list[tuple[int, int]]:
+    """(sequence length, KV bucket) of every compiled graph (graphs.kv_graph_plan's): each prefill
+    bucket at each KV bucket holding it, and decode (1) at every KV bucket."""
+    lengths = sorted({int(b) for b in buckets} | {1})
+    return [(n, kv) for n in lengths for kv in kv_buckets(buckets, max_len) if kv >= n]
+
+
+def moe_gathers(tokens: int, top_k: int, num_experts: int) -> bool:
+    """True when a call of `tokens` tokens gathers its chosen experts' weights (t * k < E: decode);
+    False: every token runs through every expert, in blocks (prefill)."""
+    return tokens * top_k < num_experts
+
+
+def moe_working_set_bytes(spec: ModelSpec, tp: int, tokens: int, nbytes: int) -> int:
+    """Peak bytes of one MoE layer's expert computation on one rank for a call of `tokens` tokens:
+    the gathered weights ([t, k] experts' 1/tp slices) when gathering, else one block of experts'
+    activations (gate/up [t, B, 2m], the gelu product [t, B, m], outputs [t, B, h] and their fp32
+    weighted copy)."""
+    if spec.moe is None:
+        return 0
+    m, h = spec.moe.intermediate_size // tp, spec.hidden_size
+    if moe_gathers(tokens, spec.moe.top_k, spec.moe.num_experts):
+        return tokens * spec.moe.top_k * 3 * m * h * nbytes
+    block = min(EXPERT_BLOCK, spec.moe.num_experts)
+    return tokens * block * ((3 * m + h) * nbytes + 4 * h)
+
+
+def graph_io_bytes(spec: ModelSpec, tp: int, length: int, nbytes: int, last_row_only: bool = False) -> int:
+    """One graph's I/O buffers on a rank: its input [1, s, width] and positions, and the logits
+    (this rank's vocabulary share; the last row only on a perf build)."""
+    width = spec.hidden_size + spec.num_layers * spec.per_layer_input_size
+    rows = 1 if last_row_only else length
+    return length * width * nbytes + length * 4 + rows * (spec.vocab_size // tp) * 4
+
+
+def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int) -> dict:
+    """Per-graph cost of the compiled graphs [(length, KV bucket), ...]: each graph's I/O plus
+    GRAPH_OVERHEAD_BYTES, and the largest MoE working set over their lengths."""
+    io = [graph_io_bytes(spec, tp, length, nbytes) + GRAPH_OVERHEAD_BYTES for length, _ in graphs]
+    moe = max((moe_working_set_bytes(spec, tp, length, nbytes) for length, _ in graphs), default=0)
+    return {"count": len(io), "per_graph": max(io, default=0), "graphs": sum(io), "moe_working_set": moe}
+
+
+def graph_reserve_bytes(spec: ModelSpec, tp: int, nbytes: int, buckets) -> int:
+    """An upper bound, whatever the KV length, of one rank's graph cost (graphs_bytes' I/O,
+    instructions and MoE working set) for `buckets`: every length at MAX_KV_BUCKETS KV buckets.
+    What the longest context that fits (sharding.memory_plan) leaves room for."""
+    lengths = sorted({int(b) for b in buckets} | {1})
+    shapes = [(n, 0) for n in lengths for _ in range(MAX_KV_BUCKETS)]
+    cost = graphs_bytes(spec, tp, shapes, nbytes)
+    return cost["graphs"] + cost["moe_working_set"]
+
+
+__all__ = ["EXPERT_BLOCK", "GRAPH_OVERHEAD_BYTES", "MAX_KV_BUCKETS", "graph_io_bytes", "graph_shapes",
+           "graph_reserve_bytes", "graphs_bytes", "kv_buckets", "moe_gathers", "moe_working_set_bytes"]

@@ -1,0 +1,227 @@
+"""Host side of the port: embeddings, buckets, prefill, the greedy decode loop, host softcap.
+
+The device (a backend) sees only `inputs_embeds` and absolute positions and returns raw logits.
+Word embeddings stay on the host; the softcap is applied here, only where probabilities are asked
+for (docs/design.md#the-port): greedy decode takes the argmax of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from harness.base.errors import HarnessInputError, PromptError
+from harness.base.numerics import embed_scale, softcap
+from harness.base.settings import RunSettings
+from harness.inputs.prompts import kv_positions_used
+from harness.port.blocks import per_layer_rows
+from harness.port.sharding import merge_rank_caches, ring_windows
+
+
+def choose_bucket(length: int, buckets) -> int:
+    """The smallest bucket that holds `length` tokens (a prompt exactly a bucket's size uses it)."""
+    for bucket in sorted(buckets):
+        if length <= bucket:
+            return bucket
+    raise PromptError(
+        f"prompt of {length} tokens is longer than the largest prefill bucket ({max(buckets)}). "
+        "Shorten the prompt or add a larger bucket (--buckets), within the KV length."
+    )
+
+
+def chunk_plan(n: int, buckets, kv_len: int) -> list[tuple[int, int, int]]:
+    """(start, length, bucket) of each prefill chunk of an n-token prompt: the largest bucket while
+    the rest is longer, then the smallest bucket that holds the rest. A chunk's padded slots must
+    stay inside the linear cache (start + bucket <= kv_len): where no bucket fits there, the tail
+    goes through the largest bucket that does, down to the decode graph (bucket 1)."""
+    if n > kv_len:
+        raise PromptError(f"prompt of {n} tokens is longer than the KV length {kv_len}; raise --kv-len "
+                          "or shorten the prompt")
+    plan, start = [], 0
+    while start < n:
+        rest, fits = n - start, [b for b in sorted(buckets) if start + b <= kv_len]
+        holding = [b for b in fits if b >= rest]
+        bucket = min(holding) if holding else max(fits, default=1)
+        plan.append((start, min(rest, bucket), bucket))
+        start += min(rest, bucket)
+    return plan
+
+
+def chunk_positions(start: int, length: int, bucket: int) -> torch.Tensor:
+    """[1, bucket] positions of a chunk: its real rows at start.., its padded rows at -1."""
+    return torch.cat([torch.arange(start, start + length), torch.full((bucket - length,), -1)])[None]
+
+
+@dataclass
+class PrefillResult:
+    # [n, vocab] raw fp32 logits at the real positions; [1, vocab] (the last one only) from a build
+    # that returns only what greedy decode needs (a compiled backend's perf build: last_row_only)
+    logits: torch.Tensor
+    captures: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [n, ...] fp32
+    bucket: int = 0
+
+
+class Step(NamedTuple):
+    """One decode step: raw fp32 logits [vocab] and its capture points (name -> [1, ...]; empty
+    unless asked for)."""
+
+    logits: torch.Tensor
+    captures: dict[str, torch.Tensor]
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # the new tokens
+    step_logits: torch.Tensor  # [new_tokens, vocab] raw fp32: logits that chose each token
+    prefill: PrefillResult | None = None
+    # With capture: the capture points of every decode step (steps 1.., the ones the device runs
+    # one token at a time), name -> [new_tokens - 1, ...] fp32.
+    step_captures: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Engine:
+    """Drives a backend: host embeddings, bucketed prefill, decode with the device KV cache."""
+
+    def __init__(self, spec, backend, embed_weight: torch.Tensor, settings: RunSettings = RunSettings(),
+                 per_layer_table: torch.Tensor | None = None):
+        """`backend` built from `settings` (harness.backends.build_engine builds both)."""
+        if max(settings.buckets) > settings.kv_len:
+            raise PromptError(f"bucket {max(settings.buckets)} exceeds the KV length {settings.kv_len}; "
+                              "buckets must fit in the cache")
+        self.spec, self.backend, self.settings = spec, backend, settings
+        self.buckets, self.kv_len = settings.buckets, settings.kv_len
+        self.embed_weight = embed_weight
+        self.scale = embed_scale(spec.hidden_size, embed_weight.dtype)
+        self.placeholders = torch.tensor(spec.placeholder_token_ids or [-1])
+        # E2B/E4B: the packed per-layer table, host-side like the word embeddings (vocabulary-sized)
+        self.per_layer_table = per_layer_table
+        if spec.per_layer_input_size and per_layer_table is None:
+            raise ValueError("this model has per-layer input embeddings: pass per_layer_table")
+
+    # -- host embeddings ---------------------------------------------------------------------
+    def validate_ids(self, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise PromptError("empty prompt: give at least one token id")
+        bad = ((ids < 0) | (ids >= self.spec.vocab_size)) & ~torch.isin(ids, self.placeholders)
+        if bad.any():
+            first = int(ids[bad][0])
+            raise PromptError(
+                f"token id {first} at position {int(bad.nonzero()[0])} is outside the vocabulary "
+                f"[0, {self.spec.vocab_size}); check the prompt file or the tokenizer it came from"
+            )
+        return ids
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[n] ids -> [1, n, hidden]; multimodal placeholder ids become pad, as the wrapper does."""
+        ids = torch.where(torch.isin(ids, self.placeholders), self.spec.pad_token_id, ids)
+        embeds = (self.embed_weight[ids] * self.scale)[None]
+        if self.per_layer_table is None:
+            return embeds
+        # Each token's row of the per-layer table, scaled by sqrt(per_layer_input) in the table's
+        # dtype (transformers' scaled embedding), appended: the device's input is [1, n, hidden + L*P].
+        rows = per_layer_rows(self.per_layer_table, ids, self.spec.per_layer_input_size)
+        return torch.cat([embeds, rows.to(embeds.dtype)[None]], dim=-1)
+
+    # -- device steps ----------------------------------------------------------------------------
+    def prefill(self, ids, capture: bool = False) -> PrefillResult:
+        """Prefill chunk by chunk (chunk_plan): each chunk right-padded to its bucket, its real rows
+        at their absolute positions and its padded rows at position -1 (they attend to nothing and
+        write nothing a later query reads). Keeps only the real positions (only the last one when
+        the backend is a `last_row_only` build and no captures are asked for)."""
+        ids = self.validate_ids(ids)
+        n = ids.numel()
+        self._check_capture(capture)
+        self.backend.reset()
+        last_only = not capture and self.backend.last_row_only
+        logits, captures, bucket = [], {}, 0
+        for start, length, bucket in chunk_plan(n, self.buckets, self.kv_len):
+            pad = bucket - length
+            chunk = torch.cat([ids[start:start + length], torch.full((pad,), self.spec.pad_token_id, dtype=torch.long)])
+            chunk_logits, chunk_caps = self.backend.forward(self.embed(chunk), chunk_positions(start, length, bucket),
+                                                            capture=capture, last=length - 1 if last_only else None)
+            logits.append(chunk_logits[0, -1:].float() if last_only else chunk_logits[0, :length].float())
+            for name, value in chunk_caps.items():
+                captures.setdefault(name, []).append(value[0, :length].float())
+        return PrefillResult(
+            logits=logits[-1] if last_only else torch.cat(logits),
+            captures={k: torch.cat(v) for k, v in captures.items()},
+            bucket=bucket,
+        )
+
+    def decode_step(self, token: int, position: int, capture: bool = False) -> Step:
+        """One decode step: raw logits [vocab] and (with capture) its capture points."""
+        if position >= self.kv_len:
+            raise PromptError(f"position {position} is past the KV length {self.kv_len}; "
+                              "ask for fewer new tokens or compile a longer cache")
+        self._check_capture(capture)
+        logits, captures = self.backend.forward(self.embed(torch.tensor([token])), torch.tensor([[position]]),
+                                                capture=capture)
+        return Step(logits[0, -1].float(), {k: v[0, -1:].float() for k, v in captures.items()})
+
+    def verify(self, tokens, position: int, capture: bool = False) -> Step:
+        """Speculative decoding's verify call (harness/port/speculate.py): the target on k+1 tokens at
+        positions position.. in one call, a prefill chunk at the current position against the cache.
+        Writes their k+1 KV entries; returns k+1 rows of raw fp32 logits [k+1, vocab] (and captures,
+        name -> [k+1, ...]). Rollback needs no call: the cache is linear by absolute position and
+        masks go by position, so the entries of rejected tokens are never read (a later query sits
+        before them) and the next verify at the same positions overwrites them."""
+        ids = self.validate_ids(tokens)
+        if position + ids.numel() > self.kv_len:
+            raise PromptError(f"verify of {ids.numel()} tokens at position {position} is past the KV length "
+                              f"{self.kv_len}; ask for fewer new tokens or compile a longer cache")
+        self._check_capture(capture)
+        positions = torch.arange(position, position + ids.numel())[None]
+        logits, captures = self.backend.forward(self.embed(ids), positions, capture=capture)
+        return Step(logits[0].float(), {k: v[0].float() for k, v in captures.items()})
+
+    def _check_capture(self, capture: bool) -> None:
+        if capture and not self.backend.returns_captures:
+            raise HarnessInputError(f"the {self.backend.name} backend was built without captures (a perf "
+                                    "build); build it with capture=True for a parity run")
+
+    def read_cache(self, written: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's KV cache at the positions it holds after `written` writes, as the port
+        stores it (keys after norm and rope, values after v_norm), merged over ranks, oldest position
+        first: per layer (k, v), [kv_heads, held, d] ([0, written) of a linear cache, the last window
+        positions of a ring, unrolled)."""
+        if not self.backend.reads_cache:
+            raise HarnessInputError(f"the {self.backend.name} backend cannot read its KV cache back")
+        rings = ring_windows(self.spec, self.settings.sliding_cache, self.kv_len)
+        return merge_rank_caches(self.spec, self.backend.tp, self.backend.kv_cache, written, rings)
+
+    def generate(self, ids, new_tokens: int, capture: bool = False,
+                 forced: list[int] | None = None, observe=None) -> DecodeResult:
+        """Greedy decode: argmax of the raw logits. With `forced`, feed those tokens instead
+        (teacher forcing) and still collect the logits at every step. `observe(written)` is called
+        after prefill and after each decode step with the number of cache positions written."""
+        ids = self.validate_ids(ids)
+        if kv_positions_used(ids.numel(), new_tokens) > self.kv_len:  # the prompt-fit rule's count (prompts.py)
+            raise PromptError(f"{ids.numel()} prompt + {new_tokens} new tokens exceed the KV length "
+                              f"{self.kv_len}")
+        pre = self.prefill(ids, capture=capture)
+        if observe is not None:
+            observe(ids.numel())
+        logits = pre.logits[-1]
+        tokens, steps, step_caps = [], [], []
+        for step in range(new_tokens):
+            steps.append(logits)
+            chosen = int(logits.argmax())
+            tokens.append(chosen)
+            if step == new_tokens - 1:
+                break
+            fed = forced[step] if forced is not None else chosen
+            logits, captures = self.decode_step(fed, ids.numel() + step, capture=capture)
+            if capture:
+                step_caps.append(captures)
+            if observe is not None:
+                observe(ids.numel() + step + 1)
+        step_logits = torch.stack(steps) if steps else torch.empty(0, self.spec.vocab_size)
+        stacked = {k: torch.cat([c[k] for c in step_caps]) for k in step_caps[0]} if step_caps else {}
+        return DecodeResult(tokens=tokens, step_logits=step_logits, prefill=pre, step_captures=stacked)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """Host softcap, then softmax: only here does the cap matter."""
+        return torch.softmax(softcap(logits, self.spec.final_logit_softcapping), dim=-1)

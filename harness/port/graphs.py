@@ -1,0 +1,255 @@
+"""The device graphs, defined once for every backend that lowers them (Neuron, XLA on CPU).
+
+What a compiled backend traces: `TracedDecoder` (the per-rank `RankDecoder` with a forward of two
+tensors in, a tensor or a tuple out), the graph plan (one prefill graph per bucket and the decode
+graph, s=1), the example inputs each graph is traced with, the KV cache buffers that become state
+aliased between calls, the constant buffers that must reach the device, and how outputs unpack.
+The Neuron backend (ModelBuilder) and the XLA backend (torch-xla on the CPU PJRT device) both
+import these, so the XLA lane lowers exactly what inf2 would trace. This module imports no SDK:
+only `backends/neuron.py` knows Neuron, only `backends/xla.py` knows torch_xla.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harness.base.errors import HarnessInputError
+from harness.port.blocks import FamilyRankDecoder
+from harness.port.device_plan import kv_buckets  # noqa: F401  (re-exported: the KV buckets, capped)
+from harness.port.model import KVCache, RankDecoder, RankLinears
+
+# Positions enter the graph as int32, as NxD's own examples feed indices (int64 is emulated on
+# Neuron); TracedDecoder widens them to int64 inside the graph, where index_copy needs them.
+POSITION_DTYPE = torch.int32
+DECODE_TAG = "decode"
+PREFILL_TAG = "prefill_{}"
+
+
+class GraphBuildError(RuntimeError):
+    """Tracing, compiling or running a device graph failed (not bad input: the compiler or the
+    model code)."""
+
+
+# Capture points the host takes itself: the graph's own input is never returned as a graph output
+# (no NxD example returns an input under input/output aliasing); backends add it back on the host.
+HOST_CAPTURES = ("embeddings",)
+
+
+class TracedDecoder(RankDecoder):
+    """RankDecoder with the forward NxD traces: tensors in, a tensor or a tuple out.
+
+    ModelBuilder accepts only parameters without defaults (or defaulting to None), so the build
+    kind is fixed at construction:
+    - a parity build (`with_captures`) returns (logits [1, s, vocab], *captures) in `capture_names`
+      order, recorded while tracing, without the HOST_CAPTURES;
+    - a perf build with `last_row_only` takes `last_index` ([1], the last real position) and returns
+      only that row's logits [1, 1, vocab]: what greedy decode needs, with lm_head and its vocab
+      all-gather run on one row instead of the whole bucket;
+    - otherwise all logits [1, s, vocab].
+    Positions and last_index arrive as int32 and are widened here.
+    """
+
+    def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears: RankLinears,
+                 with_captures: bool = False, last_row_only: bool = False, sliding_cache: str = "linear",
+                 slots: int = 1):
+        super().__init__(spec, tp=tp, max_len=max_len, dtype=dtype, linears=linears, sliding_cache=sliding_cache,
+                         slots=slots)
+        if with_captures and last_row_only:
+            raise ValueError("a parity build (captures) returns every row; last_row_only is for perf builds")
+        self.with_captures, self.last_row_only = with_captures, last_row_only
+        self.capture_names: list[str] = []
+
+    def forward(self, inputs_embeds, positions, last_index=None):
+        positions = positions.to(torch.long)
+        if self.with_captures:
+            logits, captures = super().forward(inputs_embeds, positions, capture=True)
+            captures = {k: v for k, v in captures.items() if k not in HOST_CAPTURES}
+            self.capture_names = list(captures)
+            return (logits, *captures.values())
+        if not self.last_row_only:
+            return super().forward(inputs_embeds, positions)
+        hidden = self.final_hidden(inputs_embeds, positions)
+        return self.lm_head(hidden.index_select(1, last_index.to(torch.long).reshape(1)))
+
+
+class TracedFamilyDecoder(TracedDecoder, FamilyRankDecoder):
+    """TracedDecoder over the gemma4 family's per-rank decoder (model_blocks)."""
+
+
+class TracedBatchDecoder(TracedDecoder):
+    """A batched build (a KV cache of `slots` sequences, harness/port/kv_slots.py): forward(inputs_embeds
+    [b, s, hidden], positions [b, s], seq_ids [b], each row's KV slot, as NxD Inference passes them)
+    -> what TracedDecoder returns, for every row. A parity build (every row's logits and captures)."""
+
+    def forward(self, inputs_embeds, positions, seq_ids):
+        positions, seq_ids = positions.to(torch.long), seq_ids.to(torch.long)
+        if not self.with_captures:
+            return super(TracedDecoder, self).forward(inputs_embeds, positions, seq_ids=seq_ids)
+        logits, captures = super(TracedDecoder, self).forward(inputs_embeds, positions, capture=True, seq_ids=seq_ids)
+        captures = {k: v for k, v in captures.items() if k not in HOST_CAPTURES}
+        self.capture_names = list(captures)
+        return (logits, *captures.values())
+
+
+class TracedFamilyBatchDecoder(TracedBatchDecoder, FamilyRankDecoder):
+    """TracedBatchDecoder over the gemma4 family's per-rank decoder."""
+
+
+def traced_class(spec, batched: bool = False) -> type:
+    """The traced module class for a spec: the 12B's decoder or the family's (batched: taking seq_ids)."""
+    if batched:
+        return TracedFamilyBatchDecoder if spec.is_family else TracedBatchDecoder
+    return TracedFamilyDecoder if spec.is_family else TracedDecoder
+
+
+def input_width(spec) -> int:
+    """The width of the device's one input: the hidden size, plus each layer's per-layer row where
+    the model has per-layer inputs (model_blocks: the host appends them)."""
+    return spec.hidden_size + spec.num_layers * spec.per_layer_input_size
+
+
+def kv_buffer_names(module: nn.Module) -> list[str]:
+    """Names of the KV cache buffers (the device state aliased between calls)."""
+    return [f"{name}.{buf}" for name, sub in module.named_modules() if isinstance(sub, KVCache)
+            for buf in ("k", "v")]
+
+
+def constant_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers outside the state dict that are not KV cache: values from the model code, not the
+    checkpoint, that would have to reach the device. The port has none (rope frequencies are
+    computed in the graph); the Neuron backend refuses any."""
+    persistent = set(module.state_dict().keys())
+    kv = set(kv_buffer_names(module))
+    return {name: buf.detach().clone().contiguous() for name, buf in module.named_buffers()
+            if name not in persistent and name not in kv}
+
+
+def graph_plan(buckets, max_len: int) -> dict[str, int]:
+    """Graph tag -> sequence length: one prefill graph per bucket and the decode graph (s=1)."""
+    try:
+        sizes = sorted({int(b) for b in buckets})
+    except (TypeError, ValueError) as exc:
+        raise HarnessInputError(f"buckets {buckets!r}: give positive integers, e.g. (16, 64)") from exc
+    if not sizes or sizes[0] < 1:
+        raise HarnessInputError(f"buckets {buckets!r}: give at least one positive bucket size")
+    if sizes[-1] > max_len:
+        raise HarnessInputError(f"bucket {sizes[-1]} exceeds the KV length {max_len}; buckets must fit the cache")
+    plan = {PREFILL_TAG.format(b): b for b in sizes if b != 1}  # a bucket of 1 is the decode graph
+    plan[DECODE_TAG] = 1
+    return plan
+
+
+def kv_read_length(positions: torch.Tensor, kv_lengths) -> int:
+    """The KV bucket a call reads: the smallest that holds, in every row, its first position plus
+    its real rows."""
+    needed = int((positions[:, 0] + (positions >= 0).sum(dim=1)).max())
+    for size in sorted(kv_lengths):
+        if size >= needed:
+            return size
+    raise HarnessInputError(f"positions up to {needed - 1} are past the KV length {max(kv_lengths)}")
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes graphs are compiled for (NxD Inference's batch buckets): powers of two below the
+    KV slots `max_batch`, and `max_batch` itself. A call runs the smallest that holds its rows."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return tuple(sizes) + (max_batch,)
+
+
+def kv_graph_plan(buckets, max_len: int) -> list[tuple[str, int, int]]:
+    """(tag, sequence length, KV bucket) of every graph a build with KV buckets holds: each prefill
+    bucket at each KV bucket that holds it, and decode at every KV bucket."""
+    plan = graph_plan(buckets, max_len)
+    return [(tag, length, kv) for tag, length in plan.items() for kv in kv_buckets(buckets, max_len) if kv >= length]
+    # (device_plan.graph_shapes counts the same graphs for the fit, from the same kv_buckets)
+
+
+def tag_for_length(length: int, graphs: dict[str, int]) -> str:
+    for tag, size in graphs.items():
+        if size == length:
+            return tag
+    compiled = sorted(s for s in graphs.values() if s != 1)
+    raise HarnessInputError(f"no compiled graph takes {length} positions: this build has prefill buckets "
+                            f"{compiled} and decode (1). Pad the prompt to a bucket (the engine does) "
+                            "or build the backend with that bucket.")
+
+
+def example_inputs(length: int, hidden: int, dtype: torch.dtype, last_row: bool = False) -> tuple:
+    """(inputs_embeds, positions) a graph of `length` positions is traced with, plus `last_index`
+    for a perf build that returns only the last real row (`last_row`)."""
+    inputs = (torch.zeros(1, length, hidden, dtype=dtype), torch.arange(length, dtype=POSITION_DTYPE)[None])
+    return (*inputs, torch.tensor([length - 1], dtype=POSITION_DTYPE)) if last_row else inputs
+
+
+def unpack_outputs(out, capture_names: list[str] | None, inputs_embeds: torch.Tensor | None = None):
+    """(logits, captures) from what the compiled graph returns (a tensor, or a tuple with captures).
+    A parity build's captures start with the HOST_CAPTURES, taken from `inputs_embeds` (what the
+    graph was fed), in the order RankDecoder captures them."""
+    if capture_names is None:
+        logits = out if isinstance(out, torch.Tensor) else out[0]
+        return logits, {}
+    out = list(out)
+    if len(out) != len(capture_names) + 1:
+        raise GraphBuildError(f"the parity graph returned {len(out)} outputs, expected logits + "
+                               f"{len(capture_names)} captures")
+    if inputs_embeds is None:
+        raise GraphBuildError("unpack_outputs needs the graph's inputs_embeds: the embeddings capture is "
+                              "taken on the host, not returned by the graph")
+    return out[0], {"embeddings": inputs_embeds, **dict(zip(capture_names, out[1:]))}
+
+
+def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                 dtype: torch.dtype, capture: bool, parity_build: bool, last_row_only: bool,
+                 last: int | None) -> tuple[str, list[torch.Tensor]]:
+    """(tag, inputs) of the graph a compiled backend runs for one call, as the device is fed:
+    inputs_embeds in the build's dtype, int32 positions, and on a perf build `last_index`. The
+    call is checked against the build first (captures only from a parity build; shapes)."""
+    if capture and not parity_build:
+        raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
+                                "backend with capture=True for a parity build to capture activations")
+    hidden = input_width(spec)
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[0] != 1 or inputs_embeds.shape[2] != hidden:
+        raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [1, s, {hidden}]")
+    length = inputs_embeds.shape[1]
+    if tuple(positions.shape) != (1, length):
+        raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [1, {length}]")
+    tag = tag_for_length(length, graphs)
+    if last_row_only and last is None and length > 1:
+        raise HarnessInputError("this perf build returns only the last real position's logits: pass last= "
+                                "(the engine does), or build with capture=True for every row")
+    inputs = [inputs_embeds.to(dtype).contiguous(), positions.to(POSITION_DTYPE).contiguous()]
+    if last_row_only:
+        inputs.append(torch.tensor([length - 1 if last is None else int(last)], dtype=POSITION_DTYPE))
+    return tag, inputs
+
+
+def batch_graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, positions: torch.Tensor,
+                       seq_ids: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The inputs of a batched build's graph for one call: inputs_embeds [b, s, hidden] in the build's
+    dtype, int32 positions [b, s] and seq_ids [b] (row r in slot r when None); shapes checked."""
+    hidden = input_width(spec)
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != hidden:
+        raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [b, s, {hidden}]")
+    rows, length = inputs_embeds.shape[:2]
+    if tuple(positions.shape) != (rows, length):
+        raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [{rows}, {length}]")
+    tag_for_length(length, graphs)
+    seq_ids = torch.arange(rows) if seq_ids is None else torch.as_tensor(seq_ids).reshape(-1)
+    if seq_ids.numel() != rows:
+        raise HarnessInputError(f"seq_ids {seq_ids.tolist()}: one slot per row of the {rows} rows")
+    return [inputs_embeds.to(dtype).contiguous(), positions.to(POSITION_DTYPE).contiguous(),
+            seq_ids.to(POSITION_DTYPE).contiguous()]
+
+
+def graph_result(out, capture_names: list[str] | None, inputs_embeds: torch.Tensor, capture: bool,
+                 last_row_only: bool, last: int | None):
+    """What a backend's forward returns from the graph's outputs: (logits (only row `last` when
+    asked), captures (empty unless `capture`))."""
+    logits, captures = unpack_outputs(out, capture_names, inputs_embeds=inputs_embeds)
+    if last is not None and not last_row_only:
+        logits = logits[:, last:last + 1]
+    return logits, (captures if capture else {})

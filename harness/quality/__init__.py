@@ -1,0 +1,1 @@
+"""Corpus quality: the compact fp32 golden over a corpus and the judged teacher-forced pass."""

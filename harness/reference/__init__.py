@@ -1,0 +1,1 @@
+"""The truth: transformers' reference runs (whole, streamed, teacher-forced) and the goldens that store them."""

@@ -1,0 +1,341 @@
+"""Golden files: reference tensors in safetensors plus a JSON manifest with hashes and provenance.
+
+A golden directory holds `manifest.json` and `tensors.safetensors`. It is written into a temp
+directory and renamed into place (nothing half written), never over an existing golden unless asked
+(and never over a directory that is not a golden), and reading verifies one hash over the manifest
+and the tensors, that the golden was made for the expected spec, that its prompts, tokens and
+tensor shapes agree, and that every value is finite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from harness.base.atomic import atomic_directory
+from harness.inputs.checkpoint import sha256_file
+from harness.base.errors import (GoldenError, HarnessInputError, InputFileError, OutputError, os_problem, read_json_file,
+                                 not_a_file, read_problem, wrapped_os_error)
+from harness.reference.golden_layout import (check_no_stray_tensors, check_prompt_tensors, check_same_groups, check_tokens,
+                                             inconsistent)
+from harness.reference.run import ReferenceResult
+
+FORMAT_VERSION = 2  # 2: the manifest is covered by the hash (golden_sha256)
+MANIFEST = "manifest.json"
+TENSORS = "tensors.safetensors"
+GOLDEN_FILES = (MANIFEST, TENSORS)
+DTYPES = ("float32", "bfloat16")
+
+
+def _versions() -> dict:
+    import transformers
+
+    import harness
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "harness": harness.__version__}
+
+
+def golden_hash(manifest: dict, tensors_sha256: str) -> str:
+    """sha256 over the manifest (without this hash) and the tensor file's sha256: editing either
+    the prompts, the tokens or the tensors breaks it."""
+    body = {k: v for k, v in manifest.items() if k != "golden_sha256"}
+    blob = json.dumps(body, sort_keys=True, separators=(",", ":")).encode() + tensors_sha256.encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def is_golden_dir(path: Path) -> bool:
+    """A directory this tool wrote as a golden: its manifest is a golden manifest."""
+    file = Path(path) / MANIFEST
+    if not file.is_file():  # a pipe or device called manifest.json would block or never end
+        return False
+    try:
+        manifest = read_json_file(file, "golden manifest", GoldenError, "")
+    except HarnessInputError:
+        return False
+    return isinstance(manifest, dict) and "format_version" in manifest and "tensors_sha256" in manifest
+
+
+def check_replaceable(out_dir, overwrite: bool) -> None:
+    """An existing non-empty `out_dir` may only be replaced deliberately (`overwrite`) and only when
+    it is a golden this tool wrote with nothing else in it: never a checkpoint or the user's files."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not overwrite:
+        raise GoldenError(f"{out_dir}: a golden (or other files) already exists there. Choose a new "
+                          "--out directory or pass --overwrite to replace it deliberately.")
+    if not is_golden_dir(out_dir):
+        raise GoldenError(f"{out_dir}: --overwrite replaces only a golden written by `gemma-parity "
+                          f"reference`, and this directory is not one (no golden {MANIFEST}); nothing was "
+                          "touched. Choose a new --out directory.")
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in GOLDEN_FILES)
+    if foreign:
+        raise GoldenError(f"{out_dir}: holds files that are not part of the golden ({', '.join(foreign[:5])}); "
+                          "--overwrite would delete them, so nothing was touched. Move them away or "
+                          "choose a new --out directory.")
+
+
+def _finite_or_refuse(tensors: dict[str, torch.Tensor], where) -> None:
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise GoldenError(f"{where}: {name} contains NaN or Inf; a reference with non-finite values "
+                              "judges nothing. Check the checkpoint's weights and regenerate the golden.")
+
+
+def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_tokens: int,
+                 checkpoint_hashes: dict[str, str] | None = None, checkpoint_path: str = "",
+                 overwrite: bool = False) -> Path:
+    out_dir = Path(out_dir)
+    check_replaceable(out_dir, overwrite)
+    tensors, per_dtype = {}, {}
+    prompts = None
+    for dtype, runs in results.items():
+        prompts = prompts or [r.prompt for r in runs]
+        per_dtype[dtype] = [{"generated": r.generated} for r in runs]
+        for k, r in enumerate(runs):
+            for name, t in r.captures.items():
+                tensors[f"{dtype}.p{k}.{name}"] = t.float().contiguous()
+            tensors[f"{dtype}.p{k}.step_logits"] = r.step_logits.float().contiguous()
+    _finite_or_refuse(tensors, "the reference")
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "spec_hash": spec.spec_hash(),
+        "num_layers": spec.num_layers,
+        "checkpoint": {"path": str(checkpoint_path), "files": checkpoint_hashes or {}},
+        "prompts": prompts or [],
+        "new_tokens": new_tokens,
+        "results": per_dtype,
+        "versions": _versions(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    with atomic_directory(out_dir, replace=overwrite) as tmp:
+        _save_tensors(tensors, tmp / TENSORS, out_dir)
+        _verify_written(tmp / TENSORS, tensors, out_dir)
+        manifest["tensors_sha256"] = sha256_file(tmp / TENSORS)
+        manifest["golden_sha256"] = golden_hash(manifest, manifest["tensors_sha256"])
+        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+            f.write(json.dumps(manifest, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return out_dir
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], file: Path, out_dir: Path) -> None:
+    """save_file, with a write error (a full disk) reported as one about the user's --out."""
+    try:
+        save_file(tensors, str(file))
+    except Exception as exc:  # safetensors raises its own error type for I/O failures
+        os_error = wrapped_os_error(exc)
+        if os_error is None:
+            raise
+        raise OutputError(os_problem(os_error, out_dir)) from None
+
+
+def _verify_written(file: Path, tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """The tensor file holds every tensor and is as long as its header says (a write that lost
+    data without an error, as on a full disk, is caught here rather than when the golden is read)."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            os.fsync(f.fileno())
+    except Exception as exc:
+        if isinstance(exc, OSError):
+            raise OutputError(os_problem(exc, out_dir)) from None
+        raise OutputError(f"{out_dir}: the golden's tensors could not be written completely ({exc}); "
+                          "check free disk space and write permission, then run again") from None
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    if keys != set(tensors) or size != 8 + header_len + data:
+        raise OutputError(f"{out_dir}: the golden's tensors were written incompletely ({size} bytes); "
+                          "the disk may be full: free some space and run again")
+
+
+class Golden:
+    """A verified golden: manifest plus lazily regrouped reference results per dtype."""
+
+    def __init__(self, path: Path, manifest: dict, tensors: dict[str, torch.Tensor]):
+        self.path, self.manifest, self.tensors = path, manifest, tensors
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return self.manifest["prompts"]
+
+    @property
+    def new_tokens(self) -> int:
+        return int(self.manifest["new_tokens"])
+
+    def results(self, dtype: str) -> list[ReferenceResult]:
+        if dtype not in self.manifest["results"]:
+            raise GoldenError(f"{self.path}: no {dtype} reference in this golden "
+                              f"(has {sorted(self.manifest['results'])}); regenerate it with "
+                              "`gemma-parity reference`")
+        runs = []
+        for k, prompt in enumerate(self.prompts):
+            prefix = f"{dtype}.p{k}."
+            caps = {key[len(prefix):]: t for key, t in self.tensors.items() if key.startswith(prefix)}
+            step_logits = caps.pop("step_logits")
+            runs.append(ReferenceResult(prompt=prompt, dtype=dtype, captures=caps,
+                                        generated=self.manifest["results"][dtype][k]["generated"],
+                                        step_logits=step_logits))
+        return runs
+
+
+def _read_manifest(path: Path) -> dict:
+    manifest_file = path / MANIFEST
+    if not path.exists():
+        raise GoldenError(f"{path}: golden directory not found; pass a directory written by `gemma-parity reference`")
+    if not path.is_dir():
+        raise GoldenError(f"{path}: not a directory; pass the golden directory written by `gemma-parity reference`")
+    if not manifest_file.is_file():
+        if not os.path.lexists(manifest_file):
+            raise GoldenError(f"{path}: no {MANIFEST}. Pass a directory written by `gemma-parity reference`.")
+        raise GoldenError(f"{manifest_file}: {not_a_file(manifest_file)}, not the golden's manifest file; pass a "
+                          "directory written by `gemma-parity reference`")
+    manifest = read_json_file(manifest_file, "golden manifest", GoldenError,
+                              "the golden is corrupted, regenerate it with `gemma-parity reference`")
+    if not isinstance(manifest, dict):
+        raise GoldenError(f"{manifest_file}: not a golden manifest (a JSON object); regenerate the golden")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise GoldenError(f"{manifest_file}: format_version {manifest.get('format_version')!r}, this harness "
+                          f"reads {FORMAT_VERSION} (whose manifest is covered by the hash); regenerate the "
+                          "golden with `gemma-parity reference`")
+    return manifest
+
+
+def _verify_hashes(path: Path, manifest: dict) -> Path:
+    tensor_file = path / TENSORS
+    if not tensor_file.is_file():
+        raise GoldenError(f"{tensor_file}: {not_a_file(tensor_file)}, not the golden's tensor file; the golden is "
+                          "incomplete or damaged: regenerate it")
+    try:
+        actual = sha256_file(tensor_file)
+    except OSError as exc:
+        raise InputFileError(read_problem(exc, tensor_file, "golden tensor file")) from None
+    if actual != manifest.get("tensors_sha256"):
+        raise GoldenError(f"{tensor_file}: sha256 {actual[:12]}… does not match the manifest's "
+                          f"{str(manifest.get('tensors_sha256'))[:12]}…: the golden is corrupted or was "
+                          "edited; regenerate it with `gemma-parity reference`")
+    if manifest.get("golden_sha256") != golden_hash(manifest, actual):
+        raise GoldenError(f"{path / MANIFEST}: its contents do not match its golden_sha256: the manifest "
+                          "(prompts, tokens or provenance) was edited or corrupted; regenerate the golden "
+                          "with `gemma-parity reference`")
+    return tensor_file
+
+
+def read_golden(path, expected_spec=None) -> Golden:
+    """Read and verify a golden: hashes over manifest and tensors, the spec it was made for, its
+    internal consistency (prompts, tokens and tensor shapes agree) and finite values."""
+    path = Path(path)
+    manifest = _read_manifest(path)
+    tensor_file = _verify_hashes(path, manifest)
+    if expected_spec is not None and manifest.get("spec_hash") != expected_spec.spec_hash():
+        raise GoldenError(
+            f"{path / MANIFEST}: golden was made for spec {manifest.get('spec_hash')}, but the checkpoint "
+            f"resolves to spec {expected_spec.spec_hash()} ({expected_spec.source}). A golden only "
+            "compares against the same model architecture; regenerate it for this config."
+        )
+    try:
+        tensors = load_file(str(tensor_file))
+    except Exception as exc:
+        raise GoldenError(f"{tensor_file}: cannot be read as safetensors ({exc}); regenerate the golden") from None
+    _check_consistency(path, manifest, tensors, expected_spec)
+    _finite_or_refuse(tensors, tensor_file)
+    return Golden(path, manifest, tensors)
+
+
+def _check_consistency(path: Path, manifest: dict, tensors: dict, spec) -> None:
+    from harness.inputs.prompts import is_token_id
+
+    prompts, new_tokens, results = manifest.get("prompts"), manifest.get("new_tokens"), manifest.get("results")
+    if not isinstance(prompts, list) or not prompts or not all(
+            isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in prompts):
+        raise inconsistent(path, "prompts must be a non-empty list of non-empty token-id lists")
+    if not is_token_id(new_tokens) or new_tokens < 0:
+        raise inconsistent(path, f"new_tokens {new_tokens!r} is not a non-negative integer")
+    if not isinstance(results, dict) or "float32" not in results or set(results) - set(DTYPES):
+        raise inconsistent(path, "results must hold float32 (and bfloat16), nothing else")
+    num_layers = manifest.get("num_layers")
+    if not is_token_id(num_layers) or num_layers < 1 or (spec is not None and num_layers != spec.num_layers):
+        raise inconsistent(path, f"num_layers {num_layers!r} is not the spec's layer count")
+    accounted: set[str] = set()
+    held: dict[str, frozenset[str]] = {}
+    for dtype in sorted(results):
+        runs = results[dtype]
+        if not isinstance(runs, list) or len(runs) != len(prompts):
+            raise inconsistent(path, f"results.{dtype} must have one entry per prompt ({len(prompts)})")
+        for k, (prompt, run) in enumerate(zip(prompts, runs)):
+            generated = run.get("generated") if isinstance(run, dict) else None
+            vocab = spec.vocab_size if spec is not None else float("inf")
+            if not isinstance(generated, list) or len(generated) != new_tokens or not all(
+                    is_token_id(t) and 0 <= t < vocab for t in generated):
+                raise inconsistent(path, f"results.{dtype}[{k}].generated must be {new_tokens} token ids")
+            prefix = f"{dtype}.p{k}."
+            seen, held[prefix.rstrip(".")] = check_prompt_tensors(path, tensors, prefix, len(prompt), new_tokens,
+                                                                  num_layers, spec)
+            accounted |= seen
+            check_tokens(path, tensors, prefix, generated, f"results.{dtype}[{k}].generated")
+    check_no_stray_tensors(path, tensors, accounted)
+    check_same_groups(path, held)
+
+
+def same_weights(golden: Golden, checkpoint) -> bool | None:
+    """Whether the golden was written from these weights (their safetensors files' sha256); None
+    when the golden records no checkpoint hashes. config.json is left out: the spec hash covers the
+    architecture, and a reformatted config does not change a weight."""
+    provenance = golden.manifest.get("checkpoint")
+    recorded = provenance.get("files") if isinstance(provenance, dict) else None
+    recorded = {k: v for k, v in recorded.items() if k != "config.json"} if isinstance(recorded, dict) else {}
+    if not recorded:
+        return None
+    if hasattr(checkpoint, "weight_files") and set(recorded) != {f.name for f in checkpoint.weight_files()}:
+        return False  # other shard files: no need to hash anything
+    current = {k: v for k, v in checkpoint.file_hashes().items() if k != "config.json"}
+    return recorded == current
+
+
+@dataclass
+class GoldenWritten:
+    path: Path
+    prompts: list[list[int]]
+    new_tokens: int
+    tokens: list[list[int]]  # the fp32 reference's greedy tokens per prompt
+
+
+def make_golden(checkpoint_dir, out, prompts_path=None, new_tokens: int = 8, stream: bool = False,
+                overwrite: bool = False, progress: bool = False) -> GoldenWritten:
+    """Run the fp32 and bf16 references for the prompts and write them as a golden at `out`.
+
+    `stream` computes the prefill captures one decoder layer at a time from the shards (peak memory
+    about the embeddings plus one layer) and decodes nothing."""
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
+    from harness.reference.run import run_reference
+    from harness.reference.stream import stream_prefill_captures_many
+
+    ckpt = Checkpoint.open(checkpoint_dir)
+    out = Path(out)
+    check_replaceable(out, overwrite)
+    prompts = load_prompts(prompts_path, checkpoint_dir)
+    validate_prompt_ids(ckpt.spec, prompts, prompts_path)
+    validate_prompt_fit(prompts, 0 if stream else new_tokens, prompts_path, max_positions=ckpt.spec.max_positions)
+    ckpt.check_finite()
+    if stream:  # one pass over the weights per dtype, all prompts at once
+        results = {dtype: [ReferenceResult(p, dtype, captures, [], torch.empty(0, ckpt.spec.vocab_size))
+                           for p, captures in zip(prompts, stream_prefill_captures_many(ckpt, prompts, dtype, progress))]
+                   for dtype in ("float32", "bfloat16")}
+        new_tokens = 0
+    else:
+        results = run_reference(checkpoint_dir, prompts, new_tokens, progress=progress)
+    write_golden(out, ckpt.spec, results, new_tokens, ckpt.file_hashes(), str(checkpoint_dir), overwrite=overwrite)
+    return GoldenWritten(out, prompts, new_tokens, [r.generated for r in results["float32"]])

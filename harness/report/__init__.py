@@ -1,0 +1,1 @@
+"""What the commands print and write: tables, Markdown, JSON, plots."""
