@@ -1,12 +1,16 @@
-"""The package's imports flow one way (docs/design.md#import-layers): from the model facts at the bottom to the
-commands at the top. Every import of a harness module, at module level or inside a function, is an
-edge; an edge may only point to a lower or the same layer, the same-layer edges form no cycle, and
-nothing below the command layer imports it."""
+"""The package's imports flow one way (docs/design.md#import-layers), package by package: harness/ is
+grouped into packages by layer, and a module imports only its own package and packages of a lower
+layer (never one of the same layer: port and reference stand side by side, so the truth never leans
+on the port). Every import of a harness module, at module level or inside a function, is an edge;
+the edges form no cycle. The table below is the one table of the layers: docs/design.md's is
+generated from it (`python tests/unit/test_layering.py --write-doc`) and checked against it here."""
 
 from __future__ import annotations
 
 import ast
 import re
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,75 +18,60 @@ import pytest
 import harness
 
 PACKAGE = Path(harness.__file__).parent
+ROOT = PACKAGE.parent
+DESIGN = ROOT / "docs" / "design.md"
 
-# Layer of every module (a package's modules share its layer unless listed). A new module must be
-# placed here: an unplaced module fails the test, so the rule holds as the code grows.
-LAYERS = {
-    "harness": 0,
-    "harness.base": 1, "harness.inputs": 1, "harness.port": 2, "harness.reference": 4, "harness.judge": 5, "harness.hlo": 1, "harness.parity": 5, "harness.quality": 6, "harness.report": 7,
-    # 1: facts and plumbing every layer may use
-    "harness.base.errors": 1, "harness.inputs.spec": 1, "harness.inputs.family": 1, "harness.inputs.validation": 1, "harness.base.numerics": 1,
-    "harness.base.atomic": 1, "harness.base.progress": 1, "harness.hlo.ir": 1, "harness.base.points": 1, "harness.base.settings": 1,
-    "harness.base.owned_dir": 1, "harness.base.array_index": 1, "harness.base.provenance": 1, "harness.inputs.assistant_spec": 1,
-    # 2: weights, plans, inputs
-    "harness.inputs.checkpoint": 2, "harness.inputs.weight_files": 2, "harness.inputs.tiny": 2, "harness.port.sharding": 2,
-    "harness.perf.instances": 2, "harness.inputs.prompts": 2, "harness.port.device_plan": 2,
-    "harness.perf.host_plan": 2, "harness.inputs.assistant_checkpoint": 2,
-    # 3: the port
-    "harness.port.model": 3, "harness.port.blocks": 3, "harness.port.graphs": 3, "harness.port.engine": 3,
-    "harness.port.kv_slots": 3, "harness.port.batching": 3, "harness.port.drafter": 3, "harness.port.speculate": 3,
-    # 4: execution: the backends, and the reference (transformers only)
-    "harness.backends": 4, "harness.reference.run": 4, "harness.reference.stream": 4, "harness.reference.forcing": 4,
-    "harness.reference.float64": 4, "harness.reference.assistant": 4, "harness.reference.tiny_assistant": 4,
-    # 5: judgement
-    # (observe runs the port and the references for the judge; stage judges what it observed)
-    "harness.judge.compare": 5, "harness.parity.local": 5, "harness.reference.golden": 5, "harness.reference.golden_layout": 5,
-    "harness.hlo.contracts": 5, "harness.judge.verdicts": 5, "harness.parity.observe": 5, "harness.judge.stage": 5,
-    "harness.judge.results": 5, "harness.parity.bisect_result": 5, "harness.judge.routing": 5, "harness.parity.forced_path": 5,
-    # 6: workflows as library functions with result objects
-    "harness.parity.check": 6, "harness.parity.bisect": 6, "harness.parity.truncate": 6, "harness.perf": 6, "harness.hlo.stats": 6,
-    "harness.parity.served": 6, "harness.quality.golden": 6, "harness.quality.stats": 6, "harness.quality.judge": 6,
-    "harness.quality.parts": 6, "harness.quality.merge": 6, "harness.quality.moe": 6,
-    "harness.parity.speculative": 6,
-    # 7: presentation and commands; nothing imports these from below
-    "harness.report.formats": 7, "harness.report.bisect": 7, "harness.report.plot": 7, "harness.report.table": 7,
-    "harness.report.quality": 7,
-    "harness.cli": 8, "harness.entry": 8, "harness.base.signal_guard": 8, "harness.__main__": 8,
+# package (a folder of harness/, or a top-level module) -> (layer, what it holds). A new package or
+# top-level module must be placed here: an unplaced one fails, so the rule holds as the code grows.
+PACKAGES = {
+    "harness": (0, "the root: the version and where the fixtures are"),
+    "base": (1, "facts and plumbing every layer may use"),
+    "inputs": (2, "what the user hands in, checked before model work; the tiny fixture"),
+    "port": (3, "the decoder the device runs: TP plan, blocks, device graphs, host engine"),
+    "reference": (3, "the truth: transformers only (imports nothing of the port), and the goldens"),
+    "backends": (4, "where the port's graphs run: CPU, XLA, Neuron (the only code that knows the SDK)"),
+    "judge": (4, "the one tolerance policy, its verdicts, the stage and routing decisions"),
+    "hlo": (5, "the device graphs' HLO: parsed, checked against the contracts, measured"),
+    "perf": (5, "benchmarks of the served build, their statistics, history, memory, instances"),
+    "parity": (6, "check, the served check, bisect and truncate, and the observation they judge"),
+    "quality": (6, "the corpus golden and its judged teacher-forced pass"),
+    "report": (7, "what the commands print and write: tables, Markdown, JSON, plots"),
+    "cli": (8, "the commands"),
+    "entry": (9, "the console script (signal guard, then the commands)"),
+    "__main__": (10, "`python -m harness` (the console script)"),
 }
-TOP = ("harness.cli", "harness.entry", "harness.__main__")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def layer_of(name: str) -> int | None:
-    """The layer of a module, or of the subpackage it sits in (never the root package's)."""
-    if name in LAYERS:
-        return LAYERS[name]
-    while "." in name.rpartition(".")[0]:
-        name = name.rpartition(".")[0]
-        if name in LAYERS:
-            return LAYERS[name]
-    return None
+def package_of(name: str) -> str | None:
+    """The entry of PACKAGES a module belongs to: harness.<pkg>[.<module>] -> <pkg>; harness -> harness."""
+    parts = name.split(".")
+    key = parts[1] if len(parts) > 1 else parts[0]
+    return key if key in PACKAGES else None
 
 
-def harness_imports(path: Path) -> set[str]:
+def harness_imports(path: Path, package: Path = PACKAGE) -> set[str]:
     """Every harness module `path` imports, anywhere in the file."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("harness")}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("harness"):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "harness"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "harness":
             for alias in node.names:  # `from harness.cli import check` imports the module harness.cli.check
                 sub = f"{node.module}.{alias.name}"
-                found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).is_file() else node.module)
+                is_module = (package.parent / (sub.replace(".", "/") + ".py")).is_file() or \
+                    (package.parent / sub.replace(".", "/") / "__init__.py").is_file()
+                found.add(sub if is_module else node.module)
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    return {module_name(p): harness_imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    return {module_name(p, package): harness_imports(p, package) for p in sorted(package.rglob("*.py"))
+            if "__pycache__" not in p.parts}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -110,27 +99,40 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a package of a higher layer, or of another package of the same layer."""
     problems = []
-    for module, imports in graph.items():
-        if layer_of(module) is None:
-            problems.append(f"{module}: not placed in a layer (add it to LAYERS)")
+    for module, imports in sorted(graph.items()):
+        home = package_of(module)
+        if home is None:
+            problems.append(f"{module}: its package is not placed in a layer (add it to PACKAGES)")
             continue
-        for target in imports:
-            if layer_of(target) is None:
+        for target in sorted(imports):
+            there = package_of(target)
+            if there is None or there == home or there == "harness":
                 continue
-            below_top = not module.startswith(TOP)
-            if below_top and target.startswith(TOP):
-                problems.append(f"{module} imports the command layer ({target})")
-            elif layer_of(target) > layer_of(module):
-                problems.append(f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})")
+            if PACKAGES[there][0] > PACKAGES[home][0]:
+                problems.append(f"{module} ({home}, layer {PACKAGES[home][0]}) imports {target} "
+                                f"({there}, layer {PACKAGES[there][0]}): an upward import")
+            elif PACKAGES[there][0] == PACKAGES[home][0]:
+                problems.append(f"{module} ({home}) imports {target} ({there}), a package of the same "
+                                f"layer {PACKAGES[home][0]}: move one of them, or the shared part lower")
     return problems
 
 
 def test_imports_flow_one_way():
     graph = import_graph()
-    assert len(graph) > 20, "the walk found the package's modules"
+    assert len(graph) > 40, "the walk found the package's modules"
     assert layering_violations(graph) == []
     assert find_cycle(graph) is None, find_cycle(graph)
+
+
+def test_the_folders_are_the_table():
+    """Every folder of harness/ and every top-level module is a row of PACKAGES and every row is on
+    disk (the table has no stale rows); no module name repeats its folder as a prefix."""
+    on_disk = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    on_disk |= {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"} | {"harness"}
+    assert on_disk == set(PACKAGES)
+    assert [p for p in PACKAGE.glob("*/*.py") if p.stem.startswith(p.parent.name + "_")] == []
 
 
 def test_only_the_neuron_backend_imports_the_neuron_sdk():
@@ -152,13 +154,85 @@ def test_only_the_neuron_backend_imports_the_neuron_sdk():
 
 
 @pytest.mark.parametrize("graph, problem", [
-    ({"harness.inputs.spec": {"harness.port.sharding"}, "harness.port.sharding": {"harness.inputs.spec"}}, "layer"),
-    ({"harness.parity.bisect": {"harness.cli"}, "harness.cli": set()}, "command layer"),
-    ({"harness.parity.check": {"harness.parity.bisect"}, "harness.parity.bisect": {"harness.parity.check"}}, "cycle"),
-    ({"harness.newthing": set()}, "not placed"),
+    ({"harness.base.a": {"harness.inputs.b"}, "harness.inputs.b": set()}, "upward import"),
+    ({"harness.parity.a": {"harness.cli.common"}, "harness.cli.common": set()}, "upward import"),
+    ({"harness.port.a": {"harness.reference.b"}, "harness.reference.b": set()}, "same layer"),
+    ({"harness.judge.a": {"harness.judge.b"}, "harness.judge.b": {"harness.judge.a"}}, "cycle"),
+    ({"harness.newthing.a": set()}, "not placed"),
 ])
 def test_the_rule_catches_each_kind_of_violation(graph, problem):
-    """The checker itself: an upward import, an import of the commands, a same-layer cycle and an
-    unplaced module are each reported."""
+    """The checker itself: an upward import (one below the commands, one of the commands), a
+    sideways one between packages of a layer, a cycle and an unplaced package are each reported."""
     found = layering_violations(graph) + ([f"cycle {find_cycle(graph)}"] if find_cycle(graph) else [])
     assert any(problem in p for p in found), found
+
+
+def test_a_planted_upward_import_fails(tmp_path):
+    """On a copy of the real package: clean as it is, and an import of the commands planted inside a
+    function of base/errors.py is reported with both ends named."""
+    copy = tmp_path / "harness"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert layering_violations(import_graph(copy)) == []
+    errors = copy / "base" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _planted():\n    from harness.cli import common\n")
+    found = layering_violations(import_graph(copy))
+    assert len(found) == 1 and "harness.base.errors" in found[0] and "harness.cli.common" in found[0], found
+
+
+# ---- the design doc's table ----------------------------------------------------------------------
+
+def layer_table(package: Path = PACKAGE) -> list[str]:
+    """docs/design.md's import-layers table: one row per package, its modules as they are on disk."""
+    rows = ["| layer | package | modules | holds |", "|---|---|---|---|"]
+    for name, (layer, holds) in sorted(PACKAGES.items(), key=lambda item: item[1][0]):
+        if name == "harness":
+            where, modules = "`harness`", "`__init__`"
+        elif (package / name).is_dir():
+            where = f"`{name}/`"
+            modules = ", ".join(f"`{p.stem}`" for p in sorted((package / name).glob("*.py")) if p.stem != "__init__")
+        else:
+            where, modules = f"`{name}.py`", ""
+        rows.append(f"| {layer} | {where} | {modules} | {holds} |")
+    return rows
+
+
+def doc_table(text: str) -> list[str]:
+    """The table (contiguous `|` lines) in the doc's "## Import layers" section."""
+    section = text.split("\n## Import layers\n", 1)[1].split("\n## ", 1)[0] if "\n## Import layers\n" in text else ""
+    lines = section.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), len(lines))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def test_the_design_doc_table_is_this_table():
+    assert doc_table(DESIGN.read_text(encoding="utf-8")) == layer_table(), \
+        "docs/design.md#import-layers differs from PACKAGES: run `python tests/unit/test_layering.py --write-doc`"
+
+
+def test_the_doc_check_catches_a_stale_table():
+    """The checker itself: a doc whose table lacks a module, or has none, differs from the table."""
+    good = "# Design\n\n## Import layers\n\nprose\n\n" + "\n".join(layer_table()) + "\n\n## Backends\n"
+    assert doc_table(good) == layer_table()
+    stale = good.replace("`errors`, ", "")
+    assert stale != good and doc_table(stale) != layer_table()
+    assert doc_table("# Design\n\n## Import layers\n\nprose only\n") != layer_table()
+
+
+def write_doc(path: Path = DESIGN) -> None:
+    """Replace the table in docs/design.md's import-layers section (or add it at the section's end)."""
+    text = path.read_text(encoding="utf-8")
+    head, marker, rest = text.partition("\n## Import layers\n")
+    assert marker, f"{path}: no '## Import layers' section"
+    section, sep, tail = rest.partition("\n## ")
+    old = doc_table(text)
+    table = "\n".join(layer_table())
+    section = section.replace("\n".join(old), table, 1) if old else section.rstrip("\n") + "\n\n" + table + "\n"
+    path.write_text(head + marker + section + sep + tail, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-doc"]:
+        write_doc()
+    else:
+        print("\n".join(layer_table()))
