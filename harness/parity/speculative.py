@@ -191,7 +191,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
             if dtype == settings.dtype:
                 judged = runs
                 stage.prompts, _, _ = judge_served(runs, ref32, ref16, None, band,
-                                                   ulp_floor=engine.settings.torch_dtype != torch.float32)
+                                                   judge=FP32 if engine.settings.torch_dtype == torch.float32 else BF16)
         stage.acceptance = judge_acceptance(fp32_runs, ref32, load_target(checkpoint.path), references[torch.float32].model, k)
         for a, run in zip(stage.acceptance, judged):
             a["port_" + settings.dtype] = run.acceptance  # reported, not judged: bf16 drafts flip near ties

@@ -24,8 +24,16 @@ def _corpus_check(ckpt, tmp_path):
     return judge_corpus(ckpt, tmp_path / "golden", settings, RunSettings(buckets=(64,), kv_len=128))
 
 
-@pytest.mark.parametrize("variant, init", [pytest.param(v, i, marks=() if (v, i) == ("26b-a4b", "builder")
-                                                       else pytest.mark.slow) for v in VARIANTS
+PLE_GAP = pytest.mark.xfail(strict=True, reason="quality's streamed reference does not run per-layer inputs or "
+                            "KV-shared layers (E2B/E4B): the command refuses them up front; an open gap of issue 26")
+
+
+def _marks(v, i):
+    marks = [] if (v, i) == ("26b-a4b", "builder") else [pytest.mark.slow]
+    return marks + ([PLE_GAP] if v in ("e2b", "e4b") else [])
+
+
+@pytest.mark.parametrize("variant, init", [pytest.param(v, i, marks=_marks(v, i)) for v in VARIANTS
                                           for i in ("builder", "default")])
 def test_family_variant_passes_quality(tmp_path, variant, init):
     result = _corpus_check(checkpoint(Shape(f"q{variant}", init, (), 2, variant)), tmp_path)

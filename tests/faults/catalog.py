@@ -267,8 +267,8 @@ def softcap_on_device(monkeypatch):
     """The device graph caps its logits (in its dtype) and the host caps them again."""
     original = port_model.RankDecoder.forward
 
-    def forward(self, inputs_embeds, positions, capture=False):
-        out = original(self, inputs_embeds, positions, capture)
+    def forward(self, inputs_embeds, positions, capture=False, **kwargs):
+        out = original(self, inputs_embeds, positions, capture, **kwargs)
         logits, captures = out if capture else (out, None)
         cap = self.spec.final_logit_softcapping
         capped = cap * torch.tanh(logits / cap)
