@@ -15,6 +15,7 @@ def _variant(key: str) -> str:
     return key.removeprefix("tiny-")
 
 
+@pytest.mark.slow  # the same clean ports pass check at TP 2 in tests/family/test_family_port.py
 @pytest.mark.parametrize("key", ["tiny-e2b", "tiny-e4b", TINY_MOE])
 def test_clean_family_port_passes(monkeypatch, key):
     ckpt, refs = family_checkpoint(_variant(key)), family_reference(_variant(key))

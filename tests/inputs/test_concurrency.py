@@ -9,9 +9,12 @@ import subprocess
 import sys
 
 from harness.inputs.checkpoint import Checkpoint
+import pytest
+
 from tests.inputs.scenarios import REPO, cli_env
 
 
+@pytest.mark.slow  # two whole checks; the lock itself is tested below in the default lane
 def test_two_first_use_checks_on_one_empty_cache_both_pass(tmp_path):
     cache = tmp_path / "cache"  # does not exist yet: the first use creates it
     prompts = tmp_path / "prompts.json"
