@@ -26,7 +26,7 @@ def _check(variant: str, buckets: tuple):
     return ckpt, check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
 
 
-@pytest.mark.parametrize("variant, buckets", [("e4b", (64,)), ("e2b", (16,))])
+@pytest.mark.parametrize("variant, buckets", [("e4b", (64,)), pytest.param("e2b", (16,), marks=pytest.mark.slow)])
 def test_ring_cache_on_shared_layers_passes(variant, buckets):
     ckpt, result = _check(variant, buckets)
     assert any(layer.is_sliding and layer.window < 64 for layer in ckpt.spec.layers) and ckpt.spec.shared_layers
