@@ -96,6 +96,7 @@ def test_a_short_decode_runs_the_small_bucket_graph(parity, monkeypatch):
     assert ran[-1] == "decode_kv64" and not torch.isfinite(long).all()  # the control: 64 slots read the NaN
 
 
+@pytest.mark.slow  # the ring's graphs and tags through the double stay in the default lane (above)
 def test_check_backend_neuron_ring_passes_on_the_long_fixture(nxd, long_dir, tmp_path, capsys):
     """`check --backend neuron --sliding-cache ring` at TP=2 in bf16 on the window-8 fixture (~10 s
     here): every chunk and decode step through the ring and the KV-bucket graphs, both stages by the
