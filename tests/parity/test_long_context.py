@@ -18,8 +18,9 @@ from tests.faults.catalog import CATALOG, LONG, LONG_BUCKETS, LONG_KV_LEN, LONG_
 
 FP32_ROUNDING = 1e-5
 # bisect on one long-context fault in the default lane (the ring's trap), the rest in the slow lane
-LONG_FAULTS = [pytest.param(f, id=f.name, marks=() if f.name == "chunk-reads-overwritten-keys" else pytest.mark.slow)
-               for f in CATALOG if f.checkpoint == LONG]
+# bisect on the long fixture's faults: the slow lane (the default lane's fault catalog checks the
+# chunked-prefill fault on the same fixture).
+LONG_FAULTS = [pytest.param(f, id=f.name, marks=pytest.mark.slow) for f in CATALOG if f.checkpoint == LONG]
 
 
 def _engine(ckpt, tp=2, dtype=torch.float32, sliding_cache="ring", kv_len=LONG_KV_LEN):
