@@ -67,10 +67,6 @@ def _refuse_model(spec, backend: str) -> None:
     """What the reference pass or the port cannot run here, before any model work."""
     from harness.backends import backend_unavailable
 
-    if spec.per_layer_input_size or spec.shared_layers:
-        raise OptionError(f"{spec.source}: quality streams the reference one layer at a time, which does not run "
-                          "per-layer inputs or KV-shared layers (E2B/E4B-like models); judge these with "
-                          "`gemma-parity check` instead")
     problem = backend_unavailable(backend)
     if problem:
         raise OptionError(f"--backend {backend}: {problem}")

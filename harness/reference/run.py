@@ -80,11 +80,13 @@ def hf_decoder_parts(spec):
         from transformers.models.gemma4 import modeling_gemma4 as hf
 
         return SimpleNamespace(layer=hf.Gemma4TextDecoderLayer, rotary=hf.Gemma4TextRotaryEmbedding,
-                               norm=hf.Gemma4RMSNorm, embedding=hf.Gemma4TextScaledWordEmbedding)
+                               norm=hf.Gemma4RMSNorm, embedding=hf.Gemma4TextScaledWordEmbedding,
+                               text_model=hf.Gemma4TextModel)
     from transformers.models.gemma4_unified import modeling_gemma4_unified as hf
 
     return SimpleNamespace(layer=hf.Gemma4UnifiedTextDecoderLayer, rotary=hf.Gemma4UnifiedTextRotaryEmbedding,
-                           norm=hf.Gemma4UnifiedRMSNorm, embedding=hf.Gemma4UnifiedTextScaledWordEmbedding)
+                           norm=hf.Gemma4UnifiedRMSNorm, embedding=hf.Gemma4UnifiedTextScaledWordEmbedding,
+                           text_model=None)
 
 
 def text_model(model):

@@ -1,6 +1,8 @@
 """The streaming reference: prefill captures computed one decoder layer at a time from the
 checkpoint with transformers' own layer classes, so peak memory stays near the embedding matrix
-plus one layer (what makes a 12B golden possible on a small host). Like harness/reference/run.py it
+plus one layer (what makes a 12B golden possible on a small host). Every member of the family
+streams: per-layer inputs (E2B/E4B) come from transformers' own text-model methods over the
+checkpoint's per-layer table, and KV-shared layers read what their "store" layer left. Like harness/reference/run.py it
 imports nothing of the port (tests/unit/test_reference_boundary.py)."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class _StreamedPrompt:
     [batch, n] tensor of equal-length prompts runs as one batch (the corpus-quality pass); its
     captures keep the batch dimension."""
 
-    def __init__(self, checkpoint, config, embedding, prompt, forcing=None):
+    def __init__(self, checkpoint, config, embedding, prompt, forcing=None, per_layer=None):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         spec = checkpoint.spec
@@ -33,6 +35,9 @@ class _StreamedPrompt:
         if spec.placeholder_token_ids:
             ids = torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
         self.x = embedding(ids)
+        # a PLE model's per-layer inputs [batch, n, layers, width], as transformers' text model makes them
+        self.per_layer = per_layer.project_per_layer_inputs(self.x, per_layer.get_per_layer_inputs(ids, self.x)) \
+            if per_layer is not None else None
         self.captures = {"embeddings": self.x[self.rows].float()}
         self.positions = torch.arange(ids.shape[1])[None]
         self.shared_kv: dict = {}  # what "store" layers leave for the "reuse" layers after them
@@ -49,6 +54,8 @@ class _StreamedPrompt:
         forced = self.forcing.hooks({i: layer}) if self.forcing is not None else []
         cos_sin = rotary(self.x, self.positions, layer_spec.type)
         extra = {"cache": self.cache} if self.cache is not None else {}
+        if self.per_layer is not None:
+            extra["per_layer_input"] = self.per_layer[:, :, i]
         try:
             self.x = layer(self.x, position_embeddings=cos_sin, attention_mask=self.masks[layer_spec.type],
                            position_ids=self.positions, shared_kv_states=self.shared_kv, **extra)
@@ -88,7 +95,6 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
     `kv` the KV rows transformers writes are recorded too."""
     from transformers import AutoConfig
 
-    from harness.base.errors import HarnessInputError
     from harness.base.progress import status
 
     dtype = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)  # float64: harness/reference/float64.py
@@ -96,14 +102,11 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     spec = checkpoint.spec
-    if spec.per_layer_input_size or spec.shared_layers:
-        raise HarnessInputError(f"{checkpoint.path}: streaming (one layer at a time) does not run per-layer "
-                                "inputs or KV-shared layers; write the golden without --stream (these models "
-                                "are small enough to load whole)")
     hf = hf_decoder_parts(spec)
     embed = checkpoint.embed_weight(dtype)
     embedding = _scaled_embedding(hf, embed, spec)
-    states = [_StreamedPrompt(checkpoint, config, embedding, prompt, forced)
+    per_layer = _per_layer_parts(hf, checkpoint, config, dtype)
+    states = [_StreamedPrompt(checkpoint, config, embedding, prompt, forced, per_layer)
               for prompt, forced in zip(prompts, forcing or [None] * len(prompts))]
     if kv:
         from transformers import DynamicCache
@@ -128,6 +131,25 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
         return [state.finish(norm, head, spec.final_logit_softcapping) for state in states]
 
 
+def _per_layer_parts(hf, checkpoint, config, dtype):
+    """A PLE model's text model with only its per-layer-input parts holding weights (the packed
+    table, the model projection and its norm; everything else on the meta device, never
+    allocated): transformers' own get_per_layer_inputs and project_per_layer_inputs. None for a
+    model without per-layer inputs."""
+    if not checkpoint.spec.per_layer_input_size:
+        return None
+    with torch.device("meta"):
+        model = hf.text_model(config)
+    table = model.embed_tokens_per_layer
+    table.weight = torch.nn.Parameter(checkpoint.per_layer_table(dtype), requires_grad=False)
+    table.embed_scale = _embed_scale(table, dtype)
+    prefix = checkpoint.prefix
+    for name in ("per_layer_model_projection", "per_layer_projection_norm"):
+        getattr(model, name).weight = torch.nn.Parameter(checkpoint.get(f"{prefix}{name}.weight", dtype),
+                                                         requires_grad=False)
+    return model
+
+
 def _scaled_embedding(hf, weight: torch.Tensor, spec):
     """transformers' own scaled word embedding (the scale cast to the weight dtype in its forward)
     over the checkpoint's matrix, without allocating a second copy."""
@@ -135,5 +157,12 @@ def _scaled_embedding(hf, weight: torch.Tensor, spec):
         emb = hf.embedding(spec.vocab_size, spec.hidden_size, spec.pad_token_id,
                                                       embed_scale=spec.hidden_size ** 0.5)
     emb.weight = torch.nn.Parameter(weight, requires_grad=False)
-    emb.embed_scale = torch.tensor(emb.scalar_embed_scale)  # what transformers' init puts there
+    emb.embed_scale = _embed_scale(emb, weight.dtype)
     return emb
+
+
+def _embed_scale(embedding, dtype: torch.dtype) -> torch.Tensor:
+    """The scale buffer transformers' init puts in a scaled embedding: float32, or float64 in a
+    model loaded in float64 (sqrt(width) is inexact for most widths: a float32 scale would put an
+    fp32 rounding into the float64 envelope)."""
+    return torch.tensor(embedding.scalar_embed_scale, dtype=torch.float64 if dtype == torch.float64 else torch.float32)

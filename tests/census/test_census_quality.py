@@ -24,13 +24,8 @@ def _corpus_check(ckpt, tmp_path):
     return judge_corpus(ckpt, tmp_path / "golden", settings, RunSettings(buckets=(64,), kv_len=128))
 
 
-PLE_GAP = pytest.mark.xfail(strict=True, reason="quality's streamed reference does not run per-layer inputs or "
-                            "KV-shared layers (E2B/E4B): the command refuses them up front; an open gap of issue 26")
-
-
 def _marks(v, i):
-    marks = [] if (v, i) == ("26b-a4b", "builder") else [pytest.mark.slow]
-    return marks + ([PLE_GAP] if v in ("e2b", "e4b") else [])
+    return [] if (v, i) == ("26b-a4b", "builder") else [pytest.mark.slow]
 
 
 @pytest.mark.parametrize("variant, init", [pytest.param(v, i, marks=_marks(v, i)) for v in VARIANTS

@@ -57,3 +57,29 @@ def test_golden_of_other_weights_is_not_re_run(tmp_path):
     result = run_parity_check(other, other.path, RunSettings(buckets=(16,), kv_len=32), golden=written.path)
     assert not result.passed
     assert any("other weights" in n for n in result.notes) and not result.routing.rerouted
+
+
+@pytest.mark.parametrize("variant", ["e2b", pytest.param("e4b", marks=pytest.mark.slow)])
+def test_the_streamed_reference_runs_per_layer_inputs_and_shared_layers(monkeypatch, variant):
+    """One layer at a time (what `quality`, `reference --stream` and the float64 envelope of a large
+    model use) on a PLE model with KV-shared layers: every prefill capture equals the whole
+    transformers model's bit for bit in fp32, the gated per-layer inputs included; and the float64
+    envelope streamed equals the float64 envelope loaded whole."""
+    import torch
+
+    from harness.reference import float64
+    from harness.reference.stream import stream_prefill_captures
+    from tests.family.shared import family_reference
+
+    ckpt, full = family_checkpoint(variant), family_reference(variant)["float32"][0]
+    streamed = stream_prefill_captures(ckpt, full.prompt, torch.float32)
+    prefill = {n for n in full.captures if not n.startswith(("decode.", "kv.", "step_"))}
+    assert any(n.endswith(".per_layer_input") for n in prefill) and prefill <= set(streamed)
+    assert all(torch.equal(streamed[n], full.captures[n]) for n in prefill), \
+        [n for n in prefill if not torch.equal(streamed[n], full.captures[n])][:5]
+    whole = float64.float64_references(ckpt, [full])[0]
+    monkeypatch.setattr(float64, "FLOAT64_RESIDENT_BYTES", 0)  # stream it, as a large model would be
+    layered = float64.float64_references(ckpt, [full])[0]
+    assert set(layered.captures) == set(whole.captures)
+    for name, t in whole.captures.items():
+        assert torch.allclose(layered.captures[name], t, rtol=1e-6, atol=1e-9), name

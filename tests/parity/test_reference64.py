@@ -12,7 +12,8 @@ from harness.judge.compare import rel_l2
 from harness.reference import float64 as reference64
 from tests.census.ports import Shape, checkpoint, prompt_of, references
 
-SHAPE = Shape("ref64", "builder")
+# hidden 72: sqrt(72) is inexact, so a scale rounded to fp32 anywhere in the float64 path shows
+SHAPE = Shape("ref64", "builder", (("hidden_size", 72),))
 PROMPTS, NEW = (prompt_of(8), prompt_of(3)), 4
 
 
@@ -40,8 +41,20 @@ def test_streamed_equals_whole(whole_and_streamed):
     _, whole, streamed = whole_and_streamed
     for w, s in zip(whole, streamed):
         for name, t in w.captures.items():
-            assert rel_l2(s.captures[name], t) < 1e-6, name
+            assert rel_l2(s.captures[name], t) < 1e-6, name  # captures are stored as fp32
         assert rel_l2(s.step_logits, w.step_logits) < 1e-6
+
+
+def test_the_streamed_float64_embedding_scale_is_float64():
+    """transformers loads a float64 model with float64 embedding-scale buffers: the streamed pass
+    must too (sqrt(72) rounded to fp32 is an fp32-sized error inside the float64 envelope, below
+    what the fp32-stored captures above can show)."""
+    from harness.reference.run import hf_decoder_parts
+    from harness.reference.stream import _scaled_embedding
+
+    ckpt = checkpoint(SHAPE)
+    emb = _scaled_embedding(hf_decoder_parts(ckpt.spec), ckpt.embed_weight(torch.float64), ckpt.spec)
+    assert emb.embed_scale.dtype == torch.float64 and float(emb.embed_scale) == 72 ** 0.5
 
 
 def test_fp32_reference_is_fp32_close_to_float64_and_bf16_is_not(whole_and_streamed):
