@@ -32,9 +32,10 @@ def format_info(payload: dict) -> str:
 
 
 def size_text(n_bytes: float) -> str:
-    """A byte count in the unit that fits it (decimal, as the published figures are): 11.97 GB,
-    1.23 MB, 786 B; never "0.00 GB" for a small model."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    """A byte count in the binary unit that fits it, the one unit of every memory figure a person
+    reads (the device plan's 16 GiB cores): 11.15 GiB, 44.00 MiB, 943.03 KiB, 786 B; never
+    "0.00 GiB" for a small model. Rates stay in GB/s, as the hardware's are published."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n_bytes >= scale:
             return f"{n_bytes / scale:.2f} {unit}"
     return f"{n_bytes:.0f} B"
