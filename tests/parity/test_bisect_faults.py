@@ -272,3 +272,12 @@ def test_check_and_bisect_tell_the_same_story(monkeypatch, tmp_path, tiny0_dir, 
     else:
         assert codes == [EXIT_FAIL, EXIT_FAIL]
         assert check["real_divergences"] > 0 and check["first_divergent_layer"] == 0
+        # the diagnosis in words: RoPE on the keys is wrong, the values are right; no full layer fails alone
+        d = bisect["diagnosis"]
+        parts = {p["part"]: p["passed"] for p in d["points"]}
+        assert d["layer"] == 0 and parts["k"] is False and parts["v"] is True and parts["attn_residual"] is False
+        assert d["by_type"]["full_attention"] == {"layers": 2, "fail_alone": 0}
+        assert d["by_type"]["sliding_attention"]["fail_alone"] >= 5
+        text = format_bisect(bisect)
+        assert "keys wrong, values right: the error enters through the keys" in text
+        assert "full 0 of 2 fail" in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+from harness.report.bisect import diagnosis_lines
 from harness.report.formats import layer_rows
 from tests.plot_extra import require_plot_extra
 
@@ -23,6 +24,28 @@ def test_a_layer_carrying_upstream_error_is_not_blamed():
     rows = layer_rows([_layer(3, ratio=9.0, local_ratio=8.0, **{"pass": False}, component="attention"),
                        _layer(4, ratio=6.0, carries_upstream_error=True)])
     assert [r[-1] for r in rows] == ["FAIL (attention)", "pass alone (upstream error)"]
+
+
+def test_bisect_diagnosis_names_the_failing_points_and_the_pattern_by_layer_type():
+    """Keys wrong and values right in layer 0; every sliding layer fails alone, every full layer
+    passes: said in words (what the PNG shows). A mixed pattern gives the counts only."""
+    def point(part, passed, ratio):
+        return {"part": part, "passed": passed, "ratio": ratio, "where": "port's run"}
+
+    payload = {"diagnosis": {"layer": 0, "type": "sliding_attention",
+                             "points": [point("k", False, 40.0), point("v", True, 1.0), point("attn_residual", False, 9.0)],
+                             "by_type": {"sliding_attention": {"layers": 10, "fail_alone": 10},
+                                         "full_attention": {"layers": 2, "fail_alone": 0}}}}
+    lines = diagnosis_lines(payload)
+    assert lines[0].startswith("diagnosis: layer 0 (sliding): keys WRONG (40.00x, port's run); values right")
+    assert "keys wrong, values right" in lines[1]
+    assert lines[2].endswith("sliding 10 of 10 fail, full 0 of 2 fail: every sliding layer fails alone, "
+                             "every full layer passes")
+    payload["diagnosis"]["points"] = [point("k", True, 1.0), point("v", False, 7.0)]
+    payload["diagnosis"]["by_type"]["full_attention"]["fail_alone"] = 1
+    lines = diagnosis_lines(payload)
+    assert "values wrong, keys right" in lines[1] and lines[2].endswith("full 1 of 2 fail")
+    assert diagnosis_lines({"diagnosis": None}) == []
 
 
 def _ratio_axes(layers):
