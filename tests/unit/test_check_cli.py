@@ -20,6 +20,22 @@ def golden(tiny0_dir, tmp_path_factory):
     return out
 
 
+def test_a_reference_golden_carries_the_provenance_block_of_results(golden, tiny0_dir):
+    """The same block as check's and bench's results: the command's settings, the checkpoint's hashes,
+    package versions, the commit and the dirty flag, under the golden's hash."""
+    import torch
+
+    from harness.inputs.checkpoint import Checkpoint
+
+    manifest = json.loads((golden / "manifest.json").read_text())
+    prov = manifest["provenance"]
+    assert set(prov) == {"settings", "inputs", "packages", "git"}
+    assert prov["settings"]["new_tokens"] == 4 and prov["settings"]["command"] == "reference"
+    assert prov["inputs"]["checkpoint"] == Checkpoint.open(tiny0_dir).file_hashes() == manifest["checkpoint"]["files"]
+    assert prov["packages"]["torch"] == torch.__version__ and "transformers" in prov["packages"]
+    assert len(prov["git"]["commit"]) == 40 and isinstance(prov["git"]["dirty"], bool)
+
+
 def _check(tiny0_dir, golden, tmp_path):
     return main(["check", "--checkpoint", str(tiny0_dir), "--golden", str(golden),
                  "--json", str(tmp_path / "check.json"), "--report", str(tmp_path / "report")])
