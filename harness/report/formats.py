@@ -46,12 +46,13 @@ def layer_rows(layers: list[dict]) -> list[list]:
     ratio of the layer alone on the reference's input, and (when the fp32 stage ran) the layer's
     worst point in the fp32 stage against its own judge."""
     fp32 = _has_fp32(layers)
+    first = next((l["index"] for l in layers if not l.get("fp32_pass", True)), None)
     return [[l["index"], "full" if l["type"] == "full_attention" else "sliding", fmt(l["rel_l2"]),
              f"{l['cosine']:.6f}", fmt(l["max_abs"]), fmt(l["envelope_rel_l2"]),
              f"{max(l['ratio'], l['position_ratio']):.2f}",
              f"{l['local_ratio']:.2f}" if l.get("local_ratio") is not None else "-",
              *([_ratio_text(l.get("fp32_ratio"), l.get("fp32_pass", True))] if fp32 else []),
-             _check_verdict(l)] for l in layers]
+             _check_verdict(l, first)] for l in layers]
 
 
 def _has_fp32(layers: list[dict]) -> bool:
@@ -64,17 +65,20 @@ def _ratio_text(ratio, passed: bool) -> str:
     return f"{ratio:.2f}"
 
 
-def _check_verdict(l: dict) -> str:
+def _check_verdict(l: dict, first_fp32: int | None = None) -> str:
     """A layer that passes alone but fails in the port's run carries error from upstream: the
-    failure is the upstream layer's, not this one's. A failure of the fp32 stage names its point."""
+    failure is the upstream layer's, not this one's. The fp32 stage (no local verdicts: its error is
+    cumulative) names its point at the first layer it fails; a later layer it fails says where that was."""
     if l.get("carries_upstream_error"):
         verdict = "pass alone (upstream error)"
     else:
         verdict = "pass" if l["pass"] else f"FAIL ({l['component']})"
     if l.get("fp32_pass", True):
         return verdict
-    fp32 = f"FAIL fp32 ({l.get('fp32_point')})"
-    return fp32 if verdict == "pass" else f"{verdict}; {fp32}"
+    if l["index"] == first_fp32:
+        fp32 = f"FAIL fp32 ({l.get('fp32_point')})"
+        return fp32 if verdict == "pass" else f"{verdict}; {fp32}"
+    return f"fp32 fails (first at layer {first_fp32})" if verdict == "pass" else verdict
 
 
 LAYER_HEADERS = ["layer", "type", "rel_l2", "cosine", "max_abs", "bf16 env", "ratio", "local ratio", "verdict"]

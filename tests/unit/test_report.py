@@ -48,6 +48,20 @@ def test_bisect_diagnosis_names_the_failing_points_and_the_pattern_by_layer_type
     assert diagnosis_lines({"diagnosis": None}) == []
 
 
+def test_the_fp32_column_names_the_first_layer_the_fp32_stage_fails():
+    """An fp32-only failure (bf16 passes every layer): the fp32 column shows each layer's worst ratio,
+    the first failing layer names its point, later ones point back to it; a bf16 failure keeps its verdict."""
+    layers = [_layer(0, fp32_ratio=1.1, fp32_pass=True, fp32_point=None),
+              _layer(1, fp32_ratio=9.5, fp32_pass=False, fp32_point="layers.1.mlp_residual"),
+              _layer(2, fp32_ratio=12.0, fp32_pass=False, fp32_point="kv.2.k"),
+              _layer(3, fp32_ratio=None, fp32_pass=False, fp32_point="kv.3.k", **{"pass": False}, component="mlp")]
+    rows = layer_rows(layers)
+    assert [r[-2] for r in rows] == ["1.10", "9.50", "12.00", "nan/inf"]
+    assert [r[-1] for r in rows] == ["pass", "FAIL fp32 (layers.1.mlp_residual)", "fp32 fails (first at layer 1)",
+                                     "FAIL (mlp)"]
+    assert len(rows[0]) == len(layer_rows([_layer(0)])[0]) + 1  # no fp32 stage, no column
+
+
 def _ratio_axes(layers):
     require_plot_extra()
     import matplotlib
