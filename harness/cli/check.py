@@ -113,7 +113,6 @@ def run(args) -> int:
     for flag, where in (("report", args.report), ("json", args.json)):
         if where is not None:
             print(f"{flag} written to {where}")
-    for stage in result.extra_stages:  # the served build
-        print(stage.describe())
-    print(format_check(result, verbose=args.verbose))
+    # the served build's verdict (and other extra stages') after the layer table, before the verdict lines
+    print(format_check(result, verbose=args.verbose, extra=tuple(s.describe() for s in result.extra_stages)))
     return EXIT_OK if result.passed else EXIT_FAIL

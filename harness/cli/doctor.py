@@ -90,7 +90,7 @@ def diagnose(spec, tp: int, dtype: str, kv_len: int, environ=None) -> list[Check
     cores, ls_check = neuron_ls_check()
     checks.append(ls_check)
     checks.append(compiler_check())
-    checks.append(cores_check(cores, tp, environ))
+    checks.append(cores_check(cores, tp, environ, fit=(spec, dtype, kv_len)))
     checks += host_checks(spec, tp, dtype, kv_len)
     return checks
 
@@ -220,7 +220,9 @@ def compiler_check() -> Check:
     return Check("neuronx-cc", True, version)
 
 
-def cores_check(total: int, tp: int, environ) -> Check:
+def cores_check(total: int, tp: int, environ, fit=None) -> Check:
+    """The NeuronCores this run may use against --tp; with `fit` (spec, dtype, KV length) a host with
+    too few cores is told the smallest TP that fits the model, never a --tp it cannot fit."""
     from harness.backends import neuron_env as env
     from harness.base.errors import HarnessInputError
 
@@ -233,6 +235,21 @@ def cores_check(total: int, tp: int, environ) -> Check:
         return Check("cores", True, f"NEURON_RT_VISIBLE_CORES={visible} gives tp={tp} its cores")
     if total < tp:
         return Check("cores", False, f"tp={tp} needs {tp} NeuronCores but this host has {total}; fix: run on an "
-                     f"instance with at least {tp} (inf2.8xlarge has 2); a smaller --tp helps only if the model "
-                     "fits it (`gemma-parity info --tp N` shows the fit; the 12B needs 2)")
+                     f"instance with at least {tp} (inf2.8xlarge has 2){_smaller_tp_hint(total, fit)}")
     return Check("cores", True, f"{total} NeuronCores for tp={tp}")
+
+
+def _smaller_tp_hint(total: int, fit) -> str:
+    """What a smaller --tp can do for this model: the smallest TP that fits, if this host has its cores."""
+    if fit is None:
+        return "; a smaller --tp helps only if the model fits it (`gemma-parity info --tp N` shows the fit)"
+    from harness.perf.instances import smallest_fitting_tp
+
+    spec, dtype, kv_len = fit
+    smallest = smallest_fitting_tp(spec, dtype, kv_len)
+    if smallest is None:
+        return "; no TP degree up to 24 fits this model at this --kv-len"
+    if smallest <= total:
+        return f", or --tp {smallest}, the smallest TP that fits this model (`gemma-parity info --tp {smallest}`)"
+    return (f"; no --tp within this host's {total} NeuronCore(s) fits this model: the smallest that fits is "
+            f"tp={smallest} (`gemma-parity info` shows the plan)")

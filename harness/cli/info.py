@@ -14,6 +14,9 @@ def add_command(sub) -> None:
                                    "Exit 0, or 2 on bad input.")
     add_model_args(p, config=True)
     add_run_args(p, fields=("tp", "dtype", "kv_len", "sliding_cache"), purpose="device dtype of the memory estimate")
+    tp = next(a for a in p._actions if a.dest == "tp")
+    tp.default, tp.help = None, (f"tensor parallel degree (default: {tp.default} when the model fits one NeuronCore "
+                                 "per rank there, else the smallest TP that fits)")
     p.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--batch", type=_batches_arg, default=(), metavar="1,2,4,8",
                    help="also the KV bytes and HBM fit of these batch sizes (a KV slot per sequence) at --kv-len "
@@ -45,6 +48,9 @@ def validate(args) -> None:
 
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
+    tp_given, args.tp_note = args.tp is not None, None
+    if not tp_given:
+        args.tp = args.run_defaults.tp
     if args.host_memory is not None and not args.host_memory > 0:
         raise v.OptionError(f"--host-memory {args.host_memory}: give the host budget in GiB, a positive number")
     v._int_option(args, "seed", 0)
@@ -58,6 +64,8 @@ def validate(args) -> None:
         args.spec, args.ckpt = load_spec(args.config), None
     else:
         args.spec = v.open_checkpoint(args).spec
+    if not tp_given:
+        _resolve_tp(args)
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
     v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
@@ -84,6 +92,27 @@ def validate(args) -> None:
                 raise OptionError(str(exc)) from None
 
 
+def _resolve_tp(args) -> None:
+    """No --tp: the default when the model fits there, else the smallest TP that fits (said first)."""
+    from harness.base.errors import ShardingError
+    from harness.perf.instances import placement, smallest_fitting_tp
+
+    layout = args.settings.backend_options.get("layout_priority", "decode") is not None
+    fit = dict(buckets=args.settings.buckets, layout=layout)
+    try:
+        if placement(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache, **fit)["fits"]:
+            return
+    except ShardingError:
+        pass  # the default is not a degree the heads allow
+    smallest = smallest_fitting_tp(args.spec, args.dtype, args.kv_len, args.sliding_cache, **fit)
+    if smallest is None:
+        return  # the checks below refuse the default with the numbers
+    args.tp_note = (f"--tp not given: tp={args.tp} (the default) does not fit one NeuronCore per rank; "
+                    f"planning at tp={smallest}, the smallest TP that fits")
+    args.tp = smallest
+    args.settings = run_settings(args)
+
+
 def _check_instance(args) -> None:
     """The instance's rates, read now: an unknown type or a bad rates file is bad input (exit 2)."""
     from harness.perf.roofline import instance_rates, load_instance_rates
@@ -105,6 +134,8 @@ def run(args) -> int:
     from harness.port.sharding import plan_summary
     from harness.report.formats import format_info
 
+    if args.tp_note:
+        print(args.tp_note)
     if args.ckpt is not None:
         print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
     from harness.perf.memory import instance_memory_plan, render_memory_plan

@@ -130,7 +130,7 @@ def run(args) -> int:
     for shard in todo:
         write_shard(ckpt, args.corpus_ids, args.golden, settings, shard, progress=True)
         print(f"golden shard {shard}/{settings.shards} written to {args.golden} "
-              f"({golden_bytes(args.golden) / 1e6:.2f} MB so far)")
+              f"({golden_bytes(args.golden) / 2**20:.2f} MiB so far)")
     if args.shard_pair or args.reference_only:
         left = missing_shards(args.golden, settings)
         print(f"reference pass done; shards still missing: {left or 'none'}"

@@ -56,10 +56,12 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
+    from harness.cli.common import run_provenance
     from harness.reference.golden import make_golden
 
+    # the same block as check's and bench's results (settings, input hashes, versions, commit, dirty)
     written = make_golden(args.ckpt_dir, args.out, args.prompts, args.new_tokens, stream=args.stream,
-                          overwrite=args.overwrite, progress=True)
+                          overwrite=args.overwrite, progress=True, provenance=run_provenance(args))
     print(f"golden written to {written.path}: {len(written.prompts)} prompt(s), {written.new_tokens} new "
           f"token(s); fp32 tokens {written.tokens}")
     return EXIT_OK

@@ -275,20 +275,30 @@ def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "
         raise OptionError(str(exc)) from None
 
 
-def _warn_golden_versions(where, recorded) -> None:
-    """A golden written under other torch/transformers versions: its reference may differ by their changes."""
+GOLDEN_VERSIONS = ("python", "torch", "transformers", "safetensors", "harness")  # what the reference's numbers depend on
+
+
+def _warn_golden_provenance(where, manifest: dict) -> None:
+    """A golden written under other versions (its provenance block's packages, or the older "versions"),
+    or from a tree with uncommitted changes: its reference may differ from what this environment computes."""
     import harness
     from harness.base.provenance import package_versions
 
-    if not isinstance(recorded, dict):
-        return
+    recorded = dict(manifest.get("versions") or {}) if isinstance(manifest.get("versions"), dict) else {}
+    prov = manifest.get("provenance") if isinstance(manifest.get("provenance"), dict) else {}
+    if isinstance(prov.get("packages"), dict):
+        recorded.update(prov["packages"])
     now = {**package_versions(), "harness": harness.__version__}
-    differ = [f"{k} {recorded[k]} (now {now.get(k, 'absent')})" for k in sorted(recorded)
-              if k in ("torch", "transformers", "harness") and recorded[k] != now.get(k)]
+    differ = [f"{k} {recorded[k]} (now {now.get(k, 'absent')})" for k in GOLDEN_VERSIONS
+              if k in recorded and recorded[k] != now.get(k)]
     if differ:
         print(f"gemma-parity: warning: golden {where} was written under {', '.join(differ)}; its reference can "
               "differ from this environment's by those versions' changes (rewrite it here to rule that out)",
               file=sys.stderr)
+    git = prov.get("git") if isinstance(prov.get("git"), dict) else {}
+    if git.get("dirty") is True:
+        print(f"gemma-parity: note: golden {where} was written from a tree with uncommitted changes (commit "
+              f"{str(git.get('commit'))[:12]}, dirty): no commit reproduces its reference", file=sys.stderr)
 
 
 def check_golden_inputs(args, inputs, refuse_other_weights: bool):
@@ -301,7 +311,7 @@ def check_golden_inputs(args, inputs, refuse_other_weights: bool):
     golden.results("bfloat16")  # the noise envelope: check and bisect need it (refused here, not later)
     validate_prompt_ids(args.ckpt.spec, golden.prompts, f"golden {args.golden}")
     args.golden_same_weights = same_weights(golden, args.ckpt)
-    _warn_golden_versions(args.golden, golden.manifest.get("versions"))
+    _warn_golden_provenance(args.golden, golden.manifest)
     if args.golden_same_weights is None:
         print(f"gemma-parity: note: golden {args.golden} records no checkpoint hashes; whether it was written "
               "from these weights cannot be checked", file=sys.stderr)

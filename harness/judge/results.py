@@ -233,7 +233,19 @@ class CheckResult:
             out["local_rel_l2"], out["local_envelope_rel_l2"] = local.rel_l2, local.envelope_rel_l2
             out["carries_upstream_error"] = local.passed and not out["pass"]
             out["pass"], out["component"] = local.passed, local.component
+        if self.fp32 is not None:
+            out.update(self.fp32.layer_verdict(layer.index))
         return out
+
+    def layer_verdict(self, index: int) -> dict:
+        """This stage's verdict on one layer (the fp32 column of check's table): every point of the
+        layer in the stage (prefill, KV, decode), its worst ratio to the stage's envelope and the
+        part that fails first."""
+        points = [p for p in self.all_points() if Point.parse(p.name).in_layer and Point.parse(p.name).layer == index]
+        failed = [p.name for p in points if self.point_failed(p)] + (["exception inside the port"] if self.port_error else [])
+        worst = max((p.required_factor for p in points), default=None)
+        return {f"{self.stage}_ratio": None if worst is None else _finite(worst), f"{self.stage}_pass": not failed,
+                f"{self.stage}_point": failed[0] if failed else None}
 
     def stage_json(self) -> dict:
         return {"stage": self.stage, "dtype": self.dtype, "passed": self.stage_passed, "judge": self.judge,

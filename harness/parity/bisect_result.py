@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from harness.base.points import first_component, locate
+from harness.base.points import KV_PARTS, Point, first_component, locate
 from harness.judge.compare import ENVELOPE_FACTOR
 from harness.judge.verdicts import PointResult
 from harness.parity.local import LayerVerdict, _finite_or_none
@@ -134,8 +134,39 @@ class BisectResult:
             "seq_match": self.seq_match, "near_tie_flips": self.near_tie_flips,
             "real_divergences": self.real_divergences, "tolerance_factor": ENVELOPE_FACTOR,
             "prompt_lengths": self.prompt_lengths, **edges, "layers": layers, "notes": self.notes,
-            "fp32_stage": self.fp32_stage,
+            "fp32_stage": self.fp32_stage, "diagnosis": self.diagnosis(),
         })
+
+    def diagnosis(self) -> dict | None:
+        """What the report's picture shows, as data: which of the first bad layer's points fail
+        (keys and values in the port's run from the check; the residuals alone on the golden's input,
+        else in the run) and, in capture mode, how many layers of each type fail alone."""
+        bad = self.first_bad
+        if bad is None:
+            return None
+        def layer_kv(stage) -> list:
+            return [p for p in (stage.kv if stage is not None else []) if Point.parse(p.name).layer == bad.index]
+
+        stage = self.check  # the bf16 stage's KV, or the fp32 stage's where only that one fails there
+        if stage is not None and stage.fp32 is not None and all(p.passed for p in layer_kv(stage)) and not all(
+                p.passed for p in layer_kv(stage.fp32)):
+            stage = stage.fp32
+        kv = layer_kv(stage)
+        parts: dict[str, list] = {}
+        for p in kv + bad.judged:
+            parts.setdefault(Point.parse(p.name).part, []).append(p)
+        points = [{"part": part, "passed": all(p.passed for p in ps),
+                   "ratio": max(p.required_factor for p in ps), "points": [p.name for p in ps],
+                   "where": "port's run" if part in KV_PARTS or not bad.local else "alone on the golden's input"}
+                  for part, ps in parts.items()]
+        by_type = {}
+        if self.mode == "capture":
+            for v in self.layers:
+                counts = by_type.setdefault(v.type, {"layers": 0, "fail_alone": 0})
+                counts["layers"] += 1
+                counts["fail_alone"] += not v.passed
+        return {"layer": bad.index, "type": bad.type, "points": points, "by_type": by_type,
+                "kv_stage": stage.stage if stage is not None and kv else None}
 
     def _locate_positions(self, points: list[dict]) -> None:
         """Points' worst_position indexes the prompts' stacked rows: say which prompt and position."""

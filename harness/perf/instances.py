@@ -83,12 +83,19 @@ def placement(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
     core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
     per_rank = core["total"]
     inst = smallest_instance(tp)
-    fitting = [t for t in allowed_tps(spec)
-               if core_bytes(spec, t, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)["total"] <= CORE_HBM]
+    fitting = smallest_fitting_tp(spec, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
     return {"tp": tp, "instance": inst.name if inst else None, "chips_used": -(-tp // 2),
             "bytes_per_rank": per_rank, "core": core, "core_hbm": CORE_HBM, "fits": per_rank <= CORE_HBM,
             "tight": per_rank > TIGHT * CORE_HBM, "allowed_tps": allowed_tps(spec),
-            "smallest_fitting_tp": fitting[0] if fitting else None}
+            "smallest_fitting_tp": fitting}
+
+
+def smallest_fitting_tp(spec: ModelSpec, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
+                        *, buckets=DEFAULT_BUCKETS, layout: bool = True) -> int | None:
+    """The smallest TP degree the heads allow whose per-core plan fits a NeuronCore (None: none up to
+    the largest instance)."""
+    return next((t for t in allowed_tps(spec) if core_bytes(spec, t, dtype, kv_len, sliding_cache, buckets=buckets,
+                                                             layout=layout)["total"] <= CORE_HBM), None)
 
 
 def check_fits(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,

@@ -47,10 +47,10 @@ def roofline_tables(roofline: dict) -> tuple[list[str], list[list[str]]]:
     """One row per graph. "graph ms": median time inside the backend's graph call (the device graph
     and its transfers); "host-side ms": the rest of the engine's call (validation, padding, host
     embedding, cache reset); "link ms": the host-link floor. Efficiency = floor / graph ms."""
-    header = ["graph", "weights GB", "KV MB", "GFLOP", "host MB", "memory ms", "compute ms", "link ms",
+    header = ["graph", "weights GiB", "KV MiB", "GFLOP", "host MiB", "memory ms", "compute ms", "link ms",
               "floor ms", "bound", "graph ms", "host-side ms", "efficiency"]
-    rows = [[g["graph"], f"{g['weight_bytes'] / 1e9:.3f}", f"{g['kv_bytes'] / 1e6:.1f}",
-             f"{g['flops'] / 1e9:.1f}", f"{g['host_bytes'] / 1e6:.2f}", f"{g['memory_ms']:.3f}",
+    rows = [[g["graph"], f"{g['weight_bytes'] / 2**30:.3f}", f"{g['kv_bytes'] / 2**20:.1f}",
+             f"{g['flops'] / 1e9:.1f}", f"{g['host_bytes'] / 2**20:.2f}", f"{g['memory_ms']:.3f}",
              f"{g['compute_ms']:.3f}", _ms(g["host_ms"]), f"{g['floor_ms']:.3f}", g["bound"],
              _ms(g.get("measured_ms")), _ms(g.get("host_side_ms")),
              "-" if g.get("efficiency") is None else f"{100 * g['efficiency']:.1f}%"]

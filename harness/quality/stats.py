@@ -113,4 +113,5 @@ def verdict(port: dict, bf16: dict, factor: float = QUALITY_FACTOR) -> dict:
             "passed": all(c["passed"] for c in checks if c["judged"]),
             "rule": f"at {', '.join(judged)} (the quantiles with at least {MIN_TAIL} positions beyond them), the "
                     f"port's KL and |delta-p| against fp32 are at most {factor:g}x the bf16 reference's "
-                    f"(floors {FLOORS}); the other statistics and the max are reported, not judged"}
+                    f"(floored at KL {FLOORS['kl']:g} and |delta-p| {FLOORS['abs_dp']:g}); the other statistics "
+                    "and the max are reported, not judged"}

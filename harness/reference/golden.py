@@ -92,7 +92,10 @@ def _finite_or_refuse(tensors: dict[str, torch.Tensor], where) -> None:
 
 def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_tokens: int,
                  checkpoint_hashes: dict[str, str] | None = None, checkpoint_path: str = "",
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, provenance: dict | None = None) -> Path:
+    """The golden's two files, replaced as a whole. `provenance` (harness/base/provenance.py: the
+    command's settings, the inputs' hashes, package versions, commit and dirty flag) goes into the
+    manifest, under the golden's hash like everything in it."""
     out_dir = Path(out_dir)
     check_replaceable(out_dir, overwrite)
     tensors, per_dtype = {}, {}
@@ -116,6 +119,8 @@ def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_t
         "versions": _versions(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if provenance is not None:
+        manifest["provenance"] = provenance
     with atomic_directory(out_dir, replace=overwrite) as tmp:
         _save_tensors(tensors, tmp / TENSORS, out_dir)
         _verify_written(tmp / TENSORS, tensors, out_dir)
@@ -313,7 +318,7 @@ class GoldenWritten:
 
 
 def make_golden(checkpoint_dir, out, prompts_path=None, new_tokens: int = 8, stream: bool = False,
-                overwrite: bool = False, progress: bool = False) -> GoldenWritten:
+                overwrite: bool = False, progress: bool = False, provenance: dict | None = None) -> GoldenWritten:
     """Run the fp32 and bf16 references for the prompts and write them as a golden at `out`.
 
     `stream` computes the prefill captures one decoder layer at a time from the shards (peak memory
@@ -337,5 +342,6 @@ def make_golden(checkpoint_dir, out, prompts_path=None, new_tokens: int = 8, str
         new_tokens = 0
     else:
         results = run_reference(checkpoint_dir, prompts, new_tokens, progress=progress)
-    write_golden(out, ckpt.spec, results, new_tokens, ckpt.file_hashes(), str(checkpoint_dir), overwrite=overwrite)
+    write_golden(out, ckpt.spec, results, new_tokens, ckpt.file_hashes(), str(checkpoint_dir), overwrite=overwrite,
+                 provenance=provenance)
     return GoldenWritten(out, prompts, new_tokens, [r.generated for r in results["float32"]])

@@ -91,6 +91,7 @@ def bisect_summary_lines(payload: dict) -> list[str]:
             if layer.get(key):
                 lines.append(f"  layer {first} {title}:")
                 lines += [f"    {_point_line(p)}" for p in layer[key]]
+        lines += diagnosis_lines(payload)
     nf = payload.get("nonfinite")
     lines.append("NaN/Inf: none" if not nf else
                  f"NaN/Inf first at layer {nf['layer']}, point {nf['point']} ({nf.get('where', '')})"
@@ -102,6 +103,61 @@ def bisect_summary_lines(payload: dict) -> list[str]:
     lines.append(f"builds: {payload['builds']}")
     lines += [f"note: {n}" for n in payload.get("notes", [])]
     return lines
+
+
+PART_NAMES = {"k": "keys", "v": "values", "attn_residual": "attention residual", "mlp_residual": "MLP residual",
+              "output": "scaled output", "router_logits": "router logits", "expert_weights": "expert weights",
+              "per_layer_input": "per-layer input"}
+
+
+def _reading(wrong: set[str]) -> str | None:
+    """Where the points that fail put the error, read the way the layer computes."""
+    if {"k", "v"} <= wrong:
+        return "keys and values both wrong: the layer's input norm, or a projection both read (k=v layers)"
+    if "k" in wrong:
+        return "keys wrong, values right: the error enters through the keys (k_proj, k_norm or RoPE on the keys)"
+    if "v" in wrong:
+        return "values wrong, keys right: the error enters through the values (v_proj or v_norm)"
+    if "attn_residual" in wrong:
+        return ("keys and values right, attention residual wrong: the queries, the attention itself (mask, "
+                "scale, softmax) or o_proj")
+    if wrong & {"mlp_residual", "output"}:
+        return "attention residual right: the error is in the MLP half (or the layer's output scale)"
+    return None
+
+
+def diagnosis_lines(payload: dict) -> list[str]:
+    """The first bad layer's points, which fail and which pass, and the pattern across layer types
+    (what bisect_errors.png shows), in words."""
+    d = payload.get("diagnosis")
+    if not d:
+        return []
+    kind = "full" if d["type"] == "full_attention" else "sliding"
+    shown = [f"{PART_NAMES.get(p['part'], p['part'])} {'right' if p['passed'] else 'WRONG'} "
+             f"({'inf' if p['ratio'] is None else format(p['ratio'], '.2f')}x, {p['where']})" for p in d["points"]]
+    lines = [f"diagnosis: layer {d['layer']} ({kind}): " + "; ".join(shown)]
+    reading = _reading({p["part"] for p in d["points"] if not p["passed"]})
+    if reading:
+        lines.append(f"  {reading}")
+    pattern = _type_pattern(d.get("by_type") or {})
+    if pattern:
+        lines.append(f"  by layer type, each layer alone on the golden's input: {pattern}")
+    return lines
+
+
+def _type_pattern(by_type: dict) -> str | None:
+    if not by_type:
+        return None
+    names = {t: "full" if t == "full_attention" else "sliding" for t in by_type}
+    counts = ", ".join(f"{names[t]} {c['fail_alone']} of {c['layers']} fail" for t, c in by_type.items())
+    every_fails = [names[t] for t, c in by_type.items() if c["fail_alone"] == c["layers"]]
+    every_passes = [names[t] for t, c in by_type.items() if c["fail_alone"] == 0]
+    if len(by_type) > 1 and every_fails and len(every_fails) + len(every_passes) == len(by_type) and every_passes:
+        return (f"{counts}: every {' and '.join(every_fails)} layer fails alone, every "
+                f"{' and '.join(every_passes)} layer passes")
+    if every_fails and len(every_fails) == len(by_type):
+        return f"{counts}: every layer fails alone"
+    return counts
 
 
 def _edge_points(payload: dict) -> list[tuple[str, dict]]:

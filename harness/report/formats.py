@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.base.atomic import write_json_atomic, write_text_atomic
-from harness.judge.compare import ENVELOPE_FACTOR
+from harness.judge.compare import ENVELOPE_FACTOR, FP32_FACTOR
 from harness.report.bisect import (BISECT_HEADERS, CAUSES, bisect_markdown_lines, bisect_rows,  # noqa: F401
                                    bisect_summary_lines, format_bisect)
 from harness.report.plot import bisect_title, plot_layer_errors
@@ -32,33 +32,61 @@ def format_info(payload: dict) -> str:
 
 
 def size_text(n_bytes: float) -> str:
-    """A byte count in the unit that fits it (decimal, as the published figures are): 11.97 GB,
-    1.23 MB, 786 B; never "0.00 GB" for a small model."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    """A byte count in the binary unit that fits it, the one unit of every memory figure a person
+    reads (the device plan's 16 GiB cores): 11.15 GiB, 44.00 MiB, 943.03 KiB, 786 B; never
+    "0.00 GiB" for a small model. Rates stay in GB/s, as the hardware's are published."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n_bytes >= scale:
             return f"{n_bytes / scale:.2f} {unit}"
     return f"{n_bytes:.0f} B"
 
 
 def layer_rows(layers: list[dict]) -> list[list]:
-    """Check rows: the cumulative error of the port's run, its ratio to the envelope, and (CPU) the
-    ratio of the layer alone on the reference's input."""
+    """Check rows: the cumulative error of the port's run, its ratio to the envelope, (CPU) the
+    ratio of the layer alone on the reference's input, and (when the fp32 stage ran) the layer's
+    worst point in the fp32 stage against its own judge."""
+    fp32 = _has_fp32(layers)
+    first = next((l["index"] for l in layers if not l.get("fp32_pass", True)), None)
     return [[l["index"], "full" if l["type"] == "full_attention" else "sliding", fmt(l["rel_l2"]),
              f"{l['cosine']:.6f}", fmt(l["max_abs"]), fmt(l["envelope_rel_l2"]),
              f"{max(l['ratio'], l['position_ratio']):.2f}",
              f"{l['local_ratio']:.2f}" if l.get("local_ratio") is not None else "-",
-             _check_verdict(l)] for l in layers]
+             *([_ratio_text(l.get("fp32_ratio"), l.get("fp32_pass", True))] if fp32 else []),
+             _check_verdict(l, first)] for l in layers]
 
 
-def _check_verdict(l: dict) -> str:
+def _has_fp32(layers: list[dict]) -> bool:
+    return any("fp32_pass" in l for l in layers)
+
+
+def _ratio_text(ratio, passed: bool) -> str:
+    if ratio is None:
+        return "-" if passed else "nan/inf"
+    return f"{ratio:.2f}"
+
+
+def _check_verdict(l: dict, first_fp32: int | None = None) -> str:
     """A layer that passes alone but fails in the port's run carries error from upstream: the
-    failure is the upstream layer's, not this one's."""
+    failure is the upstream layer's, not this one's. The fp32 stage (no local verdicts: its error is
+    cumulative) names its point at the first layer it fails; a later layer it fails says where that was."""
     if l.get("carries_upstream_error"):
-        return "pass alone (upstream error)"
-    return "pass" if l["pass"] else f"FAIL ({l['component']})"
+        verdict = "pass alone (upstream error)"
+    else:
+        verdict = "pass" if l["pass"] else f"FAIL ({l['component']})"
+    if l.get("fp32_pass", True):
+        return verdict
+    if l["index"] == first_fp32:
+        fp32 = f"FAIL fp32 ({l.get('fp32_point')})"
+        return fp32 if verdict == "pass" else f"{verdict}; {fp32}"
+    return f"fp32 fails (first at layer {first_fp32})" if verdict == "pass" else verdict
 
 
 LAYER_HEADERS = ["layer", "type", "rel_l2", "cosine", "max_abs", "bf16 env", "ratio", "local ratio", "verdict"]
+
+
+def layer_headers(layers: list[dict]) -> list[str]:
+    """LAYER_HEADERS, with the fp32 stage's column before the verdict when it ran."""
+    return LAYER_HEADERS[:-1] + ["fp32 ratio"] + LAYER_HEADERS[-1:] if _has_fp32(layers) else LAYER_HEADERS
 
 
 def _stage_summary(name: str, stage: dict) -> list[str]:
@@ -121,13 +149,17 @@ def _seconds_lines(seconds: dict) -> list[str]:
     return lines
 
 
-def format_check(result, verbose: bool = False) -> str:
+def format_check(result, verbose: bool = False, extra: tuple[str, ...] = ()) -> str:
+    """The layer table, the edge points, the prompts, each stage's summary, then `extra` (the
+    served build's and other extra stages' verdicts), then the verdict lines."""
     payload = result.to_json() if hasattr(result, "to_json") else result
+    fp32 = (f"; fp32 ratio: the layer's worst point in the fp32 stage, error <= {FP32_FACTOR:g}x the fp32 "
+            "reference's own error against float64" if _has_fp32(payload["layers"]) else "")
     lines = [f"port: backend={payload['backend']} tp={payload['tp']} dtype={payload['dtype']}; "
              f"tolerance: error <= {ENVELOPE_FACTOR}x the bf16 CPU envelope at each point "
-             "(ratio: the port's run; local ratio: each layer alone on the reference's input)"]
+             f"(ratio: the port's run; local ratio: each layer alone on the reference's input{fp32})"]
     if payload["layers"]:
-        lines.append(table(LAYER_HEADERS, layer_rows(payload["layers"])))
+        lines.append(table(layer_headers(payload["layers"]), layer_rows(payload["layers"])))
     for key in ("embeddings", "final_norm", "logits", "decode_logits"):
         p = payload.get(key)
         if p:
@@ -151,6 +183,7 @@ def format_check(result, verbose: bool = False) -> str:
             lines += _stage_summary(name, stage)
             if stage.get("port_error"):
                 lines += _port_error_lines(stage["port_error"])
+    lines += list(extra)
     lines += [f"note: {n}" for n in payload.get("notes", [])]
     if verbose:
         lines += _seconds_lines(payload.get("seconds") or {})
@@ -202,7 +235,7 @@ def markdown_summary(kind: str, payload: dict) -> str:
         lines += [f"- {line}" for line in bisect_markdown_lines(payload)]
         headers, rows = BISECT_HEADERS, bisect_rows(payload["layers"])
     else:
-        headers = LAYER_HEADERS
+        headers = layer_headers(payload["layers"])
         rows = layer_rows(payload["layers"]) if payload["layers"] and "rel_l2" in payload["layers"][0] else []
     lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

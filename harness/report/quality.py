@@ -35,7 +35,7 @@ def _failed_checks(payload: dict) -> list[str]:
 def format_quality(payload: dict) -> str:
     g = payload["golden"]
     lines = [f"corpus: {g['positions']} positions in windows of {payload['settings']['window']} tokens; "
-             f"golden {g['bytes'] / 1e6:.2f} MB ({g['bytes_per_position']:.0f} B/position, top-{payload['settings']['topk']})",
+             f"golden {g['bytes'] / 2**20:.2f} MiB ({g['bytes_per_position']:.0f} B/position, top-{payload['settings']['topk']})",
              f"port: backend={payload['backend']} tp={payload['tp']} dtype={payload['dtype']}; both against the fp32 reference",
              f"{'statistic':<18} {'port':>12} {'bf16 ref':>12}"]
     lines += [f"{a:<18} {b:>12} {c:>12}" for a, b, c in _rows(payload)]

@@ -88,16 +88,30 @@ WEIGHT_FAULTS = [
 ]
 
 
+# The diagnosis's points of the perturbed layer: (wrong, right). k_proj on a full layer is also its
+# values (attention_k_eq_v); q_proj leaves keys and values right; gate/up leave the attention right.
+DIAGNOSED = {0: ({"attn_residual"}, {"k", "v"}), 3: ({"mlp_residual"}, {"k", "v", "attn_residual"}),
+             5: ({"k", "attn_residual"}, set()), 8: ({"v", "attn_residual"}, {"k"})}
+
+
 @pytest.mark.parametrize("layer, names, component", WEIGHT_FAULTS)
 def test_perturbed_layer_is_named_with_its_component(tmp_path, tiny0_dir, golden, layer, names, component):
     """Noise in one layer's attention or MLP weights: bisect reports exactly that layer and that
-    component, and says the port computes the new weights right (the weights changed, not the code)."""
+    component, and says the port computes the new weights right (the weights changed, not the code);
+    its diagnosis names which of the layer's points are wrong (values, not keys, for v_proj)."""
     ckpt = Checkpoint.open(perturbed_copy(tiny0_dir, tmp_path / "ckpt", layer, names, FAULT_NOISE))
     result = run_bisect(ckpt, golden)
     assert result.first_divergent_layer == layer, [v.to_json()["local_ratio"] for v in result.layers]
     assert result.component == component
     assert result.cause == "weights"
     assert result.nonfinite is None
+    diagnosis = result.diagnosis()
+    parts = {p["part"]: p["passed"] for p in diagnosis["points"]}
+    wrong, right = DIAGNOSED[layer]
+    assert diagnosis["layer"] == layer and {"k", "attn_residual", "mlp_residual"} <= set(parts), parts
+    assert all(parts[p] is False for p in wrong) and all(parts[p] is True for p in right), parts
+    by_type = diagnosis["by_type"]
+    assert sum(c["fail_alone"] for c in by_type.values()) == 1 and sum(c["layers"] for c in by_type.values()) == 12
     # the layers before it are clean on their own and in the port's run
     assert all(v.passed and v.cumulative_passed for v in result.layers[:layer])
 
@@ -279,3 +293,12 @@ def test_check_and_bisect_tell_the_same_story(monkeypatch, tmp_path, tiny0_dir, 
     else:
         assert codes == [EXIT_FAIL, EXIT_FAIL]
         assert check["real_divergences"] > 0 and check["first_divergent_layer"] == 0
+        # the diagnosis in words: RoPE on the keys is wrong, the values are right; no full layer fails alone
+        d = bisect["diagnosis"]
+        parts = {p["part"]: p["passed"] for p in d["points"]}
+        assert d["layer"] == 0 and parts["k"] is False and parts["v"] is True and parts["attn_residual"] is False
+        assert d["by_type"]["full_attention"] == {"layers": 2, "fail_alone": 0}
+        assert d["by_type"]["sliding_attention"]["fail_alone"] >= 5
+        text = format_bisect(bisect)
+        assert "keys wrong, values right: the error enters through the keys" in text
+        assert "full 0 of 2 fail" in text

@@ -31,15 +31,25 @@ def run_cli(*argv) -> int:
 
 @pytest.fixture(scope="module")
 def bench_runs(tmp_path_factory):
-    """Two tiny bench runs through the CLI wiring, both added to one history."""
+    """Two tiny bench runs through the CLI wiring, both added to one history (what each printed kept)."""
+    import contextlib
+    import io
+
     tmp = tmp_path_factory.mktemp("bench")
-    codes = [run_cli("bench", *BENCH_ARGS, "--out", tmp / name, "--history", tmp / "history")
-             for name in ("a.json", "b.json")]
-    return tmp, codes
+    codes, printed = [], []
+    for name in ("a.json", "b.json"):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            codes.append(run_cli("bench", *BENCH_ARGS, "--out", tmp / name, "--history", tmp / "history"))
+        printed.append(out.getvalue() + err.getvalue())
+    return tmp, codes, printed
 
 
 def test_bench_writes_a_complete_result(bench_runs):
-    tmp, codes = bench_runs
+    tmp, codes, printed = bench_runs
+    # each run says once where its result went, and once that the history holds it
+    for name, text in zip(("a.json", "b.json"), printed):
+        assert text.count("wrote ") == 1 and f"wrote {tmp / name}" in text and text.count("added ") == 1, text
     assert codes == [0, 0]
     result = perf.load_result(tmp / "a.json")
     assert result["prefill_bucket"] == 16  # no 64 bucket asked for: the largest one is the headline
@@ -142,7 +152,7 @@ def test_bench_pins_the_tokens_it_generated(bench_runs, tiny0_ckpt):
 
 
 def test_bench_history_holds_both_runs_and_compares(bench_runs, capsys):
-    tmp, _ = bench_runs
+    tmp, *_ = bench_runs
     files = sorted((tmp / "history").glob("*.json"))
     assert len(files) == 2
     assert [perf.load_result(f)["created"] for f in files] == [perf.load_result(tmp / n)["created"]
@@ -153,7 +163,7 @@ def test_bench_history_holds_both_runs_and_compares(bench_runs, capsys):
 
 
 def test_perf_compare_accepts_bench_files_via_the_command(bench_runs):
-    tmp, _ = bench_runs
+    tmp, *_ = bench_runs
     out = tmp / "comparison.json"
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "perf", "compare", "--baseline", tmp / "a.json",
                            "--current", tmp / "b.json", "--json", out, "--markdown", tmp / "perf.md"],

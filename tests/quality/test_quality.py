@@ -66,6 +66,9 @@ def test_verdict_fails_a_quantile_above_the_factor_floors_exact_bf16_and_skips_t
     # 500 positions: p99 has 5 beyond it, one sample's noise: reported, not judged
     thin = verdict(dict(port, positions=500), bf16, factor=3.0)
     assert thin["passed"] and thin["judged"] == ["mean", "p50", "p90"]
+    # the rule is a sentence a person reads: the floors as numbers, no dict repr
+    assert "{" not in judged["rule"] and "': " not in judged["rule"]
+    assert f"floored at KL {FLOORS['kl']:g} and |delta-p| {FLOORS['abs_dp']:g}" in judged["rule"]
 
 
 # ---- the golden ---------------------------------------------------------------------------------------
@@ -159,6 +162,12 @@ def test_shards_are_merged_by_the_judged_pass_and_an_altered_part_is_refused(tmp
     assert payload["settings"]["shards"] == 2 and payload["golden"]["positions"] == 4 * 7
     assert payload["generator"].startswith("gemma-parity quality")
     assert {p.name for p in report.iterdir()} >= {"quality.md", "quality.json", "worst_prompts.json"}
+    # every table row of quality.md has its header's cell count: |dp| escaped, never a cell border
+    md = (report / "quality.md").read_text()
+    assert "| \\|dp\\| mean |" in md and "{" not in md
+    for table in md.split("\n\n"):
+        rows = [r.replace("\\|", "") for r in table.splitlines() if r.startswith("|")]
+        assert len({r.count("|") for r in rows}) <= 1, rows
     prompts = json.loads((report / "worst_prompts.json").read_text())
     worst = payload["worst_positions"][0]
     assert prompts[0] == worst["prompt"] and worst["prompt"][-len(worst["context"]):] == worst["context"]

@@ -20,6 +20,22 @@ def golden(tiny0_dir, tmp_path_factory):
     return out
 
 
+def test_a_reference_golden_carries_the_provenance_block_of_results(golden, tiny0_dir):
+    """The same block as check's and bench's results: the command's settings, the checkpoint's hashes,
+    package versions, the commit and the dirty flag, under the golden's hash."""
+    import torch
+
+    from harness.inputs.checkpoint import Checkpoint
+
+    manifest = json.loads((golden / "manifest.json").read_text())
+    prov = manifest["provenance"]
+    assert set(prov) == {"settings", "inputs", "packages", "git"}
+    assert prov["settings"]["new_tokens"] == 4 and prov["settings"]["command"] == "reference"
+    assert prov["inputs"]["checkpoint"] == Checkpoint.open(tiny0_dir).file_hashes() == manifest["checkpoint"]["files"]
+    assert prov["packages"]["torch"] == torch.__version__ and "transformers" in prov["packages"]
+    assert len(prov["git"]["commit"]) == 40 and isinstance(prov["git"]["dirty"], bool)
+
+
 def _check(tiny0_dir, golden, tmp_path):
     return main(["check", "--checkpoint", str(tiny0_dir), "--golden", str(golden),
                  "--json", str(tmp_path / "check.json"), "--report", str(tmp_path / "report")])
@@ -31,6 +47,13 @@ def test_check_with_golden_passes_and_writes_the_contract(tiny0_dir, golden, tmp
     assert _check(tiny0_dir, golden, tmp_path) == 0
     out = capsys.readouterr().out
     assert "SEQ_MATCH True" in out and "PARITY PASS" in out
+    # where the files went, then the main layer table (with the fp32 stage's column) before the served
+    # build's verdict, and the verdict last
+    lines = out.splitlines()
+    assert f"report written to {tmp_path / 'report'}" in lines and f"json written to {tmp_path / 'check.json'}" in lines
+    header = next(i for i, line in enumerate(lines) if line.startswith("layer  type"))
+    served = next(i for i, line in enumerate(lines) if line.startswith("served build"))
+    assert "fp32 ratio" in lines[header] and header < served < lines.index("PARITY PASS")
     payload = json.loads((tmp_path / "check.json").read_text())
     assert payload["passed"] is True and payload["seq_match"] is True
     assert payload["first_divergent_layer"] is None
@@ -81,7 +104,13 @@ def test_check_names_stage_and_point_of_a_sub_envelope_bug(tiny0_dir, golden, tm
     assert _check(tiny0_dir, golden, tmp_path) == 1
     out = capsys.readouterr().out
     assert "PARITY FAIL (stage fp32)" in out and "FAIL layers.0.mlp_residual" in out
+    # the layer table shows where: layer 0's row fails in its fp32 column (bf16 passes it)
+    row0 = next(line for line in out.splitlines() if line.startswith("0 "))
+    assert row0.rstrip().endswith("FAIL fp32 (layers.0.mlp_residual)"), row0
     payload = json.loads((tmp_path / "check.json").read_text())
+    layer0 = payload["layers"][0]
+    assert layer0["pass"] is True and layer0["fp32_pass"] is False and layer0["fp32_ratio"] > 8
+    assert "FAIL fp32 (layers.0.mlp_residual)" in (tmp_path / "report" / "check.md").read_text()
     assert payload["failed_stages"] == ["fp32"] and payload["stages"]["bf16"]["passed"] is True
     assert payload["first_failure"]["stage"] == "fp32"
     assert payload["first_failure"]["point"] == "layers.0.mlp_residual"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -78,30 +79,36 @@ def _expected_bytes_per_rank_12b_tp2(kv_len: int = 256) -> int:
 
 
 def test_info_12b_tp2_bytes_per_rank(tmp_path, capsys):
-    """About 12 GB per rank in bf16 (the published figure), within 1% of the figure derived here
-    from the config."""
+    """About 12 GB (11.15 GiB) per rank in bf16 (the published figure), within 1% of the figure derived
+    here from the config, shown in GiB like every memory figure."""
     payload, text = _info(tmp_path, CONFIG_12B, 2, capsys)
     expected = _expected_bytes_per_rank_12b_tp2()
     assert abs(payload["bytes_per_rank"] - expected) / expected < 0.01, (payload["bytes_per_rank"], expected)
     assert 11.5e9 < payload["bytes_per_rank"] < 12.5e9
-    assert f"{payload['bytes_per_rank'] / 1e9:.2f} GB" in text
+    assert f"{payload['bytes_per_rank'] / 2**30:.2f} GiB" in text
 
 
 def test_info_sizes_in_units_that_fit_and_no_published_figure_for_another_model(tiny0_dir, capsys):
-    """The tiny model's plan in kB/MB (never "0.00 GB"), its inert parts said once, and no
-    "floor / published" line (the published latency is the 12B's); the 12B keeps it, in GB."""
+    """The tiny model's bytes per rank in KiB/MiB (never "0.00 GiB"), its inert parts said once, and no
+    "floor / published" line (the published latency is the 12B's); the 12B keeps it. One unit for
+    memory: binary (GiB, MiB, KiB) on every line, never GB beside GiB (rates stay GB/s)."""
     assert main(["info", "--checkpoint", str(tiny0_dir), "--perf"]) == EXIT_OK
     text = capsys.readouterr().out
     line = next(line for line in text.splitlines() if line.startswith("bytes per rank"))
-    assert "0.00 GB" not in text and " GB " not in line and ("MB" in line or "kB" in line), line
+    assert "0.00 GiB" not in line and " GiB " not in line and ("MiB" in line or "KiB" in line), line
+    assert not DECIMAL_SIZE.search(text), DECIMAL_SIZE.search(text)
     assert text.count("present but inert") == 1
     assert "published" not in text.replace("not published", "")
     assert main(["info", "--config", str(CONFIG_12B), "--perf"]) == EXIT_OK
     text = capsys.readouterr().out
-    assert "floor / published = " in text and "bytes per rank (bfloat16): 11.97 GB" in text
+    assert "floor / published = " in text and "bytes per rank (bfloat16): 11.15 GiB" in text
+    assert not DECIMAL_SIZE.search(text), DECIMAL_SIZE.search(text)
 
 
-@pytest.mark.parametrize("n_bytes, shown", [(11.97e9, "11.97 GB"), (46.14e6, "46.14 MB"), (965_660, "965.66 kB"),
+DECIMAL_SIZE = re.compile(r"\d (?:GB|MB|kB)(?!/s)|(?:weights|KV|host) (?:GB|MB)\b")
+
+
+@pytest.mark.parametrize("n_bytes, shown", [(11.97e9, "11.15 GiB"), (46.14e6, "44.00 MiB"), (965_660, "943.03 KiB"),
                                              (786, "786 B"), (0, "0 B")])
 def test_sizes_are_shown_in_the_unit_that_fits(n_bytes, shown):
     from harness.report.formats import size_text
@@ -120,6 +127,23 @@ def test_info_31b_tp8_replicates_full_layer_kv(tmp_path, capsys):
         assert (layer["q_heads_per_rank"], layer["groups"]) == (4, 4)
     for layer in sliding:
         assert (layer["kv_heads"], layer["kv_layout"], layer["kv_heads_per_rank"]) == (16, "shard", 2)
+
+
+@pytest.mark.parametrize("config", [CONFIG_31B, FIXTURES_DIR / "configs" / "gemma-4-26b-a4b-it.json"])
+def test_info_without_tp_plans_at_the_smallest_tp_that_fits(tmp_path, capsys, config):
+    """Neither fits a NeuronCore per rank at the default tp=2: without --tp, info plans at the
+    smallest TP that fits (4) and says so first; with --tp 2 it is still refused with the numbers."""
+    out = tmp_path / "info.json"
+    assert main(["info", "--config", str(config), "--json", str(out)]) == EXIT_OK
+    text = capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    assert payload["tp"] == 4 and payload["placement"]["fits"] and payload["placement"]["smallest_fitting_tp"] == 4
+    assert text.splitlines()[0] == ("--tp not given: tp=2 (the default) does not fit one NeuronCore per rank; "
+                                    "planning at tp=4, the smallest TP that fits")
+    assert main(["info", "--config", str(config), "--tp", "2"]) == EXIT_BAD_INPUT
+    assert "Use --tp 4 or more" in capsys.readouterr().err
+    assert main(["info", "--config", str(CONFIG_12B)]) == EXIT_OK  # the 12B fits the default: no note
+    assert "--tp not given" not in capsys.readouterr().out
 
 
 # ---- bad input: exit 2, a message that helps, nothing written ---------------------------------

@@ -82,8 +82,18 @@ def test_too_few_cores_on_the_host(tmp_path, host, capsys, monkeypatch):
     rc, lines = _run(capsys)
     assert rc == 2 and [line for line in lines if line.startswith("FAIL")] == [
         "FAIL cores: tp=2 needs 2 NeuronCores but this host has 1; fix: run on an instance with at least 2 "
-        "(inf2.8xlarge has 2); a smaller --tp helps only if the model fits it (`gemma-parity info --tp N` shows "
-        "the fit; the 12B needs 2)"]  # never `--tp 1`, where the 12B does not fit
+        "(inf2.8xlarge has 2); no --tp within this host's 1 NeuronCore(s) fits this model: the smallest that "
+        "fits is tp=2 (`gemma-parity info` shows the plan)"]  # never `--tp 1`, where the 12B does not fit
+    # a model that fits one core is told so; one that needs 4 is never told to try fewer
+    tiny = str(Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "gemma-4-tiny.json")
+    rc, lines = _run(capsys, "--config", tiny)
+    assert rc == 2 and any(line.startswith("FAIL cores:") and line.endswith(
+        ", or --tp 1, the smallest TP that fits this model (`gemma-parity info --tp 1`)") for line in lines), lines
+    _fake_tools(tmp_path, monkeypatch, cores=2)
+    config_31b = str(Path(tiny).parent / "gemma-4-31b-it.json")
+    rc, lines = _run(capsys, "--config", config_31b, "--tp", "8")
+    assert rc == 2 and any(line.startswith("FAIL cores: tp=8 needs 8") and "the smallest that fits is tp=4" in line
+                           for line in lines), lines
 
 
 def test_a_known_broken_compiler(tmp_path, host, capsys, monkeypatch):

@@ -33,10 +33,21 @@ def test_differences_name_what_changed_and_nothing_else():
 def test_check_golden_warns_when_the_golden_was_written_under_other_versions(capsys):
     import torch
 
-    from harness.cli.validate import _warn_golden_versions
+    from harness.cli.validate import _warn_golden_provenance
 
-    _warn_golden_versions("G", {"torch": torch.__version__})
+    _warn_golden_provenance("G", {"versions": {"torch": torch.__version__}})
     assert capsys.readouterr().err == ""
-    _warn_golden_versions("G", {"torch": "1.0.0", "transformers": "0.1"})
+    _warn_golden_provenance("G", {"versions": {"torch": "1.0.0", "transformers": "0.1"}})  # an older golden
     err = capsys.readouterr().err
     assert "golden G was written under torch 1.0.0" in err and "transformers 0.1" in err
+    # a golden with the provenance block: its packages count (python, safetensors too), and a dirty tree is said
+    now = provenance()
+    clean = {"versions": {"torch": torch.__version__}, "provenance": {**now, "git": {"commit": "ab" * 20, "dirty": False}}}
+    _warn_golden_provenance("G", clean)
+    assert capsys.readouterr().err == ""
+    other = {**clean, "provenance": {**now, "packages": {**now["packages"], "safetensors": "0.0.1", "python": "3.9.0"},
+                                     "git": {"commit": "ab" * 20, "dirty": True}}}
+    _warn_golden_provenance("G", other)
+    err = capsys.readouterr().err
+    assert "written under python 3.9.0" in err and "safetensors 0.0.1" in err and "torch" not in err.split(";")[0]
+    assert "uncommitted changes (commit abababababab, dirty)" in err
