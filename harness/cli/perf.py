@@ -45,6 +45,9 @@ def add_command(subparsers) -> None:
     bench.add_argument("--batch", type=_batches_arg, default=(), metavar="1,2,4,8",
                        help="also time batches of these sizes (a KV slot per sequence): tokens/s, per-token latency "
                             "and prefill per batch, each against the batch's roofline floor")
+    from harness.cli.host_gate import add_host_memory_arg
+
+    add_host_memory_arg(bench)
     bench.add_argument("--out", required=True, metavar="FILE", help="result JSON (never overwritten "
                        "without --force, and then only a result file bench wrote)")
     bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
@@ -149,6 +152,9 @@ def validate_bench(args) -> None:
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, kv_len, getattr(args, "sliding_cache", "linear") if args.backend != "neuron" else None)
+    from harness.cli.host_gate import plan_gate
+
+    plan_gate(args, "bench", ckpt.spec)
 
 
 def _positive_int(x) -> bool:

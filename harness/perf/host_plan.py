@@ -70,18 +70,18 @@ def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", ro
     return {"model": model, "port": port, "load": ranks(dtype) if backend == "neuron" else 0,
             "fp32_port": ranks("float32") + table("float32"),
             "float64": whole if whole <= FLOAT64_RESIDENT_BYTES else streamed,
-            "float64_streamed": whole > FLOAT64_RESIDENT_BYTES, "captures": CAPTURE_COPIES * rows * per_row}
+            "float64_streamed": whole > FLOAT64_RESIDENT_BYTES, "stream32": streamed // 2, "captures": CAPTURE_COPIES * rows * per_row}
 
 
 def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: bool = True,
-                served: bool = True) -> dict:
+                served: bool = True, stream: bool = False) -> dict:
     """What `command` holds at once in each phase (bytes, before the fit's constants). check runs
     its phases in this order (harness/parity/check.py): the port built, the references (one model
     at a time, none with a golden), the fp32 stage (its cpu build beside the port, then the float64
     envelope), the bf16 stage and local verdicts, the served build (the parity build released)."""
     p, m, cap = parts["port"], parts["model"], parts["captures"]
     phases = {"build port": p + parts["load"]}
-    if command in ("check", "bisect", "quality") and not golden:
+    if command == "check" and not golden:
         phases["reference"] = p + m + cap // 2
     if command in ("check", "bisect") and fp32_stage:
         phases["fp32 stage"] = p + parts["fp32_port"] + parts["float64"] + cap
@@ -89,14 +89,16 @@ def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: 
         phases["bf16 stage"] = p + cap
     if command == "check" and served:
         phases["served build"] = p + parts["load"] + cap
+    if command == "quality" and not golden:  # the corpus references are streamed (harness/quality/golden.py)
+        phases["reference"] = p + parts["stream32"] + cap // 2
     if command == "reference":
-        phases = {"reference": m + cap // 2}
+        phases = {"reference": (parts["stream32"] if stream else m) + cap // CAPTURE_COPIES}
     return phases
 
 
 def host_peak(command: str, phases: dict) -> int:
     base, k, _ = HOST_FIT[command]
-    return int(base + k * counted_peak(phases))
+    return int(base + max(k, 1.0) * counted_peak(phases))  # never less than what the phase holds
 
 
 def counted_peak(phases: dict) -> int:
@@ -158,7 +160,7 @@ def gib(n: int) -> str:
 SHRINKING = {"check": (("--golden DIR", {"golden": True}), ("--skip-fp32-stage", {"fp32_stage": False}),
                        ("--skip-served-build", {"served": False})),
              "bisect": (("--skip-fp32-stage", {"fp32_stage": False}),),
-             "quality": (("--golden DIR", {"golden": True}),)}
+             "reference": (("--stream", {"stream": True}),)}
 
 
 def what_fits(plan: dict, command: str) -> str:

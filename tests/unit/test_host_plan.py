@@ -10,7 +10,8 @@ import pytest
 from harness import FIXTURES_DIR
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from harness.inputs.spec import load_spec
-from harness.perf.host_plan import COMMANDS, HOST_MODEL, fp32_model_bytes, resource_plan
+from harness.perf.host_plan import (COMMANDS, host_parts, host_peak, host_phases, fp32_model_bytes, resource_plan,
+                                    what_fits)
 from harness.perf.instances import core_bytes
 
 CONFIGS = FIXTURES_DIR / "configs"
@@ -26,10 +27,42 @@ def test_the_plan_of_each_command(name, tp, instance):
     assert plan["instance"] == instance and set(plan["commands"]) == set(COMMANDS)
     for cmd, c in plan["commands"].items():
         assert c["device_bytes_per_core"] == core["total"] and c["graphs"] == core["graphs"] == 7
-        assert c["host_peak_bytes"] == int(HOST_MODEL[cmd][0] * fp32_model_bytes(spec))
+        assert c["host_peak_bytes"] == host_peak(cmd, c["host_phases"]) > max(c["host_phases"].values())
         assert c["fits_device"] and c["fits_host"] == (c["host_peak_bytes"] <= plan["host_bytes"])
-    assert not plan["commands"]["check"]["fits_host"]  # issue 28: check at 5.1x does not fit yet
-    assert plan["commands"]["bench"]["fits_host"]
+    # issue 28: every command, check included, fits the instance's host by the phase plan (the
+    # float64 envelope streamed, one reference model at a time)
+    assert all(c["fits_host"] for c in plan["commands"].values())
+    assert plan["float64_streamed"] and max(plan["commands"]["check"]["host_phases"].items(),
+                                            key=lambda kv: kv[1])[0] == "fp32 stage"
+
+
+def test_the_12b_phases_count_what_each_holds_at_once():
+    spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
+    parts = host_parts(spec, 2, "bfloat16", "neuron")
+    model = fp32_model_bytes(spec)
+    assert 7 * GIB < 8 * spec.vocab_size * spec.hidden_size <= parts["float64"] < 10 * GIB  # streamed, not 2 x 44.7
+    assert parts["port"] == 2 * spec.vocab_size * spec.hidden_size  # neuron: the host keeps the bf16 embedding only
+    phases = host_phases("check", parts)
+    assert phases["reference"] >= parts["port"] + model
+    assert phases["fp32 stage"] == parts["port"] + parts["fp32_port"] + parts["float64"] + parts["captures"]
+    assert "reference" not in host_phases("check", parts, golden=True)
+    assert "fp32 stage" not in host_phases("check", parts, fp32_stage=False)
+    cpu = host_parts(spec, 2, "bfloat16", "cpu")
+    assert cpu["port"] > parts["port"] + model // 2 - GIB  # cpu: the ranks live on the host too
+    small = host_parts(load_spec(FIXTURES_DIR / "configs" / "gemma-4-tiny.json"), 2, "bfloat16", "cpu")
+    assert not small["float64_streamed"] and small["float64"] == 2 * fp32_model_bytes(
+        load_spec(FIXTURES_DIR / "configs" / "gemma-4-tiny.json"))
+
+
+def test_what_makes_a_command_fit():
+    spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
+    check = resource_plan(spec, 2, "bfloat16", 256, (64,), host_bytes=70 * GIB)["commands"]["check"]
+    assert not check["fits_host"]
+    plan = resource_plan(spec, 2, "bfloat16", 256, (64,), host_bytes=70 * GIB)
+    assert what_fits(plan, "check").startswith("with --golden DIR and --skip-fp32-stage the plan is")
+    assert "--stream" in what_fits(resource_plan(spec, 2, "bfloat16", 256, (64,), host_bytes=30 * GIB), "reference")
+    hopeless = resource_plan(spec, 2, "bfloat16", 256, (64,), host_bytes=1 * GIB)
+    assert what_fits(hopeless, "check").startswith("no option of check brings it under 1.0 GiB")
 
 
 def test_the_12b_fp32_size_and_a_stated_budget():
