@@ -125,6 +125,7 @@ def _child(command: str, argv: list[str], out: str) -> None:
     import harness.parity.check as check
     from harness.cli import main
 
+    _resident_from_env()
     phases = Phases()
     phases.wrap(check, "build_port", "build port")
     phases.wrap(check, "load_references", "reference")
@@ -143,6 +144,15 @@ def _child(command: str, argv: list[str], out: str) -> None:
                                      "phases": phases.peaks, "peak": max(phases.peaks.values())}))
 
 
+def _resident_from_env() -> None:
+    """HOSTPLAN_FLOAT64_RESIDENT_MIB: stream the float64 envelope above this size (the 12B's regime on
+    a small checkpoint), in the child and in the plan alike."""
+    if os.environ.get("HOSTPLAN_FLOAT64_RESIDENT_MIB"):
+        from harness.reference import float64
+
+        float64.FLOAT64_RESIDENT_BYTES = int(os.environ["HOSTPLAN_FLOAT64_RESIDENT_MIB"]) << 20
+
+
 def measure(command: str, hidden: int, prompts: str | None) -> dict:
     path = scaled_checkpoint(hidden)
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,13 +165,15 @@ def measure(command: str, hidden: int, prompts: str | None) -> dict:
         subprocess.run([sys.executable, __file__, "--child", command, str(out), "--", *argv], env=_env(),
                        check=False, stdout=subprocess.DEVNULL)
         run = json.loads(out.read_text())
-    return {"command": command, "hidden": hidden, **run, **plan_of(command, path)}
+    streamed = os.environ.get("HOSTPLAN_FLOAT64_RESIDENT_MIB")
+    return {"command": command, "hidden": hidden, "float64_resident_mib": streamed, **run, **plan_of(command, path)}
 
 
 def plan_of(command: str, path: Path) -> dict:
     from harness.inputs.checkpoint import Checkpoint
     from harness.perf.host_plan import resource_plan
 
+    _resident_from_env()
     spec = Checkpoint.open(path).spec
     plan = resource_plan(spec, 2, "bfloat16", 256, (64, 256), backend="cpu", rows=_rows())
     c = plan["commands"][command]

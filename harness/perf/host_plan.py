@@ -26,10 +26,9 @@ COMMANDS = ("check", "reference", "bisect", "quality", "bench")
 # command -> (base bytes, k, basis): peak = base + k x the largest counted phase. Fitted by
 # benchmarks/host_plan_fit.py (docs/design.md#resource-plan has the runs); bisect, quality and bench
 # are not measured apart and take check's constants (the same port, references and stages).
-FITTED = {"check": (760 << 20, 1.0, "fit"), "reference": (560 << 20, 1.0, "fit")}
+FITTED = {"check": (501_002_364, 1.158, "fit over hidden 512/768/1024 (2026-12-01)"),
+          "reference": (494_532_168, 1.062, "fit over hidden 512/768/1024 (2026-12-01)")}
 HOST_FIT = {name: FITTED.get(name, (*FITTED["check"][:2], "check's fit")) for name in COMMANDS}
-# The float64 envelope of the fp32 stage is loaded whole up to this (harness/reference/float64.py).
-FLOAT64_RESIDENT_BYTES = 2 << 30
 # Copies of the captured rows held at once in check: the port's, the fp32, bf16 and float64
 # references', and the judge's stacked device/reference/envelope tensors.
 CAPTURE_COPIES = 7
@@ -58,6 +57,8 @@ def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", ro
     per-rank state dicts while a build loads: on neuron they leave for the device), `fp32_port`
     (the fp32 stage's build on cpu), `float64` (the envelope's model: whole, or its embedding plus
     one layer when streamed), `captures` (the captured rows of every copy)."""
+    from harness.reference import float64 as f64  # whole up to its FLOAT64_RESIDENT_BYTES, read now
+
     model = fp32_model_bytes(spec)
     ranks = lambda d: tp * bytes_per_rank(spec, tp, d, 0)["weights"]  # noqa: E731
     table = lambda d: bytes_per_rank(spec, tp, d, 0)["host_embeddings"]  # noqa: E731
@@ -69,8 +70,12 @@ def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", ro
     per_row = 4 * (spec.vocab_size * 3 + spec.num_layers * spec.hidden_size * 4)
     return {"model": model, "port": port, "load": ranks(dtype) if backend == "neuron" else 0,
             "fp32_port": ranks("float32") + table("float32"),
-            "float64": whole if whole <= FLOAT64_RESIDENT_BYTES else streamed,
-            "float64_streamed": whole > FLOAT64_RESIDENT_BYTES, "stream32": streamed // 2, "captures": CAPTURE_COPIES * rows * per_row}
+            "float64": whole if whole <= f64.FLOAT64_RESIDENT_BYTES else streamed,
+            "float64_streamed": whole > f64.FLOAT64_RESIDENT_BYTES, "stream32": streamed // 2,
+            "captures": CAPTURE_COPIES * rows * per_row,
+            # MoE and PLE: the bf16 stage computes the references again along the port's path
+            # (harness/parity/observe.py follow_port_path), one transformers model at a time
+            "rerun": model if spec.moe is not None or spec.per_layer_input_size else 0}
 
 
 def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: bool = True,
@@ -85,8 +90,10 @@ def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: 
         phases["reference"] = p + m + cap // 2
     if command in ("check", "bisect") and fp32_stage:
         phases["fp32 stage"] = p + parts["fp32_port"] + parts["float64"] + cap
-    if command in ("check", "bisect", "quality"):
-        phases["bf16 stage"] = p + cap
+    if command in ("check", "bisect"):
+        phases["bf16 stage"] = p + cap + parts["rerun"]
+    if command == "quality":
+        phases["port"] = p + cap
     if command == "check" and served:
         phases["served build"] = p + parts["load"] + cap
     if command == "quality" and not golden:  # the corpus references are streamed (harness/quality/golden.py)

@@ -85,3 +85,43 @@ def test_info_plan_json_carries_every_command(tmp_path, capsys):
     assert all({"host_peak_bytes", "device_bytes_per_core", "graphs"} <= set(c) for c in commands.values())
     assert main(args + ["--host-memory", "0"]) == EXIT_BAD_INPUT
     assert "--host-memory 0.0: give the host budget in GiB" in capsys.readouterr().err
+
+
+def test_commands_refuse_a_run_over_the_host_budget_before_model_work(tmp_path, capsys, monkeypatch):
+    import harness.parity.check as parity
+
+    monkeypatch.setattr(parity, "run_parity_check", lambda *a, **k: pytest.fail("model work started"))
+    assert main(["check", "--model", "tiny", "--host-memory", "0.2"]) == EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert out.startswith("check plan: host peak ") and "of 0.2 GiB (largest phase: fp32 stage)" in out
+    assert "over the host budget of 0.2 GiB (--host-memory 0.2)" in err and "no option of check" in err
+    assert main(["reference", "--model", "tiny", "--host-memory", "0.001", "--out", str(tmp_path / "g")]) == 2
+    assert "reference: the host plan needs" in capsys.readouterr().err and not (tmp_path / "g").exists()
+    with pytest.raises(SystemExit) as exc:  # argparse: a malformed command line exits 2
+        main(["check", "--model", "tiny", "--host-memory", "nope"])
+    assert exc.value.code == EXIT_BAD_INPUT
+    assert "give the host budget in GiB (a positive number) or `auto`" in capsys.readouterr().err
+
+
+def test_the_refusal_names_the_options_that_make_it_fit(capsys, monkeypatch):
+    from harness.perf import host_plan
+
+    # a budget between the plan with the references and the fp32 stage and the plan without them
+    spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-tiny.json")
+    parts = host_parts(spec, 2, "bfloat16", "cpu")
+    full = host_peak("check", host_phases("check", parts))
+    lean = host_peak("check", host_phases("check", parts, golden=True, fp32_stage=False))
+    assert lean < full
+    monkeypatch.setattr(host_plan, "_default_rows", lambda: 0)
+    gib = (lean + full) / 2 / GIB
+    code = main(["check", "--model", "tiny", "--host-memory", f"{gib:.6f}", "--new-tokens", "0",
+                 "--prompts", str(FIXTURES_DIR / "prompts" / "default.json")])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and "with --golden DIR" in err and "which fits" in err, err
+
+
+def test_moe_references_rerun_along_the_port_path_in_the_bf16_stage():
+    moe = host_parts(load_spec(CONFIGS / "gemma-4-26b-a4b-it.json"), 4, "bfloat16", "neuron")
+    dense = host_parts(load_spec(CONFIGS / "gemma-4-12b-it.json"), 2, "bfloat16", "neuron")
+    assert moe["rerun"] == moe["model"] and dense["rerun"] == 0
+    assert host_phases("check", moe)["bf16 stage"] == moe["port"] + moe["captures"] + moe["model"]
