@@ -119,7 +119,7 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
     each fits; `host_bytes` is the host budget (default: the RAM of the instance the TP degree
     needs); `options` (golden, fp32_stage, served) what the command was asked to skip."""
     inst = smallest_instance(tp)
-    budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "", 0)
+    budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "")
     core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
     try:
         check_fits(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
@@ -132,7 +132,7 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
         phases = host_phases(name, parts, **(options or {}))
         peak = host_peak(name, phases)
         commands[name] = {"host_peak_bytes": peak, "host_phases": phases, "host_basis": HOST_FIT[name][2],
-                          "fits_host": peak <= budget, "device_bytes_per_core": core["total"],
+                          "fits_host": budget is None or peak <= budget, "device_bytes_per_core": core["total"],
                           "graphs": core["graphs"], "fits_device": device_problem is None}
     return {"instance": inst.name if inst else None, "host_bytes": budget, "fp32_model_bytes": parts["model"],
             "float64_streamed": parts["float64_streamed"], "backend": backend,
@@ -142,7 +142,8 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
 
 
 def render_resource_plan(plan: dict) -> str:
-    lines = [f"resource plan: {plan['instance']} (host {gib(plan['host_bytes'])}; tp={plan['tp']}, one NeuronCore "
+    host = "no stated budget" if plan["host_bytes"] is None else gib(plan["host_bytes"])
+    lines = [f"resource plan: {plan['instance']} (host {host}; tp={plan['tp']}, one NeuronCore "
              f"of 16 GiB per rank), model {gib(plan['fp32_model_bytes'])} in fp32, buckets {plan['buckets']}, "
              f"KV length {plan['kv_len']}"]
     for name, c in plan["commands"].items():
@@ -202,7 +203,8 @@ def summary_line(plan: dict, command: str) -> str:
     """The plan's one line for `command`, printed before it starts."""
     c = plan["commands"][command]
     phase = max(c["host_phases"], key=c["host_phases"].get)
-    return (f"plan: host peak {gib(c['host_peak_bytes'])} of {gib(plan['host_bytes'])} (largest phase: {phase}), "
+    budget = "no stated budget" if plan["host_bytes"] is None else gib(plan["host_bytes"])
+    return (f"plan: host peak {gib(c['host_peak_bytes'])} of {budget} (largest phase: {phase}), "
             f"device {gib(c['device_bytes_per_core'])} per NeuronCore, {c['graphs']} graphs")
 
 
