@@ -185,8 +185,10 @@ def what_fits(plan: dict, command: str) -> str:
         peak = host_peak(command, host_phases(command, parts, **options))
         if peak <= budget:
             return f"with {' and '.join(tried)} the plan is {gib(peak)}, which fits {gib(budget)}"
+    peak = plan["commands"][command]["host_peak_bytes"]
+    larger = next((f"; {name} ({gib(ram)}) fits it" for name, ram in HOST_RAM.items() if ram >= peak), "")
     return (f"no option of {command} brings it under {gib(budget)}; run it on a host with more memory "
-            "(--host-memory GIB states that host's budget)")
+            f"(--host-memory GIB states that host's budget){larger}")
 
 
 def refuse_unfit_host(plan: dict, command: str, budget_source: str) -> str | None:
