@@ -69,7 +69,8 @@ def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", ro
     rows = _default_rows() if rows is None else rows
     per_row = 4 * (spec.vocab_size * 3 + spec.num_layers * spec.hidden_size * 4)
     return {"model": model, "port": port, "load": ranks(dtype) if backend == "neuron" else 0,
-            "fp32_port": ranks("float32") + table("float32"),
+            # an fp32 port on the host backend is its own fp32 stage (harness/parity/check.py _fp32_stage)
+            "fp32_port": 0 if dtype == "float32" and backend != "neuron" else ranks("float32") + table("float32"),
             "float64": whole if whole <= f64.FLOAT64_RESIDENT_BYTES else streamed,
             "float64_streamed": whole > f64.FLOAT64_RESIDENT_BYTES, "stream32": streamed // 2,
             "captures": CAPTURE_COPIES * rows * per_row,

@@ -125,3 +125,9 @@ def test_moe_references_rerun_along_the_port_path_in_the_bf16_stage():
     dense = host_parts(load_spec(CONFIGS / "gemma-4-12b-it.json"), 2, "bfloat16", "neuron")
     assert moe["rerun"] == moe["model"] and dense["rerun"] == 0
     assert host_phases("check", moe)["bf16 stage"] == moe["port"] + moe["captures"] + moe["model"]
+
+
+def test_an_fp32_port_on_the_host_is_its_own_fp32_stage():
+    spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
+    assert host_parts(spec, 2, "float32", "cpu")["fp32_port"] == 0
+    assert host_parts(spec, 2, "float32", "neuron")["fp32_port"] > fp32_model_bytes(spec)  # built on cpu beside it
