@@ -18,7 +18,7 @@ from __future__ import annotations
 from harness.base.errors import ShardingError
 from harness.inputs.spec import ModelSpec
 from harness.perf.instances import INSTANCES, check_fits, core_bytes, smallest_instance
-from harness.port.sharding import bytes_per_rank, layer_params_per_rank
+from harness.port.sharding import bytes_per_rank, kv_cache_bytes, layer_params_per_rank
 
 GIB = 1 << 30
 HOST_RAM = {"inf2.8xlarge": 128 * GIB, "inf2.24xlarge": 384 * GIB, "inf2.48xlarge": 768 * GIB}  # AWS, Inf2 page
@@ -64,19 +64,31 @@ def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", ro
     table = lambda d: bytes_per_rank(spec, tp, d, 0)["host_embeddings"]  # noqa: E731
     port = table(dtype) + (0 if backend == "neuron" else ranks(dtype))
     whole = 2 * model
-    layer = max(layer_params_per_rank(spec, layer, 1) for layer in spec.layers)
-    streamed = 8 * (spec.vocab_size * spec.hidden_size + layer)
     rows = _default_rows() if rows is None else rows
+    streamed = streamed_bytes(spec, 8, rows)
     per_row = 4 * (spec.vocab_size * 3 + spec.num_layers * spec.hidden_size * 4)
     return {"model": model, "port": port, "load": ranks(dtype) if backend == "neuron" else 0,
             # an fp32 port on the host backend is its own fp32 stage (harness/parity/check.py _fp32_stage)
             "fp32_port": 0 if dtype == "float32" and backend != "neuron" else ranks("float32") + table("float32"),
             "float64": whole if whole <= f64.FLOAT64_RESIDENT_BYTES else streamed,
-            "float64_streamed": whole > f64.FLOAT64_RESIDENT_BYTES, "stream32": streamed // 2,
+            "float64_streamed": whole > f64.FLOAT64_RESIDENT_BYTES, "stream32": streamed_bytes(spec, 4, rows),
             "captures": CAPTURE_COPIES * rows * per_row,
             # MoE and PLE: the bf16 stage computes the references again along the port's path
             # (harness/parity/observe.py follow_port_path), one transformers model at a time
             "rerun": model if spec.moe is not None or spec.per_layer_input_size else 0}
+
+
+def streamed_bytes(spec: ModelSpec, nbytes: int, rows: int) -> int:
+    """A pass streamed one decoder layer at a time (harness/reference/stream.py) at `nbytes` per
+    value: the embedding (the tied head), the layer running and the next one being read, and every
+    sequence's state: its hidden rows, the MLP's intermediate rows and its KV cache of every layer
+    (the float64 envelope records the cache). Measured: one layer and no state undercounts (the
+    H=768 streamed run in docs/design.md#resource-plan)."""
+    layer = max(layer_params_per_rank(spec, layer, 1) for layer in spec.layers)
+    mlp = max(spec.mlp_size(layer) for layer in spec.layers)
+    kv = kv_cache_bytes(spec, 1, "float32")["per_token"] // 4  # values per position, every layer
+    state = rows * (4 * spec.hidden_size + 2 * mlp + kv)
+    return nbytes * (spec.vocab_size * spec.hidden_size + 2 * layer + state)
 
 
 def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: bool = True,

@@ -40,7 +40,7 @@ def test_the_12b_phases_count_what_each_holds_at_once():
     spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
     parts = host_parts(spec, 2, "bfloat16", "neuron")
     model = fp32_model_bytes(spec)
-    assert 7 * GIB < 8 * spec.vocab_size * spec.hidden_size <= parts["float64"] < 10 * GIB  # streamed, not 2 x 44.7
+    assert 7 * GIB < 8 * spec.vocab_size * spec.hidden_size <= parts["float64"] < 13 * GIB  # streamed, not 2 x 44.7
     assert parts["port"] == 2 * spec.vocab_size * spec.hidden_size  # neuron: the host keeps the bf16 embedding only
     phases = host_phases("check", parts)
     assert phases["reference"] >= parts["port"] + model
