@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from harness.base.atomic import write_json_atomic
 from harness.cli import validate as v
+from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 
 
@@ -22,6 +23,7 @@ def add_command(sub) -> None:
     p.add_argument("--mode", choices=list(MODES), default=None,
                    help="capture (default on cpu) or truncate (default on neuron: no extra graph outputs)")
     add_port_args(p, "write bisect.md, bisect.json and bisect_errors.png there", batch=True)
+    add_host_memory_arg(p)
     p.set_defaults(func=run, validate=validate)
 
 
@@ -36,6 +38,7 @@ def validate(args) -> None:
     golden = args.golden_read = v.check_golden_inputs(args, inputs, refuse_other_weights=False)
     validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", buckets=args.settings.buckets,
                         kv_len=args.settings.kv_len, max_positions=ckpt.spec.max_positions)
+    plan_gate(args, "bisect", ckpt.spec, rows_of(golden.prompts, golden.new_tokens), golden=True)
 
 
 def run(args) -> int:

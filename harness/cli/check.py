@@ -5,6 +5,7 @@ from __future__ import annotations
 from harness.base.atomic import write_json_atomic
 from harness.base.errors import OptionError
 from harness.cli import validate as v
+from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
@@ -27,6 +28,7 @@ def add_command(sub) -> None:
                    "(always in the JSON under \"seconds\")")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot", batch=True)
     add_speculate_args(p)
+    add_host_memory_arg(p)
     p.set_defaults(func=run, validate=validate)
 
 
@@ -87,6 +89,8 @@ def validate(args) -> None:
     validate_prompt_fit(prompts, new_tokens, source, buckets=args.settings.buckets, kv_len=args.settings.kv_len,
                         max_positions=ckpt.spec.max_positions)
     validate_speculate(args, ckpt)
+    plan_gate(args, "check", ckpt.spec, rows_of(prompts, new_tokens), golden=bool(args.golden),
+              fp32_stage=not args.skip_fp32_stage, served=not args.skip_served_build)
 
 
 def run(args) -> int:

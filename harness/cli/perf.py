@@ -8,6 +8,7 @@ from pathlib import Path
 from harness.base.atomic import claim_output
 from harness.base.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
 from harness.cli import validate as v
+from harness.cli.host_gate import add_host_memory_arg, plan_gate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
 from harness.perf.results import history_files, length_lists, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
@@ -45,6 +46,7 @@ def add_command(subparsers) -> None:
     bench.add_argument("--batch", type=_batches_arg, default=(), metavar="1,2,4,8",
                        help="also time batches of these sizes (a KV slot per sequence): tokens/s, per-token latency "
                             "and prefill per batch, each against the batch's roofline floor")
+    add_host_memory_arg(bench)
     bench.add_argument("--out", required=True, metavar="FILE", help="result JSON (never overwritten "
                        "without --force, and then only a result file bench wrote)")
     bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
@@ -149,6 +151,7 @@ def validate_bench(args) -> None:
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, kv_len, getattr(args, "sliding_cache", "linear") if args.backend != "neuron" else None)
+    plan_gate(args, "bench", ckpt.spec)
 
 
 def _positive_int(x) -> bool:

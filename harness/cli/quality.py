@@ -8,6 +8,7 @@ from pathlib import Path
 from harness.base.atomic import write_json_atomic
 from harness.base.errors import InputFileError, OptionError
 from harness.cli import validate as v
+from harness.cli.host_gate import add_host_memory_arg, plan_gate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 
 
@@ -32,6 +33,7 @@ def add_command(sub) -> None:
                         "(and N where set) from AWS Batch, Kubernetes indexed Job or Slurm array variables")
     p.add_argument("--reference-only", action="store_true", help="write the golden's missing shards and stop")
     add_port_args(p, "write quality.md, quality.json, quality_kl.png and worst_prompts.json there")
+    add_host_memory_arg(p)
     p.set_defaults(func=run, validate=validate)
 
 
@@ -116,6 +118,7 @@ def validate(args) -> None:
     args.golden_settings = golden_settings(ckpt, args.corpus_ids, args.window, topk=args.topk, shards=shards,
                                            windows_per_part=args.windows_per_part)
     verify_golden(args.golden, args.golden_settings, args.corpus_ids, ckpt.spec.vocab_size)
+    plan_gate(args, "quality", ckpt.spec, golden=Path(args.golden).exists())
 
 
 def run(args) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from harness.base.atomic import claim_output
 from harness.base.errors import OptionError, OutputError
 from harness.cli import validate as v
+from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
 from harness.cli.common import EXIT_OK, add_model_args
 from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
@@ -22,6 +23,7 @@ def add_command(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="golden directory to write")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing golden deliberately (only a golden: never other files)")
+    add_host_memory_arg(p)
     p.set_defaults(func=run, validate=validate)
 
 
@@ -53,6 +55,7 @@ def validate(args) -> None:
     prompts = load_prompts(args.prompts, args.ckpt_dir)
     validate_prompt_ids(ckpt.spec, prompts, args.prompts)
     validate_prompt_fit(prompts, args.new_tokens, args.prompts, max_positions=ckpt.spec.max_positions)
+    plan_gate(args, "reference", ckpt.spec, rows_of(prompts, args.new_tokens), stream=args.stream)
 
 
 def run(args) -> int:

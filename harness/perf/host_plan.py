@@ -1,15 +1,16 @@
-"""The resource plan of every command (`info --plan`): peak host memory, device memory per
-NeuronCore and the number of compiled graphs, for the model, TP, buckets and KV length asked for,
-against the instance's host RAM and HBM.
+"""The resource plan of every command (`info --plan`, and the first line of check, reference,
+bisect, quality and bench): peak host memory, device memory per NeuronCore and the number of
+compiled graphs, for the model, TP, buckets and KV length asked for, against the instance's host RAM
+and HBM.
 
 Device side: harness/perf/instances.py core_bytes (weights, KV cache, graphs, MoE working set, layout
-transform). Host side: peak = HOST_MODEL[command].ratio x the model's fp32 bytes. The ratios and
-their basis are written beside each one: `check` is one measurement (issue 28: peak RSS 4.3 GiB
-on a 0.84 GiB fp32 checkpoint of the 12B's structure, default prompts, cpu backend, on the
-project's two-core build machine, 2026), not yet a fit over sizes; the others are counted from
-what the command holds at once and are marked "counted". A benchmark fitting them over three or more
-sizes (and a test holding the plan within 15% on an unseen size) is still to be written
-(docs/design.md#resource-plan).
+transform). Host side, counted by phase (`host_phases`): what each command holds at once in each
+phase (the port's ranks, one transformers reference model at a time, the fp32 stage's port beside
+the port, the float64 envelope whole or streamed one layer at a time, the served build, the
+captures), and peak = base + k x the largest phase. base and k are fitted per command by
+benchmarks/host_plan_fit.py (fresh processes on checkpoints of the 12B's structure at three sizes,
+peak RSS per phase); tests/perf/test_host_plan_fit.py holds the plan within 15% of the measured peak
+of a size the fit did not see (docs/design.md#resource-plan).
 """
 
 from __future__ import annotations
@@ -17,21 +18,20 @@ from __future__ import annotations
 from harness.base.errors import ShardingError
 from harness.inputs.spec import ModelSpec
 from harness.perf.instances import INSTANCES, check_fits, core_bytes, smallest_instance
-from harness.port.sharding import bytes_per_rank
+from harness.port.sharding import bytes_per_rank, kv_cache_bytes, layer_params_per_rank
 
 GIB = 1 << 30
 HOST_RAM = {"inf2.8xlarge": 128 * GIB, "inf2.24xlarge": 384 * GIB, "inf2.48xlarge": 768 * GIB}  # AWS, Inf2 page
 COMMANDS = ("check", "reference", "bisect", "quality", "bench")
-# command -> (host peak / fp32 model bytes, basis). "measured": a measured run; "counted": the copies
-# of the model the command holds at once, read from its code.
-HOST_MODEL = {
-    "check": (5.1, "measured once: 4.3 GiB peak / 0.84 GiB fp32 (issue 28; two-core build machine, 2026)"),
-    "bisect": (5.1, "counted: the same observation as check (observe.py), so check's ratio"),
-    "quality": (5.1, "counted: references and the port of check over the corpus, so check's ratio"),
-    "reference": (1.5, "counted: one transformers model at a time (reference.run_reference deletes each): "
-                       "fp32 1.0 plus the bf16 safetensors pages it reads 0.5"),
-    "bench": (1.0, "counted: the port's bf16 ranks (0.5) and the per-rank state dicts while loading (0.5)"),
-}
+# command -> (base bytes, k, basis): peak = base + k x the largest counted phase. Fitted by
+# benchmarks/host_plan_fit.py (docs/design.md#resource-plan has the runs); bisect, quality and bench
+# are not measured apart and take check's constants (the same port, references and stages).
+FITTED = {"check": (501_002_364, 1.158, "fit over hidden 512/768/1024 (2026-12-01)"),
+          "reference": (494_532_168, 1.062, "fit over hidden 512/768/1024 (2026-12-01)")}
+HOST_FIT = {name: FITTED.get(name, (*FITTED["check"][:2], "check's fit")) for name in COMMANDS}
+# Copies of the captured rows held at once in check: the port's, the fp32, bf16 and float64
+# references', and the judge's stacked device/reference/envelope tensors.
+CAPTURE_COPIES = 7
 
 
 def fp32_model_bytes(spec: ModelSpec) -> int:
@@ -41,49 +41,187 @@ def fp32_model_bytes(spec: ModelSpec) -> int:
     return sizes["weights"] + spec.per_layer_vocab_size * spec.num_layers * spec.per_layer_input_size * 4
 
 
+def _default_rows() -> int:
+    """Positions the default prompts run (each prompt plus its 8 decoded tokens)."""
+    import json
+
+    from harness import FIXTURES_DIR
+
+    prompts = json.loads((FIXTURES_DIR / "prompts" / "default.json").read_text())
+    return sum(len(p) + 8 for p in prompts)
+
+
+def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", rows: int | None = None) -> dict:
+    """The pieces a command holds on the host, in bytes: `model` (fp32, one transformers reference),
+    `port` (the port's host part: its ranks on cpu/xla, the embedding table on neuron), `load` (the
+    per-rank state dicts while a build loads: on neuron they leave for the device), `fp32_port`
+    (the fp32 stage's build on cpu), `float64` (the envelope's model: whole, or its embedding plus
+    one layer when streamed), `captures` (the captured rows of every copy)."""
+    from harness.reference import float64 as f64  # whole up to its FLOAT64_RESIDENT_BYTES, read now
+
+    model = fp32_model_bytes(spec)
+    ranks = lambda d: tp * bytes_per_rank(spec, tp, d, 0)["weights"]  # noqa: E731
+    table = lambda d: bytes_per_rank(spec, tp, d, 0)["host_embeddings"]  # noqa: E731
+    port = table(dtype) + (0 if backend == "neuron" else ranks(dtype))
+    whole = 2 * model
+    rows = _default_rows() if rows is None else rows
+    streamed = streamed_bytes(spec, 8, rows)
+    per_row = 4 * (spec.vocab_size * 3 + spec.num_layers * spec.hidden_size * 4)
+    return {"model": model, "port": port, "load": ranks(dtype) if backend == "neuron" else 0,
+            # an fp32 port on the host backend is its own fp32 stage (harness/parity/check.py _fp32_stage)
+            "fp32_port": 0 if dtype == "float32" and backend != "neuron" else ranks("float32") + table("float32"),
+            "float64": whole if whole <= f64.FLOAT64_RESIDENT_BYTES else streamed,
+            "float64_streamed": whole > f64.FLOAT64_RESIDENT_BYTES, "stream32": streamed_bytes(spec, 4, rows),
+            "captures": CAPTURE_COPIES * rows * per_row,
+            # MoE and PLE: the bf16 stage computes the references again along the port's path
+            # (harness/parity/observe.py follow_port_path), one transformers model at a time
+            "rerun": model if spec.moe is not None or spec.per_layer_input_size else 0}
+
+
+def streamed_bytes(spec: ModelSpec, nbytes: int, rows: int) -> int:
+    """A pass streamed one decoder layer at a time (harness/reference/stream.py) at `nbytes` per
+    value: the embedding (the tied head), the layer running and the next one being read, and every
+    sequence's state: its hidden rows, the MLP's intermediate rows and its KV cache of every layer
+    (the float64 envelope records the cache). Measured: one layer and no state undercounts (the
+    H=768 streamed run in docs/design.md#resource-plan)."""
+    layer = max(layer_params_per_rank(spec, layer, 1) for layer in spec.layers)
+    mlp = max(spec.mlp_size(layer) for layer in spec.layers)
+    kv = kv_cache_bytes(spec, 1, "float32")["per_token"] // 4  # values per position, every layer
+    state = rows * (4 * spec.hidden_size + 2 * mlp + kv)
+    return nbytes * (spec.vocab_size * spec.hidden_size + 2 * layer + state)
+
+
+def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: bool = True,
+                served: bool = True, stream: bool = False) -> dict:
+    """What `command` holds at once in each phase (bytes, before the fit's constants). check runs
+    its phases in this order (harness/parity/check.py): the port built, the references (one model
+    at a time, none with a golden), the fp32 stage (its cpu build beside the port, then the float64
+    envelope), the bf16 stage and local verdicts, the served build (the parity build released)."""
+    p, m, cap = parts["port"], parts["model"], parts["captures"]
+    phases = {"build port": p + parts["load"]}
+    if command == "check" and not golden:
+        phases["reference"] = p + m + cap // 2
+    if command in ("check", "bisect") and fp32_stage:
+        phases["fp32 stage"] = p + parts["fp32_port"] + parts["float64"] + cap
+    if command in ("check", "bisect"):
+        phases["bf16 stage"] = p + cap + parts["rerun"]
+    if command == "quality":
+        phases["port"] = p + cap
+    if command == "check" and served:
+        phases["served build"] = p + parts["load"] + cap
+    if command == "quality" and not golden:  # the corpus references are streamed (harness/quality/golden.py)
+        phases["reference"] = p + parts["stream32"] + cap // 2
+    if command == "reference":
+        phases = {"reference": (parts["stream32"] if stream else m) + cap // CAPTURE_COPIES}
+    return phases
+
+
+def host_peak(command: str, phases: dict) -> int:
+    base, k, _ = HOST_FIT[command]
+    return int(base + max(k, 1.0) * counted_peak(phases))  # never less than what the phase holds
+
+
+def counted_peak(phases: dict) -> int:
+    return max(phases.values())
+
+
 def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *, sliding_cache: str = "linear",
-                  host_bytes: int | None = None, layout: bool = True) -> dict:
-    """Per command: host_peak_bytes (and its basis), device_bytes_per_core, graphs, and whether each
-    fits; `host_bytes` is the host budget (default: the RAM of the instance the TP degree needs)."""
+                  host_bytes: int | None = None, layout: bool = True, backend: str = "neuron",
+                  rows: int | None = None, options: dict | None = None) -> dict:
+    """Per command: host_peak_bytes (and its phases), device_bytes_per_core, graphs, and whether
+    each fits; `host_bytes` is the host budget (default: the RAM of the instance the TP degree
+    needs); `options` (golden, fp32_stage, served) what the command was asked to skip."""
     inst = smallest_instance(tp)
-    budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "", 0)
+    budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "")
     core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
     try:
         check_fits(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
         device_problem = None
     except ShardingError as exc:
         device_problem = str(exc)
-    model = fp32_model_bytes(spec)
+    parts = host_parts(spec, tp, dtype, backend, rows)
     commands = {}
     for name in COMMANDS:
-        ratio, basis = HOST_MODEL[name]
-        peak = int(ratio * model)
-        commands[name] = {"host_peak_bytes": peak, "host_basis": basis, "fits_host": peak <= budget,
-                          "device_bytes_per_core": core["total"], "graphs": core["graphs"],
-                          "fits_device": device_problem is None}
-    return {"instance": inst.name if inst else None, "host_bytes": budget, "fp32_model_bytes": model,
-            "tp": tp, "kv_len": kv_len, "buckets": sorted({int(b) for b in buckets}), "core": core,
+        phases = host_phases(name, parts, **(options or {}))
+        peak = host_peak(name, phases)
+        commands[name] = {"host_peak_bytes": peak, "host_phases": phases, "host_basis": HOST_FIT[name][2],
+                          "fits_host": budget is None or peak <= budget, "device_bytes_per_core": core["total"],
+                          "graphs": core["graphs"], "fits_device": device_problem is None}
+    return {"instance": inst.name if inst else None, "host_bytes": budget, "fp32_model_bytes": parts["model"],
+            "float64_streamed": parts["float64_streamed"], "backend": backend,
+            "host_parts": parts, "options": dict(options or {}), "tp": tp, "kv_len": kv_len, "buckets": sorted({int(b) for b in buckets}), "core": core,
             "core_hbm": 16 * GIB, "device_problem": device_problem, "commands": commands,
             "instances": [i.name for i in INSTANCES]}
 
 
 def render_resource_plan(plan: dict) -> str:
-    gib = lambda n: f"{n / GIB:.1f} GiB"  # noqa: E731
-    lines = [f"resource plan: {plan['instance']} (host {gib(plan['host_bytes'])}; tp={plan['tp']}, one NeuronCore "
+    host = "no stated budget" if plan["host_bytes"] is None else gib(plan["host_bytes"])
+    lines = [f"resource plan: {plan['instance']} (host {host}; tp={plan['tp']}, one NeuronCore "
              f"of 16 GiB per rank), model {gib(plan['fp32_model_bytes'])} in fp32, buckets {plan['buckets']}, "
              f"KV length {plan['kv_len']}"]
     for name, c in plan["commands"].items():
         host = "fits" if c["fits_host"] else "does NOT fit"
         dev = "fits" if c["fits_device"] else "does NOT fit"
-        lines.append(f"  {name:9s} host peak {gib(c['host_peak_bytes'])} ({host}); device "
+        phase = max(c["host_phases"], key=c["host_phases"].get)
+        lines.append(f"  {name:9s} host peak {gib(c['host_peak_bytes'])} ({host}; largest phase: {phase}); device "
                      f"{gib(c['device_bytes_per_core'])} per core ({dev}), {c['graphs']} graphs  [{c['host_basis']}]")
     if plan["device_problem"]:
         lines.append(f"  device: {plan['device_problem']}")
-    if not all(c["fits_host"] for c in plan["commands"].values()):
-        lines.append("  host: a command over the budget has no option that makes it fit yet (streamed references "
-                     "and one model resident at a time are issue 28's item 3); a larger instance or "
-                     "--host-memory for another host")
+    for name, c in plan["commands"].items():
+        if not c["fits_host"]:
+            lines.append(f"  {name}: {what_fits(plan, name)}")
     return "\n".join(lines)
 
 
-__all__ = ["COMMANDS", "HOST_MODEL", "HOST_RAM", "fp32_model_bytes", "render_resource_plan", "resource_plan"]
+def gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+# command -> (option, what it drops) that shrink its host peak, in the order they are suggested
+SHRINKING = {"check": (("--golden DIR", {"golden": True}), ("--skip-fp32-stage", {"fp32_stage": False}),
+                       ("--skip-served-build", {"served": False})),
+             "bisect": (("--skip-fp32-stage", {"fp32_stage": False}),),
+             "reference": (("--stream", {"stream": True}),)}
+
+
+def what_fits(plan: dict, command: str) -> str:
+    """What would make `command` fit the plan's host budget: the options that drop its largest
+    phases (each alone, then together), else a larger host."""
+    parts, budget = plan["host_parts"], plan["host_bytes"]
+    options = dict(plan.get("options") or {})
+    tried = []
+    for flag, change in SHRINKING.get(command, ()):
+        if all(options.get(k) == v for k, v in change.items()):
+            continue
+        options.update(change)
+        tried.append(flag)
+        peak = host_peak(command, host_phases(command, parts, **options))
+        if peak <= budget:
+            return f"with {' and '.join(tried)} the plan is {gib(peak)}, which fits {gib(budget)}"
+    peak = plan["commands"][command]["host_peak_bytes"]
+    larger = next((f"; {name} ({gib(ram)}) fits it" for name, ram in HOST_RAM.items() if ram >= peak), "")
+    return (f"no option of {command} brings it under {gib(budget)}; run it on a host with more memory "
+            f"(--host-memory GIB states that host's budget){larger}")
+
+
+def refuse_unfit_host(plan: dict, command: str, budget_source: str) -> str | None:
+    """The one-line refusal of a command whose host plan does not fit the budget (None: it fits)."""
+    c = plan["commands"][command]
+    if c["fits_host"]:
+        return None
+    phase = max(c["host_phases"], key=c["host_phases"].get)
+    return (f"{command}: the host plan needs {gib(c['host_peak_bytes'])} at its peak ({phase}), over the host "
+            f"budget of {gib(plan['host_bytes'])} ({budget_source}); {what_fits(plan, command)}")
+
+
+def summary_line(plan: dict, command: str) -> str:
+    """The plan's one line for `command`, printed before it starts."""
+    c = plan["commands"][command]
+    phase = max(c["host_phases"], key=c["host_phases"].get)
+    budget = "no stated budget" if plan["host_bytes"] is None else gib(plan["host_bytes"])
+    return (f"plan: host peak {gib(c['host_peak_bytes'])} of {budget} (largest phase: {phase}), "
+            f"device {gib(c['device_bytes_per_core'])} per NeuronCore, {c['graphs']} graphs")
+
+
+__all__ = ["COMMANDS", "HOST_FIT", "HOST_RAM", "counted_peak", "fp32_model_bytes", "host_parts", "host_peak",
+           "host_phases", "refuse_unfit_host", "render_resource_plan", "resource_plan", "summary_line", "what_fits"]

@@ -10,7 +10,8 @@ import pytest
 from harness import FIXTURES_DIR
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from harness.inputs.spec import load_spec
-from harness.perf.host_plan import COMMANDS, HOST_MODEL, fp32_model_bytes, resource_plan
+from harness.perf.host_plan import (COMMANDS, host_parts, host_peak, host_phases, fp32_model_bytes, resource_plan,
+                                    what_fits)
 from harness.perf.instances import core_bytes
 
 CONFIGS = FIXTURES_DIR / "configs"
@@ -26,10 +27,42 @@ def test_the_plan_of_each_command(name, tp, instance):
     assert plan["instance"] == instance and set(plan["commands"]) == set(COMMANDS)
     for cmd, c in plan["commands"].items():
         assert c["device_bytes_per_core"] == core["total"] and c["graphs"] == core["graphs"] == 7
-        assert c["host_peak_bytes"] == int(HOST_MODEL[cmd][0] * fp32_model_bytes(spec))
+        assert c["host_peak_bytes"] == host_peak(cmd, c["host_phases"]) > max(c["host_phases"].values())
         assert c["fits_device"] and c["fits_host"] == (c["host_peak_bytes"] <= plan["host_bytes"])
-    assert not plan["commands"]["check"]["fits_host"]  # issue 28: check at 5.1x does not fit yet
-    assert plan["commands"]["bench"]["fits_host"]
+    # issue 28: every command, check included, fits the instance's host by the phase plan (the
+    # float64 envelope streamed, one reference model at a time)
+    assert all(c["fits_host"] for c in plan["commands"].values())
+    assert plan["float64_streamed"] and max(plan["commands"]["check"]["host_phases"].items(),
+                                            key=lambda kv: kv[1])[0] == "fp32 stage"
+
+
+def test_the_12b_phases_count_what_each_holds_at_once():
+    spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
+    parts = host_parts(spec, 2, "bfloat16", "neuron")
+    model = fp32_model_bytes(spec)
+    assert 7 * GIB < 8 * spec.vocab_size * spec.hidden_size <= parts["float64"] < 13 * GIB  # streamed, not 2 x 44.7
+    assert parts["port"] == 2 * spec.vocab_size * spec.hidden_size  # neuron: the host keeps the bf16 embedding only
+    phases = host_phases("check", parts)
+    assert phases["reference"] >= parts["port"] + model
+    assert phases["fp32 stage"] == parts["port"] + parts["fp32_port"] + parts["float64"] + parts["captures"]
+    assert "reference" not in host_phases("check", parts, golden=True)
+    assert "fp32 stage" not in host_phases("check", parts, fp32_stage=False)
+    cpu = host_parts(spec, 2, "bfloat16", "cpu")
+    assert cpu["port"] > parts["port"] + model // 2 - GIB  # cpu: the ranks live on the host too
+    small = host_parts(load_spec(FIXTURES_DIR / "configs" / "gemma-4-tiny.json"), 2, "bfloat16", "cpu")
+    assert not small["float64_streamed"] and small["float64"] == 2 * fp32_model_bytes(
+        load_spec(FIXTURES_DIR / "configs" / "gemma-4-tiny.json"))
+
+
+def test_what_makes_a_command_fit():
+    spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
+    check = resource_plan(spec, 2, "bfloat16", 256, (64,), host_bytes=70 * GIB)["commands"]["check"]
+    assert not check["fits_host"]
+    plan = resource_plan(spec, 2, "bfloat16", 256, (64,), host_bytes=70 * GIB)
+    assert what_fits(plan, "check").startswith("with --golden DIR and --skip-fp32-stage the plan is")
+    assert "--stream" in what_fits(resource_plan(spec, 2, "bfloat16", 256, (64,), host_bytes=30 * GIB), "reference")
+    hopeless = resource_plan(spec, 2, "bfloat16", 256, (64,), host_bytes=1 * GIB)
+    assert what_fits(hopeless, "check").startswith("no option of check brings it under 1.0 GiB")
 
 
 def test_the_12b_fp32_size_and_a_stated_budget():
@@ -52,3 +85,49 @@ def test_info_plan_json_carries_every_command(tmp_path, capsys):
     assert all({"host_peak_bytes", "device_bytes_per_core", "graphs"} <= set(c) for c in commands.values())
     assert main(args + ["--host-memory", "0"]) == EXIT_BAD_INPUT
     assert "--host-memory 0.0: give the host budget in GiB" in capsys.readouterr().err
+
+
+def test_commands_refuse_a_run_over_the_host_budget_before_model_work(tmp_path, capsys, monkeypatch):
+    import harness.parity.check as parity
+
+    monkeypatch.setattr(parity, "run_parity_check", lambda *a, **k: pytest.fail("model work started"))
+    assert main(["check", "--model", "tiny", "--host-memory", "0.2"]) == EXIT_BAD_INPUT
+    out, err = capsys.readouterr()
+    assert out.startswith("check plan: host peak ") and "of 0.2 GiB (largest phase: fp32 stage)" in out
+    assert "over the host budget of 0.2 GiB (--host-memory 0.2)" in err and "no option of check" in err
+    assert main(["reference", "--model", "tiny", "--host-memory", "0.001", "--out", str(tmp_path / "g")]) == 2
+    assert "reference: the host plan needs" in capsys.readouterr().err and not (tmp_path / "g").exists()
+    with pytest.raises(SystemExit) as exc:  # argparse: a malformed command line exits 2
+        main(["check", "--model", "tiny", "--host-memory", "nope"])
+    assert exc.value.code == EXIT_BAD_INPUT
+    assert "give the host budget in GiB (a positive number) or `auto`" in capsys.readouterr().err
+
+
+def test_the_refusal_names_the_options_that_make_it_fit(capsys, monkeypatch):
+    from harness.perf import host_plan
+
+    # a budget between the plan with the references and the fp32 stage and the plan without them
+    spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-tiny.json")
+    parts = host_parts(spec, 2, "bfloat16", "cpu")
+    full = host_peak("check", host_phases("check", parts))
+    lean = host_peak("check", host_phases("check", parts, golden=True, fp32_stage=False))
+    assert lean < full
+    monkeypatch.setattr(host_plan, "_default_rows", lambda: 0)
+    gib = (lean + full) / 2 / GIB
+    code = main(["check", "--model", "tiny", "--host-memory", f"{gib:.6f}", "--new-tokens", "0",
+                 "--prompts", str(FIXTURES_DIR / "prompts" / "default.json")])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT and "with --golden DIR" in err and "which fits" in err, err
+
+
+def test_moe_references_rerun_along_the_port_path_in_the_bf16_stage():
+    moe = host_parts(load_spec(CONFIGS / "gemma-4-26b-a4b-it.json"), 4, "bfloat16", "neuron")
+    dense = host_parts(load_spec(CONFIGS / "gemma-4-12b-it.json"), 2, "bfloat16", "neuron")
+    assert moe["rerun"] == moe["model"] and dense["rerun"] == 0
+    assert host_phases("check", moe)["bf16 stage"] == moe["port"] + moe["captures"] + moe["model"]
+
+
+def test_an_fp32_port_on_the_host_is_its_own_fp32_stage():
+    spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
+    assert host_parts(spec, 2, "float32", "cpu")["fp32_port"] == 0
+    assert host_parts(spec, 2, "float32", "neuron")["fp32_port"] > fp32_model_bytes(spec)  # built on cpu beside it
