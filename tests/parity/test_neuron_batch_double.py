@@ -111,3 +111,24 @@ def test_a_batch_fault_fails_the_neuron_batched_check_naming_the_sequence(nxd, m
     assert not result.passed, fault.name
     named = named_sequences(result)
     assert named and named <= set(fault.sequences), (fault.name, named, result.failures()[:2])
+
+
+@pytest.mark.slow  # two small builds (the batch-1 and the batched perf builds) and a timed batch bench
+def test_the_device_batch_budgets_path_runs_through_the_double(nxd, tiny0_ckpt):
+    """tests/perf/test_device_budgets.py's per-batch path on the tiny 12B through the double: the
+    batched perf build benches every batch size (its rows' tokens those of each prompt alone) and
+    each gets a budget of BATCH_BUDGET_FACTOR x its floor on the recorded rates, checked on its
+    decode steps' median (here the double on a CPU, not inf2: ok-ness is the device's to say)."""
+    from harness.perf.batch import BATCH_BUDGET_FACTOR
+    from tests.perf.test_device_budgets import batch_budget_checks, device_batch_bench
+
+    settings = RunSettings(backend="neuron", **SMALL)
+    result = device_batch_bench(tiny0_ckpt, settings, batches=(1, 2, 4), runs=2, new_tokens=3)
+    rows = {r["batch"]: r for r in result["batch"]["rows"]}
+    checks = batch_budget_checks(result)
+    assert sorted(checks) == sorted(rows) == [1, 2, 4]
+    for b, check in checks.items():
+        assert check.budget_ms == BATCH_BUDGET_FACTOR * rows[b]["step_floor_ms"] > 0
+        assert check.current_median == pytest.approx(rows[b]["step_ms"])
+        assert len(rows[b]["tokens"]) == b and all(len(t) == 3 for t in rows[b]["tokens"])
+    assert rows[4]["tokens"][:2] == rows[2]["tokens"] and rows[2]["tokens"][:1] == rows[1]["tokens"]
