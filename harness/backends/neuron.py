@@ -55,8 +55,8 @@ from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the 
 from harness.base.errors import HarnessInputError
 from harness.port.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, batch_buckets, batch_example_inputs,
-    batch_graph_inputs, batch_tag, constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result, input_width, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length,
-    tag_for_length, traced_class, unpack_outputs)
+    batch_graph_inputs, batch_tag, constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result,
+    input_width, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length, tag_for_length, traced_class, unpack_outputs)
 from harness.base.settings import RunSettings, directory, flag, positive_int, torch_dtype
 from harness.port.sharding import bytes_per_rank, plan_model, rank_state_dicts
 
@@ -293,7 +293,7 @@ class NeuronBackend:
             if capture and not self.capture:
                 raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                         "backend with capture=True for a parity build to capture activations")
-            args = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids, self.dtype)
+            args = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids, dtype=self.dtype)
             tag = tag_for_length(positions.shape[1], self.graphs)
         else:
             tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
