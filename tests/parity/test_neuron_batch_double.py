@@ -11,8 +11,6 @@ batch fault fails it naming the sequence.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from harness.backends import neuron, neuron_env
@@ -83,21 +81,16 @@ def test_a_call_of_rows_no_bucket_holds_is_refused(nxd, tiny0_ckpt):
 
 @pytest.mark.slow  # a whole `check --batch 4` (both references, both stages, the served build) through the double
 def test_check_batch_4_backend_neuron_with_ragged_prompts_passes(nxd, tmp_path, capsys):
-    """The default prompts (7 to 240 tokens: the 240 past the largest bucket, 64) and a 1-token
-    prompt, served as a batch of 4 on the tiny 12B at TP 2 through the double: passes, one entry per
-    prompt, the batch note said."""
-    from harness.cli import main
-    from harness.inputs.prompts import load_prompts
+    """tests/parity/test_batch_check_cli.py's ragged prompts (a 1-token prompt, three past the
+    largest bucket, five prompts for four slots) served as a batch of 4 on the tiny 12B at TP 2
+    through the double: passes, one entry per prompt, the batch note said."""
+    from tests.parity.test_batch_check_cli import ragged_prompts, run_check
 
-    prompts = tmp_path / "ragged.json"
-    prompts.write_text(json.dumps([[5], *load_prompts()]))
-    out = tmp_path / "check.json"
-    rc = main(["check", "--model", "tiny", "--backend", "neuron", "--batch", "4", "--buckets", "16,64",
-               "--kv-len", "256", "--new-tokens", "4", "--prompts", str(prompts), "--json", str(out)])
+    rc, payload, _ = run_check(tmp_path, "tiny", 2, "--backend", "neuron")
     printed = capsys.readouterr().out
     assert rc == 0, printed[-3000:]
-    payload = json.loads(out.read_text())
-    assert payload["passed"] is True and len(payload["prompts"]) == 6
+    assert payload["passed"] is True and payload["backend"] == "neuron"
+    assert len(payload["prompts"]) == len(ragged_prompts())
     assert any("batch of 4" in n for n in payload["notes"]), payload["notes"]
 
 
