@@ -16,7 +16,8 @@ all-reduce instead of explicit collectives: neuron_layers.py) and traced with Mo
 holds it, decode (s=1) at every KV bucket), tagged `kv_tag(tag, kv)`; each call runs the graph of
 its length at the smallest KV bucket holding its positions (`graphs.kv_read_length`). The KV cache buffers, reassigned in forward, become device state
 aliased between calls. Per-rank weights come from `harness.port.sharding.rank_state_dicts` and are
-loaded with NxDModel.set_weights + to_neuron. Compiled graphs are cached on disk under a key of
+loaded with NxDModel.set_weights + to_neuron. A build of --batch N KV slots traces each graph at
+every batch bucket (graphs.batch_buckets; tag `..._bsB`) with `seq_ids` as an input (docs/batch.md). Compiled graphs are cached on disk under a key of
 everything that changes them (docs/design.md#backends); weights are never part of a cache entry.
 
 NxD APIs used (signatures read in aws-neuron/neuronx-distributed's public source, Release 2.29
@@ -44,8 +45,8 @@ import torch
 
 from harness.backends.neuron_cache import (  # noqa: F401  (re-exported: the backend's cache and flags)
     CACHE_FORMAT, DEFAULT_COMPILER_ARGS, ENTRY_FILES, META_FILE, MODEL_FILE, MODEL_SOURCE_FILES,
-    artifact_cache_key, decode_flags, cache_entry_complete, compile_environment, compiler_flag_string, default_cache_dir,
-    default_compile_workers, model_source_hash, normalize_compiler_args, read_cache_meta, write_cache_entry)
+    artifact_cache_key, cache_entry_complete, compile_environment, compiler_flag_string, decode_flags,
+    default_cache_dir, default_compile_workers, model_source_hash, normalize_compiler_args, read_cache_meta, write_cache_entry)
 from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host's Neuron environment)
     INF2_CORES_PER_DEVICE, INF2_LNC, assign_visible_cores, build_platform, import_neuronx_distributed,
     neuron_core_count, neuron_runtime_version, visible_cores_for_worker)
@@ -293,7 +294,8 @@ class NeuronBackend:
             if capture and not self.capture:
                 raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                         "backend with capture=True for a parity build to capture activations")
-            args = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids, dtype=self.dtype)
+            args = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
+                                      dtype=self.dtype)
             tag = tag_for_length(positions.shape[1], self.graphs)
         else:
             tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
