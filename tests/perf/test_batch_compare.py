@@ -106,7 +106,7 @@ def test_bench_batch_compare_names_a_planted_slowdown_at_one_batch_size(tmp_path
     monkeypatch.setattr(batching.BatchEngine, "decode", slow_at_two)
     cur = bench("cur")
     capsys.readouterr()
-    rc = main(["perf", "compare", str(base), str(cur)])
+    rc = main(["perf", "compare", "--baseline", str(base), "--current", str(cur)])
     printed = capsys.readouterr().out
     assert rc == 1, printed
     comp = perf.compare_files(base, cur)
