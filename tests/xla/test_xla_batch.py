@@ -51,7 +51,7 @@ def test_xla_batched_perf_build_is_refused(tiny0_ckpt):
         build_engine(tiny0_ckpt, RunSettings(backend="xla", batch=2, buckets=(16,), kv_len=32))
 
 
-@pytest.mark.slow  # the batched check (both stages) on the xla backend, with the fault in its graphs
+@pytest.mark.slow  # the batched check (both stages on xla: every shape compiled), ~15 min on 2 busy cores
 def test_a_batch_fault_fails_the_xla_batched_check_naming_the_sequence(monkeypatch):
     from tests.faults.batch_faults import BATCH_CATALOG, named_sequences, run_batch_check
 
