@@ -16,7 +16,8 @@ all-reduce instead of explicit collectives: neuron_layers.py) and traced with Mo
 holds it, decode (s=1) at every KV bucket), tagged `kv_tag(tag, kv)`; each call runs the graph of
 its length at the smallest KV bucket holding its positions (`graphs.kv_read_length`). The KV cache buffers, reassigned in forward, become device state
 aliased between calls. Per-rank weights come from `harness.port.sharding.rank_state_dicts` and are
-loaded with NxDModel.set_weights + to_neuron. Compiled graphs are cached on disk under a key of
+loaded with NxDModel.set_weights + to_neuron. A build of --batch N KV slots traces each graph at
+every batch bucket (graphs.batch_buckets; tag `..._bsB`) with `seq_ids` as an input (docs/batch.md). Compiled graphs are cached on disk under a key of
 everything that changes them (docs/design.md#backends); weights are never part of a cache entry.
 
 NxD APIs used (signatures read in aws-neuron/neuronx-distributed's public source, Release 2.29
@@ -44,8 +45,8 @@ import torch
 
 from harness.backends.neuron_cache import (  # noqa: F401  (re-exported: the backend's cache and flags)
     CACHE_FORMAT, DEFAULT_COMPILER_ARGS, ENTRY_FILES, META_FILE, MODEL_FILE, MODEL_SOURCE_FILES,
-    artifact_cache_key, cache_entry_complete, compile_environment, compiler_flag_string, default_cache_dir,
-    default_compile_workers, model_source_hash, normalize_compiler_args, read_cache_meta, write_cache_entry)
+    artifact_cache_key, cache_entry_complete, compile_environment, compiler_flag_string, decode_flags,
+    default_cache_dir, default_compile_workers, model_source_hash, normalize_compiler_args, read_cache_meta, write_cache_entry)
 from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host's Neuron environment)
     INF2_CORES_PER_DEVICE, INF2_LNC, assign_visible_cores, build_platform, import_neuronx_distributed,
     neuron_core_count, neuron_runtime_version, visible_cores_for_worker)
@@ -54,9 +55,9 @@ from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the 
     version_matches)
 from harness.base.errors import HarnessInputError
 from harness.port.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
-    DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, constant_buffers, example_inputs,
-    graph_inputs, graph_plan, graph_result, input_width, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length,
-    tag_for_length, traced_class, unpack_outputs)
+    DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, batch_buckets, batch_example_inputs,
+    batch_graph_inputs, batch_tag, constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result,
+    input_width, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length, tag_for_length, traced_class, unpack_outputs)
 from harness.base.settings import RunSettings, directory, flag, positive_int, torch_dtype
 from harness.port.sharding import bytes_per_rank, plan_model, rank_state_dicts
 
@@ -90,15 +91,13 @@ class NeuronBackend:
     # The backend options (harness.backends.Backend): name -> converter of a --backend-option value.
     OPTIONS = {"compiler_args": str, "decode_compiler_args": str, "cache_dir": directory, "compile_workers": positive_int,
                "zero_on_reset": flag, "layout_priority": _layout_priority, "reduce_dtype": torch_dtype}
-    reads_cache, host_ranks, serves_batch = True, False, False  # batches: cpu and xla so far
+    reads_cache, host_ranks, serves_batch = True, False, True
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False, *, compiler_args=None,
                  cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True,
                  layout_priority: str | None = "decode", reduce_dtype: torch.dtype = torch.float32,
                  decode_compiler_args=None):
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
-        if settings.batch > 1:  # the graphs take no seq_ids here yet (xla and cpu serve batches)
-            raise HarnessInputError(f"--batch {settings.batch}: the neuron backend serves batch 1 only so far")
         self.sliding_cache = settings.sliding_cache
         self.versions = check_neuron_packages()  # before anything imports the SDK
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
@@ -107,10 +106,13 @@ class NeuronBackend:
         self.graphs = graph_plan(buckets, max_len)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         self.kv_lengths = kv_buckets(self.buckets, max_len)
-        self.kv_graphs = kv_tags(self.buckets, max_len)  # the ModelBuilder tags: (length, KV bucket) each
+        # settings.batch KV slots (NxD Inference's max_batch_size): every graph at each batch bucket
+        self.slots, self.batch_sizes = settings.batch, batch_buckets(settings.batch)
+        self.kv_graphs = kv_tags(self.buckets, max_len, self.slots)  # the ModelBuilder tags: (length, KV bucket) each
         self.last_tag: str | None = None  # the tag the last forward ran
         self.capture = self.returns_captures = bool(capture)
-        self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
+        # a perf build returns only what greedy decode needs; a batched one every row's logits
+        self.last_row_only = not self.capture and self.slots == 1
         self.compiler_args = normalize_compiler_args(compiler_args)
         self.decode_compiler_args = decode_flags(self.compiler_args, decode_compiler_args)
         self.priority_key = _priority_key(layout_priority, self.kv_graphs)
@@ -189,10 +191,10 @@ class NeuronBackend:
 
     def _traced_module(self) -> TracedDecoder:
         """The traced module of this spec (the 12B's or the family's), with NxD's layers."""
-        module = traced_class(self.spec)(self.spec, self.tp, self.max_len, self.dtype,
-                                         NeuronLinears(self.tp, self.dtype, self.reduce_dtype),
-                                         with_captures=self.capture, last_row_only=self.last_row_only,
-                                         sliding_cache=self.sliding_cache)
+        module = traced_class(self.spec, batched=self.slots > 1)(
+            self.spec, self.tp, self.max_len, self.dtype, NeuronLinears(self.tp, self.dtype, self.reduce_dtype),
+            with_captures=self.capture, last_row_only=self.last_row_only, sliding_cache=self.sliding_cache,
+            slots=self.slots)
         module.eval()
         module.requires_grad_(False)
         extra = sorted(constant_buffers(module))
@@ -222,8 +224,7 @@ class NeuronBackend:
                 with torch.no_grad():
                     for tag, (length, kv) in self.kv_graphs.items():
                         module.set_kv_read(kv)  # the trace bakes in which slots the graph reads
-                        builder.trace(args=example_inputs(length, input_width(self.spec), self.dtype,
-                                                          last_row=self.last_row_only), tag=tag)
+                        builder.trace(args=self._example_inputs(tag, length), tag=tag)
                     module.set_kv_read(None)
                 model = builder.compile(priority_model_key=self.priority_key, compiler_workdir=str(workdir),
                                         compiler_args=per_graph, max_workers=self.compile_workers)
@@ -244,6 +245,12 @@ class NeuronBackend:
         graph_io(model, self.kv_graphs, weight_shapes, kv_names,
                  where="nothing was written to the artifact cache (the model code's bug, not the input's)")
         return Built(model, names, kv_names, weight_shapes)
+
+    def _example_inputs(self, tag: str, length: int) -> tuple:
+        width = input_width(self.spec)
+        if self.slots == 1:
+            return example_inputs(length, width, self.dtype, last_row=self.last_row_only)
+        return batch_example_inputs(length, width, self.dtype, int(tag.rsplit("_bs", 1)[1]))
 
     def _graph_io(self):
         """Weights and states the graphs read (neuron_layers.graph_io), checked against the module's."""
@@ -276,14 +283,23 @@ class NeuronBackend:
                 self.nxd_model.write_to_neuron_buffer(zeros, key, rank)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
-                last: int | None = None):
+                last: int | None = None, seq_ids: torch.Tensor | None = None):
         """inputs_embeds [1, s, graphs.input_width] (the hidden size, plus the per-layer rows of a
         model with per-layer inputs), positions [1, s] -> raw logits [1, s, vocab] (with captures
         when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]. Runs the graph
-        of that length at the smallest KV bucket holding the call's positions (`last_tag`)."""
-        tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
-                                 parity_build=self.capture, last_row_only=self.last_row_only, last=last)
+        of that length at the smallest KV bucket holding the call's positions (`last_tag`). A build of
+        several KV slots takes [b, s] rows (b a batch bucket) and `seq_ids` [b] (harness/port/kv_slots.py)."""
+        if self.slots > 1:
+            if capture and not self.capture:
+                raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
+                                        "backend with capture=True for a parity build to capture activations")
+            args = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
+                                      dtype=self.dtype)
+            tag = tag_for_length(positions.shape[1], self.graphs)
+        else:
+            tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
+                                     parity_build=self.capture, last_row_only=self.last_row_only, last=last)
         self.last_tag = self._tag_for_call(tag, positions)
         out = self.nxd_model(*args, model_name=self.last_tag)
         embeds = args[0][..., :self.spec.hidden_size]  # the embeddings capture, without per-layer rows
@@ -297,10 +313,16 @@ class NeuronBackend:
         positions it then also reads are masked out (empty, or later positions)."""
         length, needed = self.graphs[tag], kv_read_length(positions, self.kv_lengths)
         kv = min(kv for n, kv in self.kv_graphs.values() if n == length and kv >= needed)
-        return kv_tag(tag, kv)
+        rows = positions.shape[0]
+        if self.slots == 1:
+            return kv_tag(tag, kv)
+        if rows not in self.batch_sizes:
+            raise HarnessInputError(f"{rows} rows in one call: this build has batch buckets {list(self.batch_sizes)}; "
+                                    "pad the rows to one (harness.port.batching.BatchEngine does)")
+        return batch_tag(kv_tag(tag, kv), rows)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of one layer's cache on one rank, copied from the device: [1, kv_heads, max_len, d].
+        """(k, v) of one layer's cache on one rank, copied from the device: [slots, kv_heads, max_len, d].
         A KV-shared layer holds none: its source layer's, which it reads (as CpuBackend.kv_cache)."""
         source = self.spec.layers[layer].kv_source if 0 <= layer < self.spec.num_layers else None
         keys = [f"layers.{layer if source is None else source}.self_attn.cache.{b}" for b in ("k", "v")]
@@ -320,30 +342,16 @@ class Built(NamedTuple):
     weight_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def decode_flags(compiler_args: list[str], decode_compiler_args) -> list[str]:
-    """The decode graphs' flag words: `compiler_args` when not given; refused unless they name the
-    same --target (the build's platform comes from the flags: neuron_env.build_platform)."""
-    if decode_compiler_args is None:
-        return list(compiler_args)
-    words = normalize_compiler_args(decode_compiler_args)
-
-    def target(w):
-        return w[w.index("--target") + 1] if "--target" in w[:-1] else None
-    if target(words) != target(compiler_args):
-        raise HarnessInputError(f"decode_compiler_args {shlex.join(words)!r} name target {target(words)!r}, the "
-                                f"other graphs' flags {target(compiler_args)!r}: give `--target "
-                                f"{target(compiler_args)}` in both")
-    return words
-
-
 def kv_tag(tag: str, kv: int) -> str:
     """The ModelBuilder tag of graph `tag` (graphs.graph_plan) reading KV bucket `kv`."""
     return f"{tag}_kv{int(kv)}"
 
 
-def kv_tags(buckets, max_len: int) -> dict[str, tuple[int, int]]:
-    """ModelBuilder tag -> (sequence length, KV bucket), one per graph of graphs.kv_graph_plan."""
-    return {kv_tag(tag, kv): (length, kv) for tag, length, kv in kv_graph_plan(buckets, max_len)}
+def kv_tags(buckets, max_len: int, slots: int = 1) -> dict[str, tuple[int, int]]:
+    """ModelBuilder tag -> (sequence length, KV bucket), one per graph of graphs.kv_graph_plan; with
+    several KV `slots`, each of them at every batch bucket (graphs.batch_buckets, graphs.batch_tag)."""
+    plan = {kv_tag(tag, kv): (length, kv) for tag, length, kv in kv_graph_plan(buckets, max_len)}
+    return plan if slots == 1 else {batch_tag(t, b): v for t, v in plan.items() for b in batch_buckets(slots)}
 
 
 def _kv_graphs_json(kv_graphs: dict[str, tuple[int, int]]) -> dict[str, list[int]]:

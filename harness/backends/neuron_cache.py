@@ -63,6 +63,22 @@ def compiler_flag_string(words: list[str]) -> str:
     return shlex.join(words)
 
 
+def decode_flags(compiler_args: list[str], decode_compiler_args) -> list[str]:
+    """The decode graphs' flag words: `compiler_args` when not given; refused unless they name the
+    same --target (the build's platform comes from the flags: neuron_env.build_platform)."""
+    if decode_compiler_args is None:
+        return list(compiler_args)
+    words = normalize_compiler_args(decode_compiler_args)
+
+    def target(w):
+        return w[w.index("--target") + 1] if "--target" in w[:-1] else None
+    if target(words) != target(compiler_args):
+        raise HarnessInputError(f"decode_compiler_args {shlex.join(words)!r} name target {target(words)!r}, the "
+                                f"other graphs' flags {target(compiler_args)!r}: give `--target "
+                                f"{target(compiler_args)}` in both")
+    return words
+
+
 # A model whose per-rank weights exceed this compiles one graph at a time by default: ModelBuilder
 # compiles the non-priority graphs on a thread pool (max_workers=None: one per core), each running
 # neuronx-cc on a 12B-sized graph, in a process that already holds the traced rank module (about

@@ -155,3 +155,36 @@ def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, p
                               buckets=[b for b in settings.buckets if b >= prompt_len][:1])
     return {"batches": batches, "prompt_len": prompt_len, "new_tokens": new_tokens, "runs": runs,
             "rows": with_batch_efficiency(measured, floor_rows), "floors": floor_rows, "rates": rates.to_dict()}
+
+
+# A decode step of B rows on the device: within this many times its floor on the instance (the
+# weights read once and every row's KV at the chip's rates), as compare.BUDGETS' tpot_ms is 2x
+# the batch-1 step's weight-read floor.
+BATCH_BUDGET_FACTOR = 2.0
+
+
+def batch_budgets(result: dict, factor: float = BATCH_BUDGET_FACTOR) -> dict[str, float]:
+    """`step_ms@b{B}` -> an absolute ceiling in ms per batch size of a `bench --batch` result:
+    `factor` x that batch's decode floor on the rates the bench recorded (the instance's, on inf2).
+    Checked with compare.check_budgets on results.budget_samples (tests/perf/test_device_budgets.py)."""
+    rows = (result.get("batch") or {}).get("rows") or []
+    if not rows:
+        raise HarnessInputError("this bench result has no batch block: run `gemma-parity bench --batch 1,2,4,8`")
+    return {f"step_ms@b{r['batch']}": factor * r["step_floor_ms"] for r in rows if r.get("step_samples_ms")}
+
+
+def pin_batch_outputs(baseline: dict, current: dict, labels: tuple[str, str]) -> tuple[str | None, list[str]]:
+    """(a refusal when a batch size both results timed generated other tokens in some row, else
+    None; notes): a batch that computes something else is not a performance result."""
+    old = {r["batch"]: r.get("tokens") for r in (baseline.get("batch") or {}).get("rows", [])}
+    new = {r["batch"]: r.get("tokens") for r in (current.get("batch") or {}).get("rows", [])}
+    for b in sorted(set(old) & set(new)):
+        if old[b] is None or new[b] is None or old[b] == new[b]:
+            continue
+        row = next(k for k, (x, y) in enumerate(zip(old[b], new[b])) if x != y) if len(old[b]) == len(new[b]) else 0
+        return (f"outputs changed at batch {b} row {row}: {labels[1]} generated other tokens than {labels[0]} "
+                f"({old[b][row] if row < len(old[b]) else None} -> {new[b][row] if row < len(new[b]) else None}); "
+                "a run that computes something else is not a performance result. Pass --allow-output-change "
+                "to compare the timings anyway"), []
+    shared = sorted(set(old) & set(new))
+    return None, ([f"batch outputs: the same tokens per row at batch {', '.join(map(str, shared))}"] if shared else [])

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from harness.base.errors import HarnessInputError
 from harness.perf import outputs, stats
+from harness.perf.batch import pin_batch_outputs
 from harness.perf.length import pin_length_outputs
 from harness.perf.results import load_result, metric_samples, mismatches, budget_samples
 
@@ -237,8 +238,9 @@ def pin_outputs(comp: Comparison, baseline: dict, current: dict, allow_change: b
     labels = (baseline_label or comp.baseline_label, comp.current_label)
     refusal, notes = outputs.compare_outputs(baseline, current, *labels)
     at_length, length_notes = pin_length_outputs(baseline, current, labels)
-    comp.notes += notes + length_notes
-    refusal = refusal or at_length
+    per_batch, batch_notes = pin_batch_outputs(baseline, current, labels)
+    comp.notes += notes + length_notes + batch_notes
+    refusal = refusal or at_length or per_batch
     if refusal is None:
         return
     if allow_change:

@@ -37,7 +37,33 @@ def metric_samples(result: dict) -> dict[str, list[float]]:
             samples[f"prefill_ms[{bucket}]"] = values
     samples["decode_ms_per_token"] = result["metrics"]["decode_ms_per_token"]
     samples.update(length_samples(result))
+    samples.update(batch_samples(result))
     return samples
+
+
+def batch_samples(result: dict) -> dict[str, list[float]]:
+    """`prefill_ms@b{B}` (every prompt's prefill) and `step_ms@b{B}` (one decode step of all B rows)
+    per batch size of `bench --batch`; empty for a result benched without batches."""
+    samples = {}
+    for row in (result.get("batch") or {}).get("rows", []):
+        samples[f"prefill_ms@b{row['batch']}"] = row["prefill_samples_ms"]
+        if row.get("step_samples_ms"):
+            samples[f"step_ms@b{row['batch']}"] = row["step_samples_ms"]
+    return samples
+
+
+def batch_lists(result: dict) -> dict[str, object]:
+    """The sample lists of the batch block by their place in the file (for validation)."""
+    block = result.get("batch")
+    if block is None:
+        return {}
+    rows = block.get("rows") if isinstance(block, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("batch"), int) for r in rows):
+        return {"batch.rows": None}
+    lists = {f"batch.rows[{r['batch']}].prefill_samples_ms": r.get("prefill_samples_ms") for r in rows}
+    lists.update({f"batch.rows[{r['batch']}].step_samples_ms": r["step_samples_ms"] for r in rows
+                  if r.get("step_samples_ms", []) != []})  # none: bench --new-tokens 1 (no step)
+    return lists
 
 
 def length_samples(result: dict) -> dict[str, list[float]]:
@@ -145,6 +171,7 @@ def validate_result(result, source: str) -> dict:
         raise HarnessInputError(f"{source}: decode_steps_ms must be a list of per-run step lists; re-run the benchmark")
     lists.update({f"decode_steps_ms[{k}]": run for k, run in enumerate(steps or [])})
     lists.update(length_lists(result))
+    lists.update(batch_lists(result))
     for name, values in lists.items():
         if not _finite_list(values):
             raise HarnessInputError(f"{source}: {name} must be a non-empty list of finite numbers; "

@@ -160,6 +160,20 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sizes) + (max_batch,)
 
 
+def batch_tag(tag: str, batch: int) -> str:
+    """The tag of graph `tag` at batch bucket `batch` in a build of several KV slots (NxD Inference
+    compiles its context-encoding and token-generation graphs per batch size the same way)."""
+    return f"{tag}_bs{int(batch)}"
+
+
+def batch_example_inputs(length: int, hidden: int, dtype: torch.dtype, batch: int) -> tuple:
+    """(inputs_embeds [b, s, hidden], positions [b, s], seq_ids [b]) a batched graph (TracedBatchDecoder)
+    of `batch` rows and `length` positions is traced with: row r in slot r."""
+    embeds, positions = example_inputs(length, hidden, dtype)
+    return (embeds.expand(batch, -1, -1).contiguous(), positions.expand(batch, -1).contiguous(),
+            torch.arange(batch, dtype=POSITION_DTYPE))
+
+
 def kv_graph_plan(buckets, max_len: int) -> list[tuple[str, int, int]]:
     """(tag, sequence length, KV bucket) of every graph a build with KV buckets holds: each prefill
     bucket at each KV bucket that holds it, and decode at every KV bucket."""

@@ -223,9 +223,10 @@ def batch_reference():
     return run_reference(tiny_checkpoint(seed=0), batch_prompts(), new_tokens=BATCH_NEW_TOKENS)
 
 
-def run_batch_check(fault: BatchFault | None, monkeypatch, variant: str | None = None):
+def run_batch_check(fault: BatchFault | None, monkeypatch, variant: str | None = None, backend: str = "cpu"):
     """`check --batch` (both stages, no local verdicts) of the tiny 12B (or a family variant, on its
-    family prompts with 4 slots) with `fault` injected."""
+    family prompts with 4 slots) with `fault` injected, the bf16 stage on `backend` (neuron: inside
+    the NxD double, tests/nxd_double, set up by the caller)."""
     from harness.backends import build_engine
     from harness.base.settings import RunSettings
     from harness.inputs.checkpoint import Checkpoint
@@ -244,7 +245,7 @@ def run_batch_check(fault: BatchFault | None, monkeypatch, variant: str | None =
         options = {"buckets": FAMILY_BUCKETS, "kv_len": FAMILY_KV_LEN}
     if fault is not None:
         fault.inject(monkeypatch)
-    engine = build_engine(ckpt, RunSettings(tp=2, batch=slots, **options), capture=True)
+    engine = build_engine(ckpt, RunSettings(backend=backend, tp=2, batch=slots, **options), capture=True)
     return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
 
 

@@ -1,5 +1,9 @@
 """The real 12B on the chip within its budgets, judged on the latency users see: TTFT at the
-published bucket (64) against the published ~101 ms, and TPOT (one decode step).
+published bucket (64) against the published ~101 ms, and TPOT (one decode step); and a decode step
+of every batch size of DEVICE_BATCHES within its own absolute budget, BATCH_BUDGET_FACTOR x that
+batch's floor on the instance (harness/perf/batch.py: batch_budgets). The batch path below
+(device_batch_bench, batch_budget_checks) runs through the NxD double in
+tests/parity/test_neuron_batch_double.py.
 
 Needs an inf2 host (`pytest -m neuron`) and GEMMA_PARITY_12B_CHECKPOINT pointing at the
 gemma-4-12B-it checkpoint directory. A device run without it FAILS, naming the variable, as a
@@ -50,6 +54,36 @@ def device_run() -> dict:
     return result
 
 
+DEVICE_BATCHES = (1, 2, 4, 8)
+
+
+def device_batch_bench(checkpoint, settings, batches=DEVICE_BATCHES, runs: int = perf.DEFAULT_RUNS,
+                       new_tokens: int = perf.DEFAULT_NEW_TOKENS) -> dict:
+    """`bench --batch` of `batches` on `settings` (prompts of the smallest bucket): {"batch": block}."""
+    from harness.perf.batch import run_batch_bench
+
+    return {"batch": run_batch_bench(checkpoint, settings, batches, runs=runs, new_tokens=new_tokens,
+                                     prompt_len=min(settings.buckets))}
+
+
+def batch_budget_checks(result: dict) -> dict[int, perf.BudgetCheck]:
+    """batch size -> its decode step's median against BATCH_BUDGET_FACTOR x its floor."""
+    from harness.perf.batch import batch_budgets
+    from harness.perf.results import batch_samples
+
+    checks = perf.check_budgets(batch_samples(result), batch_budgets(result))
+    return {int(c.metric.rsplit("@b", 1)[1]): c for c in checks}
+
+
+@pytest.fixture(scope="module")
+def device_batch_run() -> dict:
+    from harness.base.settings import RunSettings
+    from harness.inputs.checkpoint import Checkpoint
+
+    settings = RunSettings(backend="neuron", dtype="bf16", buckets=(perf.PUBLISHED_BUCKET,), batch=max(DEVICE_BATCHES))
+    return device_batch_bench(Checkpoint.open(checkpoint_path()), settings)
+
+
 def budget(result: dict, metric: str) -> perf.BudgetCheck:
     return perf.check_budgets(perf.budget_samples(result), {metric: perf.BUDGETS[metric]})[0]
 
@@ -68,3 +102,14 @@ def test_tpot_within_budget(device_run):
     assert check.ok, (f"TPOT median {check.current_median:.1f} ms/token is over the "
                       f"{check.budget_ms:g} ms budget (2x the ~27 ms weight-read floor); "
                       f"summary: {device_run['latency_summary']['tpot_ms']}")
+
+
+@pytest.mark.parametrize("batch", DEVICE_BATCHES)
+def test_decode_step_per_batch_within_budget(device_batch_run, batch):
+    from harness.perf.batch import BATCH_BUDGET_FACTOR
+
+    check = batch_budget_checks(device_batch_run)[batch]
+    row = next(r for r in device_batch_run["batch"]["rows"] if r["batch"] == batch)
+    assert check.ok, (f"batch {batch}: decode step median {check.current_median:.1f} ms is over its "
+                      f"{check.budget_ms:.1f} ms budget ({BATCH_BUDGET_FACTOR:g}x the {row['step_floor_ms']:.1f} ms "
+                      f"floor, {row['bound']}-bound); {row['tokens_per_s']:.0f} tokens/s")

@@ -49,3 +49,14 @@ def test_xla_batched_perf_build_is_refused(tiny0_ckpt):
 
     with pytest.raises(HarnessInputError, match="--batch 2"):
         build_engine(tiny0_ckpt, RunSettings(backend="xla", batch=2, buckets=(16,), kv_len=32))
+
+
+@pytest.mark.slow  # the batched check (both stages on xla: every shape compiled), ~15 min on 2 busy cores
+def test_a_batch_fault_fails_the_xla_batched_check_naming_the_sequence(monkeypatch):
+    from tests.faults.batch_faults import BATCH_CATALOG, named_sequences, run_batch_check
+
+    fault = next(f for f in BATCH_CATALOG if f.name == "batch-kv-write-neighbour-slot")
+    result = run_batch_check(fault, monkeypatch, backend="xla")
+    assert not result.passed, fault.name
+    named = named_sequences(result)
+    assert named and named <= set(fault.sequences), (named, result.failures()[:2])
