@@ -106,7 +106,7 @@ def stream_prefill_captures_many(checkpoint, prompts: list[list[int]], dtype=tor
     embed = checkpoint.embed_weight(dtype)
     embedding = _scaled_embedding(hf, embed, spec)
     per_layer = _per_layer_parts(hf, checkpoint, config, dtype)
-    states = [_StreamedPrompt(checkpoint, config, embedding, prompt, forced, per_layer)
+    states = [_StreamedPrompt(checkpoint, config, embedding, prompt, forced, per_layer=per_layer)
               for prompt, forced in zip(prompts, forcing or [None] * len(prompts))]
     if kv:
         from transformers import DynamicCache
