@@ -145,7 +145,8 @@ def test_permission_denied_on_the_prompts_file(tmp_path, tiny0_dir, monkeypatch,
 
 # ---- signals -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130),
+                                       pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)])  # same path
 def test_interrupt_exits_with_one_line_and_leaves_no_temp(tmp_path, tiny0_dir, sig, code):
     """Ctrl-C (or a CI timeout's SIGTERM) during the reference: one line, exit 130 (143), no
     traceback, and no half-written golden or temp directory."""

@@ -214,7 +214,8 @@ def test_nan_from_a_fully_masked_row_is_attention(monkeypatch, tiny0_ckpt, golde
     assert [0, 0] in result.nonfinite["positions"]  # the masked-out first query of each prompt
 
 
-@pytest.mark.parametrize("name, point", [("embed_tokens.weight", "embeddings"), ("norm.weight", "final_norm")])
+@pytest.mark.parametrize("name, point", [("embed_tokens.weight", "embeddings"),
+                                         pytest.param("norm.weight", "final_norm", marks=pytest.mark.slow)])
 def test_fault_outside_the_layers_is_not_blamed_on_a_layer(tmp_path, tiny0_dir, golden, name, point):
     """Noise in the embedding table (before layer 0) or the final norm (after layer 11): bisect
     names that point, no layer, and still fails."""

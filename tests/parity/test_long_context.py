@@ -39,8 +39,9 @@ def test_fixture_spans_windows_and_chunks(long_ckpt, long_prompts):
     assert min(lengths) < LONG_WINDOW < max(lengths)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("sliding_cache", ["ring", "linear"])
+@pytest.mark.parametrize("sliding_cache, tp", [("ring", 2), ("linear", 1),  # the other two pairs: slow
+                                               pytest.param("ring", 1, marks=pytest.mark.slow),
+                                               pytest.param("linear", 2, marks=pytest.mark.slow)])
 def test_long_prompts_pass_in_fp32_token_for_token(long_ckpt, long_reference, tp, sliding_cache):
     """The fp32 port against the fp32 reference at every capture point (chunk boundaries at 12 and 24,
     window edges at 8, 16, 24, 32), the KV cache after prefill and after every decode step (a ring

@@ -39,6 +39,7 @@ def double(tmp_path, monkeypatch):
         yield
 
 
+@pytest.mark.slow  # about 11 CPU-seconds: a bench per variant through the double
 def test_the_matrix_runs_every_variant_and_writes_one_table(double, tmp_path, monkeypatch, tiny0_ckpt):
     matrix = _matrix_module()
     prompts = tmp_path / "prompts.json"

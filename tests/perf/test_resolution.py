@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from harness.perf.compare import compare_results
 from harness.perf.resolution import STATED_CHANGE, detectable_change, machine_rate_notes, runs_for
 from tests.inputs.scenarios import perf_result
@@ -49,6 +51,7 @@ def test_a_comparison_reports_its_resolution_and_the_runs_to_resolve_ten_percent
     assert len(notes) == 1 and "--runs" in notes[0], notes
 
 
+@pytest.mark.slow  # about 11 CPU-seconds of benching (the pilot and the sized run)
 def test_bench_runs_auto_sizes_the_run_from_a_pilot_within_the_cap(tmp_path, capsys, monkeypatch):
     import harness.cli.perf as perf_cli
     from harness.cli import main
