@@ -119,6 +119,12 @@ def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transform
     for prompt, run in zip(prompts, runs):
         assert run.tokens == engine.generate(prompt, 10).tokens
         assert sum(run.accepted) + run.verifies + 1 == 10
+    if tp == 1:  # the acceptance judge's reference: transformers' pair under the port's rules, draft for draft
+        from harness.reference.assistant import exact_acceptance, load_target
+
+        target = load_target(ckpt.path)
+        for prompt, run in zip(prompts, runs):
+            assert exact_acceptance(target, refs_model(path), prompt, 10, 3) == (run.tokens, run.accepted)
     refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
     points, clusters_off, _ = drafter_points(runs, engine, ckpt.spec, refs, FP32)
     assert {p.name for p in points} >= {"fp32.drafter.pre_projection", "fp32.drafter.layers.3.output",
@@ -126,6 +132,26 @@ def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transform
                                         "fp32.drafter.state_fed"}
     assert all(p.passed for p in points), [(p.name, p.ratio) for p in points if not p.passed]
     assert clusters_off == 0
+
+
+def refs_model(path):
+    from harness.reference.assistant import load_assistant
+
+    return load_assistant(path, torch.float32)
+
+
+def test_mirror_assistant_config_fits_its_target_and_reads_the_store_layers(target_spec, tiny0_dir):
+    """The mirror pair's assistant (harness/reference/mirror_assistant.py): one layer per target
+    layer, each reading the target's store layer of its type; only the store layers keep their
+    attention in the mirror target."""
+    from harness.reference.mirror_assistant import mirror_config, store_layers
+
+    config = mirror_config(json.loads((tiny0_dir / "config.json").read_text()))
+    aspec = assistant_spec_from_dict(config, target_spec)
+    assert len(aspec.layers) == len(target_spec.layers) and aspec.hidden_size == target_spec.hidden_size
+    assert [layer.type for layer in aspec.layers] == [layer.type for layer in target_spec.layers]
+    assert {layer.kv_source for layer in aspec.layers} == set(target_spec.kv_store.values())
+    assert store_layers([layer.type for layer in target_spec.layers]) == {10, 11} and not aspec.ordered
 
 
 def test_drafter_with_the_inputs_swapped_departs_from_transformers(random_pair, monkeypatch):
