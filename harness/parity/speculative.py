@@ -132,11 +132,12 @@ def drafter_points(runs: list, engine, spec, references: dict, judge) -> tuple[l
     """The drafter's capture points of every draft step of `runs` (SpeculativeResults with
     captures) against transformers' assistant in fp32 and bf16 fed the same states, the fp32 steps
     whose chosen clusters differ, and the bf16 steps' cluster choices judged (cluster_decisions: a
-    routing.RoutingResult, None without a masked head or in fp32). In bf16 the logits are judged only on steps where the device, the fp32
-    and the bf16 reference chose the same clusters: the other candidates' logits do not compare."""
+    routing.RoutingResult, None without a masked head or in fp32). In bf16 the logits are judged
+    only on steps where the device, the fp32 and the bf16 reference chose the same clusters: the
+    other candidates' logits do not compare."""
     dev, ref32, ref16, clusters_off, choices, last = {}, {}, {}, 0, [], None
     steps = [(run, inp, caps) for run in runs for inp, caps in zip(run.draft_inputs, run.draft_captures)]
-    for step, (run, inp, caps) in enumerate(steps):
+    for run, inp, caps in steps:
         if last is not None and last[0] == (id(run), inp["round"]):  # a later step of a round: fed the last one's state
             for d, found in ((dev, inp["state"]), (ref32, last[1]), (ref16, last[2])):
                 d.setdefault(STATE_FED, []).append(found.reshape(1, -1))

@@ -162,6 +162,26 @@ def mirror_check(tmp_path, tp: int = 2) -> tuple[int, dict]:
     return code, json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("name", ["12b", "31b"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_check_with_the_assistant_passes_on_both_pairs(name, tp, tmp_path):
+    """The Done-when matrix on cpu: `check --checkpoint T --assistant A --speculate 3 --tp N` on the
+    unified 12B-like pair and the gemma4 family pair, the default prompts, exit 0 with the
+    speculative stage judged (its acceptance written per prompt)."""
+    from harness.cli import main as cli
+    from harness.inputs.tiny import TINY_CONFIG, TINY_FAMILY
+    from harness.reference.tiny_assistant import tiny_assistant
+
+    target, assistant = tiny_assistant(0, TINY_CONFIG if name == "12b" else TINY_FAMILY["31b"])
+    out = tmp_path / "check.json"
+    code = cli(["check", "--checkpoint", str(target), "--assistant", str(assistant), "--speculate", str(K),
+                "--tp", str(tp), "--json", str(out)])
+    result = json.loads(out.read_text())
+    stage = result["extra_stages"]["speculative"]
+    assert code == 0 and result["passed"] and stage["ran"] and stage["passed"], stage["failures"]
+    assert stage["acceptance"] and all(a["passed"] for a in stage["acceptance"])
+
+
 def test_the_mirror_pair_accepts_well_over_one_draft_and_passes(tmp_path):
     code, result = mirror_check(tmp_path)
     stage = result["extra_stages"]["speculative"]
