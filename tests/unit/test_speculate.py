@@ -119,25 +119,19 @@ def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transform
     for prompt, run in zip(prompts, runs):
         assert run.tokens == engine.generate(prompt, 10).tokens
         assert sum(run.accepted) + run.verifies + 1 == 10
+    refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
     if tp == 1:  # the acceptance judge's reference: transformers' pair under the port's rules, draft for draft
         from harness.reference.assistant import exact_acceptance, load_target
 
         target = load_target(ckpt.path)
         for prompt, run in zip(prompts, runs):
-            assert exact_acceptance(target, refs_model(path), prompt, 10, 3) == (run.tokens, run.accepted)
-    refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
+            assert exact_acceptance(target, refs[torch.float32].model, prompt, 10, 3) == (run.tokens, run.accepted)
     points, clusters_off, _ = drafter_points(runs, engine, ckpt.spec, refs, FP32)
     assert {p.name for p in points} >= {"fp32.drafter.pre_projection", "fp32.drafter.layers.3.output",
                                         "fp32.drafter.post_projection", "fp32.drafter.logits",
                                         "fp32.drafter.state_fed"}
     assert all(p.passed for p in points), [(p.name, p.ratio) for p in points if not p.passed]
     assert clusters_off == 0
-
-
-def refs_model(path):
-    from harness.reference.assistant import load_assistant
-
-    return load_assistant(path, torch.float32)
 
 
 def test_mirror_assistant_config_fits_its_target_and_reads_the_store_layers(target_spec, tiny0_dir):
