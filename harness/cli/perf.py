@@ -8,6 +8,7 @@ from pathlib import Path
 from harness.base.atomic import claim_output
 from harness.base.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
 from harness.cli import validate as v
+from harness.cli.check import add_speculate_args, speculative_bench, validate_speculate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
 from harness.perf.results import history_files, length_lists, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
@@ -49,6 +50,7 @@ def add_command(subparsers) -> None:
                        "without --force, and then only a result file bench wrote)")
     bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
     bench.add_argument("--history", metavar="DIR", help="also add the run to this history directory")
+    add_speculate_args(bench)  # --assistant DIR --speculate K: speculative decode timed beside plain (perf/speculative.py)
     bench.set_defaults(func=run_bench_command, validate=validate_bench, seed=0)
     _add_compare(subparsers)
 
@@ -149,6 +151,7 @@ def validate_bench(args) -> None:
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, kv_len, getattr(args, "sliding_cache", "linear") if args.backend != "neuron" else None)
+    validate_speculate(args, ckpt)
 
 
 def _positive_int(x) -> bool:
@@ -288,6 +291,7 @@ def run_bench_command(args) -> int:
 
         result["batch"] = run_batch_bench(args.ckpt, args.settings, args.batch, runs=args.runs,
                                           new_tokens=args.new_tokens, prompt_len=min(args.settings.buckets))
+    result.update(speculative_bench(args, runs))  # with --assistant: the "speculative" block, printed
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
     if args.batch:
