@@ -37,7 +37,18 @@ def metric_samples(result: dict) -> dict[str, list[float]]:
             samples[f"prefill_ms[{bucket}]"] = values
     samples["decode_ms_per_token"] = result["metrics"]["decode_ms_per_token"]
     samples.update(length_samples(result))
+    samples.update(speculative_samples(result))
     return samples
+
+
+def speculative_samples(result: dict) -> dict[str, list[float]]:
+    """`speculative_ms_per_token[k=K]`, one sample per run, for a result benched with --speculate K
+    (harness/perf/speculative.py); empty otherwise. Accepted drafts per verify is reported, not
+    compared (it is not a time)."""
+    block = result.get("speculative")
+    if not isinstance(block, dict) or not isinstance(block.get("samples"), list):
+        return {}
+    return {f"speculative_ms_per_token[k={block.get('k')}]": [s["speculative_ms_per_token"] for s in block["samples"]]}
 
 
 def length_samples(result: dict) -> dict[str, list[float]]:

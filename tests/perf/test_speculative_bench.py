@@ -53,3 +53,22 @@ def test_bench_reports_acceptance_and_speedup_and_sees_a_capped_engine(tmp_path,
     capped = _bench(tmp_path, "capped")
     assert capped["tokens_equal"] and capped["accepted_per_verify"] <= 1.0
     assert capped["modeled_speedup_inf2"] < healthy["modeled_speedup_inf2"]
+
+
+def test_perf_compare_flags_a_slower_speculative_decode():
+    """Results benched with --speculate K carry speculative_ms_per_token[k=K] into perf compare,
+    one sample per run; a 30% slower speculative decode is a regression, plain decode unchanged."""
+    import random
+
+    from harness import perf
+    from tests.perf.test_perf_regression import samples, synthetic_result
+
+    rng = random.Random(0)
+    plain = samples(rng, 100, 0.02), samples(rng, 30, 0.02)
+    base, cur = synthetic_result(*plain), synthetic_result(*plain)
+    base["speculative"] = {"k": 3, "samples": [{"speculative_ms_per_token": v} for v in samples(rng, 20, 0.02)]}
+    cur["speculative"] = {"k": 3, "samples": [{"speculative_ms_per_token": v} for v in samples(rng, 20, 0.02, scale=1.3)]}
+    comp = perf.compare_results(base, cur, intervals=False)
+    assert comp.regressions == ["speculative_ms_per_token[k=3]"]
+    same = perf.compare_results(base, base, intervals=False)
+    assert "speculative_ms_per_token[k=3]" in [m.metric for m in same.metrics] and not same.regressions
