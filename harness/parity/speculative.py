@@ -245,3 +245,22 @@ def speculative_stage(settings, assistant_dir, k: int):
         result.extra_stages.append(check_speculative(checkpoint, observed.ref32, observed.ref16, band, settings=settings,
                                                      assistant_dir=assistant_dir, k=k))
     return check
+
+
+def first_drafter_point(stage: SpeculativeStage) -> dict | None:
+    """bisect's answer for the drafter: its first failing capture point in the drafter's own order
+    (pre_projection, layers 0.., final_norm, post_projection, logits, state_fed), fp32 stage first;
+    None when every point passes."""
+    def order(name: str) -> tuple:
+        part = name.split(DRAFTER, 1)[1]
+        if part.startswith("layers."):
+            return (1, int(part.split(".")[1]))
+        return ({"pre_projection": 0, "final_norm": 2, "post_projection": 3, "logits": 4}.get(part, 5), 0)
+    failing = sorted((p for p in stage.drafter_points if not p.passed),
+                     key=lambda p: (not p.name.startswith("fp32."), order(p.name)))
+    if not failing:
+        return None
+    p = failing[0]
+    return {"point": p.name, "ratio": p.ratio, "worst_position": p.worst_position,
+            "detail": f"the drafter's first point off transformers' assistant fed the same target states ({p.ratio:.3g}x "
+                      "its envelope); the points after it inherit its error"}

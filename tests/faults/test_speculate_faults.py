@@ -200,3 +200,35 @@ def test_an_engine_accepting_at_most_one_draft_fails_check_by_acceptance_alone(t
     assert {f["point"] for f in stage["failures"]} == {"acceptance"}, stage["failures"]
     assert all(p["passed"] for p in stage["drafter_points"])
     assert max(a["port"] for a in stage["acceptance"]) <= 1.0
+
+
+@pytest.fixture(scope="module")
+def golden_12b(tmp_path_factory):
+    from harness.cli import main as cli
+
+    target = pair("12b")[0].path
+    out = tmp_path_factory.mktemp("golden") / "g"
+    prompts = out.parent / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    assert cli(["reference", "--checkpoint", str(target), "--prompts", str(prompts), "--new-tokens", str(NEW_TOKENS),
+                "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("fault", [None, "swapped"])
+def test_bisect_with_the_assistant_names_the_drafters_first_failing_point(fault, golden_12b, tmp_path, monkeypatch):
+    """`bisect --assistant A --speculate 3`: healthy, no drafter point named (exit 0); with the
+    embedding and hidden state joined the wrong way, the drafter's first point, pre_projection."""
+    from harness.cli import main as cli
+
+    ckpt, assistant, _ = pair("12b")
+    if fault:
+        _swapped_inputs(monkeypatch)
+    out = tmp_path / "bisect.json"
+    code = cli(["bisect", "--checkpoint", str(ckpt.path), "--golden", str(golden_12b), "--assistant", str(assistant),
+                "--speculate", str(K), "--json", str(out)])
+    first = json.loads(out.read_text())["speculative"]["first_drafter_point"]
+    if fault is None:
+        assert code == 0 and first is None
+    else:
+        assert code == 1 and first["point"] == "fp32.drafter.pre_projection", first
