@@ -5,6 +5,7 @@ from __future__ import annotations
 from harness.base.atomic import write_json_atomic
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
+from harness.cli.check import add_speculate_args, validate_speculate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 
 
@@ -24,6 +25,7 @@ def add_command(sub) -> None:
                    help="capture (default on cpu) or truncate (default on neuron: no extra graph outputs)")
     add_port_args(p, "write bisect.md, bisect.json and bisect_errors.png there", batch=True)
     add_host_memory_arg(p)
+    add_speculate_args(p)  # with --assistant: the drafter's first failing point named too
     p.set_defaults(func=run, validate=validate)
 
 
@@ -39,6 +41,7 @@ def validate(args) -> None:
     validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", buckets=args.settings.buckets,
                         kv_len=args.settings.kv_len, max_positions=ckpt.spec.max_positions)
     plan_gate(args, "bisect", ckpt.spec, rows_of(golden.prompts, golden.new_tokens), golden=True)
+    validate_speculate(args, ckpt)
 
 
 def run(args) -> int:
@@ -48,7 +51,7 @@ def run(args) -> int:
     ckpt = args.ckpt
     print(ckpt.describe())
     result, payload = bisect_golden(ckpt, args.golden_read, args.settings, mode=args.mode, progress=True)
-    text = format_bisect(payload)
+    text = format_bisect(payload) + _drafter(args, result, payload)
     payload = with_generator(payload, "bisect", args)
     if args.json is not None:  # the files first: a verdict is printed only once they are written
         write_json_atomic(args.json, payload)
@@ -59,4 +62,21 @@ def run(args) -> int:
     print(text)
     if args.report is not None:
         print(f"report written to {args.report}")
-    return EXIT_OK if result.passed else EXIT_FAIL
+    return EXIT_OK if result.passed and payload.get("speculative", {}).get("passed", True) else EXIT_FAIL
+
+
+def _drafter(args, result, payload: dict) -> str:
+    """With --assistant: the speculative stage on the golden's prompts, and the drafter's first
+    failing point (parity.speculative.first_drafter_point) in the payload and the text."""
+    if getattr(args, "assistant_ckpt", None) is None:
+        return ""
+    from harness.parity.speculative import check_speculative, first_drafter_point
+
+    calibration = getattr(result.check, "calibration", None)
+    stage = check_speculative(args.ckpt, args.golden_read.results("float32"), args.golden_read.results("bfloat16"),
+                              calibration.band if calibration is not None else 0.0, settings=args.settings,
+                              assistant_dir=args.assistant, k=args.speculate)
+    first = first_drafter_point(stage)
+    payload["speculative"] = dict(stage.to_json(), first_drafter_point=first)
+    where = f"first divergent drafter point: {first['point']} ({first['ratio']:.3g}x)" if first else "drafter: every point passes"
+    return f"\n{stage.describe()}\n{where}\n"

@@ -9,8 +9,9 @@ from harness.base.atomic import claim_output
 from harness.base.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate
+from harness.cli.check import add_speculate_args, speculative_bench, validate_speculate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
-from harness.perf.results import history_files, length_lists, skipped_history_entries, validate_result
+from harness.perf.results import history_files, sample_problem, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
                           append_history, compare_files, compare_history, draw_length, draw_trend, parse_budgets,
                           render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
@@ -51,6 +52,7 @@ def add_command(subparsers) -> None:
                        "without --force, and then only a result file bench wrote)")
     bench.add_argument("--force", action="store_true", help="overwrite an existing --out result file")
     bench.add_argument("--history", metavar="DIR", help="also add the run to this history directory")
+    add_speculate_args(bench)  # --assistant DIR --speculate K: speculative decode timed beside plain (perf/speculative.py)
     bench.set_defaults(func=run_bench_command, validate=validate_bench, seed=0)
     _add_compare(subparsers)
 
@@ -152,53 +154,12 @@ def validate_bench(args) -> None:
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, kv_len, getattr(args, "sliding_cache", "linear") if args.backend != "neuron" else None)
     plan_gate(args, "bench", ckpt.spec)
-
-
-def _positive_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x > 0
-
-
-def _field_problem(data: dict, source: str) -> str | None:
-    """The fields perf reads as numbers and dates: a wrong type there is a broken file."""
-    from datetime import datetime
-
-    for key in ("prefill_bucket", "tp"):
-        if key in data and not _positive_int(data[key]):
-            return f"{source}: {key} = {data[key]!r} is not a positive integer; the file is corrupted or was edited"
-    if "created" in data:
-        try:
-            datetime.fromisoformat(data["created"])
-        except (TypeError, ValueError):
-            return f"{source}: created = {data['created']!r} is not an ISO date; the file is corrupted or was edited"
-    buckets = data.get("prefill_ms_by_bucket")
-    if isinstance(buckets, dict) and not all(str(b).isdigit() and int(b) > 0 for b in buckets):
-        return f"{source}: prefill_ms_by_bucket keys {sorted(buckets)!r} must be bucket sizes; re-run the benchmark"
-    return None
-
-
-def _sample_problem(data, source: str) -> str | None:
-    """Timing samples must be positive: a zero or negative duration is a broken file, not a speed."""
-    if not isinstance(data, dict):
-        return None  # perf.validate_result names the structural problem
-    problem = _field_problem(data, source)
-    if problem:
-        return problem
-    lists = {f"metrics.{k}": val for k, val in (data.get("metrics") or {}).items()} if isinstance(
-        data.get("metrics"), dict) else {}
-    if isinstance(data.get("prefill_ms_by_bucket"), dict):
-        lists.update({f"prefill_ms_by_bucket.{b}": val for b, val in data["prefill_ms_by_bucket"].items()})
-    lists.update(length_lists(data))
-    for name, values in lists.items():
-        for i, x in enumerate(values if isinstance(values, list) else []):
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 or x == float("inf"):
-                return (f"{source}: {name}[{i}] = {x!r} is not a positive finite duration; the file is "
-                        "corrupted or was edited: re-run the benchmark")
-    return None
+    validate_speculate(args, ckpt)
 
 
 def _check_result_file(path: Path) -> None:
     data = read_json_file(path, "perf result", HarnessInputError, "delete it or re-run the benchmark")
-    problem = _sample_problem(data, str(path))
+    problem = sample_problem(data, str(path))
     if problem:
         raise HarnessInputError(problem)
     validate_result(data, str(path))
@@ -291,6 +252,7 @@ def run_bench_command(args) -> int:
 
         result["batch"] = run_batch_bench(args.ckpt, args.settings, args.batch, runs=args.runs,
                                           new_tokens=args.new_tokens, prompt_len=min(args.settings.buckets))
+    result.update(speculative_bench(args, runs))  # with --assistant: the "speculative" block, printed
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
     if args.batch:

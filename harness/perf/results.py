@@ -38,6 +38,7 @@ def metric_samples(result: dict) -> dict[str, list[float]]:
     samples["decode_ms_per_token"] = result["metrics"]["decode_ms_per_token"]
     samples.update(length_samples(result))
     samples.update(batch_samples(result))
+    samples.update(speculative_samples(result))
     return samples
 
 
@@ -64,6 +65,16 @@ def batch_lists(result: dict) -> dict[str, object]:
     lists.update({f"batch.rows[{r['batch']}].step_samples_ms": r["step_samples_ms"] for r in rows
                   if r.get("step_samples_ms", []) != []})  # none: bench --new-tokens 1 (no step)
     return lists
+
+
+def speculative_samples(result: dict) -> dict[str, list[float]]:
+    """`speculative_ms_per_token[k=K]`, one sample per run, for a result benched with --speculate K
+    (harness/perf/speculative.py); empty otherwise. Accepted drafts per verify is reported, not
+    compared (it is not a time)."""
+    block = result.get("speculative")
+    if not isinstance(block, dict) or not isinstance(block.get("samples"), list):
+        return {}
+    return {f"speculative_ms_per_token[k={block.get('k')}]": [s["speculative_ms_per_token"] for s in block["samples"]]}
 
 
 def length_samples(result: dict) -> dict[str, list[float]]:
@@ -250,3 +261,45 @@ def _field(result: dict, dotted: str):
 def mismatches(baseline: dict, current: dict) -> list[tuple[str, object, object]]:
     return [(f, _field(baseline, f), _field(current, f)) for f in COMPARABLE_FIELDS
             if _field(baseline, f) != _field(current, f)]
+
+
+def _positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _field_problem(data: dict, source: str) -> str | None:
+    """The fields perf reads as numbers and dates: a wrong type there is a broken file."""
+    from datetime import datetime
+
+    for key in ("prefill_bucket", "tp"):
+        if key in data and not _positive_int(data[key]):
+            return f"{source}: {key} = {data[key]!r} is not a positive integer; the file is corrupted or was edited"
+    if "created" in data:
+        try:
+            datetime.fromisoformat(data["created"])
+        except (TypeError, ValueError):
+            return f"{source}: created = {data['created']!r} is not an ISO date; the file is corrupted or was edited"
+    buckets = data.get("prefill_ms_by_bucket")
+    if isinstance(buckets, dict) and not all(str(b).isdigit() and int(b) > 0 for b in buckets):
+        return f"{source}: prefill_ms_by_bucket keys {sorted(buckets)!r} must be bucket sizes; re-run the benchmark"
+    return None
+
+
+def sample_problem(data, source: str) -> str | None:
+    """Timing samples must be positive: a zero or negative duration is a broken file, not a speed."""
+    if not isinstance(data, dict):
+        return None  # perf.validate_result names the structural problem
+    problem = _field_problem(data, source)
+    if problem:
+        return problem
+    lists = {f"metrics.{k}": val for k, val in (data.get("metrics") or {}).items()} if isinstance(
+        data.get("metrics"), dict) else {}
+    if isinstance(data.get("prefill_ms_by_bucket"), dict):
+        lists.update({f"prefill_ms_by_bucket.{b}": val for b, val in data["prefill_ms_by_bucket"].items()})
+    lists.update(length_lists(data))
+    for name, values in lists.items():
+        for i, x in enumerate(values if isinstance(values, list) else []):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 or x == float("inf"):
+                return (f"{source}: {name}[{i}] = {x!r} is not a positive finite duration; the file is "
+                        "corrupted or was edited: re-run the benchmark")
+    return None

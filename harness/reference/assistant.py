@@ -3,6 +3,8 @@
 - `AssistantReference.captures`: the assistant fed given target states (the target's scaled
   embedding of a token, a hidden state, the target's keys and values of its store layers, a
   position), at the drafter's capture points;
+- `exact_acceptance`: transformers' target and assistant run under the port's speculative rules
+  (the acceptance judge's like-for-like reference);
 - `assisted_acceptance`: transformers' assisted generation (its SinglePositionMultiTokenCandidate
   generator) of a target with its assistant at a fixed draft length, and the accepted draft tokens
   per verify call it achieved (from the target calls it made)."""
@@ -91,3 +93,44 @@ def assisted_acceptance(target, assistant, prompt: list[int], new_tokens: int, k
     tokens = out[0, len(prompt):].tolist()
     verifies = len(calls) - 1
     return tokens, ((len(tokens) - 1 - verifies) / verifies if verifies else 0.0), verifies
+
+
+def exact_acceptance(target, assistant, prompt: list[int], new_tokens: int, k: int) -> tuple[list[int], list[int]]:
+    """(tokens, accepted drafts per verify) of speculative greedy decode run with transformers' own
+    target and assistant under the port's rules (harness/port/speculate.py): each round's drafts at
+    the constant position p read the target's store-layer keys [0, p) exactly (no rejected key
+    left in view, unlike assisted generation), each later step fed the step before's
+    post-projection; the verify is the target on the whole sequence. The like-for-like acceptance
+    the port's is judged against (docs/speculative.md#the-judge)."""
+    embed = target.get_input_embeddings()
+
+    def run(ids):
+        return target(input_ids=torch.tensor([ids]), output_hidden_states=True, return_shared_kv_states=True,
+                      use_cache=False)
+
+    with torch.no_grad():
+        out = run(prompt)
+        tokens, accepted = [int(out.logits[0, -1].argmax())], []
+        hidden = out.hidden_states[-1][:, -1:]
+        while len(tokens) < new_tokens:
+            p = len(prompt) + len(tokens) - 1  # the last token's position (not yet in the cache)
+            drafts, state = [], hidden
+            for _ in range(min(k, new_tokens - len(tokens) - 1)):
+                logits, state = _draft(assistant, embed(torch.tensor([[drafts[-1] if drafts else tokens[-1]]])), state,
+                                       p, out.shared_kv_states)
+                drafts.append(int(logits[0, -1].argmax()))
+            out = run(prompt + tokens + drafts)
+            greedy = out.logits[0, p:p + len(drafts) + 1].argmax(-1).tolist()
+            m = next((i for i, d in enumerate(drafts) if d != greedy[i]), len(drafts))
+            tokens += greedy[:m + 1]
+            accepted.append(m)
+            hidden = out.hidden_states[-1][:, p + m:p + m + 1]
+    return tokens[:new_tokens], accepted
+
+
+def _draft(assistant, embeds, hidden, position: int, shared_kv):
+    """One assistant call at `position` on the target's keys [0, position): (logits, post-projected state)."""
+    kv = {t: (k[:, :, :position], v[:, :, :position]) for t, (k, v) in shared_kv.items()}
+    out = assistant(inputs_embeds=torch.cat([embeds, hidden], dim=-1).to(assistant.dtype),
+                    position_ids=torch.tensor([[position]]), shared_kv_states=kv, use_cache=False)
+    return out.logits.float(), out.last_hidden_state.to(hidden.dtype)

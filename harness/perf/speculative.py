@@ -1,0 +1,79 @@
+"""`bench --assistant DIR --speculate K`: speculative decode timed beside plain decode on the same
+perf build (docs/speculative.md#bench).
+
+Per run, on the headline prompt: plain greedy decode of `new_tokens` tokens (ms per token after the
+prefill), speculative greedy decode of the same tokens (harness/port/speculate.py, ms per token
+after the prefill, accepted drafts per verify), and the cost of one verify call (k+1 tokens) and of
+one draft step against one decode step. Medians over runs. Beside the measured speed-up, the model
+of it on a memory-bound device (inf2): a decode step and a verify each read the target's weights
+once, a draft step reads the drafter's, so a round of k drafts and one verify costs
+1 + k x (drafter bytes / target bytes) decode steps and emits accepted + 1 tokens."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def modeled_speedup(accepted: float, k: int, drafter_bytes: int, target_bytes: int) -> float:
+    """Tokens per decode-step cost of speculative decode on the HBM roofline (the module doc)."""
+    return (accepted + 1.0) / (1.0 + k * drafter_bytes / target_bytes)
+
+
+def _ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1000.0
+
+
+def _one_run(engine, drafter, prompt: list[int], new_tokens: int, k: int) -> dict:
+    from harness.port.speculate import speculative_generate
+
+    n = len(prompt)
+    prefill = _ms(lambda: engine.prefill(prompt))
+    plain = _ms(lambda: engine.generate(prompt, new_tokens)) - prefill
+    found = {}
+    spec = _ms(lambda: found.update(run=speculative_generate(engine, drafter, prompt, new_tokens, k))) - prefill
+    run = found["run"]
+    decode = _ms(lambda: engine.decode_step(run.tokens[0], n))
+    verify = _ms(lambda: engine.verify(run.tokens[:1] * (k + 1), n))
+    hidden = torch.zeros(1, 1, engine.spec.hidden_size)
+    draft = _ms(lambda: drafter.step(engine.embed(torch.tensor(run.tokens[:1]))[..., :engine.spec.hidden_size],
+                                     hidden.to(engine.settings.torch_dtype), n))
+    steps = max(new_tokens - 1, 1)
+    return {"plain_ms_per_token": plain / steps, "speculative_ms_per_token": spec / steps,
+            "accepted_per_verify": run.acceptance, "verifies": run.verifies, "decode_step_ms": decode,
+            "verify_ms": verify, "draft_step_ms": draft, "tokens_equal": run.tokens == engine.generate(prompt, new_tokens).tokens}
+
+
+def bench_speculative(checkpoint, settings, assistant, k: int, *, runs: int, new_tokens: int, prompt: list[int]) -> dict:
+    """The `speculative` block of a bench result (module doc); `assistant` an AssistantCheckpoint."""
+    from harness.backends import build_drafter
+    from harness.inputs.spec import dtype_bytes
+    from harness.perf.bench import perf_engine
+    from harness.port.sharding import bytes_per_rank
+
+    engine = perf_engine(checkpoint, settings)
+    drafter = build_drafter(engine, assistant)
+    _one_run(engine, drafter, prompt, new_tokens, k)  # warm-up
+    samples = [_one_run(engine, drafter, prompt, new_tokens, k) for _ in range(runs)]
+    med = {key: statistics.median(s[key] for s in samples) for key in samples[0] if key != "tokens_equal"}
+    target_bytes = bytes_per_rank(checkpoint.spec, settings.tp, settings.dtype)["weights"]
+    drafter_bytes = assistant.spec.bytes_per_rank(settings.tp, dtype_bytes(settings.dtype))
+    return {"k": k, "runs": runs, "new_tokens": new_tokens, "prompt_len": len(prompt), **med,
+            "measured_speedup": med["plain_ms_per_token"] / med["speculative_ms_per_token"],
+            "verify_over_decode": med["verify_ms"] / med["decode_step_ms"],
+            "draft_over_decode": med["draft_step_ms"] / med["decode_step_ms"],
+            "drafter_bytes_per_rank": drafter_bytes, "target_weight_bytes_per_rank": target_bytes,
+            "modeled_speedup_inf2": modeled_speedup(med["accepted_per_verify"], k, drafter_bytes, target_bytes),
+            "tokens_equal": all(s["tokens_equal"] for s in samples), "samples": samples}
+
+
+def render_speculative(block: dict) -> str:
+    return (f"speculative (k={block['k']}): {block['accepted_per_verify']:.2f} accepted drafts per verify; "
+            f"{block['speculative_ms_per_token']:.2f} ms/token vs plain {block['plain_ms_per_token']:.2f} "
+            f"(speed-up {block['measured_speedup']:.2f}x measured here, {block['modeled_speedup_inf2']:.2f}x modeled "
+            f"on inf2's HBM roofline); verify {block['verify_over_decode']:.2f}x and draft step "
+            f"{block['draft_over_decode']:.2f}x a decode step\n")
