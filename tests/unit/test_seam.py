@@ -202,7 +202,7 @@ def _calls(name: str) -> set[str]:
     ("judge_routing", {"harness/judge/stage.py"}),  # the stage judge judges routing; parity does not
     ("compare_layers", {"harness/judge/stage.py"}),  # local reads the stage's judged layers
     ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py"}),
-    ("classify_mismatch", {"harness/judge/compare.py", "harness/parity/speculative.py"}),  # drafter cluster flips: the same classifier
+    ("classify_mismatch", {"harness/judge/compare.py"}),  # the drafter's cluster choices: judged as routing
     ("saturation_tie", {"harness/judge/compare.py"}),
     ("calibrate_band", {"harness/judge/compare.py", "harness/judge/routing.py"}),
     ("tie_threshold", {"harness/judge/compare.py", "harness/judge/routing.py"}),
