@@ -41,8 +41,7 @@ CASES = [
     Case("issue26-short", ISSUE_SHAPE, Run((prompt_of(8), prompt_of(3)), 10), fast=True),
     Case("builder-seed0-one-token", Shape("builder", "builder"), ONE, fast=True),
     Case("default-seed0-one-new", Shape("default", "default"), ONE_NEW, fast=True),
-    Case("builder-seed1-past-window-tp4", Shape("builder", "builder", (), 1), Run(PAST_WINDOW.prompts, 8, tp=4),
-         fast=True),
+    Case("builder-seed1-past-window-tp4", Shape("builder", "builder", (), 1), Run(PAST_WINDOW.prompts, 8, tp=4)),
     Case("family-26b-a4b-builder-4-new", FAMILY["family-26b-a4b-builder"], Run((prompt_of(3), prompt_of(8)), 4),
          fast=True),
 ]

@@ -26,13 +26,17 @@ def _check(variant: str, buckets: tuple):
     return ckpt, check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
 
 
-@pytest.mark.parametrize("variant, buckets", [("e4b", (64,)), pytest.param("e2b", (16,), marks=pytest.mark.slow)])
+# The ring on shared layers (both cases here, about 10 CPU-seconds each) runs in the slow lane; the
+# default lane keeps the ring's own tests (tests/parity/test_long_context.py) and the family checks.
+@pytest.mark.parametrize("variant, buckets", [pytest.param("e4b", (64,), marks=pytest.mark.slow),
+                                              pytest.param("e2b", (16,), marks=pytest.mark.slow)])
 def test_ring_cache_on_shared_layers_passes(variant, buckets):
     ckpt, result = _check(variant, buckets)
     assert any(layer.is_sliding and layer.window < 64 for layer in ckpt.spec.layers) and ckpt.spec.shared_layers
     assert result.fp32.passed and result.passed, result.failures() + result.fp32.failures()
 
 
+@pytest.mark.slow
 def test_shared_layer_reading_the_written_ring_fails(monkeypatch):
     original = port_blocks.SharedKVAttention.forward
 

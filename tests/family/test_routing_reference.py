@@ -5,6 +5,7 @@ MoE layers judge the routing of each layer alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from harness.reference.forcing import Forced, routes_of
@@ -52,6 +53,7 @@ def test_rerun_on_own_routing_is_the_same_run_and_other_routing_is_taken():
         assert torch.equal(a.captures["layers.1.output"], b.captures["layers.1.output"])
 
 
+@pytest.mark.slow  # about 10 CPU-seconds; the stage's routing judge runs in the default lane (family faults)
 def test_local_verdicts_follow_each_layers_own_routing(monkeypatch):
     from harness.backends import build_engine
     from harness.base.settings import RunSettings

@@ -76,6 +76,7 @@ def test_an_internal_error_with_a_non_utf8_argument_still_writes_its_crash_file(
     assert outcome.err.count("gemma-parity info:") == 2 and "Traceback" not in outcome.err  # message + where
 
 
+@pytest.mark.slow  # about 11 CPU-seconds (a bisect process); the refusal with such bytes stays in the default lane
 def test_reports_named_with_non_utf8_bytes_are_written_and_printed(tmp_path, tiny0_dir, small_golden_dir):
     """bisect (a real process, whose stdout is strict UTF-8) with --report and --json named with a
     non-UTF-8 byte: exit 0, its verdict and the report's name printed (the byte as \\xff), and the

@@ -73,6 +73,7 @@ def test_check_with_golden_passes_and_writes_the_contract(tiny0_dir, golden, tmp
                                                   ".gemma-parity-manifest.json"}  # harness/base/owned_dir.py
 
 
+@pytest.mark.slow  # about 11 CPU-seconds; exit 1 through the CLI stays in the default lane (the exact GELU below)
 def test_check_fails_with_exit_1_on_a_port_bug(tiny0_dir, golden, tmp_path, monkeypatch, capsys):
     """A 1/sqrt(head_dim) attention scale in the port: exit 1, PARITY FAIL, layer 0 first."""
     monkeypatch.setattr(port_model, "attention_scale", lambda head_dim: head_dim ** -0.5)
