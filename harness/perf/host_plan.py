@@ -80,7 +80,7 @@ def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", ro
 
 def streamed_bytes(spec: ModelSpec, nbytes: int, rows: int) -> int:
     """A pass streamed one decoder layer at a time (harness/reference/stream.py) at `nbytes` per
-    value: the embedding (the tied head), the layer running and the next one being read, and every
+    value: the embedding (the tied head), a PLE model's per-layer table, the layer running and the next one being read, and every
     sequence's state: its hidden rows, the MLP's intermediate rows and its KV cache of every layer
     (the float64 envelope records the cache). Measured: one layer and no state undercounts (the
     H=768 streamed run in docs/design.md#resource-plan)."""
@@ -88,7 +88,8 @@ def streamed_bytes(spec: ModelSpec, nbytes: int, rows: int) -> int:
     mlp = max(spec.mlp_size(layer) for layer in spec.layers)
     kv = kv_cache_bytes(spec, 1, "float32")["per_token"] // 4  # values per position, every layer
     state = rows * (4 * spec.hidden_size + 2 * mlp + kv)
-    return nbytes * (spec.vocab_size * spec.hidden_size + 2 * layer + state)
+    ple = spec.per_layer_vocab_size * spec.num_layers * spec.per_layer_input_size  # E2B/E4B: the table, whole
+    return nbytes * (spec.vocab_size * spec.hidden_size + ple + 2 * layer + state)
 
 
 def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: bool = True,
