@@ -8,6 +8,7 @@ the host engine: what every workflow runs. docs/design.md#backends describes the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, ClassVar, Mapping, Protocol, runtime_checkable
 
 import torch
@@ -135,7 +136,18 @@ def backend_unavailable(name: str) -> str | None:
 
 def build_drafter(engine, assistant):
     """The assistant's drafter on the engine's backend, reading its target's cache
-    (docs/speculative.md); the cpu backend only so far."""
+    (docs/speculative.md). On neuron the drafter's graphs are part of the target's compiled model,
+    built when the run's settings name the assistant (RunSettings.assistant): found there."""
+    if engine.backend.name == "neuron":
+        drafter = engine.backend.drafter
+        if drafter is None:
+            raise OptionError("--assistant on the neuron backend: this build has no draft graphs (the drafter runs "
+                              "in the target's compiled model); build the engine from settings naming the assistant "
+                              "(RunSettings.assistant, which `--assistant DIR` sets)")
+        if Path(engine.backend.assistant.path).resolve() != Path(assistant.path).resolve():
+            raise OptionError(f"--assistant {assistant.path}: the neuron build's draft graphs were made for another "
+                              f"assistant ({engine.backend.assistant.path}); build the engine with this one")
+        return drafter
     if getattr(engine.backend, "name", None) != "cpu":
         raise OptionError(f"--assistant on the {engine.backend.name} backend: the drafter is ported to the cpu "
                           "backend only so far (docs/speculative.md); use --backend cpu")

@@ -53,7 +53,10 @@ from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host'
 from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the SDK's pinned packages)
     NEURON_SDK_RELEASE, PINNED_VERSIONS, check_neuron_packages, installed_neuron_packages, toolchain_version,
     version_matches)
+from harness.backends.neuron_drafter import (NeuronDrafter, draft_tags, drafter_key, drafter_rank_weights, open_assistant,
+                                             trace_draft_graphs)
 from harness.base.errors import HarnessInputError
+from harness.port.draft_graphs import drafting_class
 from harness.port.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, batch_buckets, batch_example_inputs,
     batch_graph_inputs, batch_tag, constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result,
@@ -109,6 +112,9 @@ class NeuronBackend:
         # settings.batch KV slots (NxD Inference's max_batch_size): every graph at each batch bucket
         self.slots, self.batch_sizes = settings.batch, batch_buckets(settings.batch)
         self.kv_graphs = kv_tags(self.buckets, max_len, self.slots)  # the ModelBuilder tags: (length, KV bucket) each
+        # with an assistant, its draft graphs in the same model (neuron_drafter.py): one per KV bucket
+        self.assistant = open_assistant(settings, self.spec)
+        self.draft_graphs = draft_tags(self.kv_lengths) if self.assistant is not None else {}
         self.last_tag: str | None = None  # the tag the last forward ran
         self.capture = self.returns_captures = bool(capture)
         # a perf build returns only what greedy decode needs; a batched one every row's logits
@@ -124,7 +130,9 @@ class NeuronBackend:
         self.cache_key = artifact_cache_key(
             spec_hash=self.spec.spec_hash(), buckets=self.buckets, tp=tp, compiler_version=toolchain_version(self.versions),
             compiler_args=self.compiler_args, model_source_hash=model_source_hash(), capture=self.capture,
-            max_len=max_len, dtype=dtype, sliding_cache=settings.sliding_cache, kv_graphs=self.kv_graphs, environment={**compile_environment(neuron_runtime_version()),
+            max_len=max_len, dtype=dtype, sliding_cache=settings.sliding_cache, kv_graphs=self.kv_graphs,
+            drafter=drafter_key(self.assistant.spec, getattr(settings, "speculate", 0), self.draft_graphs) if self.assistant else None,
+            environment={**compile_environment(neuron_runtime_version()),
                                                        "layout_priority": str(self.priority_key),
                                                        "reduce_dtype": _dtype_key(reduce_dtype),
                                                        **({"decode_flags": shlex.join(self.decode_compiler_args)}
@@ -137,6 +145,7 @@ class NeuronBackend:
         built = self._load_or_compile()
         self.nxd_model, self.capture_names = built.model, built.capture_names
         self.kv_names, self.original_weights = built.kv_names, built.weight_shapes
+        self.drafter = NeuronDrafter(self, self.assistant, built.draft_capture_names) if self.assistant else None
         self.timings["build_s" if self.compiled else "load_s"] = time.perf_counter() - start
         self.weight_specs, self.state_specs = self._graph_io()
         start = time.perf_counter()
@@ -163,7 +172,7 @@ class NeuronBackend:
                                     f"this neuronx-distributed ({self.versions['neuronx-distributed']}); "
                                     f"delete {self.artifact_dir} and run again to recompile")
         return Built(model, meta.get("capture_names") or None, list(meta["kv_buffers"]),
-                     _weight_shapes_from_json(meta["weight_shapes"]))
+                     _weight_shapes_from_json(meta["weight_shapes"]), meta.get("draft_capture_names"))
 
     def _compile_entry(self):
         workdir = self.cache_dir / ".work" / f"{self.cache_key}-{os.getpid()}"
@@ -175,6 +184,7 @@ class NeuronBackend:
             b.model.save(str(tmp / MODEL_FILE))
             meta = {"format": CACHE_FORMAT, "key": self.cache_key, "graphs": _kv_graphs_json(self.kv_graphs),
                     "capture_names": b.capture_names, "kv_buffers": b.kv_names,
+                    "draft_graphs": _kv_graphs_json(self.draft_graphs), "draft_capture_names": b.draft_capture_names,
                     "weight_shapes": _weight_shapes_to_json(b.weight_shapes), "last_row_only": self.last_row_only,
                     "compiler_args": self.compiler_args, "decode_compiler_args": self.decode_compiler_args,
                     "versions": self.versions,
@@ -191,10 +201,11 @@ class NeuronBackend:
 
     def _traced_module(self) -> TracedDecoder:
         """The traced module of this spec (the 12B's or the family's), with NxD's layers."""
-        module = traced_class(self.spec, batched=self.slots > 1)(
+        fused = {"assistant": self.assistant.spec} if self.assistant is not None else {}
+        module = (drafting_class(self.spec) if fused else traced_class(self.spec, batched=self.slots > 1))(
             self.spec, self.tp, self.max_len, self.dtype, NeuronLinears(self.tp, self.dtype, self.reduce_dtype),
             with_captures=self.capture, last_row_only=self.last_row_only, sliding_cache=self.sliding_cache,
-            slots=self.slots)
+            slots=self.slots, **fused)
         module.eval()
         module.requires_grad_(False)
         extra = sorted(constant_buffers(module))
@@ -210,7 +221,7 @@ class NeuronBackend:
         nxd = import_neuronx_distributed()
         flags = compiler_flag_string(self.compiler_args)
         per_graph = {tag: compiler_flag_string(self.decode_compiler_args if length == 1 else self.compiler_args)
-                     for tag, (length, _) in self.kv_graphs.items()}  # decode vs context encoding
+                     for tag, (length, _) in {**self.kv_graphs, **self.draft_graphs}.items()}  # decode vs context encoding
         try:
             # lnc_size=1: inf2's NeuronCore-v2 has one physical core per logical core. NxD still asks
             # the platform in initialize_model_parallel and for the layout transformer's compile:
@@ -226,6 +237,7 @@ class NeuronBackend:
                         module.set_kv_read(kv)  # the trace bakes in which slots the graph reads
                         builder.trace(args=self._example_inputs(tag, length), tag=tag)
                     module.set_kv_read(None)
+                    trace_draft_graphs(builder, module, self.draft_graphs, self.spec.hidden_size, self.dtype)
                 model = builder.compile(priority_model_key=self.priority_key, compiler_workdir=str(workdir),
                                         compiler_args=per_graph, max_workers=self.compile_workers)
         except HarnessInputError:
@@ -242,9 +254,10 @@ class NeuronBackend:
         if self.capture and not names:
             raise NeuronBuildError("the parity build traced no capture points")
         # before the entry is written: graphs whose state is not exactly the KV cache never reach the cache
-        graph_io(model, self.kv_graphs, weight_shapes, kv_names,
+        graph_io(model, {**self.kv_graphs, **self.draft_graphs}, weight_shapes, kv_names,
                  where="nothing was written to the artifact cache (the model code's bug, not the input's)")
-        return Built(model, names, kv_names, weight_shapes)
+        return Built(model, names, kv_names, weight_shapes, list(module.draft_capture_names) if self.draft_graphs and
+                     self.capture else None)
 
     def _example_inputs(self, tag: str, length: int) -> tuple:
         width = input_width(self.spec)
@@ -254,11 +267,13 @@ class NeuronBackend:
 
     def _graph_io(self):
         """Weights and states the graphs read (neuron_layers.graph_io), checked against the module's."""
-        return graph_io(self.nxd_model, self.kv_graphs, self.original_weights, self.kv_names,
+        return graph_io(self.nxd_model, {**self.kv_graphs, **self.draft_graphs}, self.original_weights, self.kv_names,
                         where=f"delete the cache entry {self.artifact_dir} and run again")
 
     def _load_weights(self, checkpoint):
         states = rank_state_dicts(checkpoint, self.tp, self.dtype)
+        if self.assistant is not None:  # the drafter's weights beside the target's (drafter.*)
+            states = [{**s, **d} for s, d in zip(states, drafter_rank_weights(self.assistant, self.tp, self.dtype))]
         if not self.weight_specs:
             raise NeuronBuildError(f"the compiled graphs in {self.artifact_dir} name no weights; delete the "
                                    "entry and run again")
@@ -340,6 +355,7 @@ class Built(NamedTuple):
     capture_names: list[str] | None
     kv_names: list[str]
     weight_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    draft_capture_names: list[str] | None = None  # a fused parity build's draft graphs' (neuron_drafter.py)
 
 
 def kv_tag(tag: str, kv: int) -> str:

@@ -112,12 +112,19 @@ MODEL_SOURCE_FILES = (
     _HARNESS_DIR / "backends" / "neuron.py",
     _HARNESS_DIR / "backends" / "neuron_layers.py",
 )
+# The source of a fused build's draft graphs (RunSettings.assistant, neuron_drafter.py): hashed into the
+# drafter's part of the key only, so a target-only entry's key does not move with the drafter's code.
+DRAFTER_SOURCE_FILES = (
+    _HARNESS_DIR / "port" / "drafter.py",
+    _HARNESS_DIR / "port" / "draft_graphs.py",
+    _HARNESS_DIR / "backends" / "neuron_drafter.py",
+)
 # Every file the artifact key depends on: the graph's source (MODEL_SOURCE_FILES, hashed into the key),
 # this module (CACHE_FORMAT, the default flags, the key's layout) and the pinned toolchain (the
 # compiler version in the key). The CI workflow's cache key is `python -m harness.backends.neuron_cache`
 # (ci_cache_key), a hash of exactly these files: one list for both, so no change to an input of the
 # key can leave CI restoring a stale directory and never saving the recompiled one.
-ARTIFACT_KEY_FILES = (*MODEL_SOURCE_FILES, Path(__file__).resolve(),
+ARTIFACT_KEY_FILES = (*MODEL_SOURCE_FILES, *DRAFTER_SOURCE_FILES, Path(__file__).resolve(),
                       _HARNESS_DIR / "backends" / "neuron_packages.py", _HARNESS_DIR.parent / "pyproject.toml")
 
 
@@ -149,10 +156,10 @@ def _read_source(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def model_source_hash() -> str:
+def model_source_hash(files=MODEL_SOURCE_FILES) -> str:
     """sha256 over the text of the files the compiled graph is made from (MODEL_SOURCE_FILES)."""
     digest = hashlib.sha256()
-    for path in MODEL_SOURCE_FILES:
+    for path in files:
         text = _read_source(path).encode("utf-8")
         digest.update(f"{path.name}\0{len(text)}\0".encode())
         digest.update(text)
@@ -166,13 +173,14 @@ def _dtype_name(dtype) -> str:
 def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, compiler_args,
                        model_source_hash: str, capture: bool, *, max_len: int = DEFAULT_KV_LEN,
                        dtype=torch.bfloat16, environment: dict | None = None, sliding_cache: str = "linear",
-                       kv_graphs: dict | None = None) -> str:
+                       kv_graphs: dict | None = None, drafter: dict | None = None) -> str:
     """The cache directory name for one compiled build: readable prefix + hash of every input.
 
     Bucket order does not matter (the same graphs are built); compiler flag order does (neuronx-cc
     may let a later flag override an earlier one). max_len and dtype change every graph's shapes
     and types, so they are part of the key too; `environment` is `compile_environment()`. `kv_graphs`
-    (tag -> (length, KV bucket)) is the KV-bucket plan: which slots each graph reads.
+    (tag -> (length, KV bucket)) is the KV-bucket plan: which slots each graph reads. `drafter`
+    (neuron_drafter.drafter_key) is a fused build's assistant, k and draft graphs.
     """
     buckets = sorted({int(b) for b in buckets})
     payload = {
@@ -183,6 +191,8 @@ def artifact_cache_key(spec_hash: str, buckets, tp: int, compiler_version: str, 
     }
     if kv_graphs is not None:  # graphs reading other KV buckets are other graphs
         payload["kv_graphs"] = {str(t): [int(n), int(kv)] for t, (n, kv) in sorted(kv_graphs.items())}
+    if drafter is not None:  # a fused build (the drafter's graphs in the target's model) is another build
+        payload["drafter"] = drafter
     if sliding_cache != "linear":  # a ring changes the sliding layers' state shapes and graphs
         payload["sliding_cache"] = str(sliding_cache)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]

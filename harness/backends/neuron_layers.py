@@ -126,15 +126,17 @@ def graph_io(model, tags, module_weights: dict, kv_names, where: str) -> tuple[d
     inputs may have another layout, and set_weights takes the checkpoint's (NxD converts them).
     The states must be exactly the KV cache buffers `kv_names` (NxD zero-fills states; a buffer
     never reassigned in forward is a weight to NxD, not state); a weight the module lacks, a state
-    that is not KV cache, or a KV buffer that is not state is a GraphBuildError naming them, ending
-    with `where` (what to do)."""
+    that is not KV cache, a KV buffer that is not state, or a graph that does not carry every KV
+    buffer as its own state (a draft graph reads the cache without writing it: harness/port/draft_graphs.py)
+    is a GraphBuildError naming them, ending with `where` (what to do)."""
     from torch_neuronx.proto import metaneff_pb2
     from torch_neuronx.xla_impl.trace import get_torch_dtype
 
     weight_type = metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT
     state_type = metaneff_pb2.MetaTensor.Type.INPUT_STATE
-    weights, states, kv = {}, {}, set(kv_names)
+    weights, states, kv, uncarried = {}, {}, set(kv_names), {}
     for tag in tags:
+        mine = set()
         for t in model.get_metaneff(tag).input_tensors:
             key = _checkpoint_key(t)
             if t.type == weight_type and key and key not in kv:  # a KV buffer read as a weight: below
@@ -144,6 +146,9 @@ def graph_io(model, tags, module_weights: dict, kv_names, where: str) -> tuple[d
                 weights[key] = module_weights[key]
             elif t.type == state_type and key:
                 states[key] = (tuple(int(d) for d in t.shape), get_torch_dtype(t.data_type))
+                mine.add(key)
+        if kv - mine:  # a graph that does not carry a KV buffer would read it as a constant of its trace
+            uncarried[tag] = sorted(kv - mine)
     unknown = sorted(set(states) - kv)
     if unknown:
         raise GraphBuildError(f"the compiled graphs keep state {unknown[:8]} that is not KV cache; the traced module "
@@ -153,6 +158,11 @@ def graph_io(model, tags, module_weights: dict, kv_names, where: str) -> tuple[d
         raise GraphBuildError(f"KV cache buffers {missing[:8]} did not become aliased device state (a buffer NxD "
                               f"sees reassigned in no graph is a weight): the cache would not persist between calls; "
                               f"{where}")
+    if uncarried:
+        tag, names = next(iter(uncarried.items()))
+        raise GraphBuildError(f"graph {tag} does not carry KV cache buffers {names[:4]} as state (every graph must "
+                              "reassign every KV buffer: one it reads but never reassigns may be folded into the "
+                              f"graph as its trace-time zeros); {where}")
     return weights, states
 
 

@@ -119,6 +119,9 @@ class RunSettings:
     backend_options: Mapping[str, object] = field(default_factory=dict)
     sliding_cache: str = DEFAULT_SLIDING_CACHE
     batch: int = 1  # KV slots: the most sequences served at once (NxD Inference's max_batch_size)
+    # The assistant checkpoint directory of a speculative run (--assistant DIR): a compiled backend that
+    # drafts on the device builds its drafter into the target's graphs (docs/speculative.md)
+    assistant: str | None = None
 
     def __post_init__(self):
         if self.sliding_cache not in SLIDING_CACHES:

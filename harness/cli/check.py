@@ -66,10 +66,12 @@ def validate_speculate(args, ckpt) -> None:
         given, missing = ("--assistant", "--speculate K") if args.speculate is None else ("--speculate", "--assistant DIR")
         raise OptionError(f"{given} needs {missing}: speculative decoding drafts with the assistant K tokens per verify")
     check_speculate(args.speculate, args.settings)
-    if args.settings.backend != "cpu":
+    if args.settings.backend not in ("cpu", "neuron"):
         raise OptionError(f"--assistant with --backend {args.settings.backend}: the drafter is ported to the cpu "
-                          "backend only so far (docs/speculative.md); use --backend cpu")
+                          "and neuron backends only so far (docs/speculative.md); use one of them")
     args.assistant_ckpt = AssistantCheckpoint.open(v.input_path(args.assistant, "--assistant", True), ckpt.spec)
+    # every build of the run is the one with the drafter (on neuron its graphs are the target's: one compile)
+    args.settings = args.settings.but(assistant=str(args.assistant_ckpt.path))
 
 
 def validate(args) -> None:

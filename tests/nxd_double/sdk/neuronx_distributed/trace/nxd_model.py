@@ -19,8 +19,10 @@ graphs' metaneff reports the weights the layout transformer re-lays out (2-D+ we
 compiler-chosen layout (modelled as the last two dims swapped) while set_weights still takes
 checkpoint shapes (the layout transformer converts them); with no transformer (None: no priority
 model, or no layout changed) the metaneff shapes are the checkpoint's.
-All graphs share one state (upstream's StateInitializer is made from the first graph added): a graph
-with other state shapes is refused in add(). Execution replays the one SPMD trace on every rank: each rank runs the traced code with the Python
+All graphs share one state (upstream's StateInitializer is made from the first graph added that has
+states, and add() checks no later graph against it): a graph with other state shapes, or a state the
+first graph lacks, is refused in add(); a graph holding only some of the states is accepted, as
+upstream, and reads only those (a buffer it never reassigned stays the constant its trace folded). Execution replays the one SPMD trace on every rank: each rank runs the traced code with the Python
 rank reporting 0 (parallel_state.get_tensor_model_parallel_rank), its own weights and states, and
 real collectives with the other ranks. Each graph runs its own module as traced (its Python state
 baked in), all of a rank's graphs sharing that rank's weights and states.
@@ -79,8 +81,9 @@ class NxDModel(torch.nn.Module):
         if self.model_params and self.model_params != trace_artifacts.model_params:
             raise AssertionError("The model provided appears to have a different signature than all other "
                                  "models added prior.")
-        if self.graphs and trace_artifacts.states != self._state_specs():
-            first = next(iter(self.graphs))  # upstream: one StateInitializer, from the first graph added
+        shared = self._state_specs()
+        if shared and any(shared.get(k) != v for k, v in trace_artifacts.states.items()):
+            first = next(k for k, a in self.graphs.items() if a.states)  # upstream: one StateInitializer
             raise ValueError(f"graph {key!r} holds states {trace_artifacts.states}, graph {first!r} "
                              f"{self._state_specs()}: every graph runs on the one state the first graph's "
                              "metaneff initialises; trace every graph with the same state shapes")
@@ -111,7 +114,8 @@ class NxDModel(torch.nn.Module):
         return specs
 
     def _state_specs(self) -> dict:
-        return next(iter(self.graphs.values())).states  # upstream: the first graph's states
+        # upstream add(): the StateInitializer is made from the first graph whose metaneff has states
+        return next((art.states for art in self.graphs.values() if art.states), {})
 
     # -- loading -------------------------------------------------------------------------------
     def set_weights(self, sharded_checkpoint):
@@ -147,13 +151,16 @@ class NxDModel(torch.nn.Module):
         states = self._state_specs()
         self.states = [{k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in states.items()}
                        for _ in range(self.world_size)]
-        self._ranks = [{tag: self._rank_module(rank, module, self.graphs[tag].extra.get("constants", {}))
-                        for tag, module in self.traced_modules.items()} for rank in range(self.world_size)]
+        self._ranks = [{tag: self._rank_module(rank, module, self.graphs[tag]) for tag, module in self.traced_modules.items()}
+                       for rank in range(self.world_size)]
         self.loaded_on_neuron = True
 
-    def _rank_module(self, rank, traced, constants):
+    def _rank_module(self, rank, traced, art):
+        """The graph's code on one rank: its folded constants, the rank's weights, and the states its
+        metaneff names (only those: a graph reads no state it does not hold)."""
         module = copy.deepcopy(traced).to_empty(device="cpu")
-        for name, tensor in [*constants.items(), *self.weights[rank].items(), *self.states[rank].items()]:
+        states = [(name, t) for name, t in self.states[rank].items() if name in art.states]
+        for name, tensor in [*art.extra.get("constants", {}).items(), *self.weights[rank].items(), *states]:
             _set(module, name, tensor)
         return module.eval()
 
