@@ -9,7 +9,10 @@ NxD routes a call by the names and shapes of the provided arguments: `inputs_emb
 `draft_hidden`, `draft_position` run one draft step (harness/port/drafter.py) reading the target's
 cache of each drafter layer's store layer, in the slots of the graph's KV bucket (`draft_read`,
 fixed per trace as the target's `set_kv_read` is). NxD-Inference's fused speculation
-(`FusedSpeculationModel`) likewise puts draft and target in one traced model for the same reason.
+(`NeuronFusedSpecModel`, tagged `fused_speculation_model`) likewise traces its draft and target
+models as submodules of one module; it runs the k draft steps and the verify in one token-generation
+graph, where this port runs one draft step per call (the judge captures every step, and the verify
+is the target's own graph).
 
 A draft graph reads the cache without writing it. A buffer a traced graph reads but never
 reassigns need not become device state: the tracer may fold it into the graph as a constant at
