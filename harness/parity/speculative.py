@@ -206,7 +206,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
         assistant = AssistantCheckpoint.open(assistant_dir, checkpoint.spec)
         references = {dt: AssistantReference(assistant_dir, dt) for dt in (torch.float32, torch.bfloat16)}
         for dtype in dict.fromkeys((settings.dtype, "float32")):
-            engine = build_engine(checkpoint, settings.but(dtype=dtype), capture=True)
+            engine = build_engine(checkpoint, settings.but(dtype=dtype, speculate=k), capture=True)  # its verify graph
             drafter = build_drafter(engine, assistant)
             runs = [speculative_generate(engine, drafter, r.prompt, len(r.generated), k, capture=True) for r in ref32]
             judge = FP32 if engine.settings.torch_dtype == torch.float32 else BF16

@@ -55,7 +55,7 @@ def bench_speculative(checkpoint, settings, assistant, k: int, *, runs: int, new
     from harness.perf.bench import perf_engine
     from harness.port.sharding import bytes_per_rank
 
-    engine = perf_engine(checkpoint, settings)
+    engine = perf_engine(checkpoint, settings.but(speculate=k))  # with its verify graph
     drafter = build_drafter(engine, assistant)
     _one_run(engine, drafter, prompt, new_tokens, k)  # warm-up
     samples = [_one_run(engine, drafter, prompt, new_tokens, k) for _ in range(runs)]
