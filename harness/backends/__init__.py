@@ -56,10 +56,12 @@ class Backend(Protocol):
         """Zero (or forget) the KV cache before a new prompt."""
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
-                last: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                last: int | None = None, verify: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """inputs_embeds [1, s, hidden], positions [1, s] -> (raw logits [1, s, vocab] (or [1, 1,
         vocab], row `last`, on a last_row_only build), captures name -> [1, s, ...]); the captures
-        are empty unless `capture` is asked of a build that returns them."""
+        are empty unless `capture` is asked of a build that returns them. `verify`: a speculative
+        verify call (Engine.verify), run by the build's verify graph (graphs.VERIFY_TAG): every row's
+        logits, and on a perf build {"final_norm": ...} as its captures."""
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, on the host: [1, kv_heads, kv_len, head_dim]."""

@@ -107,11 +107,12 @@ class CpuBackend:
         return results
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
-                last: int | None = None, seq_ids: torch.Tensor | None = None):
+                last: int | None = None, seq_ids: torch.Tensor | None = None, verify: bool = False):
         """Every rank runs the same step, reading the KV bucket a compiled graph of this call would
         read (graphs.kv_read_length); rank 0's (gathered, identical) outputs are returned:
         (logits, captures), captures empty unless asked for; only row `last` when it is given.
-        `seq_ids` [b]: the KV slot of each row (harness.port.kv_slots); None: batch 1."""
+        `seq_ids` [b]: the KV slot of each row (harness.port.kv_slots); None: batch 1. `verify` changes
+        nothing here (no compiled graphs: a verify call is a prefill chunk)."""
         read = kv_read_length(positions, self.kv_lengths)
         for module in self.ranks:
             module.set_kv_read(read)

@@ -60,7 +60,7 @@ from harness.port.draft_graphs import drafting_class
 from harness.port.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, batch_buckets, batch_example_inputs,
     batch_graph_inputs, batch_tag, constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result,
-    input_width, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length, tag_for_length, traced_class, unpack_outputs)
+    input_width, is_verify_tag, kv_buffer_names, kv_buckets, kv_graph_plan, kv_read_length, tag_for_length, traced_class, unpack_outputs)
 from harness.base.settings import RunSettings, directory, flag, positive_int, torch_dtype
 from harness.port.sharding import bytes_per_rank, plan_model, rank_state_dicts
 
@@ -106,12 +106,12 @@ class NeuronBackend:
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here, before any compile
         self.visible_cores = assign_visible_cores(tp)  # a core list smaller than tp fails here, before any build
-        self.graphs = graph_plan(buckets, max_len)
+        self.graphs = graph_plan(buckets, max_len, settings.speculate)  # with the verify graph (speculate > 0)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         self.kv_lengths = kv_buckets(self.buckets, max_len)
         # settings.batch KV slots (NxD Inference's max_batch_size): every graph at each batch bucket
         self.slots, self.batch_sizes = settings.batch, batch_buckets(settings.batch)
-        self.kv_graphs = kv_tags(self.buckets, max_len, self.slots)  # the ModelBuilder tags: (length, KV bucket) each
+        self.kv_graphs = kv_tags(self.buckets, max_len, self.slots, settings.speculate)  # the ModelBuilder tags: (length, KV bucket) each
         # with an assistant, its draft graphs in the same model (neuron_drafter.py): one per KV bucket
         self.assistant = open_assistant(settings, self.spec)
         self.draft_graphs = draft_tags(self.kv_lengths) if self.assistant is not None else {}
@@ -131,7 +131,7 @@ class NeuronBackend:
             spec_hash=self.spec.spec_hash(), buckets=self.buckets, tp=tp, compiler_version=toolchain_version(self.versions),
             compiler_args=self.compiler_args, model_source_hash=model_source_hash(), capture=self.capture,
             max_len=max_len, dtype=dtype, sliding_cache=settings.sliding_cache, kv_graphs=self.kv_graphs,
-            drafter=drafter_key(self.assistant.spec, getattr(settings, "speculate", 0), self.draft_graphs) if self.assistant else None,
+            drafter=drafter_key(self.assistant.spec, settings.speculate, self.draft_graphs) if self.assistant else None,
             environment={**compile_environment(neuron_runtime_version()),
                                                        "layout_priority": str(self.priority_key),
                                                        "reduce_dtype": _dtype_key(reduce_dtype),
@@ -262,7 +262,7 @@ class NeuronBackend:
     def _example_inputs(self, tag: str, length: int) -> tuple:
         width = input_width(self.spec)
         if self.slots == 1:
-            return example_inputs(length, width, self.dtype, last_row=self.last_row_only)
+            return example_inputs(length, width, self.dtype, last_row=self.last_row_only and not is_verify_tag(tag))
         return batch_example_inputs(length, width, self.dtype, int(tag.rsplit("_bs", 1)[1]))
 
     def _graph_io(self):
@@ -298,13 +298,14 @@ class NeuronBackend:
                 self.nxd_model.write_to_neuron_buffer(zeros, key, rank)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
-                last: int | None = None, seq_ids: torch.Tensor | None = None):
+                last: int | None = None, seq_ids: torch.Tensor | None = None, verify: bool = False):
         """inputs_embeds [1, s, graphs.input_width] (the hidden size, plus the per-layer rows of a
         model with per-layer inputs), positions [1, s] -> raw logits [1, s, vocab] (with captures
         when asked, on a parity build). s must be a compiled bucket or 1 (decode). A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]. Runs the graph
         of that length at the smallest KV bucket holding the call's positions (`last_tag`). A build of
-        several KV slots takes [b, s] rows (b a batch bucket) and `seq_ids` [b] (harness/port/kv_slots.py)."""
+        several KV slots takes [b, s] rows (b a batch bucket) and `seq_ids` [b] (harness/port/kv_slots.py).
+        `verify`: the verify graph (graphs.VERIFY_TAG: every row's logits; graphs.graph_result)."""
         if self.slots > 1:
             if capture and not self.capture:
                 raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
@@ -314,12 +315,13 @@ class NeuronBackend:
             tag = tag_for_length(positions.shape[1], self.graphs)
         else:
             tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
-                                     parity_build=self.capture, last_row_only=self.last_row_only, last=last)
+                                     parity_build=self.capture, last_row_only=self.last_row_only, last=last,
+                                     verify=verify)
         self.last_tag = self._tag_for_call(tag, positions)
         out = self.nxd_model(*args, model_name=self.last_tag)
         embeds = args[0][..., :self.spec.hidden_size]  # the embeddings capture, without per-layer rows
         return graph_result(out, self.capture_names if self.capture else None, embeds, capture,
-                            self.last_row_only, last=last)
+                            self.last_row_only, last=last, verify=verify)
 
     def _tag_for_call(self, tag: str, positions: torch.Tensor) -> str:
         """The traced graph of `tag`'s length at the smallest KV bucket that holds the call's
@@ -363,10 +365,11 @@ def kv_tag(tag: str, kv: int) -> str:
     return f"{tag}_kv{int(kv)}"
 
 
-def kv_tags(buckets, max_len: int, slots: int = 1) -> dict[str, tuple[int, int]]:
-    """ModelBuilder tag -> (sequence length, KV bucket), one per graph of graphs.kv_graph_plan; with
-    several KV `slots`, each of them at every batch bucket (graphs.batch_buckets, graphs.batch_tag)."""
-    plan = {kv_tag(tag, kv): (length, kv) for tag, length, kv in kv_graph_plan(buckets, max_len)}
+def kv_tags(buckets, max_len: int, slots: int = 1, speculate: int = 0) -> dict[str, tuple[int, int]]:
+    """ModelBuilder tag -> (sequence length, KV bucket), one per graph of graphs.kv_graph_plan (the
+    verify graph too, with `speculate` > 0); with several KV `slots`, each of them at every batch
+    bucket (graphs.batch_buckets, graphs.batch_tag)."""
+    plan = {kv_tag(tag, kv): (length, kv) for tag, length, kv in kv_graph_plan(buckets, max_len, speculate)}
     return plan if slots == 1 else {batch_tag(t, b): v for t, v in plan.items() for b in batch_buckets(slots)}
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from harness.base.errors import HarnessInputError
 from harness.port.graphs import (GraphBuildError, TracedBatchDecoder, batch_graph_inputs, constant_buffers, example_inputs,
                                  graph_inputs, graph_plan, graph_result,
-                                 input_width, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
+                                 input_width, is_verify_tag, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
 from harness.base.settings import RunSettings
 from harness.port.model import Collectives, RankLinears
 from harness.port.sharding import plan_model, rank_state_dicts
@@ -188,7 +188,7 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     kv_names = [n for n, r in roles.items() if r == "state"]
     local = {n: t.to(device) for n, t in tensors.items()}
     examples = example_inputs(length, input_width(module.spec), module.dtype,
-                              last_row=getattr(module, "last_row_only", False))
+                              last_row=getattr(module, "last_row_only", False) and not is_verify_tag(tag))
     if isinstance(module, TracedBatchDecoder):  # seq_ids: the KV slot of each row
         examples = (*examples, torch.zeros(1, dtype=examples[1].dtype))
     inputs = [t.to(device) for t in examples]
@@ -250,7 +250,7 @@ class XlaBackend:
         if tp not in (1, self.rt.devices):
             raise HarnessInputError(f"the xla backend runs tp=1 or tp={self.rt.devices} (one XLA CPU device per "
                                     f"rank; CPU_NUM_DEVICES={os.environ.get('CPU_NUM_DEVICES')}), not tp={tp}")
-        self.graphs = graph_plan(buckets, max_len)
+        self.graphs = graph_plan(buckets, max_len, settings.speculate)  # with the verify graph (speculate > 0)
         self.kv_lengths = kv_buckets(buckets, max_len)
         self.capture = self.returns_captures = bool(capture)
         self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
@@ -315,24 +315,26 @@ class XlaBackend:
                       for n in self.kv_names}
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture: bool = False,
-                last: int | None = None, seq_ids: torch.Tensor | None = None):
+                last: int | None = None, seq_ids: torch.Tensor | None = None, verify: bool = False):
         """inputs_embeds [1, s, hidden], positions [1, s] -> raw logits [1, s, vocab] (with captures on a
         parity build). s must be a bucket of the plan or 1 (decode), as on the device. A perf build
         returns only row `last` (the last real position; 0 for decode): [1, 1, vocab]. A batched
-        build (settings.batch > 1) takes [b, s] rows and `seq_ids` [b] (harness/port/kv_slots.py)."""
+        build (settings.batch > 1) takes [b, s] rows and `seq_ids` [b] (harness/port/kv_slots.py).
+        `verify`: the verify graph (k+1 rows, every row's logits; graphs.graph_result)."""
         if self.slots > 1:
             graph_in = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
                                           dtype=self.dtype)
         else:
             _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
-                                       parity_build=self.capture, last_row_only=self.last_row_only, last=last)
+                                       parity_build=self.capture, last_row_only=self.last_row_only, last=last,
+                                       verify=verify)
         self.module.set_kv_read(kv_read_length(positions, self.kv_lengths))  # one graph per KV bucket
         outputs = self._step(*graph_in)
         if self.capture and self.capture_names is None:
             self.capture_names = list(self.module.capture_names)
         embeds = graph_in[0][..., :self.spec.hidden_size]  # without the family's per-layer rows
         return graph_result(outputs, self.capture_names if self.capture else None, embeds, capture,
-                            self.last_row_only, last=last)
+                            self.last_row_only, last=last, verify=verify)
 
     def _step(self, *graph_inputs) -> list[torch.Tensor]:
         """Every rank's graph in one SPMD program (collectives in-graph), executed; outputs of rank 0."""

@@ -119,6 +119,9 @@ class RunSettings:
     backend_options: Mapping[str, object] = field(default_factory=dict)
     sliding_cache: str = DEFAULT_SLIDING_CACHE
     batch: int = 1  # KV slots: the most sequences served at once (NxD Inference's max_batch_size)
+    # Speculative decoding's draft length k (--speculate K; 0: none): a compiled build then holds a
+    # verify graph of k+1 positions (harness/port/graphs.py graph_plan, docs/speculative.md)
+    speculate: int = 0
     # The assistant checkpoint directory of a speculative run (--assistant DIR): a compiled backend that
     # drafts on the device builds its drafter into the target's graphs (docs/speculative.md)
     assistant: str | None = None
@@ -133,6 +136,9 @@ class RunSettings:
             raise OptionError(f"--buckets {self.buckets}: need at least one positive bucket")
         if not isinstance(self.batch, int) or self.batch < 1:
             raise OptionError(f"--batch {self.batch!r}: need a positive number of sequences")
+        if isinstance(self.speculate, bool) or not isinstance(self.speculate, int) or self.speculate < 0:
+            raise OptionError(f"--speculate {self.speculate!r}: the draft length must be a non-negative integer "
+                              "(0: no speculative decoding)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -54,10 +54,12 @@ def speculative_bench(args, runs: int) -> dict:
     return {"speculative": block}
 
 
-def validate_speculate(args, ckpt) -> None:
-    """--assistant and --speculate go together; the assistant is checked against the target now."""
+def validate_speculate(args, ckpt, rows=()) -> None:
+    """--assistant and --speculate go together; the assistant is checked against the target now, and
+    every (prompt length, new tokens) of `rows` against the cache (each verify is padded to K+1
+    rows). Sets the run settings' `speculate` (the build's verify graph)."""
     from harness.inputs.assistant_checkpoint import AssistantCheckpoint
-    from harness.port.speculate import check_speculate
+    from harness.port.speculate import check_speculate, check_verify_fit
 
     args.assistant_ckpt = None
     if args.assistant is None and args.speculate is None:
@@ -66,6 +68,9 @@ def validate_speculate(args, ckpt) -> None:
         given, missing = ("--assistant", "--speculate K") if args.speculate is None else ("--speculate", "--assistant DIR")
         raise OptionError(f"{given} needs {missing}: speculative decoding drafts with the assistant K tokens per verify")
     check_speculate(args.speculate, args.settings)
+    args.settings = args.settings.but(speculate=args.speculate)
+    for prompt_len, new_tokens in rows:
+        check_verify_fit(prompt_len, new_tokens, args.speculate, args.settings.kv_len)
     if args.settings.backend not in ("cpu", "neuron"):
         raise OptionError(f"--assistant with --backend {args.settings.backend}: the drafter is ported to the cpu "
                           "and neuron backends only so far (docs/speculative.md); use one of them")
@@ -105,7 +110,7 @@ def validate(args) -> None:
         args.reference_source, args.prompt_ids = None, prompts
     validate_prompt_fit(prompts, new_tokens, source, buckets=args.settings.buckets, kv_len=args.settings.kv_len,
                         max_positions=ckpt.spec.max_positions)
-    validate_speculate(args, ckpt)
+    validate_speculate(args, ckpt, [(len(p), new_tokens) for p in prompts])
     plan_gate(args, "check", ckpt.spec, rows_of(prompts, new_tokens), golden=bool(args.golden),
               fp32_stage=not args.skip_fp32_stage, served=not args.skip_served_build)
 

@@ -154,7 +154,7 @@ def validate_bench(args) -> None:
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, kv_len, getattr(args, "sliding_cache", "linear") if args.backend != "neuron" else None)
     plan_gate(args, "bench", ckpt.spec)
-    validate_speculate(args, ckpt)
+    validate_speculate(args, ckpt, [(min(args.settings.buckets), args.new_tokens)])  # the bench prompt
 
 
 def _check_result_file(path: Path) -> None:

@@ -206,7 +206,8 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
         assistant = AssistantCheckpoint.open(assistant_dir, checkpoint.spec)
         references = {dt: AssistantReference(assistant_dir, dt) for dt in (torch.float32, torch.bfloat16)}
         for dtype in dict.fromkeys((settings.dtype, "float32")):
-            engine = build_engine(checkpoint, settings.but(dtype=dtype, assistant=str(assistant.path)), capture=True)
+            engine = build_engine(checkpoint, settings.but(dtype=dtype, speculate=k, assistant=str(assistant.path)),
+                                  capture=True)  # its verify graph, and on neuron its draft graphs
             drafter = build_drafter(engine, assistant)
             runs = [speculative_generate(engine, drafter, r.prompt, len(r.generated), k, capture=True) for r in ref32]
             judge = FP32 if engine.settings.torch_dtype == torch.float32 else BF16

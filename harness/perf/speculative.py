@@ -55,7 +55,7 @@ def bench_speculative(checkpoint, settings, assistant, k: int, *, runs: int, new
     from harness.perf.bench import perf_engine
     from harness.port.sharding import bytes_per_rank
 
-    engine = perf_engine(checkpoint, settings.but(assistant=str(assistant.path)))  # neuron: the fused build
+    engine = perf_engine(checkpoint, settings.but(speculate=k, assistant=str(assistant.path)))  # verify (and neuron's draft) graphs
     drafter = build_drafter(engine, assistant)
     _one_run(engine, drafter, prompt, new_tokens, k)  # warm-up
     samples = [_one_run(engine, drafter, prompt, new_tokens, k) for _ in range(runs)]

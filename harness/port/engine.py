@@ -162,20 +162,30 @@ class Engine:
         return Step(logits[0, -1].float(), {k: v[0, -1:].float() for k, v in captures.items()})
 
     def verify(self, tokens, position: int, capture: bool = False) -> Step:
-        """Speculative decoding's verify call (harness/port/speculate.py): the target on k+1 tokens at
-        positions position.. in one call, a prefill chunk at the current position against the cache.
-        Writes their k+1 KV entries; returns k+1 rows of raw fp32 logits [k+1, vocab] (and captures,
-        name -> [k+1, ...]). Rollback needs no call: the cache is linear by absolute position and
-        masks go by position, so the entries of rejected tokens are never read (a later query sits
-        before them) and the next verify at the same positions overwrites them."""
+        """Speculative decoding's verify call (harness/port/speculate.py): the target on n <= k+1 tokens
+        at positions position.. in one call, a prefill chunk at the current position against the
+        cache. With settings.speculate = k the call is padded to k+1 rows (padded rows at position
+        -1, as prefill chunks pad), so every verify runs the build's one verify graph
+        (graphs.VERIFY_TAG); k = 0 runs the n rows as they are (the cpu backend takes any length).
+        Writes the n KV entries (the padded rows' slots after them are overwritten before any query
+        reads them); returns n rows of raw fp32 logits [n, vocab] and captures name -> [n, ...]:
+        every capture point on a parity build, always "final_norm" (a perf build's verify graph
+        returns it). Rollback needs no call: the cache is linear by absolute position and masks go
+        by position, so the entries of rejected tokens are never read (a later query sits before
+        them) and the next verify at the same positions overwrites them."""
         ids = self.validate_ids(tokens)
-        if position + ids.numel() > self.kv_len:
-            raise PromptError(f"verify of {ids.numel()} tokens at position {position} is past the KV length "
-                              f"{self.kv_len}; ask for fewer new tokens or compile a longer cache")
+        n, k = ids.numel(), self.settings.speculate
+        if k and n > k + 1:
+            raise PromptError(f"verify of {n} tokens: this build verifies k+1 = {k + 1} at most (--speculate {k})")
+        rows = k + 1 if k else n
+        if position + rows > self.kv_len:
+            raise PromptError(f"verify of {rows} rows at position {position} is past the KV length {self.kv_len}; "
+                              "ask for fewer new tokens or compile a longer cache")
         self._check_capture(capture)
-        positions = torch.arange(position, position + ids.numel())[None]
-        logits, captures = self.backend.forward(self.embed(ids), positions, capture=capture)
-        return Step(logits[0].float(), {k: v[0].float() for k, v in captures.items()})
+        padded = torch.cat([ids, torch.full((rows - n,), self.spec.pad_token_id, dtype=torch.long)])
+        logits, captures = self.backend.forward(self.embed(padded), chunk_positions(position, n, rows),
+                                                capture=capture or self.backend.returns_captures, verify=True)
+        return Step(logits[0, :n].float(), {k: v[0, :n].float() for k, v in captures.items()})
 
     def _check_capture(self, capture: bool) -> None:
         if capture and not self.backend.returns_captures:

@@ -24,6 +24,11 @@ from harness.port.model import KVCache, RankDecoder, RankLinears
 POSITION_DTYPE = torch.int32
 DECODE_TAG = "decode"
 PREFILL_TAG = "prefill_{}"
+# Speculative decoding's verify graph (settings.speculate = k > 0): the same traced forward as a
+# prefill chunk, k+1 positions, every row's logits; the engine pads a short round to k+1 rows
+# (padded rows at position -1) so every verify runs this one graph, and the backends pick it by
+# the `verify` flag of forward, never by length (a prefill bucket of k+1 positions stays its own).
+VERIFY_TAG = "verify_{}"
 
 
 class GraphBuildError(RuntimeError):
@@ -48,6 +53,10 @@ class TracedDecoder(RankDecoder):
       all-gather run on one row instead of the whole bucket;
     - otherwise all logits [1, s, vocab].
     Positions and last_index arrive as int32 and are widened here.
+
+    The verify graph of a perf build is traced without `last_index` (example_inputs, is_verify_tag):
+    it returns (logits [1, k+1, vocab], final_norm [1, k+1, hidden]): every row's logits (greedy
+    acceptance reads all k+1) and the final-norm states, one of which feeds the next draft round.
     """
 
     def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears: RankLinears,
@@ -70,6 +79,8 @@ class TracedDecoder(RankDecoder):
         if not self.last_row_only:
             return super().forward(inputs_embeds, positions)
         hidden = self.final_hidden(inputs_embeds, positions)
+        if last_index is None:  # a perf build's verify graph (docstring)
+            return self.lm_head(hidden), hidden
         return self.lm_head(hidden.index_select(1, last_index.to(torch.long).reshape(1)))
 
 
@@ -125,8 +136,9 @@ def constant_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
             if name not in persistent and name not in kv}
 
 
-def graph_plan(buckets, max_len: int) -> dict[str, int]:
-    """Graph tag -> sequence length: one prefill graph per bucket and the decode graph (s=1)."""
+def graph_plan(buckets, max_len: int, speculate: int = 0) -> dict[str, int]:
+    """Graph tag -> sequence length: one prefill graph per bucket and the decode graph (s=1), and
+    with `speculate` = k > 0 the verify graph of k+1 positions (VERIFY_TAG)."""
     try:
         sizes = sorted({int(b) for b in buckets})
     except (TypeError, ValueError) as exc:
@@ -137,7 +149,17 @@ def graph_plan(buckets, max_len: int) -> dict[str, int]:
         raise HarnessInputError(f"bucket {sizes[-1]} exceeds the KV length {max_len}; buckets must fit the cache")
     plan = {PREFILL_TAG.format(b): b for b in sizes if b != 1}  # a bucket of 1 is the decode graph
     plan[DECODE_TAG] = 1
+    if speculate:
+        if speculate + 1 > max_len:
+            raise HarnessInputError(f"--speculate {speculate}: a verify of {speculate + 1} positions exceeds the KV "
+                                    f"length {max_len}")
+        plan[VERIFY_TAG.format(speculate + 1)] = speculate + 1
     return plan
+
+
+def is_verify_tag(tag: str) -> bool:
+    """A verify graph's tag (graph_plan), also with a KV-bucket or batch suffix."""
+    return tag.startswith(VERIFY_TAG.split("{")[0])
 
 
 def kv_read_length(positions: torch.Tensor, kv_lengths) -> int:
@@ -174,19 +196,26 @@ def batch_example_inputs(length: int, hidden: int, dtype: torch.dtype, batch: in
             torch.arange(batch, dtype=POSITION_DTYPE))
 
 
-def kv_graph_plan(buckets, max_len: int) -> list[tuple[str, int, int]]:
+def kv_graph_plan(buckets, max_len: int, speculate: int = 0) -> list[tuple[str, int, int]]:
     """(tag, sequence length, KV bucket) of every graph a build with KV buckets holds: each prefill
-    bucket at each KV bucket that holds it, and decode at every KV bucket."""
-    plan = graph_plan(buckets, max_len)
+    bucket (and the verify graph) at each KV bucket that holds it, and decode at every KV bucket."""
+    plan = graph_plan(buckets, max_len, speculate)
     return [(tag, length, kv) for tag, length in plan.items() for kv in kv_buckets(buckets, max_len) if kv >= length]
     # (device_plan.graph_shapes counts the same graphs for the fit, from the same kv_buckets)
 
 
-def tag_for_length(length: int, graphs: dict[str, int]) -> str:
+def tag_for_length(length: int, graphs: dict[str, int], verify: bool = False) -> str:
+    """The graph a call of `length` positions runs: the verify graph for a verify call, else the
+    prefill bucket (or decode) of that length."""
     for tag, size in graphs.items():
-        if size == length:
+        if size == length and is_verify_tag(tag) == verify:
             return tag
-    compiled = sorted(s for s in graphs.values() if s != 1)
+    if verify:
+        have = sorted(s for t, s in graphs.items() if is_verify_tag(t))
+        raise HarnessInputError(f"no verify graph takes {length} positions: this build has verify graphs {have} "
+                                "(k+1 positions for --speculate k); build it with the run's --speculate "
+                                "(RunSettings.speculate)")
+    compiled = sorted(s for t, s in graphs.items() if s != 1 and not is_verify_tag(t))
     raise HarnessInputError(f"no compiled graph takes {length} positions: this build has prefill buckets "
                             f"{compiled} and decode (1). Pad the prompt to a bucket (the engine does) "
                             "or build the backend with that bucket.")
@@ -194,7 +223,8 @@ def tag_for_length(length: int, graphs: dict[str, int]) -> str:
 
 def example_inputs(length: int, hidden: int, dtype: torch.dtype, last_row: bool = False) -> tuple:
     """(inputs_embeds, positions) a graph of `length` positions is traced with, plus `last_index`
-    for a perf build that returns only the last real row (`last_row`)."""
+    for a perf build that returns only the last real row (`last_row`; not for a verify graph,
+    which returns every row: pass last_row=perf build and not is_verify_tag(tag))."""
     inputs = (torch.zeros(1, length, hidden, dtype=dtype), torch.arange(length, dtype=POSITION_DTYPE)[None])
     return (*inputs, torch.tensor([length - 1], dtype=POSITION_DTYPE)) if last_row else inputs
 
@@ -218,10 +248,11 @@ def unpack_outputs(out, capture_names: list[str] | None, inputs_embeds: torch.Te
 
 def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, positions: torch.Tensor,
                  dtype: torch.dtype, capture: bool, parity_build: bool, last_row_only: bool,
-                 last: int | None) -> tuple[str, list[torch.Tensor]]:
+                 last: int | None, verify: bool = False) -> tuple[str, list[torch.Tensor]]:
     """(tag, inputs) of the graph a compiled backend runs for one call, as the device is fed:
-    inputs_embeds in the build's dtype, int32 positions, and on a perf build `last_index`. The
-    call is checked against the build first (captures only from a parity build; shapes)."""
+    inputs_embeds in the build's dtype, int32 positions, and on a perf build `last_index` (not for
+    a verify call: the verify graph returns every row). The call is checked against the build
+    first (captures only from a parity build; shapes)."""
     if capture and not parity_build:
         raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                 "backend with capture=True for a parity build to capture activations")
@@ -231,7 +262,8 @@ def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, posi
     length = inputs_embeds.shape[1]
     if tuple(positions.shape) != (1, length):
         raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [1, {length}]")
-    tag = tag_for_length(length, graphs)
+    tag = tag_for_length(length, graphs, verify)
+    last_row_only = last_row_only and not verify
     if last_row_only and last is None and length > 1:
         raise HarnessInputError("this perf build returns only the last real position's logits: pass last= "
                                 "(the engine does), or build with capture=True for every row")
@@ -260,9 +292,13 @@ def batch_graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor
 
 
 def graph_result(out, capture_names: list[str] | None, inputs_embeds: torch.Tensor, capture: bool,
-                 last_row_only: bool, last: int | None):
+                 last_row_only: bool, last: int | None, verify: bool = False):
     """What a backend's forward returns from the graph's outputs: (logits (only row `last` when
-    asked), captures (empty unless `capture`))."""
+    asked), captures (empty unless `capture`)). A verify call on a perf build returns every row's
+    logits and {"final_norm": [1, k+1, hidden]} (TracedDecoder), what the speculative loop needs."""
+    if verify and capture_names is None and last_row_only:
+        logits, hidden = out
+        return logits, {"final_norm": hidden}
     logits, captures = unpack_outputs(out, capture_names, inputs_embeds=inputs_embeds)
     if last is not None and not last_row_only:
         logits = logits[:, last:last + 1]

@@ -52,6 +52,15 @@ def check_speculate(k: int, settings) -> None:
                           "linear sliding cache")
 
 
+def check_verify_fit(prompt_len: int, new_tokens: int, k: int, kv_len: int) -> None:
+    """Every verify of a speculative decode fits the cache: the last one, at position prompt_len +
+    new_tokens - 2 at most, is padded to k+1 rows (Engine.verify), whose slots must exist."""
+    if prompt_len + new_tokens + k - 1 > kv_len:
+        raise PromptError(f"{prompt_len} prompt + {new_tokens} new tokens with --speculate {k}: the last verify "
+                          f"(k+1 = {k + 1} rows) would pass the KV length {kv_len}; leave {k} more slots "
+                          "(--kv-len) or ask for fewer new tokens")
+
+
 def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
     """How many leading drafts equal the target's greedy choice at the row before them."""
     m = 0
@@ -91,6 +100,11 @@ def speculative_generate(engine, drafter, ids, new_tokens: int, k: int, capture:
     n = ids.numel()
     if n + new_tokens > engine.kv_len + 1:
         raise PromptError(f"{n} prompt + {new_tokens} new tokens exceed the KV length {engine.kv_len}")
+    if engine.settings.speculate:
+        check_verify_fit(n, new_tokens, engine.settings.speculate, engine.kv_len)
+        if k > engine.settings.speculate:
+            raise OptionError(f"--speculate {k}: this build's verify graph takes {engine.settings.speculate} drafts "
+                              "at most (RunSettings.speculate)")
     pre = engine.prefill(ids, capture=True)  # the drafter needs the target's final-norm state
     out = SpeculativeResult(tokens=[int(pre.logits[-1].argmax())], step_logits=torch.empty(0), accepted=[], drafted=[])
     steps = [pre.logits[-1]]
@@ -101,7 +115,7 @@ def speculative_generate(engine, drafter, ids, new_tokens: int, k: int, capture:
             out.round_caches.append(engine.read_cache(position))
         drafts = draft_round(engine, drafter, out.tokens[-1], hidden, position=position, k=room, out=out,
                                                  capture=capture) if room > 0 else []
-        rows, caps = engine.verify([out.tokens[-1]] + drafts, position, capture=True)
+        rows, caps = engine.verify([out.tokens[-1]] + drafts, position)  # caps: final_norm on every build
         greedy = [int(g) for g in rows.argmax(-1)]
         m = accepted_prefix(drafts, greedy)
         out.drafted.append(drafts)
