@@ -1,0 +1,200 @@
+"""The drafter on the neuron backend, through the NxD contract double (docs/speculative.md,
+docs/neuron.md): the assistant's draft graphs are graphs of the target's own NxDModel
+(harness/port/draft_graphs.py, harness/backends/neuron_drafter.py), reading the target's KV cache as
+device state.
+
+Default lane: the refusals and cache keys (the fused module itself, eagerly:
+tests/unit/test_draft_graphs.py). Slow lane (the fitted pairs take minutes to build on first use,
+a fused build through the double a few CPU-seconds): one small fused build (TP 1, fp32, one KV
+bucket) where every graph carries the KV cache as state, a draft step on the device equals the CPU
+drafter's on the same cache and speculative decode gives the CPU backend's tokens and acceptance;
+`check --assistant A --speculate 3 --backend neuron` on both fitted pairs at TP 1 and 2, a
+drafter fault failing the speculative stage, and the fold: a draft graph that reads the cache
+without carrying it is refused at build time, and past that guard reads the trace-time zeros."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness.backends import build_drafter, build_engine, neuron, neuron_cache, neuron_env
+from harness.base.errors import OptionError
+from harness.base.settings import RunSettings
+from harness.port import draft_graphs
+from harness.port.graphs import GraphBuildError
+from harness.port.speculate import speculative_generate
+from tests.nxd_double import installed
+from tests.unit.test_speculate import random_pair  # noqa: F401  (the fixture: the tiny 12B, an unfitted assistant)
+
+K = 3
+PROMPT = [167, 112, 284, 335, 342]
+
+
+@pytest.fixture
+def nxd(tmp_path):
+    """The double on sys.path and a fresh artifact cache (a fault must never meet a healthy entry)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
+        mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+        mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
+        with installed(mp):
+            yield mp
+
+
+def pair(name: str = "12b"):
+    from harness.inputs.assistant_checkpoint import AssistantCheckpoint
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import TINY_CONFIG, TINY_FAMILY
+    from harness.reference.tiny_assistant import tiny_assistant
+
+    target, assistant = tiny_assistant(0, TINY_CONFIG if name == "12b" else TINY_FAMILY["31b"])
+    ckpt = Checkpoint.open(target)
+    return ckpt, AssistantCheckpoint.open(assistant, ckpt.spec)
+
+
+def small(backend: str, assistant, tp: int = 1) -> RunSettings:
+    return RunSettings(backend=backend, tp=tp, dtype="float32", buckets=(16,), kv_len=16, speculate=K,
+                       assistant=None if assistant is None else str(assistant.path))
+
+
+def draft_states(engine, tag: str) -> set[str]:
+    from torch_neuronx.proto import metaneff_pb2
+
+    state = metaneff_pb2.MetaTensor.Type.INPUT_STATE
+    return {t.checkpoint_key.decode() for t in engine.backend.nxd_model.get_metaneff(tag).input_tensors if t.type == state}
+
+
+@pytest.mark.slow  # a fused build through the double (~4 CPU-s) and the fitted pair (minutes to build on first use)
+def test_the_draft_graphs_read_the_targets_cache_on_the_device(nxd):
+    ckpt, assistant = pair()
+    dev = build_engine(ckpt, small("neuron", assistant), capture=True)
+    cpu = build_engine(ckpt, small("cpu", assistant), capture=True)
+    be = dev.backend
+    assert set(be.draft_graphs) == {"draft_kv16"} and {"draft_kv16", "verify_4_kv16"} <= set(be.nxd_model.graphs)
+    assert draft_states(dev, "draft_kv16") == set(be.kv_names)  # the cache is the draft graph's state
+    on_dev, on_cpu = build_drafter(dev, assistant), build_drafter(cpu, assistant)
+    pre_dev, pre_cpu = dev.prefill(PROMPT, capture=True), cpu.prefill(PROMPT, capture=True)
+    hidden = pre_cpu.captures["final_norm"][-1:][None]
+    embeds = cpu.embed(torch.tensor([int(pre_cpu.logits[-1].argmax())]))
+    got, state, caps = on_dev.step(embeds, hidden, len(PROMPT), capture=True)
+    want, want_state, want_caps = on_cpu.step(embeds, hidden, len(PROMPT), capture=True)
+    assert on_dev.last_tag == "draft_kv16" and list(caps) == list(want_caps)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state.float(), want_state.float(), atol=1e-4, rtol=1e-4)
+    assert torch.equal(caps["drafter.clusters"], want_caps["drafter.clusters"])
+    # on a cache of zeros the same step is another one: what a draft graph folding the cache would read
+    for rank in range(be.tp):
+        for key in be.kv_names:
+            be.nxd_model.write_to_neuron_buffer(torch.zeros(be.state_specs[key][0]), key, rank)
+    assert (on_dev.step(embeds, hidden, len(PROMPT))[0] - got).abs().max() > 1e-2
+    run_dev = speculative_generate(dev, on_dev, PROMPT, 8, K)
+    run_cpu = speculative_generate(cpu, on_cpu, PROMPT, 8, K)
+    assert run_dev.tokens == run_cpu.tokens and run_dev.accepted == run_cpu.accepted
+
+
+def test_build_drafter_refuses_a_neuron_build_without_draft_graphs():
+    target_only = SimpleNamespace(backend=SimpleNamespace(name="neuron", drafter=None))
+    with pytest.raises(OptionError, match="no draft graphs"):
+        build_drafter(target_only, SimpleNamespace(path="A"))
+    other = SimpleNamespace(backend=SimpleNamespace(name="neuron", drafter=object(), assistant=SimpleNamespace(path="/a")))
+    with pytest.raises(OptionError, match="another assistant"):
+        build_drafter(other, SimpleNamespace(path="/b"))
+
+
+def test_the_cache_key_tells_fused_builds_from_target_only_ones(random_pair):
+    from harness.backends.neuron_drafter import draft_tags, drafter_key
+
+    assistant = random_pair[1]
+    base = dict(spec_hash="s", buckets=(16,), tp=2, compiler_version="c", compiler_args=None, model_source_hash="m",
+                capture=False)
+    tags = draft_tags((16, 64))
+    keys = {neuron_cache.artifact_cache_key(**base),
+            neuron_cache.artifact_cache_key(**base, drafter=drafter_key(assistant.spec, 3, tags)),
+            neuron_cache.artifact_cache_key(**base, drafter=drafter_key(assistant.spec, 4, tags)),
+            neuron_cache.artifact_cache_key(**base, drafter=drafter_key(replace(assistant.spec, top_k_centroids=2), 3, tags))}
+    assert len(keys) == 4  # target only; k 3; k 4; another assistant spec
+    assert all(p in neuron_cache.ARTIFACT_KEY_FILES for p in neuron_cache.DRAFTER_SOURCE_FILES)
+
+
+def test_a_batched_build_refuses_the_assistant():
+    from harness.backends.neuron_drafter import open_assistant
+    from harness.base.errors import HarnessInputError
+
+    with pytest.raises(HarnessInputError, match="--batch 2"):
+        open_assistant(SimpleNamespace(assistant="A", batch=2), spec=None)
+
+
+# ---- slow lane --------------------------------------------------------------------------------------
+
+@pytest.mark.slow  # a whole check through the double (~130 CPU-s at TP 2): references, three fused builds
+@pytest.mark.parametrize("name", ["12b", "31b"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_check_with_the_assistant_passes_through_the_double(nxd, name, tp, tmp_path, capsys):
+    from harness.cli import main
+
+    ckpt, assistant = pair(name)
+    out = tmp_path / "check.json"
+    rc = main(["check", "--checkpoint", str(ckpt.path), "--assistant", str(assistant.path), "--speculate", str(K),
+               "--backend", "neuron", "--buckets", "16,256", "--kv-len", "256", "--tp", str(tp), "--json", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    stage = result["extra_stages"]["speculative"]
+    assert rc == 0 and result["passed"] and stage["ran"] and stage["passed"], (stage["failures"], printed[-1500:])
+    assert stage["acceptance"] and all(a["passed"] for a in stage["acceptance"])
+    assert max(a["port"] for a in stage["acceptance"]) >= 0.5  # drafts accepted: the drafter read the live cache
+
+
+def speculative_stage(name: str = "12b", tp: int = 2):
+    from harness.parity.speculative import check_speculative
+    from tests.faults.test_speculate_faults import pair as fitted
+
+    ckpt, assistant_dir, refs = fitted(name)
+    settings = RunSettings(backend="neuron", tp=tp, dtype="bfloat16", buckets=(16, 64), kv_len=64)
+    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], 4.0, settings=settings,
+                             assistant_dir=assistant_dir, k=K)
+
+
+@pytest.mark.slow
+def test_a_drafter_reading_the_wrong_layers_cache_fails_the_stage(nxd):
+    """Each draft layer reads the first target layer of its store layer's type instead (same shapes)."""
+    original = draft_graphs.DraftingDecoder.target_kv
+
+    def wrong(self, source):
+        layers = self.spec.layers
+        return original(self, next(t.index for t in layers if t.type == layers[source].type and t.index != source))
+    nxd.setattr(draft_graphs.DraftingDecoder, "target_kv", wrong)
+    stage = speculative_stage()
+    points = {f["point"] for f in stage.failures()}
+    assert not stage.passed and any(p.startswith(("bf16.drafter", "fp32.drafter")) for p in points), points
+
+
+@pytest.mark.slow
+def test_a_draft_graph_not_carrying_the_cache_is_refused_and_would_read_zeros(nxd):
+    """The fold (tests/nxd_double model_builder_v2: a buffer a graph never reassigns is a constant of
+    its trace): without carry_kv the build is refused naming the draft graph; past that guard the
+    drafter reads the trace-time zeros, not the cache the target wrote, and the stage fails."""
+    nxd.setattr(draft_graphs.DraftingDecoder, "carry_kv", lambda self, slot: None)
+    ckpt, assistant = pair()
+    with pytest.raises(GraphBuildError, match="graph draft_kv16 does not carry KV cache"):
+        build_engine(ckpt, small("neuron", assistant))
+    original = neuron.graph_io
+    nxd.setattr(neuron, "graph_io", lambda model, tags, *a, **kw: original(
+        model, {t: v for t, v in tags.items() if not t.startswith("draft")}, *a, **kw))
+    dev = build_engine(ckpt, small("neuron", assistant), capture=True)
+    assert draft_states(dev, "draft_kv16") == set()  # the double folded the cache into the draft graph
+    cpu = build_engine(ckpt, small("cpu", assistant), capture=True)
+    pre = cpu.prefill(PROMPT, capture=True)
+    dev.prefill(PROMPT)
+    hidden, embeds = pre.captures["final_norm"][-1:][None], cpu.embed(torch.tensor([5]))
+    live = build_drafter(cpu, assistant).step(embeds, hidden, len(PROMPT))[0]
+    folded = build_drafter(dev, assistant).step(embeds, hidden, len(PROMPT))[0]
+    cpu.backend.reset()  # the CPU drafter on a cache of zeros reads what the folded graph reads
+    zeros = build_drafter(cpu, assistant).step(embeds, hidden, len(PROMPT))[0]
+    torch.testing.assert_close(folded, zeros, atol=1e-4, rtol=1e-4)
+    assert (folded - live).abs().max() > 1e-2
+    stage = speculative_stage()
+    assert not stage.passed and stage.failures(), "a drafter reading zeros must fail the speculative stage"
