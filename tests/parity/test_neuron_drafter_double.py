@@ -197,4 +197,6 @@ def test_a_draft_graph_not_carrying_the_cache_is_refused_and_would_read_zeros(nx
     torch.testing.assert_close(folded, zeros, atol=1e-4, rtol=1e-4)
     assert (folded - live).abs().max() > 1e-2
     stage = speculative_stage()
-    assert not stage.passed and stage.failures(), "a drafter reading zeros must fail the speculative stage"
+    points = {f["point"] for f in stage.failures()}
+    assert not stage.passed and any(p.startswith(("bf16.drafter", "fp32.drafter")) for p in points), points
+    assert stage.error is None and sum(a["port"] for a in stage.acceptance) < sum(a["reference"] for a in stage.acceptance)
