@@ -137,10 +137,15 @@ def backend_unavailable(name: str) -> str | None:
 
 def build_drafter(engine, assistant):
     """The assistant's drafter on the engine's backend, reading its target's cache
-    (docs/speculative.md); the cpu backend only so far."""
-    if getattr(engine.backend, "name", None) != "cpu":
-        raise OptionError(f"--assistant on the {engine.backend.name} backend: the drafter is ported to the cpu "
-                          "backend only so far (docs/speculative.md); use --backend cpu")
-    from harness.backends.cpu_drafter import CpuDrafter
+    (docs/speculative.md); the cpu and xla backends so far."""
+    name = getattr(engine.backend, "name", None)
+    if name == "cpu":
+        from harness.backends.cpu_drafter import CpuDrafter
 
-    return CpuDrafter(engine.backend, assistant)
+        return CpuDrafter(engine.backend, assistant)
+    if name == "xla":
+        from harness.backends.xla_drafter import XlaDrafter
+
+        return XlaDrafter(engine.backend, assistant)
+    raise OptionError(f"--assistant on the {name} backend: the drafter is ported to the cpu and xla backends "
+                      "only so far (docs/speculative.md); use --backend cpu or xla")

@@ -71,9 +71,9 @@ def validate_speculate(args, ckpt, rows=()) -> None:
     args.settings = args.settings.but(speculate=args.speculate)
     for prompt_len, new_tokens in rows:
         check_verify_fit(prompt_len, new_tokens, args.speculate, args.settings.kv_len)
-    if args.settings.backend != "cpu":
+    if args.settings.backend not in ("cpu", "xla"):
         raise OptionError(f"--assistant with --backend {args.settings.backend}: the drafter is ported to the cpu "
-                          "backend only so far (docs/speculative.md); use --backend cpu")
+                          "and xla backends only so far (docs/speculative.md); use --backend cpu or xla")
     args.assistant_ckpt = AssistantCheckpoint.open(v.input_path(args.assistant, "--assistant", True), ckpt.spec)
 
 
