@@ -140,7 +140,8 @@ def build_drafter(engine, assistant):
     """The assistant's drafter on the engine's backend, reading its target's cache
     (docs/speculative.md). On neuron the drafter's graphs are part of the target's compiled model,
     built when the run's settings name the assistant (RunSettings.assistant): found there."""
-    if engine.backend.name == "neuron":
+    name = getattr(engine.backend, "name", None)
+    if name == "neuron":
         drafter = engine.backend.drafter
         if drafter is None:
             raise OptionError("--assistant on the neuron backend: this build has no draft graphs (the drafter runs "
@@ -150,9 +151,13 @@ def build_drafter(engine, assistant):
             raise OptionError(f"--assistant {assistant.path}: the neuron build's draft graphs were made for another "
                               f"assistant ({engine.backend.assistant.path}); build the engine with this one")
         return drafter
-    if getattr(engine.backend, "name", None) != "cpu":
-        raise OptionError(f"--assistant on the {engine.backend.name} backend: the drafter is ported to the cpu "
-                          "backend only so far (docs/speculative.md); use --backend cpu")
-    from harness.backends.cpu_drafter import CpuDrafter
+    if name == "cpu":
+        from harness.backends.cpu_drafter import CpuDrafter
 
-    return CpuDrafter(engine.backend, assistant)
+        return CpuDrafter(engine.backend, assistant)
+    if name == "xla":
+        from harness.backends.xla_drafter import XlaDrafter
+
+        return XlaDrafter(engine.backend, assistant)
+    raise OptionError(f"--assistant on the {name} backend: the drafter is ported to the cpu, xla and neuron "
+                      "backends (docs/speculative.md); use one of them")

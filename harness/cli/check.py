@@ -71,9 +71,6 @@ def validate_speculate(args, ckpt, rows=()) -> None:
     args.settings = args.settings.but(speculate=args.speculate)
     for prompt_len, new_tokens in rows:
         check_verify_fit(prompt_len, new_tokens, args.speculate, args.settings.kv_len)
-    if args.settings.backend not in ("cpu", "neuron"):
-        raise OptionError(f"--assistant with --backend {args.settings.backend}: the drafter is ported to the cpu "
-                          "and neuron backends only so far (docs/speculative.md); use one of them")
     args.assistant_ckpt = AssistantCheckpoint.open(v.input_path(args.assistant, "--assistant", True), ckpt.spec)
     # every build of the run is the one with the drafter (on neuron its graphs are the target's: one compile)
     args.settings = args.settings.but(assistant=str(args.assistant_ckpt.path))

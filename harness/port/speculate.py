@@ -94,6 +94,23 @@ def draft_round(engine, drafter, token: int, hidden: torch.Tensor, *, position: 
     return drafts
 
 
+def prompt_state(engine, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill: the logits of the prompt's last position [vocab] and the target's final-norm state
+    there [1, 1, H] (the first draft's input). A parity build captures it in the prefill; a perf
+    build of a compiled backend does not (its prefill graphs return the last row's logits only), so
+    there every prompt token but the last is prefilled and the last runs through the verify graph,
+    which returns every row's final-norm state (graphs.TracedDecoder)."""
+    if engine.backend.returns_captures:
+        pre = engine.prefill(ids, capture=True)
+        return pre.logits[-1], pre.captures["final_norm"][-1:][None]
+    if ids.numel() > 1:
+        engine.prefill(ids[:-1])
+    else:
+        engine.backend.reset()
+    step = engine.verify(ids[-1:], ids.numel() - 1)
+    return step.logits[0], step.captures["final_norm"][:1][None]
+
+
 def speculative_generate(engine, drafter, ids, new_tokens: int, k: int, capture: bool = False) -> SpeculativeResult:
     """Greedy decode of `new_tokens` tokens with drafts of k tokens verified in one call each."""
     ids = engine.validate_ids(ids)
@@ -105,10 +122,9 @@ def speculative_generate(engine, drafter, ids, new_tokens: int, k: int, capture:
         if k > engine.settings.speculate:
             raise OptionError(f"--speculate {k}: this build's verify graph takes {engine.settings.speculate} drafts "
                               "at most (RunSettings.speculate)")
-    pre = engine.prefill(ids, capture=True)  # the drafter needs the target's final-norm state
-    out = SpeculativeResult(tokens=[int(pre.logits[-1].argmax())], step_logits=torch.empty(0), accepted=[], drafted=[])
-    steps = [pre.logits[-1]]
-    hidden, position = pre.captures["final_norm"][-1:][None], n
+    logits, hidden = prompt_state(engine, ids)
+    out = SpeculativeResult(tokens=[int(logits.argmax())], step_logits=torch.empty(0), accepted=[], drafted=[])
+    steps, position = [logits], n
     while len(out.tokens) < new_tokens:
         room = min(k, new_tokens - len(out.tokens) - 1, engine.kv_len - position - 1)
         if capture:  # what the drafter reads this round: the target's cache [0, position)
