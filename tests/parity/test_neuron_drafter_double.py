@@ -200,3 +200,24 @@ def test_a_draft_graph_not_carrying_the_cache_is_refused_and_would_read_zeros(nx
     points = {f["point"] for f in stage.failures()}
     assert not stage.passed and any(p.startswith(("bf16.drafter", "fp32.drafter")) for p in points), points
     assert stage.error is None and sum(a["port"] for a in stage.acceptance) < sum(a["reference"] for a in stage.acceptance)
+
+
+@pytest.mark.slow  # a perf build through the double and the mirror pair's bench
+def test_bench_with_the_assistant_runs_the_perf_builds_draft_graphs(nxd, tmp_path):
+    """`bench --backend neuron --assistant A --speculate 3` on the mirror pair (drafts mostly accepted):
+    the perf build's draft graphs (no captures) and the verify graph's prompt state drive speculative
+    decode to the plain decode's tokens, with the CPU backend's acceptance."""
+    from harness.cli import main
+    from harness.reference.mirror_assistant import mirror_pair
+
+    target, assistant = mirror_pair(0)
+    blocks = {}
+    for backend in ("neuron", "cpu"):
+        out = tmp_path / f"{backend}.json"
+        assert main(["bench", "--checkpoint", str(target), "--assistant", str(assistant), "--speculate", str(K),
+                     "--backend", backend, "--tp", "2", "--runs", "1", "--warmup", "0", "--new-tokens", "12",
+                     "--buckets", "16", "--kv-len", "64", "--out", str(out)]) == 0
+        blocks[backend] = json.loads(out.read_text())["speculative"]
+    dev, cpu = blocks["neuron"], blocks["cpu"]
+    assert dev["tokens_equal"] and dev["accepted_per_verify"] > 1.0
+    assert dev["accepted_per_verify"] == cpu["accepted_per_verify"] and dev["draft_step_ms"] > 0
