@@ -107,3 +107,38 @@ def test_a_trace_without_an_input_is_refused(nxd):
     with nxd.NxDParallelState(world_size=1, tensor_model_parallel_size=1, lnc_size=1):
         with pytest.raises(ValueError, match="At least one input tensor"):
             nxd.ModelBuilder(Optional()).trace(args=None, tag="g")
+
+
+class Reader(torch.nn.Module):
+    """Writes its cache from `write` (state) or, given `read`, reads it, carrying it as state only
+    when `carry`: two input signatures of one forward, routed by the names given (as upstream)."""
+
+    def __init__(self, carry: bool):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+        self.register_buffer("cache", torch.zeros(4), persistent=False)
+        self.carry = carry
+
+    def forward(self, write=None, read=None):
+        if write is not None:
+            self.cache = self.cache + write
+            return write * self.scale
+        if self.carry:
+            self.cache = self.cache * 1
+        return read * self.scale + self.cache
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_a_graph_reading_a_buffer_it_does_not_reassign_reads_its_trace_time_value(nxd, tmp_path, carry):
+    """A graph holding only some of the states is accepted (upstream NxDModel.add checks no later graph
+    against the first's StateInitializer); a buffer it never reassigns is a constant of its trace, so
+    it never sees what the other graph wrote (harness/port/draft_graphs.py carries the KV cache)."""
+    module = Reader(carry)
+    with nxd.NxDParallelState(world_size=1, tensor_model_parallel_size=1, lnc_size=1):
+        builder = nxd.ModelBuilder(module).trace(kwargs={"write": torch.ones(4)}, tag="write")
+        builder.trace(kwargs={"read": torch.ones(4)}, tag="read")
+        model = builder.compile(compiler_workdir=str(tmp_path), compiler_args="--target inf2")
+    model.set_weights([{"scale": torch.ones(1)}])
+    model.to_neuron()
+    model(write=torch.full((4,), 3.0))
+    assert torch.equal(model(read=torch.zeros(4)), torch.full((4,), 3.0 if carry else 0.0))
