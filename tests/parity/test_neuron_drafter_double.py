@@ -28,7 +28,6 @@ from harness.port import draft_graphs
 from harness.port.graphs import GraphBuildError
 from harness.port.speculate import speculative_generate
 from tests.nxd_double import installed
-from tests.unit.test_speculate import random_pair  # noqa: F401  (the fixture: the tiny 12B, an unfitted assistant)
 
 K = 3
 PROMPT = [167, 112, 284, 335, 342]
@@ -105,10 +104,11 @@ def test_build_drafter_refuses_a_neuron_build_without_draft_graphs():
         build_drafter(other, SimpleNamespace(path="/b"))
 
 
-def test_the_cache_key_tells_fused_builds_from_target_only_ones(random_pair):
+def test_the_cache_key_tells_fused_builds_from_target_only_ones():
     from harness.backends.neuron_drafter import draft_tags, drafter_key
+    from tests.unit.test_draft_graphs import fused
 
-    assistant = random_pair[1]
+    assistant = SimpleNamespace(spec=fused("12b")[2])
     base = dict(spec_hash="s", buckets=(16,), tp=2, compiler_version="c", compiler_args=None, model_source_hash="m",
                 capture=False)
     tags = draft_tags((16, 64))
