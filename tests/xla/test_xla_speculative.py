@@ -71,15 +71,26 @@ def test_check_with_the_assistant_passes_on_xla_at_tp2(tmp_path, capsys):
 
 
 def test_a_drafter_fault_fails_the_stage_on_xla_naming_its_point(monkeypatch):
-    """The embedding and the hidden state joined in the wrong order (the faults catalog's
-    swapped_inputs): the drafter's first point, pre_projection, fails (fp32 only: the cheaper run)."""
+    """The faults catalog's "drafter reads the wrong layer's KV", on the xla drafter: each layer reads
+    the device cache of the first target layer of its store layer's type. The drafter's first
+    layer fails (fp32 only: the cheaper run). (The catalog's swapped-inputs fault cannot be injected
+    here once the healthy draft graph ran in the process: torch-xla reuses the compiled program for
+    the structurally equal graph with its two same-shaped inputs swapped, and computes the healthy
+    order.)"""
+    from harness.backends import xla_drafter
     from harness.parity.speculative import first_drafter_point
-    from harness.port import drafter as port_drafter
 
-    monkeypatch.setattr(port_drafter, "join_inputs", lambda embeds, hidden: torch.cat([hidden, embeds], dim=-1))
+    original = xla_drafter.kv_state_names
+
+    def wrong_layer(aspec):
+        target = pair("12b")[0].spec
+        first = {layer.type: layer.index for layer in reversed(target.layers)}
+        return [tuple(n.replace(f"layers.{layer.kv_source}.", f"layers.{first[target.layers[layer.kv_source].type]}.")
+                      for n in names) for layer, names in zip(aspec.layers, original(aspec))]
+    monkeypatch.setattr(xla_drafter, "kv_state_names", wrong_layer)
     stage = _stage("12b", 2, dtype="float32")
-    assert not stage.passed and stage.error is None
-    assert first_drafter_point(stage)["point"] == "fp32.drafter.pre_projection"
+    assert not stage.passed and stage.error is None, stage.describe()
+    assert first_drafter_point(stage)["point"] == "fp32.drafter.layers.0.output"
 
 
 # ---- the draft graph's HLO contracts --------------------------------------------------------------
