@@ -147,3 +147,24 @@ def test_each_draft_contract_fails_on_a_violation(monkeypatch, fault, contract):
 
 
 ORIGINAL = None
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_perf_builds_verify_graph_keeps_the_graph_contracts(tiny_spec, tp):
+    """The verify graph of a perf build (traced without last_index): every row's logits and the
+    final-norm states returned, its k+1 slots written, the KV cache aliased state, every contract."""
+    from harness.backends.xla import build_graph_module, graph_tensors, lower_graph
+    from harness.hlo.contracts import GraphSignature, check_graph, expectation_for
+    from harness.hlo.ir import parse_hlo
+    from harness.port.graphs import graph_plan
+
+    tag = next(t for t in graph_plan((16,), 64, speculate=K) if t.startswith("verify"))
+    module = build_graph_module(tiny_spec, tp, 64, torch.bfloat16)  # a perf build (last_row_only)
+    tensors, roles = graph_tensors(module)
+    graph = lower_graph(module, tensors, roles, tag, K + 1)
+    assert [role for role, _ in graph.params if role == "input"] == ["input", "input"]  # no last_index
+    assert graph.outputs[:2] == ["logits", "output1"]  # the logits and the final-norm states
+    logits, hidden = (o.shape[0].dims for o in parse_hlo(graph.hlo).outputs()[:2])
+    assert logits == (1, K + 1, tiny_spec.vocab_size) and hidden == (1, K + 1, tiny_spec.hidden_size)
+    sig = GraphSignature(graph.params, graph.outputs, graph.host_transfers)
+    assert check_graph(graph.hlo, sig, expectation_for(tiny_spec, tp, 64, K + 1, torch.bfloat16)) == []
