@@ -354,7 +354,12 @@ class XlaBackend:
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer's cache on one rank, copied to the host: [1, kv_heads, max_len, d]."""
         keys = [f"layers.{layer}.self_attn.cache.{b}" for b in ("k", "v")]
-        return tuple(self.state[k].cpu()[rank if self.tp > 1 else 0] for k in keys)
+        if self.tp == 1:
+            return tuple(self.state[k].cpu()[0] for k in keys)
+        # rank r's row from device r alone: a .cpu() of the sharded tensor compiles a gather program
+        # per call (a speculative parity run reads the cache every round)
+        shards = self.rt.torch_xla._XLAC._get_local_shards([self.state[k] for k in keys])
+        return tuple(sorted(s, key=lambda shard: int(shard[1].rsplit(":", 1)[1]))[rank][0][0] for s in shards)
 
     def lower_graphs(self, rank: int = 0) -> dict[str, LoweredGraph]:
         """Every graph of the plan, lowered for one rank on that rank's weights (not executed)."""

@@ -32,7 +32,7 @@ CACHE_WRITES = {"scatter", "dynamic-update-slice"}
 class GraphSignature:
     """What the entry parameters and outputs of one lowered graph are."""
     params: list[tuple[str, str]]  # per entry parameter: (role, name); role in input, weight, constant,
-    # state, scalar
+    # state, scalar, target_kv (a draft graph's read-only view of the target's KV state)
     outputs: list[str]
     host_transfers: int | None = None  # device->host round trips while tracing (None: not measured)
 
@@ -259,6 +259,57 @@ def rank_weight_shapes(module: HloModule, sig: GraphSignature, exp: Expectation)
     for name in sorted(set(exp.weight_shapes) - seen):
         out.append(Violation("rank_weight_shapes", f"plan weight {name} is not an input of the graph"))
     return out
+
+
+def target_kv_read_only(module: HloModule, sig: GraphSignature, exp: Expectation) -> list[Violation]:
+    """A draft graph (harness/backends/xla_drafter.py) reads the target's KV states it names
+    (`exp.kv_shapes`, parameters of role target_kv, in those shapes) and writes none: none is aliased
+    to an output or the base of a slot write; and it holds no cache of its own (no state)."""
+    out, entry = [], module.entry
+    params, aliased = entry.parameters(), set(module.aliases.values())
+    seen = {name for role, name in sig.params if role == "target_kv"}
+    out += [Violation("target_kv_read_only", f"the target's KV {name} is not an input of the draft graph")
+            for name in sorted(set(exp.kv_shapes) - seen)]
+    writes = [i for i in entry.instructions.values() if i.opcode in CACHE_WRITES]
+    for number, (role, name) in enumerate(sig.params):
+        if role == "state" or (role == "target_kv" and number in aliased):
+            out.append(Violation("target_kv_read_only", f"{name} (parameter {number}) is aliased to an output: "
+                                 "the draft graph writes a cache"))
+        if role != "target_kv":
+            continue
+        dims = params[number].shape[0].dims if params[number].shape else None
+        if exp.kv_shapes.get(name) not in (None, dims):
+            out.append(Violation("target_kv_read_only", f"{name} enters as {dims}, plan {exp.kv_shapes[name]}"))
+        out += [Violation("target_kv_read_only", f"{name} is written by {w.opcode} {w.name}")
+                for w in writes if _through(entry, w.operands[0]).name == params[number].name]
+    return out
+
+
+def draft_expectation(aspec, target_spec, tp: int, max_len: int, dtype: torch.dtype,
+                      weight_shapes: dict[str, tuple[int, ...]]) -> Expectation:
+    """What one rank's draft graph must look like: one position, every layer's attention over the
+    target's whole cache (max_len keys) of its store layer, read only (kv_shapes: one rank's
+    [1, kv heads, max_len, d] per store layer), `weight_shapes` the rank's drafter weights."""
+    plans, kv = plan_model(target_spec, tp), {}
+    for layer in aspec.layers:
+        source = target_spec.layers[layer.kv_source]
+        for buf in ("k", "v"):
+            kv[f"layers.{layer.kv_source}.self_attn.cache.{buf}"] = (1, plans[source.index].kv_heads_per_rank, max_len,
+                                                                     source.head_dim)
+    return Expectation(1, max_len, aspec.hidden_size, len(aspec.layers), dtype=HLO_DTYPES[dtype],
+                       vocab_sizes=frozenset({aspec.vocab_size}), weight_shapes=dict(weight_shapes), kv_shapes=kv,
+                       reads={max_len: len(aspec.layers)})
+
+
+def check_draft_graph(hlo: str | HloModule, sig: GraphSignature, exp: Expectation) -> list[Violation]:
+    """The contracts of a draft graph (draft_expectation): no softcap on the device, eager attention,
+    static shapes and no host round trip, the target's KV read only, weights in the rank's shapes."""
+    module = hlo if isinstance(hlo, HloModule) else parse_hlo(hlo)
+    if len(module.entry.parameters()) != len(sig.params):
+        return [Violation("signature", f"HLO has {len(module.entry.parameters())} parameters, the signature "
+                          f"names {len(sig.params)}")]
+    return [v for contract in (softcap_off_device, eager_attention, static_shapes, target_kv_read_only,
+                               rank_weight_shapes) for v in contract(module, sig, exp)]
 
 
 CONTRACTS = {f.__name__: f for f in (softcap_off_device, eager_attention, static_shapes, kv_state_aliased,
