@@ -73,8 +73,8 @@ def test_bench_batch_runs_on_xla(tmp_path, capsys):
     from harness.cli import main
 
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--model", "tiny", "--backend", "xla", "--batch", "1,2,4", "--runs", "1", "--warmup", "0",
-               "--buckets", "16", "--kv-len", "32", "--new-tokens", "3", "--out", str(out)])
+    rc = main(["bench", "--model", "tiny", "--backend", "xla", "--tp", "1", "--batch", "1,2,4", "--runs", "1",
+               "--warmup", "0", "--buckets", "16", "--kv-len", "32", "--new-tokens", "3", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err[-2000:]
     rows = {r["batch"]: r for r in json.loads(out.read_text())["batch"]["rows"]}
     assert sorted(rows) == [1, 2, 4]
