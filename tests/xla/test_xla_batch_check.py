@@ -1,10 +1,9 @@
 """`check --batch 4` with ragged prompts on the xla backend through the CLI (issue 29's done-when):
 tests/parity/test_batch_check_cli.py's matrix (a 1-token prompt, prompts past the largest bucket,
 five prompts for four slots: a reused slot) run on the lowered graphs, both stages and the served
-build (xla's batched perf build). Each run is a whole check, 2-10 CPU-minutes on the XLA lane's two
-cores (every (batch bucket, sequence bucket, KV bucket) shape is compiled by XLA, in fp32, bf16 and
-the perf build; measured: E2B at TP 1 about 2, 26B-A4B at TP 2 about 5, the tiny 12B at TP 2 about
-10), so the lane runs two family variants, which the 12B's batch tests (tests/xla/test_xla_batch.py:
+build (xla's batched perf build). Each run is a whole check, several CPU-minutes (every (batch
+bucket, sequence bucket, KV bucket) shape is compiled by XLA, in fp32, bf16 and the perf build;
+measured: E2B at TP 1 229 CPU-s; the tiny 12B at TP 2 about 10 CPU-minutes), so the lane runs two family variants, which the 12B's batch tests (tests/xla/test_xla_batch.py:
 isolation, the perf build, bench) do not cover: E2B at TP 1 (per-layer inputs and KV sharing per slot) and 26B-A4B at TP 2 (routing per row, with
 the collectives; run alone after the parallel part, as .ci/xla-lane runs the family's TP 2 checks).
 The rest of the matrix is `-m slow` here (run by hand in the XLA venv:
