@@ -105,10 +105,11 @@ def build_graph_module(spec, tp: int, max_len: int, dtype: torch.dtype, capture:
                        module_cls=None, sliding_cache: str = "linear", slots: int = 1) -> nn.Module:
     """The traced module of harness/port/graphs.py with XLA collectives, in eval mode without grads: a
     parity build (captures) or, as the Neuron backend builds it, a perf build returning only the
-    last real row's logits; with `slots` > 1 a batched parity build taking seq_ids."""
+    last real row's logits; with `slots` > 1 a batched build taking seq_ids (a batched perf build
+    returns every row's logits, as the Neuron backend's does)."""
     module_cls = module_cls or traced_class(spec, batched=slots > 1)  # the 12B's decoder or the family's
     module = module_cls(spec, tp, max_len, dtype, RankLinears(XlaCollectives(tp)), with_captures=capture,
-                        last_row_only=not capture, sliding_cache=sliding_cache, slots=slots)
+                        last_row_only=not capture and slots == 1, sliding_cache=sliding_cache, slots=slots)
     module.eval()
     module.requires_grad_(False)
     return module
@@ -253,11 +254,9 @@ class XlaBackend:
         self.graphs = graph_plan(buckets, max_len, settings.speculate)  # with the verify graph (speculate > 0)
         self.kv_lengths = kv_buckets(buckets, max_len)
         self.capture = self.returns_captures = bool(capture)
-        self.last_row_only = not self.capture  # a perf build returns only what greedy decode needs
         self.slots = settings.batch
-        if self.slots > 1 and not self.capture:
-            raise HarnessInputError(f"--batch {self.slots}: the xla backend builds batched graphs as parity builds "
-                                    "(capture=True) only; a batched perf build is not implemented")
+        # a perf build returns only what greedy decode needs; a batched one every row's logits
+        self.last_row_only = not self.capture and self.slots == 1
         self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture,
                                          sliding_cache=sliding_cache, slots=self.slots)
         self.kv_names = kv_buffer_names(self.module)
@@ -322,6 +321,9 @@ class XlaBackend:
         build (settings.batch > 1) takes [b, s] rows and `seq_ids` [b] (harness/port/kv_slots.py).
         `verify`: the verify graph (k+1 rows, every row's logits; graphs.graph_result)."""
         if self.slots > 1:
+            if capture and not self.capture:
+                raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
+                                        "backend with capture=True for a parity build to capture activations")
             graph_in = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
                                           dtype=self.dtype)
         else:

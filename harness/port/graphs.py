@@ -91,7 +91,8 @@ class TracedFamilyDecoder(TracedDecoder, FamilyRankDecoder):
 class TracedBatchDecoder(TracedDecoder):
     """A batched build (a KV cache of `slots` sequences, harness/port/kv_slots.py): forward(inputs_embeds
     [b, s, hidden], positions [b, s], seq_ids [b], each row's KV slot, as NxD Inference passes them)
-    -> what TracedDecoder returns, for every row. A parity build (every row's logits and captures)."""
+    -> what TracedDecoder returns, for every row: a parity build every row's logits and captures, a
+    perf build every row's logits (the host takes each row's last real position)."""
 
     def forward(self, inputs_embeds, positions, seq_ids):
         positions, seq_ids = positions.to(torch.long), seq_ids.to(torch.long)

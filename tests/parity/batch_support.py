@@ -19,17 +19,17 @@ def random_prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_rows(be: BatchEngine, prompts, slots, steps: int, fresh: bool = True) -> list[dict]:
+def run_rows(be: BatchEngine, prompts, slots, steps: int, fresh: bool = True, capture: bool = True) -> list[dict]:
     """Prefill `prompts` into `slots` in one batch, then `steps` greedy decode steps of all of them
-    together: per row its prefill logits and captures, each step's logits and captures, and its KV
-    slot read back (every position written)."""
+    together: per row its prefill logits and captures (none without `capture`: a perf build),
+    each step's logits and captures, and its KV slot read back (every position written)."""
     if fresh:
         be.backend.reset()
-    pres = be.prefill(prompts, slots, capture=True)
+    pres = be.prefill(prompts, slots, capture=capture)
     rows = [{"prefill": p.logits, "captures": p.captures, "steps": [], "step_caps": []} for p in pres]
     tokens = [int(p.logits[-1].argmax()) for p in pres]
     for step in range(steps):
-        out = be.decode(tokens, [len(p) + step for p in prompts], slots, capture=True)
+        out = be.decode(tokens, [len(p) + step for p in prompts], slots, capture=capture)
         for row, s in zip(rows, out):
             row["steps"].append(s.logits)
             row["step_caps"].append(s.captures)

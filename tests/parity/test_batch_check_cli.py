@@ -1,9 +1,11 @@
-"""`check --batch 4` with ragged prompts through the CLI on cpu (issue 29's done-when): a 1-token
-prompt, prompts past the largest bucket (chunked prefill per row) and more prompts than slots (a
-finished sequence's slot takes the next prompt), on the tiny 12B and every family variant, at TP 1
-and 2. Each run is a whole check (references, both stages, the served build): the slow lane. The
-default lane's batched checks are tests/faults/test_batch_faults.py's clean port (check_port on the
-tiny 12B) and this file's argument check below."""
+"""`check --batch 4` with ragged prompts through the CLI (issue 29's done-when): a 1-token prompt,
+prompts past the largest bucket (chunked prefill per row) and more prompts than slots (a finished
+sequence's slot takes the next prompt), on the tiny 12B and every family variant, at TP 1 and 2, on
+cpu and on the neuron backend through the NxD double (tests/nxd_double). Each run is a whole check
+(references, both stages, the served build): the slow lane. The xla backend's runs of this matrix
+are tests/xla/test_xla_batch_check.py (XLA lane). The default lane's batched checks are
+tests/faults/test_batch_faults.py's clean port (check_port on the tiny 12B) and this file's argument
+check below."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import json
 
 import pytest
 
+from harness.backends import neuron_env
 from harness.cli import main
+from tests.nxd_double import installed
 
 MODELS = ("tiny", "tiny-e2b", "tiny-e4b", "tiny-31b", "tiny-26b-a4b")
 # buckets (16,): the 24-, 40- and 64-token prompts are past the largest bucket; 5 prompts, 4 slots
@@ -33,16 +37,34 @@ def run_check(tmp_path, model: str, tp: int, *extra: str) -> tuple[int, dict | N
     return rc, (json.loads(out.read_text()) if out.exists() else None), str(prompts)
 
 
+def assert_batched_check_passed(rc: int, payload: dict | None, printed: str, backend: str) -> None:
+    assert rc == 0, printed[-3000:]
+    assert payload["passed"] is True  # a flip the judge accounts for (a near tie) may leave seq_match False
+    assert payload["backend"] == backend
+    assert len(payload["prompts"]) == len(ragged_prompts())
+    assert any("batch of 4" in n for n in payload["notes"]), payload["notes"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("model", MODELS)
 def test_check_batch_4_with_ragged_prompts_passes(model, tp, tmp_path, capsys):
     rc, payload, _ = run_check(tmp_path, model, tp)
-    printed = capsys.readouterr().out
-    assert rc == 0, printed[-3000:]
-    assert payload["passed"] is True  # a flip the judge accounts for (a near tie) may leave seq_match False
-    assert len(payload["prompts"]) == len(ragged_prompts())
-    assert any("batch of 4" in n for n in payload["notes"]), payload["notes"]
+    assert_batched_check_passed(rc, payload, capsys.readouterr().out, "cpu")
+
+
+@pytest.mark.slow  # through the double: every graph of the batched build traced (1-4 min a run)
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("model", MODELS)
+def test_check_batch_4_through_the_nxd_double_passes(model, tp, tmp_path, monkeypatch, capsys):
+    """The same matrix on the neuron backend through the NxD double: each graph of the KV plan at
+    each batch bucket (seq_ids an input), per-layer inputs, routing and KV sharing per row."""
+    monkeypatch.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+    monkeypatch.setattr(neuron_env, "neuron_core_count", lambda: 16)
+    with installed(monkeypatch):
+        rc, payload, _ = run_check(tmp_path, model, tp, "--backend", "neuron")
+    assert_batched_check_passed(rc, payload, capsys.readouterr().out, "neuron")
 
 
 def test_a_batch_with_more_slots_than_the_kv_fits_nothing_else_is_bad_input(tmp_path, capsys):

@@ -5,8 +5,12 @@ row and slot, and in a reused slot, and `check --batch` passes on the xla backen
 from __future__ import annotations
 
 import pytest
+import torch
 
+from harness.backends import build_engine
 from harness.base.errors import HarnessInputError
+from harness.base.settings import RunSettings
+from harness.port.batching import BatchEngine
 from tests.parity.batch_support import assert_same_row, batch_engine, random_prompts, run_rows
 
 pytestmark = pytest.mark.xla
@@ -43,12 +47,41 @@ def test_xla_batched_check_passes(tiny0_ckpt, tiny0_reference):
     assert result.fp32 is not None and result.fp32.passed and result.fp32.backend == "xla"
 
 
-def test_xla_batched_perf_build_is_refused(tiny0_ckpt):
-    from harness.backends import build_engine
-    from harness.base.settings import RunSettings
+def test_xla_batched_perf_build_returns_every_row_as_the_parity_build(xla_be, tiny0_ckpt):
+    """The batched perf build (no capture outputs; what `bench --batch` and the served stage run)
+    returns every row's logits, not the last row only, as the Neuron backend's batched perf build:
+    ragged rows (10 and 20 tokens: two prefill calls) and decode steps equal the batched parity
+    build's bit for bit (the same shapes, the same XLA CPU programs but for the captures), KV slots too."""
+    perf = BatchEngine(build_engine(tiny0_ckpt, RunSettings(backend="xla", batch=2, buckets=(16,), kv_len=32)))
+    assert not perf.backend.capture and not perf.backend.last_row_only
+    prompts = random_prompts(xla_be.engine.spec.vocab_size, (10, 20), seed=5)
+    fast, judged = (run_rows(be, prompts, [1, 0], STEPS, capture=be is xla_be) for be in (perf, xla_be))
+    for row, (x, y) in enumerate(zip(fast, judged, strict=True)):
+        assert x["prefill"].shape[0] == len(prompts[row])  # every row of the prompt, not the last only
+        assert not x["captures"] and not any(x["step_caps"])
+        assert_same_row(x, {**y, "captures": {}}, f"perf row {row}")  # x's steps carry no captures to compare
+    width = perf.backend.spec.hidden_size
+    with pytest.raises(HarnessInputError, match="perf build"):
+        perf.backend.forward(torch.zeros(1, 16, width), torch.arange(16)[None], capture=True, seq_ids=[0])
 
-    with pytest.raises(HarnessInputError, match="--batch 2"):
-        build_engine(tiny0_ckpt, RunSettings(backend="xla", batch=2, buckets=(16,), kv_len=32))
+
+def test_bench_batch_runs_on_xla(tmp_path, capsys):
+    """`bench --batch 1,2,4 --backend xla` times the batched perf build: a row per batch size, each
+    sequence's tokens those of its prompt alone (row k is prompt k at every batch size)."""
+    import json
+
+    from harness.cli import main
+
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", "tiny", "--backend", "xla", "--tp", "1", "--batch", "1,2,4", "--runs", "1",
+               "--warmup", "0", "--buckets", "16", "--kv-len", "32", "--new-tokens", "3", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    rows = {r["batch"]: r for r in json.loads(out.read_text())["batch"]["rows"]}
+    assert sorted(rows) == [1, 2, 4]
+    for b, row in rows.items():
+        assert len(row["tokens"]) == b and all(len(t) == 3 for t in row["tokens"])
+        assert row["step_ms"] > 0 and row["efficiency"] > 0 and row["tokens_per_s"] > 0
+    assert rows[4]["tokens"][:2] == rows[2]["tokens"] and rows[2]["tokens"][:1] == rows[1]["tokens"]
 
 
 @pytest.mark.slow  # the batched check (both stages on xla: every shape compiled), ~15 min on 2 busy cores
