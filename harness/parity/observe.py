@@ -188,23 +188,6 @@ def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
     return PortPrompt(forced, free, snaps, probs, steps)
 
 
-def run_port_batch(engine, ref32: list[ReferenceResult], phase: str) -> list[PortPrompt]:
-    """Every prompt as a sequence of a batch (harness.port.batching), each read from its own KV slot."""
-    from harness.port.batching import BatchEngine
-
-    be = port_call(f"{phase}: batch engine", BatchEngine, engine)
-    prompts, wants = [r.prompt for r in ref32], [len(r.generated) for r in ref32]
-    snaps: list[list] = [[] for _ in ref32]
-    observe = ((lambda k, slot, written: snaps[k].append((written, be.read_cache(slot, written))))
-               if engine.backend.reads_cache else None)
-    forced = port_call(f"{phase}: batched prefill and teacher-forced decode", be.generate, prompts, wants,
-                       capture=True, forced=[r.generated for r in ref32], observe=observe)
-    free = port_call(f"{phase}: batched free greedy decode", be.generate, prompts, wants) if any(wants) else forced
-    return [PortPrompt(f, g, kv, port_call(f"{phase}: host probabilities", engine.probabilities, f.prefill.logits),
-                       port_call(f"{phase}: host probabilities", engine.probabilities, f.step_logits))
-            for f, g, kv in zip(forced, free, snaps)]
-
-
 # ---- the observation of one stage ----------------------------------------------------------------
 
 @dataclass
@@ -251,25 +234,19 @@ class StageObservation:
         return labels[row] if 0 <= row < len(labels) else f"row {row}"
 
 
-def observe_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> StageObservation:
+def observe_stage(engine, checkpoint, refs: StageReferences, context: StageContext,
+                  run_prompts=None) -> StageObservation:
     """The whole observation of one stage: every prompt through the engine (prefill with captures
     and cache reads, teacher-forced decode with captures, free greedy decode, host probabilities)
     next to the references, which then follow the port's path where the judge's rules say so
-    (follow_port_path). The prompt-fit rule is applied first: a prompt that does not fit is bad
-    input (harness.base.errors.PromptError), never a port failure."""
+    (follow_port_path). `run_prompts(engine, ref32, context)` runs them (default run_port_prompts,
+    one at a time; harness/parity/batched.py's run_port_batch, as a batch). The prompt-fit rule is
+    applied first: a prompt that does not fit is bad input (harness.base.errors.PromptError)."""
     spec = checkpoint.spec
     check_fit(spec, engine.settings, refs.fp32)
     start = time.perf_counter()
-    runs = []
-    say = status(f"port {context.stage}", context.progress, total=len(refs.fp32))
     with intra_op_threads_for(spec):
-        if engine.settings.batch > 1:  # the prompts as the sequences of a batch
-            say(f"{len(refs.fp32)} prompts as a batch of {engine.settings.batch} sequences")
-            runs = run_port_batch(engine, refs.fp32, f"{context.stage} stage, batch of {engine.settings.batch}")
-        for k, r32 in enumerate(refs.fp32 if engine.settings.batch == 1 else ()):
-            say(f"prompt {k}/{len(refs.fp32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
-            runs.append(run_port_prompt(engine, r32, f"{context.stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
-    say.close()
+        runs = (run_prompts or run_port_prompts)(engine, refs.fp32, context)
     seconds = time.perf_counter() - start
     obs = assemble_observation(context.stage, runs, spec, refs, engine.backend.reads_cache)
     obs.followed = context.force_path
@@ -279,6 +256,17 @@ def observe_stage(engine, checkpoint, refs: StageReferences, context: StageConte
         obs = follow_port_path(obs, checkpoint)
     obs.seconds = seconds
     return obs
+
+
+def run_port_prompts(engine, ref32: list[ReferenceResult], context: StageContext) -> list[PortPrompt]:
+    """Every prompt alone through the engine."""
+    say = status(f"port {context.stage}", context.progress, total=len(ref32))
+    runs = []
+    for k, r32 in enumerate(ref32):
+        say(f"prompt {k}/{len(ref32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
+        runs.append(run_port_prompt(engine, r32, f"{context.stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
+    say.close()
+    return runs
 
 
 def fp32_envelope(obs: StageObservation, checkpoint, progress: bool = False) -> dict:
