@@ -13,7 +13,8 @@ from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 def add_command(sub) -> None:
     p = sub.add_parser("check", help="run the port and compare every layer and token with the reference",
                        description="Run the port and compare every layer and token with the CPU fp32 "
-                                   "reference. Exit 0 parity holds, 1 it does not, 2 bad input.")
+                                   "reference; without --batch the prompts then also run as one ragged batch "
+                                   "(the batch stage, docs/batch.md). Exit 0 parity holds, 1 it does not, 2 bad input.")
     add_model_args(p)
     p.add_argument("--golden", metavar="DIR", help="reuse a golden of these weights instead of recomputing "
                    "the reference (its prompts and token count are used)")
