@@ -9,9 +9,10 @@ against the reference run of its prompt alone.
 - `batch_stage`: the batch stage of a `check` run without `--batch` (one of run_parity_check's
   extra checks): after the batch-1 stages, the prompts as one ragged batch of `stage_slots` KV slots
   through a batched parity build in the run's dtype, observed and judged exactly as the bf16 stage
-  (the same references, near-tie band and structural flips: no reference is run again unless the
-  batch's own routing or per-layer pins differ, harness/parity/forced_path.py). A batch-only fault
-  (a pad key visible, a slot written or read wrongly) fails it naming the sequence (`prompt k`).
+  (the same references, near-tie band, structural flips and per-layer input pins: no reference is
+  run again unless the batch's own routing or pinned values differ, harness/parity/forced_path.py).
+  A batch-only fault (a pad key visible, a slot written or read wrongly) fails it naming the
+  sequence (`prompt k`).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class BatchStage:
                "admission_order": self.order, "notes": self.notes, "seconds": self.seconds}
         if self.result is not None:  # one entry per sequence under "prompts", as the bf16 stage's
             out.update({k: v for k, v in self.result.stage_json().items() if k not in ("notes", "seconds")},
-                       passed=self.passed, stage_notes=self.result.notes)
+                       passed=self.passed, stage_notes=self.result.notes,
+                       references_rerun=list(getattr(self.result.observation, "rerouted", [])))
         return out
 
 
@@ -152,7 +154,8 @@ def run_batch_stage(result: CheckResult, checkpoint, settings, progress: bool = 
         return BatchStage(ran=False, notes=[f"the {settings.backend} backend does not serve batches"])
     slots, order = stage_slots(len(refs.fp32)), admission_order([r.prompt for r in refs.fp32])
     context = StageContext("bf16", settings.backend, settings.tp, settings.dtype, calibration=result.calibration,
-                           structural=structural_flips(result.fp32), progress=progress, force_path=observed.followed)
+                           structural=structural_flips(result.fp32), progress=progress, force_path=observed.followed,
+                           pins=[f.inputs for f in observed.forcing])
     start = time.perf_counter()
     try:
         judged = judge_stage(_observe(checkpoint, settings.but(batch=slots), refs, context), checkpoint.spec, context)
@@ -162,7 +165,9 @@ def run_batch_stage(result: CheckResult, checkpoint, settings, progress: bool = 
     if not backend_class(settings.backend).host_ranks:
         gc.collect()  # a device holds one build at a time: this one is gone before the next stage builds
     judged.stage = "batch"
-    return BatchStage(ran=True, slots=slots, order=order, result=judged,
+    notes = [f"the references keep the bf16 stage's {len(observed.pinned)} per-layer input pins (pinned again "
+             "where the batch's value differs)"] if observed.pinned else []
+    return BatchStage(ran=True, slots=slots, order=order, result=judged, notes=notes,
                       seconds={"total": round(time.perf_counter() - start, 2), **judged.seconds})
 
 

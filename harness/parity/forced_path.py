@@ -76,7 +76,7 @@ def add_pins(obs, checkpoint, forcing: list[Forced]) -> list[str]:
             expected = _expected_rel_error(ref, m32 @ gate.T, (typical, gate_noise))
             pins = forcing[k].inputs.setdefault(layer.index, {})
             for position in (expected >= PLE_PIN_NOISE).nonzero().flatten().tolist():
-                if position not in pins:
+                if position not in pins or not torch.equal(pins[position], dev[position]):  # new, or another run's
                     pins[position] = dev[position].clone()
                     added.append(f"layer {layer.index} prompt {k} position {position}")
     return added

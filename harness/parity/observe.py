@@ -42,8 +42,9 @@ class StageReferences(NamedTuple):
 class StageContext:
     """The context of a stage: its name (fp32 | bf16), what its result is labelled with (backend,
     TP degree, dtype name), the check's near-tie calibration, the fp32 stage's structural flips
-    ((prompt, "prefill"|"decode") -> rows), whether it shows progress, and whether the references
-    may be computed again along the port's path (not against a golden of other weights)."""
+    ((prompt, "prefill"|"decode") -> rows), whether it shows progress, whether the references
+    may be computed again along the port's path (not against a golden of other weights), and the
+    pins they start from (per prompt layer -> position -> value: the batch stage's are the bf16 stage's)."""
 
     stage: str
     backend: str
@@ -53,6 +54,7 @@ class StageContext:
     structural: dict = field(default_factory=dict)
     progress: bool = False
     force_path: bool = True
+    pins: list | None = None
 
 
 # ---- engines: the one place run settings reach a backend ---------------------------------------
@@ -210,6 +212,7 @@ class StageObservation:
     rerouted: list[str] = field(default_factory=list)
     pinned: list[str] = field(default_factory=list)
     followed: bool = True
+    forcing: list = field(default_factory=list)  # what the references were forced to (forced_path.Forced per prompt)
 
     @property
     def references(self) -> StageReferences:
@@ -253,7 +256,7 @@ def observe_stage(engine, checkpoint, refs: StageReferences, context: StageConte
     if context.stage == "fp32":  # nothing forced: the envelope is float64 along the fp32 reference's path
         obs.env = fp32_envelope(obs, checkpoint, context.progress)
     elif context.force_path:
-        obs = follow_port_path(obs, checkpoint)
+        obs = follow_port_path(obs, checkpoint, context.pins)
     obs.seconds = seconds
     return obs
 
@@ -279,12 +282,15 @@ def fp32_envelope(obs: StageObservation, checkpoint, progress: bool = False) -> 
                                 obs.reads_cache).env
 
 
-def follow_port_path(obs: StageObservation, checkpoint) -> StageObservation:
+def follow_port_path(obs: StageObservation, checkpoint, pins: list | None = None) -> StageObservation:
     """The references computed again along the port's path where bf16 legitimately decides otherwise
     (harness/parity/forced_path.py's rules): MoE, the port's experts; PLE, the port's gated per-layer input
-    at rows without a direction at bf16 precision (at most FORCING_PASSES passes). Same port runs."""
+    at rows without a direction at bf16 precision (at most FORCING_PASSES passes), starting from `pins`
+    (the references already hold them: run again only where the port's value differs). Same port runs."""
     spec = checkpoint.spec
     forcing = follow_routing(obs.runs, spec, obs.stage)
+    for forced, seeded in zip(forcing, pins or []):
+        forced.inputs.update({layer: dict(rows) for layer, rows in seeded.items()})
     fed, rerun, pinned = [r.generated for r in obs.ref32], [], []
     for attempt in range(FORCING_PASSES):
         added = add_pins(obs, checkpoint, forcing)
@@ -299,7 +305,7 @@ def follow_port_path(obs: StageObservation, checkpoint) -> StageObservation:
         obs = assemble_observation(obs.stage, obs.runs, spec, StageReferences(refs["float32"], refs["bfloat16"]),
                                    obs.reads_cache)
         rerun += [d for d in stale if d not in rerun]
-    obs.rerouted, obs.pinned = rerun, pinned
+    obs.rerouted, obs.pinned, obs.forcing = rerun, pinned, forcing
     return obs
 
 

@@ -43,7 +43,7 @@ def _after_bf16_stage(refs: dict) -> CheckResult:
     """What the batch stage reads of a finished check: the references its bf16 stage observed (here
     the references themselves: the tiny 12B follows no port path), the near-tie band, no fp32 stage."""
     ref32, ref16 = refs["float32"], refs["bfloat16"]
-    observed = SimpleNamespace(references=StageReferences(ref32, ref16), followed=True)
+    observed = SimpleNamespace(references=StageReferences(ref32, ref16), followed=True, forcing=[], pinned=[])
     return CheckResult(backend="cpu", tp=2, dtype="bfloat16", calibration=near_tie_calibration(ref32, ref16),
                        observation=observed)
 
@@ -137,3 +137,7 @@ def test_a_healthy_port_passes_the_default_check_with_its_batch_stage(model, tmp
     batch = payload["extra_stages"]["batch"]
     assert batch["ran"] and batch["passed"] and batch["slots"] == 4 and batch["admission_order"] == [4, 3, 2, 1, 0]
     assert len(batch["prompts"]) == len(payload["prompts"]) == 5
+    # no reference run again: on cpu a row of the batch is batch 1's bit for bit, so the bf16 stage's
+    # routing and per-layer input pins (E2B/E4B) hold for the batch as they are
+    assert batch["references_rerun"] == [], batch["stage_notes"]
+    assert any("per-layer input pins" in n for n in batch["notes"]) == model in ("tiny-e2b", "tiny-e4b"), batch["notes"]
