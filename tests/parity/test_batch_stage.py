@@ -140,4 +140,4 @@ def test_a_healthy_port_passes_the_default_check_with_its_batch_stage(model, tmp
     # no reference run again: on cpu a row of the batch is batch 1's bit for bit, so the bf16 stage's
     # routing and per-layer input pins (E2B/E4B) hold for the batch as they are
     assert batch["references_rerun"] == [], batch["stage_notes"]
-    assert any("per-layer input pins" in n for n in batch["notes"]) == model in ("tiny-e2b", "tiny-e4b"), batch["notes"]
+    assert any("per-layer input pins" in n for n in batch["notes"]) == (model in ("tiny-e2b", "tiny-e4b")), batch["notes"]
