@@ -76,10 +76,26 @@ def add_pins(obs, checkpoint, forcing: list[Forced]) -> list[str]:
             expected = _expected_rel_error(ref, m32 @ gate.T, (typical, gate_noise))
             pins = forcing[k].inputs.setdefault(layer.index, {})
             for position in (expected >= PLE_PIN_NOISE).nonzero().flatten().tolist():
-                if position not in pins or not torch.equal(pins[position], dev[position]):  # new, or another run's
+                if position not in pins:
                     pins[position] = dev[position].clone()
                     added.append(f"layer {layer.index} prompt {k} position {position}")
     return added
+
+
+def seed_pins(forcing: list[Forced], pins: list | None, runs: list) -> list[str]:
+    """Start `forcing` from pins the references already hold (per prompt layer -> position -> value:
+    the batch stage starts from the bf16 stage's); where this run's value differs, the pin takes
+    it (returned: the references must then run again). A run sharing every value runs none again."""
+    changed = []
+    for k, (forced, seeded, run) in enumerate(zip(forcing, pins or [], runs)):
+        for layer, rows in seeded.items():
+            dev = port_rows(run, Point("layer", layer, "per_layer_input").name)
+            mine = forced.inputs.setdefault(layer, {})
+            for position, value in rows.items():
+                same = dev is not None and position < dev.shape[0] and torch.equal(value, dev[position])
+                mine[position] = value if same or dev is None else dev[position].clone()
+                changed += [] if same else [f"layer {layer} prompt {k} position {position}"]
+    return changed
 
 
 def follow_routing(runs: list, spec, stage: str) -> list[Forced]:

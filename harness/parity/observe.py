@@ -26,7 +26,7 @@ from harness.base.settings import RunSettings
 from harness.inputs.prompts import validate_prompt_fit
 from harness.judge.compare import FORCING_PASSES
 from harness.judge.verdicts import NearTieCalibration
-from harness.parity.forced_path import add_pins, follow_routing, routes_differ
+from harness.parity.forced_path import add_pins, follow_routing, routes_differ, seed_pins
 from harness.parity.local import intra_op_threads_for
 from harness.reference.run import ReferenceResult, rerun_reference
 
@@ -289,11 +289,10 @@ def follow_port_path(obs: StageObservation, checkpoint, pins: list | None = None
     (the references already hold them: run again only where the port's value differs). Same port runs."""
     spec = checkpoint.spec
     forcing = follow_routing(obs.runs, spec, obs.stage)
-    for forced, seeded in zip(forcing, pins or []):
-        forced.inputs.update({layer: dict(rows) for layer, rows in seeded.items()})
+    repinned = seed_pins(forcing, pins, obs.runs)
     fed, rerun, pinned = [r.generated for r in obs.ref32], [], []
     for attempt in range(FORCING_PASSES):
-        added = add_pins(obs, checkpoint, forcing)
+        added = add_pins(obs, checkpoint, forcing) + (repinned if attempt == 0 else [])
         pinned += added
         refs = {"float32": obs.ref32, "bfloat16": obs.ref16}
         stale = [dtype for dtype, runs in refs.items()
