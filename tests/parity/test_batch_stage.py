@@ -141,3 +141,25 @@ def test_a_healthy_port_passes_the_default_check_with_its_batch_stage(model, tmp
     # routing and per-layer input pins (E2B/E4B) hold for the batch as they are
     assert batch["references_rerun"] == [], batch["stage_notes"]
     assert any("per-layer input pins" in n for n in batch["notes"]) == (model in ("tiny-e2b", "tiny-e4b")), batch["notes"]
+
+
+def test_the_batch_stage_keeps_the_bf16_stages_pins_and_re_pins_only_a_value_it_does_not_share():
+    """forced_path.seed_pins: pins the references already hold stay (no reference runs again) where
+    this run's value is the same; a differing value is taken from this run and reported."""
+    import torch
+
+    from harness.parity.forced_path import seed_pins
+    from harness.reference.forcing import Forced
+
+    prefill = torch.arange(12.0).reshape(3, 4)  # per_layer_input of layer 1: 3 prefill rows, 1 decode step
+    step = torch.full((1, 4), 7.0)
+    run = SimpleNamespace(forced=SimpleNamespace(prefill=SimpleNamespace(captures={"layers.1.per_layer_input": prefill}),
+                                                 step_captures={"layers.1.per_layer_input": step}))
+    shared = [{1: {0: prefill[0].clone(), 3: step[0].clone()}}]
+    forcing = [Forced()]
+    assert seed_pins(forcing, shared, [run]) == [] and torch.equal(forcing[0].inputs[1][3], step[0])
+    other = [{1: {2: prefill[2] + 1e-6}}]  # another run's value, one rounding away
+    forcing = [Forced()]
+    assert seed_pins(forcing, other, [run]) == ["layer 1 prompt 0 position 2"]
+    assert torch.equal(forcing[0].inputs[1][2], prefill[2])
+    assert seed_pins([Forced()], None, [run]) == []
