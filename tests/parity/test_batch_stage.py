@@ -163,3 +163,21 @@ def test_the_batch_stage_keeps_the_bf16_stages_pins_and_re_pins_only_a_value_it_
     assert seed_pins(forcing, other, [run]) == ["layer 1 prompt 0 position 2"]
     assert torch.equal(forcing[0].inputs[1][2], prefill[2])
     assert seed_pins([Forced()], None, [run]) == []
+
+
+def test_a_family_decoders_reset_forgets_the_kv_read_length():
+    """The local verdicts run a layer alone after reset_cache (harness/parity/local.py). The family's
+    decoder kept the last call's KV bucket there, so after a run whose last call read 16 slots a
+    64-token layer run lost its keys past 16 (seen as every attention layer failing alone in
+    `check --batch 4 --model tiny-31b` once the prompts were admitted longest first); the 12B's forgot it."""
+    from harness.backends import make_backend
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import TINY_FAMILY, tiny_checkpoint
+
+    backend = make_backend(Checkpoint.open(tiny_checkpoint(0, TINY_FAMILY["31b"])), RunSettings(tp=1, buckets=(16,),
+                                                                                                 kv_len=64))
+    module = backend.ranks[0]
+    module.set_kv_read(16)
+    module.reset_cache()
+    caches = [layer.self_attn.cache for layer in module.layers if getattr(layer.self_attn, "cache", None) is not None]
+    assert caches and all(cache.read_len is None for cache in caches)
