@@ -13,7 +13,8 @@ from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 def add_command(sub) -> None:
     p = sub.add_parser("check", help="run the port and compare every layer and token with the reference",
                        description="Run the port and compare every layer and token with the CPU fp32 "
-                                   "reference. Exit 0 parity holds, 1 it does not, 2 bad input.")
+                                   "reference; without --batch the prompts then also run as one ragged batch "
+                                   "(the batch stage, docs/batch.md). Exit 0 parity holds, 1 it does not, 2 bad input.")
     add_model_args(p)
     p.add_argument("--golden", metavar="DIR", help="reuse a golden of these weights instead of recomputing "
                    "the reference (its prompts and token count are used)")
@@ -27,6 +28,7 @@ def add_command(sub) -> None:
     p.add_argument("--verbose", action="store_true", help="print the wall time of each stage and phase "
                    "(always in the JSON under \"seconds\")")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot", batch=True)
+    p.set_defaults(batch=None)  # no --batch: batch 1, then the prompts as one ragged batch (the batch stage)
     add_speculate_args(p)
     add_host_memory_arg(p)
     p.set_defaults(func=run, validate=validate)
@@ -88,6 +90,8 @@ def validate(args) -> None:
     if args.new_tokens is None:
         args.new_tokens = DEFAULT_NEW_TOKENS
     v._int_option(args, "new_tokens", 0)
+    args.batch_stage = args.batch is None  # docs/batch.md#the-judge-per-sequence
+    args.batch = 1 if args.batch is None else args.batch
     v._port_options(args)
     args.settings = run_settings(args)
     inputs = v.model_inputs(args)
@@ -112,6 +116,17 @@ def validate(args) -> None:
               fp32_stage=not args.skip_fp32_stage, served=not args.skip_served_build)
 
 
+def batch_checks(args) -> tuple:
+    """The batch stage of a check without --batch; with --batch 1, the result says it did not run
+    (with --batch N > 1 the stages themselves ran the prompts as a batch)."""
+    from harness.parity.batched import batch_stage
+
+    if args.settings.batch > 1:
+        return ()
+    skip = None if args.batch_stage else "--batch 1: the prompts ran one at a time only (no --batch adds a batch stage)"
+    return (batch_stage(args.settings, progress=True, skip=skip),)
+
+
 def run(args) -> int:
     from harness.parity.check import run_parity_check
     from harness.parity.served import served_stage
@@ -120,12 +135,12 @@ def run(args) -> int:
 
     ckpt = args.ckpt
     print(ckpt.describe())
+    extra = batch_checks(args) + (served_stage(args.settings, progress=True, skip=args.skip_served_build),)
+    if args.assistant_ckpt is not None:
+        extra += (speculative_stage(args.settings, args.assistant, args.speculate),)
     result = run_parity_check(ckpt, args.ckpt_dir, args.settings, golden=args.reference_source,
                               prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
-                              fp32_stage=not args.skip_fp32_stage,
-                              extra_checks=(served_stage(args.settings, progress=True, skip=args.skip_served_build),)
-                              + ((speculative_stage(args.settings, args.assistant, args.speculate),)
-                                 if args.assistant_ckpt is not None else ()))
+                              fp32_stage=not args.skip_fp32_stage, extra_checks=extra)
     payload = with_generator(result.to_json(), "check", args)
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.

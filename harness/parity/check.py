@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+from harness.parity.batched import run_port_batch
 from harness.parity.local import intra_op_threads_for, local_verdicts
 from harness.reference.golden import Golden, same_weights
 from harness.parity.observe import (PortFailure, StageContext, StageReferences, build_fp32_port, build_port, check_fit,
@@ -72,13 +73,14 @@ def _failed_stage(context: StageContext, failure: PortFailure) -> CheckResult:
 
 
 def run_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> CheckResult:
-    """Observe the port for one stage and judge it."""
-    obs = observe_stage(engine, checkpoint, refs, context)
+    """Observe the port for one stage (the prompts as a batch on a batched engine) and judge it."""
+    obs = observe_stage(engine, checkpoint, refs, context, run_port_batch if engine.settings.batch > 1 else None)
     start = time.perf_counter()
     result = judge_stage(obs, checkpoint.spec, context)
     if engine.settings.batch > 1:
         result.notes.append(f"{context.stage} stage: the prompts ran as a batch of {engine.settings.batch} sequences "
-                            "(a KV slot each, continuous batching); each judged against its prompt alone")
+                            "(a KV slot each, continuous batching, admitted longest first); each judged against its "
+                            "prompt alone")
     result.seconds["judge"] = round(time.perf_counter() - start, 2)
     return result
 

@@ -82,6 +82,22 @@ def add_pins(obs, checkpoint, forcing: list[Forced]) -> list[str]:
     return added
 
 
+def seed_pins(forcing: list[Forced], pins: list | None, runs: list) -> list[str]:
+    """Start `forcing` from pins the references already hold (per prompt layer -> position -> value:
+    the batch stage starts from the bf16 stage's); where this run's value differs, the pin takes
+    it (returned: the references must then run again). A run sharing every value runs none again."""
+    changed = []
+    for k, (forced, seeded, run) in enumerate(zip(forcing, pins or [], runs)):
+        for layer, rows in seeded.items():
+            dev = port_rows(run, Point("layer", layer, "per_layer_input").name)
+            mine = forced.inputs.setdefault(layer, {})
+            for position, value in rows.items():
+                same = dev is not None and position < dev.shape[0] and torch.equal(value, dev[position])
+                mine[position] = value if same or dev is None else dev[position].clone()
+                changed += [] if same else [f"layer {layer} prompt {k} position {position}"]
+    return changed
+
+
 def follow_routing(runs: list, spec, stage: str) -> list[Forced]:
     """The routing rule: per prompt, what its references are forced to before any pin: in the bf16
     stage of an MoE model the port's experts at every position it computed (harness.parity.observe.PortPrompt

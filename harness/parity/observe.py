@@ -26,7 +26,7 @@ from harness.base.settings import RunSettings
 from harness.inputs.prompts import validate_prompt_fit
 from harness.judge.compare import FORCING_PASSES
 from harness.judge.verdicts import NearTieCalibration
-from harness.parity.forced_path import add_pins, follow_routing, routes_differ
+from harness.parity.forced_path import add_pins, follow_routing, routes_differ, seed_pins
 from harness.parity.local import intra_op_threads_for
 from harness.reference.run import ReferenceResult, rerun_reference
 
@@ -42,8 +42,9 @@ class StageReferences(NamedTuple):
 class StageContext:
     """The context of a stage: its name (fp32 | bf16), what its result is labelled with (backend,
     TP degree, dtype name), the check's near-tie calibration, the fp32 stage's structural flips
-    ((prompt, "prefill"|"decode") -> rows), whether it shows progress, and whether the references
-    may be computed again along the port's path (not against a golden of other weights)."""
+    ((prompt, "prefill"|"decode") -> rows), whether it shows progress, whether the references
+    may be computed again along the port's path (not against a golden of other weights), and the
+    pins they start from (per prompt layer -> position -> value: the batch stage's are the bf16 stage's)."""
 
     stage: str
     backend: str
@@ -53,6 +54,7 @@ class StageContext:
     structural: dict = field(default_factory=dict)
     progress: bool = False
     force_path: bool = True
+    pins: list | None = None
 
 
 # ---- engines: the one place run settings reach a backend ---------------------------------------
@@ -188,23 +190,6 @@ def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
     return PortPrompt(forced, free, snaps, probs, steps)
 
 
-def run_port_batch(engine, ref32: list[ReferenceResult], phase: str) -> list[PortPrompt]:
-    """Every prompt as a sequence of a batch (harness.port.batching), each read from its own KV slot."""
-    from harness.port.batching import BatchEngine
-
-    be = port_call(f"{phase}: batch engine", BatchEngine, engine)
-    prompts, wants = [r.prompt for r in ref32], [len(r.generated) for r in ref32]
-    snaps: list[list] = [[] for _ in ref32]
-    observe = ((lambda k, slot, written: snaps[k].append((written, be.read_cache(slot, written))))
-               if engine.backend.reads_cache else None)
-    forced = port_call(f"{phase}: batched prefill and teacher-forced decode", be.generate, prompts, wants,
-                       capture=True, forced=[r.generated for r in ref32], observe=observe)
-    free = port_call(f"{phase}: batched free greedy decode", be.generate, prompts, wants) if any(wants) else forced
-    return [PortPrompt(f, g, kv, port_call(f"{phase}: host probabilities", engine.probabilities, f.prefill.logits),
-                       port_call(f"{phase}: host probabilities", engine.probabilities, f.step_logits))
-            for f, g, kv in zip(forced, free, snaps)]
-
-
 # ---- the observation of one stage ----------------------------------------------------------------
 
 @dataclass
@@ -227,6 +212,7 @@ class StageObservation:
     rerouted: list[str] = field(default_factory=list)
     pinned: list[str] = field(default_factory=list)
     followed: bool = True
+    forcing: list = field(default_factory=list)  # what the references were forced to (forced_path.Forced per prompt)
 
     @property
     def references(self) -> StageReferences:
@@ -251,34 +237,39 @@ class StageObservation:
         return labels[row] if 0 <= row < len(labels) else f"row {row}"
 
 
-def observe_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> StageObservation:
+def observe_stage(engine, checkpoint, refs: StageReferences, context: StageContext,
+                  run_prompts=None) -> StageObservation:
     """The whole observation of one stage: every prompt through the engine (prefill with captures
     and cache reads, teacher-forced decode with captures, free greedy decode, host probabilities)
     next to the references, which then follow the port's path where the judge's rules say so
-    (follow_port_path). The prompt-fit rule is applied first: a prompt that does not fit is bad
-    input (harness.base.errors.PromptError), never a port failure."""
+    (follow_port_path). `run_prompts(engine, ref32, context)` runs them (default run_port_prompts,
+    one at a time; harness/parity/batched.py's run_port_batch, as a batch). The prompt-fit rule is
+    applied first: a prompt that does not fit is bad input (harness.base.errors.PromptError)."""
     spec = checkpoint.spec
     check_fit(spec, engine.settings, refs.fp32)
     start = time.perf_counter()
-    runs = []
-    say = status(f"port {context.stage}", context.progress, total=len(refs.fp32))
     with intra_op_threads_for(spec):
-        if engine.settings.batch > 1:  # the prompts as the sequences of a batch
-            say(f"{len(refs.fp32)} prompts as a batch of {engine.settings.batch} sequences")
-            runs = run_port_batch(engine, refs.fp32, f"{context.stage} stage, batch of {engine.settings.batch}")
-        for k, r32 in enumerate(refs.fp32 if engine.settings.batch == 1 else ()):
-            say(f"prompt {k}/{len(refs.fp32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
-            runs.append(run_port_prompt(engine, r32, f"{context.stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
-    say.close()
+        runs = (run_prompts or run_port_prompts)(engine, refs.fp32, context)
     seconds = time.perf_counter() - start
     obs = assemble_observation(context.stage, runs, spec, refs, engine.backend.reads_cache)
     obs.followed = context.force_path
     if context.stage == "fp32":  # nothing forced: the envelope is float64 along the fp32 reference's path
         obs.env = fp32_envelope(obs, checkpoint, context.progress)
     elif context.force_path:
-        obs = follow_port_path(obs, checkpoint)
+        obs = follow_port_path(obs, checkpoint, context.pins)
     obs.seconds = seconds
     return obs
+
+
+def run_port_prompts(engine, ref32: list[ReferenceResult], context: StageContext) -> list[PortPrompt]:
+    """Every prompt alone through the engine."""
+    say = status(f"port {context.stage}", context.progress, total=len(ref32))
+    runs = []
+    for k, r32 in enumerate(ref32):
+        say(f"prompt {k}/{len(ref32) - 1}: prefill {len(r32.prompt)} tokens, decode {len(r32.generated)}")
+        runs.append(run_port_prompt(engine, r32, f"{context.stage} stage, prompt {k} ({len(r32.prompt)} tokens)"))
+    say.close()
+    return runs
 
 
 def fp32_envelope(obs: StageObservation, checkpoint, progress: bool = False) -> dict:
@@ -291,15 +282,17 @@ def fp32_envelope(obs: StageObservation, checkpoint, progress: bool = False) -> 
                                 obs.reads_cache).env
 
 
-def follow_port_path(obs: StageObservation, checkpoint) -> StageObservation:
+def follow_port_path(obs: StageObservation, checkpoint, pins: list | None = None) -> StageObservation:
     """The references computed again along the port's path where bf16 legitimately decides otherwise
     (harness/parity/forced_path.py's rules): MoE, the port's experts; PLE, the port's gated per-layer input
-    at rows without a direction at bf16 precision (at most FORCING_PASSES passes). Same port runs."""
+    at rows without a direction at bf16 precision (at most FORCING_PASSES passes), starting from `pins`
+    (the references already hold them: run again only where the port's value differs). Same port runs."""
     spec = checkpoint.spec
     forcing = follow_routing(obs.runs, spec, obs.stage)
+    repinned = seed_pins(forcing, pins, obs.runs)
     fed, rerun, pinned = [r.generated for r in obs.ref32], [], []
     for attempt in range(FORCING_PASSES):
-        added = add_pins(obs, checkpoint, forcing)
+        added = add_pins(obs, checkpoint, forcing) + (repinned if attempt == 0 else [])
         pinned += added
         refs = {"float32": obs.ref32, "bfloat16": obs.ref16}
         stale = [dtype for dtype, runs in refs.items()
@@ -311,7 +304,7 @@ def follow_port_path(obs: StageObservation, checkpoint) -> StageObservation:
         obs = assemble_observation(obs.stage, obs.runs, spec, StageReferences(refs["float32"], refs["bfloat16"]),
                                    obs.reads_cache)
         rerun += [d for d in stale if d not in rerun]
-    obs.rerouted, obs.pinned = rerun, pinned
+    obs.rerouted, obs.pinned, obs.forcing = rerun, pinned, forcing
     return obs
 
 

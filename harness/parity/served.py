@@ -29,6 +29,7 @@ import torch
 from harness.base.progress import status
 from harness.judge.compare import BF16, PointResult, StageJudge, TokenVerdict, classify_departure, compare_point
 from harness.judge.stage import near_tie_calibration
+from harness.parity.batched import serve_batch
 
 SKIPPED_NOTE = "served build not judged (--skip-served-build): the perf build bench times was not run"
 SAME_CODE_NOTE = ("on the {backend} backend the perf build is the same code as the parity build (the backend "
@@ -65,6 +66,7 @@ class ServedResult:
     ran: bool
     same_code: bool = False
     last_row_only: bool = False  # the build's prefill returns only the last real row (a compiled perf build)
+    batch: int = 1  # the sequences the perf build served at once (KV slots; 1: one prompt at a time)
     prompts: list[ServedPrompt] = field(default_factory=list)
     step_logits: PointResult | None = None  # every step on the reference's prefix, stacked over prompts
     row_labels: list[str] = field(default_factory=list, repr=False)
@@ -98,7 +100,8 @@ class ServedResult:
     def describe(self) -> str:
         if not self.ran:
             return "served build: " + "; ".join(self.notes or [SKIPPED_NOTE])
-        lines = [f"served build ({self.backend}, {'last row only' if self.last_row_only else 'all rows'}): "
+        batch = f", a batch of {self.batch} sequences" if self.batch > 1 else ""
+        lines = [f"served build ({self.backend}, {'last row only' if self.last_row_only else 'all rows'}{batch}): "
                  f"{'PASS' if self.passed else 'FAIL'}"]
         lines += [f"  {n}" for n in self.notes]
         lines += [f"  {f['point']} at {f.get('where', '?')}: {f.get('detail', f.get('message', ''))}"
@@ -107,7 +110,7 @@ class ServedResult:
 
     def to_json(self) -> dict:
         return {"ran": self.ran, "passed": self.passed, "backend": self.backend,
-                "same_code_as_parity_build": self.same_code, "last_row_only": self.last_row_only,
+                "same_code_as_parity_build": self.same_code, "last_row_only": self.last_row_only, "batch": self.batch,
                 "built_by": "harness.perf.bench.perf_engine (as `bench` builds it)",
                 "step_logits": asdict(self.step_logits) if self.step_logits else None,
                 "prompts": [p.to_json() for p in self.prompts], "failures": self.failures(),
@@ -157,7 +160,6 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
     prompt, judge it (judge_served). `parity_result`: the check's result (its bf16 stage's tokens
     and calibrated near-tie band); None judges against the reference alone."""
     from harness.base.settings import RunSettings
-    from harness.perf.bench import perf_engine
 
     settings = settings or RunSettings()
     backend = settings.backend
@@ -169,11 +171,7 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
     say = status(f"{backend} served build", progress, total=len(ref32) + 1)
     say("building the perf build as bench builds it")
     try:
-        engine = perf_engine(checkpoint, settings)
-        runs = []
-        for k, r in enumerate(ref32):
-            say(f"prompt {k + 1}/{len(ref32)}: free greedy decode of {len(r.generated)} tokens")
-            runs.append(engine.generate(r.prompt, len(r.generated)))
+        engine, runs, served_notes, batch = serve_prompts(checkpoint, settings, ref32, say)
     except Exception as exc:  # anything the served build raises is the served build's failure
         return ServedResult(backend=backend, ran=True, error=_error("served build: build and free greedy decode", exc))
     finally:
@@ -181,13 +179,45 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
     prompts, point, labels = judge_served(runs, ref32, ref16, parity_tokens, calibration.band)
     same_code = getattr(engine.backend, "name", backend) == "cpu"
     last_row = bool(getattr(engine.backend, "last_row_only", False))
-    notes = [SAME_CODE_NOTE.format(backend=backend)] if same_code else []
+    notes = ([SAME_CODE_NOTE.format(backend=backend)] if same_code else []) + served_notes
     for k, p in enumerate(prompts):
         if p.differs_from_parity_at is not None and p.accounted:
             notes.append(f"the served build differs from the judged build at prompt {k} step "
                          f"{p.differs_from_parity_at} ({p.departure.kind if p.departure else 'the parity build departed'}: accounted)")
     return ServedResult(backend=backend, ran=True, same_code=same_code, last_row_only=last_row, prompts=prompts,
-                        step_logits=point, row_labels=labels, notes=notes)
+                        step_logits=point, row_labels=labels, notes=notes, batch=batch)
+
+
+def serve_prompts(checkpoint, settings, ref32: list, say) -> tuple:
+    """Free greedy decode of every reference prompt on the perf build made as `bench` makes it ->
+    (engine, DecodeResult per prompt, notes). With settings.batch > 1 the prompts are served as the
+    sequences of a batch (harness/parity/batched.py serve_batch: continuous batching, longest first)
+    where the backend builds a batched perf build that serves one (harness.port.batching.BatchEngine
+    takes it); else, and said in the notes, one prompt at a time."""
+    from harness.base.errors import HarnessInputError
+    from harness.perf.bench import perf_engine
+    from harness.port.batching import BatchEngine
+
+    wants = [len(r.generated) for r in ref32]
+    try:
+        engine = perf_engine(checkpoint, settings)
+        batch = BatchEngine(engine) if settings.batch > 1 else None
+        why = None
+    except HarnessInputError as exc:  # the backend's own refusal of a batched perf build
+        if settings.batch == 1:
+            raise
+        engine, batch, why = perf_engine(checkpoint, settings.but(batch=1)), None, str(exc)
+    if batch is not None:
+        say(f"{len(ref32)} prompts as a batch of {settings.batch} sequences: free greedy decode")
+        return engine, serve_batch(batch, [r.prompt for r in ref32], wants), [
+            f"the perf build served the prompts as a batch of {settings.batch} sequences (a KV slot each, "
+            "continuous batching, admitted longest first)"], settings.batch
+    runs = []
+    for k, r in enumerate(ref32):
+        say(f"prompt {k + 1}/{len(ref32)}: free greedy decode of {len(r.generated)} tokens")
+        runs.append(engine.generate(r.prompt, len(r.generated)))
+    return engine, runs, [] if why is None else [f"--batch {settings.batch}: the perf build served one prompt at a "
+                                                 f"time ({why})"], 1
 
 
 def served_stage(settings, progress: bool = False, skip: bool = False):

@@ -237,6 +237,7 @@ class FamilyRankDecoder(RankDecoder):
             if cache is not None:
                 cache.k.zero_()
                 cache.v.zero_()
+        self.set_kv_read(None)  # as RankDecoder's: a layer run alone after reset reads the whole cache
 
     def _split(self, inputs: torch.Tensor) -> torch.Tensor:
         """The word embeddings of a device input; its per-layer rows become this call's per-layer inputs."""

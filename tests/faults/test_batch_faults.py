@@ -17,7 +17,9 @@ def test_clean_port_passes_the_batched_check(monkeypatch, variant):
     assert any("batch of" in n for n in result.notes)
 
 
-DEFAULT_LANE = ("batch-pad-keys-visible", "batch-reused-slot-stale-keys")  # the rest: the slow lane
+# the rest: the slow lane (the reused slot's in the default lane through the default check's batch
+# stage, tests/parity/test_batch_stage.py)
+DEFAULT_LANE = ("batch-pad-keys-visible",)
 
 
 @pytest.mark.parametrize("fault", [pytest.param(f, marks=() if f.name in DEFAULT_LANE else pytest.mark.slow)

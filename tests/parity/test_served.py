@@ -159,3 +159,43 @@ def test_the_parity_build_is_released_before_an_extra_stage_builds_its_own(tiny0
     parity.run_parity_check(tiny0_ckpt, tiny0_ckpt.path, CPU, prompts=[[2, 17, 93]], new_tokens=1,
                             fp32_stage=False, extra_checks=(extra,))
     assert seen == [True], "the parity engine was still alive when the extra stage ran"
+
+
+def test_check_batch_serves_the_prompts_as_a_batch_on_the_perf_build(tiny0_ckpt, tiny0_reference, monkeypatch):
+    """`check --batch 2`'s served stage: the perf build serves the prompts as the sequences of a batch
+    (the 7-id prompt in the slot the 40-id one left) and passes; a fault only a batch shows (a row's
+    padded keys visible in a call of several rows) fails it naming a sequence of the shared call."""
+    from tests.faults.batch_faults import pad_keys_visible
+
+    ref32, ref16 = tiny0_reference["float32"][:3], tiny0_reference["bfloat16"][:3]  # 7, 24 and 40 ids
+    batched = CPU.but(batch=2)
+    result = check_served_build(tiny0_ckpt, ref32, ref16, None, settings=batched)
+    assert result.passed and result.batch == 2, result.failures()
+    assert [p.tokens for p in result.prompts] == [r.generated for r in ref32]
+    assert any("a batch of 2 sequences" in n for n in result.notes) and result.to_json()["batch"] == 2
+    assert "a batch of 2 sequences): PASS" in result.describe()
+    pad_keys_visible(monkeypatch)
+    broken = check_served_build(tiny0_ckpt, ref32, ref16, None, settings=batched)
+    assert not broken.passed and broken.failures()[0]["where"].split()[:2] in (["prompt", "1"], ["prompt", "2"])
+
+
+def test_a_backend_without_a_batched_perf_build_serves_one_prompt_at_a_time_and_says_so(tiny0_ckpt, tiny0_reference,
+                                                                                         monkeypatch):
+    """The guard is the backend's own refusal (as xla refused before it had a batched perf build), not
+    its name: the served stage then runs the batch-1 perf build one prompt at a time and notes why."""
+    from harness.base.errors import HarnessInputError
+    from harness.perf import bench
+
+    original = bench.perf_engine
+
+    def no_batched_perf_build(checkpoint, settings):
+        if settings.batch > 1:
+            raise HarnessInputError(f"--batch {settings.batch}: no batched perf build here")
+        return original(checkpoint, settings)
+
+    monkeypatch.setattr(bench, "perf_engine", no_batched_perf_build)
+    ref32, ref16 = tiny0_reference["float32"][:2], tiny0_reference["bfloat16"][:2]
+    result = check_served_build(tiny0_ckpt, ref32, ref16, None, settings=CPU.but(batch=2))
+    assert result.passed and result.batch == 1, result.failures()
+    assert any(n.startswith("--batch 2: the perf build served one prompt at a time (--batch 2: no batched")
+               for n in result.notes), result.notes

@@ -57,6 +57,8 @@ def test_check_with_golden_passes_and_writes_the_contract(tiny0_dir, golden, tmp
     payload = json.loads((tmp_path / "check.json").read_text())
     assert payload["passed"] is True and payload["seq_match"] is True
     assert payload["first_divergent_layer"] is None
+    batch = payload["extra_stages"]["batch"]  # no --batch: the prompts also ran as one ragged batch
+    assert batch["ran"] and batch["passed"] and batch["slots"] == 4 and len(batch["prompts"]) == len(payload["prompts"])
     manifest = json.loads((golden / "manifest.json").read_text())
     for prompt, generated in zip(payload["prompts"], manifest["results"]["float32"]):
         assert prompt["reference_tokens"] == generated["generated"]
