@@ -158,7 +158,8 @@ def run_batch_stage(result: CheckResult, checkpoint, settings, progress: bool = 
                            pins=[f.inputs for f in observed.forcing])
     start = time.perf_counter()
     try:
-        judged = judge_stage(_observe(checkpoint, settings.but(batch=slots), refs, context), checkpoint.spec, context)
+        batched = settings.but(batch=slots, assistant=None, speculate=0)  # the stage serves, it does not speculate
+        judged = judge_stage(_observe(checkpoint, batched, refs, context), checkpoint.spec, context)
     except PortFailure as failure:
         judged = CheckResult(backend=settings.backend, tp=settings.tp, dtype=settings.dtype,
                              port_error=failure.describe(), calibration=result.calibration)
