@@ -62,7 +62,9 @@ def test_check_with_the_assistant_passes_on_xla_at_tp2(tmp_path, capsys):
     out = tmp_path / "check.json"
     code = main(["check", "--backend", "xla", "--tp", "2", "--checkpoint", str(ckpt.path), "--assistant",
                  str(assistant), "--speculate", str(K), "--prompts", str(prompts), "--new-tokens", str(NEW_TOKENS),
-                 "--buckets", "16", "--kv-len", "64", "--skip-served-build", "--json", str(out)])
+                 "--buckets", "16", "--kv-len", "64", "--skip-served-build", "--batch", "1", "--json", str(out)])
+    # --batch 1: no batch stage here (speculation is this test's subject; the default check's batch
+    # stage on xla runs in test_xla_backend's check)
     text = capsys.readouterr().out
     assert code == 0, text
     stage = json.loads(out.read_text())["extra_stages"]["speculative"]
