@@ -53,9 +53,15 @@ def test_check_batch_4_with_ragged_prompts_passes(model, tp, tmp_path, capsys):
     assert_batched_check_passed(rc, payload, capsys.readouterr().out, "cpu")
 
 
-@pytest.mark.slow  # through the double: every graph of the batched build traced (1-4 min a run)
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("model", MODELS)
+# Through the double every graph of the batched build is traced (1.5-4 min a run): the slow lane runs
+# the tiny 12B at TP 2 and E2B at TP 1 (per-layer inputs and KV sharing per slot); the other eight
+# pairs are `-m matrix` (run by hand, all passing: docs/batch.md).
+DOUBLE_SLOW = [("tiny", 2), ("tiny-e2b", 1)]
+DOUBLE_MATRIX = [(m, tp) for m in MODELS for tp in (1, 2) if (m, tp) not in DOUBLE_SLOW]
+
+
+@pytest.mark.parametrize("model, tp", [pytest.param(*pair, marks=pytest.mark.slow) for pair in DOUBLE_SLOW]
+                         + [pytest.param(*pair, marks=pytest.mark.matrix) for pair in DOUBLE_MATRIX])
 def test_check_batch_4_through_the_nxd_double_passes(model, tp, tmp_path, monkeypatch, capsys):
     """The same matrix on the neuron backend through the NxD double: each graph of the KV plan at
     each batch bucket (seq_ids an input), per-layer inputs, routing and KV sharing per row."""

@@ -130,9 +130,12 @@ def test_a_batched_build_refuses_the_assistant():
 
 # ---- slow lane --------------------------------------------------------------------------------------
 
-@pytest.mark.slow  # a whole check through the double (~130 CPU-s at TP 2): references, three fused builds
-@pytest.mark.parametrize("name", ["12b", "31b"])
-@pytest.mark.parametrize("tp", [1, 2])
+# A whole check through the double (~130 CPU-s at TP 2): references, three fused builds. The slow lane
+# runs the 12B-like pair at TP 2 and the family pair at TP 1; the other two are `-m matrix` (by hand).
+@pytest.mark.parametrize("name, tp", [pytest.param("12b", 2, marks=pytest.mark.slow),
+                                      pytest.param("31b", 1, marks=pytest.mark.slow),
+                                      pytest.param("12b", 1, marks=pytest.mark.matrix),
+                                      pytest.param("31b", 2, marks=pytest.mark.matrix)])
 def test_check_with_the_assistant_passes_through_the_double(nxd, name, tp, tmp_path, capsys):
     from harness.cli import main
 

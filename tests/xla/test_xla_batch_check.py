@@ -6,8 +6,8 @@ bucket, sequence bucket, KV bucket) shape is compiled by XLA, in fp32, bf16 and 
 measured: E2B at TP 1 229 CPU-s; the tiny 12B at TP 2 about 10 CPU-minutes), so the lane runs two family variants, which the 12B's batch tests (tests/xla/test_xla_batch.py:
 isolation, the perf build, bench) do not cover: E2B at TP 1 (per-layer inputs and KV sharing per slot) and 26B-A4B at TP 2 (routing per row, with
 the collectives; run alone after the parallel part, as .ci/xla-lane runs the family's TP 2 checks).
-The rest of the matrix is `-m slow` here (run by hand in the XLA venv:
-`pytest -m slow tests/xla/test_xla_batch_check.py`)"""
+The rest of the matrix is `-m matrix` (in no CI lane; run by hand in the XLA venv:
+`pytest -m matrix tests/xla/test_xla_batch_check.py`)"""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ BY_HAND = [("tiny", 1), ("tiny", 2), ("tiny-e2b", 2), ("tiny-e4b", 1), ("tiny-e4
            ("tiny-26b-a4b", 1)]
 
 
-@pytest.mark.parametrize("model, tp", LANE + [pytest.param(*pair, marks=pytest.mark.slow) for pair in BY_HAND])
+@pytest.mark.parametrize("model, tp", LANE + [pytest.param(*pair, marks=pytest.mark.matrix) for pair in BY_HAND])
 def test_check_batch_4_with_ragged_prompts_passes_on_xla(model, tp, tmp_path, capsys):
     rc, payload, _ = run_check(tmp_path, model, tp, "--backend", "xla")
     assert_batched_check_passed(rc, payload, capsys.readouterr().out, "xla")
