@@ -36,15 +36,18 @@ def test_a_reference_golden_carries_the_provenance_block_of_results(golden, tiny
     assert len(prov["git"]["commit"]) == 40 and isinstance(prov["git"]["dirty"], bool)
 
 
-def _check(tiny0_dir, golden, tmp_path):
+def _check(tiny0_dir, golden, tmp_path, batch_stage: bool = False):
+    # --batch 1 unless asked: the other tests here are about the stages and the report; the contract
+    # test runs the default check whole, its batch stage included
     return main(["check", "--checkpoint", str(tiny0_dir), "--golden", str(golden),
+                 *([] if batch_stage else ["--batch", "1"]),
                  "--json", str(tmp_path / "check.json"), "--report", str(tmp_path / "report")])
 
 
 def test_check_with_golden_passes_and_writes_the_contract(tiny0_dir, golden, tmp_path, capsys):
     """A healthy port exits 0, prints SEQ_MATCH with both token sequences, and writes the JSON
     keys the issue promises plus a Markdown report and a plot."""
-    assert _check(tiny0_dir, golden, tmp_path) == 0
+    assert _check(tiny0_dir, golden, tmp_path, batch_stage=True) == 0
     out = capsys.readouterr().out
     assert "SEQ_MATCH True" in out and "PARITY PASS" in out
     # where the files went, then the main layer table (with the fp32 stage's column) before the served
