@@ -98,7 +98,8 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
     if "batch" in fields:
         p.add_argument("--batch", type=int, default=d.batch, metavar="N",
                        help=f"serve the prompts as a batch of N sequences, each in its own KV slot, with "
-                            f"continuous batching; each is judged against its prompt alone (default {d.batch})")
+                            f"continuous batching; each is judged against its prompt alone (default: batch 1, and check "
+                            "then adds a batch stage of its prompts; --batch 1: batch 1 only)")
     if "backend_options" in fields:
         p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE", dest="backend_option",
                        help="an option of the backend, e.g. compile_workers=4 for neuron (repeatable; an option "
