@@ -113,7 +113,7 @@ def validate(args) -> None:
                         max_positions=ckpt.spec.max_positions)
     validate_speculate(args, ckpt, [(len(p), new_tokens) for p in prompts])
     plan_gate(args, "check", ckpt.spec, rows_of(prompts, new_tokens), golden=bool(args.golden),
-              fp32_stage=not args.skip_fp32_stage, served=not args.skip_served_build)
+              fp32_stage=not args.skip_fp32_stage, served=not args.skip_served_build, batch_stage=args.batch_stage)
 
 
 def batch_checks(args) -> tuple:

@@ -63,7 +63,7 @@ def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> d
     host, source = budget(args)
     layout = s.backend_options.get("layout_priority", "decode") is not None
     plan = resource_plan(spec, s.tp, s.dtype, s.kv_len, s.buckets, sliding_cache=s.sliding_cache, host_bytes=host,
-                         layout=layout, backend=s.backend, rows=rows, options=options)
+                         layout=layout, backend=s.backend, rows=rows, options=options, speculate=s.speculate)
     args.resource_plan = plan
     if getattr(args, "checkpoint", None) is not None or getattr(args, "host_memory", None) is not None:
         print(f"{command} {summary_line(plan, command)}", flush=True)

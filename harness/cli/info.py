@@ -64,6 +64,11 @@ def validate(args) -> None:
         args.spec, args.ckpt = load_spec(args.config), None
     else:
         args.spec = v.open_checkpoint(args).spec
+    args.assistant_spec = None
+    if args.assistant is not None:  # its drafter and draft graphs share the target's cores (the fit counts them)
+        from harness.inputs.assistant_spec import load_assistant_spec
+
+        args.assistant_spec = load_assistant_spec(v.input_path(args.assistant, "--assistant", True), args.spec)
     if not tp_given:
         _resolve_tp(args)
     v.check_tp(args.spec, args.tp)
@@ -71,13 +76,8 @@ def validate(args) -> None:
     v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
     from harness.perf.instances import check_fits, smallest_instance
 
-    layout = args.settings.backend_options.get("layout_priority", "decode") is not None  # the neuron default
     args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len, sliding_cache=args.sliding_cache,
-                                buckets=args.settings.buckets, layout=layout)
-    if args.assistant is not None:
-        from harness.inputs.assistant_spec import load_assistant_spec
-
-        args.assistant_spec = load_assistant_spec(v.input_path(args.assistant, "--assistant", True), args.spec)
+                                **_build(args))
     if args.instance is None:  # the instance the TP degree needs (the family's larger variants)
         args.instance = smallest_instance(args.tp).name
     _check_instance(args)
@@ -92,13 +92,19 @@ def validate(args) -> None:
                 raise OptionError(str(exc)) from None
 
 
+def _build(args) -> dict:
+    """The device fit's build keywords (instances.core_bytes): buckets, the weight-layout transform
+    (neuron's default) and the assistant's drafter."""
+    layout = args.settings.backend_options.get("layout_priority", "decode") is not None
+    return dict(buckets=args.settings.buckets, layout=layout, assistant=args.assistant_spec)
+
+
 def _resolve_tp(args) -> None:
     """No --tp: the default when the model fits there, else the smallest TP that fits (said first)."""
     from harness.base.errors import ShardingError
     from harness.perf.instances import placement, smallest_fitting_tp
 
-    layout = args.settings.backend_options.get("layout_priority", "decode") is not None
-    fit = dict(buckets=args.settings.buckets, layout=layout)
+    fit = _build(args)
     try:
         if placement(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache, **fit)["fits"]:
             return

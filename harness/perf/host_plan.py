@@ -93,11 +93,13 @@ def streamed_bytes(spec: ModelSpec, nbytes: int, rows: int) -> int:
 
 
 def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: bool = True,
-                served: bool = True, stream: bool = False) -> dict:
+                served: bool = True, stream: bool = False, batch_stage: bool = True) -> dict:
     """What `command` holds at once in each phase (bytes, before the fit's constants). check runs
     its phases in this order (harness/parity/check.py): the port built, the references (one model
     at a time, none with a golden), the fp32 stage (its cpu build beside the port, then the float64
-    envelope), the bf16 stage and local verdicts, the served build (the parity build released)."""
+    envelope), the bf16 stage and local verdicts, the batch stage (a batched parity build, the bf16
+    stage's released first; its references are the bf16 stage's), the served build (the parity
+    build released)."""
     p, m, cap = parts["port"], parts["model"], parts["captures"]
     phases = {"build port": p + parts["load"]}
     if command == "check" and not golden:
@@ -108,6 +110,8 @@ def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: 
         phases["bf16 stage"] = p + cap + parts["rerun"]
     if command == "quality":
         phases["port"] = p + cap
+    if command == "check" and batch_stage:  # built (p + load), then run as the bf16 stage is
+        phases["batch stage"] = p + max(parts["load"], cap + parts["rerun"])
     if command == "check" and served:
         phases["served build"] = p + parts["load"] + cap
     if command == "quality" and not golden:  # the corpus references are streamed (harness/quality/golden.py)
@@ -128,15 +132,16 @@ def counted_peak(phases: dict) -> int:
 
 def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *, sliding_cache: str = "linear",
                   host_bytes: int | None = None, layout: bool = True, backend: str = "neuron",
-                  rows: int | None = None, options: dict | None = None) -> dict:
+                  rows: int | None = None, options: dict | None = None, speculate: int = 0) -> dict:
     """Per command: host_peak_bytes (and its phases), device_bytes_per_core, graphs, and whether
     each fits; `host_bytes` is the host budget (default: the RAM of the instance the TP degree
     needs); `options` (golden, fp32_stage, served) what the command was asked to skip."""
     inst = smallest_instance(tp)
     budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "")
-    core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
+    build = dict(buckets=buckets, layout=layout, speculate=speculate)  # the verify graph with --speculate
+    core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build)
     try:
-        check_fits(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
+        check_fits(spec, tp, dtype, kv_len, sliding_cache, **build)
         device_problem = None
     except ShardingError as exc:
         device_problem = str(exc)

@@ -54,36 +54,41 @@ def smallest_instance(tp: int) -> Instance | None:
 
 
 def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
-               *, buckets=DEFAULT_BUCKETS, layout: bool = True) -> dict:
+               *, buckets=DEFAULT_BUCKETS, layout: bool = True, speculate: int = 0, assistant=None) -> dict:
     """One NeuronCore's device memory for a build (harness/port/device_plan.py). `run`: weights, KV
     cache, the compiled graphs' I/O and instructions (each (length, KV bucket) one graph) and the
     MoE working set of the largest call. With the weight-layout transform (`layout`: NxD's
     set_weights re-lays the weights out on the device before the states exist) the load holds the
     weights plus at least the largest weight re-laid out (`layout_least`), at most a second copy of
     every weight (`layout_most`; the transformer is closed source, unverified). `total` is the
-    larger of the run and the least the load needs."""
+    larger of the run and the least the load needs. A speculative build (`speculate` = k) adds the
+    verify graph; with the `assistant` (an AssistantSpec) its drafter's weights (`drafter`) and its
+    draft graphs, compiled into the target's model, are on the same core."""
     per_rank = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
     nbytes = dtype_bytes(dtype)
-    graphs = graphs_bytes(spec, tp, graph_shapes(buckets, kv_len), nbytes)
-    run = per_rank["total"] + graphs["graphs"] + graphs["moe_working_set"]
+    drafter = assistant.bytes_per_rank(tp, nbytes) if assistant is not None else 0
+    graphs = graphs_bytes(spec, tp, graph_shapes(buckets, kv_len, speculate, drafts=assistant is not None), nbytes)
+    run = per_rank["total"] + drafter + graphs["graphs"] + graphs["moe_working_set"]
     largest = spec.vocab_size // tp * spec.hidden_size * nbytes  # the lm_head shard
     if spec.moe is not None:
         largest = max(largest, spec.moe.num_experts * 2 * (spec.moe.intermediate_size // tp) * spec.hidden_size * nbytes)
-    resident = per_rank["weights"] + graphs["count"] * GRAPH_OVERHEAD_BYTES
-    least, most = (resident + largest, resident + per_rank["weights"]) if layout else (0, 0)
-    return {"weights": per_rank["weights"], "kv_cache": per_rank["kv_cache"], "graphs": graphs["count"],
+    resident = per_rank["weights"] + drafter + graphs["count"] * GRAPH_OVERHEAD_BYTES
+    least, most = (resident + largest, resident + per_rank["weights"] + drafter) if layout else (0, 0)
+    return {"weights": per_rank["weights"], "kv_cache": per_rank["kv_cache"], "drafter": drafter,
+            "graphs": graphs["count"],
             "graph_bytes": graphs["graphs"], "per_graph_bytes": graphs["per_graph"],
             "moe_working_set": graphs["moe_working_set"], "run": run, "layout_least": least,
             "layout_most": most, "total": max(run, least)}
 
 
 def placement(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,
-              sliding_cache: str = "linear", *, buckets=DEFAULT_BUCKETS, layout: bool = True) -> dict:
-    """The instance a TP degree needs and the per-core fit (core_bytes vs 16 GiB)."""
-    core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
+              sliding_cache: str = "linear", **build) -> dict:
+    """The instance a TP degree needs and the per-core fit (core_bytes vs 16 GiB); `build`:
+    core_bytes' keywords (buckets, layout, speculate, assistant)."""
+    core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build)
     per_rank = core["total"]
     inst = smallest_instance(tp)
-    fitting = smallest_fitting_tp(spec, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
+    fitting = smallest_fitting_tp(spec, dtype, kv_len, sliding_cache, **build)
     return {"tp": tp, "instance": inst.name if inst else None, "chips_used": -(-tp // 2),
             "bytes_per_rank": per_rank, "core": core, "core_hbm": CORE_HBM, "fits": per_rank <= CORE_HBM,
             "tight": per_rank > TIGHT * CORE_HBM, "allowed_tps": allowed_tps(spec),
@@ -91,18 +96,19 @@ def placement(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
 
 
 def smallest_fitting_tp(spec: ModelSpec, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
-                        *, buckets=DEFAULT_BUCKETS, layout: bool = True) -> int | None:
+                        **build) -> int | None:
     """The smallest TP degree the heads allow whose per-core plan fits a NeuronCore (None: none up to
-    the largest instance)."""
-    return next((t for t in allowed_tps(spec) if core_bytes(spec, t, dtype, kv_len, sliding_cache, buckets=buckets,
-                                                             layout=layout)["total"] <= CORE_HBM), None)
+    the largest instance); `build`: core_bytes' keywords."""
+    return next((t for t in allowed_tps(spec)
+                 if core_bytes(spec, t, dtype, kv_len, sliding_cache, **build)["total"] <= CORE_HBM), None)
 
 
 def check_fits(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,
-               sliding_cache: str = "linear", *, buckets=DEFAULT_BUCKETS, layout: bool = True) -> dict:
+               sliding_cache: str = "linear", **build) -> dict:
     """placement(), or a ShardingError naming the numbers and the option that makes it fit when no
     instance has `tp` cores or one core's plan (core_bytes) exceeds its HBM."""
-    where = placement(spec, tp, dtype, kv_len, sliding_cache, buckets=buckets, layout=layout)
+    where = placement(spec, tp, dtype, kv_len, sliding_cache, **build)
+    layout = build.get("layout", True)
     if where["instance"] is None:
         raise ShardingError(f"tp={tp} needs {tp} NeuronCores but the largest inf2 instance "
                             f"({INSTANCES[-1].name}) has {MAX_CORES}; the heads allow tp in {where['allowed_tps']}")
@@ -120,7 +126,8 @@ def check_fits(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 
 
 def core_summary(core: dict) -> str:
     """One line of a core's plan: what the run holds, and what the layout transform's load may."""
-    text = (f"weights {core['weights'] / GIB:.2f}, KV {core['kv_cache'] / GIB:.2f}, {core['graphs']} graphs "
+    drafter = f", drafter {core['drafter'] / GIB:.2f}" if core.get("drafter") else ""
+    text = (f"weights {core['weights'] / GIB:.2f}{drafter}, KV {core['kv_cache'] / GIB:.2f}, {core['graphs']} graphs "
             f"{core['graph_bytes'] / GIB:.2f} at {core['per_graph_bytes'] / 2**20:.0f} MiB each, MoE working set "
             f"{core['moe_working_set'] / GIB:.2f}: run {core['run'] / GIB:.2f} GiB")
     if core["layout_most"]:

@@ -49,11 +49,15 @@ def kv_buckets(buckets, max_len: int) -> tuple[int, ...]:
         step *= 2
 
 
-def graph_shapes(buckets, max_len: int) -> list[tuple[int, int]]:
+def graph_shapes(buckets, max_len: int, speculate: int = 0, drafts: bool = False) -> list[tuple[int, int]]:
     """(sequence length, KV bucket) of every compiled graph (graphs.kv_graph_plan's): each prefill
-    bucket at each KV bucket holding it, and decode (1) at every KV bucket."""
-    lengths = sorted({int(b) for b in buckets} | {1})
-    return [(n, kv) for n in lengths for kv in kv_buckets(buckets, max_len) if kv >= n]
+    bucket at each KV bucket holding it, decode (1) at every KV bucket, with `speculate` = k the
+    verify graph (k+1 positions, a graph of its own even where a bucket has its length) at each KV
+    bucket holding it, and with `drafts` the drafter's one-position draft graph per KV bucket
+    (neuron_drafter's draft_kv<bucket>, compiled into the target's model)."""
+    lengths = sorted({int(b) for b in buckets} | {1}) + ([int(speculate) + 1] if speculate else [])
+    kvs = kv_buckets(buckets, max_len)
+    return [(n, kv) for n in lengths for kv in kvs if kv >= n] + ([(1, kv) for kv in kvs] if drafts else [])
 
 
 def moe_gathers(tokens: int, top_k: int, num_experts: int) -> bool:

@@ -143,3 +143,41 @@ def test_kv_buckets_are_capped_and_still_cover_every_call():
         assert kv[0] >= min(buckets) and kv[0] < 2 * max(16, min(buckets))
     assert len(graph_shapes((64,), 131072)) <= 2 * MAX_KV_BUCKETS  # was 34 graphs uncapped
     assert kv_buckets((64,), 256) == (64, 128, 256)  # few buckets: powers of two, as before
+
+
+def test_a_speculative_build_counts_its_verify_graph_and_the_assistants_drafter(tiny0_dir, monkeypatch):
+    """--speculate k adds the verify graph (k+1 positions) at each KV bucket that holds it, even where
+    a prefill bucket has its length; the assistant adds its drafter's weights and one draft graph per
+    KV bucket; a pair that fits only without the drafter is refused naming it."""
+    import json
+
+    from harness.base.errors import ShardingError
+    from harness.inputs.assistant_spec import assistant_spec_from_dict
+    from harness.perf import instances
+    from harness.port.device_plan import graph_shapes, kv_buckets
+    from harness.port.graphs import kv_graph_plan
+
+    kvs = kv_buckets((16, 64), 256)
+    plain = graph_shapes((16, 64), 256)
+    assert sorted(graph_shapes((16, 64), 256, speculate=3)) == sorted(plain + [(4, kv) for kv in kvs])
+    assert len(graph_shapes((16, 64), 256, speculate=15)) == len(plain) + len(kvs)  # verify_16 beside prefill_16
+    for k in (0, 3, 15):  # the fit counts the graphs the build compiles
+        assert sorted(graph_shapes((16, 64), 256, k)) == sorted((n, kv) for _, n, kv in kv_graph_plan((16, 64), 256, k))
+    assert graph_shapes((16, 64), 256, drafts=True) == plain + [(1, kv) for kv in kvs]
+
+    spec = load_spec(tiny0_dir)
+    config = json.loads((FIXTURES_DIR / "configs" / "tiny" / "gemma-4-tiny-assistant.json").read_text())
+    aspec = assistant_spec_from_dict(config, spec)
+    alone = instances.core_bytes(spec, 2, buckets=(16, 64))
+    pair = instances.core_bytes(spec, 2, buckets=(16, 64), speculate=3, assistant=aspec)
+    drafter = aspec.bytes_per_rank(2, 2)
+    assert pair["drafter"] == drafter > 0 and alone["drafter"] == 0
+    assert pair["graphs"] == alone["graphs"] + 2 * len(kvs)  # verify and draft graphs at every KV bucket
+    assert pair["run"] - alone["run"] == drafter + pair["graph_bytes"] - alone["graph_bytes"]
+    # the layout transform's upper bound: a second copy of every weight, the drafter's too
+    assert pair["layout_most"] - alone["layout_most"] == 2 * drafter + (pair["graphs"] - alone["graphs"]) * (
+        instances.GRAPH_OVERHEAD_BYTES)
+    monkeypatch.setattr(instances, "CORE_HBM", (alone["total"] + pair["total"]) // 2)
+    instances.check_fits(spec, 2, buckets=(16, 64))
+    with pytest.raises(ShardingError, match="drafter"):
+        instances.check_fits(spec, 2, buckets=(16, 64), speculate=3, assistant=aspec)

@@ -47,6 +47,9 @@ def test_the_12b_phases_count_what_each_holds_at_once():
     assert phases["fp32 stage"] == parts["port"] + parts["fp32_port"] + parts["float64"] + parts["captures"]
     assert "reference" not in host_phases("check", parts, golden=True)
     assert "fp32 stage" not in host_phases("check", parts, fp32_stage=False)
+    # the batch stage: its batched parity build, then a run as the bf16 stage's (--batch 1 drops it)
+    assert phases["batch stage"] == parts["port"] + max(parts["load"], parts["captures"] + parts["rerun"])
+    assert "batch stage" not in host_phases("check", parts, batch_stage=False)
     cpu = host_parts(spec, 2, "bfloat16", "cpu")
     assert cpu["port"] > parts["port"] + model // 2 - GIB  # cpu: the ranks live on the host too
     small = host_parts(load_spec(FIXTURES_DIR / "configs" / "gemma-4-tiny.json"), 2, "bfloat16", "cpu")

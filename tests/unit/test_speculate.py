@@ -202,3 +202,21 @@ def test_drafter_not_fed_its_post_projection_fails_state_fed(random_pair, monkey
     refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
     points, _, _ = drafter_points([run], engine, ckpt.spec, refs, FP32)
     assert [p.name for p in points if not p.passed] == ["fp32.drafter.state_fed"]
+
+
+def test_info_fits_target_and_assistant_together(tiny0_dir, tmp_path, capsys):
+    """`info --assistant DIR`: the per-core fit it refuses by counts the drafter's weights and its draft
+    graphs beside the target's (instances.core_bytes), and says so on its line."""
+    from harness.cli import main
+    from harness.inputs.spec import dtype_bytes
+
+    (tmp_path / "config.json").write_text(UNIFIED.read_text())
+    alone, pair = tmp_path / "alone.json", tmp_path / "pair.json"
+    assert main(["info", "--checkpoint", str(tiny0_dir), "--tp", "2", "--json", str(alone)]) == 0
+    assert main(["info", "--checkpoint", str(tiny0_dir), "--tp", "2", "--assistant", str(tmp_path),
+                 "--json", str(pair)]) == 0
+    a, p = (json.loads(f.read_text())["placement"]["core"] for f in (alone, pair))
+    drafter = assistant_spec_from_dict(_config(), load_spec(tiny0_dir)).bytes_per_rank(2, dtype_bytes("bfloat16"))
+    assert a["drafter"] == 0 and p["drafter"] == drafter > 0
+    assert p["graphs"] > a["graphs"] and p["run"] > a["run"] + drafter
+    assert "assistant (" in capsys.readouterr().out
