@@ -34,6 +34,8 @@ def add_command(sub) -> None:
                    "not in the table (cores, chips, hbm_bytes, hbm_bytes_per_s, bf16_flops_per_s, fp32_flops_per_s)")
     p.add_argument("--assistant", metavar="DIR", help="the target's Gemma-4 assistant (drafter) checkpoint "
                    "directory: its bytes per rank and whether the pair fits (docs/speculative.md)")
+    p.add_argument("--speculate", type=int, default=None, metavar="K", help="draft length of speculative "
+                   "decoding: the device fit counts the verify graph (K+1 positions) at each KV bucket")
     p.set_defaults(func=run, validate=validate)
 
 
@@ -64,6 +66,11 @@ def validate(args) -> None:
         args.spec, args.ckpt = load_spec(args.config), None
     else:
         args.spec = v.open_checkpoint(args).spec
+    if args.speculate is not None:
+        from harness.port.speculate import check_speculate
+
+        check_speculate(args.speculate, args.settings)
+        args.settings = args.settings.but(speculate=args.speculate)
     args.assistant_spec = None
     if args.assistant is not None:  # its drafter and draft graphs share the target's cores (the fit counts them)
         from harness.inputs.assistant_spec import load_assistant_spec
@@ -94,9 +101,10 @@ def validate(args) -> None:
 
 def _build(args) -> dict:
     """The device fit's build keywords (instances.core_bytes): buckets, the weight-layout transform
-    (neuron's default) and the assistant's drafter."""
+    (neuron's default), the verify graph of --speculate and the assistant's drafter."""
     layout = args.settings.backend_options.get("layout_priority", "decode") is not None
-    return dict(buckets=args.settings.buckets, layout=layout, assistant=args.assistant_spec)
+    return dict(buckets=args.settings.buckets, layout=layout, speculate=args.settings.speculate,
+                assistant=args.assistant_spec)
 
 
 def _resolve_tp(args) -> None:
@@ -182,7 +190,7 @@ def run(args) -> int:
 
         host = None if args.host_memory is None else int(args.host_memory * 2**30)
         payload["resource_plan"] = resource_plan(args.spec, s.tp, s.dtype, s.kv_len, s.buckets, host_bytes=host,
-                                                 sliding_cache=s.sliding_cache)
+                                                 sliding_cache=s.sliding_cache, speculate=s.speculate)
         print(render_resource_plan(payload["resource_plan"]))
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))

@@ -220,3 +220,10 @@ def test_info_fits_target_and_assistant_together(tiny0_dir, tmp_path, capsys):
     assert a["drafter"] == 0 and p["drafter"] == drafter > 0
     assert p["graphs"] > a["graphs"] and p["run"] > a["run"] + drafter
     assert "assistant (" in capsys.readouterr().out
+    spec3 = tmp_path / "spec3.json"  # --speculate 3: the verify graph at each KV bucket holding 4 positions
+    assert main(["info", "--checkpoint", str(tiny0_dir), "--tp", "2", "--assistant", str(tmp_path), "--speculate",
+                 "3", "--json", str(spec3)]) == 0
+    s = json.loads(spec3.read_text())["placement"]["core"]
+    assert s["graphs"] > p["graphs"] and s["run"] > p["run"]
+    assert main(["info", "--checkpoint", str(tiny0_dir), "--speculate", "0"]) == 2  # refused, with the range
+    assert "--speculate 0" in capsys.readouterr().err
