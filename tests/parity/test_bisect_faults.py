@@ -83,8 +83,9 @@ def _layer_fault(monkeypatch, layer: int, corrupt):
 WEIGHT_FAULTS = [
     pytest.param(0, ["self_attn.q_proj.weight"], "attention", id="q_proj-layer0"),
     pytest.param(3, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp", id="gate_up-layer3"),
-    pytest.param(5, ["self_attn.k_proj.weight"], "attention", id="k_proj=value-full-layer5"),
-    pytest.param(8, ["self_attn.v_proj.weight"], "attention", id="v_proj-layer8"),
+    # the slow lane: two more attention weights (q_proj above is the default lane's attention case)
+    pytest.param(5, ["self_attn.k_proj.weight"], "attention", id="k_proj=value-full-layer5", marks=pytest.mark.slow),
+    pytest.param(8, ["self_attn.v_proj.weight"], "attention", id="v_proj-layer8", marks=pytest.mark.slow),
 ]
 
 
@@ -239,6 +240,7 @@ def test_golden_of_another_spec_is_bad_input(tmp_path, golden_dir, tiny0_dir, ca
     assert "golden was made for spec 0000000000000000" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the default lane's bisects run it too (bisect's default); this one asserts its verdicts
 def test_bisect_runs_the_fp32_stage(monkeypatch, tiny0_ckpt, golden_dir):
     """The exact GELU stays inside the bf16 envelope (bisect's layers all pass), but bisect also runs
     the fp32 structural stage, which names layer 0's MLP residual and fails the bisect."""

@@ -97,7 +97,8 @@ def test_moe_bf16_run_is_the_cpu_ports_bit_for_bit(parity_builds, moe_cpu16):
             assert torch.equal(tensor, want_caps[name]), name
 
 
-@pytest.mark.parametrize("variant, tp", [("31b", 8), (MOE, 4)])
+# the MoE's instance TP in the default lane, the 31B's at TP 8 in the slow lane
+@pytest.mark.parametrize("variant, tp", [pytest.param("31b", 8, marks=pytest.mark.slow), (MOE, 4)])
 def test_the_instances_tp_runs_as_the_cpu_port(nxd, monkeypatch, variant, tp):
     """Past one chip's TP 2, as the 31B (TP 8: its global layers' few KV heads replicated whole, each
     rank holding its query group's head, so ranks hold different ones) and the 26B-A4B (TP 4: each

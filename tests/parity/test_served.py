@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from harness.base.settings import RunSettings
@@ -90,6 +91,7 @@ def test_skip_says_so():
     assert "--skip-served-build" in result.describe() and result.to_json()["ran"] is False
 
 
+@pytest.mark.slow  # the default lane's sibling: test_cpu_perf_only_fault_fails_naming_the_served_build
 def test_check_cli_fails_on_a_perf_only_fault_and_skip_served_build_says_so(tmp_path, monkeypatch, capsys):
     """Through the command: exit 1, the failed stage is "served" and the first failure names it;
     with --skip-served-build the same run passes and the result says the served build was skipped."""

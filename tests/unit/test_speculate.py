@@ -102,7 +102,7 @@ def test_assistant_checkpoint_with_a_damaged_tensor_is_refused_naming_it(random_
         AssistantCheckpoint.open(tmp_path, ckpt.spec)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # TP 2: the slow lane
 def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transformers(random_pair, tp):
     """fp32: the same tokens as plain greedy decode, and every drafter capture point of every draft
     step within fp32 rounding of transformers' assistant fed the same target states."""
