@@ -58,10 +58,11 @@ def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> d
     given, and refused (exit 2) when its host peak is over the budget."""
     from harness.base.settings import RunSettings
     from harness.perf.host_plan import refuse_unfit_host, resource_plan, summary_line
+    from harness.perf.instances import layout_transform
 
     s = getattr(args, "settings", None) or RunSettings()
     host, source = budget(args)
-    layout = s.backend_options.get("layout_priority", "decode") is not None
+    layout = layout_transform(s.backend_options)
     plan = resource_plan(spec, s.tp, s.dtype, s.kv_len, s.buckets, sliding_cache=s.sliding_cache, host_bytes=host,
                          layout=layout, backend=s.backend, rows=rows, options=options, speculate=s.speculate)
     args.resource_plan = plan

@@ -102,7 +102,9 @@ def validate(args) -> None:
 def _build(args) -> dict:
     """The device fit's build keywords (instances.core_bytes): buckets, the weight-layout transform
     (neuron's default), the verify graph of --speculate and the assistant's drafter."""
-    layout = args.settings.backend_options.get("layout_priority", "decode") is not None
+    from harness.perf.instances import layout_transform
+
+    layout = layout_transform(args.settings.backend_options)
     return dict(buckets=args.settings.buckets, layout=layout, speculate=args.settings.speculate,
                 assistant=args.assistant_spec)
 

@@ -53,6 +53,12 @@ def smallest_instance(tp: int) -> Instance | None:
     return next((inst for inst in INSTANCES if inst.cores >= tp), None)
 
 
+def layout_transform(backend_options: dict) -> bool:
+    """Whether a build's weights go through NxD's weight-layout transform: unless `layout_priority`
+    is none (the neuron backend's default priority graph is decode)."""
+    return backend_options.get("layout_priority", "decode") is not None
+
+
 def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
                *, buckets=DEFAULT_BUCKETS, layout: bool = True, speculate: int = 0, assistant=None) -> dict:
     """One NeuronCore's device memory for a build (harness/port/device_plan.py). `run`: weights, KV
