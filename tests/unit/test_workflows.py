@@ -60,3 +60,133 @@ def test_inf2_judges_the_12b_against_a_stored_golden_and_keeps_history_durably()
             for s in j["steps"]]
     assert not any("actions/cache" in u and "perf-history" in u for u in uses), "the history is not in the cache"
     assert "push -q origin HEAD:perf-history" in text
+
+
+# --- the linters teams run on workflows (pyproject's `lint` extra), and the device workflow's gate ---
+
+ACTIONLINT_CONFIG = WORKFLOWS.parent / "actionlint.yaml"
+
+
+def _lint(tool: str, workflows: Path) -> list[str]:
+    """The findings of `tool` on every workflow in `workflows`, one string each (empty: clean)."""
+    import json
+    import shutil
+    import subprocess
+
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed: pip install -e '.[lint]' (the README's test command installs it)")
+    files = sorted(str(p) for p in workflows.glob("*.yml"))
+    if tool == "actionlint":
+        run = subprocess.run(["actionlint", "-config-file", str(ACTIONLINT_CONFIG), "-format",
+                              "{{range $e := .}}{{$e.Filepath}}:{{$e.Line}}: {{$e.Message}}\n{{end}}", *files],
+                             capture_output=True, text=True, timeout=120)
+        findings = [line for line in run.stdout.splitlines() if line.strip()]
+        assert run.returncode in (0, 1) and (run.returncode == 1) == bool(findings), run.stderr
+        return findings
+    run = subprocess.run(["zizmor", "--offline", "--no-progress", "--format", "json", *files],
+                         capture_output=True, text=True, timeout=120)
+    findings = json.loads(run.stdout or "null")
+    assert isinstance(findings, list), run.stderr  # a crash or a usage error is not "clean"
+    return [f"{f['ident']}: {f['desc']}" for f in findings]
+
+
+@pytest.mark.parametrize("tool", ["actionlint", "zizmor"])
+def test_the_workflows_lint_clean(tool):
+    """actionlint (the self-hosted labels from .github/actionlint.yaml) and zizmor's default persona,
+    offline: no finding on any workflow."""
+    assert _lint(tool, WORKFLOWS) == []
+
+
+@pytest.mark.parametrize("tool", ["actionlint", "zizmor"])
+def test_the_lint_check_reports_a_workflow_with_the_old_faults(tool, tmp_path):
+    """The check above can fail: a workflow with a node20 action by tag, an undeclared self-hosted
+    label, a persisted checkout token and a template expanded into `run:` is reported by each tool."""
+    (tmp_path / "bad.yml").write_text(
+        "name: bad\non: pull_request\njobs:\n  a:\n    runs-on: [self-hosted, gpu9]\n    steps:\n"
+        "      - uses: actions/checkout@v4\n"
+        "      - run: echo \"${{ github.event.pull_request.title }}\"\n")
+    assert _lint(tool, tmp_path)
+
+
+def _gated(job: dict) -> bool:
+    condition = " ".join(str(job.get("if", "")).split())
+    return ("github.event_name != 'pull_request' ||" in condition
+            and "github.event.pull_request.head.repo.full_name == github.repository" in condition
+            and "contains(github.event.pull_request.labels.*.name, 'inf2')" in condition)
+
+
+def test_no_fork_pull_request_reaches_a_self_hosted_runner():
+    """Every job of every workflow that runs on a self-hosted runner is skipped for a pull request
+    unless it comes from a branch of this repository and carries the `inf2` label; its first step
+    after the checkout checks the variables and instance it assumes."""
+    self_hosted = 0
+    for name in ("pr.yml", "nightly.yml", "inf2.yml"):
+        workflow = load(name)
+        for job_name, job in workflow["jobs"].items():
+            labels = job["runs-on"] if isinstance(job["runs-on"], list) else [job["runs-on"]]
+            if "self-hosted" not in labels:
+                continue
+            self_hosted += 1
+            assert _gated(job), (name, job_name)
+            steps = job["steps"]
+            assert steps[0]["uses"].startswith("actions/checkout@")
+            assert steps[1]["run"].startswith("bash .github/inf2-preconditions.sh "), (name, job_name)
+    assert self_hosted == 3
+    assert load("inf2.yml")["permissions"] == {}
+
+
+def _evaluate_gate(condition: str, event: str, head: str, labels: list[str], action: str, label: str = "") -> bool:
+    """The job's `if:` expression evaluated on one event, by rewriting its few operators to Python."""
+    from types import SimpleNamespace as NS
+
+    expression = (" ".join(condition.split()).replace("||", " or ").replace("&&", " and ")
+                  .replace("github.event.pull_request.labels.*.name", "label_names")
+                  .replace("contains(label_names, 'inf2')", "('inf2' in label_names)"))
+    github = NS(event_name=event, repository="org/gemma-parity",
+                event=NS(action=action, label=NS(name=label),
+                         pull_request=NS(head=NS(repo=NS(full_name=head)))))
+    return bool(eval(expression, {"__builtins__": {}}, {"github": github, "label_names": labels}))
+
+
+def test_the_gate_condition_rejects_the_fork_case():
+    """The device jobs' `if:` as written in inf2.yml, evaluated on the events: a fork's pull request
+    is skipped labelled or not; a branch of the repository runs only with the `inf2` label; pushes run."""
+    for job_name in ("device", "golden-12b", "check-12b"):
+        condition = load("inf2.yml")["jobs"][job_name]["if"]
+        assert not _evaluate_gate(condition, "pull_request", "stranger/gemma-parity", ["inf2"], "synchronize")
+        assert not _evaluate_gate(condition, "pull_request", "stranger/gemma-parity", ["inf2"], "labeled", "inf2")
+        assert not _evaluate_gate(condition, "pull_request", "org/gemma-parity", [], "opened")
+        assert not _evaluate_gate(condition, "pull_request", "org/gemma-parity", ["inf2", "docs"], "labeled", "docs")
+        assert _evaluate_gate(condition, "pull_request", "org/gemma-parity", ["inf2"], "labeled", "inf2")
+        assert _evaluate_gate(condition, "push", "", [], "")
+
+
+@pytest.mark.parametrize("mode", ["device", "golden"])
+def test_the_preconditions_step_names_what_is_missing(mode, tmp_path):
+    """.github/inf2-preconditions.sh fails with one `::error::` line per missing assumption and
+    passes once the checkpoint (and, for the device, a Neuron device node and neuron-ls) are there."""
+    import os
+    import subprocess
+
+    script = WORKFLOWS.parent / "inf2-preconditions.sh"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "NEURON_DEVICE_GLOB": str(tmp_path / "dev" / "neuron[0-9]*"),
+           "PYTHON": "sh", "GEMMA_PARITY_12B_CHECKPOINT": ""}
+    run = subprocess.run(["bash", str(script), mode], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "GEMMA_PARITY_12B_CHECKPOINT is empty" in run.stdout
+    if mode == "device":
+        assert "no Neuron device" in run.stdout and "neuron-ls is not on PATH" in run.stdout
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    env["GEMMA_PARITY_12B_CHECKPOINT"] = str(ckpt)
+    run = subprocess.run(["bash", str(script), mode], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "no *.safetensors" in run.stdout
+    (ckpt / "model.safetensors").write_text("")
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "neuron0").write_text("")
+    (bin_dir / "neuron-ls").write_text("#!/bin/sh\n")
+    os.chmod(bin_dir / "neuron-ls", 0o755)
+    run = subprocess.run(["bash", str(script), mode], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "::error::" not in run.stdout, run.stdout
