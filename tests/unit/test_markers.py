@@ -45,7 +45,7 @@ def test_default_lane_leaves_out_the_slow_lane_and_m_slow_runs_it():
 
 def test_ci_runs_the_readme_command_first_then_the_slow_lane():
     readme = (ROOT / "README.md").read_text()
-    command = "pip install torch==2.13.0 -e '.[test,plot,lint]' && pytest -n 2"
+    command = "pip install --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple torch==2.13.0 -e '.[test,plot,lint]' && pytest -n 2"
     assert f"```bash\n{command}\n```" in readme
     steps = [line.split(" || ")[0] for line in (ROOT / ".ci" / "run").read_text().splitlines()
              if " || status=1" in line]
