@@ -22,6 +22,9 @@ PACKAGES = ("torch", "transformers", "safetensors", "torch-neuronx", "neuronx-di
             "libneuronxla", "torch-xla")
 # what must agree for two results to be compared without a warning
 COMPARED = ("settings", "packages", "inputs")
+# Command-line options that say where results go or whether one may be replaced, not how they were
+# computed: recorded with the settings, never reported as a difference between two runs.
+OUTPUT_OPTIONS = frozenset({"out", "json", "report", "markdown", "plot", "history", "force", "overwrite"})
 
 
 def package_versions() -> dict[str, str]:
@@ -75,6 +78,8 @@ def differences(a: dict | None, b: dict | None) -> list[str]:
         if not isinstance(left, dict) or not isinstance(right, dict):
             continue
         for key in sorted(set(left) | set(right)):
+            if section == "settings" and key in OUTPUT_OPTIONS:
+                continue
             if left.get(key) != right.get(key):
                 out.append(f"{section}.{key}: {str(left.get(key))[:40]} vs {str(right.get(key))[:40]}")
     return out

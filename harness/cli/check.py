@@ -6,7 +6,7 @@ from harness.base.atomic import write_json_atomic
 from harness.base.errors import OptionError
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
-from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
+from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, assistant_dir, run_settings, with_generator
 from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
 
@@ -36,7 +36,8 @@ def add_command(sub) -> None:
 
 def add_speculate_args(p) -> None:
     p.add_argument("--assistant", metavar="DIR", help="the target's Gemma-4 assistant checkpoint: also run and "
-                   "judge speculative decoding with it (with --speculate; docs/speculative.md)")
+                   "judge speculative decoding with it (with --speculate; docs/speculative.md); `tiny` (`tiny-31b`): "
+                   "the embedded assistant of --model tiny (tiny-31b), built and cached on first use")
     p.add_argument("--speculate", type=int, default=None, metavar="K",
                    help="draft length of speculative decoding (tokens drafted per verify call; with --assistant)")
 
@@ -73,6 +74,7 @@ def validate_speculate(args, ckpt, rows=()) -> None:
     args.settings = args.settings.but(speculate=args.speculate)
     for prompt_len, new_tokens in rows:
         check_verify_fit(prompt_len, new_tokens, args.speculate, args.settings.kv_len)
+    args.assistant = assistant_dir(args)  # a directory, or `tiny`: the embedded tiny target's assistant
     args.assistant_ckpt = AssistantCheckpoint.open(v.input_path(args.assistant, "--assistant", True), ckpt.spec)
     # every build of the run is the one with the drafter (on neuron its graphs are the target's: one compile)
     args.settings = args.settings.but(assistant=str(args.assistant_ckpt.path))

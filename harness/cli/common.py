@@ -44,6 +44,42 @@ def checkpoint_dir(args) -> Path:
     return tiny_checkpoint(seed=args.seed, config_path=tiny_config(args))
 
 
+def tiny_assistant_names() -> dict:
+    """The embedded tiny assistants `--assistant` takes by name: {name: its target's tiny config}
+    (`tiny` for --model tiny; `tiny-31b` for --model tiny-31b; the other variants have none)."""
+    from harness.inputs.tiny import TINY_CONFIG, TINY_FAMILY
+    from harness.reference.tiny_assistant import TINY_ASSISTANTS
+
+    names = {"tiny": TINY_CONFIG, **{f"tiny-{name}": config for name, config in TINY_FAMILY.items()}}
+    return {name: config for name, config in names.items() if config in TINY_ASSISTANTS}
+
+
+def assistant_dir(args) -> str:
+    """--assistant: a directory as given, or the name of an embedded tiny assistant (`tiny`,
+    `tiny-31b`): the fitted assistant of the --model of the same name, built and cached on first use
+    like the tiny model (harness/reference/tiny_assistant.py)."""
+    from harness.base.errors import OptionError
+
+    names = tiny_assistant_names()
+    value = args.assistant
+    if value not in names:
+        if value.startswith("tiny-") and not Path(value).exists():
+            raise OptionError(f"--assistant {value}: no such directory, and no embedded tiny assistant of that name "
+                              f"(the embedded ones: {', '.join(names)}; the other tiny variants have no assistant)")
+        return value
+    if Path(value).exists():
+        raise OptionError(f"--assistant {value}: both the embedded tiny assistant and a path of that name; "
+                          f"write ./{value} for the path")
+    model = None if getattr(args, "checkpoint", None) or getattr(args, "config", None) else (args.model or "tiny")
+    if model != value:
+        target = f"--model {model}" if model else "--checkpoint" if getattr(args, "checkpoint", None) else "--config"
+        raise OptionError(f"--assistant {value} is the assistant of the embedded --model {value}, not of {target}: "
+                          f"use --model {value} with it, or give the assistant's directory")
+    from harness.reference.tiny_assistant import tiny_assistant
+
+    return str(tiny_assistant(seed=args.seed, target_config=names[value])[1])
+
+
 def buckets_arg(text: str) -> tuple[int, ...]:
     from harness.base.errors import OptionError
     from harness.base.settings import parse_buckets

@@ -75,6 +75,9 @@ def validate(args) -> None:
     if args.assistant is not None:  # its drafter and draft graphs share the target's cores (the fit counts them)
         from harness.inputs.assistant_spec import load_assistant_spec
 
+        from harness.cli.common import assistant_dir
+
+        args.assistant = assistant_dir(args)  # `tiny`: the embedded tiny target's assistant
         args.assistant_spec = load_assistant_spec(v.input_path(args.assistant, "--assistant", True), args.spec)
     if not tp_given:
         _resolve_tp(args)

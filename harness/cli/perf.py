@@ -104,8 +104,8 @@ def _add_compare(subparsers) -> None:
                               "that fails: a run that computes something else is not a performance result)")
     compare.add_argument("--markdown", metavar="FILE", help="also write a Markdown report")
     compare.add_argument("--json", metavar="FILE", help="also write the comparison as JSON")
-    compare.add_argument("--plot", metavar="PNG", help="with --history: the trend plot (default: "
-                         "<markdown stem>-trend.png beside --markdown; needs the plot extra)")
+    compare.add_argument("--plot", metavar="PNG", help="the trend plot: the history's runs, or the baseline and "
+                         "current files' (default: <markdown stem>-trend.png beside --markdown; needs the plot extra)")
     compare.set_defaults(func=run_compare_command, validate=validate_compare)
 
 
@@ -196,13 +196,11 @@ def validate_compare(args) -> None:
                            v._markdown_is_ours)
     if args.markdown is not None:  # the plots beside it: only ones an earlier run drew are replaced
         for png, what in ((_length_png(args.markdown), "length plot"), (_trend_png(args.markdown), "trend plot")):
-            if png.exists() and (what == "length plot" or (args.history and not args.plot)):
+            if png.exists() and (what == "length plot" or not args.plot):
                 v.replaceable_file(png, f"--markdown's {what}", _png_is_ours)
     if args.json is not None:
         v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
     if args.plot is not None:
-        if not args.history:
-            raise OptionError("--plot draws the history's trend: give it with --history DIR")
         plot = v.output_location(args.plot, "--plot", False, inputs, outputs)
         if plot.exists():  # only a PNG (a trend plot of an earlier run) is replaced
             v.replaceable_file(plot, "--plot", _png_is_ours)
@@ -304,8 +302,8 @@ def _warn_provenance(args) -> None:
 
 
 def _trend_plot(args, comp, budgets):
-    """The history's trend PNG: --plot, else beside --markdown; never without --history."""
-    if not args.history or not (args.plot or args.markdown):
+    """The trend PNG (the history's runs, or the two files'): --plot, else beside --markdown."""
+    if not (args.plot or args.markdown):
         return None
     markdown = Path(args.markdown) if args.markdown else None
     path = Path(args.plot) if args.plot else _trend_png(markdown)

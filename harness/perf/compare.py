@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from harness.base.errors import HarnessInputError
 from harness.perf import outputs, stats
@@ -80,7 +81,7 @@ class Comparison:
     budgets: list[BudgetCheck] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     change_points: list = field(default_factory=list)  # changepoints.ChangePoint, history only
-    trend: dict = field(default_factory=dict)  # metric -> per-run medians and spreads, history only
+    trend: dict = field(default_factory=dict)  # metric -> per-run medians and spreads (history, or the two files)
     plot: str | None = None  # the trend PNG, when one was drawn
     roofline: dict | None = None  # the current run's floors and efficiencies, when it has them
     # "outputs changed at prompt k step s ..." when the runs generated other tokens (no metric is
@@ -89,6 +90,7 @@ class Comparison:
     change_point_metrics: int = 0  # metrics tested for change points: the family Holm controls
     at_length: dict | None = None  # the current run's latency at each prompt length with its floors
     length_plot: str | None = None  # the latency-vs-length PNG, when one was drawn
+    history: bool = False  # a history's runs (perf compare --history), else two files
 
     @property
     def regressions(self) -> list[str]:
@@ -278,6 +280,22 @@ def compare_results(baseline: dict | None, current: dict, factor: float = DEFAUL
     return comp
 
 
+def trend(runs: list[tuple[Path, dict]]) -> dict[str, list[dict]]:
+    """Per metric (compared metrics and latency), each run's median and p10/p90 spread."""
+    out: dict[str, list[dict]] = {}
+    for path, result in runs:
+        for metric, values in budget_samples(result).items():
+            out.setdefault(metric, []).append({
+                "name": path.name, "commit": str(result.get("git_commit", "unknown")),
+                "created": result["created"], "median": statistics.median(values),
+                "p10": stats.percentile(values, 10), "p90": stats.percentile(values, 90), "n": len(values)})
+    return out
+
+
 def compare_files(baseline_path, current_path, **kwargs) -> Comparison:
-    return compare_results(load_result(baseline_path), load_result(current_path),
-                           baseline_label=str(baseline_path), current_label=str(current_path), **kwargs)
+    """Two result files; the comparison's trend holds their two points (what the plot draws)."""
+    baseline, current = load_result(baseline_path), load_result(current_path)
+    comp = compare_results(baseline, current, baseline_label=str(baseline_path), current_label=str(current_path),
+                           **kwargs)
+    comp.trend = trend([(Path(baseline_path), baseline), (Path(current_path), current)])
+    return comp

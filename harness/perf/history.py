@@ -20,10 +20,9 @@ from pathlib import Path
 
 from harness.perf.changepoints import find_family, runs_needed
 from harness.perf.compare import (DEFAULT_ALPHA, DEFAULT_FACTOR, Comparison, check_comparable, compare_results,
-                                  compare_samples, pin_outputs, software_notes)
+                                  compare_samples, pin_outputs, software_notes, trend)
 from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, budget_samples, load_history, load_result,
                                   metric_samples, mismatches)
-from harness.perf.stats import percentile
 
 HISTORY_WINDOW = 5
 
@@ -43,24 +42,12 @@ def median_run_samples(runs: list[tuple[Path, dict]]) -> tuple[dict[str, list[fl
     return samples, notes
 
 
-def trend(runs: list[tuple[Path, dict]]) -> dict[str, list[dict]]:
-    """Per metric (compared metrics and latency), each run's median and p10/p90 spread."""
-    out: dict[str, list[dict]] = {}
-    for path, result in runs:
-        for metric, values in budget_samples(result).items():
-            out.setdefault(metric, []).append({
-                "name": path.name, "commit": str(result.get("git_commit", "unknown")),
-                "created": result["created"], "median": statistics.median(values),
-                "p10": percentile(values, 10), "p90": percentile(values, 90), "n": len(values)})
-    return out
-
-
 def change_point_analysis(comp: Comparison, runs: list[tuple[Path, dict]], alpha: float) -> None:
     """Fill the comparison's trend and change points (family-wise over the metrics, Holm), and say
     so when the history is too short; keep the newest run's floors."""
     comp.roofline = runs[-1][1].get("roofline") if runs else None
     comp.at_length = runs[-1][1].get("at_length") if runs else None
-    comp.trend = trend(runs)
+    comp.trend, comp.history = trend(runs), True
     comp.change_points, comp.change_point_metrics = find_family(comp.trend, alpha)
     family = max(comp.change_point_metrics, 1)
     needed = runs_needed(alpha / family)

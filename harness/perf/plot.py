@@ -1,5 +1,5 @@
-"""The trend PNG of `perf compare --history`: per metric, each run's median with its p10-p90
-spread, the change points found, and the budget line; and the latency-vs-length PNG of a run benched
+"""The trend PNG of `perf compare` (the history's runs, or the two files'): per metric, each run's
+median with its p10-p90 spread, the change points found, and the budget line; and the latency-vs-length PNG of a run benched
 with `--lengths` (TTFT and TPOT medians against length, beside their floors). Needs matplotlib (the
 `plot` extra)."""
 
@@ -40,6 +40,21 @@ def tick_positions(n: int, most: int = MAX_TICKS) -> list[int]:
     return sorted(set(range(0, n - 1, step)) | {n - 1})
 
 
+def run_labels(points: list[dict]) -> list[str]:
+    """One x label per run: its commit's first 7 characters, and `#k` (the k-th run of that commit,
+    oldest first) when the commit has more than one run, so that no two runs share a label."""
+    counts: dict[str, int] = {}
+    for p in points:
+        counts[p["commit"][:7]] = counts.get(p["commit"][:7], 0) + 1
+    seen: dict[str, int] = {}
+    labels = []
+    for p in points:
+        short = p["commit"][:7]
+        seen[short] = seen.get(short, 0) + 1
+        labels.append(short if counts[short] == 1 else f"{short} #{seen[short]}")
+    return labels
+
+
 def _panel(ax, metric: str, points: list[dict], comp: Comparison, budget: float | None) -> None:
     x = list(range(len(points)))
     medians = [p["median"] for p in points]
@@ -55,7 +70,8 @@ def _panel(ax, metric: str, points: list[dict], comp: Comparison, budget: float 
     ax.set_ylabel(f"{metric} (ms)")
     ticks = tick_positions(len(points))
     ax.set_xticks(ticks)
-    ax.set_xticklabels([points[i]["commit"][:7] for i in ticks], rotation=60, fontsize=7)
+    labels = run_labels(points)
+    ax.set_xticklabels([labels[i] for i in ticks], rotation=60, fontsize=7)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
 
@@ -77,7 +93,9 @@ def draw_trend(comp: Comparison, path, budgets: dict[str, float] | None = None) 
     axes = fig.subplots(len(metrics), 1, squeeze=False)[:, 0]
     for ax, metric in zip(axes, metrics):
         _panel(ax, metric, comp.trend[metric], comp, budgets.get(metric))
-    axes[0].set_title(f"perf history: {len(comp.trend[metrics[0]])} runs (x: commit of each run, oldest first)",
+    runs = len(comp.trend[metrics[0]])
+    axes[0].set_title(f"perf history: {runs} runs (x: commit of each run, oldest first)" if comp.history else
+                      f"baseline {Path(comp.baseline_label).name} vs current {Path(comp.current_label).name}",
                       fontsize=9)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", metadata={"Software": PNG_SOFTWARE})
