@@ -38,9 +38,15 @@ def package_versions() -> dict[str, str]:
 
 
 def git_state(repo=None) -> dict:
-    """{"commit": sha or "unknown", "dirty": bool or None}: None when there is no git tree."""
-    repo = repo or Path(__file__).resolve().parents[2]
+    """{"commit": sha or "unknown", "dirty": bool or None}: None when there is no git tree. Only a
+    checkout whose top level is `repo` itself counts: a source archive unpacked inside some other
+    repository has no commit of its own (it must not record the outer one's)."""
+    repo = Path(repo or Path(__file__).resolve().parents[2])
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=repo, capture_output=True, text=True,
+                             timeout=10)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != repo.resolve():
+            raise OSError(top.stderr or f"{repo} is not the top of a git checkout")
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
         if head.returncode != 0 or not head.stdout.strip():
             raise OSError(head.stderr)

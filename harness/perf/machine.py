@@ -70,15 +70,11 @@ def package_versions() -> dict:
 
 
 def git_commit() -> str:
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                             timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("GITHUB_SHA", "unknown")  # an installed wheel has no .git beside it
+    """The commit of the tree (provenance.git_state, the one home: "unknown" or $GITHUB_SHA outside a
+    checkout of its own, e.g. an installed wheel or a source archive)."""
+    from harness.base.provenance import git_state
+
+    return git_state()["commit"]
 
 
 def _median_seconds(fn, repeats: int) -> tuple[float, list[float]]:

@@ -20,6 +20,24 @@ def test_a_tree_with_uncommitted_changes_is_dirty(tmp_path):
     assert git_state(tmp_path) == {"commit": clean["commit"], "dirty": True}
 
 
+def test_a_source_tree_inside_another_checkout_records_no_commit(tmp_path, monkeypatch):
+    """A source archive unpacked inside some other git repository is not that repository's commit."""
+    import subprocess
+
+    monkeypatch.delenv("GITHUB_SHA", raising=False)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "f.txt").write_text("outer")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "f.txt"], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "o"],
+                   check=True)
+    inner = tmp_path / "build" / "gemma-parity-0.1.0"
+    inner.mkdir(parents=True)
+    assert len(git_state(tmp_path)["commit"]) == 40
+    assert git_state(inner) == {"commit": "unknown", "dirty": None}
+    monkeypatch.setenv("GITHUB_SHA", "f" * 40)
+    assert git_state(inner) == {"commit": "f" * 40, "dirty": None}
+
+
 def test_differences_name_what_changed_and_nothing_else():
     a = provenance({"tp": 2, "kv_len": 256}, {"checkpoint": {"model.safetensors": "aa"}})
     b = {**a, "settings": {"tp": 2, "kv_len": 512}, "packages": {**a["packages"], "torch": "0.0.1"}}
