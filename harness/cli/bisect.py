@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from harness.base.atomic import write_json_atomic
+from harness.base.errors import OptionError
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
 from harness.cli.check import add_speculate_args, validate_speculate
@@ -32,8 +33,12 @@ def add_command(sub) -> None:
 def validate(args) -> None:
     from harness.inputs.prompts import validate_prompt_fit
 
+    from harness.backends import backend_unavailable
+
     v._port_options(args)
     args.settings = run_settings(args)
+    if (why := backend_unavailable(args.settings.backend)) is not None:  # before the reference's layers are built
+        raise OptionError(why)
     inputs = v.model_inputs(args)
     inputs["--golden"] = v.input_path(args.golden, "--golden", want_dir=True)
     ckpt = v.port_run_outputs_and_checkpoint(args, inputs)

@@ -21,7 +21,7 @@ import sys
 from typing import NamedTuple
 
 from harness.cli import validate as v
-from harness.cli.common import EXIT_BAD_INPUT, EXIT_OK
+from harness.cli.common import EXIT_BAD_INPUT, EXIT_OK, dtype_arg
 
 SUPPORTED_PYTHON = ((3, 11), (3, 13))  # the Neuron SDK 2.31 wheels
 TOOL_TIMEOUT_S = 30
@@ -46,17 +46,19 @@ def add_command(sub) -> None:
                        "fixtures/configs/gemma-4-12b-it.json)")
     p.add_argument("--tp", type=int, default=2, help="tensor parallel degree the run will use (default 2)")
     p.add_argument("--kv-len", type=int, default=256, help="KV cache length the run will compile (default 256)")
-    p.add_argument("--dtype", default="bfloat16", help="device dtype (default bfloat16)")
+    p.add_argument("--dtype", type=dtype_arg, default="bfloat16", metavar="DTYPE",
+                   help="device dtype, one the commands run: bfloat16 (bf16) or float32 (fp32) (default bfloat16)")
     p.set_defaults(func=run, validate=validate)
 
 
 def validate(args) -> None:
     from harness import FIXTURES_DIR
-    from harness.inputs.spec import DTYPE_BYTES, load_spec
+    from harness.base.settings import DTYPES
+    from harness.inputs.spec import load_spec
 
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
-    v._dtype(args, DTYPE_BYTES)
+    v._dtype(args, DTYPES)  # the run dtypes: a check of a dtype no command runs (fp16) would prove nothing
     if args.checkpoint is not None:
         source = v.input_path(args.checkpoint, "--checkpoint", want_dir=True)
     elif args.config is not None:
@@ -98,16 +100,27 @@ def diagnose(spec, tp: int, dtype: str, kv_len: int, environ=None) -> list[Check
 def host_checks(spec, tp: int, dtype: str, kv_len: int) -> list[Check]:
     """Cores other processes hold, disk for the compile work directory, host memory, the device plan
     (harness/cli/doctor_host.py)."""
+    from harness.backends import neuron_env as env
     from harness.backends.neuron_cache import default_cache_dir
     from harness.cli import doctor_host as host
     from harness.port.sharding import bytes_per_rank
 
     listing, _ = _tool("neuron-ls", "--json-output")
+    try:  # output that is not neuron-ls's is its line's FAIL (neuron_ls_check), not a crash here
+        cores = env._cores_from_neuron_ls(listing) if listing else 0
+        host.busy_cores(listing, os.getpid()) if listing else None
+    except UNREADABLE_LISTING:
+        listing, cores = None, 0
     weights = tp * bytes_per_rank(spec, tp, dtype, kv_len)["weights"]
     return [host.plan_check(spec, tp, dtype, kv_len, Check),
-            host.cores_in_use_check(listing, neuron_ls_cores(listing), tp, Check),
+            host.cores_in_use_check(listing, cores, tp, Check),
             host.disk_check(default_cache_dir() / ".work", Check),
             host.memory_check(host.read_meminfo(), weights, Check)]
+
+
+# What parsing an output that is not neuron-ls's raises: not JSON or misshapen (ValueError, TypeError,
+# AttributeError), a count of 1e999 (OverflowError), nesting deeper than the parser's stack (RecursionError).
+UNREADABLE_LISTING = (ValueError, TypeError, AttributeError, OverflowError, RecursionError)
 
 
 def neuron_ls_cores(listing: str | None) -> int:
@@ -115,7 +128,7 @@ def neuron_ls_cores(listing: str | None) -> int:
 
     try:
         return env._cores_from_neuron_ls(listing) if listing else 0
-    except (ValueError, TypeError, AttributeError):
+    except UNREADABLE_LISTING:
         return 0
 
 
@@ -192,7 +205,7 @@ def neuron_ls_check() -> tuple[int, Check]:
                         "aws-neuronx-tools and put /opt/aws/neuron/bin on PATH")
     try:
         cores = env._cores_from_neuron_ls(out)
-    except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+    except UNREADABLE_LISTING as exc:
         why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:160]
         return 0, Check("neuron-ls", False, f"unreadable --json-output ({why}); fix: update aws-neuronx-tools")
     if cores == 0:

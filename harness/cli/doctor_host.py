@@ -33,7 +33,7 @@ def busy_cores(neuron_ls_json: str, own_pid: int) -> list[tuple[int, int, list]]
 
 def cores_in_use_check(neuron_ls_json: str | None, total: int, tp: int, check, own_pid: int | None = None):
     if neuron_ls_json is None:
-        return check("cores in use", False, "neuron-ls did not answer (see its line above)")
+        return check("cores in use", False, "neuron-ls gave no readable listing (see its line above)")
     busy = busy_cores(neuron_ls_json, os.getpid() if own_pid is None else own_pid)
     held = sum(cores for _, cores, _ in busy)
     if held and total - held < tp:  # too few cores in all is the `cores` line's

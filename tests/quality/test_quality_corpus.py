@@ -6,6 +6,9 @@ catalog faults that `check`'s default prompts also catch fail it by a wide margi
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from harness.base.settings import RunSettings
@@ -15,7 +18,8 @@ from tests.faults.catalog import BY_NAME
 from tests.quality.test_quality import corpus_ids
 
 pytestmark = pytest.mark.slow
-GOLDEN_BOUND = 6_000_000  # bytes for 20,160 positions at top-32 (measured 5,765,003)
+GOLDEN_BOUND = 6_000_000  # bytes for 20,160 positions at top-32 (measured 5,765,380)
+DOC = Path(__file__).resolve().parents[2] / "docs" / "quality.md"
 FAULTS = ("rmsnorm-one-plus-weight", "missing-v-norm", "rope-interleaved-pairs")
 
 
@@ -23,7 +27,7 @@ FAULTS = ("rmsnorm-one-plus-weight", "missing-v-norm", "rope-interleaved-pairs")
 def golden(tiny0_ckpt, tmp_path_factory):
     ids = corpus_ids(20_480)
     directory = tmp_path_factory.mktemp("corpus") / "golden"
-    settings = quality.golden_settings(tiny0_ckpt, ids, 64, windows_per_part=32)
+    settings = quality.golden_settings(tiny0_ckpt, ids, 64)  # the command's defaults (docs/quality.md's run)
     quality.prepare_golden_dir(directory, settings)
     quality.write_shard(tiny0_ckpt, ids, directory, settings, 0)
     return directory, settings
@@ -41,6 +45,23 @@ def test_healthy_port_passes_over_20k_positions_and_the_golden_is_compact(tiny0_
     assert result["verdict"]["judged"] == ["mean", "p50", "p90", "p99", "p99.9"]
     assert result["passed"], [c for c in judged if not c["passed"]]
     assert result["golden"]["bytes"] < GOLDEN_BOUND
+    _check_the_documented_calibration(result, judged)
+
+
+def _check_the_documented_calibration(result: dict, judged: list[dict]) -> None:
+    """docs/quality.md's calibration block is what `gemma-parity quality` prints for this run (each
+    line of it, spacing aside), and its largest ratio is this run's."""
+    from harness.report.quality import format_quality
+
+    doc = DOC.read_text()
+    block = re.search(r"```text\n(  corpus: .*?)```", doc, re.S)
+    assert block, "docs/quality.md: no calibration block"
+    printed = {" ".join(line.split()) for line in format_quality(result).splitlines()}
+    for line in filter(str.strip, block.group(1).splitlines()):
+        assert " ".join(line.split()) in printed, f"docs/quality.md says {line.strip()!r}; the run prints otherwise"
+    worst = max(judged, key=lambda c: c["ratio"])
+    stat = "KL" if worst["metric"] == "kl" else "|dp|"
+    assert f"**{worst['ratio']:.2f} ({stat} {worst['statistic']})**" in doc, (worst, "docs/quality.md's largest ratio")
 
 
 @pytest.mark.parametrize("fault", FAULTS)
