@@ -123,8 +123,11 @@ def write_json_atomic(path, payload, no_clobber: bool = False, indent: int = 2,
 
 
 @contextmanager
-def atomic_directory(out_dir, replace: bool = False):
+def atomic_directory(out_dir, replace: bool = False, final: bool = False):
     """Yield a temp directory beside `out_dir`; on success it is renamed to `out_dir`.
+
+    `final`: the command's own result (a golden): from its rename on, a signal no longer unwinds the
+    run (harness/base/commit_point.py), so an output put in place is never reported as interrupted.
 
     With `replace`, an existing `out_dir` is swapped out only once the new one is complete (an
     atomic exchange, or move aside then rename in), so a kill at any point leaves the old or the
@@ -142,6 +145,10 @@ def atomic_directory(out_dir, replace: bool = False):
     try:
         os.chmod(tmp, _apply_umask(DIR_MODE))
         yield tmp
+        if final:
+            from harness.base.commit_point import committing
+
+            committing()
         _rename_into_place(tmp, out_dir, replace)
     except OSError as exc:
         raise OutputError(os_problem(exc, out_dir)) from None

@@ -112,10 +112,12 @@ def _show_bytes_on_the_console() -> None:
 def _run(args, name: str, argv: list[str]) -> int:
     from harness.cli.validate import refuse_nul
 
+    status = None
     try:
         refuse_nul(args)
         args.validate(args)
-        return args.func(args)
+        status = args.func(args)
+        return status
     except HarnessInputError as exc:
         _err(f"gemma-parity {name}: error: {exc}")
         return EXIT_BAD_INPUT
@@ -140,7 +142,27 @@ def _run(args, name: str, argv: list[str]) -> int:
     except Exception as exc:  # noqa: BLE001  (the contract: a bug is reported as one, never as exit 1)
         return _internal_error(name, exc, argv)
     finally:
-        release_claims()
+        _after(name, status)
+
+
+def _after(name: str, status: int | None) -> None:
+    """Claims released; a signal held since the output's commit point (harness/base/commit_point.py)
+    or arriving now, once the command returned, is reported and leaves its status alone."""
+    from harness.base import commit_point
+
+    late = []
+    try:
+        try:
+            release_claims()
+        except (KeyboardInterrupt, Terminated) as exc:
+            if status is None:
+                raise
+            late.append(signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM)
+    finally:
+        late = commit_point.finish() + late
+    if late and status is not None:
+        _err(f"gemma-parity {name}: {commit_point.signal_name(late[0])} came after the output was written whole; "
+             f"the run finished (exit {status})")
 
 
 def main(argv=None) -> int:
@@ -154,12 +176,19 @@ def main(argv=None) -> int:
         # KeyboardInterrupt, SIGTERM as Terminated (harness/entry.py guards the time before)
         signal.signal(signal.SIGTERM, _on_sigterm)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        from harness.base.commit_point import arm
+
+        arm()
     except ValueError:  # not the main thread (a library caller's worker): leave signals alone
         previous = {}
     try:
         return _run(args, _command_name(args), argv)
     finally:
+        from harness.base.signal_guard import _exit_now
+
         for signum, handler in previous.items():
+            if handler is _exit_now:  # the console script, about to exit with the command's status:
+                handler = signal.SIG_IGN  # a late signal must not say "interrupted while starting"
             if handler is not None:
                 signal.signal(signum, handler)
 

@@ -210,7 +210,7 @@ def _print_floors_at_length(args, payload) -> None:
 
     plan = payload["memory_plan"]
     longest = plan["caches"][args.sliding_cache]["longest_context"]
-    rates = instance_rates(plan["instance"], args.tp, args.dtype)
+    rates = instance_rates(plan["instance"], args.tp, args.dtype, getattr(args, "chip", None))  # --instance-rates too
     rows = floors_at_length(args.spec, args.tp, args.dtype, buckets=(64, 256), longest=longest, rates=rates,
                             sliding_cache=args.sliding_cache)
     payload["floors_at_length"] = rows

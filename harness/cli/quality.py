@@ -87,10 +87,19 @@ def _outputs(args, inputs) -> None:
 
 def validate(args) -> None:
     """Options, outputs, the checkpoint, the corpus and an existing golden's settings, in that order."""
-    from harness.quality.golden import DEFAULT_WINDOW, DEFAULT_WINDOWS_PER_PART, golden_settings, load_corpus, verify_golden
+    from harness.quality.golden import (DEFAULT_WINDOW, DEFAULT_WINDOWS_PER_PART, golden_settings, load_corpus,
+                                        read_corpus, verify_golden)
     from harness.quality.judge import check_window_fits
     from harness.quality.stats import DEFAULT_TOPK
 
+    if args.shard is not None or args.reference_only:  # they stop before the judged pass that --json/--report hold
+        stop = "--shard" if args.shard is not None else "--reference-only"
+        given = [flag for flag, value in (("--json", args.json), ("--report", args.report)) if value is not None]
+        if given:
+            raise OptionError(f"{' and '.join(given)} with {stop}: {stop} writes only the golden and stops, and "
+                              f"{' and '.join(given)} hold the judged pass's verdict; drop {' and '.join(given)} here, "
+                              "and give them to the judged run (`gemma-parity quality --golden DIR ...` without "
+                              f"{stop}) once every shard is written")
     v._port_options(args)
     args.settings = run_settings(args)
     existing = _existing_settings(Path(args.golden))
@@ -107,13 +116,14 @@ def validate(args) -> None:
     if not inputs["--corpus"].is_file():  # a pipe nobody writes would hang the run; the corpus is read whole
         raise InputFileError(f"--corpus {args.corpus}: is a named pipe or device, not a regular file; save the "
                              "corpus to a file and give that")
+    args.corpus_read = read_corpus(args.corpus)  # its shape before the checkpoint is opened
     _outputs(args, inputs)
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, args.kv_len, "linear" if args.settings.backend != "neuron" else None)
     _refuse_model(ckpt.spec, args.settings.backend)
     check_window_fits(args.window, args.buckets, args.kv_len)
-    args.corpus_ids = load_corpus(args.corpus, args.ckpt_dir, ckpt.spec)
+    args.corpus_ids = load_corpus(args.corpus, args.ckpt_dir, ckpt.spec, args.corpus_read)
     shards = args.shard_pair[1] if args.shard_pair else existing.get("shards", 1)
     args.golden_settings = golden_settings(ckpt, args.corpus_ids, args.window, topk=args.topk, shards=shards,
                                            windows_per_part=args.windows_per_part)

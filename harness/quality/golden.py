@@ -63,9 +63,9 @@ def corpus_hash(ids: list[int]) -> str:
     return hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
 
 
-def load_corpus(path, checkpoint_dir, spec) -> list[int]:
-    """Token ids from a JSON file (a list of ids, or {"ids": [...]}) or text tokenized with the
-    checkpoint's tokenizer; every id inside the vocabulary."""
+def read_corpus(path) -> list[int] | str:
+    """The corpus file checked as far as no checkpoint is needed: a .json file's token ids (its shape,
+    nesting and numbers: refused in milliseconds, before any model is opened), else its text."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -78,10 +78,15 @@ def load_corpus(path, checkpoint_dir, spec) -> list[int]:
                              "or a JSON list of token ids") from None
     if not text.strip():
         raise InputFileError(f"--corpus {path}: is empty; give a JSON list of token ids or text to tokenize")
-    if path.suffix.lower() == ".json":
-        ids = _json_ids(path, text)
-    else:
-        ids = _tokenize(path, text, checkpoint_dir)
+    return _json_ids(path, text) if path.suffix.lower() == ".json" else text
+
+
+def load_corpus(path, checkpoint_dir, spec, read: list[int] | str | None = None) -> list[int]:
+    """Token ids from a JSON file (a list of ids, or {"ids": [...]}) or text tokenized with the
+    checkpoint's tokenizer; every id inside the vocabulary. `read`: read_corpus(path), when done."""
+    path = Path(path)
+    read = read_corpus(path) if read is None else read
+    ids = read if isinstance(read, list) else _tokenize(path, read, checkpoint_dir)
     if not ids:
         raise InputFileError(f"--corpus {path}: holds no token ids; give a corpus of at least one --window of ids")
     bad = next((k for k, t in enumerate(ids) if not 0 <= t < spec.vocab_size), None)

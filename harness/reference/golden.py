@@ -121,7 +121,7 @@ def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_t
     }
     if provenance is not None:
         manifest["provenance"] = provenance
-    with atomic_directory(out_dir, replace=overwrite) as tmp:
+    with atomic_directory(out_dir, replace=overwrite, final=True) as tmp:  # the commit point of `reference`
         _save_tensors(tensors, tmp / TENSORS, out_dir)
         _verify_written(tmp / TENSORS, tensors, out_dir)
         manifest["tensors_sha256"] = sha256_file(tmp / TENSORS)
