@@ -97,6 +97,19 @@ def test_the_workflows_lint_clean(tool):
     assert _lint(tool, WORKFLOWS) == []
 
 
+def test_the_workflow_scripts_pass_shellcheck():
+    """The scripts the workflows run: shellcheck on the files (actionlint runs it on the `run:` blocks
+    above when it is on PATH, as on GitHub's runners; the lint extra installs it)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed: pip install -e '.[lint]' (the README's test command installs it)")
+    scripts = [WORKFLOWS.parent / "inf2-preconditions.sh", WORKFLOWS.parents[1] / ".ci" / "run"]
+    run = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
 @pytest.mark.parametrize("tool", ["actionlint", "zizmor"])
 def test_the_lint_check_reports_a_workflow_with_the_old_faults(tool, tmp_path):
     """The check above can fail: a workflow with a node20 action by tag, an undeclared self-hosted
