@@ -117,8 +117,8 @@ class NeuronBackend:
         self.draft_graphs = draft_tags(self.kv_lengths) if self.assistant is not None else {}
         self.last_tag: str | None = None  # the tag the last forward ran
         self.capture = self.returns_captures = bool(capture)
-        # a perf build returns only what greedy decode needs; a batched one every row's logits
-        self.last_row_only = not self.capture and self.slots == 1
+        # a perf build returns only what greedy decode needs: the last real row (of each sequence)
+        self.last_row_only = not self.capture
         self.compiler_args = normalize_compiler_args(compiler_args)
         self.decode_compiler_args = decode_flags(self.compiler_args, decode_compiler_args)
         self.priority_key = _priority_key(layout_priority, self.kv_graphs)
@@ -263,7 +263,7 @@ class NeuronBackend:
         width = input_width(self.spec)
         if self.slots == 1:
             return example_inputs(length, width, self.dtype, last_row=self.last_row_only and not is_verify_tag(tag))
-        return batch_example_inputs(length, width, self.dtype, int(tag.rsplit("_bs", 1)[1]))
+        return batch_example_inputs(length, width, self.dtype, int(tag.rsplit("_bs", 1)[1]), last_row=self.last_row_only)
 
     def _graph_io(self):
         """Weights and states the graphs read (neuron_layers.graph_io), checked against the module's."""
@@ -311,7 +311,7 @@ class NeuronBackend:
                 raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                         "backend with capture=True for a parity build to capture activations")
             args = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
-                                      dtype=self.dtype)
+                                      dtype=self.dtype, slots=self.slots, last_row_only=self.last_row_only)
             tag = tag_for_length(positions.shape[1], self.graphs)
         else:
             tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
