@@ -46,7 +46,8 @@ import torch
 from harness.backends.neuron_cache import (  # noqa: F401  (re-exported: the backend's cache and flags)
     CACHE_FORMAT, DEFAULT_COMPILER_ARGS, ENTRY_FILES, META_FILE, MODEL_FILE, MODEL_SOURCE_FILES,
     artifact_cache_key, cache_entry_complete, compile_environment, compiler_flag_string, decode_flags,
-    default_cache_dir, default_compile_workers, model_source_hash, normalize_compiler_args, read_cache_meta, write_cache_entry)
+    default_cache_dir, default_compile_workers, model_source_hash, normalize_compiler_args, per_graph_flags, read_cache_meta,
+    write_cache_entry)
 from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host's Neuron environment)
     INF2_CORES_PER_DEVICE, INF2_LNC, assign_visible_cores, build_platform, import_neuronx_distributed,
     neuron_core_count, neuron_runtime_version, visible_cores_for_worker)
@@ -82,8 +83,9 @@ class NeuronBackend:
     decode graph; `capture=True` makes a parity build whose forward can also return captures.
 
     Build options (each part of the cache key): `compiler_args` (a string of shell words or a
-    list); `decode_compiler_args`, the decode graphs' own flags (token generation; NxD-Inference
-    compiles it apart from context encoding; default: `compiler_args`, naming the same --target); `layout_priority`, the graph whose weight layout the compiler optimises ("decode", the
+    list), the context-encoding (prefill) graphs' flags; `decode_compiler_args`, every other graph's
+    (decode, verify, draft; NxD Inference compiles them apart from context encoding; default:
+    `compiler_args` at -O2, neuron_cache.token_generation_flags; naming the same --target); `layout_priority`, the graph whose weight layout the compiler optimises ("decode", the
     default: it reads every weight once per token and is bandwidth-bound; "prefill" for the largest
     bucket; None for no layout optimisation); `reduce_dtype`, the row-parallel all-reduce dtype.
     `compile_workers`: graphs compiled at once (default: 1 for a model over
@@ -220,8 +222,7 @@ class NeuronBackend:
         use that layout."""
         nxd = import_neuronx_distributed()
         flags = compiler_flag_string(self.compiler_args)
-        per_graph = {tag: compiler_flag_string(self.decode_compiler_args if length == 1 else self.compiler_args)
-                     for tag, (length, _) in {**self.kv_graphs, **self.draft_graphs}.items()}  # decode vs context encoding
+        per_graph = per_graph_flags({**self.kv_graphs, **self.draft_graphs}, self.compiler_args, self.decode_compiler_args)
         try:
             # lnc_size=1: inf2's NeuronCore-v2 has one physical core per logical core. NxD still asks
             # the platform in initialize_model_parallel and for the layout transformer's compile:

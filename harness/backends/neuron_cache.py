@@ -14,6 +14,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import shlex
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,7 @@ import torch
 from harness.base.atomic import atomic_directory
 from harness.base.errors import HarnessInputError
 from harness.base.settings import DEFAULT_KV_LEN
-from harness.port.graphs import GraphBuildError
+from harness.port.graphs import PREFILL_TAG, GraphBuildError
 
 # ---- compiler flags -----------------------------------------------------------------------------
 
@@ -64,11 +65,19 @@ def compiler_flag_string(words: list[str]) -> str:
     return shlex.join(words)
 
 
+def token_generation_flags(compiler_args: list[str]) -> list[str]:
+    """`compiler_args` at -O2 (their -O level replaced, or added): the default flags of every graph
+    but context encoding, as NxD Inference compiles token generation (model_wrapper.py)."""
+    words = [w for w in compiler_args if not re.fullmatch(r"-O\d", w)]
+    return [*words, "-O2"]
+
+
 def decode_flags(compiler_args: list[str], decode_compiler_args) -> list[str]:
-    """The decode graphs' flag words: `compiler_args` when not given; refused unless they name the
-    same --target (the build's platform comes from the flags: neuron_env.build_platform)."""
+    """The flag words of every graph but context encoding (decode, verify, draft):
+    token_generation_flags(`compiler_args`) when not given; refused unless they name the same
+    --target (the build's platform comes from the flags: neuron_env.build_platform)."""
     if decode_compiler_args is None:
-        return list(compiler_args)
+        return token_generation_flags(compiler_args)
     words = normalize_compiler_args(decode_compiler_args)
 
     def target(w):
@@ -78,6 +87,18 @@ def decode_flags(compiler_args: list[str], decode_compiler_args) -> list[str]:
                                 f"other graphs' flags {target(compiler_args)!r}: give `--target "
                                 f"{target(compiler_args)}` in both")
     return words
+
+
+def is_context_encoding(tag: str) -> bool:
+    """A prefill bucket's graph (graphs.PREFILL_TAG, with any KV-bucket or batch suffix)."""
+    return tag.startswith(PREFILL_TAG.split("{")[0])
+
+
+def per_graph_flags(tags, compiler_args: list[str], decode_args: list[str]) -> dict[str, str]:
+    """ModelBuilder tag -> its flag string: `compiler_args` for context encoding (the prefill
+    buckets), `decode_args` for every other graph (decode, speculative verify, draft), as NxD
+    Inference compiles all but context encoding at -O2."""
+    return {tag: compiler_flag_string(compiler_args if is_context_encoding(tag) else decode_args) for tag in tags}
 
 
 # A model whose per-rank weights exceed this compiles one graph at a time by default: ModelBuilder

@@ -39,3 +39,23 @@ def test_the_cache_key_covers_every_harness_module_the_graph_code_imports():
         finally:
             neuron_cache._read_source = read
     assert set(neuron_cache.DRAFTER_SOURCE_FILES).isdisjoint(hashed)  # a target-only key ignores the drafter
+
+
+def test_every_graph_but_context_encoding_compiles_with_the_decode_flags_at_O2():
+    """As NxD Inference: prefill buckets at the build's flags (-O1), decode, the speculative verify
+    graph and the draft graphs at the decode flags, -O2 by default (verify took the prefill flags,
+    and decode -O1)."""
+    from harness.backends.neuron import kv_tags
+    from harness.backends.neuron_drafter import draft_tags
+
+    base = neuron_cache.normalize_compiler_args(None)
+    decode = neuron_cache.decode_flags(base, None)
+    assert "-O2" in decode and "-O1" not in decode and decode[:2] == base[:2] and "--target" in decode
+    tags = {**kv_tags((16, 64), 64, speculate=3), **draft_tags((16, 64))}
+    flags = neuron_cache.per_graph_flags(tags, base, decode)
+    assert set(flags) == set(tags)
+    kinds = {tag: ("-O2" if "-O2" in f.split() else "-O1") for tag, f in flags.items()}
+    assert {t for t, k in kinds.items() if k == "-O1"} == {t for t in tags if t.startswith("prefill_")}
+    assert any(t.startswith("verify_4") for t in tags) and any(t.startswith("draft_kv") for t in tags)
+    own = neuron_cache.decode_flags(base, "-O3 --target inf2")  # given: taken as they are
+    assert neuron_cache.per_graph_flags(["verify_4_kv16"], base, own) == {"verify_4_kv16": "-O3 --target inf2"}
