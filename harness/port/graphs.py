@@ -42,6 +42,18 @@ class GraphBuildError(RuntimeError):
 HOST_CAPTURES = ("embeddings",)
 
 
+def release_traced(module: nn.Module) -> None:
+    """Forget the tensors a call hands between layers through the modules (each cache's last read,
+    which a KV-shared layer reads, and the call's seq_ids; the family's per-layer inputs): a traced
+    module keeps none past its forward, so no tensor of one trace outlives it (or leaks into the
+    next bucket's trace)."""
+    for sub in module.modules():
+        if isinstance(sub, KVCache):
+            sub.last_read = sub.seq_ids = None
+        if getattr(sub, "_per_layer_inputs", None) is not None:
+            sub._per_layer_inputs = None
+
+
 class TracedDecoder(RankDecoder):
     """RankDecoder with the forward NxD traces: tensors in, a tensor or a tuple out.
 
@@ -71,6 +83,12 @@ class TracedDecoder(RankDecoder):
         self.capture_names: list[str] = []
 
     def forward(self, inputs_embeds, positions, last_index=None):
+        try:
+            return self.traced_forward(inputs_embeds, positions, last_index)
+        finally:
+            release_traced(self)
+
+    def traced_forward(self, inputs_embeds, positions, last_index=None):
         positions = positions.to(torch.long)
         if self.with_captures:
             logits, captures = super().forward(inputs_embeds, positions, capture=True)
@@ -98,6 +116,12 @@ class TracedBatchDecoder(TracedDecoder):
     context encoding gathers the last real row before lm_head)."""
 
     def forward(self, inputs_embeds, positions, seq_ids, last_index=None):
+        try:
+            return self.traced_batch_forward(inputs_embeds, positions, seq_ids, last_index)
+        finally:
+            release_traced(self)
+
+    def traced_batch_forward(self, inputs_embeds, positions, seq_ids, last_index=None):
         positions, seq_ids = positions.to(torch.long), seq_ids.to(torch.long)
         if self.last_row_only:
             self.set_seq_ids(seq_ids)

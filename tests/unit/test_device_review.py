@@ -59,3 +59,86 @@ def test_every_graph_but_context_encoding_compiles_with_the_decode_flags_at_O2()
     assert any(t.startswith("verify_4") for t in tags) and any(t.startswith("draft_kv") for t in tags)
     own = neuron_cache.decode_flags(base, "-O3 --target inf2")  # given: taken as they are
     assert neuron_cache.per_graph_flags(["verify_4_kv16"], base, own) == {"verify_4_kv16": "-O3 --target inf2"}
+
+
+def test_token_ordering_enters_the_draft_graph_as_int32():
+    """The project's rule for indices at the device boundary (graphs.POSITION_DTYPE): int32 in,
+    widened inside the graph; token_ordering was an int64 weight. The draft step still scores the
+    same tokens."""
+    import torch
+
+    import json
+
+    from harness import FIXTURES_DIR
+    from harness.inputs.assistant_spec import assistant_spec_from_dict
+    from harness.inputs.spec import load_spec
+    from harness.port.drafter import RankDrafter
+    from harness.port.model import RankLinears
+    from tests.unit.test_draft_graphs import PAIRS
+
+    target, config = PAIRS["12b"]
+    aspec = assistant_spec_from_dict(json.loads((FIXTURES_DIR / "configs" / "tiny" / config).read_text()),
+                                     load_spec(target))
+    assert aspec.ordered
+    head = RankDrafter(aspec, 1, RankLinears(), torch.bfloat16).masked_embedding.float()
+    assert head.token_ordering.dtype == torch.int32
+    x = torch.randn(1, 1, aspec.hidden_size)
+    weight = torch.randn(aspec.vocab_size, aspec.hidden_size)
+    logits, clusters = head(x, weight)
+    order = head.token_ordering.long().view(-1, head.per_centroid)
+    ids = order.index_select(0, clusters.reshape(-1)).reshape(-1)
+    assert torch.equal(logits[0, 0, ids], (x @ weight[ids].T)[0, 0])
+
+
+def test_a_draft_step_reads_the_targets_kv_before_carrying_it():
+    """carry_kv reassigns every KV buffer (the draft graph's state); the target KV the drafter reads
+    must be the input cache, not the carried copy (a read after the write orders the graph's reads
+    behind a rewrite of every buffer)."""
+    import torch
+
+    from tests.unit.test_draft_graphs import fused
+
+    module, spec, aspec = fused("12b", capture=False)
+    inputs = {n: m.k for n, m in module.named_modules() if hasattr(m, "last_read")}
+    read_from = []
+    original = type(module).target_kv
+
+    def spy(self, layer):
+        cache = self.get_submodule(f"layers.{layer}.self_attn.cache")
+        read_from.append(cache.k is inputs[f"layers.{layer}.self_attn.cache"])
+        return original(self, layer)
+
+    type(module).target_kv = spy
+    try:
+        module(draft_embeds=torch.zeros(1, 1, spec.hidden_size), draft_hidden=torch.zeros(1, 1, spec.hidden_size),
+               draft_position=torch.tensor([[3]], dtype=torch.int32))
+    finally:
+        type(module).target_kv = original
+    assert read_from and all(read_from), read_from
+    assert all(m.k is not inputs[n] for n, m in module.named_modules() if n in inputs)  # and still carried
+
+
+def test_a_traced_module_keeps_no_tensor_of_its_call():
+    """After a forward of the traced family decoder (per-layer inputs, KV-shared layers reading
+    their source's last read) and of a batched one, no module holds a tensor outside its parameters
+    and buffers (last_read and _per_layer_inputs did: a traced tensor kept past its trace)."""
+    import torch
+
+    from harness.inputs.spec import load_spec
+    from harness.inputs.tiny import TINY_FAMILY
+    from harness.port.graphs import batch_example_inputs, example_inputs, input_width, traced_class
+    from harness.port.model import RankLinears
+
+    spec = load_spec(TINY_FAMILY["e2b"])
+    assert spec.per_layer_input_size and any(layer.kv_source is not None for layer in spec.layers)
+    for batched, inputs in ((False, example_inputs(8, input_width(spec), torch.float32, last_row=True)),
+                            (True, batch_example_inputs(8, input_width(spec), torch.float32, 2, last_row=True))):
+        module = traced_class(spec, batched=batched)(spec, 1, 16, torch.float32, RankLinears(), last_row_only=True,
+                                                     slots=2 if batched else 1).eval()
+        with torch.no_grad():
+            module(*inputs)
+        kept = [f"{name}.{attr}" for name, sub in module.named_modules() for attr, value in vars(sub).items()
+                if not attr.startswith("_") or attr == "_per_layer_inputs"
+                if isinstance(value, torch.Tensor) or (isinstance(value, tuple) and any(isinstance(v, torch.Tensor)
+                                                                                        for v in value))]
+        assert kept == [], (batched, kept[:4])
