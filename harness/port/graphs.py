@@ -17,7 +17,7 @@ from torch import nn
 from harness.base.errors import HarnessInputError
 from harness.port.blocks import FamilyRankDecoder
 from harness.port.device_plan import kv_buckets  # noqa: F401  (re-exported: the KV buckets, capped)
-from harness.port.kv_slots import check_seq_ids
+from harness.port.kv_slots import call_seq_ids
 from harness.port.model import KVCache, RankDecoder, RankLinears
 
 # Positions enter the graph as int32, as NxD's own examples feed indices (int64 is emulated on
@@ -324,12 +324,7 @@ def batch_graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor
     if tuple(positions.shape) != (rows, length):
         raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [{rows}, {length}]")
     tag_for_length(length, graphs)
-    seq_ids = torch.arange(rows) if seq_ids is None else torch.as_tensor(seq_ids).reshape(-1)
-    if rows <= slots:
-        try:
-            seq_ids = check_seq_ids(seq_ids, rows, slots)
-        except ValueError as exc:
-            raise HarnessInputError(f"{exc}: name one distinct KV slot of the build's {slots} per row") from None
+    seq_ids = call_seq_ids(seq_ids, rows, slots)
     inputs = [inputs_embeds.to(dtype).contiguous(), positions.to(POSITION_DTYPE).contiguous(),
               seq_ids.to(POSITION_DTYPE).contiguous()]
     if last_row_only:

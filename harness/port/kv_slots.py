@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from harness.base.errors import HarnessInputError
+
 
 def ring_slot_positions(next_position: torch.Tensor, window: int) -> torch.Tensor:
     """[..., window] absolute position each ring slot holds once positions [0, next_position) are
@@ -127,3 +129,16 @@ def check_seq_ids(seq_ids, rows: int, slots: int) -> torch.Tensor:
     if len(set(ids.tolist())) != ids.numel():
         raise ValueError(f"seq_ids {ids.tolist()}: a slot named twice in one call")
     return ids
+
+
+def call_seq_ids(seq_ids, rows: int, slots: int) -> torch.Tensor:
+    """A backend's forward check of the slots a call names (row r in slot r when None): check_seq_ids
+    as a clear input error (a device clamps or drops an out-of-range index without a word). More
+    rows than slots is left to the caller's batch-bucket check, which names the buckets."""
+    ids = torch.arange(rows) if seq_ids is None else torch.as_tensor(seq_ids).reshape(-1)
+    if rows > slots:
+        return ids
+    try:
+        return check_seq_ids(ids, rows, slots)
+    except ValueError as exc:
+        raise HarnessInputError(f"{exc}: name one distinct KV slot of the build's {slots} (--batch) per row") from None

@@ -142,3 +142,33 @@ def test_a_traced_module_keeps_no_tensor_of_its_call():
                 if isinstance(value, torch.Tensor) or (isinstance(value, tuple) and any(isinstance(v, torch.Tensor)
                                                                                         for v in value))]
         assert kept == [], (batched, kept[:4])
+
+
+def test_every_backends_forward_refuses_seq_ids_outside_its_slots(tiny0_ckpt):
+    """seq_ids are checked in forward on every backend (cpu here; the compiled backends through
+    graphs.batch_graph_inputs, whose check is the same call_seq_ids): an out-of-range, repeated or
+    miscounted slot is a clear input error naming the slots, before any model work (the device
+    clamps or drops an out-of-range index without a word; cpu raised an IndexError from a rank
+    thread)."""
+    import pytest
+    import torch
+
+    from harness.backends import build_engine
+    from harness.base.errors import HarnessInputError
+    from harness.base.settings import RunSettings
+    from harness.port.graphs import batch_graph_inputs, graph_plan
+
+    backend = build_engine(tiny0_ckpt, RunSettings(backend="cpu", tp=1, batch=2, buckets=(16,), kv_len=16)).backend
+    embeds, positions = torch.zeros(2, 1, backend.spec.hidden_size, dtype=torch.bfloat16), torch.zeros(2, 1, dtype=torch.long)
+    for bad, says in (([0, 2], r"\[0, 2\]: a slot outside \[0, 2\)"), ([1, 1], "named twice"),
+                      ([-1, 0], "a slot outside"), ([0], "1 slots named for 2 rows")):
+        with pytest.raises(HarnessInputError, match=says):
+            backend.forward(embeds, positions, seq_ids=torch.tensor(bad))
+        with pytest.raises(HarnessInputError, match=says):
+            batch_graph_inputs(backend.spec, graph_plan((16,), 16), embeds, positions, torch.tensor(bad),
+                               torch.bfloat16, slots=2)
+    with pytest.raises(HarnessInputError, match="3 rows in one call"):
+        backend.forward(torch.zeros(3, 1, backend.spec.hidden_size), torch.zeros(3, 1, dtype=torch.long),
+                        seq_ids=torch.tensor([0, 1, 0]))
+    logits, _ = backend.forward(embeds, positions, seq_ids=torch.tensor([1, 0]))
+    assert logits.shape[0] == 2
