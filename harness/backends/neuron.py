@@ -71,8 +71,8 @@ NeuronBuildError = GraphBuildError
 
 
 from harness.backends.neuron_layers import (  # noqa: E402,F401  (re-exported: the NxD layers)
-    NeuronLinears, NxDCollectives, _checkpoint_key, _dtype_key, _layout_priority, _module_weight_shapes, _nxd_layers,
-    _priority_key, _weight_shapes_from_json, _weight_shapes_to_json, assemble_rank_weights, graph_io)
+    DEFAULT_LAYOUT_PRIORITY, NeuronLinears, NxDCollectives, _checkpoint_key, _dtype_key, _layout_priority,
+    _module_weight_shapes, _nxd_layers, _priority_key, _weight_shapes_from_json, _weight_shapes_to_json, assemble_rank_weights, graph_io)
 
 
 # ==== the backend ==================================================================================
@@ -82,14 +82,13 @@ class NeuronBackend:
     CpuBackend). Builds (or loads from the artifact cache) the prefill graphs of `buckets` and the
     decode graph; `capture=True` makes a parity build whose forward can also return captures.
 
-    Build options (each part of the cache key): `compiler_args` (a string of shell words or a
-    list), the context-encoding (prefill) graphs' flags; `decode_compiler_args`, every other graph's
-    (decode, verify, draft; NxD Inference compiles them apart from context encoding; default:
-    `compiler_args` at -O2, neuron_cache.token_generation_flags; naming the same --target); `layout_priority`, the graph whose weight layout the compiler optimises ("decode", the
-    default: it reads every weight once per token and is bandwidth-bound; "prefill" for the largest
-    bucket; None for no layout optimisation); `reduce_dtype`, the row-parallel all-reduce dtype.
-    `compile_workers`: graphs compiled at once (default: 1 for a model over
-    neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES of weights per rank, else NxD's pool)."""
+    Build options (each part of the cache key): `compiler_args` (shell words or a list), the
+    context-encoding (prefill) graphs' flags; `decode_compiler_args`, every other graph's (decode,
+    verify, draft; default `compiler_args` at -O2, neuron_cache.decode_flags; same --target);
+    `layout_priority`, the graph whose weight layout NxD optimises ("decode", "prefill", or None:
+    none, the default until a device run measures the transform's peak, neuron_layers);
+    `reduce_dtype`, the row-parallel all-reduce dtype; `compile_workers`, graphs compiled at once
+    (default: 1 over neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES of weights per rank, else NxD's)."""
 
     name = "neuron"
 
@@ -100,7 +99,7 @@ class NeuronBackend:
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False, *, compiler_args=None,
                  cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True,
-                 layout_priority: str | None = "decode", reduce_dtype: torch.dtype = torch.float32,
+                 layout_priority: str | None = DEFAULT_LAYOUT_PRIORITY, reduce_dtype: torch.dtype = torch.float32,
                  decode_compiler_args=None):
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.sliding_cache = settings.sliding_cache

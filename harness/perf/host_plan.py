@@ -131,7 +131,7 @@ def counted_peak(phases: dict) -> int:
 
 
 def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *, sliding_cache: str = "linear",
-                  host_bytes: int | None = None, layout: bool = True, backend: str = "neuron",
+                  host_bytes: int | None = None, layout: bool = False, backend: str = "neuron",
                   rows: int | None = None, options: dict | None = None, speculate: int = 0) -> dict:
     """Per command: host_peak_bytes (and its phases), device_bytes_per_core, graphs, and whether
     each fits; `host_bytes` is the host budget (default: the RAM of the instance the TP degree

@@ -279,11 +279,11 @@ def test_rule_the_build_names_its_platform(nxd, tiny0_ckpt, tmp_path, monkeypatc
 def test_layout_priority_choices_and_the_layout_transformer(nxd, tiny0_ckpt, tmp_path):
     import os
 
-    decode = _build(tiny0_ckpt, tmp_path)
+    decode = _build(tiny0_ckpt, tmp_path, layout_priority="decode")
     assert decode.priority_key == "decode_kv16" and decode.nxd_model.layout_transformer["target"] == "inf2"
     assert "NEURON_PLATFORM_TARGET_OVERRIDE" not in os.environ  # set for the build only
     prefill = _build(tiny0_ckpt, tmp_path, layout_priority="prefill")
-    none = _build(tiny0_ckpt, tmp_path, layout_priority=None)
+    none = _build(tiny0_ckpt, tmp_path)  # the default: no layout transform
     assert prefill.priority_key == "prefill_16_kv16" and none.nxd_model.layout_transformer is None
     assert len({decode.cache_key, prefill.cache_key, none.cache_key}) == 3
     x = torch.randn(1, 16, decode.spec.hidden_size).bfloat16()
@@ -301,8 +301,8 @@ def test_a_load_that_fails_in_the_layout_transform_names_layout_priority_none(nx
                   neuron.rank_state_dicts(tiny0_ckpt, 2, torch.bfloat16)[0].values())
     monkeypatch.setenv("NXD_DOUBLE_CORE_BYTES", str(int(1.5 * weights)))
     with pytest.raises(neuron.NeuronBuildError, match="layout_priority=none"):
-        _build(tiny0_ckpt, tmp_path)
-    assert _build(tiny0_ckpt, tmp_path, layout_priority=None).nxd_model.loaded_on_neuron
+        _build(tiny0_ckpt, tmp_path, layout_priority="decode")
+    assert _build(tiny0_ckpt, tmp_path).nxd_model.loaded_on_neuron
 
 
 class PythonRankGather(torch.nn.Module):
