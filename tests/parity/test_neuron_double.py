@@ -72,16 +72,17 @@ test_perf_build_refuses_capture = device.test_perf_build_refuses_capture
 
 
 def test_the_builds_are_what_the_issue_asks_for(perf, parity, nxd):
-    """Pinned flags reach the compiler; the decode graph is the priority model; perf graphs return
-    one row of logits; parity graphs do not return their own input; states are exactly the KV cache."""
+    """Pinned flags reach the compiler; no layout transform by default (no priority model); perf
+    graphs return one row of logits; parity graphs do not return their own input; states are
+    exactly the KV cache."""
     be = perf.backend
     assert be.compiled and be.compiler_args[:1] == ["--enable-saturate-infinity"]
     assert " --target inf2" in " " + " ".join(be.compiler_args)
     model = be.nxd_model
-    assert model.layout_transformer  # priority_model_key was given
-    assert be.priority_key == "decode_kv16"  # decode at the smallest KV bucket (neuron._priority_key)
-    art = model.graphs[be.priority_key]
-    assert art.compiler_flags.split().count("--enable-internal-neff-wrapper") == 1  # compiled as the WLO model
+    assert model.layout_transformer is None and be.priority_key is None  # neuron_layers.DEFAULT_LAYOUT_PRIORITY
+    art = model.graphs["decode_kv16"]
+    assert art.compiler_flags.split().count("--enable-internal-neff-wrapper") == 0  # no WLO model
+    assert "-O2" in art.compiler_flags.split() and "-O1" in model.graphs["prefill_64_kv64"].compiler_flags.split()
     assert "--enable-saturate-infinity" in model.graphs["prefill_64_kv64"].compiler_flags
     assert [shape for shape, _ in model.graphs["prefill_64_kv128"].outputs] == [(1, 1, perf.spec.vocab_size)]
     assert set(be.state_specs) == set(be.kv_names)
@@ -192,7 +193,7 @@ def test_rule_weight_shapes_are_checked_on_the_checkpoint_layout(nxd, tiny0_ckpt
 
     monkeypatch.setattr(neuron.NeuronBackend, "_graph_io", metaneff_shapes)
     with pytest.raises(HarnessInputError, match="wrong shape"):
-        _build(tiny0_ckpt, tmp_path)
+        _build(tiny0_ckpt, tmp_path, layout_priority="decode")
 
 
 @pytest.mark.parametrize("flags,why", [
