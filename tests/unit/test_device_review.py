@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from harness.backends import neuron_cache
 
 ROOT = Path(neuron_cache.__file__).resolve().parents[2]
@@ -172,3 +174,46 @@ def test_every_backends_forward_refuses_seq_ids_outside_its_slots(tiny0_ckpt):
                         seq_ids=torch.tensor([0, 1, 0]))
     logits, _ = backend.forward(embeds, positions, seq_ids=torch.tensor([1, 0]))
     assert logits.shape[0] == 2
+
+
+def test_graphs_by_stage_are_the_graphs_the_neuron_backend_traces():
+    """info --plan's graphs per build for the 12B at TP 2 are the ModelBuilder tags the neuron backend
+    traces for the same options (neuron.kv_tags: every (length, KV bucket) at each batch bucket,
+    verify graphs; neuron_drafter.draft_tags), for every command and option set."""
+    from harness import FIXTURES_DIR
+    from harness.backends.neuron import kv_tags
+    from harness.backends.neuron_drafter import draft_tags
+    from harness.inputs.spec import load_spec
+    from harness.perf.compile_budget import BATCH_STAGE_SLOTS
+    from harness.perf.host_plan import resource_plan
+    from harness.port.graphs import kv_buckets
+
+    spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
+    buckets, kv = (64, 256), 4096
+    one, slots4 = len(kv_tags(buckets, kv)), len(kv_tags(buckets, kv, slots=BATCH_STAGE_SLOTS))
+    plan = resource_plan(spec, 2, "bfloat16", kv, buckets)["commands"]
+    assert plan["check"]["graphs_by_stage"] == {"parity build": one, "batch stage": slots4, "served build": one}
+    assert plan["bench"]["graphs_by_stage"] == {"perf build": one} and plan["reference"]["graphs"] == 0
+    batched = resource_plan(spec, 2, "bfloat16", kv, buckets, batch=2, options={"served": False})["commands"]
+    assert batched["check"]["graphs_by_stage"] == {"parity build": len(kv_tags(buckets, kv, slots=2))}
+    spec3 = resource_plan(spec, 2, "bfloat16", kv, buckets, batch=1, speculate=3)["commands"]
+    assert spec3["bisect"]["graphs"] == len(kv_tags(buckets, kv, speculate=3))
+    budget = plan["check"]["compile"]
+    assert budget["minutes"] == plan["check"]["graphs"] * budget["per_graph"] and "published" in budget["source"]
+    assert len(draft_tags(kv_buckets(buckets, kv))) == len(kv_buckets(buckets, kv))
+
+
+@pytest.mark.slow  # two check validations (~4 s); cheap sibling: test_graphs_by_stage_are_the_graphs_the_neuron_backend_traces
+def test_a_device_run_over_its_compile_budget_is_refused_before_compiling(capsys, tmp_path, monkeypatch):
+    """--compile-budget MINUTES: a neuron check planned over it exits 2 before any build, naming
+    each build's graphs; the same run within it goes on (to the SDK check on this host)."""
+    from harness.cli import main
+
+    monkeypatch.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "cache"))
+    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "35 graphs (parity build 7, batch stage 21, served build 7)" in err and "--compile-budget 20" in err
+    assert not (tmp_path / "cache").exists()
+    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", "20", "--batch", "1",
+                 "--skip-served-build"]) == 2
+    assert "compile-budget" not in capsys.readouterr().err  # within budget: refused later, by the SDK check
