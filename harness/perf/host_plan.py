@@ -133,13 +133,13 @@ def counted_peak(phases: dict) -> int:
 def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *, sliding_cache: str = "linear",
                   host_bytes: int | None = None, layout: bool = False, backend: str = "neuron",
                   rows: int | None = None, options: dict | None = None, speculate: int = 0,
-                  batch: int | None = None, assistant=None) -> dict:
+                  batch: int | None = 1, assistant=None) -> dict:
     """Per command: host_peak_bytes (and its phases), the builds it compiles (`graphs_by_stage`,
     compile_budget.graphs_by_stage; `graphs` their sum) and their cold-compile minutes, the device
     bytes per core of its largest build, and whether each fits; `host_bytes` is the host budget
     (default: the RAM of the instance the TP degree needs); `options` (golden, fp32_stage, served)
-    what the command was asked to skip; `batch` None a check without --batch (with its batch stage),
-    else the run's KV slots; `assistant` an AssistantSpec (its draft graphs and drafter)."""
+    what the command was asked to skip; `batch` the run's KV slots, or None for a check with its
+    batch stage (a check without --batch off neuron; on neuron it is asked for with --batch N); `assistant` an AssistantSpec (its draft graphs and drafter)."""
     from harness.perf.compile_budget import BATCH_STAGE_SLOTS, compile_minutes, graphs_by_stage
 
     inst = smallest_instance(tp)

@@ -191,7 +191,7 @@ def test_graphs_by_stage_are_the_graphs_the_neuron_backend_traces():
     spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
     buckets, kv = (64, 256), 4096
     one, slots4 = len(kv_tags(buckets, kv)), len(kv_tags(buckets, kv, slots=BATCH_STAGE_SLOTS))
-    plan = resource_plan(spec, 2, "bfloat16", kv, buckets)["commands"]
+    plan = resource_plan(spec, 2, "bfloat16", kv, buckets, batch=None)["commands"]  # a check with its batch stage
     assert plan["check"]["graphs_by_stage"] == {"parity build": one, "batch stage": slots4, "served build": one}
     assert plan["bench"]["graphs_by_stage"] == {"perf build": one} and plan["reference"]["graphs"] == 0
     batched = resource_plan(spec, 2, "bfloat16", kv, buckets, batch=2, options={"served": False})["commands"]
@@ -206,14 +206,15 @@ def test_graphs_by_stage_are_the_graphs_the_neuron_backend_traces():
 @pytest.mark.slow  # two check validations (~4 s); cheap sibling: test_graphs_by_stage_are_the_graphs_the_neuron_backend_traces
 def test_a_device_run_over_its_compile_budget_is_refused_before_compiling(capsys, tmp_path, monkeypatch):
     """--compile-budget MINUTES: a neuron check planned over it exits 2 before any build, naming
-    each build's graphs; the same run within it goes on (to the SDK check on this host)."""
+    each build's graphs (the default device check: parity and served builds, the batch stage only
+    with --batch N); the same run within it goes on (to the SDK check on this host)."""
     from harness.cli import main
 
     monkeypatch.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "cache"))
-    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", "20"]) == 2
+    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", "10"]) == 2
     err = capsys.readouterr().err
-    assert "35 graphs (parity build 7, batch stage 21, served build 7)" in err and "--compile-budget 20" in err
+    assert "14 graphs (parity build 7, served build 7)" in err and "--compile-budget 10" in err
     assert not (tmp_path / "cache").exists()
-    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", "20", "--batch", "1",
+    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", "10",
                  "--skip-served-build"]) == 2
     assert "compile-budget" not in capsys.readouterr().err  # within budget: refused later, by the SDK check

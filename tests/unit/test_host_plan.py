@@ -22,7 +22,7 @@ GIB = 1 << 30
                                                 ("26b-a4b", 4, "inf2.24xlarge")])
 def test_the_plan_of_each_command(name, tp, instance):
     spec = load_spec(CONFIGS / f"gemma-4-{name}-it.json")
-    plan = resource_plan(spec, tp, "bfloat16", 256, (64, 256))
+    plan = resource_plan(spec, tp, "bfloat16", 256, (64, 256), batch=None)  # a check with its batch stage
     core = core_bytes(spec, tp, "bfloat16", 256, buckets=(64, 256))
     assert plan["instance"] == instance and set(plan["commands"]) == set(COMMANDS)
     batch_stage = core_bytes(spec, tp, "bfloat16", 256, buckets=(64, 256), batch=4)
