@@ -63,10 +63,11 @@ def layout_transform(backend_options: dict) -> bool:
 
 def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
                *, buckets=DEFAULT_BUCKETS, layout: bool = False, speculate: int = 0, assistant=None,
-               batch: int = 1) -> dict:
+               batch: int = 1, perf: bool = False) -> dict:
     """One NeuronCore's device memory for a build (harness/port/device_plan.py). `run`: weights, KV
     cache (`batch` slots), the compiled graphs' I/O and instructions (each (length, KV bucket) one
-    graph, at every batch bucket of a batched build) and the MoE working set of the largest call.
+    graph, at every batch bucket of a batched build; a `perf` build returns one row of logits per
+    sequence, a parity build every row) and the MoE working set of the largest call.
     The weight-layout transform (NxD's set_weights re-lays the weights out on the device before the
     states exist) would hold the weights plus at least the largest weight re-laid out
     (`layout_least`), at most a second copy of every weight (`layout_most`; the transformer is
@@ -81,7 +82,7 @@ def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 
     drafter = assistant.bytes_per_rank(tp, nbytes) if assistant is not None else 0
     shapes = graph_shapes(buckets, kv_len, speculate, drafts=assistant is not None)
     rows = batch_buckets(batch) if batch > 1 else (1,)
-    costs = [graphs_bytes(spec, tp, shapes, nbytes, rows=b) for b in rows]
+    costs = [graphs_bytes(spec, tp, shapes, nbytes, rows=b, last_row_only=perf) for b in rows]
     graphs = {"count": sum(c["count"] for c in costs), "per_graph": max(c["per_graph"] for c in costs),
               "graphs": sum(c["graphs"] for c in costs), "moe_working_set": max(c["moe_working_set"] for c in costs)}
     kv_cache = per_rank["kv_cache"] * batch

@@ -91,10 +91,12 @@ def graph_io_bytes(spec: ModelSpec, tp: int, length: int, nbytes: int, last_row_
     return rows * (length * width * nbytes + length * 4 + out_rows * (spec.vocab_size // tp) * 4)
 
 
-def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int, rows: int = 1) -> dict:
+def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int, rows: int = 1, last_row_only: bool = False) -> dict:
     """Per-graph cost of the compiled graphs [(length, KV bucket), ...] of `rows` sequences each:
-    each graph's I/O plus GRAPH_OVERHEAD_BYTES, and the largest MoE working set over their calls."""
-    io = [graph_io_bytes(spec, tp, length, nbytes, rows=rows) + GRAPH_OVERHEAD_BYTES for length, _ in graphs]
+    each graph's I/O plus GRAPH_OVERHEAD_BYTES (a perf build, `last_row_only`: one row of logits per
+    sequence), and the largest MoE working set over their calls."""
+    io = [graph_io_bytes(spec, tp, length, nbytes, last_row_only=last_row_only, rows=rows) + GRAPH_OVERHEAD_BYTES
+          for length, _ in graphs]
     moe = max((moe_working_set_bytes(spec, tp, rows * length, nbytes) for length, _ in graphs), default=0)
     return {"count": len(io), "per_graph": max(io, default=0), "graphs": sum(io), "moe_working_set": moe}
 

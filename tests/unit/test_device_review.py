@@ -218,3 +218,25 @@ def test_a_device_run_over_its_compile_budget_is_refused_before_compiling(capsys
     assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", "10",
                  "--skip-served-build"]) == 2
     assert "compile-budget" not in capsys.readouterr().err  # within budget: refused later, by the SDK check
+
+
+def test_info_batch_and_the_memory_plan_give_one_answer():
+    """`info --batch 1,2,4,8 --kv-len 4096` refuses by the same device fit the memory plan prints its
+    most sequences by (they said 7 and 4): one max_batch, the perf build's weights, KV slots and
+    every batch bucket's graphs; the fit at that batch fits and one more does not."""
+    import pytest
+
+    from harness import FIXTURES_DIR
+    from harness.base.errors import HarnessInputError
+    from harness.inputs.spec import load_spec
+    from harness.perf.batch import batch_fit, refuse_unfit_batch
+    from harness.perf.memory import instance_memory_plan, render_memory_plan
+
+    spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
+    plan = instance_memory_plan(spec, 2, "bfloat16", 4096)
+    most = plan["max_batch"]
+    assert f"at most {most} sequences" in render_memory_plan(plan, "linear")
+    assert batch_fit(spec, 2, "bfloat16", most, 4096)["fits"] and not batch_fit(spec, 2, "bfloat16", most + 1, 4096)["fits"]
+    with pytest.raises(HarnessInputError, match=rf"--batch 8 at --kv-len 4096: .* at most {most} sequences"):
+        refuse_unfit_batch(batch_fit(spec, 2, "bfloat16", 8, 4096))
+    assert 1 <= most < 7
