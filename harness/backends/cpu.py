@@ -12,9 +12,11 @@ import threading
 
 import torch
 
+from harness.base.errors import HarnessInputError
 from harness.base.settings import RunSettings
 from harness.port.blocks import rank_decoder
 from harness.port.graphs import kv_buckets, kv_read_length
+from harness.port.kv_slots import call_seq_ids
 from harness.port.model import Collectives, RankLinears
 from harness.port.sharding import rank_state_dicts
 
@@ -113,6 +115,11 @@ class CpuBackend:
         (logits, captures), captures empty unless asked for; only row `last` when it is given.
         `seq_ids` [b]: the KV slot of each row (harness.port.kv_slots); None: batch 1. `verify` changes
         nothing here (no compiled graphs: a verify call is a prefill chunk)."""
+        if seq_ids is not None:  # checked here as the compiled backends check theirs (graphs.batch_graph_inputs)
+            rows, slots = positions.shape[0], self.ranks[0].slots
+            if rows > slots:
+                raise HarnessInputError(f"{rows} rows in one call: the cache has {slots} slots (--batch {slots})")
+            seq_ids = call_seq_ids(seq_ids, rows, slots)
         read = kv_read_length(positions, self.kv_lengths)
         for module in self.ranks:
             module.set_kv_read(read)

@@ -46,7 +46,8 @@ import torch
 from harness.backends.neuron_cache import (  # noqa: F401  (re-exported: the backend's cache and flags)
     CACHE_FORMAT, DEFAULT_COMPILER_ARGS, ENTRY_FILES, META_FILE, MODEL_FILE, MODEL_SOURCE_FILES,
     artifact_cache_key, cache_entry_complete, compile_environment, compiler_flag_string, decode_flags,
-    default_cache_dir, default_compile_workers, model_source_hash, normalize_compiler_args, read_cache_meta, write_cache_entry)
+    default_cache_dir, default_compile_workers, model_source_hash, normalize_compiler_args, per_graph_flags, read_cache_meta,
+    write_cache_entry)
 from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host's Neuron environment)
     INF2_CORES_PER_DEVICE, INF2_LNC, assign_visible_cores, build_platform, import_neuronx_distributed,
     neuron_core_count, neuron_runtime_version, visible_cores_for_worker)
@@ -70,8 +71,8 @@ NeuronBuildError = GraphBuildError
 
 
 from harness.backends.neuron_layers import (  # noqa: E402,F401  (re-exported: the NxD layers)
-    NeuronLinears, NxDCollectives, _checkpoint_key, _dtype_key, _layout_priority, _module_weight_shapes, _nxd_layers,
-    _priority_key, _weight_shapes_from_json, _weight_shapes_to_json, assemble_rank_weights, graph_io)
+    DEFAULT_LAYOUT_PRIORITY, NeuronLinears, NxDCollectives, _checkpoint_key, _dtype_key, _layout_priority,
+    _module_weight_shapes, _nxd_layers, _priority_key, _weight_shapes_from_json, _weight_shapes_to_json, assemble_rank_weights, graph_io)
 
 
 # ==== the backend ==================================================================================
@@ -81,13 +82,13 @@ class NeuronBackend:
     CpuBackend). Builds (or loads from the artifact cache) the prefill graphs of `buckets` and the
     decode graph; `capture=True` makes a parity build whose forward can also return captures.
 
-    Build options (each part of the cache key): `compiler_args` (a string of shell words or a
-    list); `decode_compiler_args`, the decode graphs' own flags (token generation; NxD-Inference
-    compiles it apart from context encoding; default: `compiler_args`, naming the same --target); `layout_priority`, the graph whose weight layout the compiler optimises ("decode", the
-    default: it reads every weight once per token and is bandwidth-bound; "prefill" for the largest
-    bucket; None for no layout optimisation); `reduce_dtype`, the row-parallel all-reduce dtype.
-    `compile_workers`: graphs compiled at once (default: 1 for a model over
-    neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES of weights per rank, else NxD's pool)."""
+    Build options (each part of the cache key): `compiler_args` (shell words or a list), the
+    context-encoding (prefill) graphs' flags; `decode_compiler_args`, every other graph's (decode,
+    verify, draft; default `compiler_args` at -O2, neuron_cache.decode_flags; same --target);
+    `layout_priority`, the graph whose weight layout NxD optimises ("decode", "prefill", or None:
+    none, the default until a device run measures the transform's peak, neuron_layers);
+    `reduce_dtype`, the row-parallel all-reduce dtype; `compile_workers`, graphs compiled at once
+    (default: 1 over neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES of weights per rank, else NxD's)."""
 
     name = "neuron"
 
@@ -98,7 +99,7 @@ class NeuronBackend:
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False, *, compiler_args=None,
                  cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True,
-                 layout_priority: str | None = "decode", reduce_dtype: torch.dtype = torch.float32,
+                 layout_priority: str | None = DEFAULT_LAYOUT_PRIORITY, reduce_dtype: torch.dtype = torch.float32,
                  decode_compiler_args=None):
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.sliding_cache = settings.sliding_cache
@@ -117,8 +118,8 @@ class NeuronBackend:
         self.draft_graphs = draft_tags(self.kv_lengths) if self.assistant is not None else {}
         self.last_tag: str | None = None  # the tag the last forward ran
         self.capture = self.returns_captures = bool(capture)
-        # a perf build returns only what greedy decode needs; a batched one every row's logits
-        self.last_row_only = not self.capture and self.slots == 1
+        # a perf build returns only what greedy decode needs: the last real row (of each sequence)
+        self.last_row_only = not self.capture
         self.compiler_args = normalize_compiler_args(compiler_args)
         self.decode_compiler_args = decode_flags(self.compiler_args, decode_compiler_args)
         self.priority_key = _priority_key(layout_priority, self.kv_graphs)
@@ -220,8 +221,7 @@ class NeuronBackend:
         use that layout."""
         nxd = import_neuronx_distributed()
         flags = compiler_flag_string(self.compiler_args)
-        per_graph = {tag: compiler_flag_string(self.decode_compiler_args if length == 1 else self.compiler_args)
-                     for tag, (length, _) in {**self.kv_graphs, **self.draft_graphs}.items()}  # decode vs context encoding
+        per_graph = per_graph_flags({**self.kv_graphs, **self.draft_graphs}, self.compiler_args, self.decode_compiler_args)
         try:
             # lnc_size=1: inf2's NeuronCore-v2 has one physical core per logical core. NxD still asks
             # the platform in initialize_model_parallel and for the layout transformer's compile:
@@ -263,7 +263,7 @@ class NeuronBackend:
         width = input_width(self.spec)
         if self.slots == 1:
             return example_inputs(length, width, self.dtype, last_row=self.last_row_only and not is_verify_tag(tag))
-        return batch_example_inputs(length, width, self.dtype, int(tag.rsplit("_bs", 1)[1]))
+        return batch_example_inputs(length, width, self.dtype, int(tag.rsplit("_bs", 1)[1]), last_row=self.last_row_only)
 
     def _graph_io(self):
         """Weights and states the graphs read (neuron_layers.graph_io), checked against the module's."""
@@ -311,7 +311,7 @@ class NeuronBackend:
                 raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                         "backend with capture=True for a parity build to capture activations")
             args = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
-                                      dtype=self.dtype)
+                                      dtype=self.dtype, slots=self.slots, last_row_only=self.last_row_only)
             tag = tag_for_length(positions.shape[1], self.graphs)
         else:
             tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,

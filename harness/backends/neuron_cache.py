@@ -10,9 +10,11 @@ an entry: they are loaded per run.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
+import re
 import shlex
 from pathlib import Path
 from typing import Callable
@@ -22,7 +24,7 @@ import torch
 from harness.base.atomic import atomic_directory
 from harness.base.errors import HarnessInputError
 from harness.base.settings import DEFAULT_KV_LEN
-from harness.port.graphs import GraphBuildError
+from harness.port.graphs import PREFILL_TAG, GraphBuildError
 
 # ---- compiler flags -----------------------------------------------------------------------------
 
@@ -63,11 +65,19 @@ def compiler_flag_string(words: list[str]) -> str:
     return shlex.join(words)
 
 
+def token_generation_flags(compiler_args: list[str]) -> list[str]:
+    """`compiler_args` at -O2 (their -O level replaced, or added): the default flags of every graph
+    but context encoding, as NxD Inference compiles token generation (model_wrapper.py)."""
+    words = [w for w in compiler_args if not re.fullmatch(r"-O\d", w)]
+    return [*words, "-O2"]
+
+
 def decode_flags(compiler_args: list[str], decode_compiler_args) -> list[str]:
-    """The decode graphs' flag words: `compiler_args` when not given; refused unless they name the
-    same --target (the build's platform comes from the flags: neuron_env.build_platform)."""
+    """The flag words of every graph but context encoding (decode, verify, draft):
+    token_generation_flags(`compiler_args`) when not given; refused unless they name the same
+    --target (the build's platform comes from the flags: neuron_env.build_platform)."""
     if decode_compiler_args is None:
-        return list(compiler_args)
+        return token_generation_flags(compiler_args)
     words = normalize_compiler_args(decode_compiler_args)
 
     def target(w):
@@ -77,6 +87,18 @@ def decode_flags(compiler_args: list[str], decode_compiler_args) -> list[str]:
                                 f"other graphs' flags {target(compiler_args)!r}: give `--target "
                                 f"{target(compiler_args)}` in both")
     return words
+
+
+def is_context_encoding(tag: str) -> bool:
+    """A prefill bucket's graph (graphs.PREFILL_TAG, with any KV-bucket or batch suffix)."""
+    return tag.startswith(PREFILL_TAG.split("{")[0])
+
+
+def per_graph_flags(tags, compiler_args: list[str], decode_args: list[str]) -> dict[str, str]:
+    """ModelBuilder tag -> its flag string: `compiler_args` for context encoding (the prefill
+    buckets), `decode_args` for every other graph (decode, speculative verify, draft), as NxD
+    Inference compiles all but context encoding at -O2."""
+    return {tag: compiler_flag_string(compiler_args if is_context_encoding(tag) else decode_args) for tag in tags}
 
 
 # A model whose per-rank weights exceed this compiles one graph at a time by default: ModelBuilder
@@ -98,27 +120,50 @@ MODEL_FILE = "nxd_model.pt"
 META_FILE = "artifact.json"
 ENTRY_FILES = (MODEL_FILE, META_FILE)
 _HARNESS_DIR = Path(__file__).resolve().parent.parent
-# The source the compiled graph is made from. spec.py derives the per-layer facts the graph bakes in
-# (head dims, windows, rope constants; inputs/family.py the family's); sharding.py decides every
-# per-rank shape; model.py, port/blocks.py and graphs.py define the traced module and its inputs;
-# neuron.py and neuron_layers.py build it with NxD's layers and collectives.
-MODEL_SOURCE_FILES = (
-    _HARNESS_DIR / "inputs" / "spec.py",
-    _HARNESS_DIR / "port" / "model.py",
-    _HARNESS_DIR / "port" / "sharding.py",
-    _HARNESS_DIR / "inputs" / "family.py",
-    _HARNESS_DIR / "port" / "blocks.py",
-    _HARNESS_DIR / "port" / "graphs.py",
-    _HARNESS_DIR / "backends" / "neuron.py",
-    _HARNESS_DIR / "backends" / "neuron_layers.py",
-)
+def _harness_imports(path: Path) -> set[Path]:
+    """The harness modules `path` imports (any import statement in it, module level or not)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "harness":
+            names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.split(".")[0] == "harness"}
+    found = set()
+    for name in names:
+        base = _HARNESS_DIR.parent.joinpath(*name.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                found.add(candidate)
+    return found
+
+
+def source_closure(roots, leaves=(), without=()) -> tuple[Path, ...]:
+    """Every harness module `roots` import, transitively, plus `leaves` (files whose own imports are
+    host-side), less `without`; never harness/base/ (errors, settings, numerics: no graph code, and
+    what they decide that shapes a graph, the KV length, dtype, buckets, flags, is a field of the
+    key itself). Sorted, so the hash does not depend on the walk's order."""
+    base_dir, seen, stack = _HARNESS_DIR / "base", set(), list(roots)
+    while stack:
+        path = stack.pop()
+        if path in seen or base_dir in path.parents:
+            continue
+        seen.add(path)
+        stack.extend(_harness_imports(path))
+    return tuple(sorted((seen | set(leaves)) - set(without)))
+
+
+# The source the compiled graph is made from: the import closure of the traced module's definition
+# (port/graphs.py: the decoder, its KV slots, the device plan, the spec and sharding it bakes in)
+# and of NxD's layers (neuron_layers.py), plus neuron.py, which builds it. Derived, not listed: an
+# edit to any module the graph code imports changes the key (a hand list left kv_slots.py and
+# device_plan.py out, and old NEFFs were reused after an edit to either).
+MODEL_SOURCE_FILES = source_closure([_HARNESS_DIR / "port" / "graphs.py", _HARNESS_DIR / "backends" / "neuron_layers.py"],
+                                    leaves=[_HARNESS_DIR / "backends" / "neuron.py"])
 # The source of a fused build's draft graphs (RunSettings.assistant, neuron_drafter.py): hashed into the
 # drafter's part of the key only, so a target-only entry's key does not move with the drafter's code.
-DRAFTER_SOURCE_FILES = (
-    _HARNESS_DIR / "port" / "drafter.py",
-    _HARNESS_DIR / "port" / "draft_graphs.py",
-    _HARNESS_DIR / "backends" / "neuron_drafter.py",
-)
+DRAFTER_SOURCE_FILES = source_closure([_HARNESS_DIR / "port" / "draft_graphs.py"],
+                                      leaves=[_HARNESS_DIR / "backends" / "neuron_drafter.py"],
+                                      without=MODEL_SOURCE_FILES)
 # Every file the artifact key depends on: the graph's source (MODEL_SOURCE_FILES, hashed into the key),
 # this module (CACHE_FORMAT, the default flags, the key's layout) and the pinned toolchain (the
 # compiler version in the key). The CI workflow's cache key is `python -m harness.backends.neuron_cache`

@@ -196,6 +196,12 @@ def _weight_shapes_from_json(data: dict) -> dict:
 
 # ==== the weight-layout priority option ============================================================
 
+# Off until a device run has measured the transform's peak: NxD's layout transform may hold both
+# layouts on the core while it runs, 12.3-22.4 GiB per core for the 12B at TP 2 by the fit's own
+# bounds (instances.core_bytes' layout_least/layout_most) against 16 GiB. `layout_priority=decode`
+# turns it on; `info` prints the bounds either way.
+DEFAULT_LAYOUT_PRIORITY: str | None = None
+
 def _priority_key(layout_priority: str | None, kv_graphs: dict[str, tuple[int, int]]) -> str | None:
     """The tag ModelBuilder optimises the weight layout for: 'decode' (the decode graph at the
     smallest KV bucket), 'prefill' (the largest bucket's graph at the smallest KV bucket holding it)

@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from harness.base.errors import HarnessInputError
-from harness.port.graphs import (GraphBuildError, TracedBatchDecoder, batch_graph_inputs, constant_buffers, example_inputs,
-                                 graph_inputs, graph_plan, graph_result,
-                                 input_width, is_verify_tag, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
+from harness.port.graphs import (GraphBuildError, TracedBatchDecoder, batch_example_inputs, batch_graph_inputs,
+                                 constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result, input_width,
+                                 is_verify_tag, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
 from harness.base.settings import RunSettings
 from harness.port.model import Collectives, RankLinears
 from harness.port.sharding import plan_model, rank_state_dicts
@@ -106,10 +106,10 @@ def build_graph_module(spec, tp: int, max_len: int, dtype: torch.dtype, capture:
     """The traced module of harness/port/graphs.py with XLA collectives, in eval mode without grads: a
     parity build (captures) or, as the Neuron backend builds it, a perf build returning only the
     last real row's logits; with `slots` > 1 a batched build taking seq_ids (a batched perf build
-    returns every row's logits, as the Neuron backend's does)."""
+    returns each row's last real row, as the Neuron backend's does)."""
     module_cls = module_cls or traced_class(spec, batched=slots > 1)  # the 12B's decoder or the family's
     module = module_cls(spec, tp, max_len, dtype, RankLinears(XlaCollectives(tp)), with_captures=capture,
-                        last_row_only=not capture and slots == 1, sliding_cache=sliding_cache, slots=slots)
+                        last_row_only=not capture, sliding_cache=sliding_cache, slots=slots)
     module.eval()
     module.requires_grad_(False)
     return module
@@ -176,11 +176,12 @@ def _transfers(metrics) -> int:
 
 
 def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict[str, str], tag: str,
-                length: int, rank: int = 0, device=None) -> LoweredGraph:
+                length: int, rank: int = 0, device=None, batch: int = 1) -> LoweredGraph:
     """Trace one rank's graph on an XLA device (no execution) and return its HLO and signature.
 
-    `tensors` are the rank's weights, constants and KV state, `roles` their role. `device`: the
-    CPU lane's by default; on an inf2 host the Neuron XLA device (what torch-neuronx traces on)."""
+    `tensors` are the rank's weights, constants and KV state, `roles` their role; `batch` the rows
+    of a batched build's graph (TracedBatchDecoder; its batch bucket). `device`: the CPU lane's by
+    default; on an inf2 host the Neuron XLA device (what torch-neuronx traces on)."""
     import torch_xla
     import torch_xla.debug.metrics as metrics
 
@@ -188,13 +189,14 @@ def lower_graph(module: nn.Module, tensors: dict[str, torch.Tensor], roles: dict
     xlac = torch_xla._XLAC
     kv_names = [n for n, r in roles.items() if r == "state"]
     local = {n: t.to(device) for n, t in tensors.items()}
-    examples = example_inputs(length, input_width(module.spec), module.dtype,
-                              last_row=getattr(module, "last_row_only", False) and not is_verify_tag(tag))
+    last_row = getattr(module, "last_row_only", False) and not is_verify_tag(tag)
     if isinstance(module, TracedBatchDecoder):  # seq_ids: the KV slot of each row
-        examples = (*examples, torch.zeros(1, dtype=examples[1].dtype))
+        examples = batch_example_inputs(length, input_width(module.spec), module.dtype, batch, last_row=last_row)
+        input_names = ("inputs_embeds", "positions", "seq_ids", "last_index")
+    else:
+        examples = example_inputs(length, input_width(module.spec), module.dtype, last_row=last_row)
+        input_names = ("inputs_embeds", "positions", "last_index")
     inputs = [t.to(device) for t in examples]
-    input_names = ("inputs_embeds", "positions", "seq_ids" if isinstance(module, TracedBatchDecoder)
-                   else "last_index")[:len(inputs)]
     named = {**{n: (roles[n], t) for n, t in local.items()},
              **{n: ("input", t) for n, t in zip(input_names, inputs)}}
     # each tensor's device buffer, taken before tracing (tensor ids change under in-place ops)
@@ -255,8 +257,8 @@ class XlaBackend:
         self.kv_lengths = kv_buckets(buckets, max_len)
         self.capture = self.returns_captures = bool(capture)
         self.slots = settings.batch
-        # a perf build returns only what greedy decode needs; a batched one every row's logits
-        self.last_row_only = not self.capture and self.slots == 1
+        # a perf build returns only what greedy decode needs: the last real row (of each sequence)
+        self.last_row_only = not self.capture
         self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture,
                                          sliding_cache=sliding_cache, slots=self.slots)
         self.kv_names = kv_buffer_names(self.module)
@@ -325,7 +327,7 @@ class XlaBackend:
                 raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                         "backend with capture=True for a parity build to capture activations")
             graph_in = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
-                                          dtype=self.dtype)
+                                          dtype=self.dtype, slots=self.slots, last_row_only=self.last_row_only)
         else:
             _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
                                        parity_build=self.capture, last_row_only=self.last_row_only, last=last,

@@ -92,7 +92,10 @@ def validate(args) -> None:
     if args.new_tokens is None:
         args.new_tokens = DEFAULT_NEW_TOKENS
     v._int_option(args, "new_tokens", 0)
-    args.batch_stage = args.batch is None  # docs/batch.md#the-judge-per-sequence
+    # docs/batch.md#the-judge-per-sequence; on neuron the batch stage (its graphs at 3 batch buckets)
+    # is asked for with --batch N: a device's first run compiles only what it must (compile_budget.py)
+    args.batch_stage = args.batch is None and args.backend != "neuron"
+    args.batch_note = "on neuron the batch stage is asked for with --batch N" if args.batch is None else "--batch 1"
     args.batch = 1 if args.batch is None else args.batch
     v._port_options(args)
     args.settings = run_settings(args)
@@ -125,7 +128,7 @@ def batch_checks(args) -> tuple:
 
     if args.settings.batch > 1:
         return ()
-    skip = None if args.batch_stage else "--batch 1: the prompts ran one at a time only (no --batch adds a batch stage)"
+    skip = None if args.batch_stage else f"{args.batch_note}: the prompts ran one at a time only"
     return (batch_stage(args.settings, progress=True, skip=skip),)
 
 

@@ -136,6 +136,10 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
                        help=f"serve the prompts as a batch of N sequences, each in its own KV slot, with "
                             f"continuous batching; each is judged against its prompt alone (default: batch 1, and check "
                             "then adds a batch stage of its prompts; --batch 1: batch 1 only)")
+    if "backend" in fields:
+        p.add_argument("--compile-budget", type=float, default=None, metavar="MINUTES",
+                       help="refuse, before compiling, a neuron run whose cold compile (every graph of its builds, "
+                            "`info --plan`) is planned over MINUTES (harness/perf/compile_budget.py)")
     if "backend_options" in fields:
         p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE", dest="backend_option",
                        help="an option of the backend, e.g. compile_workers=4 for neuron (repeatable; an option "

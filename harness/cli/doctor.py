@@ -21,7 +21,8 @@ import sys
 from typing import NamedTuple
 
 from harness.cli import validate as v
-from harness.cli.common import EXIT_BAD_INPUT, EXIT_OK, dtype_arg
+from harness.base.settings import RunSettings
+from harness.cli.common import EXIT_BAD_INPUT, EXIT_OK, add_run_args, dtype_arg, run_settings
 
 SUPPORTED_PYTHON = ((3, 11), (3, 13))  # the Neuron SDK 2.31 wheels
 TOOL_TIMEOUT_S = 30
@@ -48,6 +49,10 @@ def add_command(sub) -> None:
     p.add_argument("--kv-len", type=int, default=256, help="KV cache length the run will compile (default 256)")
     p.add_argument("--dtype", type=dtype_arg, default="bfloat16", metavar="DTYPE",
                    help="device dtype, one the commands run: bfloat16 (bf16) or float32 (fp32) (default bfloat16)")
+    # the HBM check counts the run's own build: its buckets, KV slots (batch buckets) and graphs
+    add_run_args(p, RunSettings(backend="neuron"), fields=("buckets", "sliding_cache", "batch", "backend_options"))
+    p.add_argument("--speculate", type=int, default=0, metavar="K", help="draft length of speculative decoding: "
+                   "the HBM check counts the verify graph (K+1 positions) at each KV bucket (default 0: none)")
     p.set_defaults(func=run, validate=validate)
 
 
@@ -68,10 +73,22 @@ def validate(args) -> None:
     args.spec = load_spec(source)
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
+    v._int_option(args, "batch", 1)
+    v._int_option(args, "speculate", 0)
+    settings = run_settings(args)
+    args.build = build_of(settings.but(kv_len=args.kv_len, speculate=args.speculate))
+
+
+def build_of(settings) -> dict:
+    """The device fit's build keywords of a run (instances.core_bytes): what the HBM line counts."""
+    from harness.perf.instances import layout_transform
+
+    return dict(buckets=settings.buckets, sliding_cache=settings.sliding_cache, batch=settings.batch,
+                speculate=settings.speculate, layout=layout_transform(settings.backend_options))
 
 
 def run(args) -> int:
-    checks = diagnose(args.spec, args.tp, args.dtype, args.kv_len)
+    checks = diagnose(args.spec, args.tp, args.dtype, args.kv_len, build=args.build)
     for check in checks:
         status = "ok  " if check.ok and not check.warning else "warn" if check.ok else "FAIL"
         print(f"{status} {check.name}: {check.message}")
@@ -81,9 +98,10 @@ def run(args) -> int:
     return EXIT_BAD_INPUT if failed else EXIT_OK
 
 
-def diagnose(spec, tp: int, dtype: str, kv_len: int, environ=None) -> list[Check]:
+def diagnose(spec, tp: int, dtype: str, kv_len: int, environ=None, build: dict | None = None) -> list[Check]:
     """Every check, in order; later ones that need a tool or package the earlier ones found missing
-    are still run, so one pass lists every problem."""
+    are still run, so one pass lists every problem. `build`: the run's build (build_of) the HBM
+    check counts."""
     environ = os.environ if environ is None else environ
     checks = [python_check(sys.version_info[:2])]
     versions, package_checks = packages_check()
@@ -93,11 +111,11 @@ def diagnose(spec, tp: int, dtype: str, kv_len: int, environ=None) -> list[Check
     checks.append(ls_check)
     checks.append(compiler_check())
     checks.append(cores_check(cores, tp, environ, fit=(spec, dtype, kv_len)))
-    checks += host_checks(spec, tp, dtype, kv_len)
+    checks += host_checks(spec, tp, dtype, kv_len, build)
     return checks
 
 
-def host_checks(spec, tp: int, dtype: str, kv_len: int) -> list[Check]:
+def host_checks(spec, tp: int, dtype: str, kv_len: int, build: dict | None = None) -> list[Check]:
     """Cores other processes hold, disk for the compile work directory, host memory, the device plan
     (harness/cli/doctor_host.py)."""
     from harness.backends import neuron_env as env
@@ -112,7 +130,7 @@ def host_checks(spec, tp: int, dtype: str, kv_len: int) -> list[Check]:
     except UNREADABLE_LISTING:
         listing, cores = None, 0
     weights = tp * bytes_per_rank(spec, tp, dtype, kv_len)["weights"]
-    return [host.plan_check(spec, tp, dtype, kv_len, Check),
+    return [host.plan_check(spec, tp, dtype, kv_len, Check, **(build or {})),
             host.cores_in_use_check(listing, cores, tp, Check),
             host.disk_check(default_cache_dir() / ".work", Check),
             host.memory_check(host.read_meminfo(), weights, Check)]

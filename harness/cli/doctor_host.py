@@ -86,13 +86,15 @@ def memory_check(meminfo: str | None, weights_all_ranks: int, check, workers: in
     return check("host memory", True, line)
 
 
-def plan_check(spec, tp: int, dtype: str, kv_len: int, check):
-    """The device plan of the run (instances.check_fits: weights, KV, graphs, MoE, layout transform)."""
+def plan_check(spec, tp: int, dtype: str, kv_len: int, check, sliding_cache: str = "linear", **build):
+    """The device plan of the run (instances.check_fits: weights, KV of its slots, every graph of
+    its build, MoE, the layout transform when on); `build`: core_bytes' keywords (buckets, batch,
+    speculate, layout) of the run's options."""
     from harness.base.errors import ShardingError
     from harness.perf.instances import check_fits, core_summary
 
     try:
-        where = check_fits(spec, tp, dtype, kv_len)
+        where = check_fits(spec, tp, dtype, kv_len, sliding_cache, **build)
     except ShardingError as exc:
         return check("HBM", False, str(exc))
     return check("HBM", True, f"per core {where['bytes_per_rank'] / GIB:.2f} GiB of 16 GiB: fits ("

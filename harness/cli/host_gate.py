@@ -57,17 +57,27 @@ def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> d
     """The command's resource plan; printed (one line) on a real checkpoint or when a budget was
     given, and refused (exit 2) when its host peak is over the budget."""
     from harness.base.settings import RunSettings
+    from harness.perf.compile_budget import refuse_over_budget
     from harness.perf.host_plan import refuse_unfit_host, resource_plan, summary_line
     from harness.perf.instances import layout_transform
 
     s = getattr(args, "settings", None) or RunSettings()
     host, source = budget(args)
     layout = layout_transform(s.backend_options)
+    batch = getattr(args, "batch", None)  # bench: a list of batch sizes (one build of the largest)
+    batch = max(batch) if isinstance(batch, (list, tuple)) and batch else batch if isinstance(batch, int) else 1
+    batch = None if options.get("batch_stage") else batch  # check without --batch: batch 1 and its batch stage
     plan = resource_plan(spec, s.tp, s.dtype, s.kv_len, s.buckets, sliding_cache=s.sliding_cache, host_bytes=host,
-                         layout=layout, backend=s.backend, rows=rows, options=options, speculate=s.speculate)
+                         layout=layout, backend=s.backend, rows=rows, options=options, speculate=s.speculate,
+                         batch=batch if command == "check" else (batch or 1))
     args.resource_plan = plan
-    if getattr(args, "checkpoint", None) is not None or getattr(args, "host_memory", None) is not None:
+    limit = getattr(args, "compile_budget", None)
+    if getattr(args, "checkpoint", None) is not None or getattr(args, "host_memory", None) is not None or limit:
         print(f"{command} {summary_line(plan, command)}", flush=True)
+    c = plan["commands"][command]
+    over = refuse_over_budget(command, c["graphs_by_stage"], c["compile"], limit) if s.backend == "neuron" else None
+    if over:
+        raise OptionError(over)
     problem = refuse_unfit_host(plan, command, source)
     if problem:
         raise OptionError(problem)

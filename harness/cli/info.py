@@ -195,7 +195,9 @@ def run(args) -> int:
 
         host = None if args.host_memory is None else int(args.host_memory * 2**30)
         payload["resource_plan"] = resource_plan(args.spec, s.tp, s.dtype, s.kv_len, s.buckets, host_bytes=host,
-                                                 sliding_cache=s.sliding_cache, speculate=s.speculate)
+                                                 sliding_cache=s.sliding_cache, speculate=s.speculate,
+                                                 batch=max(args.batch) if args.batch else 1,  # neuron: no batch stage
+                                                 assistant=args.assistant_spec, layout=_build(args)["layout"])
         print(render_resource_plan(payload["resource_plan"]))
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))

@@ -131,31 +131,50 @@ def counted_peak(phases: dict) -> int:
 
 
 def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *, sliding_cache: str = "linear",
-                  host_bytes: int | None = None, layout: bool = True, backend: str = "neuron",
-                  rows: int | None = None, options: dict | None = None, speculate: int = 0) -> dict:
-    """Per command: host_peak_bytes (and its phases), device_bytes_per_core, graphs, and whether
-    each fits; `host_bytes` is the host budget (default: the RAM of the instance the TP degree
-    needs); `options` (golden, fp32_stage, served) what the command was asked to skip."""
+                  host_bytes: int | None = None, layout: bool = False, backend: str = "neuron",
+                  rows: int | None = None, options: dict | None = None, speculate: int = 0,
+                  batch: int | None = 1, assistant=None) -> dict:
+    """Per command: host_peak_bytes (and its phases), the builds it compiles (`graphs_by_stage`,
+    compile_budget.graphs_by_stage; `graphs` their sum) and their cold-compile minutes, the device
+    bytes per core of its largest build, and whether each fits; `host_bytes` is the host budget
+    (default: the RAM of the instance the TP degree needs); `options` (golden, fp32_stage, served)
+    what the command was asked to skip; `batch` the run's KV slots, or None for a check with its
+    batch stage (a check without --batch off neuron; on neuron it is asked for with --batch N); `assistant` an AssistantSpec (its draft graphs and drafter)."""
+    from harness.perf.compile_budget import BATCH_STAGE_SLOTS, compile_minutes, graphs_by_stage
+
     inst = smallest_instance(tp)
     budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "")
-    build = dict(buckets=buckets, layout=layout, speculate=speculate)  # the verify graph with --speculate
-    core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build)
+    build = dict(buckets=buckets, layout=layout, speculate=speculate, assistant=assistant)
+    slots = batch or 1
+    cores = {s: core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build, batch=s)
+             for s in {slots, BATCH_STAGE_SLOTS if batch is None else slots}}
+    core = cores[slots]
     try:
-        check_fits(spec, tp, dtype, kv_len, sliding_cache, **build)
+        for s in cores:
+            check_fits(spec, tp, dtype, kv_len, sliding_cache, **build, batch=s)
         device_problem = None
     except ShardingError as exc:
         device_problem = str(exc)
     parts = host_parts(spec, tp, dtype, backend, rows)
+    weights = bytes_per_rank(spec, tp, dtype, kv_len)["weights"]
     commands = {}
     for name in COMMANDS:
         phases = host_phases(name, parts, **(options or {}))
         peak = host_peak(name, phases)
+        stages = graphs_by_stage(name, buckets, kv_len, batch=batch if name == "check" else slots,
+                                 speculate=speculate, drafts=assistant is not None,
+                                 served=(options or {}).get("served", True))
+        used = {BATCH_STAGE_SLOTS if stage == "batch stage" else slots for stage in stages}
+        device = max((cores[s]["total"] for s in used), default=0)
         commands[name] = {"host_peak_bytes": peak, "host_phases": phases, "host_basis": HOST_FIT[name][2],
-                          "fits_host": budget is None or peak <= budget, "device_bytes_per_core": core["total"],
-                          "graphs": core["graphs"], "fits_device": device_problem is None}
+                          "fits_host": budget is None or peak <= budget, "device_bytes_per_core": device,
+                          "graphs_by_stage": stages, "graphs": sum(stages.values()),
+                          "compile": compile_minutes(sum(stages.values()), weights),
+                          "fits_device": device_problem is None}
     return {"instance": inst.name if inst else None, "host_bytes": budget, "fp32_model_bytes": parts["model"],
             "float64_streamed": parts["float64_streamed"], "backend": backend,
-            "host_parts": parts, "options": dict(options or {}), "tp": tp, "kv_len": kv_len, "buckets": sorted({int(b) for b in buckets}), "core": core,
+            "host_parts": parts, "options": dict(options or {}), "tp": tp, "kv_len": kv_len,
+            "buckets": sorted({int(b) for b in buckets}), "batch": batch, "core": core,
             "core_hbm": 16 * GIB, "device_problem": device_problem, "commands": commands,
             "instances": [i.name for i in INSTANCES]}
 
@@ -169,8 +188,16 @@ def render_resource_plan(plan: dict) -> str:
         host = "fits" if c["fits_host"] else "does NOT fit"
         dev = "fits" if c["fits_device"] else "does NOT fit"
         phase = max(c["host_phases"], key=c["host_phases"].get)
-        lines.append(f"  {name:9s} host peak {gib(c['host_peak_bytes'])} ({host}; largest phase: {phase}); device "
-                     f"{gib(c['device_bytes_per_core'])} per core ({dev}), {c['graphs']} graphs  [{c['host_basis']}]")
+        lines.append(f"  {name:9s} host peak {gib(c['host_peak_bytes'])} ({host}; largest phase: {phase})  "
+                     f"[{c['host_basis']}]")
+        lines.append("            host phases: " + ", ".join(f"{p} {gib(b)}" for p, b in c["host_phases"].items()))
+        if not c["graphs"]:
+            lines.append("            device: nothing compiled (the references run on the host)")
+            continue
+        builds = ", ".join(f"{stage} {n}" for stage, n in c["graphs_by_stage"].items())
+        lines.append(f"            device {gib(c['device_bytes_per_core'])} per core, largest build ({dev}); "
+                     f"{c['graphs']} graphs = {builds}; cold compile ~{c['compile']['minutes']:.0f} min "
+                     f"({c['compile']['per_graph']:g} min per graph: {c['compile']['source']})")
     if plan["device_problem"]:
         lines.append(f"  device: {plan['device_problem']}")
     for name, c in plan["commands"].items():
@@ -225,8 +252,10 @@ def summary_line(plan: dict, command: str) -> str:
     c = plan["commands"][command]
     phase = max(c["host_phases"], key=c["host_phases"].get)
     budget = "no stated budget" if plan["host_bytes"] is None else gib(plan["host_bytes"])
+    builds = ", ".join(f"{stage} {n}" for stage, n in c["graphs_by_stage"].items()) or "none"
     return (f"plan: host peak {gib(c['host_peak_bytes'])} of {budget} (largest phase: {phase}), "
-            f"device {gib(c['device_bytes_per_core'])} per NeuronCore, {c['graphs']} graphs")
+            f"device {gib(c['device_bytes_per_core'])} per NeuronCore, {c['graphs']} graphs ({builds}), "
+            f"cold compile ~{c['compile']['minutes']:.0f} min")
 
 
 __all__ = ["COMMANDS", "HOST_FIT", "HOST_RAM", "counted_peak", "fp32_model_bytes", "host_parts", "host_peak",

@@ -54,37 +54,48 @@ def smallest_instance(tp: int) -> Instance | None:
 
 
 def layout_transform(backend_options: dict) -> bool:
-    """Whether a build's weights go through NxD's weight-layout transform: unless `layout_priority`
-    is none (the neuron backend's default priority graph is decode)."""
-    return backend_options.get("layout_priority", "decode") is not None
+    """Whether a build's weights go through NxD's weight-layout transform: when `layout_priority`
+    names a graph (the neuron backend's default, neuron_layers.DEFAULT_LAYOUT_PRIORITY, is none)."""
+    from harness.backends.neuron_layers import DEFAULT_LAYOUT_PRIORITY
+
+    return backend_options.get("layout_priority", DEFAULT_LAYOUT_PRIORITY) is not None
 
 
 def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
-               *, buckets=DEFAULT_BUCKETS, layout: bool = True, speculate: int = 0, assistant=None) -> dict:
+               *, buckets=DEFAULT_BUCKETS, layout: bool = False, speculate: int = 0, assistant=None,
+               batch: int = 1, perf: bool = False) -> dict:
     """One NeuronCore's device memory for a build (harness/port/device_plan.py). `run`: weights, KV
-    cache, the compiled graphs' I/O and instructions (each (length, KV bucket) one graph) and the
-    MoE working set of the largest call. With the weight-layout transform (`layout`: NxD's
-    set_weights re-lays the weights out on the device before the states exist) the load holds the
-    weights plus at least the largest weight re-laid out (`layout_least`), at most a second copy of
-    every weight (`layout_most`; the transformer is closed source, unverified). `total` is the
-    larger of the run and the least the load needs. A speculative build (`speculate` = k) adds the
+    cache (`batch` slots), the compiled graphs' I/O and instructions (each (length, KV bucket) one
+    graph, at every batch bucket of a batched build; a `perf` build returns one row of logits per
+    sequence, a parity build every row) and the MoE working set of the largest call.
+    The weight-layout transform (NxD's set_weights re-lays the weights out on the device before the
+    states exist) would hold the weights plus at least the largest weight re-laid out
+    (`layout_least`), at most a second copy of every weight (`layout_most`; the transformer is
+    closed source, unverified): both always computed, counted in `total` (the larger of the run and
+    the least the load needs) only with `layout`. A speculative build (`speculate` = k) adds the
     verify graph; with the `assistant` (an AssistantSpec) its drafter's weights (`drafter`) and its
     draft graphs, compiled into the target's model, are on the same core."""
+    from harness.port.graphs import batch_buckets
+
     per_rank = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
     nbytes = dtype_bytes(dtype)
     drafter = assistant.bytes_per_rank(tp, nbytes) if assistant is not None else 0
-    graphs = graphs_bytes(spec, tp, graph_shapes(buckets, kv_len, speculate, drafts=assistant is not None), nbytes)
-    run = per_rank["total"] + drafter + graphs["graphs"] + graphs["moe_working_set"]
+    shapes = graph_shapes(buckets, kv_len, speculate, drafts=assistant is not None)
+    rows = batch_buckets(batch) if batch > 1 else (1,)
+    costs = [graphs_bytes(spec, tp, shapes, nbytes, rows=b, last_row_only=perf) for b in rows]
+    graphs = {"count": sum(c["count"] for c in costs), "per_graph": max(c["per_graph"] for c in costs),
+              "graphs": sum(c["graphs"] for c in costs), "moe_working_set": max(c["moe_working_set"] for c in costs)}
+    kv_cache = per_rank["kv_cache"] * batch
+    run = per_rank["weights"] + kv_cache + drafter + graphs["graphs"] + graphs["moe_working_set"]
     largest = spec.vocab_size // tp * spec.hidden_size * nbytes  # the lm_head shard
     if spec.moe is not None:
         largest = max(largest, spec.moe.num_experts * 2 * (spec.moe.intermediate_size // tp) * spec.hidden_size * nbytes)
     resident = per_rank["weights"] + drafter + graphs["count"] * GRAPH_OVERHEAD_BYTES
-    least, most = (resident + largest, resident + per_rank["weights"] + drafter) if layout else (0, 0)
-    return {"weights": per_rank["weights"], "kv_cache": per_rank["kv_cache"], "drafter": drafter,
-            "graphs": graphs["count"],
-            "graph_bytes": graphs["graphs"], "per_graph_bytes": graphs["per_graph"],
-            "moe_working_set": graphs["moe_working_set"], "run": run, "layout_least": least,
-            "layout_most": most, "total": max(run, least)}
+    least, most = resident + largest, resident + per_rank["weights"] + drafter
+    return {"weights": per_rank["weights"], "kv_cache": kv_cache, "drafter": drafter, "batch": batch,
+            "graphs": graphs["count"], "graph_bytes": graphs["graphs"], "per_graph_bytes": graphs["per_graph"],
+            "moe_working_set": graphs["moe_working_set"], "run": run, "layout": layout, "layout_least": least,
+            "layout_most": most, "total": max(run, least) if layout else run}
 
 
 def placement(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,
@@ -131,15 +142,21 @@ def check_fits(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 
 
 
 def core_summary(core: dict) -> str:
-    """One line of a core's plan: what the run holds, and what the layout transform's load may."""
+    """One line of a core's plan: what the run holds (the graphs' sum, and the largest), and what
+    the layout transform's load would hold, whether or not it is on."""
     drafter = f", drafter {core['drafter'] / GIB:.2f}" if core.get("drafter") else ""
-    text = (f"weights {core['weights'] / GIB:.2f}{drafter}, KV {core['kv_cache'] / GIB:.2f}, {core['graphs']} graphs "
-            f"{core['graph_bytes'] / GIB:.2f} at {core['per_graph_bytes'] / 2**20:.0f} MiB each, MoE working set "
-            f"{core['moe_working_set'] / GIB:.2f}: run {core['run'] / GIB:.2f} GiB")
-    if core["layout_most"]:
-        text += (f"; layout transform load {core['layout_least'] / GIB:.2f}-{core['layout_most'] / GIB:.2f} GiB"
+    slots = f" ({core['batch']} slots)" if core.get("batch", 1) > 1 else ""
+    text = (f"weights {core['weights'] / GIB:.2f}{drafter}, KV {core['kv_cache'] / GIB:.2f}{slots}, {core['graphs']} "
+            f"graphs {core['graph_bytes'] / GIB:.2f} (largest {core['per_graph_bytes'] / 2**20:.0f} MiB), MoE working "
+            f"set {core['moe_working_set'] / GIB:.2f}: run {core['run'] / GIB:.2f} GiB")
+    bounds = f"{core['layout_least'] / GIB:.2f}-{core['layout_most'] / GIB:.2f} GiB"
+    if core.get("layout", True):
+        text += (f"; layout transform load {bounds}"
                  + (" (the upper bound is over a core: if loading fails, --backend-option layout_priority=none)"
                     if core["layout_most"] > CORE_HBM else ""))
+    else:
+        text += (f"; layout transform off (the default until a device run measures it; "
+                 f"--backend-option layout_priority=decode would load {bounds})")
     return text
 
 

@@ -45,7 +45,15 @@ def instance_memory_plan(spec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
     reserve = graph_reserve_bytes(spec, tp, dtype_bytes(dtype), DEFAULT_BUCKETS)  # the graphs' share
     plan = memory_plan(spec, tp, dtype, kv_len, device_bytes=CHIP["hbm_bytes"] * ranks // CHIP["cores"],
                        ranks_per_device=ranks, device=device, reserve_bytes=reserve)
-    return {**plan, "instance": instance}
+    return {**plan, "instance": instance, "max_batch": max_batch(spec, tp, dtype, kv_len)}
+
+
+def max_batch(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear") -> int:
+    """The most KV slots (sequences) that fit at `kv_len` by the one device fit (perf.batch.batch_fit,
+    instances.core_bytes): what `info --batch` admits and refuses by."""
+    from harness.perf.batch import batch_fit
+
+    return batch_fit(spec, tp, dtype, 1, kv_len, sliding_cache=sliding_cache)["max_batch"]
 
 
 def gib(nbytes: int) -> str:
@@ -73,6 +81,9 @@ def render_memory_plan(plan: dict, sliding_cache: str) -> str:
             f"{gib(plan['graphs_reserve_bytes'])} - {gib(c['ring_bytes'])}) / {c['kv_bytes_per_token']} B = {c['longest_by_memory']} tokens"
             f"{_capped(plan, c)}; "
             f"--kv-len {plan['kv_len']} uses {gib(c['total_bytes'])}{'' if c['fits'] else ' (does NOT fit)'}")
+    if "max_batch" in plan:
+        lines.append(f"  batch at --kv-len {plan['kv_len']}: at most {plan['max_batch']} sequences (the device fit: "
+                     "weights, a KV slot each, every batch bucket's graphs; info --batch refuses by the same)")
     return "\n".join(lines)
 
 

@@ -55,9 +55,6 @@ class BatchEngine:
     def __init__(self, engine: Engine):
         if not engine.backend.serves_batch:
             raise HarnessInputError(f"the {engine.backend.name} backend does not serve batches (no seq_ids)")
-        if engine.backend.last_row_only:
-            raise HarnessInputError(f"the {engine.backend.name} backend is a last-row-only perf build; batched "
-                                    "serving here needs every row's logits (build it with capture=True)")
         self.engine, self.backend = engine, engine.backend
         self.slots = engine.settings.batch
         self.batch_sizes = batch_buckets(self.slots)
@@ -70,7 +67,8 @@ class BatchEngine:
 
     def forward(self, chunks: list[torch.Tensor], positions: list[torch.Tensor], seq_ids, capture: bool):
         """One device call: row r is chunk ids [s] at positions [s] (-1 padded) in slot seq_ids[r];
-        the rows are padded to the batch bucket. -> (logits [rows, s, vocab], captures [rows, s, ...])."""
+        the rows are padded to the batch bucket. -> (logits [rows, s, vocab], captures [rows, s, ...]);
+        a last-row-only perf build returns each row's last real position only: logits [rows, 1, vocab]."""
         rows, length = len(chunks), positions[0].numel()
         seq = check_seq_ids(seq_ids, rows, self.slots).tolist()
         size = self.batch_bucket(rows)
@@ -85,7 +83,8 @@ class BatchEngine:
     def prefill(self, prompts: list, seq_ids, capture: bool = False) -> list[PrefillResult]:
         """Prefill each prompt into its slot (seq_ids), ragged prompts in the same calls: per call
         each row with tokens left takes its next chunk, the others are padding. The other slots
-        keep their state."""
+        keep their state. On a last-row-only perf build each result holds the prompt's last
+        position's logits only (as Engine.prefill's)."""
         ids = [self.engine.validate_ids(p) for p in prompts]
         self.engine._check_capture(capture)
         for p in ids:
@@ -106,7 +105,8 @@ class BatchEngine:
                     for name, value in out_caps.items():
                         caps[r].setdefault(name, []).append(value[r, :t])
             starts = [s + t for s, t in zip(starts, takes)]
-        return [PrefillResult(logits=torch.cat(lg), captures={k: torch.cat(v) for k, v in c.items()}, bucket=bucket)
+        last_only = self.backend.last_row_only
+        return [PrefillResult(logits=lg[-1][-1:] if last_only else torch.cat(lg), captures={k: torch.cat(v) for k, v in c.items()}, bucket=bucket)
                 for lg, c in zip(logits, caps)]
 
     def decode(self, tokens: list[int], positions: list[int], seq_ids, capture: bool = False) -> list[Step]:

@@ -11,10 +11,11 @@ to run, and the fit (harness/perf/instances.py) counts what that way holds on th
   the routing weights (zero for an expert not chosen) select the outputs. Gathering for a prefill
   bucket would copy `t * k` experts' weights per layer ([t, k, ...]): 5.67 GiB per layer for the
   26B-A4B at TP 4 and a 256 bucket, beside 11.79 GiB of weights.
-- **Layout transform**: with a priority graph (`layout_priority`, decode by default) NxD compiles a
-  layout transformer that re-lays out the weights on the device; both layouts may be resident at
-  once (unverified: the transformer is closed source), so the fit counts the weights twice and a
-  run that fits only without it names `layout_priority=none`.
+- **Layout transform**: with a priority graph (`layout_priority`; off by default until a device run
+  measures it) NxD compiles a layout transformer that re-lays out the weights on the device; both
+  layouts may be resident at once (unverified: the transformer is closed source), so the fit
+  counts the weights twice when it is on and a run that fits only without it names
+  `layout_priority=none`.
 - **Per graph**: every (length, KV bucket) is its own NEFF with its own instructions and I/O
   buffers (inputs, logits, captures); `GRAPH_OVERHEAD_BYTES` is an estimate per graph of the
   instructions and scratch beyond the I/O counted exactly.
@@ -80,19 +81,23 @@ def moe_working_set_bytes(spec: ModelSpec, tp: int, tokens: int, nbytes: int) ->
     return tokens * block * ((3 * m + h) * nbytes + 4 * h)
 
 
-def graph_io_bytes(spec: ModelSpec, tp: int, length: int, nbytes: int, last_row_only: bool = False) -> int:
-    """One graph's I/O buffers on a rank: its input [1, s, width] and positions, and the logits
-    (this rank's vocabulary share; the last row only on a perf build)."""
+def graph_io_bytes(spec: ModelSpec, tp: int, length: int, nbytes: int, last_row_only: bool = False,
+                   rows: int = 1) -> int:
+    """One graph's I/O buffers on a rank for `rows` sequences: its input [rows, s, width] and
+    positions, and the logits (this rank's vocabulary share; the last row of each only on a perf
+    build)."""
     width = spec.hidden_size + spec.num_layers * spec.per_layer_input_size
-    rows = 1 if last_row_only else length
-    return length * width * nbytes + length * 4 + rows * (spec.vocab_size // tp) * 4
+    out_rows = 1 if last_row_only else length
+    return rows * (length * width * nbytes + length * 4 + out_rows * (spec.vocab_size // tp) * 4)
 
 
-def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int) -> dict:
-    """Per-graph cost of the compiled graphs [(length, KV bucket), ...]: each graph's I/O plus
-    GRAPH_OVERHEAD_BYTES, and the largest MoE working set over their lengths."""
-    io = [graph_io_bytes(spec, tp, length, nbytes) + GRAPH_OVERHEAD_BYTES for length, _ in graphs]
-    moe = max((moe_working_set_bytes(spec, tp, length, nbytes) for length, _ in graphs), default=0)
+def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int, rows: int = 1, last_row_only: bool = False) -> dict:
+    """Per-graph cost of the compiled graphs [(length, KV bucket), ...] of `rows` sequences each:
+    each graph's I/O plus GRAPH_OVERHEAD_BYTES (a perf build, `last_row_only`: one row of logits per
+    sequence), and the largest MoE working set over their calls."""
+    io = [graph_io_bytes(spec, tp, length, nbytes, last_row_only=last_row_only, rows=rows) + GRAPH_OVERHEAD_BYTES
+          for length, _ in graphs]
+    moe = max((moe_working_set_bytes(spec, tp, rows * length, nbytes) for length, _ in graphs), default=0)
     return {"count": len(io), "per_graph": max(io, default=0), "graphs": sum(io), "moe_working_set": moe}
 
 

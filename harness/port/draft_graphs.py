@@ -70,8 +70,8 @@ class DraftingDecoder:
         """One draft step at `position` [1, 1] (keys [0, position)): (logits [1, 1, vocab], the
         post-projected state [1, 1, H]) and, on a parity build, the drafter's captures."""
         position = position.to(torch.long)
-        self.carry_kv(position.reshape(1))
-        kv = [self.target_kv(layer.kv_source) for layer in self.drafter.aspec.layers]
+        kv = [self.target_kv(layer.kv_source) for layer in self.drafter.aspec.layers]  # read, then carry:
+        self.carry_kv(position.reshape(1))  # the reads take the input cache, not the carried copy
         logits, state, caps = self.drafter(embeds, hidden, position, kv, capture=self.with_captures)
         if not self.with_captures:
             return logits, state

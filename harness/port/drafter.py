@@ -83,14 +83,14 @@ class MaskedHead(nn.Module):
         super().__init__()
         self.top_k, self.vocab = aspec.top_k_centroids, aspec.vocab_size
         self.centroids = nn.Linear(aspec.hidden_size, aspec.num_centroids, bias=False)
-        self.register_buffer("token_ordering", torch.arange(aspec.vocab_size))
+        self.register_buffer("token_ordering", torch.arange(aspec.vocab_size, dtype=torch.int32))  # int32 at the boundary
         self.per_centroid = aspec.per_centroid
 
     def forward(self, x, head_weight):
         """x [1, 1, h] -> (logits [1, 1, vocab], chosen clusters [1, 1, top_k])."""
         clusters = torch.topk(self.centroids(x), self.top_k, dim=-1).indices
         members = self.token_ordering.view(-1, self.per_centroid).index_select(0, clusters.reshape(-1))
-        ids = members.reshape(-1)  # [top_k * per_centroid], static
+        ids = members.reshape(-1).to(torch.long)  # [top_k * per_centroid], static; widened in the graph
         scores = torch.matmul(x, head_weight.index_select(0, ids).T)  # [1, 1, candidates]
         floor = scores.min() - 1.0
         row = torch.full((1, 1, self.vocab), 0.0, dtype=scores.dtype, device=x.device) + floor
@@ -113,7 +113,7 @@ class RankDrafter(nn.Module):
         self.masked_embedding = MaskedHead(aspec) if aspec.ordered else None
         self.to(dtype)
         if self.masked_embedding is not None:
-            self.masked_embedding.token_ordering = self.masked_embedding.token_ordering.long()
+            self.masked_embedding.token_ordering = self.masked_embedding.token_ordering.to(torch.int32)
 
     def forward(self, embeds, hidden, position, kv, capture: bool = False):
         caps: dict[str, torch.Tensor] = {}
@@ -154,5 +154,5 @@ def rank_drafter_state(weights: dict[str, torch.Tensor], aspec, tp: int, rank: i
         out[name] = weights[name]
     if aspec.ordered:
         out["masked_embedding.centroids.weight"] = weights["masked_embedding.centroids.weight"]
-        out["masked_embedding.token_ordering"] = weights["masked_embedding.token_ordering"].long()
+        out["masked_embedding.token_ordering"] = weights["masked_embedding.token_ordering"].to(torch.int32)
     return {k: (v if k.endswith("token_ordering") else v.to(dtype)) for k, v in out.items()}

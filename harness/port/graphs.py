@@ -17,6 +17,7 @@ from torch import nn
 from harness.base.errors import HarnessInputError
 from harness.port.blocks import FamilyRankDecoder
 from harness.port.device_plan import kv_buckets  # noqa: F401  (re-exported: the KV buckets, capped)
+from harness.port.kv_slots import call_seq_ids
 from harness.port.model import KVCache, RankDecoder, RankLinears
 
 # Positions enter the graph as int32, as NxD's own examples feed indices (int64 is emulated on
@@ -39,6 +40,18 @@ class GraphBuildError(RuntimeError):
 # Capture points the host takes itself: the graph's own input is never returned as a graph output
 # (no NxD example returns an input under input/output aliasing); backends add it back on the host.
 HOST_CAPTURES = ("embeddings",)
+
+
+def release_traced(module: nn.Module) -> None:
+    """Forget the tensors a call hands between layers through the modules (each cache's last read,
+    which a KV-shared layer reads, and the call's seq_ids; the family's per-layer inputs): a traced
+    module keeps none past its forward, so no tensor of one trace outlives it (or leaks into the
+    next bucket's trace)."""
+    for sub in module.modules():
+        if isinstance(sub, KVCache):
+            sub.last_read = sub.seq_ids = None
+        if getattr(sub, "_per_layer_inputs", None) is not None:
+            sub._per_layer_inputs = None
 
 
 class TracedDecoder(RankDecoder):
@@ -70,6 +83,12 @@ class TracedDecoder(RankDecoder):
         self.capture_names: list[str] = []
 
     def forward(self, inputs_embeds, positions, last_index=None):
+        try:
+            return self.traced_forward(inputs_embeds, positions, last_index)
+        finally:
+            release_traced(self)
+
+    def traced_forward(self, inputs_embeds, positions, last_index=None):
         positions = positions.to(torch.long)
         if self.with_captures:
             logits, captures = super().forward(inputs_embeds, positions, capture=True)
@@ -91,11 +110,24 @@ class TracedFamilyDecoder(TracedDecoder, FamilyRankDecoder):
 class TracedBatchDecoder(TracedDecoder):
     """A batched build (a KV cache of `slots` sequences, harness/port/kv_slots.py): forward(inputs_embeds
     [b, s, hidden], positions [b, s], seq_ids [b], each row's KV slot, as NxD Inference passes them)
-    -> what TracedDecoder returns, for every row: a parity build every row's logits and captures, a
-    perf build every row's logits (the host takes each row's last real position)."""
+    -> what TracedDecoder returns, for every row: a parity build every row's logits and captures; a
+    perf build (`last_row_only`) also takes `last_index` [b], each row's last real position, and
+    returns only those rows' logits [b, 1, vocab] (lm_head on one row per sequence, as NxD Inference's
+    context encoding gathers the last real row before lm_head)."""
 
-    def forward(self, inputs_embeds, positions, seq_ids):
+    def forward(self, inputs_embeds, positions, seq_ids, last_index=None):
+        try:
+            return self.traced_batch_forward(inputs_embeds, positions, seq_ids, last_index)
+        finally:
+            release_traced(self)
+
+    def traced_batch_forward(self, inputs_embeds, positions, seq_ids, last_index=None):
         positions, seq_ids = positions.to(torch.long), seq_ids.to(torch.long)
+        if self.last_row_only:
+            self.set_seq_ids(seq_ids)
+            hidden = self.final_hidden(inputs_embeds, positions)
+            rows = last_index.to(torch.long).reshape(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
+            return self.lm_head(hidden.gather(1, rows))
         if not self.with_captures:
             return super(TracedDecoder, self).forward(inputs_embeds, positions, seq_ids=seq_ids)
         logits, captures = super(TracedDecoder, self).forward(inputs_embeds, positions, capture=True, seq_ids=seq_ids)
@@ -189,12 +221,14 @@ def batch_tag(tag: str, batch: int) -> str:
     return f"{tag}_bs{int(batch)}"
 
 
-def batch_example_inputs(length: int, hidden: int, dtype: torch.dtype, batch: int) -> tuple:
+def batch_example_inputs(length: int, hidden: int, dtype: torch.dtype, batch: int, last_row: bool = False) -> tuple:
     """(inputs_embeds [b, s, hidden], positions [b, s], seq_ids [b]) a batched graph (TracedBatchDecoder)
-    of `batch` rows and `length` positions is traced with: row r in slot r."""
+    of `batch` rows and `length` positions is traced with: row r in slot r; with `last_row` (a
+    batched perf build) also last_index [b], each row's last position."""
     embeds, positions = example_inputs(length, hidden, dtype)
-    return (embeds.expand(batch, -1, -1).contiguous(), positions.expand(batch, -1).contiguous(),
-            torch.arange(batch, dtype=POSITION_DTYPE))
+    inputs = (embeds.expand(batch, -1, -1).contiguous(), positions.expand(batch, -1).contiguous(),
+              torch.arange(batch, dtype=POSITION_DTYPE))
+    return (*inputs, torch.full((batch,), length - 1, dtype=POSITION_DTYPE)) if last_row else inputs
 
 
 def kv_graph_plan(buckets, max_len: int, speculate: int = 0) -> list[tuple[str, int, int]]:
@@ -275,9 +309,14 @@ def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, posi
 
 
 def batch_graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, positions: torch.Tensor,
-                       seq_ids: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tensor]:
+                       seq_ids: torch.Tensor | None, dtype: torch.dtype, slots: int,
+                       last_row_only: bool = False) -> list[torch.Tensor]:
     """The inputs of a batched build's graph for one call: inputs_embeds [b, s, hidden] in the build's
-    dtype, int32 positions [b, s] and seq_ids [b] (row r in slot r when None); shapes checked."""
+    dtype, int32 positions [b, s] and seq_ids [b] (row r in slot r when None), and on a perf build
+    (`last_row_only`) last_index [b], each row's last real position (0 for a padding-only row).
+    Shapes checked, and seq_ids too: one distinct slot in [0, slots) per row (the device would clamp
+    or drop an out-of-range index without a word); more rows than slots is left to the backend's
+    batch-bucket check, which names the buckets."""
     hidden = input_width(spec)
     if inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != hidden:
         raise HarnessInputError(f"inputs_embeds of shape {tuple(inputs_embeds.shape)}: expected [b, s, {hidden}]")
@@ -285,11 +324,12 @@ def batch_graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor
     if tuple(positions.shape) != (rows, length):
         raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [{rows}, {length}]")
     tag_for_length(length, graphs)
-    seq_ids = torch.arange(rows) if seq_ids is None else torch.as_tensor(seq_ids).reshape(-1)
-    if seq_ids.numel() != rows:
-        raise HarnessInputError(f"seq_ids {seq_ids.tolist()}: one slot per row of the {rows} rows")
-    return [inputs_embeds.to(dtype).contiguous(), positions.to(POSITION_DTYPE).contiguous(),
-            seq_ids.to(POSITION_DTYPE).contiguous()]
+    seq_ids = call_seq_ids(seq_ids, rows, slots)
+    inputs = [inputs_embeds.to(dtype).contiguous(), positions.to(POSITION_DTYPE).contiguous(),
+              seq_ids.to(POSITION_DTYPE).contiguous()]
+    if last_row_only:
+        inputs.append(((positions >= 0).sum(dim=1) - 1).clamp(min=0).to(POSITION_DTYPE))
+    return inputs
 
 
 def graph_result(out, capture_names: list[str] | None, inputs_embeds: torch.Tensor, capture: bool,

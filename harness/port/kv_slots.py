@@ -1,13 +1,19 @@
 """A KV cache of several sequences: one slot per sequence, `[slots, kv_heads, len, d]`, and a call
 that names the slots its rows work on (`seq_ids`, as NxD Inference passes them).
 
-Row r of a call reads and writes only slot seq_ids[r]: the slot is gathered, the row's chunk written
-into it at the row's own positions, and the slot written back; attention reads that row's slot.
+A call moves only the KV rows it touches, as NxD Inference's KV cache manager does: row r scatters
+its new keys into slot seq_ids[r] at its own positions and reads back only that slot's first
+`read_len` keys (the graph's KV bucket) on a linear cache, or that slot's ring on a ring. Nothing
+else of the cache is read or rewritten: a call's KV traffic is bounded by batch x (bucket + new
+rows), not by the cache (harness/hlo/kv_traffic.py states the bound on the lowered graphs). The
+cache is addressed as rows of `d` values ([slots * kv_heads * len, d], a view of the buffer) so the
+scatter and the reads are each one index op over exactly the rows they move.
+
 Nothing is ever zeroed to hide a previous occupant: every mask is by each row's own positions (a
 slot's keys past the row's position are invisible by causality, a ring's slots by the absolute
 position each holds), so a reused slot needs no reset. A row of padding only (all positions -1, a
-batch bucket's filler) writes nothing: its slot is written back unchanged. Shapes are static; the
-slots a call names must be distinct.
+batch bucket's filler) writes its slot's rows back unchanged. Shapes are static; the slots a call
+names must be distinct.
 
 model.KVCache and model.RingCache call these when a call names its slots (`cache.seq_ids` set) or
 the cache holds several (row r then in slot r); a cache of one sequence without seq_ids keeps the
@@ -17,6 +23,8 @@ one-sequence path of batch 1.
 from __future__ import annotations
 
 import torch
+
+from harness.base.errors import HarnessInputError
 
 
 def ring_slot_positions(next_position: torch.Tensor, window: int) -> torch.Tensor:
@@ -35,21 +43,44 @@ def _slots(cache, rows: int) -> torch.Tensor:
     return cache.seq_ids.to(torch.long).reshape(-1)
 
 
+def slot_rows(buf: torch.Tensor, seq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[b * kv_heads * n] indices into `buf` viewed as rows of d values ([slots * kv_heads * len, d]):
+    slot seq[r], every head, position rows[r, j] ([b, n]), in [b, kv_heads, n] order."""
+    _, heads, length, _ = buf.shape
+    head = torch.arange(heads, device=buf.device)
+    return ((seq[:, None, None] * heads + head[None, :, None]) * length + rows[:, None, :]).reshape(-1)
+
+
+def _scatter_rows(buf: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`buf` with rows [b, kv_heads, n, d] written at `index` (slot_rows); nothing else touched."""
+    flat = buf.reshape(-1, buf.shape[-1])
+    return flat.index_copy(0, index, rows.reshape(-1, buf.shape[-1])).reshape(buf.shape)
+
+
+def _gather_rows(buf: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """The rows of `buf` at `index` (slot_rows) as [b, kv_heads, rows, d]."""
+    heads, d = buf.shape[1], buf.shape[-1]
+    return buf.reshape(-1, d).index_select(0, index).reshape(-1, heads, rows, d)
+
+
 def linear_slot_update(cache, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Write each row's chunk into its slot at the row's positions (a chunk's padded rows after its
-    real ones, hidden by causality as in batch 1) and return each row's slot, its first read_len keys."""
+    """Scatter each row's chunk into its slot at the row's positions (a chunk's padded rows after its
+    real ones, hidden by causality as in batch 1; a padding-only row writes back what it finds) and
+    return each row's slot, its first read_len keys: [b, kv_heads, read_len, d] each."""
     seq = _slots(cache, k.shape[0])
     real = (positions >= 0).any(dim=1)[:, None, None, None]
     first = positions[:, :1].clamp(min=0)
-    rows = (first + torch.arange(positions.shape[1], device=positions.device))[:, None, :, None]
-    read = []
+    written = slot_rows(cache.k, seq, first + torch.arange(positions.shape[1], device=positions.device))
+    n = cache.read_len or cache.k.shape[2]
+    read = slot_rows(cache.k, seq, torch.arange(n, device=positions.device).expand(k.shape[0], n))
+    out = []
     for name, new in (("k", k), ("v", v)):
         buf = getattr(cache, name)
-        held = buf.index_select(0, seq)
-        written = torch.where(real, held.scatter(2, rows.expand_as(new), new), held)
-        setattr(cache, name, buf.index_copy(0, seq, written))
-        read.append(written[:, :, :cache.read_len or buf.shape[2]])
-    cache.last_read = tuple(read)
+        held = _gather_rows(buf, written, new.shape[2])
+        buf = _scatter_rows(buf, written, torch.where(real, new, held))
+        setattr(cache, name, buf)
+        out.append(_gather_rows(buf, read, n))
+    cache.last_read = tuple(out)
     return cache.last_read
 
 
@@ -61,20 +92,29 @@ def ring_key_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
 
 def ring_slot_update(cache, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """model.RingCache.update per row: each row's ring as it was before its chunk followed by the
-    chunk's keys is returned, then each slot takes the latest real row of the chunk mapping to it."""
-    seq = _slots(cache, k.shape[0])
-    first = positions[:, :1]
-    slot_pos = ring_slot_positions(first + (positions >= 0).sum(dim=1, keepdim=True), cache.window)
-    row = slot_pos - first  # [b, window]: the chunk row each slot takes; negative: it keeps its key
-    take = (row >= 0)[:, None, :, None]
-    index = row.clamp(min=0)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-    read = []
-    for name, new in (("k", k), ("v", v)):
-        buf = getattr(cache, name)
-        prior = buf.index_select(0, seq)
-        setattr(cache, name, buf.index_copy(0, seq, torch.where(take, new.gather(2, index), prior)))
-        read.append(torch.cat([prior, new], dim=2))
-    cache.last_read = tuple(read)
+    chunk's keys is returned; then each real row of a chunk shorter than the ring is scattered into
+    its ring slot (position % window), and a chunk as long as the ring or longer rewrites the ring
+    with the latest real row mapping to each slot (the rows it touches are the whole ring)."""
+    seq, window = _slots(cache, k.shape[0]), cache.window
+    first, length = positions[:, :1], positions.shape[1]
+    prior = {name: getattr(cache, name).index_select(0, seq) for name in ("k", "v")}
+    if length < window:  # distinct ring slots: a scatter of the chunk's rows
+        ring = torch.remainder(first + torch.arange(length, device=positions.device), window)  # [b, s]
+        index = slot_rows(cache.k, seq, ring)
+        real = (positions >= 0)[:, None, :, None]
+        gather = ring[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        for name, new in (("k", k), ("v", v)):
+            rows = torch.where(real, new, prior[name].gather(2, gather))
+            setattr(cache, name, _scatter_rows(getattr(cache, name), index, rows))
+    else:
+        slot_pos = ring_slot_positions(first + (positions >= 0).sum(dim=1, keepdim=True), window)
+        row = slot_pos - first  # [b, window]: the chunk row each slot takes; negative: it keeps its key
+        take = (row >= 0)[:, None, :, None]
+        index = row.clamp(min=0)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        for name, new in (("k", k), ("v", v)):
+            buf = getattr(cache, name)
+            setattr(cache, name, buf.index_copy(0, seq, torch.where(take, new.gather(2, index), prior[name])))
+    cache.last_read = torch.cat([prior["k"], k], dim=2), torch.cat([prior["v"], v], dim=2)
     return cache.last_read
 
 
@@ -89,3 +129,16 @@ def check_seq_ids(seq_ids, rows: int, slots: int) -> torch.Tensor:
     if len(set(ids.tolist())) != ids.numel():
         raise ValueError(f"seq_ids {ids.tolist()}: a slot named twice in one call")
     return ids
+
+
+def call_seq_ids(seq_ids, rows: int, slots: int) -> torch.Tensor:
+    """A backend's forward check of the slots a call names (row r in slot r when None): check_seq_ids
+    as a clear input error (a device clamps or drops an out-of-range index without a word). More
+    rows than slots is left to the caller's batch-bucket check, which names the buckets."""
+    ids = torch.arange(rows) if seq_ids is None else torch.as_tensor(seq_ids).reshape(-1)
+    if rows > slots:
+        return ids
+    try:
+        return check_seq_ids(ids, rows, slots)
+    except ValueError as exc:
+        raise HarnessInputError(f"{exc}: name one distinct KV slot of the build's {slots} (--batch) per row") from None

@@ -12,6 +12,7 @@ batch fault fails it naming the sequence.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from harness.backends import neuron, neuron_env
 from harness.base.errors import HarnessInputError
@@ -72,11 +73,35 @@ def test_a_call_of_rows_no_bucket_holds_is_refused(nxd, tiny0_ckpt):
     width = graphs.input_width(be.spec)
     with pytest.raises(HarnessInputError, match=r"3 rows in one call: this build has batch buckets \[1, 2\]"):
         be.forward(neuron.torch.zeros(3, 16, width), neuron.torch.arange(16).expand(3, -1), seq_ids=[0, 1, 0])
+    with pytest.raises(HarnessInputError, match=r"seq_ids \[0, 2\]: a slot outside \[0, 2\)"):
+        be.forward(neuron.torch.zeros(2, 16, width), neuron.torch.arange(16).expand(2, -1), seq_ids=[0, 2])
     perf = neuron.NeuronBackend(tiny0_ckpt, RunSettings(backend="neuron", batch=2, buckets=(16,), kv_len=16))
-    assert not perf.last_row_only  # a batched perf build returns every row (BatchEngine needs them)
+    assert perf.last_row_only  # a batched perf build returns each row's last real row
     with pytest.raises(HarnessInputError, match="perf build"):
         perf.forward(neuron.torch.zeros(2, 16, width), neuron.torch.arange(16).expand(2, -1), capture=True,
                      seq_ids=[0, 1])
+
+
+@pytest.mark.slow  # a batched perf build and the cpu's (~8 graphs through the double)
+def test_the_batched_perf_build_returns_each_rows_last_real_row_as_the_cpu(nxd, tiny0_ckpt):
+    """lm_head on one row per sequence: a batched perf build's prefill returns [b, 1, vocab], each
+    row's last real position (ragged rows of 5 and 12 tokens), bit for bit the CPU backend's row
+    there; decode steps and KV slots equal too."""
+    from harness.backends import build_engine
+    from harness.port.batching import BatchEngine
+
+    settings = RunSettings(backend="neuron", batch=2, **SMALL)
+    perf = BatchEngine(build_engine(tiny0_ckpt, settings))
+    prompts = random_prompts(tiny0_ckpt.spec.vocab_size, (5, 12), seed=3)
+    width = graphs.input_width(perf.backend.spec)
+    positions = neuron.torch.stack([neuron.torch.arange(16), neuron.torch.full((16,), -1)])
+    logits, _ = perf.backend.forward(neuron.torch.zeros(2, 16, width), positions, seq_ids=[1, 0])
+    assert logits.shape == (2, 1, perf.backend.spec.vocab_size)
+    fast = run_rows(perf, prompts, [1, 0], 2, capture=False)
+    judged = run_rows(batch_engine(tiny0_ckpt, 2, backend="cpu", **SMALL), prompts, [1, 0], 2)
+    for x, y in zip(fast, judged, strict=True):
+        assert x["prefill"].shape[0] == 1 and torch.equal(x["prefill"], y["prefill"][-1:])
+        assert_same_row({**x, "prefill": y["prefill"]}, {**y, "captures": {}}, "perf vs cpu")
 
 
 @pytest.mark.slow  # a whole `check --batch 4` (both references, both stages, the served build) through the double

@@ -72,16 +72,17 @@ test_perf_build_refuses_capture = device.test_perf_build_refuses_capture
 
 
 def test_the_builds_are_what_the_issue_asks_for(perf, parity, nxd):
-    """Pinned flags reach the compiler; the decode graph is the priority model; perf graphs return
-    one row of logits; parity graphs do not return their own input; states are exactly the KV cache."""
+    """Pinned flags reach the compiler; no layout transform by default (no priority model); perf
+    graphs return one row of logits; parity graphs do not return their own input; states are
+    exactly the KV cache."""
     be = perf.backend
     assert be.compiled and be.compiler_args[:1] == ["--enable-saturate-infinity"]
     assert " --target inf2" in " " + " ".join(be.compiler_args)
     model = be.nxd_model
-    assert model.layout_transformer  # priority_model_key was given
-    assert be.priority_key == "decode_kv16"  # decode at the smallest KV bucket (neuron._priority_key)
-    art = model.graphs[be.priority_key]
-    assert art.compiler_flags.split().count("--enable-internal-neff-wrapper") == 1  # compiled as the WLO model
+    assert model.layout_transformer is None and be.priority_key is None  # neuron_layers.DEFAULT_LAYOUT_PRIORITY
+    art = model.graphs["decode_kv16"]
+    assert art.compiler_flags.split().count("--enable-internal-neff-wrapper") == 0  # no WLO model
+    assert "-O2" in art.compiler_flags.split() and "-O1" in model.graphs["prefill_64_kv64"].compiler_flags.split()
     assert "--enable-saturate-infinity" in model.graphs["prefill_64_kv64"].compiler_flags
     assert [shape for shape, _ in model.graphs["prefill_64_kv128"].outputs] == [(1, 1, perf.spec.vocab_size)]
     assert set(be.state_specs) == set(be.kv_names)
@@ -192,7 +193,7 @@ def test_rule_weight_shapes_are_checked_on_the_checkpoint_layout(nxd, tiny0_ckpt
 
     monkeypatch.setattr(neuron.NeuronBackend, "_graph_io", metaneff_shapes)
     with pytest.raises(HarnessInputError, match="wrong shape"):
-        _build(tiny0_ckpt, tmp_path)
+        _build(tiny0_ckpt, tmp_path, layout_priority="decode")
 
 
 @pytest.mark.parametrize("flags,why", [
@@ -279,11 +280,11 @@ def test_rule_the_build_names_its_platform(nxd, tiny0_ckpt, tmp_path, monkeypatc
 def test_layout_priority_choices_and_the_layout_transformer(nxd, tiny0_ckpt, tmp_path):
     import os
 
-    decode = _build(tiny0_ckpt, tmp_path)
+    decode = _build(tiny0_ckpt, tmp_path, layout_priority="decode")
     assert decode.priority_key == "decode_kv16" and decode.nxd_model.layout_transformer["target"] == "inf2"
     assert "NEURON_PLATFORM_TARGET_OVERRIDE" not in os.environ  # set for the build only
     prefill = _build(tiny0_ckpt, tmp_path, layout_priority="prefill")
-    none = _build(tiny0_ckpt, tmp_path, layout_priority=None)
+    none = _build(tiny0_ckpt, tmp_path)  # the default: no layout transform
     assert prefill.priority_key == "prefill_16_kv16" and none.nxd_model.layout_transformer is None
     assert len({decode.cache_key, prefill.cache_key, none.cache_key}) == 3
     x = torch.randn(1, 16, decode.spec.hidden_size).bfloat16()
@@ -301,8 +302,8 @@ def test_a_load_that_fails_in_the_layout_transform_names_layout_priority_none(nx
                   neuron.rank_state_dicts(tiny0_ckpt, 2, torch.bfloat16)[0].values())
     monkeypatch.setenv("NXD_DOUBLE_CORE_BYTES", str(int(1.5 * weights)))
     with pytest.raises(neuron.NeuronBuildError, match="layout_priority=none"):
-        _build(tiny0_ckpt, tmp_path)
-    assert _build(tiny0_ckpt, tmp_path, layout_priority=None).nxd_model.loaded_on_neuron
+        _build(tiny0_ckpt, tmp_path, layout_priority="decode")
+    assert _build(tiny0_ckpt, tmp_path).nxd_model.loaded_on_neuron
 
 
 class PythonRankGather(torch.nn.Module):
@@ -375,7 +376,9 @@ def test_quoted_compiler_flags_reach_the_compiler_whole(nxd, tiny0_ckpt, tmp_pat
     import shlex
 
     assert overlap in shlex.split(be.nxd_model.graphs["prefill_16_kv16"].compiler_flags)
-    monkeypatch.setattr(neuron, "compiler_flag_string", " ".join)  # the old join: the value is cut in two
+    from harness.backends import neuron_cache
+
+    monkeypatch.setattr(neuron_cache, "compiler_flag_string", " ".join)  # the old join: the value is cut in two
     with pytest.raises(neuron.NeuronBuildError, match="unrecognized arguments: --cc-pipeline-tiling-factor=2"):
         _build(tiny0_ckpt, tmp_path / "again", compiler_args=NXDI_GEMMA3_FLAGS)
 

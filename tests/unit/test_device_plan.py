@@ -128,8 +128,8 @@ def test_a_run_that_fits_only_without_the_layout_transform_names_it(monkeypatch)
     assert core["run"] < core["layout_least"]
     monkeypatch.setattr(instances, "CORE_HBM", (core["run"] + core["layout_least"]) // 2)
     with pytest.raises(ShardingError, match="layout_priority=none"):
-        instances.check_fits(spec, 2)
-    instances.check_fits(spec, 2, layout=False)  # fits without the transform
+        instances.check_fits(spec, 2, layout=True)  # --backend-option layout_priority=decode
+    instances.check_fits(spec, 2)  # fits without the transform, the default
 
 
 def test_kv_buckets_are_capped_and_still_cover_every_call():

@@ -170,3 +170,25 @@ def test_too_little_host_memory(host, capsys, monkeypatch):
     monkeypatch.setattr(doctor_host, "read_meminfo", lambda: f"MemTotal: 1\nMemAvailable: {30 * 2**20} kB\n")
     rc, fails = _fails(capsys)
     assert rc == 2 and len(fails) == 1 and fails[0].startswith("FAIL host memory: 30.0 GiB available")
+
+
+def test_the_hbm_line_counts_the_runs_own_build(host, capsys):
+    """doctor's HBM check counts the run's options (it counted a default batch-1 build whatever the
+    run): 4 KV slots and their batch buckets' graphs at 4K fail where batch 1 passes, a verify graph
+    adds graphs, and the layout transform's bounds are printed whether or not it is on."""
+    from harness.perf.instances import core_bytes
+    from harness.inputs.spec import load_spec
+    from harness import FIXTURES_DIR
+
+    rc1, one = _run(capsys, "--kv-len", "4096")
+    rc4, four = _run(capsys, "--kv-len", "4096", "--batch", "4")
+    hbm = {n: next(line for line in lines if " HBM:" in line) for n, lines in (("one", one), ("four", four))}
+    spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
+    core = core_bytes(spec, 2, kv_len=4096, batch=4)
+    assert hbm["one"].startswith("ok   HBM:") and hbm["four"].startswith("FAIL HBM:"), hbm
+    assert f"{core['graphs']} graphs" in hbm["four"] and "(4 slots)" in hbm["four"]
+    assert core["graphs"] == 3 * core_bytes(spec, 2, kv_len=4096)["graphs"]  # batch buckets 1, 2, 4
+    assert "layout_priority=decode would load" in hbm["one"]
+    _, spec3 = _run(capsys, "--kv-len", "4096", "--speculate", "3", "--backend-option", "layout_priority=decode")
+    line = next(line for line in spec3 if " HBM:" in line)
+    assert "layout transform load" in line and f"{core_bytes(spec, 2, kv_len=4096, speculate=3)['graphs']} graphs" in line

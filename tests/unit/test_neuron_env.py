@@ -150,4 +150,5 @@ def test_parity_reduce_dtype_default_is_fp32():
     import inspect
 
     assert inspect.signature(neuron.NeuronBackend).parameters["reduce_dtype"].default == torch.float32
-    assert inspect.signature(neuron.NeuronBackend).parameters["layout_priority"].default == "decode"
+    # the layout transform off until a device run measures its peak (issue 36)
+    assert inspect.signature(neuron.NeuronBackend).parameters["layout_priority"].default is None

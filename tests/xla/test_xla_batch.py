@@ -47,19 +47,19 @@ def test_xla_batched_check_passes(tiny0_ckpt, tiny0_reference):
     assert result.fp32 is not None and result.fp32.passed and result.fp32.backend == "xla"
 
 
-def test_xla_batched_perf_build_returns_every_row_as_the_parity_build(xla_be, tiny0_ckpt):
+def test_xla_batched_perf_build_returns_each_rows_last_row_as_the_parity_build(xla_be, tiny0_ckpt):
     """The batched perf build (no capture outputs; what `bench --batch` and the served stage run)
-    returns every row's logits, not the last row only, as the Neuron backend's batched perf build:
-    ragged rows (10 and 20 tokens: two prefill calls) and decode steps equal the batched parity
-    build's bit for bit (the same shapes, the same XLA CPU programs but for the captures), KV slots too."""
+    returns each row's last real row only (lm_head on one row per sequence), as the Neuron backend's
+    batched perf build: ragged rows (10 and 20 tokens: two prefill calls) give the batched parity
+    build's last prefill row, decode steps and KV slots bit for bit."""
     perf = BatchEngine(build_engine(tiny0_ckpt, RunSettings(backend="xla", batch=2, buckets=(16,), kv_len=32)))
-    assert not perf.backend.capture and not perf.backend.last_row_only
+    assert not perf.backend.capture and perf.backend.last_row_only
     prompts = random_prompts(xla_be.engine.spec.vocab_size, (10, 20), seed=5)
     fast, judged = (run_rows(be, prompts, [1, 0], STEPS, capture=be is xla_be) for be in (perf, xla_be))
     for row, (x, y) in enumerate(zip(fast, judged, strict=True)):
-        assert x["prefill"].shape[0] == len(prompts[row])  # every row of the prompt, not the last only
+        assert x["prefill"].shape[0] == 1 and torch.equal(x["prefill"], y["prefill"][-1:])
         assert not x["captures"] and not any(x["step_caps"])
-        assert_same_row(x, {**y, "captures": {}}, f"perf row {row}")  # x's steps carry no captures to compare
+        assert_same_row({**x, "prefill": y["prefill"]}, {**y, "captures": {}}, f"perf row {row}")
     width = perf.backend.spec.hidden_size
     with pytest.raises(HarnessInputError, match="perf build"):
         perf.backend.forward(torch.zeros(1, 16, width), torch.arange(16)[None], capture=True, seq_ids=[0])
