@@ -139,7 +139,10 @@ def run(args) -> int:
         print(f"reference pass done; shards still missing: {left or 'none'}"
               + ("" if left else f"; judge with `gemma-parity quality --golden {args.golden} ...`"))
         return EXIT_OK
-    payload = judge_corpus(ckpt, args.golden, settings, args.settings, progress=True)
+    from harness.quality.stats import quality_factor
+
+    payload = judge_corpus(ckpt, args.golden, settings, args.settings, progress=True,
+                           factor=quality_factor(args.settings.quantize))  # docs/quantization.md
     kl_values = payload.pop("kl_values")
     payload = with_generator(payload, "quality", args)
     if args.json is not None:  # the files first: a verdict is printed only once they are written
