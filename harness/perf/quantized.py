@@ -73,3 +73,29 @@ def render_quantized_comparison(c: dict) -> str:
                  f"{c['floor_ratio']:.3f}x, the fp32 scales counted ({c['scale_bytes_per_rank'] / 2**20:.2f} MiB per "
                  "rank); lm_head, norms, router, experts and the KV cache stay as they are")
     return "\n".join(lines)
+
+
+def beside_unquantized(checkpoint, settings, result: dict, **bench_options) -> dict:
+    """`bench --quantize int8`: the unquantized build timed in the same run, as `settings` say but
+    unquantized, with both decode floors on the rates the bench used (its "unquantized" block)."""
+    from harness.perf.bench import bench_rates, run_bench
+
+    plain = run_bench(checkpoint, settings.but(quantize=None), **bench_options)
+    rates, _ = bench_rates(result["backend"], result["tp"], result["dtype"])
+    floors_beside = quantized_comparison(checkpoint.spec, settings.tp, settings.dtype, settings.kv_len, rates)
+    return {"latency_summary": plain["latency_summary"], "roofline": plain["roofline"], "floors": floors_beside,
+            "same_tokens": plain["outputs"] == result["outputs"]}
+
+
+def render_beside(result: dict) -> str:
+    """One line per build: TTFT and TPOT medians with the decode floor of each."""
+    beside, quantize = result["unquantized"], result.get("quantize", "int8")
+    lines = [f"--quantize {quantize} beside the unquantized build ({result['dtype']}, same run, same settings):"]
+    for name, summary, floor in ((quantize, result["latency_summary"], beside["floors"]["int8"]),
+                                 ("unquantized", beside["latency_summary"], beside["floors"]["unquantized"])):
+        lines.append(f"  {name:<11} TTFT p50 {summary['ttft_ms']['p50']:.2f} ms, TPOT p50 {summary['tpot_ms']['p50']:.2f} "
+                     f"ms (decode floor {floor['decode_floor_ms']:.3f} ms)")
+    lines.append(f"  TPOT ratio {result['latency_summary']['tpot_ms']['p50'] / beside['latency_summary']['tpot_ms']['p50']:.3f}"
+                 f" (floor ratio {beside['floors']['floor_ratio']:.3f}); greedy tokens "
+                 f"{'the same' if beside['same_tokens'] else 'differ (int8 changes the numbers)'}")
+    return "\n".join(lines) + "\n"
