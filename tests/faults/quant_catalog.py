@@ -2,7 +2,7 @@
 path (harness.port.quantized, harness.port.sharding, the port's use of harness.inputs.quantize)
 through a pytest MonkeyPatch, never into the reference (the quantized model's checkpoint is written
 by harness/inputs/quantized_checkpoint.py with its own bindings). Each must fail the structural
-check (`check --quantize int8`) at its point; tests/faults/test_quant_faults.py runs them."""
+check (`check --quantize int8`) at its point; tests/quant/test_quant_faults.py runs them."""
 
 from __future__ import annotations
 

@@ -13,9 +13,16 @@ from harness.base.errors import CheckpointError
 from harness.inputs.checkpoint import Checkpoint
 
 
-def _copy(tiny0_dir, tmp_path, edit_config=None):
+def _copy(tiny0_dir, tmp_path, edit_config=None, weights: bool = False):
+    """The tiny checkpoint beside `tmp_path`: its config copied (and edited), its weight files
+    linked (copied when `weights`, to be edited)."""
     out = tmp_path / "ckpt"
-    shutil.copytree(tiny0_dir, out)
+    out.mkdir()
+    for entry in tiny0_dir.iterdir():
+        if entry.suffix == ".safetensors" and not weights:
+            (out / entry.name).symlink_to(entry)
+        elif entry.is_file():
+            shutil.copy2(entry, out / entry.name)
     if edit_config is not None:
         config = json.loads((out / "config.json").read_text())
         edit_config(config)
@@ -48,7 +55,7 @@ def test_packed_tensor_is_refused_naming_it(tiny0_dir, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    path = _copy(tiny0_dir, tmp_path)
+    path = _copy(tiny0_dir, tmp_path, weights=True)
     file = next(path.glob("*.safetensors"))
     tensors = load_file(file)
     key = next(k for k in tensors if k.endswith("layers.0.mlp.up_proj.weight"))

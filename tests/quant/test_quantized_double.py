@@ -47,6 +47,7 @@ def test_check_quantize_int8_neuron_double_passes(nxd, tmp_path, capsys):
     assert payload["provenance"]["settings"]["run"]["quantize"] == "int8"
 
 
+@pytest.mark.slow  # a traced build through the double (~13 CPU-seconds); default-lane sibling: test_quantize_key_is_empty_for_the_unquantized_build
 def test_neuron_rank_weights_are_int8_with_fp32_scales(nxd, tiny0_ckpt):
     from harness.backends import build_engine
     from harness.base.settings import RunSettings

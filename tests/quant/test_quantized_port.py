@@ -62,6 +62,7 @@ def test_scales_shard_with_their_rows_at_tp2(tiny0_ckpt):
         assert all(torch.equal(merged[n], whole[n]) for n in whole)
 
 
+@pytest.mark.slow  # default-lane sibling: tests/quant/test_quantized_info.py (the rank module's bytes, to the byte)
 def test_each_rank_holds_int8_weights_and_fp32_scales_and_keeps_the_rest(tiny0_ckpt):
     engine = build_engine(tiny0_ckpt, RunSettings(tp=2, quantize="int8", **QUICK))
     for module in engine.backend.ranks:
@@ -103,6 +104,7 @@ def test_quantized_port_passes_the_structural_check(int8_ckpt, int8_reference, t
     assert result.divergences == 0
 
 
+@pytest.mark.slow  # default-lane sibling: tests/quant/test_quant_faults.py (zero-point fails the same stage)
 def test_unquantized_port_fails_the_quantized_models_fp32_stage(tiny0_ckpt, int8_ckpt, int8_reference):
     """Control: the judge sees the quantization (an unquantized port is not the quantized model)."""
     from harness.parity.check import structural_stage

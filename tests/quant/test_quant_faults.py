@@ -11,8 +11,7 @@ from harness.backends import build_engine
 from harness.base.settings import RunSettings
 from harness.parity.check import check_port
 from tests.faults.quant_catalog import BY_NAME, QUANT_FAULTS
-from tests.quant.conftest import QUICK, SHORT_PROMPTS  # noqa: F401  (the quantization suite's fixtures)
-from tests.quant.conftest import int8_ckpt, int8_reference  # noqa: F401
+from tests.quant.conftest import QUICK
 
 DEFAULT_LANE = ("zero-point",)  # about 3 CPU-seconds a fault; the rest in the slow lane
 
