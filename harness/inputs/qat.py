@@ -58,12 +58,14 @@ def refuse_packed_config(config: dict, source: Path) -> None:
 def refuse_packed_tensors(decoder_keys: dict[str, str], source: Path) -> None:
     """`decoder_keys`: text-decoder key -> safetensors dtype string (header only)."""
     for key, dtype in sorted(decoder_keys.items()):
-        if key.endswith(PACKED_KEY_SUFFIXES) or dtype in INTEGER_DTYPES:
+        packed_name, integer = key.endswith(PACKED_KEY_SUFFIXES), dtype in INTEGER_DTYPES
+        if packed_name or integer:
+            what = ", not a floating-point type (a quantized or packed weight)" if integer else ""
+            layout = " under a packed quantized layout's name" if packed_name else ""
             raise CheckpointError(
-                f"{source}: tensor {key} is stored as {dtype}{' (a packed quantized weight)' if dtype not in INTEGER_DTYPES else ''}"
-                f"{' in a packed quantized layout' if key.endswith(PACKED_KEY_SUFFIXES) else ''}: the port runs "
-                "half- or full-precision weights only. Use the checkpoint's bf16 export, and --quantize int8 for "
-                "int8 weight storage on the device")
+                f"{source}: tensor {key} is stored as {dtype}{what}{layout}: the port runs half- or full-precision "
+                "weights only. Use the checkpoint's bf16 export, and --quantize int8 for int8 weight storage on "
+                "the device")
 
 
 def describe_quantization(config: dict) -> str | None:

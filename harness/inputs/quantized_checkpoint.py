@@ -66,4 +66,7 @@ def quantized_reference(ckpt: Checkpoint, name: str) -> Checkpoint:
             _write(ckpt, name, tmp)
     opened = Checkpoint.open(out, validate=False)
     opened.unquantized, opened.quantization = ckpt, name
+    opened.quantization_note = (f"structural reference: the {name} quantized model of {ckpt.path} (its {name} weights "
+                                "dequantized, run by transformers); what quantization costs against the unquantized "
+                                f"model is `quality --quantize {name}`'s question (docs/quantization.md)")
     return opened
