@@ -112,3 +112,21 @@ def test_unquantized_port_fails_the_quantized_models_fp32_stage(tiny0_ckpt, int8
     result = structural_stage(tiny0_ckpt, (int8_reference["float32"], int8_reference["bfloat16"]),
                               RunSettings(tp=1, **QUICK))
     assert not result.passed
+
+
+@pytest.mark.slow  # reference and two bisects through the CLI (~20 CPU-seconds); default-lane sibling: test_quantized_port_passes_the_structural_check[2]
+def test_reference_and_bisect_with_quantize(tmp_path):
+    """`reference --quantize int8` writes the quantized model's golden; `bisect --quantize int8`
+    passes against it and the unquantized port does not."""
+    import json
+
+    from harness.cli import main
+    from tests.quant.conftest import SHORT_PROMPTS
+
+    prompts, golden = tmp_path / "prompts.json", tmp_path / "golden"
+    prompts.write_text(json.dumps(SHORT_PROMPTS))
+    assert main(["reference", "--model", "tiny", "--quantize", "int8", "--prompts", str(prompts), "--new-tokens", "3",
+                 "--out", str(golden)]) == 0
+    common = ["bisect", "--model", "tiny", "--golden", str(golden), "--buckets", "16", "--kv-len", "32"]
+    assert main([*common, "--quantize", "int8"]) == 0
+    assert main(common) == 1

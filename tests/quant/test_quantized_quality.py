@@ -41,3 +41,18 @@ def test_int8_cost_is_within_the_threshold_and_bad_quantizations_exceed_it(tiny0
     worst = max(c["ratio"] for c in result["verdict"]["checks"] if c["judged"])
     print(f"{name}: worst judged port/bf16 ratio {worst:.2f} (threshold {QUANTIZED_QUALITY_FACTOR})")
     assert result["passed"] is (bad is None), worst
+
+
+@pytest.mark.slow  # a 256-token corpus through the CLI (~15 CPU-seconds); default-lane sibling: test_quantized_ports_are_judged_by_their_own_factor
+def test_quality_cli_judges_int8_with_its_factor_and_says_which_question(tmp_path):
+    import json
+
+    from harness.cli import main
+
+    corpus, out = tmp_path / "corpus.json", tmp_path / "q.json"
+    corpus.write_text(json.dumps(corpus_ids(256)))
+    assert main(["quality", "--model", "tiny", "--corpus", str(corpus), "--golden", str(tmp_path / "golden"),
+                 "--window", "64", "--buckets", "64", "--quantize", "int8", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["verdict"]["factor"] == QUANTIZED_QUALITY_FACTOR and payload["quantize"] == "int8"
+    assert any("against the unquantized model" in note for note in payload["notes"])
