@@ -113,9 +113,9 @@ class Checkpoint:
             what = "does not exist" if not path.exists() else "is not a directory"
             raise CheckpointError(f"{path}: {what}. Pass the checkpoint directory "
                                   "(the one save_pretrained wrote, with config.json and *.safetensors).")
+        spec = load_spec(path)  # config.json checked first: a regular file of valid, sane JSON
         config = _read_config(path)
         refuse_packed_config(config, path)  # a packed low-bit checkpoint: refused naming the key (harness/inputs/qat.py)
-        spec = load_spec(path)
         files, index_map, ignored_files = weight_files(path)
         key_to_file = key_map(path, files, index_map)
         prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in key_to_file), None)
@@ -296,8 +296,8 @@ def _transformers_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def _read_config(path: Path) -> dict:
     try:
         config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}  # load_spec reports a missing or unreadable config.json, naming it
+    except (OSError, ValueError, RecursionError):
+        return {}  # load_spec has read it already; nothing more to say here
     return config if isinstance(config, dict) else {}
 
 

@@ -64,3 +64,24 @@ def test_unknown_scheme_is_refused_naming_it():
 
     with pytest.raises(OptionError, match="--quantize 'int4': use one of int8"):
         RunSettings(quantize="int4")
+
+
+@pytest.mark.slow  # a speculative check (~15 CPU-seconds); default-lane sibling: test_quantize_composes_with_tp_batch_and_ring_cache_on_the_12b_shape
+def test_quantize_composes_with_speculative_decoding(tmp_path):
+    """`check --quantize int8 --assistant A --speculate 3`: the int8 target (its drafter unquantized)
+    passes, speculative stage included, against the quantized model."""
+    import json
+
+    from harness.cli import main
+    from harness.reference.mirror_assistant import mirror_pair
+    from tests.quant.conftest import SHORT_PROMPTS
+
+    target, assistant = mirror_pair(0)
+    prompts, out = tmp_path / "prompts.json", tmp_path / "check.json"
+    prompts.write_text(json.dumps(SHORT_PROMPTS))
+    assert main(["check", "--checkpoint", str(target), "--assistant", str(assistant), "--speculate", "3",
+                 "--prompts", str(prompts), "--new-tokens", "6", "--tp", "2", "--batch", "1", "--skip-served-build",
+                 "--quantize", "int8", "--json", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["provenance"]["settings"]["run"]["quantize"] == "int8"
+    assert any("speculative" in json.dumps(stage) for stage in payload.get("extra_stages", [payload]))
