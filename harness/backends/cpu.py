@@ -15,8 +15,8 @@ import torch
 from harness.base.settings import RunSettings
 from harness.port.blocks import rank_decoder
 from harness.port.graphs import kv_buckets, kv_read_length
-from harness.port.model import Collectives
-from harness.port.quantized import rank_linears
+from harness.port.model import Collectives, RankLinears
+from harness.port.quantized import QuantizedLinears, quantized
 from harness.port.sharding import rank_state_dicts
 
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -69,11 +69,13 @@ class CpuBackend:
         self.buckets = settings.buckets  # the local verdict follows the engine's prefill chunks
         self.kv_lengths = kv_buckets(self.buckets, max_len)
         self.group = ThreadGroup(tp)
-        states = rank_state_dicts(checkpoint, tp, dtype, quantize=settings.quantize)
+        # --quantize: int8 projections and their scales (harness/port/quantized.py); else as always
+        states = rank_state_dicts(checkpoint, tp, dtype, **quantized(getattr(settings, "quantize", None)))
+        linears = RankLinears if getattr(settings, "quantize", None) is None else QuantizedLinears
         self.ranks = []
         for rank in range(tp):
             module = rank_decoder(self.spec, tp=tp, max_len=max_len, dtype=dtype, slots=settings.batch,
-                                 linears=rank_linears(settings.quantize, RankCollectives(self.group, rank)), sliding_cache=sliding_cache)
+                                 linears=linears(RankCollectives(self.group, rank)), sliding_cache=sliding_cache)
             module.load_state_dict(states[rank], strict=True)
             module.eval()
             self.ranks.append(module)

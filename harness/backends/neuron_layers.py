@@ -13,9 +13,8 @@ from torch import nn
 from harness.backends.neuron_env import import_neuronx_distributed
 from harness.base.errors import HarnessInputError
 from harness.port.graphs import GraphBuildError
-from harness.inputs.quantize import scheme_of
 from harness.port.model import Collectives, RankLinears
-from harness.port.quantized import QuantizedLinear, QuantizedRowParallel
+from harness.port.quantized import QuantizedLinear, QuantizedRowParallel, quantized  # noqa: F401 (neuron.py's)
 
 # ==== the NxD layers of the traced module (harness/port/graphs.py defines the module) ====================
 
@@ -102,13 +101,6 @@ class QuantizedNeuronLinears(NeuronLinears):
 
     def row(self, in_per_rank: int, out_features: int) -> nn.Module:
         return QuantizedRowParallel(in_per_rank, out_features, self.collectives)
-
-
-def neuron_linears(quantize: str | None, tp: int, dtype: torch.dtype, reduce_dtype: torch.dtype) -> NeuronLinears:
-    """The traced module's projections for `--quantize` (None: NxD's parallel layers)."""
-    scheme_of(quantize)
-    cls = NeuronLinears if quantize is None else QuantizedNeuronLinears
-    return cls(tp, dtype, reduce_dtype)
 
 
 def quantize_key(quantize: str | None) -> dict:

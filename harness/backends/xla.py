@@ -34,8 +34,8 @@ from harness.port.graphs import (GraphBuildError, TracedBatchDecoder, batch_grap
                                  graph_inputs, graph_plan, graph_result,
                                  input_width, is_verify_tag, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
 from harness.base.settings import RunSettings
-from harness.port.model import Collectives
-from harness.port.quantized import rank_linears
+from harness.port.model import Collectives, RankLinears
+from harness.port.quantized import QuantizedLinears, quantized
 from harness.port.sharding import plan_model, rank_state_dicts
 
 TORCH_XLA_VERSION = "2.9.0"  # keep in step with pyproject's `xla` extra
@@ -110,7 +110,7 @@ def build_graph_module(spec, tp: int, max_len: int, dtype: torch.dtype, capture:
     last real row's logits; with `slots` > 1 a batched build taking seq_ids (a batched perf build
     returns every row's logits, as the Neuron backend's does)."""
     module_cls = module_cls or traced_class(spec, batched=slots > 1)  # the 12B's decoder or the family's
-    module = module_cls(spec, tp, max_len, dtype, rank_linears(quantize, XlaCollectives(tp)), with_captures=capture,
+    module = module_cls(spec, tp, max_len, dtype, (RankLinears if quantize is None else QuantizedLinears)(XlaCollectives(tp)), with_captures=capture,
                         last_row_only=not capture and slots == 1, sliding_cache=sliding_cache, slots=slots)
     module.eval()
     module.requires_grad_(False)
@@ -260,8 +260,8 @@ class XlaBackend:
         # a perf build returns only what greedy decode needs; a batched one every row's logits
         self.last_row_only = not self.capture and self.slots == 1
         self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture,
-                                         sliding_cache=sliding_cache, slots=self.slots, quantize=settings.quantize)
-        self.quantize = settings.quantize
+                                         sliding_cache=sliding_cache, slots=self.slots, quantize=getattr(settings, "quantize", None))
+        self.quantize = getattr(settings, "quantize", None)
         self.kv_names = kv_buffer_names(self.module)
         self.capture_names: list[str] | None = None
         xs = self.rt.xs
@@ -270,7 +270,7 @@ class XlaBackend:
         self.mesh = xs.Mesh(np.arange(self.rt.devices), (self.rt.devices,), ("tp",))
         self.rank_rows = tp if tp > 1 else 1  # leading axis of the global tensors: one row per rank
         self.checkpoint = checkpoint
-        states = rank_state_dicts(checkpoint, tp, dtype, quantize=settings.quantize)
+        states = rank_state_dicts(checkpoint, tp, dtype, **quantized(self.quantize))
         self._check_weights(states[0])
         constants = constant_buffers(self.module)
         self.weights = {name: self._global([s[name] for s in states]) for name in states[0]}
@@ -368,6 +368,6 @@ class XlaBackend:
 
     def lower_graphs(self, rank: int = 0) -> dict[str, LoweredGraph]:
         """Every graph of the plan, lowered for one rank on that rank's weights (not executed)."""
-        tensors, roles = graph_tensors(self.module, rank_state_dicts(self.checkpoint, self.tp, self.dtype, quantize=self.quantize)[rank])
+        tensors, roles = graph_tensors(self.module, rank_state_dicts(self.checkpoint, self.tp, self.dtype, **quantized(self.quantize))[rank])
         return {tag: lower_graph(self.module, tensors, roles, tag, length, rank=rank)
                 for tag, length in self.graphs.items()}

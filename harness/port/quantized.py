@@ -67,7 +67,8 @@ class QuantizedLinears(RankLinears):
         return QuantizedRowParallel(in_per_rank, out_features, self.collectives)
 
 
-def rank_linears(quantize: str | None, collectives: Collectives | None = None) -> RankLinears:
-    """The projections factory of a rank for `--quantize` (None: the unquantized RankLinears)."""
-    scheme_of(quantize)  # an unknown scheme is refused here too
-    return RankLinears(collectives) if quantize is None else QuantizedLinears(collectives)
+def quantized(quantize: str | None) -> dict:
+    """The keywords sharding.rank_state_dicts takes for `--quantize`: none for the unquantized port
+    (its call is what it always was), the scheme's name otherwise (an unknown one refused here)."""
+    scheme_of(quantize)
+    return {} if quantize is None else {"quantize": quantize}
