@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from harness.base.atomic import atomic_directory
+from harness.base.errors import OutputError
 from harness.inputs.checkpoint import Checkpoint
 from harness.inputs.quantize import QUANTIZED, SCHEMES, dequantize, quantize_weight
 from harness.inputs.tiny import cache_dir
@@ -62,8 +63,12 @@ def quantized_reference(ckpt: Checkpoint, name: str) -> Checkpoint:
     `quantization` (the scheme's name) set."""
     out = _entry(ckpt, name)
     if not (out / "config.json").is_file():
-        with atomic_directory(out, replace=out.exists()) as tmp:
-            _write(ckpt, name, tmp)
+        try:
+            with atomic_directory(out, replace=out.exists()) as tmp:
+                _write(ckpt, name, tmp)
+        except OutputError:
+            if not (out / "config.json").is_file():  # not another run's finished copy of the same entry
+                raise
     opened = Checkpoint.open(out, validate=False)
     opened.unquantized, opened.quantization = ckpt, name
     opened.quantization_note = (f"structural reference: the {name} quantized model of {ckpt.path} (its {name} weights "
