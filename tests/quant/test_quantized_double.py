@@ -58,3 +58,23 @@ def test_neuron_rank_weights_are_int8_with_fp32_scales(nxd, tiny0_ckpt):
     s = specs["layers.0.self_attn.q_proj.scale"]
     assert q[1] == torch.int8 and s[1] == torch.float32 and tuple(s[0]) == (q[0][0], 1)
     assert specs["lm_head.weight"][1] == torch.bfloat16  # kept full precision
+
+
+@pytest.mark.slow  # two traced builds through the double (~20 CPU-seconds); default-lane sibling: test_quantize_key_is_empty_for_the_unquantized_build
+@pytest.mark.parametrize("name", ["e2b", "26b-a4b"])
+def test_family_int8_on_the_double_is_the_cpu_backends_bit_for_bit(nxd, name):
+    """The family's int8 port through the double computes the cpu backend's logits exactly (the cpu
+    backend's int8 port passes check on every variant: tests/quant/test_quantized_family.py)."""
+    from harness.backends import build_engine
+    from harness.base.settings import RunSettings
+    from harness.inputs.checkpoint import Checkpoint
+    from harness.inputs.tiny import TINY_FAMILY, tiny_checkpoint
+
+    ckpt = Checkpoint.open(tiny_checkpoint(seed=0, config_path=TINY_FAMILY[name]))
+    ids = torch.tensor([2, 17, 33, 4, 9, 71, 5, 12])
+    logits = {}
+    for backend in ("cpu", "neuron"):
+        engine = build_engine(ckpt, RunSettings(backend=backend, tp=2, buckets=(8,), kv_len=16, quantize="int8"),
+                              capture=backend == "neuron")
+        logits[backend] = engine.prefill(ids).logits
+    assert torch.equal(logits["cpu"], logits["neuron"])
