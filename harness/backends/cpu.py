@@ -18,6 +18,7 @@ from harness.port.blocks import rank_decoder
 from harness.port.graphs import kv_buckets, kv_read_length
 from harness.port.kv_slots import call_seq_ids
 from harness.port.model import Collectives, RankLinears
+from harness.port.quantized import QuantizedLinears, quantized
 from harness.port.sharding import rank_state_dicts
 
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -70,11 +71,13 @@ class CpuBackend:
         self.buckets = settings.buckets  # the local verdict follows the engine's prefill chunks
         self.kv_lengths = kv_buckets(self.buckets, max_len)
         self.group = ThreadGroup(tp)
-        states = rank_state_dicts(checkpoint, tp, dtype)
+        # --quantize: int8 projections and their scales (harness/port/quantized.py); else as always
+        states = rank_state_dicts(checkpoint, tp, dtype, **quantized(getattr(settings, "quantize", None)))
+        linears = RankLinears if getattr(settings, "quantize", None) is None else QuantizedLinears
         self.ranks = []
         for rank in range(tp):
             module = rank_decoder(self.spec, tp=tp, max_len=max_len, dtype=dtype, slots=settings.batch,
-                                 linears=RankLinears(RankCollectives(self.group, rank)), sliding_cache=sliding_cache)
+                                 linears=linears(RankCollectives(self.group, rank)), sliding_cache=sliding_cache)
             module.load_state_dict(states[rank], strict=True)
             module.eval()
             self.ranks.append(module)

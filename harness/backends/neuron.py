@@ -71,8 +71,9 @@ NeuronBuildError = GraphBuildError
 
 
 from harness.backends.neuron_layers import (  # noqa: E402,F401  (re-exported: the NxD layers)
-    DEFAULT_LAYOUT_PRIORITY, NeuronLinears, NxDCollectives, _checkpoint_key, _dtype_key, _layout_priority,
-    _module_weight_shapes, _nxd_layers, _priority_key, _weight_shapes_from_json, _weight_shapes_to_json, assemble_rank_weights, graph_io)
+    DEFAULT_LAYOUT_PRIORITY, NeuronLinears, NxDCollectives, QuantizedNeuronLinears, quantize_key, quantized, _checkpoint_key,
+    _dtype_key, _layout_priority, _module_weight_shapes, _nxd_layers, _priority_key, _weight_shapes_from_json,
+    _weight_shapes_to_json, assemble_rank_weights, graph_io)
 
 
 # ==== the backend ==================================================================================
@@ -102,7 +103,7 @@ class NeuronBackend:
                  layout_priority: str | None = DEFAULT_LAYOUT_PRIORITY, reduce_dtype: torch.dtype = torch.float32,
                  decode_compiler_args=None):
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
-        self.sliding_cache = settings.sliding_cache
+        self.sliding_cache, self.quantize = settings.sliding_cache, getattr(settings, "quantize", None)
         self.versions = check_neuron_packages()  # before anything imports the SDK
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here, before any compile
@@ -135,7 +136,7 @@ class NeuronBackend:
             drafter=drafter_key(self.assistant.spec, settings.speculate, self.draft_graphs) if self.assistant else None,
             environment={**compile_environment(neuron_runtime_version()),
                                                        "layout_priority": str(self.priority_key),
-                                                       "reduce_dtype": _dtype_key(reduce_dtype),
+                                                       "reduce_dtype": _dtype_key(reduce_dtype), **quantize_key(self.quantize),
                                                        **({"decode_flags": shlex.join(self.decode_compiler_args)}
                                                           if self.decode_compiler_args != self.compiler_args else {})})
         self.artifact_dir = self.cache_dir / self.cache_key
@@ -204,7 +205,7 @@ class NeuronBackend:
         """The traced module of this spec (the 12B's or the family's), with NxD's layers."""
         fused = {"assistant": self.assistant.spec} if self.assistant is not None else {}
         module = (drafting_class(self.spec) if fused else traced_class(self.spec, batched=self.slots > 1))(
-            self.spec, self.tp, self.max_len, self.dtype, NeuronLinears(self.tp, self.dtype, self.reduce_dtype),
+            self.spec, self.tp, self.max_len, self.dtype, (QuantizedNeuronLinears if self.quantize else NeuronLinears)(self.tp, self.dtype, self.reduce_dtype),
             with_captures=self.capture, last_row_only=self.last_row_only, sliding_cache=self.sliding_cache,
             slots=self.slots, **fused)
         module.eval()
@@ -271,7 +272,7 @@ class NeuronBackend:
                         where=f"delete the cache entry {self.artifact_dir} and run again")
 
     def _load_weights(self, checkpoint):
-        states = rank_state_dicts(checkpoint, self.tp, self.dtype)
+        states = rank_state_dicts(checkpoint, self.tp, self.dtype, **quantized(self.quantize))
         if self.assistant is not None:  # the drafter's weights beside the target's (drafter.*)
             states = [{**s, **d} for s, d in zip(states, drafter_rank_weights(self.assistant, self.tp, self.dtype))]
         if not self.weight_specs:

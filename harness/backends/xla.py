@@ -35,6 +35,7 @@ from harness.port.graphs import (GraphBuildError, TracedBatchDecoder, batch_exam
                                  is_verify_tag, kv_buffer_names, kv_buckets, kv_read_length, traced_class)
 from harness.base.settings import RunSettings
 from harness.port.model import Collectives, RankLinears
+from harness.port.quantized import QuantizedLinears, quantized
 from harness.port.sharding import plan_model, rank_state_dicts
 
 TORCH_XLA_VERSION = "2.9.0"  # keep in step with pyproject's `xla` extra
@@ -102,13 +103,15 @@ class XlaCollectives(Collectives):
 
 
 def build_graph_module(spec, tp: int, max_len: int, dtype: torch.dtype, capture: bool = False,
-                       module_cls=None, sliding_cache: str = "linear", slots: int = 1) -> nn.Module:
+                       module_cls=None, sliding_cache: str = "linear", slots: int = 1,
+                       quantize: str | None = None) -> nn.Module:
     """The traced module of harness/port/graphs.py with XLA collectives, in eval mode without grads: a
     parity build (captures) or, as the Neuron backend builds it, a perf build returning only the
     last real row's logits; with `slots` > 1 a batched build taking seq_ids (a batched perf build
     returns each row's last real row, as the Neuron backend's does)."""
     module_cls = module_cls or traced_class(spec, batched=slots > 1)  # the 12B's decoder or the family's
-    module = module_cls(spec, tp, max_len, dtype, RankLinears(XlaCollectives(tp)), with_captures=capture,
+    linears = (RankLinears if quantize is None else QuantizedLinears)(XlaCollectives(tp))
+    module = module_cls(spec, tp, max_len, dtype, linears, with_captures=capture,
                         last_row_only=not capture, sliding_cache=sliding_cache, slots=slots)
     module.eval()
     module.requires_grad_(False)
@@ -260,7 +263,8 @@ class XlaBackend:
         # a perf build returns only what greedy decode needs: the last real row (of each sequence)
         self.last_row_only = not self.capture
         self.module = build_graph_module(self.spec, tp, max_len, dtype, capture=self.capture,
-                                         sliding_cache=sliding_cache, slots=self.slots)
+                                         sliding_cache=sliding_cache, slots=self.slots, quantize=getattr(settings, "quantize", None))
+        self.quantize = getattr(settings, "quantize", None)
         self.kv_names = kv_buffer_names(self.module)
         self.capture_names: list[str] | None = None
         xs = self.rt.xs
@@ -269,7 +273,7 @@ class XlaBackend:
         self.mesh = xs.Mesh(np.arange(self.rt.devices), (self.rt.devices,), ("tp",))
         self.rank_rows = tp if tp > 1 else 1  # leading axis of the global tensors: one row per rank
         self.checkpoint = checkpoint
-        states = rank_state_dicts(checkpoint, tp, dtype)
+        states = rank_state_dicts(checkpoint, tp, dtype, **quantized(self.quantize))
         self._check_weights(states[0])
         constants = constant_buffers(self.module)
         self.weights = {name: self._global([s[name] for s in states]) for name in states[0]}
@@ -367,6 +371,6 @@ class XlaBackend:
 
     def lower_graphs(self, rank: int = 0) -> dict[str, LoweredGraph]:
         """Every graph of the plan, lowered for one rank on that rank's weights (not executed)."""
-        tensors, roles = graph_tensors(self.module, rank_state_dicts(self.checkpoint, self.tp, self.dtype)[rank])
+        tensors, roles = graph_tensors(self.module, rank_state_dicts(self.checkpoint, self.tp, self.dtype, **quantized(self.quantize))[rank])
         return {tag: lower_graph(self.module, tensors, roles, tag, length, rank=rank)
                 for tag, length in self.graphs.items()}

@@ -28,6 +28,9 @@ DEFAULT_BUCKETS = (PUBLISHED_BUCKET, 256)
 # says why linear is the default.
 SLIDING_CACHES = ("linear", "ring")
 DEFAULT_SLIDING_CACHE = "linear"
+# Weight storage of the port (--quantize; None: the checkpoint's weights in the run dtype). The
+# scheme itself is harness/inputs/quantize.py's (docs/quantization.md).
+QUANTIZE_CHOICES = ("int8",)
 
 # The dtype vocabulary of every command and library function: the canonical name (what results
 # and goldens record) and the short name (what bench results record), each accepted on input.
@@ -125,8 +128,13 @@ class RunSettings:
     # The assistant checkpoint directory of a speculative run (--assistant DIR): a compiled backend that
     # drafts on the device builds its drafter into the target's graphs (docs/speculative.md)
     assistant: str | None = None
+    # --quantize: int8 weight storage (harness/inputs/quantize.py); None: unquantized
+    quantize: str | None = None
 
     def __post_init__(self):
+        if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
+            raise OptionError(f"--quantize {self.quantize!r}: use one of {', '.join(QUANTIZE_CHOICES)} "
+                              "(or leave it out for the unquantized port)")
         if self.sliding_cache not in SLIDING_CACHES:
             raise OptionError(f"--sliding-cache {self.sliding_cache!r}: use one of {', '.join(SLIDING_CACHES)}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -154,4 +162,5 @@ class RunSettings:
 
     def describe(self) -> str:
         return (f"{self.backend}, tp {self.tp}, {self.dtype}, buckets {list(self.buckets)}, "
-                f"KV length {self.kv_len}" + (f", {self.sliding_cache} sliding cache" if self.sliding_cache != "linear" else ""))
+                f"KV length {self.kv_len}" + (f", {self.sliding_cache} sliding cache" if self.sliding_cache != "linear" else "")
+                + (f", {self.quantize} weights" if self.quantize else ""))

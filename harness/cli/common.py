@@ -101,7 +101,7 @@ def dtype_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-RUN_ARGS = ("backend", "tp", "dtype", "buckets", "kv_len", "sliding_cache", "backend_options")
+RUN_ARGS = ("backend", "tp", "dtype", "buckets", "kv_len", "sliding_cache", "quantize", "backend_options")
 
 
 def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype") -> None:
@@ -131,6 +131,13 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
         p.add_argument("--sliding-cache", choices=list(SLIDING_CACHES), default=d.sliding_cache,
                        help=f"sliding layers' KV cache: linear (--kv-len slots) or ring (window slots) "
                             f"(default {d.sliding_cache}; docs/long-context.md)")
+    if "quantize" in fields:
+        from harness.base.settings import QUANTIZE_CHOICES
+
+        p.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=d.quantize,
+                       help="weight storage: int8 stores the decoder's projections as int8 with per-output-channel "
+                            "scales, dequantized before each matmul (NxD Inference's scheme; default: unquantized; "
+                            "docs/quantization.md)")
     if "batch" in fields:
         p.add_argument("--batch", type=int, default=d.batch, metavar="N",
                        help=f"serve the prompts as a batch of N sequences, each in its own KV slot, with "

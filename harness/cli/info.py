@@ -13,7 +13,7 @@ def add_command(sub) -> None:
                        description="The resolved per-layer spec, the TP plan and device bytes per rank. "
                                    "Exit 0, or 2 on bad input.")
     add_model_args(p, config=True)
-    add_run_args(p, fields=("tp", "dtype", "kv_len", "sliding_cache"), purpose="device dtype of the memory estimate")
+    add_run_args(p, fields=("tp", "dtype", "kv_len", "sliding_cache", "quantize"), purpose="device dtype of the memory estimate")
     tp = next(a for a in p._actions if a.dest == "tp")
     tp.default, tp.help = None, (f"tensor parallel degree (default: {tp.default} when the model fits one NeuronCore "
                                  "per rank there, else the smallest TP that fits)")
@@ -172,6 +172,13 @@ def run(args) -> int:
     print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
     payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache)
     print(render_hbm_fit(payload["hbm"]))
+    if s.quantize:  # the int8 build beside the unquantized one (docs/quantization.md#bytes-and-floors)
+        from harness.perf.quantized import quantized_comparison, render_quantized_comparison
+        from harness.perf.roofline import instance_rates
+
+        payload["quantization"] = quantized_comparison(args.spec, s.tp, s.dtype, s.kv_len, instance_rates(
+            args.instance, s.tp, s.dtype, args.chip), chip=args.chip, sliding_cache=s.sliding_cache)
+        print(render_quantized_comparison(payload["quantization"]))
     if args.batch:
         from harness.perf.batch import fit_table, render_fit_table
 

@@ -251,8 +251,16 @@ def run_bench_command(args) -> int:
         result["batch"] = run_batch_bench(args.ckpt, args.settings, args.batch, runs=args.runs,
                                           new_tokens=args.new_tokens, prompt_len=min(args.settings.buckets))
     result.update(speculative_bench(args, runs))  # with --assistant: the "speculative" block, printed
+    if args.settings.quantize:  # the unquantized build beside it, in this run (docs/quantization.md)
+        from harness.perf.quantized import beside_unquantized, render_beside
+
+        result["quantize"] = args.settings.quantize
+        result["unquantized"] = beside_unquantized(args.ckpt, args.settings, result, runs=runs, warmup=args.warmup,
+                                                   new_tokens=args.new_tokens, lengths=args.lengths)
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
+    if args.settings.quantize:
+        print(render_beside(result), end="")
     if args.batch:
         print(render_batch_bench(result["batch"]["rows"]), end="")
     print(f"wrote {args.out}", file=sys.stderr)

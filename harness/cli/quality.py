@@ -149,7 +149,15 @@ def run(args) -> int:
         print(f"reference pass done; shards still missing: {left or 'none'}"
               + ("" if left else f"; judge with `gemma-parity quality --golden {args.golden} ...`"))
         return EXIT_OK
-    payload = judge_corpus(ckpt, args.golden, settings, args.settings, progress=True)
+    from harness.quality.stats import quality_factor
+
+    payload = judge_corpus(ckpt, args.golden, settings, args.settings, progress=True,
+                           factor=quality_factor(args.settings.quantize))  # docs/quantization.md
+    if args.settings.quantize:  # the cost question, kept apart from check's structural one
+        payload["quantize"] = args.settings.quantize
+        payload["notes"].append(f"the port stores {args.settings.quantize} weights: this judges what quantization costs "
+                                "against the unquantized model (the golden); whether the port is right is "
+                                f"`check --quantize {args.settings.quantize}`'s question (docs/quantization.md)")
     kl_values = payload.pop("kl_values")
     payload = with_generator(payload, "quality", args)
     if args.json is not None:  # the files first: a verdict is printed only once they are written

@@ -23,6 +23,11 @@ def add_command(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="golden directory to write")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing golden deliberately (only a golden: never other files)")
+    from harness.base.settings import QUANTIZE_CHOICES
+
+    p.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=None,
+                   help="the golden of the quantized model (the structural truth of `check --quantize`, "
+                        "docs/quantization.md)")
     add_host_memory_arg(p)
     p.set_defaults(func=run, validate=validate)
 
@@ -50,6 +55,10 @@ def validate(args) -> None:
     v.clean_leftovers([out])
     claim_output(out, "--out")  # a second run for the same --out is refused now, not after its work
     ckpt = v.open_checkpoint(args)
+    if args.quantize:  # the quantized model's own checkpoint (harness/inputs/quantized_checkpoint.py)
+        from harness.inputs.quantized_checkpoint import quantized_reference
+
+        args.ckpt = ckpt = quantized_reference(ckpt, args.quantize)
     if not args.stream:
         ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
     prompts = load_prompts(args.prompts, args.ckpt_dir)
@@ -63,7 +72,7 @@ def run(args) -> int:
     from harness.reference.golden import make_golden
 
     # the same block as check's and bench's results (settings, input hashes, versions, commit, dirty)
-    written = make_golden(args.ckpt_dir, args.out, args.prompts, args.new_tokens, stream=args.stream,
+    written = make_golden(args.ckpt.path if args.quantize else args.ckpt_dir, args.out, args.prompts, args.new_tokens, stream=args.stream,
                           overwrite=args.overwrite, progress=True, provenance=run_provenance(args))
     print(f"golden written to {written.path}: {len(written.prompts)} prompt(s), {written.new_tokens} new "
           f"token(s); fp32 tokens {written.tokens}")

@@ -336,6 +336,10 @@ def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
         replaceable_report(output_location(args.report, "--report", True, inputs, outputs), "--report", args.command)
     clean_leftovers(outputs.values())
     ckpt = open_checkpoint(args)
+    if getattr(args, "quantize", None):  # the structural truth: the quantized model itself (docs/quantization.md)
+        from harness.inputs.quantized_checkpoint import quantized_reference
+
+        args.ckpt = ckpt = quantized_reference(ckpt, args.quantize)
     check_tp(ckpt.spec, args.tp)
     on_host = getattr(args, "backend", None) != "neuron"  # the cpu and xla backends hold the cache here
     check_kv_len(ckpt.spec, args.kv_len, getattr(args, "sliding_cache", "linear") if on_host else None)

@@ -5,12 +5,14 @@ memory-mapped reads (a 12B never resident at once) and pickle refusal
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from harness.base.errors import CheckpointError, NumericsError
+from harness.inputs.qat import describe_quantization, refuse_packed_config, refuse_packed_tensors
 from harness.inputs.spec import LayerSpec, ModelSpec, load_spec
 from harness.inputs.weight_files import key_map, open_safetensors, weight_files
 
@@ -102,6 +104,7 @@ class Checkpoint:
     ignored_keys: list[str] = field(default_factory=list)
     ignored_files: list[str] = field(default_factory=list)
     _hashes: dict[str, str] | None = field(default=None, repr=False, compare=False)
+    quantization_note: str | None = None  # what the config says of QAT / quantization (harness/inputs/qat.py)
 
     @classmethod
     def open(cls, path: str | Path, validate: bool = True) -> "Checkpoint":
@@ -110,7 +113,9 @@ class Checkpoint:
             what = "does not exist" if not path.exists() else "is not a directory"
             raise CheckpointError(f"{path}: {what}. Pass the checkpoint directory "
                                   "(the one save_pretrained wrote, with config.json and *.safetensors).")
-        spec = load_spec(path)
+        spec = load_spec(path)  # config.json checked first: a regular file of valid, sane JSON
+        config = _read_config(path)
+        refuse_packed_config(config, path)  # a packed low-bit checkpoint: refused naming the key (harness/inputs/qat.py)
         files, index_map, ignored_files = weight_files(path)
         key_to_file = key_map(path, files, index_map)
         prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in key_to_file), None)
@@ -122,8 +127,9 @@ class Checkpoint:
             )
         # Everything outside the text decoder (the unified class's vision/audio embedders) is inert.
         ignored = [k for k in key_to_file if not k.startswith(prefix) and k != "lm_head.weight"]
+        refuse_packed_tensors(_stored_dtypes(key_to_file, prefix), path)
         ckpt = cls(path=path, spec=spec, prefix=prefix, key_to_file=key_to_file, ignored_keys=ignored,
-                   ignored_files=ignored_files)
+                   ignored_files=ignored_files, quantization_note=describe_quantization(config))
         if validate:
             ckpt.validate()
         return ckpt
@@ -181,6 +187,8 @@ class Checkpoint:
                          "ignored (vision/audio embedders; the checkpoint has no encoder towers)")
         if self.ignored_files:
             lines.append(f"not loaded (transformers does not load them either): {', '.join(self.ignored_files)}")
+        if self.quantization_note:
+            lines.append(self.quantization_note)
         return "\n".join(lines)
 
     # -- reads (memory-mapped, one tensor at a time) -------------------------------------------
@@ -283,6 +291,27 @@ def _transformers_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = cls(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}  # load_spec has read it already; nothing more to say here
+    return config if isinstance(config, dict) else {}
+
+
+def _stored_dtypes(key_to_file: dict[str, Path], prefix: str) -> dict[str, str]:
+    """The safetensors dtype of each text-decoder tensor (and lm_head), read from the headers only."""
+    by_file: dict[Path, list[str]] = {}
+    for key, file in key_to_file.items():
+        if key.startswith(prefix) or key == "lm_head.weight":
+            by_file.setdefault(file, []).append(key)
+    found = {}
+    for file, keys in by_file.items():
+        with open_safetensors(file) as f:
+            found.update({key: f.get_slice(key).get_dtype() for key in keys})
+    return found
 
 
 def _check_stored(file: Path, key: str, view, shape: tuple[int, ...]) -> None:

@@ -24,7 +24,7 @@ from harness.base.errors import HarnessInputError
 from harness.perf import outputs, stats
 from harness.perf.batch import pin_batch_outputs
 from harness.perf.length import pin_length_outputs
-from harness.perf.results import load_result, metric_samples, mismatches, budget_samples
+from harness.perf.results import CONFIGURATION_FIELDS, load_result, metric_samples, mismatches, budget_samples
 
 # Absolute ceilings on the median, in ms, for the real 12B on one inf2 chip at TP=2, bf16, bucket 64.
 BUDGETS = {
@@ -209,8 +209,13 @@ def compare_samples(baseline_samples, current_samples, factor: float = DEFAULT_F
 def check_comparable(baseline: dict, current: dict, allow_mismatch: bool = False,
                      baseline_label: str = "baseline", current_label: str = "current") -> list[str]:
     """Refuse runs that are not comparable; with allow_mismatch, return the differences as notes."""
-    diffs = [f"{name} differs ({baseline_label}: {a!r}, {current_label}: {b!r})"
-             for name, a, b in mismatches(baseline, current)]
+    found = mismatches(baseline, current)
+    diffs = [f"{name} differs ({baseline_label}: {a!r}, {current_label}: {b!r})" for name, a, b in found]
+    other = [f"{name} {a or 'none'} vs {b or 'none'}" for name, a, b in found if name in CONFIGURATION_FIELDS]
+    if other:  # another configuration: never a regression of one another, whatever --allow-mismatch says
+        raise HarnessInputError(f"cannot compare these runs: {'; '.join(other)}: they are different configurations "
+                                "(docs/quantization.md), not a baseline and its regression; compare each with runs "
+                                "of its own configuration")
     if diffs and not allow_mismatch:
         raise HarnessInputError(
             f"cannot compare these runs: {'; '.join(diffs)}. Timings from different machines, models "

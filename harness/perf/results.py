@@ -20,7 +20,10 @@ FORMAT = 1
 BASELINE_FILE = "baseline.json"
 # Timings are only comparable when these agree (--allow-mismatch overrides).
 COMPARABLE_FIELDS = ("machine.cpu_model", "machine.neuron_cores", "spec_hash", "backend", "tp",
-                     "dtype", "prefill_bucket")
+                     "dtype", "prefill_bucket", "quantize")
+# Fields that make another configuration, never comparable even with --allow-mismatch: an int8 build
+# is not a regression (or a speedup) of the unquantized one (docs/quantization.md).
+CONFIGURATION_FIELDS = ("quantize",)
 REQUIRED_KEYS = ("machine", "spec_hash", "backend", "tp", "dtype", "created", "prefill_bucket", "metrics")
 
 

@@ -13,6 +13,7 @@ import torch
 
 from harness.base.errors import ShardingError
 from harness.base.settings import DEFAULT_DTYPE, DEFAULT_KV_LEN
+from harness.inputs.quantize import port_layer_weights, scheme_of, weight_name
 from harness.inputs.spec import LayerSpec, ModelSpec, dtype_bytes
 
 # Weights split by output rows (per head for attention), by input columns, or copied to every rank.
@@ -123,13 +124,16 @@ def shard_layer(weights: dict[str, torch.Tensor], plan: LayerPlan, rank: int) ->
     q_heads, kv_heads = plan.q_heads_for_rank(rank), kv_heads_for_rank(plan, rank)
     out = {}
     for name, w in weights.items():
-        if name in Q_ROWS:
+        # A quantized weight's per-output-row scale (harness/inputs/quantize.py) goes with its rows:
+        # split like a row-split weight's rows, replicated beside a column-split one.
+        rows_of = weight_name(name) or name
+        if rows_of in Q_ROWS:
             out[name] = _heads(w, q_heads, d, 0)
-        elif name in KV_ROWS:
+        elif rows_of in KV_ROWS:
             out[name] = _heads(w, kv_heads, d, 0)
         elif name in Q_COLS:
             out[name] = _heads(w, q_heads, d, 1)
-        elif name in MLP_ROWS:
+        elif rows_of in MLP_ROWS:
             out[name] = w.chunk(plan.tp, 0)[rank].contiguous()
         elif name in MLP_COLS:
             out[name] = w.chunk(plan.tp, 1)[rank].contiguous()
@@ -153,17 +157,18 @@ def merge_layer_shards(shards: list[dict[str, torch.Tensor]], plan: LayerPlan) -
     d = plan.head_dim
     merged = {}
     for name in shards[0]:
-        if name in Q_ROWS:
+        rows_of = weight_name(name) or name  # a scale merges as its weight's rows (shard_layer)
+        if rows_of in Q_ROWS:
             merged[name] = torch.cat([s[name] for s in shards], 0)
         elif name in Q_COLS:
             merged[name] = torch.cat([s[name] for s in shards], 1)
-        elif name in KV_ROWS:
+        elif rows_of in KV_ROWS:
             by_head = {}
             for rank, s in enumerate(shards):
                 for j, h in enumerate(kv_heads_for_rank(plan, rank)):
                     by_head.setdefault(h, s[name][j * d:(j + 1) * d])
             merged[name] = torch.cat([by_head[h] for h in sorted(by_head)], 0)
-        elif name in MLP_ROWS:
+        elif rows_of in MLP_ROWS:
             merged[name] = torch.cat([s[name] for s in shards], 0)
         elif name in MLP_COLS:
             merged[name] = torch.cat([s[name] for s in shards], 1)
@@ -177,12 +182,17 @@ def merge_layer_shards(shards: list[dict[str, torch.Tensor]], plan: LayerPlan) -
     return merged
 
 
-def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None) -> list[dict[str, torch.Tensor]]:
-    """Per-rank state dicts for model.RankDecoder, streamed one layer at a time from `checkpoint`."""
+def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None,
+                     quantize: str | None = None) -> list[dict[str, torch.Tensor]]:
+    """Per-rank state dicts for model.RankDecoder, streamed one layer at a time from `checkpoint`;
+    with `quantize` (a scheme of harness/inputs/quantize.py), the quantized layers' int8 weights
+    and scales (harness/port/quantized.py)."""
     plans = plan_model(checkpoint.spec, tp)
+    scheme = scheme_of(quantize)
     states: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     for plan in plans:
-        weights = checkpoint.layer_weights(plan.index, dtype)
+        weights = (checkpoint.layer_weights(plan.index, dtype) if scheme is None
+                   else port_layer_weights(checkpoint, plan.index, scheme, dtype))
         for rank in range(tp):
             for name, tensor in shard_layer(weights, plan, rank).items():
                 states[rank][f"layers.{plan.index}.{name}"] = tensor
