@@ -76,3 +76,7 @@ REALISTIC_CASES = [
     Case("realistic-1024-default-past-window", Shape("r1024", "default", WIDE), Run((prompt_of(40),), 4)),
 ]
 CASES += REALISTIC_CASES
+
+# Issue 38: the family at prompts of 40 and 5 tokens (45 positions a point): enough rows for the
+# distributional gate (harness/judge/distribution.py MIN_POSITIONS) to judge each variant.
+CASES += [Case(f"{name}-past-window", shape, PAST_WINDOW) for name, shape in FAMILY.items()]

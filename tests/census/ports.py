@@ -89,8 +89,8 @@ def references(shape: Shape, prompts: tuple, new_tokens: int):
         return run_reference(ckpt.path, [list(p) for p in prompts], new_tokens)
 
 
-def run_check(shape: Shape, run: Run):
-    """`check` (both stages, no local verdicts) of the bf16 port at the run's settings."""
+def run_check(shape: Shape, run: Run, local: bool = False):
+    """`check` (both stages; the local verdicts when `local`) of the bf16 port at the run's settings."""
     from harness.backends import build_engine
     from harness.base.settings import RunSettings
     from harness.parity.check import check_port
@@ -99,7 +99,7 @@ def run_check(shape: Shape, run: Run):
     refs = references(shape, run.prompts, run.new_tokens)
     settings = RunSettings(tp=run.tp, buckets=run.buckets, kv_len=run.kv_len, sliding_cache=run.sliding_cache)
     engine = build_engine(ckpt, settings, capture=True)
-    return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
+    return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=local)
 
 
 # The healthy port issue 26 names: 6 layers, full layers with 2 KV heads, hidden 64 (default init).
