@@ -54,6 +54,7 @@ def validate(args) -> None:
         ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
     prompts = load_prompts(args.prompts, args.ckpt_dir)
     validate_prompt_ids(ckpt.spec, prompts, args.prompts)
+    args.self_check = None if args.stream else (ckpt, prompts)  # a streamed model is never loaded whole
     validate_prompt_fit(prompts, args.new_tokens, args.prompts, max_positions=ckpt.spec.max_positions)
     plan_gate(args, "reference", ckpt.spec, rows_of(prompts, args.new_tokens), stream=args.stream)
 
@@ -61,6 +62,10 @@ def validate(args) -> None:
 def run(args) -> int:
     from harness.cli.common import run_provenance
     from harness.reference.golden import make_golden
+    from harness.reference.selfcheck import refuse_unsound_reference
+
+    if args.self_check is not None:
+        refuse_unsound_reference(*args.self_check)  # exit 2 (issue 38)
 
     # the same block as check's and bench's results (settings, input hashes, versions, commit, dirty)
     written = make_golden(args.ckpt_dir, args.out, args.prompts, args.new_tokens, stream=args.stream,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.base.numerics import bf16_ulp, softcap
-from harness.judge.distribution import position_r
+from harness.judge.ratios import position_r
 from harness.judge.verdicts import (LayerResult, LogitsResult, NearTieCalibration, PointResult, ProbabilityResult,
                                     TokenVerdict)
 

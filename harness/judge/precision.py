@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.base.points import Point
-from harness.judge.distribution import MIN_POSITIONS, finite_r
+from harness.judge.ratios import MIN_POSITIONS, finite_r
 
 # A point is over-precise when the median of its R over at least MIN_POSITIONS positions is below
 # OVER_PRECISION_LIMIT. Where from: the healthy census's lowest median of a point is
@@ -19,6 +19,10 @@ from harness.judge.distribution import MIN_POSITIONS, finite_r
 OVER_PRECISION_HEALTHY_MIN = 0.95
 OVER_PRECISION_LIMIT = 0.9
 BF16_BYTES, FP32_BYTES = 2, 4
+# Parts whose R is not a precision reading below 1: the gated per-layer input is judged against its
+# pooled envelope (compare.POOLED_PARTS: R below 1 by construction, median 0.13-0.76 on the healthy
+# census), the MoE router's chosen-expert weights are dense over experts (healthy medians below 0.9).
+NOT_JUDGED = ("per_layer_input", "expert_weights")
 
 
 @dataclass
@@ -67,11 +71,23 @@ def over_precise(point, scope: str) -> OverPrecision | None:
 
 
 def find_over_precision(cumulative, local) -> list[OverPrecision]:
-    """Every over-precise point, the local verdicts' first (a layer alone inherits nothing), each
-    scope in run order: the first names where it starts."""
-    found = [over_precise(p, "local") for p in local] + [over_precise(p, "cumulative") for p in cumulative]
+    """Every over-precise point in run order (the first names where it starts): the layers' points
+    alone on the reference's input (local) where those ran, else in the port's prefill; the points
+    outside the layers (the embeddings, the final norm, the logits) in the port's prefill. Not the
+    port's deep layers cumulatively, nor teacher-forced decode: there a healthy port's R compounds
+    and its few decode rows are alike (the census saw a healthy point at a median of 0.85 at the
+    last layer's decode KV cache)."""
+    found = [over_precise(p, scope) for scope, p in judged_points(cumulative, local)]
     found = [o for o in found if o is not None]
     return sorted(found, key=lambda o: (_order(o.point), o.scope != "local"))
+
+
+def judged_points(cumulative, local) -> list[tuple[str, object]]:
+    """(scope, point) of every point over-precision is judged at (find_over_precision), NOT_JUDGED left out."""
+    prefill = [p for p in cumulative if not Point.parse(p.name).decode]
+    points = [("local", p) for p in local] + [("cumulative", p) for p in prefill
+                                              if not local or not Point.parse(p.name).in_layer]
+    return [(scope, p) for scope, p in points if Point.parse(p.name).part not in NOT_JUDGED]
 
 
 def _order(name: str) -> tuple:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from harness.judge.distribution import MEDIAN_LIMIT, MIN_POSITIONS, P95_LIMIT, finite_r
+from harness.judge.distribution import LIMITS
+from harness.judge.ratios import MIN_POSITIONS, finite_r
 from harness.judge.precision import OVER_PRECISION_LIMIT
 
 
@@ -22,10 +23,11 @@ def extremes(result) -> dict:
         if s.gated:
             out[(s.kind, s.scope, "median")] = s.median
             out[(s.kind, s.scope, "p95")] = s.p95
-    points = [("cumulative", p) for p in result.all_points()] + [
-        ("local", p) for v in result.local_verdicts or [] for p in v.local]
-    medians = [float(finite_r([p]).median()) for _, p in points
-               if getattr(p, "position_r", None) is not None and finite_r([p]).numel() >= MIN_POSITIONS]
+    from harness.judge.precision import judged_points
+
+    points = judged_points([p for p in result.all_points() if getattr(p, "position_r", None) is not None],
+                           [p for v in result.local_verdicts or [] for p in v.local])
+    medians = [float(finite_r([p]).median()) for _, p in points if finite_r([p]).numel() >= MIN_POSITIONS]
     if medians:
         out[("point", "any", "lowest median")] = min(medians)
     return out
@@ -41,7 +43,7 @@ def merge(table: dict, row: dict, case: str) -> None:
 def render(table: dict) -> str:
     lines = ["| kind | scope | statistic | healthy extreme | gate | margin | where |", "|---|---|---|---|---|---|---|"]
     for (kind, scope, stat), (value, case) in sorted(table.items()):
-        gate = {"median": MEDIAN_LIMIT, "p95": P95_LIMIT, "lowest median": OVER_PRECISION_LIMIT}[stat]
+        gate = OVER_PRECISION_LIMIT if stat == "lowest median" else LIMITS[scope][stat == "p95"]
         margin = value / gate if stat == "lowest median" else gate / value
         lines.append(f"| {kind} | {scope} | {stat} | {value:.3f} | {gate:g} | {margin:.2f}x | {case} |")
     return "\n".join(lines)
