@@ -84,7 +84,9 @@ class KindStats:
 
 
 def where(points, statistic: str, limit: float) -> str:
-    """The first point in run order whose own median (or p95) is over `limit`, else the kind's worst."""
+    """Where a breach starts: the first point in run order whose own median (or p95) is over `limit`
+    (the healthy census's largest: a point's own statistic is noisier than its kind's), else the
+    kind's worst."""
     def stat(p):
         r = finite_r([p])
         if r.numel() < POINT_MIN_POSITIONS:
@@ -119,12 +121,22 @@ class Distribution:
     strict: bool = False  # over-precision fails (--strict-precision) instead of warning
     notes: list[str] = field(default_factory=list)
     stage: str = "distribution"
+    # The check this reads (its bf16 stage, the fp32 stage once attached): a gate beside the point
+    # limits, so where a stage already fails at its points the distribution reports, not fails again.
+    check: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def superseded(self) -> bool:
+        c = self.check
+        return c is not None and (not c.stage_passed or (c.fp32 is not None and not c.fp32.stage_passed))
 
     @property
     def passed(self) -> bool:
         return not self.failures()
 
     def failures(self) -> list[dict]:
+        if self.superseded:
+            return []
         out = [dict(b, stage=self.stage) for b in self.breaches]
         if self.strict:
             out += [dict(o.failure(), stage=self.stage) for o in self.over_precision[:1]]
@@ -150,13 +162,16 @@ class Distribution:
                          "extra_stages.distribution)")
         lines += [f"  note: {n}" for n in self.notes]
         verdict = "PASS" if self.passed else "FAIL"
+        if self.superseded and (self.breaches or self.over_precision):
+            verdict = "not counted (a stage already fails at its points)"
         return "\n".join(lines[:1]) + f": {verdict}\n" + "\n".join(lines[1:])
 
     def to_json(self) -> dict:
         def clean(d):
             return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in d.items()}
 
-        return {"passed": self.passed, "strict_precision": self.strict,
+        return {"passed": self.passed, "strict_precision": self.strict, "superseded": self.superseded,
+                "breaches": self.breaches,
                 "limits": {scope: {"median": m, "p95": q} for scope, (m, q) in LIMITS.items()},
                 "min_positions": MIN_POSITIONS,
                 "healthy_census": {scope: {"median": m, "p95": q} for scope, (m, q) in HEALTHY.items()},
@@ -176,7 +191,7 @@ def scope_stats(points, scope: str, kind_of=None) -> tuple[list[KindStats], list
         stats.append(s)
         for statistic, value, limit in s.breaches():
             breaches.append({"point": f"R {statistic} of {kind} ({scope})", "ratio": value,
-                             "where": where(members, statistic, limit),
+                             "where": where(members, statistic, HEALTHY[scope][statistic == "p95"]),
                              "detail": f"{statistic} of R over {s.positions} positions is {value:.3f}, over the "
                                        f"gate {limit:g} (precision ordering or a missing multiplier)"})
     return stats, breaches
@@ -195,7 +210,8 @@ def judge_distribution(result, strict: bool = False) -> Distribution:
         overall, overall_breaches = overall + stats, overall_breaches + found
     notes = [] if local else ["no local (layer-alone) verdicts ran: the cumulative distribution alone is gated"]
     return Distribution(kinds=kinds + local_kinds, overall=overall, breaches=breaches + local_breaches + overall_breaches,
-                        over_precision=find_over_precision(cumulative, local), strict=strict, notes=notes)
+                        over_precision=find_over_precision(cumulative, local), strict=strict, notes=notes,
+                        check=result)
 
 
 def strict_precision(result, strict: bool = True):

@@ -80,3 +80,11 @@ CASES += REALISTIC_CASES
 # Issue 38: the family at prompts of 40 and 5 tokens (45 positions a point): enough rows for the
 # distributional gate (harness/judge/distribution.py MIN_POSITIONS) to judge each variant.
 CASES += [Case(f"{name}-past-window", shape, PAST_WINDOW) for name, shape in FAMILY.items()]
+
+# Issue 38: the E2B whose per-layer model projection is small next to its norm's eps (its weights x
+# 1e-3), where leaving out the projection's 1/sqrt(hidden) scale is large (tests/faults/precision.py
+# ple-projection-scale-missing fails it at `layers.0.per_layer_input` in both stages, fp32 at ~1e5x).
+E2B_SMALL_PROJECTION = Case("family-e2b-small-projection-past-window",
+                            Shape("e2bsmall", "default", (), 0, "e2b", (("per_layer_model_projection", 1e-3),)),
+                            PAST_WINDOW)
+CASES += [E2B_SMALL_PROJECTION]

@@ -26,6 +26,9 @@ class Shape:
     edits: tuple = ()
     seed: int = 0
     variant: str | None = None  # a harness.inputs.tiny.TINY_FAMILY key
+    # (parameter-name substring, factor): weights scaled after init, e.g. a per-layer model projection
+    # made small next to its norm's eps, where a missing projection scale is large (issue 38)
+    shrink: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ def checkpoint(shape: Shape):
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
     if shape.init == "builder":
         randomize_for_margins(model, shape.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            for part, factor in shape.shrink:
+                if part in name:
+                    param.mul_(factor)
     out = _ROOT / f"{shape.name}-{shape.init}-{shape.seed}"
     model.save_pretrained(out)
     return Checkpoint.open(out)
