@@ -72,11 +72,11 @@ def over_precise(point, scope: str) -> OverPrecision | None:
 
 def find_over_precision(cumulative, local) -> list[OverPrecision]:
     """Every over-precise point in run order (the first names where it starts): the layers' points
-    alone on the reference's input (local) where those ran, else in the port's prefill; the points
-    outside the layers (the embeddings, the final norm, the logits) in the port's prefill. Not the
-    port's deep layers cumulatively, nor teacher-forced decode: there a healthy port's R compounds
-    and its few decode rows are alike (the census saw a healthy point at a median of 0.85 at the
-    last layer's decode KV cache)."""
+    alone on the reference's input (the local verdicts: without them a layer's over-precision is not
+    judged), the points outside the layers (the embeddings, the final norm, the logits) in the port's
+    prefill. Not the layers cumulatively, nor teacher-forced decode: there a healthy port's R
+    compounds and its few decode rows are alike (the census saw healthy points at medians of 0.85 at
+    the last layer's decode KV cache)."""
     found = [over_precise(p, scope) for scope, p in judged_points(cumulative, local)]
     found = [o for o in found if o is not None]
     return sorted(found, key=lambda o: (_order(o.point), o.scope != "local"))
@@ -84,9 +84,8 @@ def find_over_precision(cumulative, local) -> list[OverPrecision]:
 
 def judged_points(cumulative, local) -> list[tuple[str, object]]:
     """(scope, point) of every point over-precision is judged at (find_over_precision), NOT_JUDGED left out."""
-    prefill = [p for p in cumulative if not Point.parse(p.name).decode]
-    points = [("local", p) for p in local] + [("cumulative", p) for p in prefill
-                                              if not local or not Point.parse(p.name).in_layer]
+    outside = [p for p in cumulative if not Point.parse(p.name).decode and not Point.parse(p.name).in_layer]
+    points = [("local", p) for p in local] + [("cumulative", p) for p in outside]
     return [(scope, p) for scope, p in points if Point.parse(p.name).part not in NOT_JUDGED]
 
 

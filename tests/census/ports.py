@@ -41,6 +41,8 @@ class Run:
     buckets: tuple = (64,)
     kv_len: int = 96
     sliding_cache: str = "linear"
+    fp32_stage: bool = True  # False: the structural stage skipped (a member too large for its fp32 port)
+    local: bool = False  # the local (layer-alone) verdicts too: the distributional gate's sharp scope
 
 
 def prompt_of(n: int, seed: int = 0, vocab: int = 512) -> tuple:
@@ -107,7 +109,8 @@ def run_check(shape: Shape, run: Run, local: bool = False):
     refs = references(shape, run.prompts, run.new_tokens)
     settings = RunSettings(tp=run.tp, buckets=run.buckets, kv_len=run.kv_len, sliding_cache=run.sliding_cache)
     engine = build_engine(ckpt, settings, capture=True)
-    return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=local)
+    return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=local or run.local,
+                      fp32_engine="auto" if run.fp32_stage else None)
 
 
 # The healthy port issue 26 names: 6 layers, full layers with 2 KV heads, hidden 64 (default init).
