@@ -154,7 +154,7 @@ class Distribution:
             cells = [f"{scope} median {s.median:.3f} p95 {s.p95:.3f} ({s.rows} positions"
                      f"{'' if s.gated else ', too few to gate'})" for scope, s in scopes.items()]
             lines.append(f"  {kind:16s} " + "; ".join(cells))
-        lines += [f"  FAIL {b['point']}: {b['detail']}" for b in self.breaches]
+        lines += [f"  FAIL {b['point']}, from {b['where']}: {b['detail']}" for b in self.breaches]
         for o in self.over_precision[:3]:
             lines.append(f"  {'FAIL' if self.strict else 'WARNING'} over-precision: {o.describe()}")
         if len(self.over_precision) > 3:
@@ -192,8 +192,9 @@ def scope_stats(points, scope: str, kind_of=None) -> tuple[list[KindStats], list
         for statistic, value, limit in s.breaches():
             breaches.append({"point": f"R {statistic} of {kind} ({scope})", "ratio": value,
                              "where": where(members, statistic, HEALTHY[scope][statistic == "p95"]),
-                             "detail": f"{statistic} of R over {s.positions} positions is {value:.3f}, over the "
-                                       f"gate {limit:g} (precision ordering or a missing multiplier)"})
+                             "detail": f"{statistic} of R over {s.rows} positions ({s.positions} values) is "
+                                       f"{value:.3f}, over the gate {limit:g} (precision ordering or a missing "
+                                       "multiplier)"})
     return stats, breaches
 
 
