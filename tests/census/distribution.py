@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from harness.judge.distribution import LIMITS
+from harness.judge.distribution import LIMITS, NO_P95
 from harness.judge.ratios import MIN_POSITIONS, finite_r
 from harness.judge.precision import OVER_PRECISION_LIMIT
 
@@ -43,6 +43,9 @@ def merge(table: dict, row: dict, case: str) -> None:
 def render(table: dict) -> str:
     lines = ["| kind | scope | statistic | healthy extreme | gate | margin | where |", "|---|---|---|---|---|---|---|"]
     for (kind, scope, stat), (value, case) in sorted(table.items()):
+        if stat == "p95" and kind in NO_P95:
+            lines.append(f"| {kind} | {scope} | {stat} | {value:.3f} | not gated | - | {case} |")
+            continue
         gate = OVER_PRECISION_LIMIT if stat == "lowest median" else LIMITS[scope][stat == "p95"]
         margin = value / gate if stat == "lowest median" else gate / value
         lines.append(f"| {kind} | {scope} | {stat} | {value:.3f} | {gate:g} | {margin:.2f}x | {case} |")
