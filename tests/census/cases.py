@@ -78,8 +78,10 @@ REALISTIC_CASES = [
 CASES += REALISTIC_CASES
 
 # Issue 38: the family at prompts of 40 and 5 tokens (45 positions a point): enough rows for the
-# distributional gate (harness/judge/distribution.py MIN_POSITIONS) to judge each variant.
-CASES += [Case(f"{name}-past-window", shape, PAST_WINDOW) for name, shape in FAMILY.items()]
+# distributional gate (harness/judge/ratios.py MIN_POSITIONS) to judge each variant. transformers'
+# default init only (the calibration run had both inits: the default init's R reached the census's
+# largest cumulative medians, docs/judging.md#the-distributional-gate), to bound the slow lane.
+CASES += [Case(f"{name}-past-window", shape, PAST_WINDOW) for name, shape in FAMILY.items() if name.endswith("default")]
 
 # Issue 38: the E2B whose per-layer model projection is small next to its norm's eps (its weights x
 # 1e-3), where leaving out the projection's 1/sqrt(hidden) scale is large (tests/faults/precision.py
