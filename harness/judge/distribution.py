@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from harness.base.points import Point
-from harness.judge.precision import find_over_precision
+from harness.judge.precision import find_over_precision, served_over_precision
 from harness.judge.ratios import MIN_POSITIONS, POINT_MIN_POSITIONS, finite_r
 
 # The gate, per scope (LIMITS: median and 95th percentile of R over a kind's positions, and over all
@@ -134,12 +134,17 @@ class Distribution:
     def passed(self) -> bool:
         return not self.failures()
 
+    @property
+    def flagged(self) -> list:
+        """The check's over-precision, then the served build's (read once its stage is attached)."""
+        return self.over_precision + served_over_precision(getattr(self.check, "extra_stages", ()))
+
     def failures(self) -> list[dict]:
         if self.superseded:
             return []
         out = [dict(b, stage=self.stage) for b in self.breaches]
         if self.strict:
-            out += [dict(o.failure(), stage=self.stage) for o in self.over_precision[:1]]
+            out += [dict(o.failure(), stage=self.stage) for o in self.flagged[:1]]
         return out
 
     def describe(self) -> str:
@@ -155,14 +160,14 @@ class Distribution:
                      f"{'' if s.gated else ', too few to gate'})" for scope, s in scopes.items()]
             lines.append(f"  {kind:16s} " + "; ".join(cells))
         lines += [f"  FAIL {b['point']}, from {b['where']}: {b['detail']}" for b in self.breaches]
-        for o in self.over_precision[:3]:
+        for o in self.flagged[:3]:
             lines.append(f"  {'FAIL' if self.strict else 'WARNING'} over-precision: {o.describe()}")
-        if len(self.over_precision) > 3:
-            lines.append(f"  ... over-precision at {len(self.over_precision) - 3} more points (the JSON's "
+        if len(self.flagged) > 3:
+            lines.append(f"  ... over-precision at {len(self.flagged) - 3} more points (the JSON's "
                          "extra_stages.distribution)")
         lines += [f"  note: {n}" for n in self.notes]
         verdict = "PASS" if self.passed else "FAIL"
-        if self.superseded and (self.breaches or self.over_precision):
+        if self.superseded and (self.breaches or self.flagged):
             verdict = "not counted (a stage already fails at its points)"
         return "\n".join(lines[:1]) + f": {verdict}\n" + "\n".join(lines[1:])
 
@@ -176,7 +181,7 @@ class Distribution:
                 "min_positions": MIN_POSITIONS,
                 "healthy_census": {scope: {"median": m, "p95": q} for scope, (m, q) in HEALTHY.items()},
                 "overall": [clean(asdict(s)) for s in self.overall], "kinds": [clean(asdict(s)) for s in self.kinds],
-                "failures": self.failures(), "over_precision": [o.to_json() for o in self.over_precision],
+                "failures": self.failures(), "over_precision": [o.to_json() for o in self.flagged],
                 "notes": self.notes}
 
 

@@ -37,6 +37,8 @@ class OverPrecision:
 
     @property
     def where(self) -> str:
+        if self.point.startswith("served."):
+            return "the served build (its step logits)"
         p = Point.parse(self.point)
         return f"layer {p.layer} ({p.part})" if p.in_layer else self.point
 
@@ -94,3 +96,12 @@ def _order(name: str) -> tuple:
     p = Point.parse(name)
     rank = {"embeddings": 0, "layer": 1, "kv": 1, "final_norm": 2, "logits": 3, "probabilities": 4}[p.kind]
     return (p.decode, rank, p.layer if p.layer is not None else -1)
+
+
+def served_over_precision(stages) -> list[OverPrecision]:
+    """The served build's own over-precision (harness/parity/served.py judges its step logits with
+    compare_point, which leaves R on them): the served graph computing its logits closer to fp32 than
+    bf16 can be, with what that costs a token (a vocabulary of values in fp32)."""
+    found = [over_precise(s.step_logits, "served") for s in stages
+             if getattr(s, "stage", None) == "served" and getattr(s, "step_logits", None) is not None]
+    return [o for o in found if o is not None]

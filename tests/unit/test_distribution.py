@@ -108,3 +108,17 @@ def test_kl_means_are_never_negative():
     assert float((log_p.exp() * (log_p - probs.double().log())).sum(-1).mean()) < 0  # the rounding exists
     result = compare_logits(ref, ref, None, None, dev_probs=probs)
     assert result.kl_mean >= 0.0 and result.kl_max >= 0.0
+
+
+def test_the_served_builds_over_precision_says_what_it_costs():
+    """The served build's step logits (judged by compare_point in harness/parity/served.py) closer to
+    fp32 than bf16 can be: flagged once its stage is attached, its cost a vocabulary of fp32 values."""
+    check = _Check(_layers([1.0] * 2), local=_layers([1.0] * 2))
+    dist = judge_distribution(check)
+    served = type("Served", (), {"stage": "served", "step_logits": _point("served.step_logits", _noise(40, 0.5),
+                                                                          lanes=262144)})()
+    check.extra_stages = [dist, served]
+    assert [o.point for o in dist.flagged] == ["served.step_logits"] and dist.passed
+    assert "the served build" in dist.describe() and "524288 more bytes a token" in dist.describe()
+    strict_precision(check)
+    assert not dist.passed and dist.to_json()["over_precision"][0]["extra_bytes_per_token"] == 524288
