@@ -6,7 +6,7 @@ from harness.base.atomic import write_json_atomic
 from harness.base.errors import OptionError
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
-from harness.cli.check import add_speculate_args, validate_speculate
+from harness.cli.check import add_speculate_args, add_strict_precision_arg, validate_speculate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 
 
@@ -27,6 +27,7 @@ def add_command(sub) -> None:
     add_port_args(p, "write bisect.md, bisect.json and bisect_errors.png there", batch=True)
     add_host_memory_arg(p)
     add_speculate_args(p)  # with --assistant: the drafter's first failing point named too
+    add_strict_precision_arg(p)
     p.set_defaults(func=run, validate=validate)
 
 
@@ -39,6 +40,10 @@ def validate(args) -> None:
     args.settings = run_settings(args)
     if (why := backend_unavailable(args.settings.backend)) is not None:  # before the reference's layers are built
         raise OptionError(why)
+    if args.strict_precision and (args.mode or ("capture" if args.settings.backend == "cpu" else "truncate")) == "truncate":
+        raise OptionError("--strict-precision with truncate mode: truncate builds judge no distribution of R and no "
+                          "over-precision (they need the capture run's points); use --mode capture or drop "
+                          "--strict-precision")
     inputs = v.model_inputs(args)
     inputs["--golden"] = v.input_path(args.golden, "--golden", want_dir=True)
     ckpt = v.port_run_outputs_and_checkpoint(args, inputs)
@@ -50,12 +55,16 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
+    from harness.judge.distribution import strict_precision
     from harness.parity.bisect import bisect_golden
     from harness.report.formats import format_bisect, write_report
 
     ckpt = args.ckpt
     print(ckpt.describe())
     result, payload = bisect_golden(ckpt, args.golden_read, args.settings, mode=args.mode, progress=True)
+    distribution = strict_precision(result.check, args.strict_precision)
+    if distribution is not None:  # the check's R distribution and over-precision, under --strict-precision too
+        payload["distribution"], payload["passed"] = distribution.to_json(), result.passed
     text = format_bisect(payload) + _drafter(args, result, payload)
     payload = with_generator(payload, "bisect", args)
     if args.json is not None:  # the files first: a verdict is printed only once they are written

@@ -25,6 +25,7 @@ def add_command(sub) -> None:
                    help="skip the fp32 structural stage (it holds the model in fp32 on the host)")
     p.add_argument("--skip-served-build", action="store_true",
                    help="do not run and judge the perf build bench times (the served build); said in the result")
+    add_strict_precision_arg(p)
     p.add_argument("--verbose", action="store_true", help="print the wall time of each stage and phase "
                    "(always in the JSON under \"seconds\")")
     add_port_args(p, "write a Markdown summary, the JSON and a PNG plot", batch=True)
@@ -32,6 +33,12 @@ def add_command(sub) -> None:
     add_speculate_args(p)
     add_host_memory_arg(p)
     p.set_defaults(func=run, validate=validate)
+
+
+def add_strict_precision_arg(p) -> None:
+    p.add_argument("--strict-precision", action="store_true",
+                   help="over-precision (a point computed closer to fp32 than bf16 can be: an extra fp32 stretch "
+                        "the device pays for) fails instead of warning (docs/judging.md#over-precision)")
 
 
 def add_speculate_args(p) -> None:
@@ -136,16 +143,20 @@ def run(args) -> int:
     from harness.parity.check import run_parity_check
     from harness.parity.served import served_stage
     from harness.parity.speculative import speculative_stage
+    from harness.judge.distribution import strict_precision
+    from harness.reference.selfcheck import refuse_unsound_reference
     from harness.report.formats import format_check, write_report
 
     ckpt = args.ckpt
     print(ckpt.describe())
+    refuse_unsound_reference(ckpt, args.prompt_ids or args.reference_source.prompts)  # exit 2 (issue 38)
     extra = batch_checks(args) + (served_stage(args.settings, progress=True, skip=args.skip_served_build),)
     if args.assistant_ckpt is not None:
         extra += (speculative_stage(args.settings, args.assistant, args.speculate),)
     result = run_parity_check(ckpt, args.ckpt_dir, args.settings, golden=args.reference_source,
                               prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
                               fp32_stage=not args.skip_fp32_stage, extra_checks=extra)
+    strict_precision(result, args.strict_precision)
     payload = with_generator(result.to_json(), "check", args)
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from harness.base.atomic import claim_output
 from harness.base.errors import OptionError, OutputError
 from harness.cli import validate as v
@@ -35,6 +37,7 @@ def add_command(sub) -> None:
 def validate(args) -> None:
     from harness.inputs.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
     from harness.reference.golden import check_replaceable, is_golden_dir
+    from harness.reference.selfcheck import refuse_unsound_reference
 
     if args.stream and args.new_tokens is not None:
         raise OptionError(f"--new-tokens {args.new_tokens} with --stream: the streaming reference computes "
@@ -63,6 +66,8 @@ def validate(args) -> None:
         ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
     prompts = load_prompts(args.prompts, args.ckpt_dir)
     validate_prompt_ids(ckpt.spec, prompts, args.prompts)
+    # run first by `run` (a streamed model is never loaded whole); a callable, not a setting of the provenance
+    args.self_check = None if args.stream else functools.partial(refuse_unsound_reference, ckpt, prompts)
     validate_prompt_fit(prompts, args.new_tokens, args.prompts, max_positions=ckpt.spec.max_positions)
     plan_gate(args, "reference", ckpt.spec, rows_of(prompts, args.new_tokens), stream=args.stream)
 
@@ -71,6 +76,8 @@ def run(args) -> int:
     from harness.cli.common import run_provenance
     from harness.reference.golden import make_golden
 
+    if getattr(args, "self_check", None) is not None:
+        args.self_check()  # the reference checked against itself: exit 2 (issue 38)
     # the same block as check's and bench's results (settings, input hashes, versions, commit, dirty)
     written = make_golden(args.ckpt.path if args.quantize else args.ckpt_dir, args.out, args.prompts, args.new_tokens, stream=args.stream,
                           overwrite=args.overwrite, progress=True, provenance=run_provenance(args))

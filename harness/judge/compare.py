@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.base.numerics import bf16_ulp, softcap
+from harness.judge.ratios import position_r
 from harness.judge.verdicts import (LayerResult, LogitsResult, NearTieCalibration, PointResult, ProbabilityResult,
                                     TokenVerdict)
 
@@ -187,15 +188,18 @@ def compare_point(name: str, device: torch.Tensor, ref: torch.Tensor, envelope: 
     err = rel_l2(device, ref) if finite else math.inf
     row_floor = 1.0 if name.rsplit(".", 1)[-1] in POOLED_PARTS else ROW_NORM_FLOOR
     dev_pos = per_position_rel_l2(device, ref, row_floor)
-    env_pos = per_position_rel_l2(envelope, ref, row_floor).clamp_min(judge.floor)
+    env_pos_raw = per_position_rel_l2(envelope, ref, row_floor)
+    env_pos = env_pos_raw.clamp_min(judge.floor)
     worst = int(dev_pos.argmax()) if finite else 0
     position_ratio = float(dev_pos.max() / max(float(env_pos.max()), pooled[1])) if finite else math.inf
     ratio = err / env
-    return PointResult(
+    result = PointResult(
         name=name, rel_l2=err, cosine=cosine(device, ref) if finite else float("nan"),
         max_abs=max_abs(device, ref) if finite else math.inf, envelope_rel_l2=env, ratio=ratio,
         position_ratio=position_ratio, worst_position=worst, finite=finite,
         passed=finite and ratio <= judge.factor and position_ratio <= judge.factor)
+    result.position_r, result.lanes = position_r(dev_pos, env_pos_raw, judge.floor, pooled[0]), ref[:1].numel()
+    return result
 
 
 def pooled_floors(names: list[str], ref: dict, env: dict) -> tuple[float, float]:
@@ -336,7 +340,7 @@ def compare_logits(device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tens
     log_p = torch.log_softmax(ref_capped.double(), -1)
     log_q = (torch.log_softmax(softcap(device, cap).double(), -1) if dev_probs is None
              else dev_probs.double().clamp_min(1e-300).log())
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)  # >= 0: a negative row is rounding
     mismatches = [classify_mismatch(i, ref[i], int(dev_top1[i]), band, ref_token=int(ref_top1[i]),
                                     structural=i in structural, ulp_floor=ulp_floor)
                   for i in range(n) if int(dev_top1[i]) != int(ref_top1[i])
@@ -367,7 +371,7 @@ def compare_probabilities(name: str, dev_probs: torch.Tensor, expected_capped: t
     finite = bool(torch.isfinite(q).all())
     ratio = float(per_row.max()) if finite and per_row.numel() else (0.0 if finite else math.inf)
     top = expected_capped.topk(min(TOPK, expected_capped.shape[-1]), -1).indices
-    kl = (p * (p.clamp_min(1e-300).log() - q.clamp_min(1e-300).log())).sum(-1)
+    kl = (p * (p.clamp_min(1e-300).log() - q.clamp_min(1e-300).log())).sum(-1).clamp_min(0.0)
     mass = (q.gather(1, top).sum(-1) - p.gather(1, top).sum(-1)).abs()
     worst = int(per_row.nan_to_num(math.inf).argmax()) if per_row.numel() else 0
     return ProbabilityResult(name=name, rows=int(p.shape[0]), kl_mean=float(kl.mean()), kl_max=float(kl.max()),

@@ -12,6 +12,11 @@ from harness.base.points import first_component
 class PointResult:
     """One capture point: the device against fp32, judged by the bf16 envelope."""
 
+    # R per position (a tensor; compare.compare_point sets it): a plain attribute, not a field, so
+    # that the JSON (asdict) stays one row per point; harness/judge/distribution.py reads it
+    position_r = None
+    lanes = 0  # values per position (the point's width), for what over-precision costs
+
     name: str
     rel_l2: float
     cosine: float

@@ -28,11 +28,13 @@ from typing import Callable
 
 
 from harness.parity.batched import run_port_batch
+from harness.parity.host_rows import judge_per_layer_rows
 from harness.parity.local import intra_op_threads_for, local_verdicts
 from harness.reference.golden import Golden, same_weights
 from harness.parity.observe import (PortFailure, StageContext, StageReferences, build_fp32_port, build_port, check_fit,
                                     load_reference_source, load_references, observe_stage, port_call)
 from harness.base.settings import RunSettings
+from harness.judge.distribution import judge_distribution
 from harness.judge.results import CheckResult, LocalLayer
 from harness.judge.stage import judge_stage, near_tie_calibration, structural_flips
 from harness.reference.run import ReferenceResult
@@ -162,6 +164,8 @@ def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options
         else:
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")
+        result.extra_stages.append(judge_distribution(result))  # issue 38: R's distribution, over-precision
+        result.extra_stages += judge_per_layer_rows(checkpoint, engine, refs.fp32)  # issue 38: PLE rows exact
     except PortFailure as failure:
         result = _failed_stage(context, failure)
     result.fp32 = fp32

@@ -26,6 +26,9 @@ class Shape:
     edits: tuple = ()
     seed: int = 0
     variant: str | None = None  # a harness.inputs.tiny.TINY_FAMILY key
+    # (parameter-name substring, factor): weights scaled after init, e.g. a per-layer model projection
+    # made small next to its norm's eps, where a missing projection scale is large (issue 38)
+    shrink: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class Run:
     buckets: tuple = (64,)
     kv_len: int = 96
     sliding_cache: str = "linear"
+    fp32_stage: bool = True  # False: the structural stage skipped (a member too large for its fp32 port)
+    local: bool = False  # the local (layer-alone) verdicts too: the distributional gate's sharp scope
 
 
 def prompt_of(n: int, seed: int = 0, vocab: int = 512) -> tuple:
@@ -74,6 +79,11 @@ def checkpoint(shape: Shape):
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
     if shape.init == "builder":
         randomize_for_margins(model, shape.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            for part, factor in shape.shrink:
+                if part in name:
+                    param.mul_(factor)
     out = _ROOT / f"{shape.name}-{shape.init}-{shape.seed}"
     model.save_pretrained(out)
     return Checkpoint.open(out)
@@ -89,8 +99,8 @@ def references(shape: Shape, prompts: tuple, new_tokens: int):
         return run_reference(ckpt.path, [list(p) for p in prompts], new_tokens)
 
 
-def run_check(shape: Shape, run: Run):
-    """`check` (both stages, no local verdicts) of the bf16 port at the run's settings."""
+def run_check(shape: Shape, run: Run, local: bool = False):
+    """`check` (both stages; the local verdicts when `local`) of the bf16 port at the run's settings."""
     from harness.backends import build_engine
     from harness.base.settings import RunSettings
     from harness.parity.check import check_port
@@ -99,7 +109,8 @@ def run_check(shape: Shape, run: Run):
     refs = references(shape, run.prompts, run.new_tokens)
     settings = RunSettings(tp=run.tp, buckets=run.buckets, kv_len=run.kv_len, sliding_cache=run.sliding_cache)
     engine = build_engine(ckpt, settings, capture=True)
-    return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
+    return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=local or run.local,
+                      fp32_engine="auto" if run.fp32_stage else None)
 
 
 # The healthy port issue 26 names: 6 layers, full layers with 2 KV heads, hidden 64 (default init).

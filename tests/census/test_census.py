@@ -16,8 +16,11 @@ from tests.census.ports import run_check
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=() if c.fast else pytest.mark.slow) for c in CASES])
 def test_healthy_port_passes_check(case):
     result = run_check(case.shape, case.run)
-    assert result.fp32 is not None and result.fp32.passed, result.fp32.failures()[:3]
+    assert (result.fp32 is not None and result.fp32.passed) or not case.run.fp32_stage, result.fp32.failures()[:3]
     assert result.passed, result.failures()[:3]
+    dist = next(s for s in result.extra_stages if s.stage == "distribution")  # issue 38: 0 false alarms
+    print(dist.describe())
+    assert dist.passed and not dist.flagged, dist.describe()
     row = margins(result)
     print(case.id, {k: round(v, 2) for k, v in row.items()})
     assert all(v < 1.0 for v in row.values()), row

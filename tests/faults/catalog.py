@@ -560,15 +560,11 @@ CATALOG: list[Fault] = [
           kv_heads_of_other_rank, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
     Fault("rmsnorm-one-plus-weight", "trap 1", "RMSNorm multiplies by 1 + weight",
           one_plus_weight_rms_norm, Expectation(_kv(0, "k"), 0, "attention", fp32_point=_kv(0, "k"))),
-    Fault("rmsnorm-no-fp32-upcast", "trap 1", "RMSNorm computed in bf16, not upcast to fp32",
-          rms_norm_without_fp32, Expectation(_attn(0), 0, "attention"),
-          gap=PolicyGap(("fails check", "stages") + LOCATION,
-                        "a no-op in the fp32 stage (fp32 activations need no upcast) and "
-                        "inside bf16 noise on CPU (every point at most ~1.3x the envelope, bisect's "
-                        "local ratios too): CPU bf16 reductions accumulate in fp32, so the missing "
-                        "upcast adds only a few bf16 roundings per norm. No envelope policy can see "
-                        "it here; the bitwise unit check in tests/unit/test_model.py catches it "
-                        "(test_rmsnorm_upcast_fault_caught_by_unit_check)")),
+    Fault("rmsnorm-no-fp32-upcast", "trap 1", "RMSNorm computed in bf16, not upcast to fp32: a no-op in the "
+          "fp32 stage and every point within ~1.3x the envelope, but R's median moves to 1.10-1.12 on every "
+          "layer alone: the distributional gate fails it (tests/faults/precision.py names layer 0)",
+          rms_norm_without_fp32, Expectation(None, None, None, stages=("distribution",), fp32_point=None),
+          local=True),
     Fault("attention-inverse-sqrt-scale", "trap 2", "attention scores scaled by 1/sqrt(head_dim), not 1.0",
           inverse_sqrt_scale, Expectation(_attn(0), 0, "attention", fp32_point=_attn(0))),
     Fault("missing-v-norm", "trap 3", "the weightless v_norm left out",
@@ -987,7 +983,9 @@ def unmet(expect: Expectation, caught: Caught) -> list[str]:
         missed.append("position")
     if expect.tokens and caught.divergences == 0:
         missed.append("tokens")
-    if set(caught.stages) != set(expect.stages):
+    # the two stages exactly; a further stage (the distribution of R, ...) where the expectation names it
+    core = {"fp32", "bf16"}
+    if set(caught.stages) & core != set(expect.stages) & core or not set(expect.stages) <= set(caught.stages):
         missed.append("stages")
     if expect.fp32_point != "-" and caught.fp32_point != expect.fp32_point:
         missed.append("fp32 point")
