@@ -121,6 +121,8 @@ def refuse_unsound_reference(checkpoint, prompts: list[list[int]]) -> SelfCheck:
     finally:
         torch.set_num_threads(threads)
     problems = found.problems()
+    if problems and hasattr(checkpoint, "check_finite"):
+        checkpoint.check_finite()  # a NaN or Inf weight is named as such (NumericsError), not as a disagreement
     if problems:
         raise ReferenceRefused(f"{checkpoint.path}: the reference (transformers) disagrees with itself, so it cannot "
                                f"judge a port: {'; '.join(problems)}. Check the transformers version "
