@@ -132,6 +132,7 @@ def port_layer_captures(backend, index: int, x: torch.Tensor) -> dict[str, torch
     def step(rank):
         module = backend.ranks[rank]
         module.reset_cache()
+        module.set_seq_ids(None)  # one sequence in slot 0: not the slots the last batched call named
         captures: dict[str, list[torch.Tensor]] = {}
         for start, length, bucket in chunks:
             rows = torch.zeros(bucket, x.shape[1], dtype=module.dtype)
