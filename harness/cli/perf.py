@@ -11,6 +11,7 @@ from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate
 from harness.cli.check import add_speculate_args, speculative_bench, validate_speculate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
+from harness.inputs.prompts import kv_positions_used
 from harness.perf.results import history_files, sample_problem, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
                           append_history, compare_files, compare_history, draw_length, draw_trend, parse_budgets,
@@ -131,11 +132,11 @@ def validate_bench(args) -> None:
     v._int_option(args, "kv_len", 1)
     args.settings = run_settings(args)
     kv_len = args.kv_len
-    if max(args.buckets) + args.new_tokens > kv_len:
+    if kv_positions_used(max(args.buckets), args.new_tokens + 1) > kv_len:  # the prefill's token, then the steps
         raise OptionError(f"--buckets {max(args.buckets)} + --new-tokens {args.new_tokens} exceed the KV length "
                           f"{kv_len}; use --kv-len {max(args.buckets) + args.new_tokens}, fewer new tokens or "
                           "a smaller bucket")
-    if args.lengths and max(args.lengths) + args.new_tokens > kv_len:
+    if args.lengths and kv_positions_used(max(args.lengths), args.new_tokens + 1) > kv_len:
         raise OptionError(f"--lengths {max(args.lengths)} + --new-tokens {args.new_tokens} exceed the KV length "
                           f"{kv_len}; use --kv-len {max(args.lengths) + args.new_tokens}, shorter lengths or fewer "
                           "new tokens")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.base.errors import HarnessInputError, PromptError
+from harness.inputs.prompts import check_kv_fit
 from harness.port.engine import DecodeResult, Engine, PrefillResult, Step
 from harness.port.graphs import batch_buckets
 from harness.port.kv_slots import check_seq_ids
@@ -89,8 +90,7 @@ class BatchEngine:
         ids = [self.engine.validate_ids(p) for p in prompts]
         self.engine._check_capture(capture)
         for p in ids:
-            if p.numel() > self.engine.kv_len:
-                raise PromptError(f"prompt of {p.numel()} tokens is longer than the KV length {self.engine.kv_len}")
+            check_kv_fit(p.numel(), 0, self.engine.kv_len)
         starts, logits, caps, bucket = [0] * len(ids), [[] for _ in ids], [{} for _ in ids], 0
         while any(s < p.numel() for s, p in zip(starts, ids)):
             rests = [p.numel() - s for s, p in zip(starts, ids)]
@@ -136,8 +136,9 @@ class BatchEngine:
         ids = [self.engine.validate_ids(p) for p in prompts]
         wants = [new_tokens] * len(ids) if isinstance(new_tokens, int) else list(new_tokens)
         for p, want in zip(ids, wants):
-            if want < 0 or p.numel() + want > self.engine.kv_len + 1:
-                raise PromptError(f"{p.numel()} prompt + {want} new tokens exceed the KV length {self.engine.kv_len}")
+            if want < 0:
+                raise PromptError(f"{want} new tokens: ask for 0 or more")
+            check_kv_fit(p.numel(), want, self.engine.kv_len)
         self.backend.reset()
         queue, live, done = list(range(len(ids))), [], {}
         while queue or live:

@@ -15,7 +15,7 @@ import torch
 from harness.base.errors import HarnessInputError, PromptError
 from harness.base.numerics import embed_scale, softcap
 from harness.base.settings import RunSettings
-from harness.inputs.prompts import kv_positions_used
+from harness.inputs.prompts import check_kv_fit
 from harness.port.blocks import per_layer_rows
 from harness.port.sharding import merge_rank_caches, ring_windows
 
@@ -36,9 +36,7 @@ def chunk_plan(n: int, buckets, kv_len: int) -> list[tuple[int, int, int]]:
     the rest is longer, then the smallest bucket that holds the rest. A chunk's padded slots must
     stay inside the linear cache (start + bucket <= kv_len): where no bucket fits there, the tail
     goes through the largest bucket that does, down to the decode graph (bucket 1)."""
-    if n > kv_len:
-        raise PromptError(f"prompt of {n} tokens is longer than the KV length {kv_len}; raise --kv-len "
-                          "or shorten the prompt")
+    check_kv_fit(n, 0, kv_len)
     plan, start = [], 0
     while start < n:
         rest, fits = n - start, [b for b in sorted(buckets) if start + b <= kv_len]
@@ -208,9 +206,7 @@ class Engine:
         (teacher forcing) and still collect the logits at every step. `observe(written)` is called
         after prefill and after each decode step with the number of cache positions written."""
         ids = self.validate_ids(ids)
-        if kv_positions_used(ids.numel(), new_tokens) > self.kv_len:  # the prompt-fit rule's count (prompts.py)
-            raise PromptError(f"{ids.numel()} prompt + {new_tokens} new tokens exceed the KV length "
-                              f"{self.kv_len}")
+        check_kv_fit(ids.numel(), new_tokens, self.kv_len)
         pre = self.prefill(ids, capture=capture)
         if observe is not None:
             observe(ids.numel())

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.base.errors import OptionError, PromptError
+from harness.inputs.prompts import check_kv_fit, kv_positions_used
 
 MAX_SPECULATE = 16
 
@@ -55,7 +56,7 @@ def check_speculate(k: int, settings) -> None:
 def check_verify_fit(prompt_len: int, new_tokens: int, k: int, kv_len: int) -> None:
     """Every verify of a speculative decode fits the cache: the last one, at position prompt_len +
     new_tokens - 2 at most, is padded to k+1 rows (Engine.verify), whose slots must exist."""
-    if prompt_len + new_tokens + k - 1 > kv_len:
+    if kv_positions_used(prompt_len, new_tokens, k) > kv_len:
         raise PromptError(f"{prompt_len} prompt + {new_tokens} new tokens with --speculate {k}: the last verify "
                           f"(k+1 = {k + 1} rows) would pass the KV length {kv_len}; leave {k} more slots "
                           "(--kv-len) or ask for fewer new tokens")
@@ -115,10 +116,8 @@ def speculative_generate(engine, drafter, ids, new_tokens: int, k: int, capture:
     """Greedy decode of `new_tokens` tokens with drafts of k tokens verified in one call each."""
     ids = engine.validate_ids(ids)
     n = ids.numel()
-    if n + new_tokens > engine.kv_len + 1:
-        raise PromptError(f"{n} prompt + {new_tokens} new tokens exceed the KV length {engine.kv_len}")
+    check_kv_fit(n, new_tokens, engine.kv_len, engine.settings.speculate)
     if engine.settings.speculate:
-        check_verify_fit(n, new_tokens, engine.settings.speculate, engine.kv_len)
         if k > engine.settings.speculate:
             raise OptionError(f"--speculate {k}: this build's verify graph takes {engine.settings.speculate} drafts "
                               "at most (RunSettings.speculate)")

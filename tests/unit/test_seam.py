@@ -20,7 +20,7 @@ from harness.judge.compare import (BF16, FP32, NEAR_TIE_ULPS, classify_departure
                                    tie_threshold)
 from harness.base.errors import PromptError
 from harness.base.numerics import bf16_ulp
-from harness.inputs.prompts import kv_positions_used, validate_prompt_fit
+from harness.inputs.prompts import check_kv_fit, kv_positions_used, validate_prompt_fit
 from harness.judge.routing import RouterDecisions, judge_decisions
 from harness.parity.served import judge_served
 
@@ -38,6 +38,53 @@ def test_the_fit_rule_counts_the_positions_written(n, new, fits):
     else:
         with pytest.raises(PromptError, match="--kv-len is 16"):
             validate_prompt_fit([[1] * n], new, "p.json", buckets=(16,), kv_len=16)
+
+
+def test_the_fit_rule_counts_the_draft_rows_of_speculation():
+    """The last verify, at position n + new - 2, is padded to k + 1 rows; one new token runs no verify."""
+    assert kv_positions_used(20, 10, 3) == 20 + 10 - 2 + 3 + 1 == 32
+    assert kv_positions_used(20, 1, 3) == kv_positions_used(20, 1) == 20
+    check_kv_fit(20, 10, 32, draft=3)
+    with pytest.raises(PromptError, match="with drafts of 3 .* exceed the KV length 32"):
+        check_kv_fit(20, 11, 32, draft=3)
+
+
+# a run's count of KV positions written again beside kv_positions_used: what a second copy looks like
+FIT_COPIES = ["if p.numel() + want > self.engine.kv_len + 1: pass",
+              "if n + new_tokens > engine.kv_len + 1: pass",
+              "if prompt_len + new_tokens + k - 1 > kv_len: pass",
+              "if max(buckets) + new_tokens > kv_len: pass",
+              "ok = [x for x in lengths if x + args.new_tokens <= settings.kv_len]"]
+
+
+def _fit_copies(tree) -> list[int]:
+    """Lines comparing a count of new tokens with a KV length, other than through kv_positions_used."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        parts = list(ast.walk(node))
+        names = {n.id for n in parts if isinstance(n, ast.Name)} | {n.attr for n in parts if isinstance(n, ast.Attribute)}
+        if (any("kv_len" in n for n in names) and any("new_tokens" in n or n in ("want", "wants", "new") for n in names)
+                and "kv_positions_used" not in names):
+            found.append(node.lineno)
+    return found
+
+
+@pytest.mark.parametrize("copy", FIT_COPIES)
+def test_the_fit_scan_finds_a_second_copy(copy):
+    assert _fit_copies(ast.parse(copy))
+
+
+def test_every_guard_counts_kv_positions_with_the_one_fit_function():
+    """The engine, a batch, speculation, bench and the commands: none counts prompt + new tokens
+    (+ drafts) against the KV length itself (the one count is inputs/prompts.py kv_positions_used)."""
+    copies = {path.relative_to(PACKAGE.parent).as_posix(): lines for path in PACKAGE.rglob("*.py")
+              if path.name != "prompts.py" and (lines := _fit_copies(ast.parse(path.read_text())))}
+    assert copies == {}
+    assert {"harness/cli/perf.py", "harness/perf/bench.py", "harness/perf/length.py", "harness/port/speculate.py"
+            } <= _calls("kv_positions_used")
+    assert {"harness/port/engine.py", "harness/port/batching.py", "harness/port/speculate.py"} <= _calls("check_kv_fit")
 
 
 def test_the_fit_rule_checks_buckets_and_max_positions():
