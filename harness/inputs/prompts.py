@@ -105,6 +105,8 @@ def check_kv_fit(n: int, new_tokens: int, kv_len: int, draft: int = 0) -> None:
     """The library's guard (the engine, a batch, speculation): PromptError unless the run's
     kv_positions_used fit `kv_len`. The commands refuse the same runs first (validate_prompt_fit)."""
     used = kv_positions_used(n, new_tokens, draft)
+    if n > kv_len:
+        raise PromptError(f"prompt of {n} tokens is longer than the KV length {kv_len}; raise --kv-len or shorten the prompt")
     if used > kv_len:
         with_drafts = f" with drafts of {draft} (each verify padded to {draft + 1} rows)" if draft and new_tokens > 1 else ""
         raise PromptError(f"{n} prompt + {new_tokens} new tokens{with_drafts} need {used} KV positions: they exceed "

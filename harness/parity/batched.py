@@ -40,14 +40,17 @@ def stage_slots(prompts: int) -> int:
     return max(2, min(MAX_STAGE_SLOTS, prompts - 1))
 
 
-def serve_batch(batch_engine, prompts: list, wants: list[int], capture: bool = False, forced: list | None = None,
+def serve_batch(engine, prompts: list, wants: list[int], capture: bool = False, forced: list | None = None,
                 observe=None) -> list:
-    """BatchEngine.generate of `prompts` admitted in admission_order; the results in prompt order and
-    `observe(prompt index, slot, written)` called with the prompt's own index."""
+    """The one decode loop (harness.port.decode.generate) over `prompts` admitted in
+    admission_order; the results in prompt order and `observe(prompt index, slot, written)` called
+    with the prompt's own index."""
+    from harness.port import decode
+
     order = admission_order(prompts)
-    out = batch_engine.generate([prompts[k] for k in order], [wants[k] for k in order], capture=capture,
-                                forced=[forced[k] for k in order] if forced is not None else None,
-                                observe=(lambda i, slot, written: observe(order[i], slot, written)) if observe else None)
+    step = decode.forced([forced[k] for k in order]) if forced is not None else decode.greedy()
+    out = decode.generate(engine, [prompts[k] for k in order], [wants[k] for k in order], step, capture=capture,
+                          observe=(lambda i, slot, written: observe(order[i], slot, written)) if observe else None)
     results = [None] * len(prompts)
     for k, result in zip(order, out):
         results[k] = result
@@ -69,12 +72,12 @@ def run_port_batch(engine, ref32: list, context: StageContext) -> list[PortPromp
     snaps: list[list] = [[] for _ in ref32]
     observe = ((lambda k, slot, written: snaps[k].append((written, be.read_cache(slot, written))))
                if engine.backend.reads_cache else None)
-    free = port_call(f"{phase}: batched prefill and free greedy decode", serve_batch, be, prompts, wants,
+    free = port_call(f"{phase}: batched prefill and free greedy decode", serve_batch, engine, prompts, wants,
                      capture=True, observe=observe)
     forced = free
     if any(run.tokens != r.generated for run, r in zip(free, ref32)):
         snaps = [[] for _ in ref32]  # the cache judged along the teacher-forced run
-        forced = port_call(f"{phase}: batched prefill and teacher-forced decode", serve_batch, be, prompts, wants,
+        forced = port_call(f"{phase}: batched prefill and teacher-forced decode", serve_batch, engine, prompts, wants,
                            capture=True, forced=[r.generated for r in ref32], observe=observe)
     say.close()
     return [PortPrompt(f, g, kv, port_call(f"{phase}: host probabilities", engine.probabilities, f.prefill.logits),

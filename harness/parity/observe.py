@@ -178,13 +178,15 @@ class PortPrompt:
 
 
 def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
+    from harness.port.decode import forced as forcing, generate
+
     n_new = len(r32.generated)
     read = engine.read_cache if engine.backend.reads_cache else None
     snaps = []
-    observe = (lambda written: snaps.append((written, read(written)))) if read else None
-    forced = port_call(f"{phase}: prefill and teacher-forced decode", engine.generate, r32.prompt, n_new,
-                       capture=True, forced=r32.generated or None, observe=observe)
-    free = port_call(f"{phase}: free greedy decode", engine.generate, r32.prompt, n_new) if n_new else forced
+    observe = (lambda _prompt, _slot, written: snaps.append((written, read(written)))) if read else None
+    forced = port_call(f"{phase}: prefill and teacher-forced decode", lambda: generate(
+        engine, [r32.prompt], n_new, forcing([r32.generated]), capture=True, observe=observe)[0])
+    free = port_call(f"{phase}: free greedy decode", lambda: generate(engine, [r32.prompt], n_new)[0]) if n_new else forced
     probs = port_call(f"{phase}: host probabilities", engine.probabilities, forced.prefill.logits)
     steps = port_call(f"{phase}: host probabilities", engine.probabilities, forced.step_logits)
     return PortPrompt(forced, free, snaps, probs, steps)

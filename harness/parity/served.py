@@ -197,6 +197,7 @@ def serve_prompts(checkpoint, settings, ref32: list, say) -> tuple:
     from harness.base.errors import HarnessInputError
     from harness.perf.bench import perf_engine
     from harness.port.batching import BatchEngine
+    from harness.port.decode import generate
 
     wants = [len(r.generated) for r in ref32]
     try:
@@ -209,13 +210,11 @@ def serve_prompts(checkpoint, settings, ref32: list, say) -> tuple:
         engine, batch, why = perf_engine(checkpoint, settings.but(batch=1)), None, str(exc)
     if batch is not None:
         say(f"{len(ref32)} prompts as a batch of {settings.batch} sequences: free greedy decode")
-        return engine, serve_batch(batch, [r.prompt for r in ref32], wants), [
+        return engine, serve_batch(engine, [r.prompt for r in ref32], wants), [
             f"the perf build served the prompts as a batch of {settings.batch} sequences (a KV slot each, "
             "continuous batching, admitted longest first)"], settings.batch
-    runs = []
-    for k, r in enumerate(ref32):
-        say(f"prompt {k + 1}/{len(ref32)}: free greedy decode of {len(r.generated)} tokens")
-        runs.append(engine.generate(r.prompt, len(r.generated)))
+    say(f"{len(ref32)} prompts one at a time: free greedy decode")
+    runs = generate(engine, [r.prompt for r in ref32], wants)  # one slot: each prompt in turn
     return engine, runs, [] if why is None else [f"--batch {settings.batch}: the perf build served one prompt at a "
                                                  f"time ({why})"], 1
 

@@ -198,7 +198,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
     judge it (tokens, drafter points, acceptance)."""
     from harness.backends import build_drafter, build_engine
     from harness.inputs.assistant_checkpoint import AssistantCheckpoint
-    from harness.port.speculate import speculative_generate
+    from harness.port.decode import generate, speculative
     from harness.reference.assistant import AssistantReference, load_target
 
     stage = SpeculativeStage(k)
@@ -209,7 +209,8 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
             engine = build_engine(checkpoint, settings.but(dtype=dtype, speculate=k, assistant=str(assistant.path)),
                                   capture=True)  # its verify graph, and on neuron its draft graphs
             drafter = build_drafter(engine, assistant)
-            runs = [speculative_generate(engine, drafter, r.prompt, len(r.generated), k, capture=True) for r in ref32]
+            runs = generate(engine, [r.prompt for r in ref32], [len(r.generated) for r in ref32], speculative(drafter, k),
+                            capture=True)  # a sequence per KV slot of the build (--batch N: continuous batching)
             judge = FP32 if engine.settings.torch_dtype == torch.float32 else BF16
             points, off, clusters = drafter_points(runs, engine, checkpoint.spec, references, judge)
             stage.drafter_points += points

@@ -133,6 +133,12 @@ def render_batch_bench(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"  {r['batch']:>5} {r['prefill_ms']:>10.1f} {r['step_ms'] or 0:>8.2f} {r['tokens_per_s'] or 0:>8.1f} "
                      f"{r['step_floor_ms']:>9.3f} {r['tokens_per_s_floor']:>11.1f} {r['efficiency'] or 0:>6.3f} {r['bound']}")
+    for r in (r for r in rows if "speculative" in r):
+        s = r["speculative"]
+        lines.append(f"  batch {r['batch']}, speculative (k={s['k']}): {s['accepted_per_verify']:.2f} accepted drafts per "
+                     f"verify ({s['verifies']} verifies; per sequence {', '.join(f'{a:.2f}' for a in s['per_sequence'])}), "
+                     f"{s['ms_per_token']:.2f} ms per token, tokens {'equal' if s['tokens_equal'] else 'DIFFER from'} "
+                     "plain greedy")
     return "\n".join(lines) + "\n"
 
 
@@ -148,8 +154,17 @@ def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, p
     engine = build_engine(checkpoint, settings.but(batch=batches[-1]))
     be = BatchEngine(engine)
     spec = checkpoint.spec
-    measured = [time_batch(be, [bench_prompt(spec.vocab_size, prompt_len, seed=k) for k in range(b)], new_tokens, runs)
-                for b in batches]
+    prompts = {b: [bench_prompt(spec.vocab_size, prompt_len, seed=k) for k in range(b)] for b in batches}
+    measured = [time_batch(be, prompts[b], new_tokens, runs) for b in batches]
+    if settings.assistant:  # --speculate K: each batch decoded speculatively too (accepted drafts per verify)
+        from harness.backends import build_drafter
+        from harness.inputs.assistant_checkpoint import AssistantCheckpoint
+        from harness.perf.speculative import time_speculative_batch
+
+        drafter = build_drafter(engine, AssistantCheckpoint.open(settings.assistant, spec))
+        for row, b in zip(measured, batches):
+            row["speculative"] = time_speculative_batch(engine, drafter, prompts[b], new_tokens, k=settings.speculate,
+                                                       runs=runs)
     rates, _ = bench_rates(settings.backend, settings.tp, settings.dtype)
     floor_rows = batch_floors(spec, settings.tp, settings.dtype, batches, settings.kv_len, rates=rates,
                               buckets=[b for b in settings.buckets if b >= prompt_len][:1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from harness.base.progress import status
+from harness.inputs.prompts import kv_positions_used
 from harness.quality.golden import golden_bytes, read_golden_parts
 from harness.quality.stats import QUALITY_FACTOR, position_metrics, summarize, verdict
 
@@ -23,19 +24,18 @@ CONTEXT = 16  # tokens of context shown before a worst position
 def check_window_fits(window: int, buckets, kv_len: int) -> None:
     from harness.base.errors import OptionError
 
-    if window - 1 > kv_len:
+    if kv_positions_used(window - 1, 1) > kv_len:  # the window but its last token, prefilled or fed
         raise OptionError(f"--window {window}: the port needs {window - 1} KV positions but --kv-len is {kv_len}; "
                           f"raise --kv-len or use --window {kv_len + 1} or less")
     del buckets  # any window fits: the part past the largest bucket runs as decode steps
 
 
 def port_window_logits(engine, window: list[int]) -> torch.Tensor:
-    """Raw logits [window - 1, vocab] at every position but the last, teacher-forced."""
-    first = min(len(window), max(engine.buckets))
-    rows = [engine.prefill(window[:first]).logits]
-    for pos in range(first, len(window) - 1):
-        rows.append(engine.decode_step(window[pos], pos).logits[None])
-    return torch.cat(rows)[: len(window) - 1]
+    """Raw logits [window - 1, vocab] at every position but the last, teacher-forced (the one
+    window pass, harness.quality.moe.port_window)."""
+    from harness.quality.moe import port_window
+
+    return port_window(engine, window)[0]
 
 
 def _port_engine(checkpoint, settings):

@@ -73,13 +73,15 @@ def _wrong_layer(mp):
     instead of the store layer itself."""
     def other(target, source):
         return next(t.index for t in target.layers if t.type == target.layers[source].type and t.index != source)
-    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank: [
-        self.backend.kv_cache(other(self.backend.spec, layer.kv_source), rank) for layer in self.spec.layers])
+    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank, slot=0: [
+        tuple(t[slot:slot + 1] for t in self.backend.kv_cache(other(self.backend.spec, layer.kv_source), rank))
+        for layer in self.spec.layers])
 
 
 def _other_type(mp):
-    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank: [
-        self.backend.kv_cache(self.spec.layers[-1 - i].kv_source, rank) for i in range(len(self.spec.layers))])
+    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank, slot=0: [
+        tuple(t[slot:slot + 1] for t in self.backend.kv_cache(self.spec.layers[-1 - i].kv_source, rank))
+        for i in range(len(self.spec.layers))])
 
 
 def _swapped_inputs(mp):

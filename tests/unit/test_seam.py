@@ -84,7 +84,7 @@ def test_every_guard_counts_kv_positions_with_the_one_fit_function():
     assert copies == {}
     assert {"harness/cli/perf.py", "harness/perf/bench.py", "harness/perf/length.py", "harness/port/speculate.py"
             } <= _calls("kv_positions_used")
-    assert {"harness/port/engine.py", "harness/port/batching.py", "harness/port/speculate.py"} <= _calls("check_kv_fit")
+    assert {"harness/port/engine.py", "harness/port/batching.py", "harness/port/decode.py"} <= _calls("check_kv_fit")
 
 
 def test_the_fit_rule_checks_buckets_and_max_positions():
@@ -114,12 +114,12 @@ def test_the_library_refuses_what_the_command_refuses_before_the_port_runs(tiny0
     """At 0 new tokens a prompt of kv_len + 1 tokens is bad input for `check_port` too (it used to
     be accepted and then fail inside the port): PromptError, and the port never ran."""
     from harness.parity.check import check_port
-    from harness.port import engine as port_engine
+    from harness.port import decode as port_decode
 
     def no_port(*args, **kwargs):
         raise AssertionError("the port ran on a prompt that does not fit")
 
-    monkeypatch.setattr(port_engine.Engine, "generate", no_port)
+    monkeypatch.setattr(port_decode, "generate", no_port)
     with pytest.raises(PromptError, match="prompt 0 has 17 tokens.*--kv-len is 16"):
         check_port(tiny0_ckpt, _engine(tiny0_ckpt), *edge_references[17])
 
@@ -258,3 +258,45 @@ def _calls(name: str) -> set[str]:
 ])
 def test_each_decision_has_one_home(name, homes):
     assert _calls(name) == homes
+
+
+# ---- one decode loop ------------------------------------------------------------------------------------
+
+# The device steps a decode loop is made of: Engine.decode_step / verify, BatchEngine.decode / verify.
+STEP_CALLS = ("decode_step", "verify", "decode")
+# bench times single steps (its timing probes are not a decode loop of the check, bisect or quality)
+STEP_TIMERS = {"harness/perf/bench.py", "harness/perf/length.py", "harness/perf/speculative.py", "harness/perf/batch.py"}
+
+
+def _step_callers(files: dict[str, str]) -> set[str]:
+    """The modules (path -> source) calling a device step of a decode loop."""
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STEP_CALLS:
+                receiver = ast.unparse(node.func.value)
+                if node.func.attr != "decode" or "engine" in receiver or receiver in ("self.batch", "be", "batch"):
+                    found.add(path)
+    return found
+
+
+def test_a_second_decode_loop_is_found():
+    copy = "for pos in range(first, n):\n    rows.append(engine.decode_step(window[pos], pos).logits)\n"
+    assert _step_callers({"a module of quality": copy}) == {"a module of quality"}
+    batched = "out = be.decode(tokens, positions, slots)\n"
+    assert _step_callers({"a module of parity": batched}) == {"a module of parity"}
+
+
+def test_one_decode_loop_serves_single_batched_and_speculative_runs():
+    """harness/port/decode.py `generate` is the only decode loop: the engine, the batch engine and
+    speculation keep their one-call steps, and nothing else in the package steps a decode."""
+    from harness.port import speculate
+    from harness.port.batching import BatchEngine
+    from harness.port.engine import Engine
+
+    files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
+    assert _step_callers(files) - STEP_TIMERS == {"harness/port/decode.py"}
+    assert not hasattr(Engine, "generate") and not hasattr(BatchEngine, "generate")
+    assert not hasattr(speculate, "speculative_generate")
+    assert {"harness/parity/batched.py", "harness/parity/served.py",
+            "harness/parity/speculative.py", "harness/quality/moe.py"} <= _calls("generate")
