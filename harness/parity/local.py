@@ -21,7 +21,7 @@ from harness.inputs.family import runs_alone
 from harness.judge.compare import ENVELOPE_FACTOR, LayerResult, PointResult, compare_point, rel_l2
 from harness.judge.routing import RouterDecisions, judge_decisions
 from harness.port import engine as port_engine
-from harness.reference.forcing import chosen_experts
+from harness.reference.forcing import follow_routes
 
 
 def _finite_or_none(value):
@@ -326,7 +326,7 @@ def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative:
     port = [port_layer_captures(layer_backend, i, x) for x in inputs]
     ref_layers = {dt: reference.layer(i, dt) for dt in (torch.float32, torch.bfloat16)}
     moe = f"layers.{i}.expert_weights" in port[0]
-    routes = [chosen_experts(caps[f"layers.{i}.expert_weights"], spec.moe.top_k) if moe else None for caps in port]
+    routes = [follow_routes(caps, spec.moe.top_k).routes[i] if moe else None for caps in port]
     r32 = [reference.captures(ref_layers[torch.float32], i, x, torch.float32, r) for x, r in zip(inputs, routes)]
     r16 = [reference.captures(ref_layers[torch.bfloat16], i, x, torch.bfloat16, r) for x, r in zip(inputs, routes)]
     # An MoE layer alone routes by its own input's bf16 noise: it is judged against transformers'

@@ -124,4 +124,21 @@ def judge_corpus(checkpoint, golden_dir, settings, run=None, *, progress: bool =
             "worst_positions": _worst(cols, settings.window, WORST),
             "kl_values": {"port": cat["kl"].float(), "bf16_reference": cat["bf16_kl"].float()},
             "notes": ["KL is taken on the fp32 reference's top-k support plus one tail bucket (a lower bound of "
-                      "the full-vocabulary KL); delta-p is p_port(next token) - p_fp32(next token)"]}
+                      "the full-vocabulary KL); delta-p is p_port(next token) - p_fp32(next token)"]
+            + forcing_notes(checkpoint.spec)}
+
+
+def forcing_notes(spec) -> list[str]:
+    """What the window pass forces the references to, and why it does not take check's per-layer
+    input pins (said in the output)."""
+    notes = []
+    if spec.moe is not None:
+        notes.append("routing: the fp32 and bf16 references are computed again along the port's experts (the one "
+                     "routing-forcing rule, harness.reference.forcing.follow_routes), as check's bf16 stage does")
+    if spec.per_layer_input_size:
+        notes.append("per-layer-input pins not taken: the window pass judges the port against the golden's stored "
+                     "statistics of the reference's own path, and the pin rule (harness/parity/forced_path.py add_pins) "
+                     "reads the references' gated per-layer inputs and MLP residuals, which the golden does not "
+                     "keep; a gated per-layer input without a direction at bf16 precision therefore counts in the "
+                     "port's statistics here, where check would pin it")
+    return notes

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.base.points import Point
 from harness.judge.routing import RouterDecisions, judge_decisions
 from harness.quality.stats import bf16_columns, position_metrics, reference_stats
-from harness.reference.forcing import Forced, chosen_experts
+from harness.reference.forcing import follow_routes
 
 
 def port_window(engine, window: list[int], capture: bool = False) -> tuple[torch.Tensor, dict]:
@@ -37,10 +36,6 @@ def port_window(engine, window: list[int], capture: bool = False) -> tuple[torch
     return rows[:n], {k: v[:n] for k, v in caps.items()}
 
 
-def _routes(weights: dict, top_k: int) -> Forced:
-    return Forced(routes={Point.parse(name).layer: chosen_experts(w, top_k) for name, w in weights.items()})
-
-
 def _forced_references(checkpoint, windows: list[list[int]], forcing: list[Forced]) -> dict:
     """{dtype: [captures per window]} of the fp32 and bf16 references along `forcing`, streamed."""
     from harness.reference.stream import stream_prefill_captures_many
@@ -56,7 +51,7 @@ def moe_part_columns(checkpoint, engine, tokens: torch.Tensor, topk: int) -> tup
     top_k = checkpoint.spec.moe.top_k
     runs = [port_window(engine, w.tolist(), capture=True) for w in tokens]
     windows = [w[:-1].tolist() for w in tokens]
-    refs = _forced_references(checkpoint, windows, [_routes(weights, top_k) for _, weights in runs])
+    refs = _forced_references(checkpoint, windows, [follow_routes(weights, top_k) for _, weights in runs])
     cols: dict[str, list] = {}
     decisions = []
     for k, (logits, weights) in enumerate(runs):

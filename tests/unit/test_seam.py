@@ -253,11 +253,25 @@ def _calls(name: str) -> set[str]:
     ("saturation_tie", {"harness/judge/compare.py"}),
     ("calibrate_band", {"harness/judge/compare.py", "harness/judge/routing.py"}),
     ("tie_threshold", {"harness/judge/compare.py", "harness/judge/routing.py"}),
+    # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
+    ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/quality/moe.py",
+                       "harness/reference/forcing.py"}),
+    ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py"}),  # routing.py: judging only
     ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
 ])
 def test_each_decision_has_one_home(name, homes):
     assert _calls(name) == homes
+
+
+def test_quality_says_why_it_does_not_take_the_per_layer_input_pins():
+    from harness.quality.judge import forcing_notes
+
+    assert forcing_notes(SimpleNamespace(moe=None, per_layer_input_size=0)) == []
+    ple = forcing_notes(SimpleNamespace(moe=None, per_layer_input_size=256))
+    assert len(ple) == 1 and "per-layer-input pins not taken" in ple[0]
+    moe = forcing_notes(SimpleNamespace(moe=SimpleNamespace(top_k=2), per_layer_input_size=0))
+    assert len(moe) == 1 and "follow_routes" in moe[0]
 
 
 # ---- one decode loop ------------------------------------------------------------------------------------
