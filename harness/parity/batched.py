@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from harness.base.progress import status
 from harness.judge.results import CheckResult
 from harness.judge.stage import judge_stage, structural_flips
+from harness.judge.stage_result import Gate, StageResult
 from harness.parity.observe import PortFailure, PortPrompt, StageContext, build_port, observe_stage, port_call
 
 # The batch stage's KV slots: one fewer than the prompts (so the last, shortest prompt starts in the
@@ -86,8 +87,8 @@ def run_port_batch(engine, ref32: list, context: StageContext) -> list[PortPromp
 
 
 @dataclass
-class BatchStage:
-    """The batch stage of a check run without --batch (an extra stage of the result)."""
+class BatchStage(StageResult):
+    """The batch stage of a check run without --batch (a harness.judge.stage_result.StageResult)."""
 
     stage = "batch"
     ran: bool
@@ -97,12 +98,8 @@ class BatchStage:
     notes: list[str] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
 
-    def failures(self) -> list[dict]:
-        return self.result.failures() if self.result is not None else []
-
-    @property
-    def passed(self) -> bool:
-        return not self.failures()
+    def gates(self) -> list[Gate]:  # the sequences judged as the bf16 stage judges its prompts
+        return [Gate("sequences", self.result.failures())] if self.result is not None else []
 
     def what_ran(self) -> str:
         if not self.ran:
@@ -123,23 +120,21 @@ class BatchStage:
             lines.append(f"  ... and {len(failures) - 8} more (the JSON's extra_stages.batch)")
         return "\n".join(lines)
 
-    def to_json(self) -> dict:
-        out = {"ran": self.ran, "passed": self.passed, "what_ran": self.what_ran(), "slots": self.slots,
-               "admission_order": self.order, "notes": self.notes, "seconds": self.seconds}
+    def payload(self) -> dict:
+        out = {"what_ran": self.what_ran(), "slots": self.slots, "admission_order": self.order, "seconds": self.seconds}
         if self.result is not None:  # one entry per sequence under "prompts", as the bf16 stage's
-            out.update({k: v for k, v in self.result.stage_json().items() if k not in ("notes", "seconds")},
-                       passed=self.passed, stage_notes=self.result.notes,
-                       references_rerun=list(getattr(self.result.observation, "rerouted", [])))
+            out.update({k: v for k, v in self.result.stage_json().items()
+                        if k not in ("notes", "seconds", "passed", "failures")},
+                       stage_notes=self.result.notes, references_rerun=list(getattr(self.result.observation, "rerouted", [])))
         return out
 
 
 def batch_stage(settings, progress: bool = False, skip: str | None = None):
-    """The batch stage as one of parity's extra checks (called with the finished result and the
-    checkpoint); `skip`: why it does not run (said in the result)."""
-    def check(result, checkpoint) -> None:
-        result.extra_stages.append(BatchStage(ran=False, notes=[skip]) if skip else
-                                   run_batch_stage(result, checkpoint, settings, progress))
-    return check
+    """The batch stage for the parity run (stage_result.run_stages): a function of the finished
+    result and the checkpoint returning the BatchStage; `skip`: why it does not run (said in it)."""
+    def stage(result, checkpoint) -> BatchStage:
+        return BatchStage(ran=False, notes=[skip]) if skip else run_batch_stage(result, checkpoint, settings, progress)
+    return stage
 
 
 def run_batch_stage(result: CheckResult, checkpoint, settings, progress: bool = False) -> BatchStage:

@@ -22,6 +22,7 @@ from harness.base.settings import RunSettings
 from harness.port import drafter as port_drafter
 from harness.port import engine as port_engine
 from harness.port import speculate as port_speculate
+from types import SimpleNamespace
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +48,7 @@ def run_stage(name: str, tp: int = 2):
 
     ckpt, assistant, refs = pair(name)
     settings = RunSettings(tp=tp, dtype="bfloat16", buckets=(16, 64), kv_len=64)
-    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], 4.0, settings=settings,
+    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], SimpleNamespace(band=4.0), settings=settings,
                              assistant_dir=assistant, k=K)
 
 

@@ -157,7 +157,7 @@ def speculative_stage(name: str = "12b", tp: int = 2):
 
     ckpt, assistant_dir, refs = fitted(name)
     settings = RunSettings(backend="neuron", tp=tp, dtype="bfloat16", buckets=(16, 64), kv_len=64)
-    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], 4.0, settings=settings,
+    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], SimpleNamespace(band=4.0), settings=settings,
                              assistant_dir=assistant_dir, k=K)
 
 

@@ -23,6 +23,7 @@ from harness.base.numerics import bf16_ulp
 from harness.inputs.prompts import check_kv_fit, kv_positions_used, validate_prompt_fit
 from harness.judge.routing import RouterDecisions, judge_decisions
 from harness.parity.served import judge_served
+from harness.judge.stage_result import Ties
 
 PACKAGE = Path(harness.__file__).parent
 
@@ -198,7 +199,7 @@ def test_served_departures_are_the_checks(case):
     tokens, rows, kind = DEPARTURES[case]
     ref = _ref([0, 2], REF_ROWS)
     checked = classify_departure(ref, _free(tokens, rows), 0.05, judge=BF16)
-    prompts, _, _ = judge_served([_free(tokens, rows)], [ref], [ref], None, 0.05)
+    prompts, _, _ = judge_served([_free(tokens, rows)], [ref], [ref], None, Ties(BF16, 0.05))
     served = prompts[0].departure
     assert (checked and checked.kind) == (served and served.kind) == kind
     if kind is not None:
@@ -212,7 +213,7 @@ def test_a_saturation_tie_is_the_same_for_both():
     free = _free([1], [[899.0, 900.0, 0.0]])
     assert saturation_tie(ref.captures["step_capped_logits"][0], 1)
     assert classify_departure(ref, free, 0.0, judge=FP32).kind == "saturation_tie"
-    assert judge_served([free], [ref], [ref], None, 0.0, judge=FP32)[0][0].departure.kind == "saturation_tie"
+    assert judge_served([free], [ref], [ref], None, Ties(FP32, 0.0))[0][0].departure.kind == "saturation_tie"
 
 
 def test_the_teacher_forced_choice_is_checked_when_there_is_one():
@@ -314,3 +315,51 @@ def test_one_decode_loop_serves_single_batched_and_speculative_runs():
     assert not hasattr(speculate, "speculative_generate")
     assert {"harness/parity/batched.py", "harness/parity/served.py",
             "harness/parity/speculative.py", "harness/quality/moe.py"} <= _calls("generate")
+
+
+# ---- one stage protocol ----------------------------------------------------------------------------------
+
+def test_every_extra_stage_returns_a_stage_result_whose_failures_its_gates_compute_once():
+    """served, batch and speculative stages are StageResults: their own failures()/to_json/passed
+    rules are gone (the protocol computes the failures from the gates once and writes them)."""
+    from harness.judge.stage_result import StageResult
+    from harness.parity.batched import BatchStage
+    from harness.parity.served import ServedResult
+    from harness.parity.speculative import SpeculativeStage
+
+    for cls in (ServedResult, BatchStage, SpeculativeStage):
+        assert issubclass(cls, StageResult)
+        assert not {"failures", "to_json", "passed"} & set(vars(cls)), cls.__name__
+    assert _calls("run_stages") == {"harness/parity/check.py"}  # only the parity run executes stages
+    assert _calls("overall_verdict") == {"harness/judge/results.py"}  # one function builds the verdict
+    assert _calls("divergent") >= {"harness/judge/stage_result.py"}
+
+
+def test_a_gate_added_to_a_stage_counts_in_its_verdict_and_json():
+    """The extension point (a later gate, e.g. a distributional one): add_gate before the seal."""
+    from harness.judge.results import CheckResult
+    from harness.judge.stage_result import Gate, overall_verdict
+    from harness.parity.batched import BatchStage
+
+    stage = BatchStage(ran=False, notes=["stand-in"])
+    stage.add_gate(Gate("distribution", [{"stage": "batch", "point": "distribution", "where": "prompt 0"}],
+                        {"statistic": 0.5}))
+    stage.seal()
+    with pytest.raises(RuntimeError, match="sealed"):
+        stage.add_gate(Gate("late"))
+    payload = stage.to_json()
+    assert not stage.passed and payload["passed"] is False and payload["gates"][0]["statistic"] == 0.5
+    result = CheckResult(backend="cpu", tp=1, dtype="bfloat16", extra_stages=[stage])
+    verdict = overall_verdict(result)
+    assert not verdict.passed and verdict.failed_stages == ["batch"] and verdict.failures[0]["point"] == "distribution"
+    assert result.to_json()["first_failure"]["point"] == "distribution"
+
+
+def test_a_tie_band_travels_with_its_judge():
+    from harness.judge.compare import BF16, FP32
+    from harness.judge.stage_result import ties
+
+    calibration = SimpleNamespace(band=4.0)
+    assert ties(BF16, calibration) == Ties(BF16, 4.0)
+    assert ties(FP32, calibration) == Ties(FP32, 0.0)  # the bf16 band is never paired with the fp32 judge
+    assert ties(BF16, None).band == 0.0
