@@ -58,8 +58,12 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Equal to fp32 rounding: a batch's calls have other shapes than one prompt's (rows padded to
-    the batch bucket), so fp32 sums may round differently (measured: ~2e-6 of the logits' scale)."""
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, msg=what)
+    the batch bucket, a chunk in the bucket the longest row needs), so fp32 sums may round
+    differently: measured up to 4e-6 of the tensor's largest magnitude on the tiny model. A
+    batching fault (another slot's keys, a pad key seen) moves values by a large part of it."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    worst, scale = float((got - want).abs().max()) if got.numel() else 0.0, float(want.abs().max()) if want.numel() else 0.0
+    assert worst <= 2e-5 * scale + 1e-6, f"{what}: differs by {worst:.3g} (scale {scale:.3g})"
 
 
 def assert_batch_equals_alone(engines, lengths: list[int], batch: int, spec: bool, tp: int = 1, new: int = 3) -> None:
