@@ -45,21 +45,6 @@ def add_speculate_args(p) -> None:
                    help="draft length of speculative decoding (tokens drafted per verify call; with --assistant)")
 
 
-def speculative_bench(args, runs: int) -> dict:
-    """`bench --assistant DIR --speculate K`: {"speculative": block} (harness/perf/speculative.py),
-    printed; {} without --assistant."""
-    if args.assistant_ckpt is None:
-        return {}
-    from harness.perf.bench import bench_prompt
-    from harness.perf.speculative import bench_speculative, render_speculative
-
-    prompt = bench_prompt(args.ckpt.spec.vocab_size, min(args.settings.buckets))
-    block = bench_speculative(args.ckpt, args.settings, args.assistant_ckpt, args.speculate, runs=runs,
-                              new_tokens=args.new_tokens, prompt=prompt)
-    print(render_speculative(block), end="")
-    return {"speculative": block}
-
-
 def validate_speculate(args, ckpt, rows=()) -> None:
     """--assistant and --speculate go together; the assistant is checked against the target now, and
     every (prompt length, new tokens) of `rows` against the cache (each verify is padded to K+1

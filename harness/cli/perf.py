@@ -9,7 +9,7 @@ from harness.base.atomic import claim_output
 from harness.base.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate
-from harness.cli.check import add_speculate_args, speculative_bench, validate_speculate
+from harness.cli.check import add_speculate_args, validate_speculate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
 from harness.inputs.prompts import kv_positions_used
 from harness.perf.results import history_files, sample_problem, skipped_history_entries, validate_result
@@ -249,11 +249,19 @@ def run_bench_command(args) -> int:
         print(f"gemma-parity: note: the tree has uncommitted changes; {args.out} records commit "
               f"{str(result.get('git_commit'))[:12]} with dirty: true", file=sys.stderr)
     if args.batch:
-        from harness.perf.batch import render_batch_bench, run_batch_bench
+        from harness.perf.batch import run_batch_bench
+        from harness.report.bench import render_batch_bench
 
         result["batch"] = run_batch_bench(args.ckpt, args.settings, args.batch, runs=args.runs,
                                           new_tokens=args.new_tokens, prompt_len=min(args.settings.buckets))
-    result.update(speculative_bench(args, runs))  # with --assistant: the "speculative" block, printed
+    from harness.perf.speculative import speculative_block
+    from harness.report.bench import render_speculative
+
+    block = speculative_block(args.ckpt, args.settings, args.assistant_ckpt, args.speculate, runs=runs,
+                              new_tokens=args.new_tokens)  # with --assistant: the "speculative" block, printed
+    if block:
+        print(render_speculative(block["speculative"]), end="")
+    result.update(block)
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
     if args.batch:

@@ -126,22 +126,6 @@ def with_batch_efficiency(measured: list[dict], floor_rows: list[dict]) -> list[
     return out
 
 
-def render_batch_bench(rows: list[dict]) -> str:
-    lines = ["per batch size (decode step of all rows; prefill of all prompts):",
-             f"  {'batch':>5} {'prefill ms':>10} {'step ms':>8} {'tok/s':>8} {'floor ms':>9} {'tok/s floor':>11} "
-             f"{'eff':>6} bound"]
-    for r in rows:
-        lines.append(f"  {r['batch']:>5} {r['prefill_ms']:>10.1f} {r['step_ms'] or 0:>8.2f} {r['tokens_per_s'] or 0:>8.1f} "
-                     f"{r['step_floor_ms']:>9.3f} {r['tokens_per_s_floor']:>11.1f} {r['efficiency'] or 0:>6.3f} {r['bound']}")
-    for r in (r for r in rows if "speculative" in r):
-        s = r["speculative"]
-        lines.append(f"  batch {r['batch']}, speculative (k={s['k']}): {s['accepted_per_verify']:.2f} accepted drafts per "
-                     f"verify ({s['verifies']} verifies; per sequence {', '.join(f'{a:.2f}' for a in s['per_sequence'])}), "
-                     f"{s['ms_per_token']:.2f} ms per token, tokens {'equal' if s['tokens_equal'] else 'DIFFER from'} "
-                     "plain greedy")
-    return "\n".join(lines) + "\n"
-
-
 def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, prompt_len: int) -> dict:
     """`bench --batch`: one build with max(batches) KV slots; per batch size, `runs` timed runs of
     that many prompts of `prompt_len` tokens, beside the floors on this backend's rates."""

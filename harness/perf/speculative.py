@@ -90,9 +90,13 @@ def bench_speculative(checkpoint, settings, assistant, k: int, *, runs: int, new
             "tokens_equal": all(s["tokens_equal"] for s in samples), "samples": samples}
 
 
-def render_speculative(block: dict) -> str:
-    return (f"speculative (k={block['k']}): {block['accepted_per_verify']:.2f} accepted drafts per verify; "
-            f"{block['speculative_ms_per_token']:.2f} ms/token vs plain {block['plain_ms_per_token']:.2f} "
-            f"(speed-up {block['measured_speedup']:.2f}x measured here, {block['modeled_speedup_inf2']:.2f}x modeled "
-            f"on inf2's HBM roofline); verify {block['verify_over_decode']:.2f}x and draft step "
-            f"{block['draft_over_decode']:.2f}x a decode step\n")
+def speculative_block(checkpoint, settings, assistant, k: int | None, *, runs: int, new_tokens: int) -> dict:
+    """`bench --assistant DIR --speculate K`'s {"speculative": block} on the bench prompt of the
+    smallest bucket; {} without an assistant."""
+    if assistant is None:
+        return {}
+    from harness.perf.bench import bench_prompt
+
+    prompt = bench_prompt(checkpoint.spec.vocab_size, min(settings.buckets))
+    return {"speculative": bench_speculative(checkpoint, settings, assistant, k, runs=runs, new_tokens=new_tokens,
+                                             prompt=prompt)}
