@@ -97,7 +97,7 @@ def test_a_ragged_batch_serves_each_prompt_as_alone(engines, lengths, batch, spe
 
 @pytest.mark.slow  # default-lane sibling: test_a_ragged_batch_serves_each_prompt_as_alone (two examples, TP 1)
 @pytest.mark.parametrize("tp", [1, 2])
-@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=ragged, batch=st.integers(1, 4), spec=st.booleans())
 @example(**case("all in one bucket", True))
 @example(**case("slot reuse", True))
