@@ -126,7 +126,7 @@ def _draft_step(name: str, row: int) -> str:
 
 
 def drafter_points(runs: list, engine, spec, references: dict, judge) -> tuple[list, int, object]:
-    """The drafter's capture points of every draft step of `runs` (SpeculativeResults with
+    """The drafter's capture points of every draft step of `runs` (speculative DecodeResults with
     captures) against transformers' assistant in fp32 and bf16 fed the same states, the fp32 steps
     whose chosen clusters differ, and the bf16 steps' cluster choices judged (cluster_decisions: a
     routing.RoutingResult, None without a masked head or in fp32). In bf16 the logits are judged
