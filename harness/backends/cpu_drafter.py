@@ -11,6 +11,8 @@ from harness.port.model import RankLinears
 
 
 class CpuDrafter:
+    serves_slots = True  # step(slot=): a batched build's sequences draft from their own KV slot
+
     def __init__(self, backend, assistant):
         self.backend, self.spec = backend, assistant.spec
         self.ranks = []
@@ -20,13 +22,15 @@ class CpuDrafter:
                                    strict=True)
             self.ranks.append(module.eval())
 
-    def kv_for(self, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each drafter layer's keys and values: the rank's cache of the target's store layer of its type."""
-        return [self.backend.kv_cache(layer.kv_source, rank) for layer in self.spec.layers]
+    def kv_for(self, rank: int, slot: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each drafter layer's keys and values: the rank's cache of the target's store layer of its
+        type, the sequence in `slot`."""
+        return [tuple(t[slot:slot + 1] for t in self.backend.kv_cache(layer.kv_source, rank)) for layer in self.spec.layers]
 
-    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, position: int, capture: bool = False):
-        """One draft at `position` (keys [0, position)): (logits [vocab] fp32, state [1, 1, H], captures)."""
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, position: int, capture: bool = False, slot: int = 0):
+        """One draft at `position` (keys [0, position) of the sequence in `slot`): (logits [vocab]
+        fp32, state [1, 1, H], captures)."""
         pos = torch.tensor([[position]])
-        out = self.backend.on_ranks(lambda rank: self.ranks[rank](embeds, hidden, pos, self.kv_for(rank), capture))[0]
+        out = self.backend.on_ranks(lambda rank: self.ranks[rank](embeds, hidden, pos, self.kv_for(rank, slot), capture))[0]
         logits, state, caps = out
         return logits[0, -1].float(), state, {k: v.float() for k, v in caps.items()}

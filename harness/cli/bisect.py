@@ -88,8 +88,7 @@ def _drafter(args, result, payload: dict) -> str:
 
     calibration = getattr(result.check, "calibration", None)
     stage = check_speculative(args.ckpt, args.golden_read.results("float32"), args.golden_read.results("bfloat16"),
-                              calibration.band if calibration is not None else 0.0, settings=args.settings,
-                              assistant_dir=args.assistant, k=args.speculate)
+                              calibration, settings=args.settings, assistant_dir=args.assistant, k=args.speculate).seal()
     first = first_drafter_point(stage)
     payload["speculative"] = dict(stage.to_json(), first_drafter_point=first)
     where = f"first divergent drafter point: {first['point']} ({first['ratio']:.3g}x)" if first else "drafter: every point passes"

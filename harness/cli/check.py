@@ -10,6 +10,10 @@ from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args
 from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
 
+# the backends whose drafter reads each sequence's own KV slot (`serves_slots`): speculation in a batch
+SLOT_DRAFTERS = ("cpu",)
+
+
 def add_command(sub) -> None:
     p = sub.add_parser("check", help="run the port and compare every layer and token with the reference",
                        description="Run the port and compare every layer and token with the CPU fp32 "
@@ -49,21 +53,6 @@ def add_speculate_args(p) -> None:
                    help="draft length of speculative decoding (tokens drafted per verify call; with --assistant)")
 
 
-def speculative_bench(args, runs: int) -> dict:
-    """`bench --assistant DIR --speculate K`: {"speculative": block} (harness/perf/speculative.py),
-    printed; {} without --assistant."""
-    if args.assistant_ckpt is None:
-        return {}
-    from harness.perf.bench import bench_prompt
-    from harness.perf.speculative import bench_speculative, render_speculative
-
-    prompt = bench_prompt(args.ckpt.spec.vocab_size, min(args.settings.buckets))
-    block = bench_speculative(args.ckpt, args.settings, args.assistant_ckpt, args.speculate, runs=runs,
-                              new_tokens=args.new_tokens, prompt=prompt)
-    print(render_speculative(block), end="")
-    return {"speculative": block}
-
-
 def validate_speculate(args, ckpt, rows=()) -> None:
     """--assistant and --speculate go together; the assistant is checked against the target now, and
     every (prompt length, new tokens) of `rows` against the cache (each verify is padded to K+1
@@ -78,6 +67,11 @@ def validate_speculate(args, ckpt, rows=()) -> None:
         given, missing = ("--assistant", "--speculate K") if args.speculate is None else ("--speculate", "--assistant DIR")
         raise OptionError(f"{given} needs {missing}: speculative decoding drafts with the assistant K tokens per verify")
     check_speculate(args.speculate, args.settings)
+    widest = max(args.batch or (1,)) if isinstance(args.batch, tuple) else (args.batch or 1)
+    if widest > 1 and args.settings.backend not in SLOT_DRAFTERS:
+        raise OptionError(f"--assistant with --batch {widest} on the {args.settings.backend} backend: its drafter reads "
+                          "a single sequence's KV cache (the cpu backend's drafts from each sequence's own slot); "
+                          "drop --batch or use --backend cpu")
     args.settings = args.settings.but(speculate=args.speculate)
     for prompt_len, new_tokens in rows:
         check_verify_fit(prompt_len, new_tokens, args.speculate, args.settings.kv_len)

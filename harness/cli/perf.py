@@ -9,8 +9,9 @@ from harness.base.atomic import claim_output
 from harness.base.errors import HarnessInputError, InputFileError, OptionError, OutputError, read_json_file
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate
-from harness.cli.check import add_speculate_args, speculative_bench, validate_speculate
+from harness.cli.check import add_speculate_args, validate_speculate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
+from harness.inputs.prompts import kv_positions_used
 from harness.perf.results import history_files, sample_problem, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
                           append_history, compare_files, compare_history, draw_length, draw_trend, parse_budgets,
@@ -131,11 +132,11 @@ def validate_bench(args) -> None:
     v._int_option(args, "kv_len", 1)
     args.settings = run_settings(args)
     kv_len = args.kv_len
-    if max(args.buckets) + args.new_tokens > kv_len:
+    if kv_positions_used(max(args.buckets), args.new_tokens + 1) > kv_len:  # the prefill's token, then the steps
         raise OptionError(f"--buckets {max(args.buckets)} + --new-tokens {args.new_tokens} exceed the KV length "
                           f"{kv_len}; use --kv-len {max(args.buckets) + args.new_tokens}, fewer new tokens or "
                           "a smaller bucket")
-    if args.lengths and max(args.lengths) + args.new_tokens > kv_len:
+    if args.lengths and kv_positions_used(max(args.lengths), args.new_tokens + 1) > kv_len:
         raise OptionError(f"--lengths {max(args.lengths)} + --new-tokens {args.new_tokens} exceed the KV length "
                           f"{kv_len}; use --kv-len {max(args.lengths) + args.new_tokens}, shorter lengths or fewer "
                           "new tokens")
@@ -246,11 +247,19 @@ def run_bench_command(args) -> int:
         print(f"gemma-parity: note: the tree has uncommitted changes; {args.out} records commit "
               f"{str(result.get('git_commit'))[:12]} with dirty: true", file=sys.stderr)
     if args.batch:
-        from harness.perf.batch import render_batch_bench, run_batch_bench
+        from harness.perf.batch import run_batch_bench
+        from harness.report.bench import render_batch_bench
 
         result["batch"] = run_batch_bench(args.ckpt, args.settings, args.batch, runs=args.runs,
                                           new_tokens=args.new_tokens, prompt_len=min(args.settings.buckets))
-    result.update(speculative_bench(args, runs))  # with --assistant: the "speculative" block, printed
+    from harness.perf.speculative import speculative_block
+    from harness.report.bench import render_speculative
+
+    block = speculative_block(args.ckpt, args.settings, args.assistant_ckpt, args.speculate, runs=runs,
+                              new_tokens=args.new_tokens)  # with --assistant: the "speculative" block, printed
+    if block:
+        print(render_speculative(block["speculative"]), end="")
+    result.update(block)
     if args.settings.quantize:  # the unquantized build beside it, in this run (docs/quantization.md)
         from harness.perf.quantized import beside_unquantized, render_beside
 

@@ -91,11 +91,26 @@ def validate_prompt_ids(spec, prompts, source=None) -> None:
                                   f"vocabulary [0, {spec.vocab_size}); {fix}")
 
 
-def kv_positions_used(n: int, new_tokens: int) -> int:
-    """Cache positions an n-token prompt and `new_tokens` greedy tokens write: the prompt's n (a
-    prompt is prefilled whole even at 0 new tokens), then every chosen token but the last (it is
-    never written back)."""
-    return n + max(new_tokens, 1) - 1
+def kv_positions_used(n: int, new_tokens: int, draft: int = 0) -> int:
+    """The one count of the KV positions a run uses (every guard of the commands, the engine, the
+    batch, speculation and bench compares it with the KV length): an n-token prompt's n (a prompt is
+    prefilled whole even at 0 new tokens), then every chosen token but the last (it is never written
+    back). With drafts of `draft` tokens (speculative decoding) every verify is padded to draft + 1
+    rows (Engine.verify): the last, at position n + new_tokens - 2 at most, needs `draft` slots more
+    (no verify runs for a single new token)."""
+    return n + max(new_tokens, 1) - 1 + (draft if new_tokens > 1 else 0)
+
+
+def check_kv_fit(n: int, new_tokens: int, kv_len: int, draft: int = 0) -> None:
+    """The library's guard (the engine, a batch, speculation): PromptError unless the run's
+    kv_positions_used fit `kv_len`. The commands refuse the same runs first (validate_prompt_fit)."""
+    used = kv_positions_used(n, new_tokens, draft)
+    if n > kv_len:
+        raise PromptError(f"prompt of {n} tokens is longer than the KV length {kv_len}; raise --kv-len or shorten the prompt")
+    if used > kv_len:
+        with_drafts = f" with drafts of {draft} (each verify padded to {draft + 1} rows)" if draft and new_tokens > 1 else ""
+        raise PromptError(f"{n} prompt + {new_tokens} new tokens{with_drafts} need {used} KV positions: they exceed "
+                          f"the KV length {kv_len}; raise --kv-len or ask for fewer new tokens")
 
 
 def validate_prompt_fit(prompts, new_tokens: int, source=None, buckets=None, kv_len: int | None = None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from harness.base.points import Point
+from harness.judge.stage_result import blame, divergent, overall_verdict
 from harness.judge.verdicts import LayerResult, LogitsResult, NearTieCalibration, PointResult, ProbabilityResult, TokenVerdict
 
 
@@ -103,8 +104,8 @@ class CheckResult:
     local_verdicts: list = field(default_factory=list, repr=False, compare=False)  # local.LayerVerdict
     local_nonfinite: dict | None = field(default=None, repr=False, compare=False)
     run_seconds: dict[str, float] = field(default_factory=dict)  # the whole run: build, reference, total
-    # Stages parity's extra checks add (the served build, ...): each has .stage, .passed, .failures()
-    # and .to_json(), and counts in the verdict like the two stages.
+    # The extra stages the parity run executed (served, batch, speculative, ...): each a sealed
+    # harness.judge.stage_result.StageResult, counted in the verdict like the two stages.
     extra_stages: list = field(default_factory=list, compare=False)
     # MoE models, bf16 stage: the port's router choices judged (harness.judge.routing.RoutingResult)
     routing: object = None
@@ -126,15 +127,8 @@ class CheckResult:
         return not p.passed or (self.routing is not None and self.routing.diverges_at(p.name))
 
     def divergent(self) -> tuple[int, str] | None:
-        """The local verdict's first failing layer where it exists, else this stage's first failing
-        layer point; the fp32 stage's when it names an earlier layer (a structural error there that
-        bf16 noise hides until later) or this stage names none."""
-        local = next((v for v in self.local or [] if not v.passed), None)
-        own = (local.index, local.component) if local is not None else self.first_layer_failure()
-        structural = self.fp32.divergent() if self.fp32 is not None else None
-        if own is None or (structural is not None and structural[0] < own[0]):
-            return structural
-        return own
+        """(first divergent layer, component): stage_result.divergent holds the rule."""
+        return divergent(self)
 
     @property
     def first_divergent_layer(self) -> int | None:
@@ -211,15 +205,13 @@ class CheckResult:
     @property
     def passed(self) -> bool:
         """Every capture point of both stages within its judge, every token mismatch accounted for
-        (a near tie or a saturation tie), and no exception inside the port."""
-        return (self.stage_passed and (self.fp32 is None or self.fp32.passed)
-                and all(s.passed for s in self.extra_stages))
+        (a near tie or a saturation tie), no exception inside the port, every extra stage's gates
+        (the overall verdict: stage_result.overall_verdict)."""
+        return overall_verdict(self).passed
 
     @property
     def failed_stages(self) -> list[str]:
-        stages = [s for s in (self.fp32,) if s is not None and not s.stage_passed]
-        return ([s.stage for s in stages] + ([self.stage] if not self.stage_passed else [])
-                + [s.stage for s in self.extra_stages if not s.passed])
+        return overall_verdict(self).failed_stages
 
     def _layer_json(self, layer: LayerResult) -> dict:
         """A layer's row: its points in the port's run, its local verdict beside them. A layer that
@@ -231,8 +223,7 @@ class CheckResult:
         if local is not None:
             out["local_ratio"], out["local_pass"] = local.ratio, local.passed
             out["local_rel_l2"], out["local_envelope_rel_l2"] = local.rel_l2, local.envelope_rel_l2
-            out["carries_upstream_error"] = local.passed and not out["pass"]
-            out["pass"], out["component"] = local.passed, local.component
+        out.update(blame(out["pass"], local))
         if self.fp32 is not None:
             out.update(self.fp32.layer_verdict(layer.index))
         return out
@@ -264,10 +255,11 @@ class CheckResult:
             return p.__dict__ if p is not None else None
 
         stages = {s.stage: s.stage_json() for s in (self.fp32, self) if s is not None}
-        failures = [f for s in (self.fp32, self, *self.extra_stages) if s is not None for f in s.failures()]
-        return {"passed": self.passed, "seq_match": self.seq_match, "backend": self.backend,
-                "tp": self.tp, "dtype": self.dtype, "first_divergent_layer": self.first_divergent_layer,
-                "first_divergent_component": self.first_divergent_component,
+        verdict = overall_verdict(self)  # built once: the JSON writes it
+        layer, component = verdict.divergent or (None, None)
+        return {"passed": verdict.passed, "seq_match": self.seq_match, "backend": self.backend,
+                "tp": self.tp, "dtype": self.dtype, "first_divergent_layer": layer,
+                "first_divergent_component": component,
                 "local_layers": [v.to_json() for v in self.local] if self.local is not None else None,
                 "near_tie_flips": self.near_ties, "real_divergences": self.divergences,
                 "embeddings": d(self.embeddings), "embeddings_exact": self.embeddings_exact,
@@ -275,9 +267,9 @@ class CheckResult:
                 "layers": [self._layer_json(layer) for layer in self.layers],
                 "prompts": [p.to_json() for p in self.prompts],
                 "notes": self.notes + (self.fp32.notes if self.fp32 else []), "stages": stages,
-                "failed_stages": self.failed_stages,
-                "failed_stage": self.failed_stages[0] if self.failed_stages else None,
-                "first_failure": failures[0] if failures else None,
+                "failed_stages": verdict.failed_stages,
+                "failed_stage": verdict.failed_stages[0] if verdict.failed_stages else None,
+                "first_failure": verdict.failures[0] if verdict.failures else None,
                 "seconds": dict({s.stage: s.seconds for s in (self.fp32, self) if s is not None},
                                 run=self.run_seconds),
                 "near_tie_calibration": asdict(self.calibration) if self.calibration else None,

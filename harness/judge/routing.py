@@ -100,12 +100,6 @@ def port_rows(run, name: str) -> torch.Tensor | None:
     return rows.float() if steps is None else torch.cat([rows.float(), steps.float()])
 
 
-def port_routes(run, top_k: int) -> dict[int, torch.Tensor]:
-    """{layer: [positions, top_k]} the port's choices in one prompt's teacher-forced run."""
-    return {Point.parse(name).layer: chosen_experts(port_rows(run, name), top_k)
-            for name in run.forced.prefill.captures if name.endswith(".expert_weights")}
-
-
 # ---- judging the port's choices ------------------------------------------------------------------
 
 def boundary_shifts(ref: torch.Tensor, env: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from harness.base.progress import status
 from harness.judge.results import CheckResult
 from harness.judge.stage import judge_stage, structural_flips
+from harness.judge.stage_result import Gate, StageResult
 from harness.parity.observe import PortFailure, PortPrompt, StageContext, build_port, observe_stage, port_call
 
 # The batch stage's KV slots: one fewer than the prompts (so the last, shortest prompt starts in the
@@ -40,14 +41,17 @@ def stage_slots(prompts: int) -> int:
     return max(2, min(MAX_STAGE_SLOTS, prompts - 1))
 
 
-def serve_batch(batch_engine, prompts: list, wants: list[int], capture: bool = False, forced: list | None = None,
+def serve_batch(engine, prompts: list, wants: list[int], capture: bool = False, forced: list | None = None,
                 observe=None) -> list:
-    """BatchEngine.generate of `prompts` admitted in admission_order; the results in prompt order and
-    `observe(prompt index, slot, written)` called with the prompt's own index."""
+    """The one decode loop (harness.port.decode.generate) over `prompts` admitted in
+    admission_order; the results in prompt order and `observe(prompt index, slot, written)` called
+    with the prompt's own index."""
+    from harness.port import decode
+
     order = admission_order(prompts)
-    out = batch_engine.generate([prompts[k] for k in order], [wants[k] for k in order], capture=capture,
-                                forced=[forced[k] for k in order] if forced is not None else None,
-                                observe=(lambda i, slot, written: observe(order[i], slot, written)) if observe else None)
+    step = decode.forced([forced[k] for k in order]) if forced is not None else decode.greedy()
+    out = decode.generate(engine, [prompts[k] for k in order], [wants[k] for k in order], step, capture=capture,
+                          observe=(lambda i, slot, written: observe(order[i], slot, written)) if observe else None)
     results = [None] * len(prompts)
     for k, result in zip(order, out):
         results[k] = result
@@ -69,12 +73,12 @@ def run_port_batch(engine, ref32: list, context: StageContext) -> list[PortPromp
     snaps: list[list] = [[] for _ in ref32]
     observe = ((lambda k, slot, written: snaps[k].append((written, be.read_cache(slot, written))))
                if engine.backend.reads_cache else None)
-    free = port_call(f"{phase}: batched prefill and free greedy decode", serve_batch, be, prompts, wants,
+    free = port_call(f"{phase}: batched prefill and free greedy decode", serve_batch, engine, prompts, wants,
                      capture=True, observe=observe)
     forced = free
     if any(run.tokens != r.generated for run, r in zip(free, ref32)):
         snaps = [[] for _ in ref32]  # the cache judged along the teacher-forced run
-        forced = port_call(f"{phase}: batched prefill and teacher-forced decode", serve_batch, be, prompts, wants,
+        forced = port_call(f"{phase}: batched prefill and teacher-forced decode", serve_batch, engine, prompts, wants,
                            capture=True, forced=[r.generated for r in ref32], observe=observe)
     say.close()
     return [PortPrompt(f, g, kv, port_call(f"{phase}: host probabilities", engine.probabilities, f.prefill.logits),
@@ -83,8 +87,8 @@ def run_port_batch(engine, ref32: list, context: StageContext) -> list[PortPromp
 
 
 @dataclass
-class BatchStage:
-    """The batch stage of a check run without --batch (an extra stage of the result)."""
+class BatchStage(StageResult):
+    """The batch stage of a check run without --batch (a harness.judge.stage_result.StageResult)."""
 
     stage = "batch"
     ran: bool
@@ -94,12 +98,8 @@ class BatchStage:
     notes: list[str] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
 
-    def failures(self) -> list[dict]:
-        return self.result.failures() if self.result is not None else []
-
-    @property
-    def passed(self) -> bool:
-        return not self.failures()
+    def gates(self) -> list[Gate]:  # the sequences judged as the bf16 stage judges its prompts
+        return [Gate("sequences", self.result.failures())] if self.result is not None else []
 
     def what_ran(self) -> str:
         if not self.ran:
@@ -120,23 +120,21 @@ class BatchStage:
             lines.append(f"  ... and {len(failures) - 8} more (the JSON's extra_stages.batch)")
         return "\n".join(lines)
 
-    def to_json(self) -> dict:
-        out = {"ran": self.ran, "passed": self.passed, "what_ran": self.what_ran(), "slots": self.slots,
-               "admission_order": self.order, "notes": self.notes, "seconds": self.seconds}
+    def payload(self) -> dict:
+        out = {"what_ran": self.what_ran(), "slots": self.slots, "admission_order": self.order, "seconds": self.seconds}
         if self.result is not None:  # one entry per sequence under "prompts", as the bf16 stage's
-            out.update({k: v for k, v in self.result.stage_json().items() if k not in ("notes", "seconds")},
-                       passed=self.passed, stage_notes=self.result.notes,
-                       references_rerun=list(getattr(self.result.observation, "rerouted", [])))
+            out.update({k: v for k, v in self.result.stage_json().items()
+                        if k not in ("notes", "seconds", "passed", "failures")},
+                       stage_notes=self.result.notes, references_rerun=list(getattr(self.result.observation, "rerouted", [])))
         return out
 
 
 def batch_stage(settings, progress: bool = False, skip: str | None = None):
-    """The batch stage as one of parity's extra checks (called with the finished result and the
-    checkpoint); `skip`: why it does not run (said in the result)."""
-    def check(result, checkpoint) -> None:
-        result.extra_stages.append(BatchStage(ran=False, notes=[skip]) if skip else
-                                   run_batch_stage(result, checkpoint, settings, progress))
-    return check
+    """The batch stage for the parity run (stage_result.run_stages): a function of the finished
+    result and the checkpoint returning the BatchStage; `skip`: why it does not run (said in it)."""
+    def stage(result, checkpoint) -> BatchStage:
+        return BatchStage(ran=False, notes=[skip]) if skip else run_batch_stage(result, checkpoint, settings, progress)
+    return stage
 
 
 def run_batch_stage(result: CheckResult, checkpoint, settings, progress: bool = False) -> BatchStage:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from harness.base.errors import HarnessInputError
 from harness.base.settings import RunSettings
 from harness.parity.bisect_result import BisectResult, fp32_summary
-from harness.parity.local import ReferenceLayers, final_norm_alone, first_nonfinite, intra_op_threads_for
+from harness.parity.local import final_norm_alone, first_nonfinite, intra_op_threads_for
+from harness.reference.layers import ReferenceLayers
 from harness.parity.truncate import (PrefixBuild, PrefixCheckpoint, backend_prefix_build, bisect_truncate,  # noqa: F401
                                      first_failing_prefix)
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from harness.base.points import KV_PARTS, Point, first_component, locate
 from harness.judge.compare import ENVELOPE_FACTOR
 from harness.judge.verdicts import PointResult
-from harness.parity.local import LayerVerdict, _finite_or_none
+from harness.judge.layers import LayerVerdict, _finite_or_none
 
 
 @dataclass

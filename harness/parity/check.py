@@ -15,8 +15,10 @@ by compare.py's policy in two stages. What `gemma-parity check` and the parity s
 This module only orders the steps: harness.parity.observe observes each stage whole (the port, the
 references, and the references along the port's path), harness.judge.stage and harness.judge.compare judge it
 (routing included), harness.parity.local judges each layer alone beside the stage's observation, and
-harness.judge.results holds the verdict. Further checks of a finished result (`extra_checks`, e.g. a
-served build) run last, each adding its own stage.
+harness.judge.results holds the result. The extra stages (`extra_checks`: served, batch, speculative)
+are executed by the parity run only (run_parity_check, through harness.judge.stage_result.run_stages),
+each a function of the finished result and the checkpoint returning a sealed StageResult;
+stage_result.overall_verdict builds the verdict.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from harness.parity.observe import (PortFailure, StageContext, StageReferences, 
 from harness.base.settings import RunSettings
 from harness.judge.distribution import judge_distribution
 from harness.judge.results import CheckResult, LocalLayer
+from harness.judge.stage_result import StageResult, run_stages
 from harness.judge.stage import judge_stage, near_tie_calibration, structural_flips
 from harness.reference.run import ReferenceResult
 
-# A further check of a finished result (the served build, ...): called with the result and the
-# checkpoint, it adds its stage, failures or notes to the result.
-ExtraCheck = Callable[[CheckResult, object], None]
+# An extra stage (the served build, ...): called with the finished result and the checkpoint, it
+# returns its harness.judge.stage_result.StageResult.
+ExtraCheck = Callable[[CheckResult, object], StageResult]
 
 
 @dataclass(frozen=True)
@@ -133,18 +136,17 @@ def _local(result: CheckResult, checkpoint, layer_backend, progress: bool) -> No
 
 def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
                local: bool | None = None, progress: bool = False, fp32_engine="auto", layer_backend=None,
-               extra_checks: tuple[ExtraCheck, ...] = (), force_path: bool = True) -> CheckResult:
+               force_path: bool = True) -> CheckResult:
     """Both stages: the fp32 structural stage (`fp32_engine`: "auto" builds it, None skips it),
     then the bf16 envelope stage on `engine` with flips the fp32 stage shows marked structural,
     plus (by default wherever the backend's ranks run on CPU; `layer_backend` runs them elsewhere)
-    the local verdict of every layer, then `extra_checks`. An exception inside the port is a failed
+    the local verdict of every layer (the extra stages are the parity run's). An exception inside the port is a failed
     result naming where it was raised. The result is labelled with the engine's run settings.
     `force_path` False: the references are not computed again (a golden of other weights)."""
     with intra_op_threads_for(checkpoint.spec):  # the whole check: small models run faster on one thread
         return _check_port(checkpoint, engine, StageReferences(ref32, ref16),
                            PortRun.of(engine.settings, progress, force_path),
-                           dict(local=local, fp32_engine=fp32_engine, layer_backend=layer_backend,
-                                extra_checks=extra_checks))
+                           dict(local=local, fp32_engine=fp32_engine, layer_backend=layer_backend))
 
 
 def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options: dict) -> CheckResult:
@@ -171,8 +173,6 @@ def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options
     result.fp32 = fp32
     if fp32 is None:
         result.notes.append("fp32 structural stage skipped")
-    for extra in options["extra_checks"]:  # additional stages (a served build, ...) judge the finished result
-        extra(result, checkpoint)
     return result
 
 
@@ -200,8 +200,7 @@ def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=N
     # so a device never holds two builds of the model at once (two 12B builds overflow 32 GiB HBM).
     del engine
     gc.collect()
-    for extra in extra_checks:
-        extra(result, checkpoint)
+    run_stages(extra_checks, result, checkpoint)  # the extra stages judge the finished result
     result.run_seconds = {"build": round(built - start, 2), "reference": round(referenced - built, 2),
                           "total": round(time.perf_counter() - start, 2)}
     return result

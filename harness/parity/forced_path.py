@@ -18,8 +18,8 @@ import torch
 
 from harness.base.points import Point
 from harness.judge.compare import PLE_PIN_NOISE
-from harness.judge.routing import port_routes, port_rows
-from harness.reference.forcing import Forced, routes_of, rows_by_position
+from harness.judge.routing import port_rows
+from harness.reference.forcing import Forced, follow_routes, routes_of, rows_by_position
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -104,7 +104,14 @@ def follow_routing(runs: list, spec, stage: str) -> list[Forced]:
     runs); nothing in the fp32 stage, where the port must route as the fp32 reference does."""
     if spec.moe is None or stage != "bf16":
         return [Forced() for _ in runs]
-    return [Forced(routes=port_routes(run, spec.moe.top_k)) for run in runs]
+    return [follow_routes(_port_captures(run), spec.moe.top_k) for run in runs]
+
+
+def _port_captures(run) -> dict:
+    """One prompt's teacher-forced port run as a reference's captures: the prefill's points, then
+    each decode step's under `decode.`."""
+    forced = run.forced
+    return {**forced.prefill.captures, **{"decode." + k: v for k, v in (forced.step_captures or {}).items()}}
 
 
 def routes_differ(forcing: list[Forced], references: list, spec) -> bool:

@@ -13,9 +13,7 @@ reference another way. Engines are built here only (`build_port`, `build_fp32_po
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -28,6 +26,7 @@ from harness.judge.compare import FORCING_PASSES
 from harness.judge.verdicts import NearTieCalibration
 from harness.parity.forced_path import add_pins, follow_routing, routes_differ, seed_pins
 from harness.parity.local import intra_op_threads_for
+from harness.parity.port_failure import PortFailure, port_call  # noqa: F401  (re-exported: the stages' phases)
 from harness.reference.run import ReferenceResult, rerun_reference
 
 
@@ -134,38 +133,6 @@ def check_fit(spec, settings: RunSettings, references: list[ReferenceResult] | l
 
 # ---- running the port ---------------------------------------------------------------------------
 
-class PortFailure(Exception):
-    """An exception raised inside the port while it was observed: a parity failure, not bad input."""
-
-    def __init__(self, phase: str, exc: BaseException):
-        super().__init__(f"{phase}: {type(exc).__name__}: {exc}")
-        self.phase, self.exc = phase, exc
-
-    def describe(self) -> dict:
-        """Where it was raised (the innermost frame) and, when that is outside the package, the
-        innermost frame of the port that called it."""
-        frames = traceback.extract_tb(self.exc.__traceback__)
-        package = Path(__file__).parent.parent
-        inside = [f for f in frames if f.filename.startswith(str(package))]
-        where = _frame(frames[-1], package.parent) if frames else "unknown"
-        if inside and inside[-1] is not frames[-1]:
-            where += f" (called from {_frame(inside[-1], package.parent)})"
-        return {"where": where, "phase": self.phase, "type": type(self.exc).__name__, "message": str(self.exc)}
-
-
-def _frame(frame, root: Path) -> str:
-    path = Path(frame.filename)
-    shown = path.relative_to(root) if path.is_relative_to(root) else path
-    return f"{shown}:{frame.lineno} in {frame.name}"
-
-
-def port_call(phase: str, fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except Exception as exc:  # anything the port raises is the port's failure
-        raise PortFailure(phase, exc) from exc
-
-
 @dataclass
 class PortPrompt:
     """One prompt through the port: teacher-forced run with captures and cache reads, free run."""
@@ -178,13 +145,15 @@ class PortPrompt:
 
 
 def run_port_prompt(engine, r32: ReferenceResult, phase: str) -> PortPrompt:
+    from harness.port.decode import forced as forcing, generate
+
     n_new = len(r32.generated)
     read = engine.read_cache if engine.backend.reads_cache else None
     snaps = []
-    observe = (lambda written: snaps.append((written, read(written)))) if read else None
-    forced = port_call(f"{phase}: prefill and teacher-forced decode", engine.generate, r32.prompt, n_new,
-                       capture=True, forced=r32.generated or None, observe=observe)
-    free = port_call(f"{phase}: free greedy decode", engine.generate, r32.prompt, n_new) if n_new else forced
+    observe = (lambda _prompt, _slot, written: snaps.append((written, read(written)))) if read else None
+    forced = port_call(f"{phase}: prefill and teacher-forced decode", lambda: generate(
+        engine, [r32.prompt], n_new, forcing([r32.generated]), capture=True, observe=observe)[0])
+    free = port_call(f"{phase}: free greedy decode", lambda: generate(engine, [r32.prompt], n_new)[0]) if n_new else forced
     probs = port_call(f"{phase}: host probabilities", engine.probabilities, forced.prefill.logits)
     steps = port_call(f"{phase}: host probabilities", engine.probabilities, forced.step_logits)
     return PortPrompt(forced, free, snaps, probs, steps)

@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from harness.base.progress import status
-from harness.judge.compare import BF16, PointResult, StageJudge, TokenVerdict, classify_departure, compare_point
+from harness.judge.compare import BF16, PointResult, TokenVerdict, classify_departure, compare_point
 from harness.judge.stage import near_tie_calibration
+from harness.judge.stage_result import Gate, StageResult, Ties, ties
 from harness.parity.batched import serve_batch
 
 SKIPPED_NOTE = "served build not judged (--skip-served-build): the perf build bench times was not run"
@@ -58,8 +59,8 @@ class ServedPrompt:
 
 
 @dataclass
-class ServedResult:
-    """The served-build stage of `check`."""
+class ServedResult(StageResult):
+    """The served-build stage of `check` (a harness.judge.stage_result.StageResult)."""
 
     stage = "served"
     backend: str
@@ -73,9 +74,12 @@ class ServedResult:
     error: dict | None = None  # an exception raised inside the served build
     notes: list[str] = field(default_factory=list)
 
-    def failures(self) -> list[dict]:
+    def gates(self) -> list[Gate]:
         if self.error:
-            return [dict(self.error, stage="served", point="exception inside the served build")]
+            return [Gate("error", [dict(self.error, stage="served", point="exception inside the served build")])]
+        return [Gate("step_logits", self._logit_failures()), Gate("tokens", self._token_failures())]
+
+    def _logit_failures(self) -> list[dict]:
         out = []
         if self.step_logits is not None and not self.step_logits.passed:
             row = self.step_logits.worst_position
@@ -83,6 +87,10 @@ class ServedResult:
             out.append({"stage": "served", "point": "served build step logits", "where": where,
                         "ratio": _finite(self.step_logits.required_factor),
                         "detail": "the served build's logits are outside the bf16 envelope of the reference"})
+        return out
+
+    def _token_failures(self) -> list[dict]:
+        out = []
         for k, p in enumerate(self.prompts):
             if p.accounted:
                 continue
@@ -92,10 +100,6 @@ class ServedResult:
                 where += f"; the served build differs from the judged build at prompt {k} step {p.differs_from_parity_at}"
             out.append({"stage": "served", "point": "served build token", "where": where, "detail": d.evidence})
         return out
-
-    @property
-    def passed(self) -> bool:
-        return not self.failures()
 
     def describe(self) -> str:
         if not self.ran:
@@ -108,13 +112,12 @@ class ServedResult:
                   for f in self.failures()]
         return "\n".join(lines)
 
-    def to_json(self) -> dict:
-        return {"ran": self.ran, "passed": self.passed, "backend": self.backend,
+    def payload(self) -> dict:
+        return {"backend": self.backend,
                 "same_code_as_parity_build": self.same_code, "last_row_only": self.last_row_only, "batch": self.batch,
                 "built_by": "harness.perf.bench.perf_engine (as `bench` builds it)",
                 "step_logits": asdict(self.step_logits) if self.step_logits else None,
-                "prompts": [p.to_json() for p in self.prompts], "failures": self.failures(),
-                "error": self.error, "notes": self.notes}
+                "prompts": [p.to_json() for p in self.prompts], "error": self.error}
 
 
 def _finite(x: float) -> float | None:
@@ -131,14 +134,14 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def judge_served(runs: list, ref32: list, ref16: list, parity_tokens: list | None, band: float,
-                 judge: StageJudge = BF16) -> tuple[list[ServedPrompt], PointResult | None, list[str]]:
+def judge_served(runs: list, ref32: list, ref16: list, parity_tokens: list | None,
+                 tie: Ties) -> tuple[list[ServedPrompt], PointResult | None, list[str]]:
     """`runs`: the served build's DecodeResult per prompt. Returns the per-prompt verdicts (each
-    departure classified by compare.classify_departure with `judge`, as the check's stage does) and
+    departure classified by compare.classify_departure with `tie`'s judge and band, as the check's stage does) and
     the step logits on the reference's prefix judged by the bf16 envelope (with a label per row)."""
     prompts, dev, ref, env, labels = [], [], [], [], []
     for k, (run, r32, r16) in enumerate(zip(runs, ref32, ref16)):
-        departure = classify_departure(r32, run, band, judge=judge)
+        departure = classify_departure(r32, run, tie.band, judge=tie.judge)
         same = len(r32.generated) if departure is None else departure.position + 1  # rows on the same prefix
         same = min(same, run.step_logits.shape[0], len(r32.generated))
         dev.append(run.step_logits[:same])
@@ -176,7 +179,7 @@ def check_served_build(checkpoint, ref32: list, ref16: list, parity_result=None,
         return ServedResult(backend=backend, ran=True, error=_error("served build: build and free greedy decode", exc))
     finally:
         say.close()
-    prompts, point, labels = judge_served(runs, ref32, ref16, parity_tokens, calibration.band)
+    prompts, point, labels = judge_served(runs, ref32, ref16, parity_tokens, ties(BF16, calibration))
     same_code = getattr(engine.backend, "name", backend) == "cpu"
     last_row = bool(getattr(engine.backend, "last_row_only", False))
     notes = ([SAME_CODE_NOTE.format(backend=backend)] if same_code else []) + served_notes
@@ -197,6 +200,7 @@ def serve_prompts(checkpoint, settings, ref32: list, say) -> tuple:
     from harness.base.errors import HarnessInputError
     from harness.perf.bench import perf_engine
     from harness.port.batching import BatchEngine
+    from harness.port.decode import generate
 
     wants = [len(r.generated) for r in ref32]
     try:
@@ -209,28 +213,24 @@ def serve_prompts(checkpoint, settings, ref32: list, say) -> tuple:
         engine, batch, why = perf_engine(checkpoint, settings.but(batch=1)), None, str(exc)
     if batch is not None:
         say(f"{len(ref32)} prompts as a batch of {settings.batch} sequences: free greedy decode")
-        return engine, serve_batch(batch, [r.prompt for r in ref32], wants), [
+        return engine, serve_batch(engine, [r.prompt for r in ref32], wants), [
             f"the perf build served the prompts as a batch of {settings.batch} sequences (a KV slot each, "
             "continuous batching, admitted longest first)"], settings.batch
-    runs = []
-    for k, r in enumerate(ref32):
-        say(f"prompt {k + 1}/{len(ref32)}: free greedy decode of {len(r.generated)} tokens")
-        runs.append(engine.generate(r.prompt, len(r.generated)))
+    say(f"{len(ref32)} prompts one at a time: free greedy decode")
+    runs = generate(engine, [r.prompt for r in ref32], wants)  # one slot: each prompt in turn
     return engine, runs, [] if why is None else [f"--batch {settings.batch}: the perf build served one prompt at a "
                                                  f"time ({why})"], 1
 
 
 def served_stage(settings, progress: bool = False, skip: bool = False):
-    """The served-build stage as one of parity's extra checks: called with the finished result
-    and the checkpoint, it judges the perf build on the references the check observed and adds
-    itself to `result.extra_stages`."""
-    def check(result, checkpoint) -> None:
+    """The served-build stage for the parity run (harness.judge.stage_result.run_stages): a
+    function of the finished result and the checkpoint returning the ServedResult, the perf build
+    judged on the references the check observed."""
+    def stage(result, checkpoint) -> ServedResult:
         observed = result.observation or getattr(result.fp32, "observation", None)
         if observed is None and not skip:  # the port raised before any stage observed it: already failed
-            result.extra_stages.append(ServedResult(backend=settings.backend, ran=False, notes=[
-                "served build not judged: no stage of the check observed the port (it raised first)"]))
-            return
+            return ServedResult(backend=settings.backend, ran=False, notes=[
+                "served build not judged: no stage of the check observed the port (it raised first)"])
         refs = observed.references if observed is not None else ([], [])
-        result.extra_stages.append(check_served_build(checkpoint, *refs, result, settings=settings,
-                                                      progress=progress, skip=skip))
-    return check
+        return check_served_build(checkpoint, *refs, result, settings=settings, progress=progress, skip=skip)
+    return stage

@@ -25,6 +25,7 @@ import torch
 
 from harness.judge.compare import BF16, FP32, compare_point
 from harness.judge.routing import RouterDecisions, judge_decisions
+from harness.judge.stage_result import Gate, StageResult, ties
 from harness.parity.served import _error, judge_served
 from harness.reference.assistant import DRAFTER
 
@@ -42,7 +43,10 @@ def acceptance_band(reference: float) -> float:
 
 
 @dataclass
-class SpeculativeStage:
+class SpeculativeStage(StageResult):
+    """The speculative stage (a harness.judge.stage_result.StageResult): tokens, drafter, clusters
+    and acceptance gates."""
+
     stage = "speculative"
     k: int
     ran: bool = True
@@ -55,30 +59,26 @@ class SpeculativeStage:
     error: dict | None = None
     notes: list[str] = field(default_factory=list)
 
-    def failures(self) -> list[dict]:
+    def gates(self) -> list[Gate]:
         if self.error:
-            return [dict(self.error, stage="speculative", point="exception inside the speculative run")]
-        out = [{"stage": "speculative", "point": "speculative token", "where": f"prompt {k} step {p.departure.position}",
-                "detail": p.departure.evidence} for k, p in enumerate(self.prompts) if not p.accounted]
-        out += [{"stage": "speculative", "point": p.name, "ratio": p.ratio,
-                 "detail": "the drafter departs from transformers' assistant fed the same target states"}
-                for p in self.drafter_points if not p.passed]
-        if self.cluster_mismatches:
-            out.append({"stage": "speculative", "point": "drafter.clusters", "where": f"{self.cluster_mismatches} fp32 steps",
-                        "detail": "the masked head chose other clusters than transformers' assistant"})
-        out += [{"stage": "speculative", "point": "drafter.clusters", "where": d["where"],
-                 "detail": f"the masked head chose clusters {d['port_experts']} where the fp32 reference's top-k is "
-                           f"{d['reference_experts']}: margin {d['margin']:.4g} above the cluster band {d['threshold']:.4g}"}
-                for d in self.cluster_departures if d["kind"] != "near_tie"]
-        out += [{"stage": "speculative", "point": "acceptance", "where": f"prompt {a['prompt']}",
-                 "detail": f"{a['port']:.2f} accepted tokens per verify, the reference (transformers' target and "
-                           f"assistant under the port's rules) {a['reference']:.2f} (band {a['band']:.2f})"}
-                for a in self.acceptance if not a["passed"]]
-        return out
-
-    @property
-    def passed(self) -> bool:
-        return not self.failures()
+            return [Gate("error", [dict(self.error, stage="speculative", point="exception inside the speculative run")])]
+        tokens = [{"stage": "speculative", "point": "speculative token", "where": f"prompt {k} step {p.departure.position}",
+                   "detail": p.departure.evidence} for k, p in enumerate(self.prompts) if not p.accounted]
+        drafter = [{"stage": "speculative", "point": p.name, "ratio": p.ratio,
+                    "detail": "the drafter departs from transformers' assistant fed the same target states"}
+                   for p in self.drafter_points if not p.passed]
+        clusters = [{"stage": "speculative", "point": "drafter.clusters", "where": f"{self.cluster_mismatches} fp32 steps",
+                     "detail": "the masked head chose other clusters than transformers' assistant"}] if self.cluster_mismatches else []
+        clusters += [{"stage": "speculative", "point": "drafter.clusters", "where": d["where"],
+                      "detail": f"the masked head chose clusters {d['port_experts']} where the fp32 reference's top-k is "
+                                f"{d['reference_experts']}: margin {d['margin']:.4g} above the cluster band {d['threshold']:.4g}"}
+                     for d in self.cluster_departures if d["kind"] != "near_tie"]
+        acceptance = [{"stage": "speculative", "point": "acceptance", "where": f"prompt {a['prompt']}",
+                       "detail": f"{a['port']:.2f} accepted tokens per verify, the reference (transformers' target and "
+                                 f"assistant under the port's rules) {a['reference']:.2f} (band {a['band']:.2f})"}
+                      for a in self.acceptance if not a["passed"]]
+        return [Gate("tokens", tokens), Gate("drafter", drafter), Gate("clusters", clusters),
+                Gate("acceptance", acceptance)]
 
     def describe(self) -> str:
         lines = [f"speculative decoding (k={self.k}): {'PASS' if self.passed else 'FAIL'}"]
@@ -92,14 +92,11 @@ class SpeculativeStage:
         lines += [f"  {f['point']} at {f.get('where', '-')}: {f.get('detail', f.get('message', ''))}" for f in self.failures()]
         return "\n".join(lines)
 
-    def to_json(self) -> dict:
-        return {"ran": self.ran, "passed": self.passed, "k": self.k, "acceptance": self.acceptance,
-                "prompts": [p.to_json() for p in self.prompts],
+    def payload(self) -> dict:
+        return {"k": self.k, "acceptance": self.acceptance, "prompts": [p.to_json() for p in self.prompts],
                 "drafter_points": [asdict(p) for p in self.drafter_points],
                 "cluster_mismatches": self.cluster_mismatches, "cluster_departures": self.cluster_departures,
-                "cluster_band": self.cluster_band,
-                "failures": self.failures(), "error": self.error,
-                "notes": self.notes}
+                "cluster_band": self.cluster_band, "error": self.error}
 
 
 # The state a later draft step of a round was fed, against the reference's post-projection of the
@@ -129,7 +126,7 @@ def _draft_step(name: str, row: int) -> str:
 
 
 def drafter_points(runs: list, engine, spec, references: dict, judge) -> tuple[list, int, object]:
-    """The drafter's capture points of every draft step of `runs` (SpeculativeResults with
+    """The drafter's capture points of every draft step of `runs` (speculative DecodeResults with
     captures) against transformers' assistant in fp32 and bf16 fed the same states, the fp32 steps
     whose chosen clusters differ, and the bf16 steps' cluster choices judged (cluster_decisions: a
     routing.RoutingResult, None without a masked head or in fp32). In bf16 the logits are judged
@@ -193,12 +190,12 @@ def judge_acceptance(runs: list, ref32: list, target, assistant, k: int) -> list
     return out
 
 
-def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, settings, assistant_dir, k: int) -> SpeculativeStage:
+def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, settings, assistant_dir, k: int) -> SpeculativeStage:
     """Run speculative greedy decode of every reference prompt in the run's dtype and in fp32 and
     judge it (tokens, drafter points, acceptance)."""
     from harness.backends import build_drafter, build_engine
     from harness.inputs.assistant_checkpoint import AssistantCheckpoint
-    from harness.port.speculate import speculative_generate
+    from harness.port.decode import generate, speculative
     from harness.reference.assistant import AssistantReference, load_target
 
     stage = SpeculativeStage(k)
@@ -209,7 +206,8 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
             engine = build_engine(checkpoint, settings.but(dtype=dtype, speculate=k, assistant=str(assistant.path)),
                                   capture=True)  # its verify graph, and on neuron its draft graphs
             drafter = build_drafter(engine, assistant)
-            runs = [speculative_generate(engine, drafter, r.prompt, len(r.generated), k, capture=True) for r in ref32]
+            runs = generate(engine, [r.prompt for r in ref32], [len(r.generated) for r in ref32], speculative(drafter, k),
+                            capture=True)  # a sequence per KV slot of the build (--batch N: continuous batching)
             judge = FP32 if engine.settings.torch_dtype == torch.float32 else BF16
             points, off, clusters = drafter_points(runs, engine, checkpoint.spec, references, judge)
             stage.drafter_points += points
@@ -223,8 +221,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
                 fp32_runs = runs
             if dtype == settings.dtype:
                 judged = runs
-                stage.prompts, _, _ = judge_served(runs, ref32, ref16, None, band,
-                                                   judge=FP32 if engine.settings.torch_dtype == torch.float32 else BF16)
+                stage.prompts, _, _ = judge_served(runs, ref32, ref16, None, ties(judge, calibration))
         stage.acceptance = judge_acceptance(fp32_runs, ref32, load_target(checkpoint.path), references[torch.float32].model, k)
         for a, run in zip(stage.acceptance, judged):
             a["port_" + settings.dtype] = run.acceptance  # reported, not judged: bf16 drafts flip near ties
@@ -234,18 +231,15 @@ def check_speculative(checkpoint, ref32: list, ref16: list, band: float, *, sett
 
 
 def speculative_stage(settings, assistant_dir, k: int):
-    """The speculative stage as one of parity's extra checks (like served.served_stage)."""
-    def check(result, checkpoint) -> None:
+    """The speculative stage for the parity run (stage_result.run_stages, like served.served_stage)."""
+    def stage(result, checkpoint) -> SpeculativeStage:
         observed = result.observation or getattr(result.fp32, "observation", None)
         if observed is None:
-            result.extra_stages.append(SpeculativeStage(k, ran=False, notes=[
-                "speculative decoding not judged: no stage of the check observed the port (it raised first)"]))
-            return
-        calibration = getattr(result, "calibration", None)
-        band = calibration.band if calibration is not None else 0.0
-        result.extra_stages.append(check_speculative(checkpoint, observed.ref32, observed.ref16, band, settings=settings,
-                                                     assistant_dir=assistant_dir, k=k))
-    return check
+            return SpeculativeStage(k, ran=False, notes=[
+                "speculative decoding not judged: no stage of the check observed the port (it raised first)"])
+        return check_speculative(checkpoint, observed.ref32, observed.ref16, getattr(result, "calibration", None),
+                                 settings=settings, assistant_dir=assistant_dir, k=k)
+    return stage
 
 
 def first_drafter_point(stage: SpeculativeStage) -> dict | None:

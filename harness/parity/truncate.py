@@ -15,7 +15,8 @@ from harness.base.progress import status
 from harness.base.settings import RunSettings
 from harness.judge.compare import PointResult, compare_point
 from harness.parity.bisect_result import BisectResult
-from harness.parity.local import LayerVerdict, intra_op_threads_for
+from harness.judge.layers import LayerVerdict
+from harness.parity.local import intra_op_threads_for
 from harness.port.model import rms_norm
 from harness.reference.run import ReferenceResult
 

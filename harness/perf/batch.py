@@ -142,16 +142,6 @@ def with_batch_efficiency(measured: list[dict], floor_rows: list[dict]) -> list[
     return out
 
 
-def render_batch_bench(rows: list[dict]) -> str:
-    lines = ["per batch size (decode step of all rows; prefill of all prompts):",
-             f"  {'batch':>5} {'prefill ms':>10} {'step ms':>8} {'tok/s':>8} {'floor ms':>9} {'tok/s floor':>11} "
-             f"{'eff':>6} bound"]
-    for r in rows:
-        lines.append(f"  {r['batch']:>5} {r['prefill_ms']:>10.1f} {r['step_ms'] or 0:>8.2f} {r['tokens_per_s'] or 0:>8.1f} "
-                     f"{r['step_floor_ms']:>9.3f} {r['tokens_per_s_floor']:>11.1f} {r['efficiency'] or 0:>6.3f} {r['bound']}")
-    return "\n".join(lines) + "\n"
-
-
 def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, prompt_len: int) -> dict:
     """`bench --batch`: one build with max(batches) KV slots; per batch size, `runs` timed runs of
     that many prompts of `prompt_len` tokens, beside the floors on this backend's rates."""
@@ -164,8 +154,17 @@ def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, p
     engine = build_engine(checkpoint, settings.but(batch=batches[-1]))
     be = BatchEngine(engine)
     spec = checkpoint.spec
-    measured = [time_batch(be, [bench_prompt(spec.vocab_size, prompt_len, seed=k) for k in range(b)], new_tokens, runs)
-                for b in batches]
+    prompts = {b: [bench_prompt(spec.vocab_size, prompt_len, seed=k) for k in range(b)] for b in batches}
+    measured = [time_batch(be, prompts[b], new_tokens, runs) for b in batches]
+    if settings.assistant:  # --speculate K: each batch decoded speculatively too (accepted drafts per verify)
+        from harness.backends import build_drafter
+        from harness.inputs.assistant_checkpoint import AssistantCheckpoint
+        from harness.perf.speculative import time_speculative_batch
+
+        drafter = build_drafter(engine, AssistantCheckpoint.open(settings.assistant, spec))
+        for row, b in zip(measured, batches):
+            row["speculative"] = time_speculative_batch(engine, drafter, prompts[b], new_tokens, k=settings.speculate,
+                                                       runs=runs)
     rates, _ = bench_rates(settings.backend, settings.tp, settings.dtype)
     floor_rows = batch_floors(spec, settings.tp, settings.dtype, batches, settings.kv_len, rates=rates,
                               buckets=[b for b in settings.buckets if b >= prompt_len][:1])

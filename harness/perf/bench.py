@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from harness.base.errors import HarnessInputError
 from harness.base.progress import status
 from harness.base.settings import PUBLISHED_BUCKET, RunSettings
+from harness.inputs.prompts import kv_positions_used
 from harness.perf import length, machine, outputs
 from harness.perf.results import FORMAT, latency_samples, metric_samples
 from harness.perf.roofline import measured_rates, neuron_instance_rates, roofline_block
@@ -107,7 +108,7 @@ def _check_bench_options(runs, warmup, buckets, new_tokens, kv_len) -> None:
                                 "runs >= 1, warmup >= 0 and new tokens >= 1")
     if not buckets or min(buckets) < 1:
         raise HarnessInputError(f"--buckets {buckets}: give positive bucket sizes, e.g. 16,64")
-    if max(buckets) + new_tokens > kv_len:
+    if kv_positions_used(max(buckets), new_tokens + 1) > kv_len:  # the prefill's token, then new_tokens steps
         raise HarnessInputError(f"bucket {max(buckets)} + {new_tokens} new tokens exceed the KV length "
                                 f"{kv_len}; use fewer --new-tokens or a smaller bucket")
 

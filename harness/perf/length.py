@@ -15,6 +15,7 @@ import statistics
 import time
 
 from harness.base.errors import HarnessInputError
+from harness.inputs.prompts import kv_positions_used
 from harness.perf import outputs
 from harness.perf.context import context_floors
 
@@ -33,7 +34,7 @@ def parse_lengths(text: str) -> tuple[int, ...]:
 
 
 def check_lengths(lengths, new_tokens: int, kv_len: int) -> None:
-    if lengths and max(lengths) + new_tokens > kv_len:
+    if lengths and kv_positions_used(max(lengths), new_tokens + 1) > kv_len:  # the prefill's token, then the steps
         raise HarnessInputError(f"--lengths {max(lengths)} + {new_tokens} new tokens exceed the KV length {kv_len}; "
                                 f"use --kv-len {max(lengths) + new_tokens}, shorter lengths or fewer --new-tokens")
 

@@ -29,13 +29,13 @@ def _ms(fn) -> float:
 
 
 def _one_run(engine, drafter, prompt: list[int], new_tokens: int, k: int) -> dict:
-    from harness.port.speculate import speculative_generate
+    from harness.port.decode import generate, speculative
 
     n = len(prompt)
     prefill = _ms(lambda: engine.prefill(prompt))
-    plain = _ms(lambda: engine.generate(prompt, new_tokens)) - prefill
     found = {}
-    spec = _ms(lambda: found.update(run=speculative_generate(engine, drafter, prompt, new_tokens, k))) - prefill
+    plain = _ms(lambda: found.update(plain=generate(engine, [prompt], new_tokens)[0])) - prefill
+    spec = _ms(lambda: found.update(run=generate(engine, [prompt], new_tokens, speculative(drafter, k))[0])) - prefill
     run = found["run"]
     decode = _ms(lambda: engine.decode_step(run.tokens[0], n))
     verify = _ms(lambda: engine.verify(run.tokens[:1] * (k + 1), n))
@@ -45,7 +45,26 @@ def _one_run(engine, drafter, prompt: list[int], new_tokens: int, k: int) -> dic
     steps = max(new_tokens - 1, 1)
     return {"plain_ms_per_token": plain / steps, "speculative_ms_per_token": spec / steps,
             "accepted_per_verify": run.acceptance, "verifies": run.verifies, "decode_step_ms": decode,
-            "verify_ms": verify, "draft_step_ms": draft, "tokens_equal": run.tokens == engine.generate(prompt, new_tokens).tokens}
+            "verify_ms": verify, "draft_step_ms": draft, "tokens_equal": run.tokens == found["plain"].tokens}
+
+
+def time_speculative_batch(engine, drafter, prompts: list, new_tokens: int, *, k: int, runs: int) -> dict:
+    """`bench --batch B --speculate K`: `runs` timed speculative decodes of the B prompts as one batch
+    (the one decode loop, a KV slot each): ms per generated token (median run over all rows' tokens),
+    accepted drafts per verify over every sequence's verifies and per sequence, and whether every
+    sequence's tokens equal its plain greedy decode in the same batch."""
+    from harness.port.decode import generate, speculative
+
+    plain = generate(engine, prompts, new_tokens)
+    found, samples = {}, []
+    for _ in range(runs):
+        samples.append(_ms(lambda: found.update(out=generate(engine, prompts, new_tokens, speculative(drafter, k)))))
+    out = found["out"]
+    verifies = sum(r.verifies for r in out)
+    return {"k": k, "accepted_per_verify": sum(sum(r.accepted) for r in out) / verifies if verifies else 0.0,
+            "verifies": verifies, "per_sequence": [r.acceptance for r in out],
+            "ms_per_token": statistics.median(samples) / (len(prompts) * new_tokens),
+            "tokens_equal": all(a.tokens == b.tokens for a, b in zip(out, plain)), "samples_ms": samples}
 
 
 def bench_speculative(checkpoint, settings, assistant, k: int, *, runs: int, new_tokens: int, prompt: list[int]) -> dict:
@@ -71,9 +90,13 @@ def bench_speculative(checkpoint, settings, assistant, k: int, *, runs: int, new
             "tokens_equal": all(s["tokens_equal"] for s in samples), "samples": samples}
 
 
-def render_speculative(block: dict) -> str:
-    return (f"speculative (k={block['k']}): {block['accepted_per_verify']:.2f} accepted drafts per verify; "
-            f"{block['speculative_ms_per_token']:.2f} ms/token vs plain {block['plain_ms_per_token']:.2f} "
-            f"(speed-up {block['measured_speedup']:.2f}x measured here, {block['modeled_speedup_inf2']:.2f}x modeled "
-            f"on inf2's HBM roofline); verify {block['verify_over_decode']:.2f}x and draft step "
-            f"{block['draft_over_decode']:.2f}x a decode step\n")
+def speculative_block(checkpoint, settings, assistant, k: int | None, *, runs: int, new_tokens: int) -> dict:
+    """`bench --assistant DIR --speculate K`'s {"speculative": block} on the bench prompt of the
+    smallest bucket; {} without an assistant."""
+    if assistant is None:
+        return {}
+    from harness.perf.bench import bench_prompt
+
+    prompt = bench_prompt(checkpoint.spec.vocab_size, min(settings.buckets))
+    return {"speculative": bench_speculative(checkpoint, settings, assistant, k, runs=runs, new_tokens=new_tokens,
+                                             prompt=prompt)}

@@ -1,5 +1,6 @@
-"""Host side of serving a batch: ragged prompts in one call, a KV slot per sequence, continuous
-batching (NxD Inference's conventions: `seq_ids` name the slots a call works on, batch buckets).
+"""Host side of serving a batch: ragged prompts in one call, a KV slot per sequence (NxD
+Inference's conventions: `seq_ids` name the slots a call works on, batch buckets). The decode loop
+over these calls, continuous batching included, is harness/port/decode.py.
 
 A `BatchEngine` drives the same backend and host embeddings as `Engine`, built with
 `settings.batch` KV slots. Every call is padded twice: each row's chunk to the call's sequence
@@ -13,12 +14,11 @@ sequence's positions or are overwritten before they are read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from harness.base.errors import HarnessInputError, PromptError
-from harness.port.engine import DecodeResult, Engine, PrefillResult, Step
+from harness.inputs.prompts import check_kv_fit
+from harness.port.engine import Engine, PrefillResult, Step, chunk_positions
 from harness.port.graphs import batch_buckets
 from harness.port.kv_slots import check_seq_ids
 from harness.port.sharding import merge_rank_caches, ring_windows
@@ -32,21 +32,6 @@ def batch_chunk(starts: list[int], rests: list[int], buckets, kv_len: int) -> in
     fits = [b for b in sorted(buckets) if all(s + b <= kv_len for s, _ in active)]
     holding = [b for b in fits if b >= max(r for _, r in active)]
     return min(holding) if holding else max(fits, default=1)
-
-
-@dataclass
-class _Sequence:
-    """A sequence being served: its prompt, slot, and what it has produced so far."""
-
-    index: int
-    ids: torch.Tensor
-    slot: int
-    logits: torch.Tensor  # the raw logits choosing its next token
-    prefill: PrefillResult
-    tokens: list[int] = field(default_factory=list)
-    steps: list[torch.Tensor] = field(default_factory=list)
-    fed: list[int] = field(default_factory=list)  # the tokens fed to decode (forced or chosen)
-    step_caps: list[dict] = field(default_factory=list)
 
 
 class BatchEngine:
@@ -65,10 +50,12 @@ class BatchEngine:
                 return size
         raise PromptError(f"{rows} sequences in one call: the cache has {self.slots} slots (--batch {self.slots})")
 
-    def forward(self, chunks: list[torch.Tensor], positions: list[torch.Tensor], seq_ids, capture: bool):
+    def forward(self, chunks: list[torch.Tensor], positions: list[torch.Tensor], seq_ids, capture: bool,
+                verify: bool = False):
         """One device call: row r is chunk ids [s] at positions [s] (-1 padded) in slot seq_ids[r];
-        the rows are padded to the batch bucket. -> (logits [rows, s, vocab], captures [rows, s, ...]);
-        a last-row-only perf build returns each row's last real position only: logits [rows, 1, vocab]."""
+        the rows are padded to the batch bucket (`verify`: the verify graph). -> (logits [rows, s, vocab],
+        captures [rows, s, ...]); a last-row-only perf build returns each row's last real position only:
+        logits [rows, 1, vocab]."""
         rows, length = len(chunks), positions[0].numel()
         seq = check_seq_ids(seq_ids, rows, self.slots).tolist()
         size = self.batch_bucket(rows)
@@ -77,7 +64,7 @@ class BatchEngine:
         padded = [torch.cat([c, torch.full((length - c.numel(),), pad, dtype=torch.long)]) for c in chunks]
         embeds = torch.cat([self.engine.embed(c) for c in [*padded, *[padded[0] * 0 + pad] * len(fillers)]])
         pos = torch.stack([*positions, *[torch.full((length,), -1)] * len(fillers)])
-        logits, caps = self.backend.forward(embeds, pos, capture=capture, seq_ids=torch.tensor(seq + fillers))
+        logits, caps = self.backend.forward(embeds, pos, capture=capture, seq_ids=torch.tensor(seq + fillers), verify=verify)
         return logits[:rows].float(), {k: v[:rows].float() for k, v in caps.items()}
 
     def prefill(self, prompts: list, seq_ids, capture: bool = False) -> list[PrefillResult]:
@@ -86,10 +73,9 @@ class BatchEngine:
         keep their state. On a last-row-only perf build each result holds the prompt's last
         position's logits only (as Engine.prefill's)."""
         ids = [self.engine.validate_ids(p) for p in prompts]
-        self.engine._check_capture(capture)
+        self.engine.check_capture(capture)
         for p in ids:
-            if p.numel() > self.engine.kv_len:
-                raise PromptError(f"prompt of {p.numel()} tokens is longer than the KV length {self.engine.kv_len}")
+            check_kv_fit(p.numel(), 0, self.engine.kv_len)
         starts, logits, caps, bucket = [0] * len(ids), [[] for _ in ids], [{} for _ in ids], 0
         while any(s < p.numel() for s, p in zip(starts, ids)):
             rests = [p.numel() - s for s, p in zip(starts, ids)]
@@ -111,7 +97,7 @@ class BatchEngine:
 
     def decode(self, tokens: list[int], positions: list[int], seq_ids, capture: bool = False) -> list[Step]:
         """One decode step of several sequences, each at its own position in its own slot."""
-        self.engine._check_capture(capture)
+        self.engine.check_capture(capture)
         for p in positions:
             if p >= self.engine.kv_len:
                 raise PromptError(f"position {p} is past the KV length {self.engine.kv_len}; ask for fewer new tokens")
@@ -119,69 +105,26 @@ class BatchEngine:
         out, caps = self.forward(chunks, [torch.tensor([p]) for p in positions], seq_ids, capture)
         return [Step(out[r, -1], {k: v[r, -1:] for k, v in caps.items()}) for r in range(len(tokens))]
 
+    def verify(self, rows: list, positions: list[int], seq_ids, capture: bool = False) -> list[Step]:
+        """Engine.verify of several sequences in one call: row r's tokens at positions[r].. in slot
+        seq_ids[r], every row padded to k+1 (settings.speculate; the longest row when 0). Each
+        sequence's [n, vocab] logits and captures (always "final_norm", as Engine.verify)."""
+        ids = [self.engine.validate_ids(r) for r in rows]
+        k = self.engine.settings.speculate
+        width = k + 1 if k else max(r.numel() for r in ids)
+        for r, p in zip(ids, positions):
+            if k and r.numel() > k + 1:
+                raise PromptError(f"verify of {r.numel()} tokens: this build verifies k+1 = {k + 1} at most (--speculate {k})")
+            if p + width > self.engine.kv_len:
+                raise PromptError(f"verify of {width} rows at position {p} is past the KV length {self.engine.kv_len}; "
+                                  "ask for fewer new tokens or compile a longer cache")
+        self.engine.check_capture(capture)
+        pos = [chunk_positions(p, r.numel(), width)[0] for r, p in zip(ids, positions)]
+        out, caps = self.forward(ids, pos, seq_ids, capture or self.backend.returns_captures, verify=True)
+        return [Step(out[i, :r.numel()], {name: v[i, :r.numel()] for name, v in caps.items()}) for i, r in enumerate(ids)]
+
     def read_cache(self, slot: int, written: int) -> list:
         """Engine.read_cache of one slot: every layer's (k, v) of the sequence in `slot`."""
         rings = ring_windows(self.engine.spec, self.engine.settings.sliding_cache, self.engine.kv_len)
         one = lambda layer, rank: tuple(t[slot:slot + 1] for t in self.backend.kv_cache(layer, rank))  # noqa: E731
         return merge_rank_caches(self.engine.spec, self.backend.tp, one, written, rings)
-
-    def generate(self, prompts: list, new_tokens, capture: bool = False, forced: list | None = None,
-                 observe=None) -> list[DecodeResult]:
-        """Greedy decode of every prompt with continuous batching: prompts fill the free slots (one
-        prefill call for those admitted together), all live sequences decode together, and a
-        finished sequence's slot takes the next prompt while the others keep decoding. Results in
-        prompt order, each as Engine.generate returns it. `new_tokens` an int or one per prompt;
-        `forced` one token list per prompt fed instead of the argmax (teacher forcing);
-        `observe(prompt index, slot, written)` after its prefill and after each of its decode steps."""
-        ids = [self.engine.validate_ids(p) for p in prompts]
-        wants = [new_tokens] * len(ids) if isinstance(new_tokens, int) else list(new_tokens)
-        for p, want in zip(ids, wants):
-            if want < 0 or p.numel() + want > self.engine.kv_len + 1:
-                raise PromptError(f"{p.numel()} prompt + {want} new tokens exceed the KV length {self.engine.kv_len}")
-        self.backend.reset()
-        queue, live, done = list(range(len(ids))), [], {}
-        while queue or live:
-            free = [s for s in range(self.slots) if s not in {q.slot for q in live}]
-            admit, queue = queue[:len(free)], queue[len(free):]
-            if admit:
-                pres = self.prefill([ids[i] for i in admit], free[:len(admit)], capture=capture)
-                live += [_Sequence(i, ids[i], s, pre.logits[-1], pre) for i, s, pre in zip(admit, free, pres)]
-                for q in live[len(live) - len(admit):]:
-                    if observe is not None:
-                        observe(q.index, q.slot, q.ids.numel())
-            live = self._choose(live, wants, forced, done)
-            if live:
-                self._step(live, capture, observe)
-        return [done[i] for i in range(len(ids))]
-
-    @staticmethod
-    def _choose(live: list, wants: list, forced, done: dict) -> list:
-        """Each live sequence takes its token (the argmax); the finished ones leave (into `done`),
-        the rest are returned with the token each is fed next (forced or chosen) appended."""
-        feeding = []
-        for q in live:
-            if len(q.tokens) < wants[q.index]:
-                q.steps.append(q.logits)
-                q.tokens.append(int(q.logits.argmax()))
-            if len(q.tokens) == wants[q.index]:
-                done[q.index] = _result(q)
-                continue
-            q.fed.append(forced[q.index][len(q.tokens) - 1] if forced is not None else q.tokens[-1])
-            feeding.append(q)
-        return feeding
-
-    def _step(self, live: list, capture: bool, observe) -> None:
-        positions = [q.ids.numel() + len(q.tokens) - 1 for q in live]
-        steps = self.decode([q.fed[-1] for q in live], positions, [q.slot for q in live], capture=capture)
-        for q, step, position in zip(live, steps, positions):
-            q.logits = step.logits
-            if capture:
-                q.step_caps.append(step.captures)
-            if observe is not None:
-                observe(q.index, q.slot, position + 1)
-
-
-def _result(q: _Sequence) -> DecodeResult:
-    stacked = {k: torch.cat([c[k] for c in q.step_caps]) for k in q.step_caps[0]} if q.step_caps else {}
-    logits = torch.stack(q.steps) if q.steps else torch.empty(0, q.logits.shape[-1])
-    return DecodeResult(tokens=q.tokens, step_logits=logits, prefill=q.prefill, step_captures=stacked)

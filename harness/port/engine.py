@@ -1,4 +1,5 @@
-"""Host side of the port: embeddings, buckets, prefill, the greedy decode loop, host softcap.
+"""Host side of the port: embeddings, buckets, prefill, one decode step, one verify call, host softcap.
+(The decode loop over these is harness/port/decode.py.)
 
 The device (a backend) sees only `inputs_embeds` and absolute positions and returns raw logits.
 Word embeddings stay on the host; the softcap is applied here, only where probabilities are asked
@@ -15,7 +16,7 @@ import torch
 from harness.base.errors import HarnessInputError, PromptError
 from harness.base.numerics import embed_scale, softcap
 from harness.base.settings import RunSettings
-from harness.inputs.prompts import kv_positions_used
+from harness.inputs.prompts import check_kv_fit
 from harness.port.blocks import per_layer_rows
 from harness.port.sharding import merge_rank_caches, ring_windows
 
@@ -36,9 +37,7 @@ def chunk_plan(n: int, buckets, kv_len: int) -> list[tuple[int, int, int]]:
     the rest is longer, then the smallest bucket that holds the rest. A chunk's padded slots must
     stay inside the linear cache (start + bucket <= kv_len): where no bucket fits there, the tail
     goes through the largest bucket that does, down to the decode graph (bucket 1)."""
-    if n > kv_len:
-        raise PromptError(f"prompt of {n} tokens is longer than the KV length {kv_len}; raise --kv-len "
-                          "or shorten the prompt")
+    check_kv_fit(n, 0, kv_len)
     plan, start = [], 0
     while start < n:
         rest, fits = n - start, [b for b in sorted(buckets) if start + b <= kv_len]
@@ -73,12 +72,33 @@ class Step(NamedTuple):
 
 @dataclass
 class DecodeResult:
+    """One sequence decoded by harness.port.decode.generate (greedy, forced or speculative)."""
+
     tokens: list[int]  # the new tokens
     step_logits: torch.Tensor  # [new_tokens, vocab] raw fp32: logits that chose each token
     prefill: PrefillResult | None = None
     # With capture: the capture points of every decode step (steps 1.., the ones the device runs
     # one token at a time), name -> [new_tokens - 1, ...] fp32.
     step_captures: dict[str, torch.Tensor] = field(default_factory=dict)
+    # speculative decoding (harness/port/speculate.py): per verify call its accepted drafts, per
+    # round its drafts; with capture, per draft step its captures and inputs (position, token,
+    # state fed, round), per round the target's cache the drafter read (read_cache(position))
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[list[int]] = field(default_factory=list)
+    draft_captures: list[dict] = field(default_factory=list)
+    draft_inputs: list[dict] = field(default_factory=list)
+    round_caches: list = field(default_factory=list)
+    steps: list = field(default_factory=list, repr=False)  # the rows of step_logits while decoding
+    step_caps: list = field(default_factory=list, repr=False)  # the step captures while decoding
+
+    @property
+    def verifies(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted draft tokens per verify call (0..k)."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
 
 
 class Engine:
@@ -133,7 +153,7 @@ class Engine:
         the backend is a `last_row_only` build and no captures are asked for)."""
         ids = self.validate_ids(ids)
         n = ids.numel()
-        self._check_capture(capture)
+        self.check_capture(capture)
         self.backend.reset()
         last_only = not capture and self.backend.last_row_only
         logits, captures, bucket = [], {}, 0
@@ -156,7 +176,7 @@ class Engine:
         if position >= self.kv_len:
             raise PromptError(f"position {position} is past the KV length {self.kv_len}; "
                               "ask for fewer new tokens or compile a longer cache")
-        self._check_capture(capture)
+        self.check_capture(capture)
         logits, captures = self.backend.forward(self.embed(torch.tensor([token])), torch.tensor([[position]]),
                                                 capture=capture)
         return Step(logits[0, -1].float(), {k: v[0, -1:].float() for k, v in captures.items()})
@@ -181,13 +201,13 @@ class Engine:
         if position + rows > self.kv_len:
             raise PromptError(f"verify of {rows} rows at position {position} is past the KV length {self.kv_len}; "
                               "ask for fewer new tokens or compile a longer cache")
-        self._check_capture(capture)
+        self.check_capture(capture)
         padded = torch.cat([ids, torch.full((rows - n,), self.spec.pad_token_id, dtype=torch.long)])
         logits, captures = self.backend.forward(self.embed(padded), chunk_positions(position, n, rows),
                                                 capture=capture or self.backend.returns_captures, verify=True)
         return Step(logits[0, :n].float(), {k: v[0, :n].float() for k, v in captures.items()})
 
-    def _check_capture(self, capture: bool) -> None:
+    def check_capture(self, capture: bool) -> None:
         if capture and not self.backend.returns_captures:
             raise HarnessInputError(f"the {self.backend.name} backend was built without captures (a perf "
                                     "build); build it with capture=True for a parity run")
@@ -201,36 +221,6 @@ class Engine:
             raise HarnessInputError(f"the {self.backend.name} backend cannot read its KV cache back")
         rings = ring_windows(self.spec, self.settings.sliding_cache, self.kv_len)
         return merge_rank_caches(self.spec, self.backend.tp, self.backend.kv_cache, written, rings)
-
-    def generate(self, ids, new_tokens: int, capture: bool = False,
-                 forced: list[int] | None = None, observe=None) -> DecodeResult:
-        """Greedy decode: argmax of the raw logits. With `forced`, feed those tokens instead
-        (teacher forcing) and still collect the logits at every step. `observe(written)` is called
-        after prefill and after each decode step with the number of cache positions written."""
-        ids = self.validate_ids(ids)
-        if kv_positions_used(ids.numel(), new_tokens) > self.kv_len:  # the prompt-fit rule's count (prompts.py)
-            raise PromptError(f"{ids.numel()} prompt + {new_tokens} new tokens exceed the KV length "
-                              f"{self.kv_len}")
-        pre = self.prefill(ids, capture=capture)
-        if observe is not None:
-            observe(ids.numel())
-        logits = pre.logits[-1]
-        tokens, steps, step_caps = [], [], []
-        for step in range(new_tokens):
-            steps.append(logits)
-            chosen = int(logits.argmax())
-            tokens.append(chosen)
-            if step == new_tokens - 1:
-                break
-            fed = forced[step] if forced is not None else chosen
-            logits, captures = self.decode_step(fed, ids.numel() + step, capture=capture)
-            if capture:
-                step_caps.append(captures)
-            if observe is not None:
-                observe(ids.numel() + step + 1)
-        step_logits = torch.stack(steps) if steps else torch.empty(0, self.spec.vocab_size)
-        stacked = {k: torch.cat([c[k] for c in step_caps]) for k in step_caps[0]} if step_caps else {}
-        return DecodeResult(tokens=tokens, step_logits=step_logits, prefill=pre, step_captures=stacked)
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """Host softcap, then softmax: only here does the cap matter."""

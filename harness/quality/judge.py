@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from harness.base.progress import status
+from harness.inputs.prompts import kv_positions_used
 from harness.quality.golden import golden_bytes, read_golden_parts
 from harness.quality.stats import QUALITY_FACTOR, position_metrics, summarize, verdict
 
@@ -23,19 +24,18 @@ CONTEXT = 16  # tokens of context shown before a worst position
 def check_window_fits(window: int, buckets, kv_len: int) -> None:
     from harness.base.errors import OptionError
 
-    if window - 1 > kv_len:
+    if kv_positions_used(window - 1, 1) > kv_len:  # the window but its last token, prefilled or fed
         raise OptionError(f"--window {window}: the port needs {window - 1} KV positions but --kv-len is {kv_len}; "
                           f"raise --kv-len or use --window {kv_len + 1} or less")
     del buckets  # any window fits: the part past the largest bucket runs as decode steps
 
 
 def port_window_logits(engine, window: list[int]) -> torch.Tensor:
-    """Raw logits [window - 1, vocab] at every position but the last, teacher-forced."""
-    first = min(len(window), max(engine.buckets))
-    rows = [engine.prefill(window[:first]).logits]
-    for pos in range(first, len(window) - 1):
-        rows.append(engine.decode_step(window[pos], pos).logits[None])
-    return torch.cat(rows)[: len(window) - 1]
+    """Raw logits [window - 1, vocab] at every position but the last, teacher-forced (the one
+    window pass, harness.quality.moe.port_window)."""
+    from harness.quality.moe import port_window
+
+    return port_window(engine, window)[0]
 
 
 def _port_engine(checkpoint, settings):
@@ -124,4 +124,21 @@ def judge_corpus(checkpoint, golden_dir, settings, run=None, *, progress: bool =
             "worst_positions": _worst(cols, settings.window, WORST),
             "kl_values": {"port": cat["kl"].float(), "bf16_reference": cat["bf16_kl"].float()},
             "notes": ["KL is taken on the fp32 reference's top-k support plus one tail bucket (a lower bound of "
-                      "the full-vocabulary KL); delta-p is p_port(next token) - p_fp32(next token)"]}
+                      "the full-vocabulary KL); delta-p is p_port(next token) - p_fp32(next token)"]
+            + forcing_notes(checkpoint.spec)}
+
+
+def forcing_notes(spec) -> list[str]:
+    """What the window pass forces the references to, and why it does not take check's per-layer
+    input pins (said in the output)."""
+    notes = []
+    if spec.moe is not None:
+        notes.append("routing: the fp32 and bf16 references are computed again along the port's experts (the one "
+                     "routing-forcing rule, harness.reference.forcing.follow_routes), as check's bf16 stage does")
+    if spec.per_layer_input_size:
+        notes.append("per-layer-input pins not taken: the window pass judges the port against the golden's stored "
+                     "statistics of the reference's own path, and the pin rule (harness/parity/forced_path.py add_pins) "
+                     "reads the references' gated per-layer inputs and MLP residuals, which the golden does not "
+                     "keep; a gated per-layer input without a direction at bf16 precision therefore counts in the "
+                     "port's statistics here, where check would pin it")
+    return notes

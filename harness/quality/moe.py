@@ -15,29 +15,25 @@ from __future__ import annotations
 
 import torch
 
-from harness.base.points import Point
 from harness.judge.routing import RouterDecisions, judge_decisions
 from harness.quality.stats import bf16_columns, position_metrics, reference_stats
-from harness.reference.forcing import Forced, chosen_experts
+from harness.reference.forcing import follow_routes
 
 
-def port_window(engine, window: list[int]) -> tuple[torch.Tensor, dict]:
-    """Raw logits [window - 1, vocab] teacher-forced, and the port's expert weights per MoE layer
-    at those positions ({point name: [window - 1, experts]})."""
+def port_window(engine, window: list[int], capture: bool = False) -> tuple[torch.Tensor, dict]:
+    """The one window pass of `quality` (dense and MoE): raw logits [window - 1, vocab] at every
+    position but the last, teacher-forced through the one decode loop (harness.port.decode: the
+    first min(window - 1, largest bucket) tokens prefilled, the rest fed one at a time), and with
+    `capture` the port's expert weights per MoE layer there ({point name: [window - 1, experts]})."""
+    from harness.port.decode import forced, generate
+
     n = len(window) - 1
     first = min(n, max(engine.buckets))
-    pre = engine.prefill(window[:first], capture=True)
-    rows, caps = [pre.logits], {k: [v] for k, v in pre.captures.items() if k.endswith(".expert_weights")}
-    for pos in range(first, n):
-        step = engine.decode_step(window[pos], pos, capture=True)
-        rows.append(step.logits[None])
-        for k in caps:
-            caps[k].append(step.captures[k])
-    return torch.cat(rows)[:n], {k: torch.cat(v)[:n] for k, v in caps.items()}
-
-
-def _routes(weights: dict, top_k: int) -> Forced:
-    return Forced(routes={Point.parse(name).layer: chosen_experts(w, top_k) for name, w in weights.items()})
+    run = generate(engine, [window[:first]], n - first + 1, forced([window[first:n]]), capture=capture)[0]
+    rows = torch.cat([run.prefill.logits, run.step_logits[1:]])  # step 0 is the prefill's last row
+    caps = {k: torch.cat([v, run.step_captures[k]]) if k in run.step_captures else v
+            for k, v in run.prefill.captures.items() if k.endswith(".expert_weights")}
+    return rows[:n], {k: v[:n] for k, v in caps.items()}
 
 
 def _forced_references(checkpoint, windows: list[list[int]], forcing: list[Forced]) -> dict:
@@ -53,9 +49,9 @@ def moe_part_columns(checkpoint, engine, tokens: torch.Tensor, topk: int) -> tup
     columns quality_judge collects, and the routing decisions (name, port weights, fp32 router
     logits, bf16 router logits) for routing.judge_decisions."""
     top_k = checkpoint.spec.moe.top_k
-    runs = [port_window(engine, w.tolist()) for w in tokens]
+    runs = [port_window(engine, w.tolist(), capture=True) for w in tokens]
     windows = [w[:-1].tolist() for w in tokens]
-    refs = _forced_references(checkpoint, windows, [_routes(weights, top_k) for _, weights in runs])
+    refs = _forced_references(checkpoint, windows, [follow_routes(weights, top_k) for _, weights in runs])
     cols: dict[str, list] = {}
     decisions = []
     for k, (logits, weights) in enumerate(runs):

@@ -31,11 +31,21 @@ def rows_by_position(captures: dict, name: str) -> torch.Tensor | None:
     return rows.float() if steps is None else torch.cat([rows.float(), steps.float()])
 
 
+def follow_routes(captures: dict, top_k: int) -> "Forced":
+    """The one routing-forcing rule: a run's routes read from its captures, for a reference run to
+    follow: per MoE layer, the experts it chose ([positions, top_k] ids, ascending) from its
+    `layers.<i>.expert_weights` point (the chosen experts' weights, zero elsewhere), the prefill
+    rows then each decode step's (`decode.layers.<i>.expert_weights`). observe (the references
+    along the port's path, harness/parity/forced_path.py), the local verdicts (a layer alone) and
+    quality (harness/quality/moe.py) force with it, as the reference's own fp32 run forces its
+    float64 and bf16 runs (`routes_of`)."""
+    return Forced(routes={int(name.split(".")[1]): chosen_experts(rows_by_position(captures, name), top_k)
+                          for name in captures if name.startswith("layers.") and name.endswith(".expert_weights")})
+
+
 def routes_of(result, top_k: int) -> dict[int, torch.Tensor]:
-    """{layer: [positions, top_k] expert ids, ascending} an MoE run chose, from its
-    `expert_weights` captures (the chosen experts' weights, zero elsewhere)."""
-    return {int(name.split(".")[1]): chosen_experts(rows_by_position(result.captures, name), top_k)
-            for name in result.captures if name.startswith("layers.") and name.endswith(".expert_weights")}
+    """{layer: [positions, top_k] expert ids, ascending} a reference run chose (follow_routes)."""
+    return follow_routes(result.captures, top_k).routes
 
 
 @dataclass

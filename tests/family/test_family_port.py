@@ -15,6 +15,7 @@ from harness.inputs.spec import load_spec
 from harness.judge.compare import rel_l2
 from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN
 from tests.family.shared import assert_family_check_passes, family_check, family_checkpoint, family_reference
+from harness.port.decode import generate
 
 FP32_ROUNDING = 1e-5
 CONFIGS = FIXTURES_DIR / "configs"
@@ -32,7 +33,7 @@ def test_fp32_port_equals_transformers(variant, tp):
     logits and chosen experts' weights) within fp32 rounding, and the same greedy tokens."""
     ckpt, ref = family_checkpoint(variant), family_reference(variant)["float32"][0]
     engine = build_engine(ckpt, _settings(tp, "float32"))
-    run = engine.generate(ref.prompt, len(ref.generated), capture=True)
+    run = generate(engine, [ref.prompt], len(ref.generated), capture=True)[0]
     assert run.tokens == ref.generated
     captures = dict(run.prefill.captures, logits=run.prefill.logits)
     family = [n for n in captures if n.endswith(("per_layer_input", "router_logits", "expert_weights"))]

@@ -17,6 +17,7 @@ import torch
 
 from harness.port import batching as port_batching
 from harness.port import blocks as port_blocks
+from harness.port import decode as port_decode
 from harness.port import model as port_model
 
 BATCH_SLOTS = 3
@@ -125,7 +126,7 @@ def reused_slot_stale_keys(monkeypatch):
     """Decode masks a row by its slot's length (the most positions the slot ever held), not by the
     sequence's own: a sequence in a reused slot sees what the previous occupant left past it."""
     held: dict[int, int] = {}
-    original_forward, original_generate = port_batching.BatchEngine.forward, port_batching.BatchEngine.generate
+    original_forward, original_reset = port_batching.BatchEngine.forward, port_decode.Slots.reset
     state = {"bound": None}
 
     def forward(self, chunks, positions, seq_ids, capture):
@@ -138,9 +139,9 @@ def reused_slot_stale_keys(monkeypatch):
         finally:
             state["bound"] = None
 
-    def generate(self, *args, **kwargs):
-        held.clear()  # generate starts from a reset cache
-        return original_generate(self, *args, **kwargs)
+    def reset(self):
+        held.clear()  # the decode loop starts from a reset cache
+        return original_reset(self)
 
     original_mask = port_model.attention_mask
 
@@ -151,7 +152,7 @@ def reused_slot_stale_keys(monkeypatch):
         return _mask(positions, keys, window, dtype, bound=torch.maximum(bound, positions[:, 0])[:, None, None, None])
 
     monkeypatch.setattr(port_batching.BatchEngine, "forward", forward)
-    monkeypatch.setattr(port_batching.BatchEngine, "generate", generate)
+    monkeypatch.setattr(port_decode.Slots, "reset", reset)
     monkeypatch.setattr(port_model, "attention_mask", mask)
 
 

@@ -23,6 +23,7 @@ from harness.backends import cpu as port_cpu
 from harness.base.settings import RunSettings
 from harness.judge.compare import compare_logits
 from harness.port import blocks as port_blocks
+from harness.port import decode as port_decode
 from harness.port import engine as port_engine
 from harness.port import model as port_model
 from harness.port import sharding as port_sharding
@@ -416,15 +417,16 @@ def decode_rope_one_position_late(monkeypatch):
 def decode_token_off_by_one(monkeypatch):
     """The host's decode loop records the previous step's token as this step's output after the
     first step (its logits are right, the sequence it reports is not)."""
-    original = port_engine.Engine.generate
+    original = port_decode.generate  # the one decode loop (harness/port/decode.py)
 
-    def generate(self, ids, new_tokens, capture=False, forced=None, observe=None):
-        out = original(self, ids, new_tokens, capture=capture, forced=forced, observe=observe)
-        if forced is None and len(out.tokens) > 2:
-            out.tokens = out.tokens[:2] + out.tokens[1:-1]
+    def generate(engine, prompts, new_tokens, step=port_decode.Greedy(), **options):
+        out = original(engine, prompts, new_tokens, step, **options)
+        for run in out if isinstance(step, port_decode.Greedy) else ():
+            if len(run.tokens) > 2:
+                run.tokens = run.tokens[:2] + run.tokens[1:-1]
         return out
 
-    monkeypatch.setattr(port_engine.Engine, "generate", generate)
+    monkeypatch.setattr(port_decode, "generate", generate)
 
 
 def decode_raises_past_window(monkeypatch):

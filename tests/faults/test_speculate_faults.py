@@ -22,6 +22,7 @@ from harness.base.settings import RunSettings
 from harness.port import drafter as port_drafter
 from harness.port import engine as port_engine
 from harness.port import speculate as port_speculate
+from types import SimpleNamespace
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +48,7 @@ def run_stage(name: str, tp: int = 2):
 
     ckpt, assistant, refs = pair(name)
     settings = RunSettings(tp=tp, dtype="bfloat16", buckets=(16, 64), kv_len=64)
-    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], 4.0, settings=settings,
+    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], SimpleNamespace(band=4.0), settings=settings,
                              assistant_dir=assistant, k=K)
 
 
@@ -73,13 +74,15 @@ def _wrong_layer(mp):
     instead of the store layer itself."""
     def other(target, source):
         return next(t.index for t in target.layers if t.type == target.layers[source].type and t.index != source)
-    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank: [
-        self.backend.kv_cache(other(self.backend.spec, layer.kv_source), rank) for layer in self.spec.layers])
+    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank, slot=0: [
+        tuple(t[slot:slot + 1] for t in self.backend.kv_cache(other(self.backend.spec, layer.kv_source), rank))
+        for layer in self.spec.layers])
 
 
 def _other_type(mp):
-    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank: [
-        self.backend.kv_cache(self.spec.layers[-1 - i].kv_source, rank) for i in range(len(self.spec.layers))])
+    mp.setattr(cpu_drafter.CpuDrafter, "kv_for", lambda self, rank, slot=0: [
+        tuple(t[slot:slot + 1] for t in self.backend.kv_cache(self.spec.layers[-1 - i].kv_source, rank))
+        for i in range(len(self.spec.layers))])
 
 
 def _swapped_inputs(mp):

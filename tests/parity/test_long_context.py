@@ -15,6 +15,7 @@ from harness.judge.compare import rel_l2
 from harness.parity.check import check_port
 from harness.port.engine import chunk_plan
 from tests.faults.catalog import CATALOG, LONG, LONG_BUCKETS, LONG_KV_LEN, LONG_WINDOW, engine_options
+from harness.port.decode import generate
 
 FP32_ROUNDING = 1e-5
 # bisect on one long-context fault in the default lane (the ring's trap), the rest in the slow lane
@@ -52,7 +53,7 @@ def test_long_prompts_pass_in_fp32_token_for_token(long_ckpt, long_reference, tp
     assert result.stage_passed, result.failures()[:3]
     assert result.kv and any(p.name.startswith("decode.kv.") for p in result.kv)
     for ref in long_reference["float32"]:
-        assert engine.generate(ref.prompt, len(ref.generated)).tokens == ref.generated
+        assert generate(engine, [ref.prompt], len(ref.generated))[0].tokens == ref.generated
 
 
 def test_ring_memory_is_the_window_whatever_the_kv_length(long_ckpt):
@@ -73,7 +74,7 @@ def test_ring_reads_back_the_linear_caches_last_window(long_ckpt, long_prompts):
     ring, linear = _engine(long_ckpt), _engine(long_ckpt, sliding_cache="linear")
     prompt = long_prompts[-1]
     for engine in (ring, linear):
-        engine.generate(prompt, 3)
+        generate(engine, [prompt], 3)[0]
     written = len(prompt) + 2
     for i, ((rk, rv), (lk, lv)) in enumerate(zip(ring.read_cache(written), linear.read_cache(written))):
         held = LONG_WINDOW if long_ckpt.spec.layers[i].is_sliding else written

@@ -18,6 +18,7 @@ import torch
 from harness.backends import build_engine
 from harness.base.settings import RunSettings
 from harness.judge.compare import compare_logits, compare_point
+from harness.port.decode import forced, generate
 
 pytestmark = pytest.mark.neuron
 
@@ -90,9 +91,9 @@ def test_decode_with_device_kv_cache_equals_recompute(perf, cpu32, cpu16):
     """Each decode step (s=1 graph, reading the aliased cache) against a fresh prefill of the whole
     prefix (no cache reuse), both judged against the CPU backend's decode."""
     ids = prompt(9, seed=1)
-    dev = perf.generate(ids, NEW_TOKENS)
-    ref32 = cpu32.generate(ids, NEW_TOKENS, forced=dev.tokens)
-    ref16 = cpu16.generate(ids, NEW_TOKENS, forced=dev.tokens)
+    dev = generate(perf, [ids], NEW_TOKENS)[0]
+    ref32 = generate(cpu32, [ids], NEW_TOKENS, forced([dev.tokens]))[0]
+    ref16 = generate(cpu16, [ids], NEW_TOKENS, forced([dev.tokens]))[0]
     assert_within_envelope("decode step logits", dev.step_logits, ref32.step_logits, ref16.step_logits)
     assert_tokens_agree(dev.step_logits, ref32.step_logits, ref16.step_logits, perf.spec.final_logit_softcapping)
     recomputed = torch.stack([perf.prefill(ids + dev.tokens[:k]).logits[-1] for k in range(NEW_TOKENS)])
@@ -136,10 +137,10 @@ def test_cache_hit_reloads_the_same_graphs(perf, tiny0_ckpt):
 def test_perf_build_agrees_with_parity_build(perf, parity, cpu32, cpu16):
     assert perf.backend.cache_key != parity.backend.cache_key
     ids = prompt(40, seed=5)
-    fast = perf.generate(ids, NEW_TOKENS)
-    full = parity.generate(ids, NEW_TOKENS, capture=True)
-    ref32 = cpu32.generate(ids, NEW_TOKENS, capture=True, forced=full.tokens)
-    ref16 = cpu16.generate(ids, NEW_TOKENS, capture=True, forced=full.tokens)
+    fast = generate(perf, [ids], NEW_TOKENS)[0]
+    full = generate(parity, [ids], NEW_TOKENS, capture=True)[0]
+    ref32 = generate(cpu32, [ids], NEW_TOKENS, forced([full.tokens]), capture=True)[0]
+    ref16 = generate(cpu16, [ids], NEW_TOKENS, forced([full.tokens]), capture=True)[0]
     # captures exist for every point the CPU backend captures, and are themselves in the envelope
     assert set(full.prefill.captures) == set(ref32.prefill.captures)
     name = f"layers.{perf.spec.num_layers - 1}.output"

@@ -26,7 +26,7 @@ from harness.base.errors import OptionError
 from harness.base.settings import RunSettings
 from harness.port import draft_graphs
 from harness.port.graphs import GraphBuildError
-from harness.port.speculate import speculative_generate
+from harness.port.decode import generate, speculative
 from tests.nxd_double import installed
 
 K = 3
@@ -90,8 +90,8 @@ def test_the_draft_graphs_read_the_targets_cache_on_the_device(nxd):
         for key in be.kv_names:
             be.nxd_model.write_to_neuron_buffer(torch.zeros(be.state_specs[key][0]), key, rank)
     assert (on_dev.step(embeds, hidden, len(PROMPT))[0] - got).abs().max() > 1e-2
-    run_dev = speculative_generate(dev, on_dev, PROMPT, 8, K)
-    run_cpu = speculative_generate(cpu, on_cpu, PROMPT, 8, K)
+    run_dev = generate(dev, [PROMPT], 8, speculative(on_dev, K))[0]
+    run_cpu = generate(cpu, [PROMPT], 8, speculative(on_cpu, K))[0]
     assert run_dev.tokens == run_cpu.tokens and run_dev.accepted == run_cpu.accepted
 
 
@@ -157,7 +157,7 @@ def speculative_stage(name: str = "12b", tp: int = 2):
 
     ckpt, assistant_dir, refs = fitted(name)
     settings = RunSettings(backend="neuron", tp=tp, dtype="bfloat16", buckets=(16, 64), kv_len=64)
-    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], 4.0, settings=settings,
+    return check_speculative(ckpt, refs["float32"], refs["bfloat16"], SimpleNamespace(band=4.0), settings=settings,
                              assistant_dir=assistant_dir, k=K)
 
 

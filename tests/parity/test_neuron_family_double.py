@@ -24,6 +24,7 @@ from harness.port.sharding import rank_state_dicts
 from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN, FAMILY_PROMPTS
 from tests.family.shared import family_checkpoint, family_reference
 from tests.nxd_double import installed
+from harness.port.decode import generate
 
 TP = 2
 MOE = "26b-a4b"
@@ -86,7 +87,7 @@ def test_moe_bf16_run_is_the_cpu_ports_bit_for_bit(parity_builds, moe_cpu16):
     experts' weights included) and the decode steps' logits and captures."""
     dev = parity_builds(MOE)
     ids = FAMILY_PROMPTS[0]
-    got, want = (e.generate(ids, 4, capture=True) for e in (dev, moe_cpu16))
+    got, want = (generate(e, [ids], 4, capture=True)[0] for e in (dev, moe_cpu16))
     assert got.tokens == want.tokens
     assert torch.equal(got.prefill.logits, want.prefill.logits)
     assert torch.equal(got.step_logits, want.step_logits)
@@ -109,7 +110,7 @@ def test_the_instances_tp_runs_as_the_cpu_port(nxd, monkeypatch, variant, tp):
     settings = replace(_settings("neuron"), tp=tp)
     dev, cpu = build_engine(ckpt, settings, capture=True), build_engine(ckpt, replace(settings, backend="cpu"), capture=True)
     assert dev.backend.tp == tp and len(dev.backend.nxd_model.weights) == tp
-    got, want = (e.generate(FAMILY_PROMPTS[1], 3, capture=True) for e in (dev, cpu))
+    got, want = (generate(e, [FAMILY_PROMPTS[1]], 3, capture=True)[0] for e in (dev, cpu))
     assert got.tokens == want.tokens and torch.equal(got.prefill.logits, want.prefill.logits)
     for name, tensor in got.prefill.captures.items():
         assert torch.equal(tensor, want.prefill.captures[name]), name

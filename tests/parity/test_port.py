@@ -10,6 +10,7 @@ from harness.backends import build_engine
 from harness.base.errors import PromptError
 from harness.base.settings import RunSettings
 from harness.judge.compare import rel_l2
+from harness.port.decode import generate
 
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
 
@@ -36,7 +37,7 @@ def test_tp2_equals_tp1(tiny0_ckpt, default_prompts):
     runs = {(tp, dtype): _engine(tiny0_ckpt, tp=tp, dtype=dtype)
             for tp in (1, 2) for dtype in (torch.float32, torch.bfloat16)}
     for prompt in default_prompts:
-        out = {key: engine.generate(prompt, 4) for key, engine in runs.items()}
+        out = {key: generate(engine, [prompt], 4)[0] for key, engine in runs.items()}
         one32, two32 = out[(1, torch.float32)], out[(2, torch.float32)]
         assert rel_l2(two32.prefill.logits, one32.prefill.logits) < FP32_ROUNDING
         assert one32.tokens == two32.tokens
@@ -51,7 +52,7 @@ def test_decode_with_cache_equals_recompute(tiny0_ckpt, dtype):
     past the sliding window (prompt 12 + 12 tokens crosses window 16)."""
     engine = _engine(tiny0_ckpt, dtype=dtype)
     prompt = list(range(20, 32))
-    run = engine.generate(prompt, 12)
+    run = generate(engine, [prompt], 12)[0]
     full = engine.prefill(prompt + run.tokens[:-1]).logits[len(prompt) - 1:]
     bound = FP32_ROUNDING if dtype == torch.float32 else 1e-2
     assert rel_l2(run.step_logits, full) < bound
@@ -95,7 +96,7 @@ def test_prompt_longer_than_largest_bucket_is_prefilled_in_chunks(tiny0_ckpt, sl
 def test_decode_past_kv_length_is_refused(tiny0_ckpt):
     engine = _engine(tiny0_ckpt, buckets=(16,), kv_len=24)
     with pytest.raises(PromptError, match="KV length"):
-        engine.generate(list(range(10)), 20)
+        generate(engine, [list(range(10))], 20)
 
 
 def test_sliding_window_crossing_matches_reference(tiny0_dir, tiny0_ckpt):
@@ -107,7 +108,7 @@ def test_sliding_window_crossing_matches_reference(tiny0_dir, tiny0_ckpt):
     engine = _engine(tiny0_ckpt)
     for prompt, new in ((list(range(200, 240)), 6), (list(range(300, 310)), 14)):
         ref = reference_run(model, prompt, new)
-        run = engine.generate(prompt, new)
+        run = generate(engine, [prompt], new)[0]
         assert run.tokens == ref.generated
         assert rel_l2(run.step_logits, ref.step_logits) < FP32_ROUNDING
 

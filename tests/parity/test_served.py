@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from harness.base.settings import RunSettings
-from harness.judge.compare import FP32
+from harness.judge.compare import BF16, FP32
 from harness.parity.served import SKIPPED_NOTE, check_served_build, judge_served
 from harness.reference.run import ReferenceResult
 from tests.parity import served_faults
+from harness.judge.stage_result import Ties
+from harness.parity.batched import BatchStage
 
 CPU = RunSettings(backend="cpu", buckets=(64, 256), kv_len=256)
 SHORT_PROMPTS = [[2, 17, 93, 41, 250, 8, 77], [2] + list(range(30, 53))]  # two default-sized prompts
@@ -63,7 +65,7 @@ def test_a_near_tie_flip_is_accounted_and_reported_as_a_build_difference():
     ref = _ref([1, 2], [0, 2], ref_rows)
     served = ref_rows.clone()
     served[0, 1] = 5.01  # runner-up by 0.01: inside a band of 0.05
-    prompts, point, labels = judge_served([_run([1, 2], served)], [ref], [ref], [[0, 2]], band=0.05)
+    prompts, point, labels = judge_served([_run([1, 2], served)], [ref], [ref], [[0, 2]], Ties(BF16, 0.05))
     assert prompts[0].departure.kind == "near_tie" and prompts[0].accounted
     assert prompts[0].differs_from_parity_at == 0 and labels == ["prompt 0 step 0 (position 1)"]
 
@@ -72,7 +74,7 @@ def test_a_wide_flip_is_a_divergence_and_fails():
     ref_rows = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
     ref = _ref([1], [0], ref_rows)
     served = torch.tensor([[0.0, 6.0, 0.0, -1.0]])
-    prompts, point, _ = judge_served([_run([1], served)], [ref], [ref], None, band=0.05)
+    prompts, point, _ = judge_served([_run([1], served)], [ref], [ref], None, Ties(BF16, 0.05))
     assert prompts[0].departure.kind == "divergence" and not prompts[0].accounted
     assert prompts[0].differs_from_parity_at is None  # no parity tokens given
 
@@ -81,7 +83,7 @@ def test_a_flip_among_saturated_capped_maxima_is_a_saturation_tie():
     ref_rows = torch.tensor([[900.0, 899.0, 0.0]])  # capped at 30: both tanh to exactly 30.0 in fp32
     ref = _ref([1], [0], ref_rows)
     served = torch.tensor([[899.0, 900.0, 0.0]])
-    prompts, _, _ = judge_served([_run([1], served)], [ref], [ref], [[0]], band=0.0, judge=FP32)
+    prompts, _, _ = judge_served([_run([1], served)], [ref], [ref], [[0]], Ties(FP32, 0.0))
     assert prompts[0].departure.kind == "saturation_tie" and prompts[0].accounted
 
 
@@ -154,10 +156,11 @@ def test_the_parity_build_is_released_before_an_extra_stage_builds_its_own(tiny0
     def extra(result, checkpoint):
         gc.collect()
         seen.append(refs[0]() is None)
+        return BatchStage(ran=False, notes=["a stand-in stage"])
 
     refs = []
     monkeypatch.setattr(parity, "check_port", lambda ck, engine, *a, **k: refs.append(weakref.ref(engine))
-                        or built.clear() or parity.CheckResult.__new__(parity.CheckResult))
+                        or built.clear() or parity.CheckResult("cpu", 1, "bfloat16"))
     parity.run_parity_check(tiny0_ckpt, tiny0_ckpt.path, CPU, prompts=[[2, 17, 93]], new_tokens=1,
                             fp32_stage=False, extra_checks=(extra,))
     assert seen == [True], "the parity engine was still alive when the extra stage ran"

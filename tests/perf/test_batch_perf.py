@@ -11,6 +11,7 @@ from harness.base.errors import HarnessInputError
 from harness.inputs.spec import load_spec
 from harness.perf.batch import batch_costs, batch_fit, batch_floors, refuse_unfit_batch, time_batch
 from harness.perf.roofline import instance_rates
+from harness.port.decode import generate
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,6 @@ def test_time_batch_pins_each_rows_tokens(tiny0_ckpt):
     be = batch_engine(tiny0_ckpt, batch=2)
     prompts = [[5, 6, 7], list(range(10, 30))]
     out = time_batch(be, prompts, new_tokens=3, runs=2)
-    alone = [be.engine.generate(p, 3).tokens for p in prompts]
+    alone = [generate(be.engine, [p], 3)[0].tokens for p in prompts]
     assert out["tokens"] == alone and out["batch"] == 2
     assert len(out["step_samples_ms"]) == 2 * 2 and out["tokens_per_s"] > 0

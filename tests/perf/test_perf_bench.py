@@ -19,6 +19,7 @@ from harness.base.settings import RunSettings
 from harness.cli import main as cli_main
 from harness.inputs.checkpoint import Checkpoint
 from harness.inputs.tiny import tiny_checkpoint
+from harness.port.decode import generate
 
 RUNS, NEW_TOKENS = 3, 2
 BENCH_ARGS = ["--model", "tiny", "--backend", "cpu", "--runs", RUNS, "--warmup", 1, "--buckets", "8,16",
@@ -146,7 +147,7 @@ def test_bench_pins_the_tokens_it_generated(bench_runs, tiny0_ckpt):
     engine = build_engine(tiny0_ckpt, RunSettings(backend="cpu", tp=2, dtype="bf16", buckets=(8, 16), kv_len=32))
     for prompt in a["prompts"]:
         ids = perf.bench_prompt(tiny0_ckpt.spec.vocab_size, prompt["bucket"])
-        decoded = engine.generate(ids, len(prompt["tokens"]))
+        decoded = generate(engine, [ids], len(prompt["tokens"]))[0]
         assert decoded.tokens == prompt["tokens"]
         assert prompt["margins"] == pytest.approx([perf.outputs.argmax_margin(row) for row in decoded.step_logits])
 

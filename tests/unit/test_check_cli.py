@@ -156,7 +156,7 @@ def test_an_exception_inside_the_port_is_a_parity_failure(tiny0_dir, golden, tmp
     payload = json.loads((tmp_path / "check.json").read_text())
     error = payload["port_error"]
     assert error["type"] == "IndexError" and "test_check_cli.py" in error["where"]
-    assert "in decode_step" in error["where"] and "harness/port/engine.py" in error["where"]
+    assert "in decode_step" in error["where"] and "harness/port/decode.py" in error["where"]  # the one decode loop
     assert payload["failed_stages"] == ["fp32", "bf16"]
 
 

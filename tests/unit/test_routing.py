@@ -10,7 +10,7 @@ import torch
 
 from harness.reference.forcing import chosen_experts
 from harness.judge.routing import (ROUTING_FACTOR, ROUTING_QUANTILE, RouterDecisions, RoutingResult, boundary_shifts,
-                                   judge_decisions, port_routes)
+                                   judge_decisions)
 
 
 def _dense(chosen: list[list[int]], experts: int = 4) -> torch.Tensor:
@@ -96,7 +96,10 @@ def test_swap_margin_takes_the_worst_swap():
     assert abs(result.flips[0].margin - 0.9) < 1e-6 and result.flips[0].kind == "divergence"
 
 
-def test_port_routes_joins_prefill_and_decode_rows():
+def test_the_forcing_rule_joins_the_ports_prefill_and_decode_rows():
+    """observe's references follow the port's routes read by the one forcing rule (follow_routes)."""
+    from harness.parity.forced_path import follow_routing
+
     class Run:
         pass
 
@@ -106,8 +109,10 @@ def test_port_routes_joins_prefill_and_decode_rows():
     run.forced.prefill.captures = {"layers.1.expert_weights": _dense([[0, 1], [2, 3]]),
                                    "layers.1.output": torch.zeros(2, 4)}
     run.forced.step_captures = {"layers.1.expert_weights": _dense([[1, 2]])}
-    routes = port_routes(run, 2)
+    moe = type("Spec", (), {"moe": type("Moe", (), {"top_k": 2})()})()
+    routes = follow_routing([run], moe, "bf16")[0].routes
     assert list(routes) == [1] and routes[1].tolist() == [[0, 1], [2, 3], [1, 2]]
+    assert not follow_routing([run], moe, "fp32")[0].routes  # the fp32 stage follows nothing
 
 
 def test_result_json_names_its_numbers():

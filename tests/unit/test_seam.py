@@ -20,9 +20,10 @@ from harness.judge.compare import (BF16, FP32, NEAR_TIE_ULPS, classify_departure
                                    tie_threshold)
 from harness.base.errors import PromptError
 from harness.base.numerics import bf16_ulp
-from harness.inputs.prompts import kv_positions_used, validate_prompt_fit
+from harness.inputs.prompts import check_kv_fit, kv_positions_used, validate_prompt_fit
 from harness.judge.routing import RouterDecisions, judge_decisions
 from harness.parity.served import judge_served
+from harness.judge.stage_result import Ties
 
 PACKAGE = Path(harness.__file__).parent
 
@@ -38,6 +39,53 @@ def test_the_fit_rule_counts_the_positions_written(n, new, fits):
     else:
         with pytest.raises(PromptError, match="--kv-len is 16"):
             validate_prompt_fit([[1] * n], new, "p.json", buckets=(16,), kv_len=16)
+
+
+def test_the_fit_rule_counts_the_draft_rows_of_speculation():
+    """The last verify, at position n + new - 2, is padded to k + 1 rows; one new token runs no verify."""
+    assert kv_positions_used(20, 10, 3) == 20 + 10 - 2 + 3 + 1 == 32
+    assert kv_positions_used(20, 1, 3) == kv_positions_used(20, 1) == 20
+    check_kv_fit(20, 10, 32, draft=3)
+    with pytest.raises(PromptError, match="with drafts of 3 .* exceed the KV length 32"):
+        check_kv_fit(20, 11, 32, draft=3)
+
+
+# a run's count of KV positions written again beside kv_positions_used: what a second copy looks like
+FIT_COPIES = ["if p.numel() + want > self.engine.kv_len + 1: pass",
+              "if n + new_tokens > engine.kv_len + 1: pass",
+              "if prompt_len + new_tokens + k - 1 > kv_len: pass",
+              "if max(buckets) + new_tokens > kv_len: pass",
+              "ok = [x for x in lengths if x + args.new_tokens <= settings.kv_len]"]
+
+
+def _fit_copies(tree) -> list[int]:
+    """Lines comparing a count of new tokens with a KV length, other than through kv_positions_used."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        parts = list(ast.walk(node))
+        names = {n.id for n in parts if isinstance(n, ast.Name)} | {n.attr for n in parts if isinstance(n, ast.Attribute)}
+        if (any("kv_len" in n for n in names) and any("new_tokens" in n or n in ("want", "wants", "new") for n in names)
+                and "kv_positions_used" not in names):
+            found.append(node.lineno)
+    return found
+
+
+@pytest.mark.parametrize("copy", FIT_COPIES)
+def test_the_fit_scan_finds_a_second_copy(copy):
+    assert _fit_copies(ast.parse(copy))
+
+
+def test_every_guard_counts_kv_positions_with_the_one_fit_function():
+    """The engine, a batch, speculation, bench and the commands: none counts prompt + new tokens
+    (+ drafts) against the KV length itself (the one count is inputs/prompts.py kv_positions_used)."""
+    copies = {path.relative_to(PACKAGE.parent).as_posix(): lines for path in PACKAGE.rglob("*.py")
+              if path.name != "prompts.py" and (lines := _fit_copies(ast.parse(path.read_text())))}
+    assert copies == {}
+    assert {"harness/cli/perf.py", "harness/perf/bench.py", "harness/perf/length.py", "harness/port/speculate.py"
+            } <= _calls("kv_positions_used")
+    assert {"harness/port/engine.py", "harness/port/batching.py", "harness/port/decode.py"} <= _calls("check_kv_fit")
 
 
 def test_the_fit_rule_checks_buckets_and_max_positions():
@@ -67,12 +115,12 @@ def test_the_library_refuses_what_the_command_refuses_before_the_port_runs(tiny0
     """At 0 new tokens a prompt of kv_len + 1 tokens is bad input for `check_port` too (it used to
     be accepted and then fail inside the port): PromptError, and the port never ran."""
     from harness.parity.check import check_port
-    from harness.port import engine as port_engine
+    from harness.port import decode as port_decode
 
     def no_port(*args, **kwargs):
         raise AssertionError("the port ran on a prompt that does not fit")
 
-    monkeypatch.setattr(port_engine.Engine, "generate", no_port)
+    monkeypatch.setattr(port_decode, "generate", no_port)
     with pytest.raises(PromptError, match="prompt 0 has 17 tokens.*--kv-len is 16"):
         check_port(tiny0_ckpt, _engine(tiny0_ckpt), *edge_references[17])
 
@@ -151,7 +199,7 @@ def test_served_departures_are_the_checks(case):
     tokens, rows, kind = DEPARTURES[case]
     ref = _ref([0, 2], REF_ROWS)
     checked = classify_departure(ref, _free(tokens, rows), 0.05, judge=BF16)
-    prompts, _, _ = judge_served([_free(tokens, rows)], [ref], [ref], None, 0.05)
+    prompts, _, _ = judge_served([_free(tokens, rows)], [ref], [ref], None, Ties(BF16, 0.05))
     served = prompts[0].departure
     assert (checked and checked.kind) == (served and served.kind) == kind
     if kind is not None:
@@ -165,7 +213,7 @@ def test_a_saturation_tie_is_the_same_for_both():
     free = _free([1], [[899.0, 900.0, 0.0]])
     assert saturation_tie(ref.captures["step_capped_logits"][0], 1)
     assert classify_departure(ref, free, 0.0, judge=FP32).kind == "saturation_tie"
-    assert judge_served([free], [ref], [ref], None, 0.0, judge=FP32)[0][0].departure.kind == "saturation_tie"
+    assert judge_served([free], [ref], [ref], None, Ties(FP32, 0.0))[0][0].departure.kind == "saturation_tie"
 
 
 def test_the_teacher_forced_choice_is_checked_when_there_is_one():
@@ -206,8 +254,112 @@ def _calls(name: str) -> set[str]:
     ("saturation_tie", {"harness/judge/compare.py"}),
     ("calibrate_band", {"harness/judge/compare.py", "harness/judge/routing.py"}),
     ("tie_threshold", {"harness/judge/compare.py", "harness/judge/routing.py"}),
+    # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
+    ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/quality/moe.py",
+                       "harness/reference/forcing.py"}),
+    ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py"}),  # routing.py: judging only
     ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
 ])
 def test_each_decision_has_one_home(name, homes):
     assert _calls(name) == homes
+
+
+def test_quality_says_why_it_does_not_take_the_per_layer_input_pins():
+    from harness.quality.judge import forcing_notes
+
+    assert forcing_notes(SimpleNamespace(moe=None, per_layer_input_size=0)) == []
+    ple = forcing_notes(SimpleNamespace(moe=None, per_layer_input_size=256))
+    assert len(ple) == 1 and "per-layer-input pins not taken" in ple[0]
+    moe = forcing_notes(SimpleNamespace(moe=SimpleNamespace(top_k=2), per_layer_input_size=0))
+    assert len(moe) == 1 and "follow_routes" in moe[0]
+
+
+# ---- one decode loop ------------------------------------------------------------------------------------
+
+# The device steps a decode loop is made of: Engine.decode_step / verify, BatchEngine.decode / verify.
+STEP_CALLS = ("decode_step", "verify", "decode")
+# bench times single steps (its timing probes are not a decode loop of the check, bisect or quality)
+STEP_TIMERS = {"harness/perf/bench.py", "harness/perf/length.py", "harness/perf/speculative.py", "harness/perf/batch.py"}
+
+
+def _step_callers(files: dict[str, str]) -> set[str]:
+    """The modules (path -> source) calling a device step of a decode loop."""
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STEP_CALLS:
+                receiver = ast.unparse(node.func.value)
+                if node.func.attr != "decode" or "engine" in receiver or receiver in ("self.batch", "be", "batch"):
+                    found.add(path)
+    return found
+
+
+def test_a_second_decode_loop_is_found():
+    copy = "for pos in range(first, n):\n    rows.append(engine.decode_step(window[pos], pos).logits)\n"
+    assert _step_callers({"a module of quality": copy}) == {"a module of quality"}
+    batched = "out = be.decode(tokens, positions, slots)\n"
+    assert _step_callers({"a module of parity": batched}) == {"a module of parity"}
+
+
+def test_one_decode_loop_serves_single_batched_and_speculative_runs():
+    """harness/port/decode.py `generate` is the only decode loop: the engine, the batch engine and
+    speculation keep their one-call steps, and nothing else in the package steps a decode."""
+    from harness.port import speculate
+    from harness.port.batching import BatchEngine
+    from harness.port.engine import Engine
+
+    files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
+    assert _step_callers(files) - STEP_TIMERS == {"harness/port/decode.py"}
+    assert not hasattr(Engine, "generate") and not hasattr(BatchEngine, "generate")
+    assert not hasattr(speculate, "speculative_generate")
+    assert {"harness/parity/batched.py", "harness/parity/served.py",
+            "harness/parity/speculative.py", "harness/quality/moe.py"} <= _calls("generate")
+
+
+# ---- one stage protocol ----------------------------------------------------------------------------------
+
+def test_every_extra_stage_returns_a_stage_result_whose_failures_its_gates_compute_once():
+    """served, batch and speculative stages are StageResults: their own failures()/to_json/passed
+    rules are gone (the protocol computes the failures from the gates once and writes them)."""
+    from harness.judge.stage_result import StageResult
+    from harness.parity.batched import BatchStage
+    from harness.parity.served import ServedResult
+    from harness.parity.speculative import SpeculativeStage
+
+    for cls in (ServedResult, BatchStage, SpeculativeStage):
+        assert issubclass(cls, StageResult)
+        assert not {"failures", "to_json", "passed"} & set(vars(cls)), cls.__name__
+    assert _calls("run_stages") == {"harness/parity/check.py"}  # only the parity run executes stages
+    assert _calls("overall_verdict") == {"harness/judge/results.py"}  # one function builds the verdict
+    assert _calls("divergent") >= {"harness/judge/stage_result.py"}
+
+
+def test_a_gate_added_to_a_stage_counts_in_its_verdict_and_json():
+    """The extension point (a later gate, e.g. a distributional one): add_gate before the seal."""
+    from harness.judge.results import CheckResult
+    from harness.judge.stage_result import Gate, overall_verdict
+    from harness.parity.batched import BatchStage
+
+    stage = BatchStage(ran=False, notes=["stand-in"])
+    stage.add_gate(Gate("distribution", [{"stage": "batch", "point": "distribution", "where": "prompt 0"}],
+                        {"statistic": 0.5}))
+    stage.seal()
+    with pytest.raises(RuntimeError, match="sealed"):
+        stage.add_gate(Gate("late"))
+    payload = stage.to_json()
+    assert not stage.passed and payload["passed"] is False and payload["gates"][0]["statistic"] == 0.5
+    result = CheckResult(backend="cpu", tp=1, dtype="bfloat16", extra_stages=[stage])
+    verdict = overall_verdict(result)
+    assert not verdict.passed and verdict.failed_stages == ["batch"] and verdict.failures[0]["point"] == "distribution"
+    assert result.to_json()["first_failure"]["point"] == "distribution"
+
+
+def test_a_tie_band_travels_with_its_judge():
+    from harness.judge.compare import BF16, FP32
+    from harness.judge.stage_result import ties
+
+    calibration = SimpleNamespace(band=4.0)
+    assert ties(BF16, calibration) == Ties(BF16, 4.0)
+    assert ties(FP32, calibration) == Ties(FP32, 0.0)  # the bf16 band is never paired with the fp32 judge
+    assert ties(BF16, None).band == 0.0

@@ -15,7 +15,8 @@ from harness.base.errors import CheckpointError, ConfigError, OptionError
 from harness.base.settings import RunSettings
 from harness.inputs.assistant_spec import assistant_spec_from_dict
 from harness.inputs.spec import load_spec
-from harness.port.speculate import accepted_prefix, check_speculate, speculative_generate
+from harness.port.speculate import accepted_prefix, check_speculate
+from harness.port.decode import generate, speculative
 
 UNIFIED = FIXTURES_DIR / "configs" / "tiny" / "gemma-4-tiny-assistant.json"
 FAMILY = FIXTURES_DIR / "configs" / "tiny" / "gemma-4-tiny-31b-assistant.json"
@@ -115,9 +116,9 @@ def test_speculative_greedy_equals_plain_greedy_and_the_drafter_equals_transform
     engine = build_engine(ckpt, RunSettings(tp=tp, dtype="float32", buckets=(16, 64), kv_len=64), capture=True)
     drafter = build_drafter(engine, assistant)
     prompts = [[2, 17, 93, 5, 44, 301, 7], list(range(3, 27))]  # the second passes the window of 16
-    runs = [speculative_generate(engine, drafter, p, 10, 3, capture=True) for p in prompts]
+    runs = generate(engine, prompts, 10, speculative(drafter, 3), capture=True)
     for prompt, run in zip(prompts, runs):
-        assert run.tokens == engine.generate(prompt, 10).tokens
+        assert run.tokens == generate(engine, [prompt], 10)[0].tokens
         assert sum(run.accepted) + run.verifies + 1 == 10
     refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
     if tp == 1:  # the acceptance judge's reference: transformers' pair under the port's rules, draft for draft
@@ -159,7 +160,7 @@ def test_drafter_with_the_inputs_swapped_departs_from_transformers(random_pair, 
     monkeypatch.setattr(port_drafter, "join_inputs", lambda embeds, hidden: torch.cat([hidden, embeds], dim=-1))
     ckpt, assistant, path = random_pair
     engine = build_engine(ckpt, RunSettings(tp=1, dtype="float32", buckets=(16,), kv_len=32), capture=True)
-    run = speculative_generate(engine, build_drafter(engine, assistant), [2, 17, 93, 5], 4, 3, capture=True)
+    run = generate(engine, [[2, 17, 93, 5]], 4, speculative(build_drafter(engine, assistant), 3), capture=True)[0]
     refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
     points, _, _ = drafter_points([run], engine, ckpt.spec, refs, FP32)
     assert not next(p for p in points if p.name == "fp32.drafter.pre_projection").passed
@@ -198,7 +199,7 @@ def test_drafter_not_fed_its_post_projection_fails_state_fed(random_pair, monkey
     monkeypatch.setattr(port_speculate, "next_state", lambda fed, produced: fed)
     ckpt, assistant, path = random_pair
     engine = build_engine(ckpt, RunSettings(tp=1, dtype="float32", buckets=(16,), kv_len=32), capture=True)
-    run = speculative_generate(engine, build_drafter(engine, assistant), [2, 17, 93, 5], 4, 3, capture=True)
+    run = generate(engine, [[2, 17, 93, 5]], 4, speculative(build_drafter(engine, assistant), 3), capture=True)[0]
     refs = {dt: AssistantReference(path, dt) for dt in (torch.float32, torch.bfloat16)}
     points, _, _ = drafter_points([run], engine, ckpt.spec, refs, FP32)
     assert [p.name for p in points if not p.passed] == ["fp32.drafter.state_fed"]
@@ -227,3 +228,23 @@ def test_info_fits_target_and_assistant_together(tiny0_dir, tmp_path, capsys):
     assert s["graphs"] > p["graphs"] and s["run"] > p["run"]
     assert main(["info", "--checkpoint", str(tiny0_dir), "--speculate", "0"]) == 2  # refused, with the range
     assert "--speculate 0" in capsys.readouterr().err
+
+
+def test_speculation_in_a_batch_equals_each_sequence_alone(random_pair):
+    """The one decode loop speculates in a batch (issue 37): two slots, three ragged prompts (the
+    third takes the slot the first leaves), each sequence drafting from its own slot. Tokens and
+    accepted drafts per verify equal each prompt's run alone, and the tokens the target's own greedy."""
+    from harness.backends import build_drafter, build_engine
+
+    ckpt, assistant, _ = random_pair
+    settings = RunSettings(dtype="float32", buckets=(16, 64), kv_len=64, speculate=3)
+    batched, alone = (build_engine(ckpt, settings.but(batch=b), capture=True) for b in (2, 1))
+    prompts = [[2, 17, 93, 5, 44, 301, 7], list(range(3, 27)), [11]]
+    runs = generate(batched, prompts, 6, speculative(build_drafter(batched, assistant), 3))
+    drafter = build_drafter(alone, assistant)
+    for prompt, run in zip(prompts, runs):
+        own = generate(alone, [prompt], 6, speculative(drafter, 3))[0]
+        # the drafts too: a drafter reading another sequence's slot drafts other tokens
+        assert (run.tokens, run.accepted, run.drafted) == (own.tokens, own.accepted, own.drafted) and run.drafted
+        torch.testing.assert_close(run.step_logits, own.step_logits, atol=1e-4, rtol=1e-4)
+        assert run.tokens == generate(alone, [prompt], 6)[0].tokens

@@ -122,15 +122,15 @@ class NoDrafts:
 
 def test_a_perf_build_seeds_the_first_draft_from_the_verify_graph(tiny0_ckpt):
     """A perf build's prefill returns no final-norm state: all but the last prompt token are
-    prefilled, the last runs through the verify graph (speculate.prompt_state)."""
-    from harness.port.speculate import speculative_generate
+    prefilled, the last runs through the verify graph (decode._prefill_by_verify)."""
+    from harness.port.decode import generate, speculative
 
     spec = tiny0_ckpt.spec
     backend = Recorder(spec.vocab_size, spec.hidden_size)
     backend.reset = lambda: None
     engine = Engine(spec, backend, tiny0_ckpt.embed_weight(torch.bfloat16), RunSettings(buckets=(16,), kv_len=32,
                                                                                        speculate=3))
-    run = speculative_generate(engine, NoDrafts(), [5, 6, 7], 5, 3)
+    run = generate(engine, [[5, 6, 7]], 5, speculative(NoDrafts(), 3))[0]
     assert backend.calls[0] == ([list(range(2)) + [-1] * 14], False)  # the prompt but its last token
     assert backend.calls[1] == ([[2, -1, -1, -1]], True)  # its last token, through the verify graph
     assert backend.calls[2] == ([[3, 4, 5, 6]], True) and run.accepted[0] == 3 and run.tokens == [0] * 5

@@ -13,6 +13,7 @@ from harness.base.errors import HarnessInputError
 from harness.base.settings import RunSettings
 from harness.inputs.checkpoint import Checkpoint
 from harness.judge.compare import rel_l2
+from harness.port.decode import generate
 
 pytestmark = pytest.mark.xla
 FP32_ROUNDING = 1e-5  # relative L2 of fp32 computations that differ only in summation order
@@ -26,7 +27,7 @@ def test_fp32_xla_equals_cpu_backend_prefill_and_decode(tiny0_ckpt, tp):
     runs = {name: build_engine(tiny0_ckpt, RunSettings(backend=name, tp=tp, dtype="float32", buckets=(16,), kv_len=32),
                                capture=name == "xla") for name in ("cpu", "xla")}
     prompt = list(range(40, 51))
-    out = {name: engine.generate(prompt, 6, capture=True) for name, engine in runs.items()}
+    out = {name: generate(engine, [prompt], 6, capture=True)[0] for name, engine in runs.items()}
     xla, cpu = out["xla"], out["cpu"]
     assert set(xla.prefill.captures) == set(cpu.prefill.captures)
     for name, value in cpu.prefill.captures.items():

@@ -10,6 +10,7 @@ import torch
 from harness.backends import build_engine
 from harness.judge.compare import rel_l2
 from tests.family.shared import VARIANTS, assert_family_check_passes, family_check, family_checkpoint
+from harness.port.decode import generate
 
 pytestmark = pytest.mark.xla
 FP32_ROUNDING = 1e-5
@@ -23,7 +24,7 @@ def test_fp32_xla_equals_cpu_backend(variant, tp):
     runs = {name: build_engine(ckpt, RunSettings(backend=name, tp=tp, dtype="float32", buckets=(16,), kv_len=32),
                                capture=name == "xla") for name in ("cpu", "xla")}
     prompt = list(range(40, 51))
-    out = {name: engine.generate(prompt, 4, capture=True) for name, engine in runs.items()}
+    out = {name: generate(engine, [prompt], 4, capture=True)[0] for name, engine in runs.items()}
     xla, cpu = out["xla"], out["cpu"]
     assert set(xla.prefill.captures) == set(cpu.prefill.captures)
     for name, value in cpu.prefill.captures.items():

@@ -16,6 +16,7 @@ import torch
 
 from harness.base.settings import RunSettings
 from tests.faults.test_speculate_faults import PROMPTS as FAULT_PROMPTS
+from types import SimpleNamespace
 
 pytestmark = pytest.mark.xla
 K = 3
@@ -41,7 +42,7 @@ def _stage(name: str, tp: int, dtype: str = "bfloat16"):
     ckpt, assistant, refs = pair(name)
     ref32, ref16 = refs["float32"], refs["bfloat16"]
     settings = RunSettings(backend="xla", tp=tp, dtype=dtype, buckets=(16, 64), kv_len=64)
-    return check_speculative(ckpt, ref32, ref16, 4.0, settings=settings, assistant_dir=assistant, k=K)
+    return check_speculative(ckpt, ref32, ref16, SimpleNamespace(band=4.0), settings=settings, assistant_dir=assistant, k=K)
 
 
 @pytest.mark.parametrize("name, tp", [("12b", 1), ("31b", 1), ("31b", 2)])

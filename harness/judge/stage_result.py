@@ -1,0 +1,139 @@
+"""The stage protocol: what every extra stage of `check` (served, batch, speculative, and any later
+one) returns, and the one function that builds the overall verdict.
+
+A stage is a function of named inputs returning a `StageResult`: its `stage` name, whether it
+`ran`, its notes, and its named gates (`Gate`: one verdict each, with the failures it found). The
+failures are computed once, when the stage is sealed (`seal`, by the parity run that executed it);
+`to_json` only writes what was computed. A later gate (e.g. a distributional gate) joins a stage
+with `add_gate` before the seal, and counts in the verdict and the JSON like the stage's own.
+
+`overall_verdict` builds the check's verdict from its stages (the fp32 and bf16 stages and the
+extra ones) and holds the local-versus-cumulative rule (`blame`): a layer's local verdict (the
+layer alone on the reference's input) decides over its cumulative points, a layer failing only
+cumulatively while passing alone carries upstream error, and the fp32 stage names an earlier
+layer than the bf16 stage when bf16 noise hides a structural error there.
+
+A tie band travels with its judge (`Ties`): a stage classifying token departures takes one
+`Ties`, so a band calibrated for the bf16 envelope is never paired with the fp32 judge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from harness.judge.compare import StageJudge
+
+
+@dataclass(frozen=True)
+class Ties:
+    """A judge and the tie band its departures are classified by: the calibrated band for a judge
+    that ties within the envelope (bf16), none for one that ties within its own rounding (fp32)."""
+
+    judge: StageJudge
+    band: float
+
+
+def ties(judge: StageJudge, calibration) -> Ties:
+    """The band `judge` takes from the check's near-tie calibration (None: no calibration)."""
+    return Ties(judge, calibration.band if calibration is not None and judge.envelope_ties else 0.0)
+
+
+@dataclass
+class Gate:
+    """One named verdict of a stage: the failures it found (none: it passes) and what it reports."""
+
+    name: str
+    failures: list[dict] = field(default_factory=list)
+    report: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "passed": self.passed, "failures": self.failures, **self.report}
+
+
+class StageResult:
+    """The protocol of an extra stage's result. A subclass sets `stage` and `ran` and `notes`, and
+    implements `gates()` (its own named verdicts), `payload()` (its JSON beyond the protocol's
+    keys) and `describe()`."""
+
+    stage = "stage"
+
+    def gates(self) -> list[Gate]:
+        return []
+
+    def payload(self) -> dict:
+        return {}
+
+    def add_gate(self, gate: Gate) -> None:
+        """A gate from outside the stage (the extension point), judged with the stage's own."""
+        if getattr(self, "_sealed", None) is not None:
+            raise RuntimeError(f"the {self.stage} stage is sealed: add gates before the parity run seals it")
+        self.__dict__.setdefault("_added", []).append(gate)
+
+    def seal(self) -> "StageResult":
+        """Compute the gates, and so the failures, once."""
+        if getattr(self, "_sealed", None) is None:
+            self._sealed = [*self.gates(), *self.__dict__.get("_added", [])]
+        return self
+
+    def all_gates(self) -> list[Gate]:
+        return self.seal()._sealed
+
+    def failures(self) -> list[dict]:
+        return [f for g in self.all_gates() for f in g.failures]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures()
+
+    def to_json(self) -> dict:
+        return {"ran": self.ran, "passed": self.passed, "failures": self.failures(), "notes": self.notes,
+                "gates": [g.to_json() for g in self.all_gates()], **self.payload()}
+
+
+def run_stages(stages, result, checkpoint) -> None:
+    """The parity run executes the extra stages, in order: each a function of (the finished result,
+    the checkpoint) returning a StageResult, sealed and added to the result."""
+    for stage in stages:
+        result.extra_stages.append(stage(result, checkpoint).seal())
+
+
+class Verdict(NamedTuple):
+    passed: bool
+    failed_stages: list[str]
+    failures: list[dict]  # every stage's, in order: fp32, bf16, the extra stages
+    divergent: tuple[int, str] | None  # (first divergent layer, component)
+
+
+def blame(cumulative_pass: bool, local) -> dict:
+    """The local-versus-cumulative rule for one layer's row: with a local verdict, the layer passes
+    or fails alone; failing only cumulatively while passing alone, it carries upstream error."""
+    if local is None:
+        return {}
+    return {"pass": local.passed, "component": local.component, "carries_upstream_error": local.passed and not cumulative_pass}
+
+
+def divergent(stage) -> tuple[int, str] | None:
+    """The first divergent (layer, component) of a bf16 or fp32 stage result: the first failing
+    local verdict where there are any, else the stage's first failing layer point; the fp32
+    stage's when it names an earlier layer (a structural error bf16 noise hides until later) or
+    the stage names none."""
+    local = next((v for v in stage.local or [] if not v.passed), None)
+    own = (local.index, local.component) if local is not None else stage.first_layer_failure()
+    structural = divergent(stage.fp32) if getattr(stage, "fp32", None) is not None else None
+    if own is None or (structural is not None and structural[0] < own[0]):
+        return structural
+    return own
+
+
+def overall_verdict(result) -> Verdict:
+    """The check's verdict: every stage passes (the fp32 stage, the bf16 stage, each extra stage's
+    gates), with the failures in run order and the first divergent layer."""
+    stages = [s for s in (result.fp32, result) if s is not None]
+    failed = [s.stage for s in stages if not s.stage_passed] + [s.stage for s in result.extra_stages if not s.passed]
+    failures = [f for s in stages for f in s.failures()] + [f for s in result.extra_stages for f in s.failures()]
+    return Verdict(not failed, failed, failures, divergent(result))
