@@ -17,6 +17,7 @@ from harness.base.atomic import atomic_directory
 from harness.base.errors import OutputError
 from harness.base.provenance import package_versions
 from harness.inputs.checkpoint import sha256_file
+from harness.inputs.family import runs_alone
 
 FORMAT_VERSION = 1
 KIND = "gemma-parity device-call snapshot"
@@ -77,7 +78,7 @@ def make_manifest(checkpoint, settings, target, tensors: dict[str, torch.Tensor]
                      "sliding_cache": settings.sliding_cache, "batch": settings.batch,
                      "backend_options": {k: str(v) for k, v in settings.backend_options.items()}},
         "spec_hash": spec.spec_hash(), "num_layers": spec.num_layers,
-        "layer_type": spec.layers[target.layer].type,
+        "layer_type": spec.layers[target.layer].type, "runs_alone": runs_alone(spec, target.layer),
         "checkpoint": {"path": str(checkpoint.path), "files": checkpoint.file_hashes()},
         "layer_weights_sha256": layer_weights_digest(tensors),
         "versions": package_versions(),
