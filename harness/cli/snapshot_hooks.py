@@ -3,6 +3,9 @@ validated before model work, and run once after the command's own run, each by o
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from harness.base.atomic import claim_output
 from harness.base.errors import OptionError
 
 HINT = ("to replay this failure off-chip, rerun with --snapshot DIR (the failing device call, replayable with "
@@ -27,6 +30,7 @@ def validate_snapshot_args(args) -> None:
     given = [(flag, path) for flag, path in given if path is not None]
     for flag, path in given:
         refuse_existing(path, flag)
+        claim_output(Path(path), flag)  # a second run for the same directory is refused now
     if len(given) == 2 and given[0][1] == given[1][1]:
         raise OptionError("--snapshot and --emit-repro name the same directory; give each its own")
     if not given:

@@ -106,7 +106,7 @@ def write_snapshot(out_dir, checkpoint, settings, target, tensors: dict[str, tor
     refuse_existing(out_dir, "--snapshot")
     nbytes = planned_bytes(tensors)
     say(plan_line(out_dir, target, nbytes, len(tensors)))
-    manifest = make_manifest(checkpoint, settings, target, tensors, source)
+    manifest = make_manifest(checkpoint, settings, target, tensors, source=source)
     manifest["planned_bytes"] = nbytes
     with atomic_directory(out_dir) as tmp:
         try:
