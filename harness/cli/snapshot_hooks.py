@@ -28,11 +28,11 @@ def validate_snapshot_args(args) -> None:
     given = [(flag, getattr(args, attr, None)) for flag, attr in (("--snapshot", "snapshot"),
                                                                   ("--emit-repro", "emit_repro"))]
     given = [(flag, path) for flag, path in given if path is not None]
+    if len(given) == 2 and Path(given[0][1]).resolve() == Path(given[1][1]).resolve():
+        raise OptionError("--snapshot and --emit-repro name the same directory; give each its own")
     for flag, path in given:
         refuse_existing(path, flag)
         claim_output(Path(path), flag)  # a second run for the same directory is refused now
-    if len(given) == 2 and given[0][1] == given[1][1]:
-        raise OptionError("--snapshot and --emit-repro name the same directory; give each its own")
     if not given:
         return
     flags = " and ".join(flag for flag, _ in given)
