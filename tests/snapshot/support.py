@@ -25,12 +25,14 @@ class Flow:
     replays: dict = field(default_factory=dict)  # (backend, mode, planted) -> BackendReplay
 
 
-def run_check(checkpoint, references, settings: RunSettings):
+def run_check(checkpoint, references, settings: RunSettings, fp32: bool = True):
+    """check's two stages (the fp32 one unless `fp32` is False), no local verdicts."""
     from harness.backends import build_engine
     from harness.parity.check import check_port
 
     engine = build_engine(checkpoint, settings, capture=True)
-    return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=False)
+    return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=False,
+                      fp32_engine="auto" if fp32 else None)
 
 
 def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Path, repro: Path | None = None,
