@@ -38,8 +38,8 @@ def validate_snapshot_args(args) -> None:
     flags = " and ".join(flag for flag, _ in given)
     if args.settings.batch > 1:
         raise OptionError(f"{flags}: a snapshot holds one sequence's call; drop --batch {args.settings.batch}")
-    if getattr(args, "mode", None) == "truncate" or (getattr(args, "mode", "x") is None
-                                                     and args.settings.backend not in ("cpu", "xla")):
+    mode = getattr(args, "mode", "capture")  # bisect's default off cpu is truncate (harness.parity.bisect)
+    if mode == "truncate" or (mode is None and args.settings.backend != "cpu"):
         raise OptionError(f"{flags}: truncate mode keeps no per-point observation to snapshot; add --mode capture")
 
 

@@ -36,9 +36,10 @@ def run_check(checkpoint, references, settings: RunSettings, fp32: bool = True):
 
 
 def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Path, repro: Path | None = None,
-                  modes=("whole",)) -> Flow:
+                  modes=("whole",), fp32: bool = True) -> Flow:
     """Check with `fault` planted (None: the clean port), snapshot (and emit a repro) with it still
-    planted, replay each mode on cpu planted, then whole again with the fault removed."""
+    planted, replay each mode on cpu planted, then whole again with the fault removed (`fp32`
+    False: the check's bf16 stage only)."""
     from harness.snapshot.read import read_snapshot
     from harness.snapshot.repro import emit_repro
     from harness.snapshot.replay import replay
@@ -48,7 +49,7 @@ def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Pat
     with pytest.MonkeyPatch.context() as mp:
         if fault is not None:
             fault.inject(mp)
-        result = run_check(checkpoint, references, settings)
+        result = run_check(checkpoint, references, settings, fp32=fp32)
         manifest = snapshot_check(result, checkpoint, settings, out, source="check", say=lines.append)
         if repro is not None:
             emit_repro(result, checkpoint, settings, repro, say=lines.append)

@@ -99,7 +99,8 @@ def test_family_variant_control_and_fault(variant, tp, tmp_path):
 
 @pytest.mark.slow  # traces and "compiles" through the NxD double; sibling: test_replay_names_whose_failure_it_is
 def test_a_fault_in_the_doubles_compiled_path_is_neurons_alone(tiny0_ckpt, tiny0_reference, tmp_path):
-    """The NxD double's row-parallel layer scaled by 1.05 (what a miscompiled reduction would do):
+    """The NxD double's row-parallel reduction returning each rank's own partial times TP instead of
+    the sum (a miscompiled reduction; a uniform scale would vanish in the post-norms):
     check on neuron fails; the snapshot replays as reproduced on neuron and agreeing on cpu, named
     a compilation or runtime divergence of neuron."""
     from harness.backends import neuron_env
@@ -115,8 +116,7 @@ def test_a_fault_in_the_doubles_compiled_path_is_neurons_alone(tiny0_ckpt, tiny0
         with installed(mp):
             from neuronx_distributed.parallel_layers import layers as nxd_layers
 
-            forward = nxd_layers.RowParallelLinear.forward
-            mp.setattr(nxd_layers.RowParallelLinear, "forward", lambda self, x, *a, **k: forward(self, x, *a, **k) * 1.05)
+            mp.setattr(nxd_layers, "reduce_from_tensor_model_parallel_region", lambda x, *a, **k: x * 2)
             settings = RunSettings(backend="neuron", tp=2, buckets=(64, 256), kv_len=288)
             result = run_check(tiny0_ckpt, tiny0_reference, settings)
             assert not result.passed

@@ -1,6 +1,7 @@
 """Snapshots on the xla backend (docs/snapshot.md): a clean run's control snapshot, recorded on
 xla, replays to agreement on cpu and xla; a fault planted only in the xla backend's in-graph
-collectives (its all-reduce scaled by 1.05, as a miscompiled reduction would) fails the check on
+collectives (its all-reduce returning each rank's own partial times TP instead of the sum, as a
+miscompiled reduction might; a uniform scale would vanish in the post-norms) fails the check on
 xla, and its snapshot replays as reproduced on xla and agreeing on cpu: xla's divergence alone."""
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ def test_xla_control_agrees_and_an_xla_only_fault_is_xlas(tiny0_ckpt, tiny0_refe
     snap, replays = _snapshot_and_replay(clean, tiny0_ckpt, tmp_path / "clean")
     assert not snap.target["failing"] and [r.reproduces for r in replays] == [False, False]
 
-    reduce = xla.XlaCollectives.all_reduce
-    monkeypatch.setattr(xla.XlaCollectives, "all_reduce", lambda self, x: reduce(self, x) * 1.05)
+    monkeypatch.setattr(xla.XlaCollectives, "all_reduce", lambda self, x: (x.float() * self.tp).to(x.dtype))
     faulty = run_check(tiny0_ckpt, tiny0_reference, SETTINGS, fp32=False)
     assert not faulty.passed
     snap, replays = _snapshot_and_replay(faulty, tiny0_ckpt, tmp_path / "fault")
