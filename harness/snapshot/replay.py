@@ -19,7 +19,7 @@ import torch
 from harness.base.errors import OptionError
 from harness.inputs.family import runs_alone
 from harness.judge.compare import JUDGES, compare_point
-from harness.snapshot.record import judged_points
+from harness.snapshot.record import call_name, judged_points
 
 MODES = ("whole", "layer")
 
@@ -91,7 +91,8 @@ def _load_layer_weights(backend, snap) -> None:
 def _judge(snap, outputs: dict[str, torch.Tensor], names: list[str]) -> list:
     judge = JUDGES[snap.target["stage"]]
     t = snap.tensors
-    return [compare_point(name, outputs[name], t[f"ref.{name}"], t[f"env.{name}"], judge) for name in names]
+    return [compare_point(name, outputs[call_name(name)], t[f"ref.{name}"], t[f"env.{name}"], judge)
+            for name in names]
 
 
 def replay_whole(engine, snap) -> dict[str, torch.Tensor]:
@@ -137,7 +138,7 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
     with intra_op_threads_for(checkpoint.spec):
         engine = build_port(checkpoint, settings)
         outputs = (replay_layer if mode == "layer" else replay_whole)(engine, snap)
-    names = judged_points(checkpoint.spec, snap.layer)
+    names = judged_points(checkpoint.spec, snap.layer, "" if snap.target.get("step") is None else "decode.")
     if mode == "layer":
         names = names[:-1]  # the layer's points: the final norm is not run
     return BackendReplay(backend_name, tp, mode, _judge(snap, outputs, names))

@@ -87,6 +87,10 @@ def repro_tensors(checkpoint, settings, target, obs) -> tuple[dict[str, torch.Te
     """The repro's tensors (weights, input, reference and envelope rows [0, end of the call)) and
     the points it judges."""
     spec, i = checkpoint.spec, target.layer
+    if target.step is not None:
+        raise OptionError(f"--emit-repro: the first failing point, {target.point}, is a decode step's; the repro runs "
+                          "the layer over the prompt in one prefill pass, where a decode-only fault does not show: "
+                          "replay the snapshot instead (--snapshot DIR, `gemma-parity replay DIR`)")
     if spec.layers[i].kv_source is not None:
         raise OptionError(f"--emit-repro: layer {i} reads layer {spec.layers[i].kv_source}'s cache (KV sharing), so "
                           "it cannot run alone; replay the snapshot instead (--snapshot DIR, `gemma-parity replay`)")
@@ -102,7 +106,7 @@ def repro_tensors(checkpoint, settings, target, obs) -> tuple[dict[str, torch.Te
     if spec.per_layer_input_size:
         prompt = obs.ref32[target.prompt].prompt[:stop]
         tensors["per_layer_input"] = _per_layer_input(checkpoint, settings, prompt, i).float()
-    return tensors, [name.rsplit(".", 1)[1] for name in points]
+    return {k: t.clone().contiguous() for k, t in tensors.items()}, [name.rsplit(".", 1)[1] for name in points]
 
 
 def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:

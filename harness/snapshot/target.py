@@ -1,5 +1,6 @@
-"""Which device call a snapshot holds: the prefill call behind a check's first failing layer point
-(or, on a passing run, behind its point with the largest ratio, as a control).
+"""Which device call a snapshot holds: the call behind a check's first failing layer point (a
+prefill chunk, or the teacher-forced decode step of a decode point), or, on a passing run, the
+prefill call behind its point with the largest ratio, as a control.
 
 The judged stage is the one whose first failing layer comes first (the fp32 structural stage wins
 when it names an earlier layer, as CheckResult.divergent decides); the point's worst row names the
@@ -14,7 +15,7 @@ from dataclasses import asdict, dataclass
 from harness.base.errors import OptionError
 from harness.base.points import Point, locate
 from harness.port.engine import chunk_plan
-from harness.port.graphs import PREFILL_TAG
+from harness.port.graphs import DECODE_TAG, PREFILL_TAG
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,16 @@ class Target:
     start: int  # the call: its first position, real rows and bucket (graph)
     length: int
     bucket: int
+    step: int | None = None  # a decode call: the teacher-forced step (its row of the decode points)
 
     @property
     def graph_tag(self) -> str:
-        return PREFILL_TAG.format(self.bucket)
+        return DECODE_TAG if self.step is not None else PREFILL_TAG.format(self.bucket)
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of the call's point names in a check's observation ("decode." for a decode step)."""
+        return "" if self.step is None else "decode."
 
     def to_json(self) -> dict:
         return dict(asdict(self), graph_tag=self.graph_tag)
@@ -43,8 +50,21 @@ def _prefill_layer_points(stage) -> list:
     return [p for layer in stage.layers for p in layer.points if Point.parse(p.name).kind == "layer"]
 
 
+def _decode_layer_points(stage) -> list:
+    return [p for layer in stage.decode_layers for p in layer.points if Point.parse(p.name).kind == "layer"]
+
+
 def _first_failing(stage):
-    return next((p for p in _prefill_layer_points(stage) if stage.point_failed(p)), None)
+    for points in (_prefill_layer_points(stage), _decode_layer_points(stage)):
+        found = next((p for p in points if stage.point_failed(p)), None)
+        if found is not None:
+            return found
+    return None
+
+
+def _order(stage, point, fp32) -> tuple:
+    parsed = Point.parse(point.name)
+    return parsed.decode, parsed.layer, stage is fp32  # prefill first, then the earliest layer, bf16 on a tie
 
 
 def choose_target(result, settings) -> Target:
@@ -54,16 +74,23 @@ def choose_target(result, settings) -> Target:
     stages = [s for s in (result.fp32, result) if s is not None and s.observation is not None]
     failing = [(s, p) for s in stages for p in [_first_failing(s)] if p is not None]
     if failing:
-        stage, point = min(failing, key=lambda sp: (Point.parse(sp[1].name).layer, sp[0] is result.fp32))
+        stage, point = min(failing, key=lambda sp: _order(sp[0], sp[1], result.fp32))
     elif not result.passed:
         what = [f["point"] for s in stages for f in s.failures()][:3] or ["an exception inside the port"]
-        raise OptionError(f"--snapshot: the check fails at {', '.join(map(str, what))}, none of them a prefill layer "
-                          "point, so no prefill device call is behind it; a snapshot holds one prefill call "
-                          "(docs/snapshot.md): use bisect's verdict for this failure")
+        raise OptionError(f"--snapshot: the check fails at {', '.join(map(str, what))}, none of them a layer point "
+                          "(prefill or decode), so no device call is behind it (a host-side or token failure); "
+                          "docs/snapshot.md: use the check's verdict for this failure")
     else:
         stage = result
         point = max(_prefill_layer_points(result), key=lambda p: p.required_factor)
-    lengths = [len(r.prompt) for r in stage.observation.ref32]
+    refs = stage.observation.ref32
+    if Point.parse(point.name).decode:  # rows: every prompt's teacher-forced steps after the first
+        steps = [max(len(r.generated) - 1, 0) for r in refs]
+        prompt, row = locate(point.worst_position, steps)
+        return Target(stage=stage.stage, point=point.name, layer=Point.parse(point.name).layer,
+                      ratio=float(point.required_factor), failing=True, prompt=prompt, position=len(refs[prompt].prompt)
+                      + row, start=len(refs[prompt].prompt) + row, length=1, bucket=1, step=row)
+    lengths = [len(r.prompt) for r in refs]
     prompt, position = locate(point.worst_position, lengths)
     start, length, bucket = next(c for c in chunk_plan(lengths[prompt], settings.buckets, settings.kv_len)
                                  if c[0] <= position < c[0] + c[1])
