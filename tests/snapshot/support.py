@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.base.errors import OptionError
 from harness.base.settings import RunSettings
 
 BLOCKER = "raise ImportError('a standalone repro must not import harness')\n"
@@ -23,6 +24,7 @@ class Flow:
     manifest: dict
     lines: list = field(default_factory=list)
     replays: dict = field(default_factory=dict)  # (backend, mode, planted) -> BackendReplay
+    repro_refused: str | None = None  # why --emit-repro refused this failure (a decode step's, KV sharing)
 
 
 def run_check(checkpoint, references, settings: RunSettings, fp32: bool = True):
@@ -51,10 +53,13 @@ def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Pat
             fault.inject(mp)
         result = run_check(checkpoint, references, settings, fp32=fp32)
         manifest = snapshot_check(result, checkpoint, settings, out, source="check", say=lines.append)
-        if repro is not None:
-            emit_repro(result, checkpoint, settings, repro, say=lines.append)
-        snap = read_snapshot(out)
         flow = Flow(result, manifest, lines)
+        if repro is not None:
+            try:
+                emit_repro(result, checkpoint, settings, repro, say=lines.append)
+            except OptionError as exc:
+                flow.repro_refused = str(exc)
+        snap = read_snapshot(out)
         for mode in modes:
             flow.replays[("cpu", mode, True)] = replay(snap, checkpoint, "cpu", mode=mode)
     flow.replays[("cpu", "whole", False)] = replay(snap, checkpoint, "cpu")
