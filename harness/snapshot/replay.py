@@ -135,6 +135,11 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
 
     tp = tp or snap.tp
     settings = snap.run_settings(backend=backend_name, tp=tp)
+    recorded = snap.manifest["settings"]
+    if backend_name == recorded["backend"] and recorded.get("backend_options"):  # the build's own options
+        from harness.backends import backend_options
+
+        settings = settings.but(backend_options=backend_options(backend_name, recorded["backend_options"]))
     with intra_op_threads_for(checkpoint.spec):
         engine = build_port(checkpoint, settings)
         outputs = (replay_layer if mode == "layer" else replay_whole)(engine, snap)

@@ -38,7 +38,7 @@ def run_check(checkpoint, references, settings: RunSettings, fp32: bool = True):
 
 
 def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Path, repro: Path | None = None,
-                  modes=("whole",), fp32: bool = True) -> Flow:
+                  modes=("whole",), fp32: bool = True, other_tp: int | None = None) -> Flow:
     """Check with `fault` planted (None: the clean port), snapshot (and emit a repro) with it still
     planted, replay each mode on cpu planted, then whole again with the fault removed (`fp32`
     False: the check's bf16 stage only)."""
@@ -62,6 +62,8 @@ def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Pat
         snap = read_snapshot(out)
         for mode in modes:
             flow.replays[("cpu", mode, True)] = replay(snap, checkpoint, "cpu", mode=mode)
+        if other_tp is not None:  # the same call at another TP degree (the port shards anew)
+            flow.replays[(f"cpu-tp{other_tp}", "whole", True)] = replay(snap, checkpoint, "cpu", tp=other_tp)
     flow.replays[("cpu", "whole", False)] = replay(snap, checkpoint, "cpu")
     return flow
 

@@ -15,16 +15,17 @@ SETTINGS = RunSettings(**engine_options(TINY))
 
 def test_a_planted_fault_snapshots_replays_and_its_repro_exits_1(tiny0_ckpt, tiny0_reference, tmp_path):
     """rope-interleaved-pairs (trap 4, layer 0's attention): the snapshot's call replays to the
-    check's own ratio with the fault planted, whole and layer alone, and agrees with it removed;
+    check's own ratio with the fault planted, whole and layer alone (and at TP 1 too), and agrees
+    with it removed;
     the repro script, with harness unimportable, shows the port's layer failing beside a plain
     reading that agrees, and exits 1. The plan line's size is what was written, within 10%."""
     fault = BY_NAME["rope-interleaved-pairs"]
     flow = snapshot_flow(fault, tiny0_ckpt, tiny0_reference, SETTINGS, tmp_path / "snap", tmp_path / "repro",
-                         modes=("whole", "layer"), fp32=False)  # the bf16 stage catches it
+                         modes=("whole", "layer"), fp32=False, other_tp=1)  # the bf16 stage catches it
     target = flow.manifest["target"]
     assert target["failing"] and target["layer"] == 0 and target["point"] == "layers.0.attn_residual"
     whole, layer = flow.replays[("cpu", "whole", True)], flow.replays[("cpu", "layer", True)]
-    assert whole.reproduces and layer.reproduces
+    assert whole.reproduces and layer.reproduces and flow.replays[("cpu-tp1", "whole", True)].reproduces
     replayed = next(p for p in whole.points if p.name == target["point"])
     assert abs(replayed.required_factor - target["ratio"]) <= 1e-6 * target["ratio"]
     assert not flow.replays[("cpu", "whole", False)].reproduces, "the clean port agrees on the same call"
