@@ -25,13 +25,13 @@ FILES = ("repro.py", "repro.safetensors", "port_layer.pt")
 
 
 class _LayerHost(nn.Module):
-    """The port decoder's own run_layers over one layer (its masks, rope and cache writes), with
-    the other layers absent: what gets traced."""
+    """The port decoder's own run_layers over one layer (its masks, rope and cache writes), the
+    other layers' slots holding the same layer: what gets traced."""
 
     def __init__(self, decoder_cls, spec, layer: nn.Module, index: int, parts: list[str]):
         super().__init__()
         self.spec, self.index, self.parts = spec, index, parts
-        self.layers = nn.ModuleList([nn.Identity() for _ in range(index)] + [layer])
+        self.layers = nn.ModuleList([layer] * (index + 1))  # indexable by the layer's own index
         self._run = decoder_cls.run_layers
         self.layer_input = decoder_cls.__dict__.get("layer_input", None)
         if isinstance(self.layer_input, staticmethod):

@@ -119,6 +119,9 @@ def test_a_fault_in_the_doubles_compiled_path_is_neurons_alone(tiny0_ckpt, tiny0
         mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
         mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
         with installed(mp):
+            from harness.backends.neuron_env import import_neuronx_distributed
+
+            import_neuronx_distributed()  # as the backend imports it (transformers 5 has no utils.fx)
             from neuronx_distributed.parallel_layers import layers as nxd_layers
 
             mp.setattr(nxd_layers, "reduce_from_tensor_model_parallel_region", lambda x, *a, **k: x * 2)
