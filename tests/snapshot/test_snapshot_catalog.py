@@ -35,6 +35,9 @@ REPRO_GAPS = {
     "chunk-reads-overwritten-keys": "a ring written before a later chunk attends: the repro runs the rows in one chunk",
     "ring-index-off-by-one": "the ring's slot of a position: one chunk from position 0 reads no earlier slot",
     "stale-ring-slot-visible": "a ring slot written by an earlier chunk: one chunk from position 0 has none",
+    "kv-heads-wrong-rank": "a TP plan fault: the traced layer is TP 1 (the snapshot's replay at TP 2 shows it)",
+    "single-kv-head-split": "a TP plan fault: the traced layer is TP 1 (the snapshot's replay at TP 2 shows it)",
+    "rmsnorm-no-fp32-upcast": "marginal over the stacked prompts (as in REPLAY_GAPS): within the factor on one call",
 }
 
 
