@@ -7,6 +7,7 @@ from harness.base.errors import OptionError
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
 from harness.cli.check import add_speculate_args, add_strict_precision_arg, validate_speculate
+from harness.cli.snapshot_hooks import add_snapshot_args, after_run, validate_snapshot_args
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
 
 
@@ -28,6 +29,7 @@ def add_command(sub) -> None:
     add_host_memory_arg(p)
     add_speculate_args(p)  # with --assistant: the drafter's first failing point named too
     add_strict_precision_arg(p)
+    add_snapshot_args(p, repro=True)
     p.set_defaults(func=run, validate=validate)
 
 
@@ -52,6 +54,7 @@ def validate(args) -> None:
                         kv_len=args.settings.kv_len, max_positions=ckpt.spec.max_positions)
     plan_gate(args, "bisect", ckpt.spec, rows_of(golden.prompts, golden.new_tokens), golden=True)
     validate_speculate(args, ckpt, [(len(p), golden.new_tokens) for p in golden.prompts])
+    validate_snapshot_args(args)
 
 
 def run(args) -> int:
@@ -76,6 +79,7 @@ def run(args) -> int:
     print(text)
     if args.report is not None:
         print(f"report written to {args.report}")
+    after_run(args, result.check, "bisect")
     return EXIT_OK if result.passed and payload.get("speculative", {}).get("passed", True) else EXIT_FAIL
 
 

@@ -6,6 +6,7 @@ from harness.base.atomic import write_json_atomic
 from harness.base.errors import OptionError
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
+from harness.cli.snapshot_hooks import add_snapshot_args, after_run, validate_snapshot_args
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, assistant_dir, run_settings, with_generator
 from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
@@ -36,6 +37,7 @@ def add_command(sub) -> None:
     p.set_defaults(batch=None)  # no --batch: batch 1, then the prompts as one ragged batch (the batch stage)
     add_speculate_args(p)
     add_host_memory_arg(p)
+    add_snapshot_args(p)
     p.set_defaults(func=run, validate=validate)
 
 
@@ -120,6 +122,7 @@ def validate(args) -> None:
     validate_speculate(args, ckpt, [(len(p), new_tokens) for p in prompts])
     plan_gate(args, "check", ckpt.spec, rows_of(prompts, new_tokens), golden=bool(args.golden),
               fp32_stage=not args.skip_fp32_stage, served=not args.skip_served_build, batch_stage=args.batch_stage)
+    validate_snapshot_args(args)
 
 
 def batch_checks(args) -> tuple:
@@ -163,4 +166,5 @@ def run(args) -> int:
             print(f"{flag} written to {where}")
     # the served build's verdict (and other extra stages') after the layer table, before the verdict lines
     print(format_check(result, verbose=args.verbose, extra=tuple(s.describe() for s in result.extra_stages)))
+    after_run(args, result, "check")
     return EXIT_OK if result.passed else EXIT_FAIL

@@ -36,6 +36,7 @@ PACKAGES = {
     "parity": (6, "check, the served check, bisect and truncate, and the observation they judge"),
     "quality": (6, "the corpus golden and its judged teacher-forced pass"),
     "report": (7, "what the commands print and write: tables, Markdown, JSON, plots"),
+    "snapshot": (7, "one device call snapshotted, validated on read, replayed on any backend, a standalone repro"),
     "cli": (8, "the commands"),
     "entry": (9, "the console script (signal guard, then the commands)"),
     "__main__": (10, "`python -m harness` (the console script)"),

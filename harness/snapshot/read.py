@@ -1,0 +1,185 @@
+"""Reading a snapshot, validated like a golden before any model work: the manifest's kind and
+format, the tensor file's sha256 (a truncated or edited file), the seal over manifest and tensors
+(an edited manifest), every tensor's own recorded digest, dtype and shape (a file edited and
+resealed), the call's rows consistent across inputs and outputs; then, against the checkpoint the
+replay runs, its identity (another checkpoint) and the stored weights against that checkpoint's
+layer (another layer's weights). Every refusal is a SnapshotError (exit 2) naming the file and
+the problem."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from harness.base.errors import HarnessInputError, InputFileError, read_json_file, read_problem
+from harness.inputs.checkpoint import sha256_file
+from harness.snapshot.write import FORMAT_VERSION, KIND, MANIFEST, SEAL, TENSORS, seal, tensor_digest
+
+FIX = "write the snapshot again with `check --snapshot DIR` or `bisect --snapshot DIR`"
+
+
+class SnapshotError(HarnessInputError):
+    """A snapshot that cannot be trusted: refused before any model work (exit 2)."""
+
+
+@dataclass
+class Snapshot:
+    path: Path
+    manifest: dict
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def target(self) -> dict:
+        return self.manifest["target"]
+
+    @property
+    def layer(self) -> int:
+        return int(self.target["layer"])
+
+    @property
+    def tp(self) -> int:
+        return int(self.manifest["settings"]["tp"])
+
+    def weights(self, rank: int) -> dict[str, torch.Tensor]:
+        prefix = f"weights.r{rank}."
+        return {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+
+    def kv(self, rank: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        prefix, out = f"kv.r{rank}.", {}
+        for name in self.tensors:
+            if name.startswith(prefix) and name.endswith(".k"):
+                layer = int(name[len(prefix):-2])
+                out[layer] = self.tensors[name], self.tensors[f"{prefix}{layer}.v"]
+        return out
+
+    def run_settings(self, **changes):
+        from harness.base.settings import RunSettings
+
+        s = self.manifest["settings"]
+        settings = RunSettings(backend=s["backend"], tp=s["tp"], dtype=s["dtype"], buckets=tuple(s["buckets"]),
+                               kv_len=s["kv_len"], sliding_cache=s["sliding_cache"])
+        return settings.but(**changes)
+
+
+def _manifest(path: Path) -> dict:
+    if not path.is_dir():
+        raise SnapshotError(f"{path}: {'not found' if not path.exists() else 'not a directory'}; pass a directory "
+                            f"written by --snapshot")
+    file = path / MANIFEST
+    if not file.is_file():
+        raise SnapshotError(f"{path}: no {MANIFEST}, so not a snapshot; {FIX}")
+    manifest = read_json_file(file, "snapshot manifest", SnapshotError, FIX)
+    if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
+        raise SnapshotError(f"{file}: not a snapshot manifest (kind {KIND!r}); {FIX}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise SnapshotError(f"{file}: format_version {manifest.get('format_version')!r}, this harness reads "
+                            f"{FORMAT_VERSION}; {FIX}")
+    return manifest
+
+
+def _hashes(path: Path, manifest: dict) -> Path:
+    file = path / TENSORS
+    if not file.is_file():
+        raise SnapshotError(f"{file}: missing; the snapshot is incomplete: {FIX}")
+    try:
+        actual = sha256_file(file)
+    except OSError as exc:
+        raise InputFileError(read_problem(exc, file, "snapshot tensor file")) from None
+    if actual != manifest.get("tensors_sha256"):
+        raise SnapshotError(f"{file}: sha256 {actual[:12]}… is not the manifest's "
+                            f"{str(manifest.get('tensors_sha256'))[:12]}…: truncated, corrupted or edited; {FIX}")
+    if manifest.get(SEAL) != seal(manifest, actual):
+        raise SnapshotError(f"{path / MANIFEST}: its contents do not match its {SEAL}: the manifest was edited "
+                            f"or corrupted; {FIX}")
+    return file
+
+
+def _tensors(file: Path, manifest: dict) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(file))
+    except Exception as exc:
+        raise SnapshotError(f"{file}: cannot be read as safetensors ({exc}); {FIX}") from None
+    recorded = manifest.get("tensors")
+    if not isinstance(recorded, dict) or set(recorded) != set(tensors):
+        extra = sorted(set(tensors) ^ set(recorded or {}))[:3]
+        raise SnapshotError(f"{file}: holds other tensors than its manifest lists ({', '.join(extra)}): resealed "
+                            f"after an edit; {FIX}")
+    for name, t in tensors.items():
+        entry = recorded[name]
+        if list(t.shape) != entry.get("shape") or tensor_digest(t) != entry.get("sha256"):
+            raise SnapshotError(f"{file}: tensor {name} {list(t.shape)} is not the one recorded (shape "
+                                f"{entry.get('shape')}, sha256 {str(entry.get('sha256'))[:12]}…): the file was "
+                                f"edited and resealed; {FIX}")
+    return tensors
+
+
+def _consistent(path: Path, manifest: dict, tensors: dict) -> None:
+    target = manifest.get("target") or {}
+    n = target.get("length")
+    for name, t in tensors.items():
+        if name.split(".")[0] in ("port", "ref", "env") and t.shape[0] != n:
+            raise SnapshotError(f"{path}: {name} has {t.shape[0]} rows but the call has {n} real rows: "
+                                f"inconsistent, resealed after an edit; {FIX}")
+    ranks = {int(k.split(".")[1][1:]) for k in tensors if k.startswith("weights.")}
+    if ranks != set(range(int(manifest["settings"]["tp"]))):
+        raise SnapshotError(f"{path}: weights of ranks {sorted(ranks)} for TP {manifest['settings']['tp']}; {FIX}")
+
+
+def read_snapshot(path) -> Snapshot:
+    """A snapshot verified by itself (hashes, seal, every tensor, consistency)."""
+    path = Path(path)
+    manifest = _manifest(path)
+    file = _hashes(path, manifest)
+    tensors = _tensors(file, manifest)
+    _consistent(path, manifest, tensors)
+    return Snapshot(path, manifest, tensors)
+
+
+def check_checkpoint(snap: Snapshot, checkpoint) -> None:
+    """The checkpoint a replay runs is the one the snapshot came from, and the stored weights are
+    its layer's, as every rank holds them (harness.port.sharding)."""
+    from harness.snapshot.record import rank_layer_weights
+
+    recorded = snap.manifest["checkpoint"]["files"]
+    if snap.manifest.get("spec_hash") != checkpoint.spec.spec_hash():
+        raise SnapshotError(f"{snap.path}: written for spec {snap.manifest.get('spec_hash')}, but "
+                            f"{checkpoint.path} resolves to spec {checkpoint.spec.spec_hash()}: another model")
+    current = checkpoint.file_hashes()
+    if current != recorded:
+        changed = sorted(k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k))
+        raise SnapshotError(f"{snap.path}: written from another checkpoint than {checkpoint.path} (files differ: "
+                            f"{', '.join(changed[:3])}); pass the checkpoint it came from with --checkpoint")
+    layer, dtype = snap.layer, snap.run_settings().torch_dtype
+    for rank, expected in enumerate(rank_layer_weights(checkpoint, snap.tp, layer, dtype)):
+        stored = snap.weights(rank)
+        if set(stored) != set(expected) or any(not torch.equal(stored[k], expected[k]) for k in expected):
+            other = _whose_weights(checkpoint, snap, stored, rank, dtype)
+            raise SnapshotError(f"{snap.path}: the stored weights (rank {rank}) are not layer {layer}'s of "
+                                f"{checkpoint.path}{other}: the snapshot was assembled from another layer's "
+                                f"weights; {FIX}")
+
+
+def _whose_weights(checkpoint, snap: Snapshot, stored: dict, rank: int, dtype) -> str:
+    from harness.snapshot.record import rank_layer_weights
+
+    for index in range(checkpoint.spec.num_layers):
+        if index == snap.layer:
+            continue
+        other = rank_layer_weights(checkpoint, snap.tp, index, dtype)[rank]
+        if set(other) == set(stored) and all(torch.equal(stored[k], other[k]) for k in other):
+            return f" (they are layer {index}'s)"
+    return ""
+
+
+def describe(snap: Snapshot) -> str:
+    t = snap.target
+    return (f"snapshot {snap.path}: the {t['graph_tag']} call of prompt {t['prompt']} (rows {t['start']}.."
+            f"{t['start'] + t['length'] - 1}), {'failing' if t['failing'] else 'control'} point {t['point']} "
+            f"({t['ratio']:.3g}x, {t['stage']} stage), written by {snap.manifest['source']} on "
+            f"{snap.manifest['settings']['backend']} TP {snap.tp} {snap.manifest['settings']['dtype']}; "
+            f"{json.dumps(snap.manifest['versions'].get('torch', '?'))} torch")

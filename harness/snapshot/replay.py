@@ -1,0 +1,165 @@
+"""Replaying a snapshot's call on a backend and judging it by the check's own judge
+(harness.judge.compare, the snapshot's stage: bf16 envelope or fp32 structural) against the
+reference rows stored beside it.
+
+Whole: the call as recorded (inputs, positions, the KV rows it reads) through the backend's
+parity build; the snapshot's layer points and final norm judged. Layer: the layer alone (its
+ranks, real collectives, the decoder's own run_layers) on the stage reference's input to it, with
+the recorded KV rows; only where ranks live on the host (cpu) and the layer runs alone
+(harness.inputs.family.runs_alone). Several backends name whose failure it is: shown by every
+backend, the port's; shown by a compiled backend and not by cpu, that backend's compilation or
+runtime divergence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harness.base.errors import OptionError
+from harness.inputs.family import runs_alone
+from harness.judge.compare import JUDGES, compare_point
+from harness.snapshot.record import call_name, judged_points
+
+MODES = ("whole", "layer")
+
+
+@dataclass
+class BackendReplay:
+    backend: str
+    tp: int
+    mode: str
+    points: list = field(default_factory=list)  # PointResult, in run order
+
+    @property
+    def reproduces(self) -> bool:
+        return any(not p.passed for p in self.points)
+
+    def describe(self) -> str:
+        worst = max(self.points, key=lambda p: p.required_factor)
+        failing = [p for p in self.points if not p.passed]
+        head = f"{self.backend} (TP {self.tp}, {self.mode}): "
+        if failing:
+            return head + f"REPRODUCES: {failing[0].name} {failing[0].required_factor:.3g}x (first of {len(failing)})"
+        return head + f"agrees: every point within the judge (largest {worst.name} {worst.required_factor:.3g}x)"
+
+
+def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
+    """What a replay of `mode` needs, refused before any model work."""
+    from harness.backends import backend_class, backend_unavailable
+
+    cls = backend_class(backend_name)
+    why = backend_unavailable(backend_name)
+    if why:
+        raise OptionError(f"--backend {backend_name}: {why}")
+    if mode == "layer":
+        if not cls.host_ranks:
+            raise OptionError(f"--layer on the {backend_name} backend: a layer runs alone only where the ranks live on "
+                              "this host (cpu); replay the whole call there (drop --layer)")
+        spec_layer = snap.layer
+        if snap.manifest.get("runs_alone") is False:
+            raise OptionError(f"--layer {spec_layer}: this layer reads per-layer inputs or another layer's cache and "
+                              "cannot run alone; replay the whole call (drop --layer)")
+    if snap.kv(0) and (tp != snap.tp or not cls.host_ranks):
+        raise OptionError(f"the call reads {snap.target['start']} cached rows, recorded per rank at TP {snap.tp}: they "
+                          f"load only into a host backend at TP {snap.tp} (cpu); replay the whole call there")
+
+
+def _load_kv(backend, snap) -> None:
+    """The recorded cache rows into every rank's caches (linear: rows [0, start); ring: whole)."""
+    for rank in range(backend.tp):
+        for layer, (k, v) in snap.kv(rank).items():
+            cache = backend.ranks[rank].layers[layer].self_attn.cache
+            rows = k.shape[2]
+            cache.k = cache.k.clone()
+            cache.v = cache.v.clone()
+            cache.k[:, :, :rows] = k.to(cache.k.dtype)
+            cache.v[:, :, :rows] = v.to(cache.v.dtype)
+
+
+def _load_layer_weights(backend, snap) -> None:
+    """The snapshot's own weights of its layer on every rank (a host backend at the snapshot's TP)."""
+    if not backend.host_ranks or backend.tp != snap.tp:
+        return
+    for rank in range(backend.tp):
+        layer = backend.ranks[rank].layers[snap.layer]
+        missing, unexpected = layer.load_state_dict(snap.weights(rank), strict=False)
+        if unexpected:
+            raise OptionError(f"{snap.path}: weights {unexpected[:3]} do not belong to layer {snap.layer}'s module")
+
+
+def _judge(snap, outputs: dict[str, torch.Tensor], names: list[str]) -> list:
+    judge = JUDGES[snap.target["stage"]]
+    t = snap.tensors
+    return [compare_point(name, outputs[call_name(name)], t[f"ref.{name}"], t[f"env.{name}"], judge)
+            for name in names]
+
+
+def replay_whole(engine, snap) -> dict[str, torch.Tensor]:
+    backend = engine.backend
+    backend.reset()
+    if snap.kv(0):
+        _load_kv(backend, snap)
+    _load_layer_weights(backend, snap)
+    t, n = snap.tensors, snap.target["length"]
+    _, captures = backend.forward(t["call.inputs_embeds"], t["call.positions"], capture=True)
+    return {name: v[0, :n].float() for name, v in captures.items()}
+
+
+def replay_layer(engine, snap) -> dict[str, torch.Tensor]:
+    backend, i = engine.backend, snap.layer
+    _load_layer_weights(backend, snap)
+    t, n = snap.tensors, snap.target["length"]
+    positions = t["call.positions"]
+
+    backend.reset()
+    if snap.kv(0):
+        _load_kv(backend, snap)  # the recorded rows: the layer's attention reads them
+
+    def step(rank):
+        module = backend.ranks[rank]
+        module.set_kv_read(None)
+        rows = torch.zeros(positions.shape[1], t["ref.input"].shape[1], dtype=module.dtype)
+        rows[:n] = t["ref.input"].to(module.dtype)
+        captures: dict[str, torch.Tensor] = {}
+        module.run_layers(rows[None], positions, i, i + 1, captures)
+        return {k: v[0, :n].float() for k, v in captures.items()}
+
+    return backend.on_ranks(step)[0]
+
+
+def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str = "whole") -> BackendReplay:
+    """One backend's replay of the call, judged."""
+    from harness.parity.local import intra_op_threads_for
+    from harness.parity.observe import build_port
+
+    tp = tp or snap.tp
+    settings = snap.run_settings(backend=backend_name, tp=tp)
+    recorded = snap.manifest["settings"]
+    if backend_name == recorded["backend"] and recorded.get("backend_options"):  # the build's own options
+        from harness.backends import backend_options
+
+        settings = settings.but(backend_options=backend_options(backend_name, recorded["backend_options"]))
+    with intra_op_threads_for(checkpoint.spec):
+        engine = build_port(checkpoint, settings)
+        outputs = (replay_layer if mode == "layer" else replay_whole)(engine, snap)
+    names = judged_points(checkpoint.spec, snap.layer, "" if snap.target.get("step") is None else "decode.")
+    if mode == "layer":
+        names = names[:-1]  # the layer's points: the final norm is not run
+    return BackendReplay(backend_name, tp, mode, _judge(snap, outputs, names))
+
+
+def whose(snap, replays: list[BackendReplay]) -> str:
+    """Which backends reproduce the snapshot's failure, and what that makes it."""
+    shown = [r.backend for r in replays if r.reproduces]
+    ran = [r.backend for r in replays]
+    what = "the failure" if snap.target["failing"] else "a divergence from this passing control"
+    if not shown:
+        return f"no backend run ({', '.join(ran)}) reproduces {what}"
+    if len(shown) == len(ran):
+        kind = "the port's own (it shows on every backend run)" if len(ran) > 1 else f"reproduced on {ran[0]}"
+        return f"{what} reproduces on {', '.join(shown)}: {kind}"
+    clean = [b for b in ran if b not in shown]
+    kind = ("a compilation or runtime divergence of " + ", ".join(shown)) if "cpu" in clean else \
+        f"shown by {', '.join(shown)} only"
+    return f"{what} reproduces on {', '.join(shown)} but not on {', '.join(clean)}: {kind}"

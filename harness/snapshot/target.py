@@ -1,0 +1,106 @@
+"""Which device call a snapshot holds: the call behind a check's first failing layer point (a
+prefill chunk, or the teacher-forced decode step of a decode point), or, on a passing run, the
+prefill call behind its point with the largest ratio, as a control.
+
+The judged stage is the one whose first failing layer comes first (the fp32 structural stage wins
+when it names an earlier layer, as CheckResult.divergent decides); the point's worst row names the
+prompt and position, and the engine's chunk plan names the call (the prefill chunk holding that
+position: its graph, its rows, the KV rows it reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from harness.base.errors import OptionError
+from harness.base.points import Point, locate
+from harness.port.engine import chunk_plan
+from harness.port.graphs import DECODE_TAG, PREFILL_TAG
+
+
+@dataclass(frozen=True)
+class Target:
+    stage: str  # "bf16" (envelope) or "fp32" (structural): whose judge and references the call is judged by
+    point: str  # the first failing (or, control, the largest-ratio) layer point
+    layer: int
+    ratio: float
+    failing: bool  # False: a control snapshot of a passing run
+    prompt: int
+    position: int  # the worst row of the point, within its prompt
+    start: int  # the call: its first position, real rows and bucket (graph)
+    length: int
+    bucket: int
+    step: int | None = None  # a decode call: the teacher-forced step (its row of the decode points)
+
+    @property
+    def graph_tag(self) -> str:
+        return DECODE_TAG if self.step is not None else PREFILL_TAG.format(self.bucket)
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of the call's point names in a check's observation ("decode." for a decode step)."""
+        return "" if self.step is None else "decode."
+
+    def to_json(self) -> dict:
+        return dict(asdict(self), graph_tag=self.graph_tag)
+
+
+def _prefill_layer_points(stage) -> list:
+    """The stage's prefill layer points (residual stream and family parts) in run order."""
+    return [p for layer in stage.layers for p in layer.points if Point.parse(p.name).kind == "layer"]
+
+
+def _decode_layer_points(stage) -> list:
+    return [p for layer in stage.decode_layers for p in layer.points if Point.parse(p.name).kind == "layer"]
+
+
+def _first_failing(stage):
+    for points in (_prefill_layer_points(stage), _decode_layer_points(stage)):
+        found = next((p for p in points if stage.point_failed(p)), None)
+        if found is not None:
+            return found
+    return None
+
+
+def _order(stage, point, fp32) -> tuple:
+    parsed = Point.parse(point.name)
+    return parsed.decode, parsed.layer, stage is fp32  # prefill first, then the earliest layer, bf16 on a tie
+
+
+def choose_target(result, settings) -> Target:
+    """The call to snapshot from a check's result (its bf16 stage, with `result.fp32` beside it).
+    A failure with no failing prefill layer point (decode only, host only, or an exception inside
+    the port) has no prefill call behind it: refused, naming what did fail."""
+    stages = [s for s in (result.fp32, result) if s is not None and s.observation is not None]
+    failing = [(s, p) for s in stages for p in [_first_failing(s)] if p is not None]
+    if failing:
+        stage, point = min(failing, key=lambda sp: _order(sp[0], sp[1], result.fp32))
+    elif not result.passed:
+        what = [f["point"] for s in stages for f in s.failures()][:3] or ["an exception inside the port"]
+        raise OptionError(f"--snapshot: the check fails at {', '.join(map(str, what))}, none of them a layer point "
+                          "(prefill or decode), so no device call is behind it (a host-side or token failure); "
+                          "docs/snapshot.md: use the check's verdict for this failure")
+    else:
+        stage = result
+        point = max(_prefill_layer_points(result), key=lambda p: p.required_factor)
+    refs = stage.observation.ref32
+    if Point.parse(point.name).decode:  # rows: every prompt's teacher-forced steps after the first
+        steps = [max(len(r.generated) - 1, 0) for r in refs]
+        prompt, row = locate(point.worst_position, steps)
+        return Target(stage=stage.stage, point=point.name, layer=Point.parse(point.name).layer,
+                      ratio=float(point.required_factor), failing=True, prompt=prompt, position=len(refs[prompt].prompt)
+                      + row, start=len(refs[prompt].prompt) + row, length=1, bucket=1, step=row)
+    lengths = [len(r.prompt) for r in refs]
+    prompt, position = locate(point.worst_position, lengths)
+    start, length, bucket = next(c for c in chunk_plan(lengths[prompt], settings.buckets, settings.kv_len)
+                                 if c[0] <= position < c[0] + c[1])
+    return Target(stage=stage.stage, point=point.name, layer=Point.parse(point.name).layer,
+                  ratio=float(point.required_factor), failing=bool(failing), prompt=prompt, position=position,
+                  start=start, length=length, bucket=bucket)
+
+
+def stage_settings(settings, stage: str):
+    """The run settings the stage's port ran with (the fp32 stage: harness.parity.observe.fp32_settings)."""
+    from harness.parity.observe import fp32_settings
+
+    return fp32_settings(settings) if stage == "fp32" else settings

@@ -1,0 +1,139 @@
+"""Writing a snapshot: a plan line naming its size before anything is written, then the tensors and
+the manifest into a temp directory renamed into place (harness.base.atomic: nothing half written
+after an error or a signal), the tensor file checked complete, and one seal over the manifest and
+the tensors' hash, as goldens are sealed (harness.reference.golden)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from harness.base.atomic import atomic_directory
+from harness.base.errors import OutputError
+from harness.base.provenance import package_versions
+from harness.inputs.checkpoint import sha256_file
+from harness.inputs.family import runs_alone
+
+FORMAT_VERSION = 1
+KIND = "gemma-parity device-call snapshot"
+MANIFEST = "snapshot.json"
+TENSORS = "snapshot.safetensors"
+SEAL = "snapshot_sha256"
+HEADER_BYTES_PER_TENSOR = 96  # a safetensors header entry: name, dtype, shape, offsets (JSON)
+MANIFEST_BYTES_PER_TENSOR = 200  # its manifest entry: shape, dtype, sha256
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (any dtype), with its dtype and shape."""
+    head = f"{t.dtype}{tuple(t.shape)}".encode()
+    return hashlib.sha256(head + t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def seal(manifest: dict, tensors_sha256: str) -> str:
+    """One hash over the manifest (without the seal) and the tensor file's sha256."""
+    body = {k: v for k, v in manifest.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+                          + tensors_sha256.encode()).hexdigest()
+
+
+def planned_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """What the snapshot will take on disk: the tensors' bytes plus header and manifest entries."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    return data + len(tensors) * (HEADER_BYTES_PER_TENSOR + MANIFEST_BYTES_PER_TENSOR) + 4096
+
+
+def directory_bytes(path) -> int:
+    return sum(p.stat().st_size for p in Path(path).iterdir() if p.is_file())
+
+
+def refuse_existing(out_dir, flag: str) -> None:
+    """An output directory must be new or empty: a snapshot is never written over anything."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise OutputError(f"{flag} {out}: already exists and is not an empty directory; a snapshot is never "
+                          "written over anything: choose a new directory")
+
+
+def layer_weights_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """One hash over the stored layer weights of every rank (their names and bytes)."""
+    h = hashlib.sha256()
+    for name in sorted(n for n in tensors if n.startswith("weights.")):
+        h.update(name.encode() + tensor_digest(tensors[name]).encode())
+    return h.hexdigest()
+
+
+def make_manifest(checkpoint, settings, target, tensors: dict[str, torch.Tensor], source: str) -> dict:
+    """Everything but the tensors: what the call is, how it was built, where it came from."""
+    spec = checkpoint.spec
+    return {
+        "format_version": FORMAT_VERSION, "kind": KIND, "source": source,
+        "target": target.to_json(),
+        "settings": {"backend": settings.backend, "tp": settings.tp, "dtype": settings.dtype,
+                     "buckets": list(settings.buckets), "kv_len": settings.kv_len,
+                     "sliding_cache": settings.sliding_cache, "batch": settings.batch,
+                     "backend_options": {k: str(v) for k, v in settings.backend_options.items()}},
+        "spec_hash": spec.spec_hash(), "num_layers": spec.num_layers,
+        "layer_type": spec.layers[target.layer].type, "runs_alone": runs_alone(spec, target.layer),
+        "checkpoint": {"path": str(checkpoint.path), "files": checkpoint.file_hashes()},
+        "layer_weights_sha256": layer_weights_digest(tensors),
+        "versions": package_versions(),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tensors": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                           "sha256": tensor_digest(t)} for name, t in sorted(tensors.items())},
+    }
+
+
+def plan_line(out_dir, target, nbytes: int, count: int) -> str:
+    kind = "failing" if target.failing else "control (passing run: largest ratio)"
+    return (f"snapshot plan: {out_dir}: {count} tensors, {nbytes / 2**20:.2f} MiB; the {target.graph_tag} call of "
+            f"prompt {target.prompt} (rows {target.start}..{target.start + target.length - 1}), {kind} point "
+            f"{target.point} ({target.ratio:.3g}x, {target.stage} stage)")
+
+
+def write_snapshot(out_dir, checkpoint, settings, target, tensors: dict[str, torch.Tensor], source: str,
+                   say=print) -> dict:
+    """Plan (printed through `say`), write, verify: the manifest as written."""
+    from safetensors.torch import save_file
+
+    from harness.reference.golden import _verify_written
+
+    out_dir = Path(out_dir)
+    refuse_existing(out_dir, "--snapshot")
+    nbytes = planned_bytes(tensors)
+    say(plan_line(out_dir, target, nbytes, len(tensors)))
+    manifest = make_manifest(checkpoint, settings, target, tensors, source=source)
+    manifest["planned_bytes"] = nbytes
+    with atomic_directory(out_dir) as tmp:
+        try:
+            save_file(tensors, str(tmp / TENSORS))
+        except Exception as exc:  # safetensors' own error type for I/O failures
+            raise OutputError(f"{out_dir}: the snapshot's tensors could not be written ({exc})") from None
+        _verify_written(tmp / TENSORS, tensors, out_dir)
+        manifest["tensors_sha256"] = sha256_file(tmp / TENSORS)
+        manifest[SEAL] = seal(manifest, manifest["tensors_sha256"])
+        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
+            f.write(json.dumps(manifest, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return manifest
+
+
+def snapshot_check(result, checkpoint, settings, out_dir, source: str, say=print) -> dict:
+    """What `check --snapshot` and `bisect --snapshot` do after their run: choose the call
+    (harness.snapshot.target), record it, write it. The written manifest."""
+    from harness.snapshot.record import record_call
+    from harness.snapshot.target import choose_target, stage_settings
+
+    target = choose_target(result, settings)
+    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+    run = stage_settings(settings, target.stage)
+    tensors = record_call(checkpoint, run, target, stage.observation)
+    manifest = write_snapshot(out_dir, checkpoint, run, target, tensors, source=source, say=say)
+    say(f"snapshot written to {out_dir} ({directory_bytes(out_dir) / 2**20:.2f} MiB); replay it with "
+        f"`gemma-parity replay {out_dir} --backend cpu|xla|neuron`")
+    return manifest

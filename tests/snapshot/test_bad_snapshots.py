@@ -1,0 +1,159 @@
+"""Bad snapshots are refused (exit 2) before any model work, each naming its problem: truncated,
+edited and resealed, an edited manifest, another checkpoint, another layer's weights; and an
+interrupted write leaves nothing behind. The snapshot they start from is a real one of the clean
+tiny 12B, recorded from the reference's own observation (one prefill of the port)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from harness.base.settings import RunSettings
+from harness.base.errors import OptionError
+from harness.cli import main
+from harness.cli.snapshot_hooks import validate_snapshot_args
+from harness.inputs.checkpoint import sha256_file
+from harness.snapshot.record import rank_layer_weights, record_call
+from harness.snapshot.target import Target
+from harness.snapshot.write import MANIFEST, SEAL, TENSORS, layer_weights_digest, seal, tensor_digest, write_snapshot
+
+SETTINGS = RunSettings(buckets=(64, 256), kv_len=288)
+LAYER, OTHER = 1, 2  # two sliding layers of the tiny 12B: same shapes, other weights
+
+
+def observation(references) -> SimpleNamespace:
+    """What a stage observed, as record_call reads it: the references stacked over prompts."""
+    ref32, ref16 = references["float32"], references["bfloat16"]
+    names = ref32[0].captures
+    stack = lambda runs: {n: torch.cat([r.captures[n] for r in runs]) for n in names}  # noqa: E731
+    return SimpleNamespace(ref32=ref32, ref=stack(ref32), env=stack(ref16))
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory, tiny0_ckpt, tiny0_reference) -> Path:
+    target = Target(stage="bf16", point=f"layers.{LAYER}.output", layer=LAYER, ratio=1.0, failing=False, prompt=1,
+                    position=3, start=0, length=len(tiny0_reference["float32"][1].prompt), bucket=64)
+    tensors = record_call(tiny0_ckpt, SETTINGS, target, observation(tiny0_reference))
+    out = tmp_path_factory.mktemp("snap") / "s"
+    write_snapshot(out, tiny0_ckpt, SETTINGS, target, tensors, source="test", say=lambda line: None)
+    return out
+
+
+def copy(snapshot: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(snapshot, tmp_path / "copy"))
+
+
+def reseal(path: Path, tensors: dict, digests: bool) -> None:
+    """Rewrite the tensors and recompute the file hash and the seal (and, with `digests`, every
+    per-tensor digest and the layer digest: a forger who knows the format)."""
+    save_file(tensors, str(path / TENSORS))
+    manifest = json.loads((path / MANIFEST).read_text())
+    if digests:
+        for name, t in tensors.items():
+            manifest["tensors"][name]["sha256"] = tensor_digest(t)
+        manifest["layer_weights_sha256"] = layer_weights_digest(tensors)
+    manifest["tensors_sha256"] = sha256_file(path / TENSORS)
+    manifest[SEAL] = seal(manifest, manifest["tensors_sha256"])
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def truncated(path, ckpt, tmp):
+    data = (path / TENSORS).read_bytes()
+    (path / TENSORS).write_bytes(data[: len(data) // 2])
+
+
+def resealed(path, ckpt, tmp):
+    tensors = load_file(str(path / TENSORS))
+    tensors[f"ref.layers.{LAYER}.output"] = tensors[f"ref.layers.{LAYER}.output"] * 1.01
+    reseal(path, tensors, digests=False)
+
+
+def manifest_edited(path, ckpt, tmp):
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["target"]["ratio"] = 99.0
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def other_layers_weights(path, ckpt, tmp):
+    tensors = {k: v for k, v in load_file(str(path / TENSORS)).items() if not k.startswith("weights.")}
+    for rank, weights in enumerate(rank_layer_weights(ckpt, 2, OTHER, torch.bfloat16)):
+        tensors.update({f"weights.r{rank}.{k}": v for k, v in weights.items()})
+    reseal(path, tensors, digests=True)
+
+
+def other_checkpoint(path, ckpt, tmp):
+    """A copy of the checkpoint with one weight changed: passed with --checkpoint."""
+    other = Path(shutil.copytree(ckpt.path, tmp / "other-ckpt"))
+    shard = next(other.glob("*.safetensors"))
+    weights = load_file(str(shard))
+    name = next(k for k in weights if k.endswith("input_layernorm.weight"))
+    weights[name] = weights[name] + 1
+    save_file(weights, str(shard), metadata={"format": "pt"})
+    return ["--checkpoint", str(other)]
+
+
+CASES = {
+    "truncated": (truncated, "truncated, corrupted or edited"),
+    "resealed": (resealed, "edited and resealed"),
+    "manifest-edited": (manifest_edited, f"do not match its {SEAL}"),
+    "other-checkpoint": (other_checkpoint, "written from another checkpoint"),
+    "other-layers-weights": (other_layers_weights, f"they are layer {OTHER}'s"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_snapshot_exits_2_before_model_work(case, snapshot, tiny0_ckpt, tmp_path, monkeypatch, capsys):
+    spoil, fragment = CASES[case]
+    path = copy(snapshot, tmp_path)
+    extra = spoil(path, tiny0_ckpt, tmp_path) or []
+
+    def no_model_work(*args, **kwargs):
+        raise AssertionError("model work started on a bad snapshot")
+
+    monkeypatch.setattr("harness.parity.observe.build_port", no_model_work)
+    assert main(["replay", str(path), *extra]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_the_unspoiled_copy_replays_to_0(snapshot, tmp_path, capsys):
+    """Control for the cases above: the same copy, untouched, is accepted and agrees on cpu."""
+    assert main(["replay", str(copy(snapshot, tmp_path)), "--backend", "cpu"]) == 0
+    assert "agrees" in capsys.readouterr().out
+
+
+def test_an_interrupted_write_leaves_nothing(tmp_path, tiny0_ckpt, monkeypatch):
+    """A signal (KeyboardInterrupt) while the tensors are written: no snapshot directory and no
+    temp directory beside it."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("safetensors.torch.save_file", interrupted)
+    target = Target("bf16", "layers.0.output", 0, 1.0, False, 0, 0, 0, 1, 64)
+    tensors = {f"weights.r0.{k}": v for k, v in rank_layer_weights(tiny0_ckpt, 1, 0, torch.bfloat16)[0].items()}
+    with pytest.raises(KeyboardInterrupt):
+        write_snapshot(tmp_path / "s", tiny0_ckpt, SETTINGS, target, tensors, source="test", say=lambda line: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_snapshot_options_are_refused_before_model_work(tmp_path, capsys):
+    """An existing directory, --batch N, truncate mode, and one directory for both outputs."""
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("mine")
+    cases = [(["check", "--model", "tiny", "--snapshot", str(tmp_path / "full")], "already exists"),
+             (["check", "--model", "tiny", "--batch", "2", "--snapshot", str(tmp_path / "a")], "drop --batch 2")]
+    for argv, fragment in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert fragment in err, err
+    same = SimpleNamespace(snapshot=str(tmp_path / "d"), emit_repro=str(tmp_path / "d"), settings=RunSettings())
+    with pytest.raises(OptionError, match="name the same directory"):
+        validate_snapshot_args(same)
+    truncate = SimpleNamespace(snapshot=str(tmp_path / "e"), mode="truncate", settings=RunSettings())
+    with pytest.raises(OptionError, match="add --mode capture"):
+        validate_snapshot_args(truncate)
