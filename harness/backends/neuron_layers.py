@@ -14,7 +14,7 @@ from harness.backends.neuron_env import import_neuronx_distributed
 from harness.base.errors import HarnessInputError
 from harness.port.graphs import GraphBuildError
 from harness.port.model import Collectives, RankLinears
-from harness.port.quantized import QuantizedLinear, QuantizedRowParallel, quantized  # noqa: F401 (neuron.py's)
+from harness.port.quantized import QuantizedProjections, quantized  # noqa: F401 (neuron.py's)
 
 # ==== the NxD layers of the traced module (harness/port/graphs.py defines the module) ====================
 
@@ -85,22 +85,13 @@ class NeuronLinears(RankLinears):
         return nn.Linear(in_features, out_features, bias=False, dtype=self.dtype)
 
 
-class QuantizedNeuronLinears(NeuronLinears):
+class QuantizedNeuronLinears(QuantizedProjections, NeuronLinears):
     """`--quantize int8` on the device: each projection holds its rank's int8 weight and fp32
     scales as plain per-rank tensors (set_weights takes each rank's own, sharded by
     harness.port.sharding with the rows) and dequantizes them to the activation dtype before the
     matmul (harness/port/quantized.py); a row-parallel projection's partial sums are reduced by
     NxD's collective, in `reduce_dtype`, as RowParallelLinear reduces. The lm_head stays NxD's
     full-precision vocabulary-parallel layer (the scheme keeps it)."""
-
-    def column(self, in_features: int, out_per_rank: int) -> nn.Module:
-        return QuantizedLinear(in_features, out_per_rank)
-
-    def replicated(self, in_features: int, out_features: int) -> nn.Module:
-        return QuantizedLinear(in_features, out_features)
-
-    def row(self, in_per_rank: int, out_features: int) -> nn.Module:
-        return QuantizedRowParallel(in_per_rank, out_features, self.collectives)
 
 
 def quantize_key(quantize: str | None) -> dict:

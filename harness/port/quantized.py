@@ -54,8 +54,10 @@ class QuantizedRowParallel(QuantizedLinear):
         return self.collectives.all_reduce(super().forward(x))
 
 
-class QuantizedLinears(RankLinears):
-    """RankLinears with the scheme's projections quantized; lm_head (vocab) as unquantized."""
+class QuantizedProjections:
+    """The scheme's projections of a rank's linears factory (mixed into the cpu/xla factory here and
+    the Neuron one in harness/backends/neuron_layers.py): column, replicated and row projections
+    quantized; lm_head (vocab) left to the factory it is mixed into, unquantized."""
 
     def column(self, in_features: int, out_per_rank: int) -> nn.Module:
         return QuantizedLinear(in_features, out_per_rank)
@@ -65,6 +67,10 @@ class QuantizedLinears(RankLinears):
 
     def row(self, in_per_rank: int, out_features: int) -> nn.Module:
         return QuantizedRowParallel(in_per_rank, out_features, self.collectives)
+
+
+class QuantizedLinears(QuantizedProjections, RankLinears):
+    """RankLinears with the scheme's projections quantized; lm_head (vocab) as unquantized."""
 
 
 def quantized(quantize: str | None) -> dict:
