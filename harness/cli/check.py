@@ -146,7 +146,7 @@ def run(args) -> int:
 
     ckpt = args.ckpt
     print(ckpt.describe())
-    refuse_unsound_reference(ckpt, args.prompt_ids or args.reference_source.prompts)  # exit 2 (issue 38)
+    refuse_unsound_reference(ckpt, args.prompt_ids or args.reference_source.prompts)  # exit 2
     extra = batch_checks(args) + (served_stage(args.settings, progress=True, skip=args.skip_served_build),)
     if args.assistant_ckpt is not None:
         extra += (speculative_stage(args.settings, args.assistant, args.speculate),)

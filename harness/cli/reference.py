@@ -77,7 +77,7 @@ def run(args) -> int:
     from harness.reference.golden import make_golden
 
     if getattr(args, "self_check", None) is not None:
-        args.self_check()  # the reference checked against itself: exit 2 (issue 38)
+        args.self_check()  # the reference checked against itself: exit 2
     # the same block as check's and bench's results (settings, input hashes, versions, commit, dirty)
     written = make_golden(args.ckpt.path if args.quantize else args.ckpt_dir, args.out, args.prompts, args.new_tokens, stream=args.stream,
                           overwrite=args.overwrite, progress=True, provenance=run_provenance(args))

@@ -1,4 +1,4 @@
-"""The distributional gate (issue 38): R = |port - fp32| / |bf16 reference - fp32| read over every
+"""The distributional gate: R = |port - fp32| / |bf16 reference - fp32| read over every
 capture point and teacher-forced position of the bf16 stage, not at its worst point alone.
 
 compare.compare_point leaves R at every position of a point (PointResult.position_r). Here they are

@@ -1,4 +1,4 @@
-"""Over-precision (issue 38): a point whose R (distribution.py) sits well below 1 across its
+"""Over-precision: a point whose R (distribution.py) sits well below 1 across its
 positions computes more precisely than the bf16 model it claims to be (an extra `.float()`, a scale
 applied in fp32 where the model casts it first): the device and the bf16 reference part ways there,
 and the device pays for precision nobody asked for. Named at the first point (layer and part) in run

@@ -1,4 +1,4 @@
-"""R at every position of a capture point (issue 38): R = |port - fp32| / |bf16 reference - fp32|,
+"""R at every position of a capture point: R = |port - fp32| / |bf16 reference - fp32|,
 the ratio AWS's equivalence method reads. compare.compare_point leaves it on each PointResult
 (position_r); distribution.py gates its distribution, precision.py reads over-precision from it."""
 

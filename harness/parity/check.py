@@ -166,8 +166,8 @@ def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options
         else:
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")
-        result.extra_stages.append(judge_distribution(result))  # issue 38: R's distribution, over-precision
-        result.extra_stages += judge_per_layer_rows(checkpoint, engine, refs.fp32)  # issue 38: PLE rows exact
+        result.extra_stages.append(judge_distribution(result))  # R's distribution, over-precision
+        result.extra_stages += judge_per_layer_rows(checkpoint, engine, refs.fp32)  # PLE rows exact
     except PortFailure as failure:
         result = _failed_stage(context, failure)
     result.fp32 = fp32

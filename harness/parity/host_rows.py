@@ -1,4 +1,4 @@
-"""The family's per-layer table rows (E2B, E4B) as the host looks them up, judged bit for bit (issue 38).
+"""The family's per-layer table rows (E2B, E4B) as the host looks them up, judged bit for bit.
 
 The host appends each token's row of the per-layer table, scaled by sqrt(per_layer_input) in the
 table's dtype, to the device's input (harness/port/engine.py Engine.embed). The word embeddings'

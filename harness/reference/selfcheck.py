@@ -1,4 +1,4 @@
-"""The reference checked against itself before it judges (issue 38): transformers is the reference,
+"""The reference checked against itself before it judges: transformers is the reference,
 and transformers has returned wrong logits before (the E-series without a cache, fixed upstream
 since). Three checks on one short prompt, fp32, before `check` and `reference` do model work:
 
