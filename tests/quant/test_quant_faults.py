@@ -51,3 +51,28 @@ def test_catalog_names_every_fault_of_the_issue():
                                               "zero-point", "dequantize-after-matmul", "lm-head-quantized",
                                               "truncating-rounding"}
     assert all(f.first_point is None for f in QUANT_FAULTS if f.equivalent)
+
+
+def _family_cases():
+    """Every fault the check must fail, each on one family variant in turn, so each variant gets
+    at least one (the tiny 12B takes every fault in the test above)."""
+    from tests.family.shared import VARIANTS
+
+    faults = [f for f in QUANT_FAULTS if f.equivalent is None]
+    return [pytest.param(f"tiny-{VARIANTS[i % len(VARIANTS)]}", f, id=f"{VARIANTS[i % len(VARIANTS)]}-{f.name}")
+            for i, f in enumerate(faults)]
+
+
+@pytest.mark.slow  # ~3 CPU-seconds a case beside the variant's golden; default-lane sibling: the zero-point case above
+@pytest.mark.parametrize("model, fault", _family_cases())
+def test_quant_fault_fails_check_on_the_family_at_its_point(model, fault, monkeypatch, int8_golden, tmp_path):
+    """The same faults through `check --quantize int8` on the family's variants (MoE, per-layer
+    inputs, KV sharing): the fp32 stage fails first, at the fault's point."""
+    from tests.quant.matrix import check_int8
+
+    golden = int8_golden(model)
+    fault.inject(monkeypatch)
+    rc, payload = check_int8(model, "cpu", fault.tp, golden, tmp_path / "check.json")
+    assert rc == 1 and not payload["passed"] and not payload["stages"]["fp32"]["passed"]
+    first = payload["first_failure"]
+    assert (first["stage"], first["point"]) == ("fp32", fault.first_point), first

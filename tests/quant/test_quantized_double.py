@@ -1,50 +1,20 @@
 """`--quantize int8` on the neuron backend through the NxD contract double (tests/nxd_double): the
 traced module holds int8 weights and fp32 scales per rank, the compile-cache key tells a quantized
-build from the unquantized one, and `check --quantize int8` passes against the quantized model."""
+build from the unquantized one (`check --quantize int8` through the double on every model and TP:
+tests/quant/test_quantized_matrix.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 
-from harness.backends import neuron_env
 from harness.backends.neuron_layers import quantize_key
-from tests.nxd_double import installed
-
-
-@pytest.fixture(scope="module")
-def nxd(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path_factory.mktemp("neuron-cache")))
-        mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
-        mp.setenv("GEMMA_PARITY_INSTANCE_TYPE", "inf2.8xlarge")
-        mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
-        with installed(mp):
-            yield
 
 
 def test_quantize_key_is_empty_for_the_unquantized_build():
     """An unquantized build's cache key is what it was; a quantized one names its scheme."""
     assert quantize_key(None) == {}
     assert quantize_key("int8")["quantize"].startswith("int8:")
-
-
-@pytest.mark.slow  # default-lane sibling: tests/quant/test_quantized_port.py (the same check on cpu, TP 2)
-def test_check_quantize_int8_neuron_double_passes(nxd, tmp_path, capsys):
-    from harness.cli import main
-
-    out, prompts = tmp_path / "check.json", tmp_path / "prompts.json"
-    prompts.write_text(json.dumps([[2, 17, 33, 4, 9, 71, 5], [2, 8, 100, 42, 7, 13, 3, 88, 21, 6, 11]]))
-    rc = main(["check", "--model", "tiny", "--backend", "neuron", "--quantize", "int8", "--buckets", "16",
-               "--kv-len", "32", "--new-tokens", "4", "--batch", "1", "--prompts", str(prompts),
-               "--skip-served-build", "--json", str(out)])
-    printed = capsys.readouterr().out
-    assert rc == 0, printed[-2000:]
-    payload = json.loads(out.read_text())
-    assert payload["passed"] is True
-    assert payload["provenance"]["settings"]["run"]["quantize"] == "int8"
 
 
 @pytest.mark.slow  # a traced build through the double (~13 CPU-seconds); default-lane sibling: test_quantize_key_is_empty_for_the_unquantized_build
@@ -63,8 +33,8 @@ def test_neuron_rank_weights_are_int8_with_fp32_scales(nxd, tiny0_ckpt):
 @pytest.mark.slow  # two traced builds through the double (~20 CPU-seconds); default-lane sibling: test_quantize_key_is_empty_for_the_unquantized_build
 @pytest.mark.parametrize("name", ["e2b", "26b-a4b"])
 def test_family_int8_on_the_double_is_the_cpu_backends_bit_for_bit(nxd, name):
-    """The family's int8 port through the double computes the cpu backend's logits exactly (the cpu
-    backend's int8 port passes check on every variant: tests/quant/test_quantized_family.py)."""
+    """The family's int8 port through the double computes the cpu backend's logits exactly (and
+    passes check itself: tests/quant/test_quantized_matrix.py)."""
     from harness.backends import build_engine
     from harness.base.settings import RunSettings
     from harness.inputs.checkpoint import Checkpoint
