@@ -67,6 +67,8 @@ def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> d
     batch = getattr(args, "batch", None)  # bench: a list of batch sizes (one build of the largest)
     batch = max(batch) if isinstance(batch, (list, tuple)) and batch else batch if isinstance(batch, int) else 1
     batch = None if options.get("batch_stage") else batch  # check without --batch: batch 1 and its batch stage
+    if getattr(args, "quantized_copy", 0):  # counted by quantized_copy_gate, before the copy was written
+        options = {**options, "quantized_copy": args.quantized_copy}
     plan = resource_plan(spec, s.tp, s.dtype, s.kv_len, s.buckets, sliding_cache=s.sliding_cache, host_bytes=host,
                          layout=layout, backend=s.backend, rows=rows, options=options, speculate=s.speculate,
                          batch=batch if command == "check" else (batch or 1))
@@ -82,6 +84,28 @@ def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> d
     if problem:
         raise OptionError(problem)
     return plan
+
+
+def quantized_copy_gate(args, command: str, ckpt) -> None:
+    """`--quantize`: the host bytes writing the quantized model's copy holds (once per checkpoint
+    and scheme: harness/inputs/quantized_checkpoint.py), kept for the command's plan (its "quantized
+    copy" phase), and refused (exit 2) before the copy is written when that phase is over the budget."""
+    from harness.base.settings import RunSettings
+    from harness.inputs.quantized_checkpoint import copy_host_bytes
+    from harness.perf.host_plan import HOST_RAM, gib, host_peak
+    from harness.perf.instances import smallest_instance
+
+    args.quantized_copy = copy_host_bytes(ckpt, args.quantize)
+    host, source = budget(args)
+    if host is None:
+        instance = smallest_instance((getattr(args, "settings", None) or RunSettings()).tp)
+        host = HOST_RAM.get(instance.name if instance else "")
+    peak = host_peak(command, {"quantized copy": args.quantized_copy})
+    if args.quantized_copy and host is not None and peak > host:
+        raise OptionError(f"{command} --quantize {args.quantize}: writing the quantized model's copy of {ckpt.path} "
+                          f"(once, into the cache) needs {gib(peak)} of host memory at its peak, over the host budget "
+                          f"of {gib(host)} ({source}); run it on a host with more memory (--host-memory GIB states "
+                          "that host's budget)")
 
 
 def rows_of(prompts, new_tokens: int) -> int:

@@ -337,8 +337,10 @@ def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
     clean_leftovers(outputs.values())
     ckpt = open_checkpoint(args)
     if getattr(args, "quantize", None):  # the structural truth: the quantized model itself (docs/quantization.md)
+        from harness.cli.host_gate import quantized_copy_gate
         from harness.inputs.quantized_checkpoint import quantized_reference
 
+        quantized_copy_gate(args, args.command, ckpt)  # exit 2 before the copy is written
         args.ckpt = ckpt = quantized_reference(ckpt, args.quantize)
     check_tp(ckpt.spec, args.tp)
     on_host = getattr(args, "backend", None) != "neuron"  # the cpu and xla backends hold the cache here

@@ -93,13 +93,14 @@ def streamed_bytes(spec: ModelSpec, nbytes: int, rows: int) -> int:
 
 
 def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: bool = True,
-                served: bool = True, stream: bool = False, batch_stage: bool = True) -> dict:
+                served: bool = True, stream: bool = False, batch_stage: bool = True, quantized_copy: int = 0) -> dict:
     """What `command` holds at once in each phase (bytes, before the fit's constants). check runs
     its phases in this order (harness/parity/check.py): the port built, the references (one model
     at a time, none with a golden), the fp32 stage (its cpu build beside the port, then the float64
     envelope), the bf16 stage and local verdicts, the batch stage (a batched parity build, the bf16
     stage's released first; its references are the bf16 stage's), the served build (the parity
-    build released)."""
+    build released). `quantized_copy`: what writing the `--quantize` model's copy holds, before all
+    of them (harness/inputs/quantized_checkpoint.py copy_host_bytes; 0 when none is written)."""
     p, m, cap = parts["port"], parts["model"], parts["captures"]
     phases = {"build port": p + parts["load"]}
     if command == "check" and not golden:
@@ -118,6 +119,8 @@ def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: 
         phases["reference"] = p + parts["stream32"] + cap // 2
     if command == "reference":
         phases = {"reference": (parts["stream32"] if stream else m) + cap // CAPTURE_COPIES}
+    if quantized_copy and command in ("check", "bisect", "reference"):
+        phases["quantized copy"] = quantized_copy
     return phases
 
 
