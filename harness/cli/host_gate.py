@@ -108,6 +108,15 @@ def quantized_copy_gate(args, command: str, ckpt) -> None:
                           "that host's budget)")
 
 
+def gated_quantized_reference(args, command: str, ckpt):
+    """`--quantize`: quantized_copy_gate, then the quantized model's checkpoint (its copy written
+    now when the cache lacks it), the structural reference of check, bisect and reference."""
+    from harness.inputs.quantized_checkpoint import quantized_reference
+
+    quantized_copy_gate(args, command, ckpt)
+    return quantized_reference(ckpt, args.quantize)
+
+
 def rows_of(prompts, new_tokens: int) -> int:
     """Positions a run's prompts take, each with its decoded tokens."""
     return sum(len(p) + new_tokens for p in prompts)

@@ -59,11 +59,9 @@ def validate(args) -> None:
     claim_output(out, "--out")  # a second run for the same --out is refused now, not after its work
     ckpt = v.open_checkpoint(args)
     if args.quantize:  # the quantized model's own checkpoint (harness/inputs/quantized_checkpoint.py)
-        from harness.cli.host_gate import quantized_copy_gate
-        from harness.inputs.quantized_checkpoint import quantized_reference
+        from harness.cli.host_gate import gated_quantized_reference
 
-        quantized_copy_gate(args, "reference", ckpt)  # exit 2 before the copy is written
-        args.ckpt = ckpt = quantized_reference(ckpt, args.quantize)
+        args.ckpt = ckpt = gated_quantized_reference(args, "reference", ckpt)  # exit 2 before the copy is written
     if not args.stream:
         ckpt.check_inert_parts()  # the reference loads the whole checkpoint through transformers
     prompts = load_prompts(args.prompts, args.ckpt_dir)

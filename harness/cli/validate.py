@@ -337,11 +337,9 @@ def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
     clean_leftovers(outputs.values())
     ckpt = open_checkpoint(args)
     if getattr(args, "quantize", None):  # the structural truth: the quantized model itself (docs/quantization.md)
-        from harness.cli.host_gate import quantized_copy_gate
-        from harness.inputs.quantized_checkpoint import quantized_reference
+        from harness.cli.host_gate import gated_quantized_reference
 
-        quantized_copy_gate(args, args.command, ckpt)  # exit 2 before the copy is written
-        args.ckpt = ckpt = quantized_reference(ckpt, args.quantize)
+        args.ckpt = ckpt = gated_quantized_reference(args, args.command, ckpt)  # exit 2 before the copy is written
     check_tp(ckpt.spec, args.tp)
     on_host = getattr(args, "backend", None) != "neuron"  # the cpu and xla backends hold the cache here
     check_kv_len(ckpt.spec, args.kv_len, getattr(args, "sliding_cache", "linear") if on_host else None)
