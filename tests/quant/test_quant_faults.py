@@ -76,3 +76,22 @@ def test_quant_fault_fails_check_on_the_family_at_its_point(model, fault, monkey
     assert rc == 1 and not payload["passed"] and not payload["stages"]["fp32"]["passed"]
     first = payload["first_failure"]
     assert (first["stage"], first["point"]) == ("fp32", fault.first_point), first
+
+
+@pytest.mark.slow  # two checks through the double (~10 CPU-seconds); default-lane sibling: the zero-point case above
+@pytest.mark.parametrize("name", ["zero-point", "scales-of-other-rank"])
+def test_quant_fault_fails_check_through_the_double_at_its_point(name, monkeypatch, int8_golden, tmp_path, nxd):
+    """The neuron backend's projections are the same QuantizedProjections (harness/backends/neuron_layers.py):
+    a fault in them fails `check --backend neuron --quantize int8` at the same point, in the fp32
+    stage (which runs on the host: harness/parity/observe.py fp32_settings) and in the bf16 stage the
+    double ran."""
+    from tests.quant.matrix import check_int8
+
+    fault, golden = BY_NAME[name], int8_golden("tiny")
+    fault.inject(monkeypatch)
+    rc, payload = check_int8("tiny", "neuron", 2, golden, tmp_path / "check.json")
+    assert rc == 1 and payload["provenance"]["settings"]["run"]["backend"] == "neuron"
+    first = payload["first_failure"]
+    assert (first["stage"], first["point"]) == ("fp32", fault.first_point), first
+    on_device = payload["stages"]["bf16"]
+    assert not on_device["passed"] and on_device["failures"][0]["point"] == fault.first_point, on_device["failures"][:3]
