@@ -104,12 +104,22 @@ def validate(args) -> None:
 
 def _build(args) -> dict:
     """The device fit's build keywords (instances.core_bytes): buckets, the weight-layout transform
-    (neuron's default), the verify graph of --speculate and the assistant's drafter."""
+    (neuron's default), the verify graph of --speculate and the assistant's drafter, for the served
+    (perf) build, what the memory plan and --batch count too (the check's parity build, with its
+    captures, is printed beside it and per command with --plan)."""
     from harness.perf.instances import layout_transform
 
     layout = layout_transform(args.settings.backend_options)
     return dict(buckets=args.settings.buckets, layout=layout, speculate=args.settings.speculate,
-                assistant=args.assistant_spec)
+                assistant=args.assistant_spec, perf=True)
+
+
+def parity_core(args) -> dict:
+    """The check's parity build at the same options (instances.core_bytes: every row's logits and
+    the captures): what a device check needs beside the served build."""
+    from harness.perf.instances import core_bytes
+
+    return core_bytes(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache, **{**_build(args), "perf": False})
 
 
 def _resolve_tp(args) -> None:
@@ -164,8 +174,8 @@ def run(args) -> int:
     payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
     from harness.perf.instances import plan_notes
 
-    payload["placement"] = args.placement
-    payload["notes"] = plan_notes(args.spec, args.placement)
+    payload["placement"], payload["parity_core"] = args.placement, parity_core(args)
+    payload["notes"] = plan_notes(args.spec, args.placement, payload["parity_core"])
     print(format_info({**payload, "inert": None} if args.ckpt is not None else payload))
     payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len)
     payload["memory_plan"]["sliding_cache"] = args.sliding_cache

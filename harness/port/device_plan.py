@@ -50,15 +50,22 @@ def kv_buckets(buckets, max_len: int) -> tuple[int, ...]:
         step *= 2
 
 
-def graph_shapes(buckets, max_len: int, speculate: int = 0, drafts: bool = False) -> list[tuple[int, int]]:
-    """(sequence length, KV bucket) of every compiled graph (graphs.kv_graph_plan's): each prefill
-    bucket at each KV bucket holding it, decode (1) at every KV bucket, with `speculate` = k the
-    verify graph (k+1 positions, a graph of its own even where a bucket has its length) at each KV
-    bucket holding it, and with `drafts` the drafter's one-position draft graph per KV bucket
-    (neuron_drafter's draft_kv<bucket>, compiled into the target's model)."""
-    lengths = sorted({int(b) for b in buckets} | {1}) + ([int(speculate) + 1] if speculate else [])
+def graph_kinds(buckets, max_len: int, speculate: int = 0, drafts: bool = False) -> list[tuple[str, int, int]]:
+    """(kind, sequence length, KV bucket) of every compiled graph (graphs.kv_graph_plan's): each
+    prefill bucket ("prefill") at each KV bucket holding it, "decode" (1) at every KV bucket, with
+    `speculate` = k the "verify" graph (k+1 positions, a graph of its own even where a bucket has
+    its length) at each KV bucket holding it, and with `drafts` the drafter's one-position "draft"
+    graph per KV bucket (neuron_drafter's draft_kv<bucket>, compiled into the target's model)."""
+    lengths = [("decode" if n == 1 else "prefill", n) for n in sorted({int(b) for b in buckets} | {1})]
+    lengths += [("verify", int(speculate) + 1)] if speculate else []
     kvs = kv_buckets(buckets, max_len)
-    return [(n, kv) for n in lengths for kv in kvs if kv >= n] + ([(1, kv) for kv in kvs] if drafts else [])
+    return [(kind, n, kv) for kind, n in lengths for kv in kvs if kv >= n] + ([("draft", 1, kv) for kv in kvs]
+                                                                              if drafts else [])
+
+
+def graph_shapes(buckets, max_len: int, speculate: int = 0, drafts: bool = False) -> list[tuple[int, int]]:
+    """(sequence length, KV bucket) of every compiled graph (graph_kinds without the kind)."""
+    return [(n, kv) for _, n, kv in graph_kinds(buckets, max_len, speculate, drafts)]
 
 
 def moe_gathers(tokens: int, top_k: int, num_experts: int) -> bool:
@@ -81,35 +88,70 @@ def moe_working_set_bytes(spec: ModelSpec, tp: int, tokens: int, nbytes: int) ->
     return tokens * block * ((3 * m + h) * nbytes + 4 * h)
 
 
-def graph_io_bytes(spec: ModelSpec, tp: int, length: int, nbytes: int, last_row_only: bool = False,
-                   rows: int = 1) -> int:
-    """One graph's I/O buffers on a rank for `rows` sequences: its input [rows, s, width] and
-    positions, and the logits (this rank's vocabulary share; the last row of each only on a perf
-    build)."""
-    width = spec.hidden_size + spec.num_layers * spec.per_layer_input_size
-    out_rows = 1 if last_row_only else length
-    return rows * (length * width * nbytes + length * 4 + out_rows * (spec.vocab_size // tp) * 4)
+def capture_bytes_per_row(spec: ModelSpec, nbytes: int) -> int:
+    """Bytes a parity graph returns per position beyond the logits: per layer the attention and MLP
+    residuals and the layer's output (hidden each), the gated per-layer input (PLE), the router's
+    logits (build dtype) and the chosen experts' weights (fp32) (MoE); then the final norm. The
+    embeddings are the graph's own input, taken on the host (graphs.HOST_CAPTURES)."""
+    layer = 3 * spec.hidden_size * nbytes + spec.per_layer_input_size * nbytes
+    if spec.moe is not None:
+        layer += spec.moe.num_experts * (nbytes + 4)
+    return spec.num_layers * layer + spec.hidden_size * nbytes
 
 
-def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int, rows: int = 1, last_row_only: bool = False) -> dict:
-    """Per-graph cost of the compiled graphs [(length, KV bucket), ...] of `rows` sequences each:
-    each graph's I/O plus GRAPH_OVERHEAD_BYTES (a perf build, `last_row_only`: one row of logits per
-    sequence), and the largest MoE working set over their calls."""
-    io = [graph_io_bytes(spec, tp, length, nbytes, last_row_only=last_row_only, rows=rows) + GRAPH_OVERHEAD_BYTES
-          for length, _ in graphs]
-    moe = max((moe_working_set_bytes(spec, tp, rows * length, nbytes) for length, _ in graphs), default=0)
+def graph_io_bytes(spec: ModelSpec, length: int, nbytes: int, *, rows: int = 1, capture: bool = False,
+                   batched: bool = False, kind: str = "prefill") -> int:
+    """One graph's inputs + outputs on a rank (what graphs.TracedDecoder / TracedBatchDecoder take
+    and return), for `rows` sequences of `length` positions. Inputs: inputs_embeds [rows, s, width]
+    in the build's dtype, int32 positions [rows, s], a batched build's int32 seq_ids [rows], a
+    perf build's int32 last_index (one per row; none on the unbatched verify graph). Outputs: the
+    logits over the whole vocabulary (lm_head all-gathers its shards, so every rank returns all of
+    it, in the build's dtype): every row on a parity build (`capture`) and on the unbatched perf
+    verify graph, else one per sequence; a parity build's captures (capture_bytes_per_row); the
+    unbatched perf verify graph's final norm states. A "draft" graph (draft_graphs.py) takes the
+    token's embedding, the carried state and its position and returns one row of logits and the
+    state (a drafter's parity captures not counted)."""
+    h = spec.hidden_size
+    if kind == "draft":
+        return rows * (2 * h * nbytes + 4 + spec.vocab_size * nbytes + h * nbytes)
+    every_row = capture or (kind == "verify" and not batched)
+    inputs = length * (input_width(spec) * nbytes + 4) + 4 * batched + 4 * (not every_row)
+    outputs = (length if every_row else 1) * spec.vocab_size * nbytes
+    if capture:
+        outputs += length * capture_bytes_per_row(spec, nbytes)
+    elif every_row:  # the perf build's verify graph: every row's final norm too (graphs.TracedDecoder)
+        outputs += length * h * nbytes
+    return rows * (inputs + outputs)
+
+
+def input_width(spec: ModelSpec) -> int:
+    """The width of a graph's one input (graphs.input_width: hidden, plus each layer's per-layer row)."""
+    return spec.hidden_size + spec.num_layers * spec.per_layer_input_size
+
+
+def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int, rows: int = 1, capture: bool = False,
+                 batched: bool = False) -> dict:
+    """Per-graph cost of the compiled graphs [(kind, length, KV bucket), ...] (graph_kinds) of
+    `rows` sequences each (`batched`: a build of several KV slots, taking seq_ids): each graph's I/O
+    (graph_io_bytes; a parity build when `capture`, else a perf build) plus GRAPH_OVERHEAD_BYTES,
+    and the largest MoE working set over their calls."""
+    io = [graph_io_bytes(spec, length, nbytes, rows=rows, capture=capture, batched=batched, kind=kind)
+          + GRAPH_OVERHEAD_BYTES for kind, length, _ in graphs]
+    moe = max((moe_working_set_bytes(spec, tp, rows * length, nbytes) for _, length, _ in graphs), default=0)
     return {"count": len(io), "per_graph": max(io, default=0), "graphs": sum(io), "moe_working_set": moe}
 
 
 def graph_reserve_bytes(spec: ModelSpec, tp: int, nbytes: int, buckets) -> int:
     """An upper bound, whatever the KV length, of one rank's graph cost (graphs_bytes' I/O,
-    instructions and MoE working set) for `buckets`: every length at MAX_KV_BUCKETS KV buckets.
-    What the longest context that fits (sharding.memory_plan) leaves room for."""
+    instructions and MoE working set) for `buckets` in the build that serves a long context (a perf
+    build of one sequence, as `info --batch`'s fit counts it): every length at MAX_KV_BUCKETS KV
+    buckets. What the longest context that fits (sharding.memory_plan) leaves room for; a parity
+    build's captures are the check's fit (instances.core_bytes), not a serving plan's."""
     lengths = sorted({int(b) for b in buckets} | {1})
-    shapes = [(n, 0) for n in lengths for _ in range(MAX_KV_BUCKETS)]
+    shapes = [("decode" if n == 1 else "prefill", n, 0) for n in lengths for _ in range(MAX_KV_BUCKETS)]
     cost = graphs_bytes(spec, tp, shapes, nbytes)
     return cost["graphs"] + cost["moe_working_set"]
 
 
-__all__ = ["EXPERT_BLOCK", "GRAPH_OVERHEAD_BYTES", "MAX_KV_BUCKETS", "graph_io_bytes", "graph_shapes",
-           "graph_reserve_bytes", "graphs_bytes", "kv_buckets", "moe_gathers", "moe_working_set_bytes"]
+__all__ = ["EXPERT_BLOCK", "GRAPH_OVERHEAD_BYTES", "MAX_KV_BUCKETS", "capture_bytes_per_row", "graph_io_bytes",
+           "graph_kinds", "graph_shapes", "graph_reserve_bytes", "graphs_bytes", "kv_buckets", "moe_gathers", "moe_working_set_bytes"]
