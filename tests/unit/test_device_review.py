@@ -184,8 +184,8 @@ def test_graphs_by_stage_are_the_graphs_the_neuron_backend_traces():
     from harness.backends.neuron import kv_tags
     from harness.backends.neuron_drafter import draft_tags
     from harness.inputs.spec import load_spec
-    from harness.perf.compile_budget import BATCH_STAGE_SLOTS
-    from harness.perf.host_plan import resource_plan
+    from harness.plan.compile_budget import BATCH_STAGE_SLOTS
+    from harness.plan.host_plan import resource_plan
     from harness.port.graphs import kv_buckets
 
     spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
@@ -229,8 +229,8 @@ def test_info_batch_and_the_memory_plan_give_one_answer():
     from harness import FIXTURES_DIR
     from harness.base.errors import HarnessInputError
     from harness.inputs.spec import load_spec
-    from harness.perf.batch import batch_fit, refuse_unfit_batch
-    from harness.perf.memory import instance_memory_plan, render_memory_plan
+    from harness.plan.batch_fit import batch_fit, refuse_unfit_batch
+    from harness.plan.memory import instance_memory_plan, render_memory_plan
 
     spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
     plan = instance_memory_plan(spec, 2, "bfloat16", 4096)

@@ -176,7 +176,7 @@ def test_the_hbm_line_counts_the_runs_own_build(host, capsys):
     """doctor's HBM check counts the run's options (it counted a default batch-1 build whatever the
     run): 4 KV slots and their batch buckets' graphs at 4K fail where batch 1 passes, a verify graph
     adds graphs, and the layout transform's bounds are printed whether or not it is on."""
-    from harness.perf.instances import core_bytes
+    from harness.plan.instances import core_bytes
     from harness.inputs.spec import load_spec
     from harness import FIXTURES_DIR
 

@@ -1,6 +1,6 @@
-"""The device fit's bytes per graph (instances.core_bytes through device_plan.graph_io_bytes) against the
+"""The device fit's bytes per graph (instances.core_bytes through graph_bytes.graph_io_bytes) against the
 graphs themselves: every graph a build traces (graphs.kv_graph_plan at each batch bucket, as the
-backends' kv_tags), built and called on the meta device (harness/port/traced_io.py), its inputs +
+backends' kv_tags), built and called on the meta device (harness/plan/traced_io.py), its inputs +
 outputs summed. Within 10% per graph, in the build's sum and its largest, for parity and perf builds,
 batch 1 and 4, TP 1 and 2, on the tiny model and every family variant; the real configs in the slow
 lane. The fit once counted no captures (the 12B's prefill-256 parity graph returns 400 MiB, it counted
@@ -16,10 +16,10 @@ import torch
 
 from harness import FIXTURES_DIR
 from harness.inputs.spec import load_spec
-from harness.perf.instances import core_bytes
-from harness.port.device_plan import GRAPH_OVERHEAD_BYTES, graph_io_bytes
+from harness.plan.instances import core_bytes
+from harness.plan.graph_bytes import GRAPH_OVERHEAD_BYTES, graph_io_bytes
 from harness.port.graphs import batch_buckets, is_verify_tag, kv_graph_plan
-from harness.port.traced_io import traced_io_bytes
+from harness.plan.traced_io import traced_io_bytes
 
 CONFIGS = FIXTURES_DIR / "configs"
 TINY = {"12b": "gemma-4-tiny.json", "e2b": "tiny/gemma-4-tiny-e2b.json", "e4b": "tiny/gemma-4-tiny-e4b.json",
@@ -94,8 +94,8 @@ def test_the_real_configs(model):
 def test_a_fit_that_counts_a_vocabulary_share_or_no_captures_fails(monkeypatch):
     """The check above can fail: the old formula's terms (fp32 logits of this rank's vocabulary share,
     no captures) are off by more than 10% at TP 1 on a parity build."""
-    from harness.port import device_plan
+    from harness.plan import graph_bytes
 
-    monkeypatch.setattr(device_plan, "capture_bytes_per_row", lambda spec, nbytes: 0)
+    monkeypatch.setattr(graph_bytes, "capture_bytes_per_row", lambda spec, nbytes: 0)
     with pytest.raises(AssertionError):
         check_fit(TINY["12b"], 1, 1, False)

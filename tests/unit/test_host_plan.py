@@ -1,4 +1,4 @@
-"""The resource plan (`info --plan`, harness/perf/host_plan.py): per command host peak, device bytes per
+"""The resource plan (`info --plan`, harness/plan/host_plan.py): per command host peak, device bytes per
 core and graphs, for the 12B, 31B and 26B-A4B, from a config like `info`."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from harness import FIXTURES_DIR
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from harness.inputs.spec import load_spec
-from harness.perf.host_plan import (COMMANDS, host_parts, host_peak, host_phases, fp32_model_bytes, resource_plan,
+from harness.plan.host_plan import (COMMANDS, host_parts, host_peak, host_phases, fp32_model_bytes, resource_plan,
                                     what_fits)
-from harness.perf.instances import core_bytes
+from harness.plan.instances import core_bytes
 
 CONFIGS = FIXTURES_DIR / "configs"
 GIB = 1 << 30
@@ -117,7 +117,7 @@ def test_commands_refuse_a_run_over_the_host_budget_before_model_work(tmp_path, 
 
 
 def test_the_refusal_names_the_options_that_make_it_fit(capsys, monkeypatch):
-    from harness.perf import host_plan
+    from harness.plan import host_plan
 
     # a budget between the plan with the references and the fp32 stage and the plan without them
     spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-tiny.json")

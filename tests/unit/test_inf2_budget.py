@@ -1,4 +1,4 @@
-"""The inf2 workflow's device jobs against the compile budget (harness/perf/compile_budget.py): each
+"""The inf2 workflow's device jobs against the compile budget (harness/plan/compile_budget.py): each
 restores the harness's compile cache, and its timeout holds the cold compile of the 12B commands it
 runs, as `info --plan` plans them for the options on their command lines, with room for setup."""
 
@@ -11,7 +11,7 @@ import yaml
 
 from harness import FIXTURES_DIR
 from harness.inputs.spec import load_spec
-from harness.perf.compile_budget import compile_minutes, graphs_by_stage
+from harness.plan.compile_budget import compile_minutes, graphs_by_stage
 from harness.port.sharding import bytes_per_rank
 
 WORKFLOW = Path(__file__).resolve().parents[2] / ".github" / "workflows" / "inf2.yml"

@@ -3,7 +3,7 @@ bisect, quality and bench): peak host memory, device memory per NeuronCore and t
 compiled graphs, for the model, TP, buckets and KV length asked for, against the instance's host RAM
 and HBM.
 
-Device side: harness/perf/instances.py core_bytes (weights, KV cache, graphs, MoE working set, layout
+Device side: harness/plan/instances.py core_bytes (weights, KV cache, graphs, MoE working set, layout
 transform). Host side, counted by phase (`host_phases`): what each command holds at once in each
 phase (the port's ranks, one transformers reference model at a time, the fp32 stage's port beside
 the port, the float64 envelope whole or streamed one layer at a time, the served build, the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from harness.base.errors import ShardingError
 from harness.inputs.spec import ModelSpec
-from harness.perf.instances import INSTANCES, check_fits, core_bytes, smallest_instance
+from harness.plan.instances import INSTANCES, check_fits, core_bytes, smallest_instance
 from harness.port.sharding import bytes_per_rank, kv_cache_bytes, layer_params_per_rank
 
 GIB = 1 << 30
@@ -140,7 +140,7 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
     (default: the RAM of the instance the TP degree needs); `options` (golden, fp32_stage, served)
     what the command was asked to skip; `batch` the run's KV slots, or None for a check with its
     batch stage (a check without --batch off neuron; on neuron it is asked for with --batch N); `assistant` an AssistantSpec (its draft graphs and drafter)."""
-    from harness.perf.compile_budget import BATCH_STAGE_SLOTS, compile_minutes, graphs_by_stage
+    from harness.plan.compile_budget import BATCH_STAGE_SLOTS, compile_minutes, graphs_by_stage
 
     inst = smallest_instance(tp)
     budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "")

@@ -4,7 +4,7 @@ whether its weights and KV cache fit one NeuronCore's share of device memory at 
 An Inferentia2 chip has 2 NeuronCores and 32 GiB of HBM (AWS, "Amazon EC2 Inf2 instances"): one
 rank per core, 16 GiB each. The fit counts weights, the KV cache at the compiled length, every
 graph's I/O and instructions, the MoE working set and the weight-layout transform
-(harness/port/device_plan.py); other activations and the runtime's scratch come on top, so a plan using
+(harness/port/device_plan.py, harness/plan/graph_bytes.py); other activations and the runtime's scratch come on top, so a plan using
 nearly all 16 GiB is marked tight.
 """
 
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from harness.base.errors import ShardingError
 from harness.base.settings import DEFAULT_BUCKETS
 from harness.inputs.spec import ModelSpec
-from harness.port.device_plan import GRAPH_OVERHEAD_BYTES, graph_kinds, graphs_bytes
+from harness.plan.graph_bytes import GRAPH_OVERHEAD_BYTES, graphs_bytes
+from harness.port.device_plan import graph_kinds
 from harness.port.sharding import bytes_per_rank, dtype_bytes, plan_model
 
 GIB = 1 << 30
@@ -64,9 +65,9 @@ def layout_transform(backend_options: dict) -> bool:
 def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
                *, buckets=DEFAULT_BUCKETS, layout: bool = False, speculate: int = 0, assistant=None,
                batch: int = 1, perf: bool = False) -> dict:
-    """One NeuronCore's device memory for a build (harness/port/device_plan.py). `run`: weights, KV
+    """One NeuronCore's device memory for a build (harness/plan/graph_bytes.py). `run`: weights, KV
     cache (`batch` slots), the compiled graphs' I/O and instructions (each (length, KV bucket) one
-    graph, at every batch bucket of a batched build; device_plan.graph_io_bytes: a `perf` build
+    graph, at every batch bucket of a batched build; graph_bytes.graph_io_bytes: a `perf` build
     returns one row of logits per sequence, a parity build every row and its captures) and the MoE
     working set of the largest call.
     The weight-layout transform (NxD's set_weights re-lays the weights out on the device before the
