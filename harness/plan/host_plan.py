@@ -255,7 +255,8 @@ def summary_line(plan: dict, command: str) -> str:
     builds = ", ".join(f"{stage} {n}" for stage, n in c["graphs_by_stage"].items()) or "none"
     return (f"plan: host peak {gib(c['host_peak_bytes'])} of {budget} (largest phase: {phase}), "
             f"device {gib(c['device_bytes_per_core'])} per NeuronCore, {c['graphs']} graphs ({builds}), "
-            f"cold compile ~{c['compile']['minutes']:.0f} min")
+            f"cold compile ~{c['compile']['minutes']:.0f} min ({c['compile']['per_graph']:g} min per graph, "
+            f"{c['compile']['basis']})")
 
 
 __all__ = ["COMMANDS", "HOST_FIT", "HOST_RAM", "counted_peak", "fp32_model_bytes", "host_parts", "host_peak",
