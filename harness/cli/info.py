@@ -83,12 +83,7 @@ def validate(args) -> None:
         _resolve_tp(args)
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
-    from harness.plan.kv_fit import refuse_kv_over_chip
-
-    try:
-        refuse_kv_over_chip(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
-    except HarnessInputError as exc:
-        raise OptionError(str(exc)) from None
+    v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
     from harness.plan.instances import check_fits, smallest_instance
 
     args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len, sliding_cache=args.sliding_cache,

@@ -251,6 +251,16 @@ def check_kv_len(spec, kv_len: int | None, host_cache: str | None = None) -> Non
             raise OptionError(str(exc)) from None
 
 
+def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear") -> None:
+    """--kv-len against one inf2 chip beside the weights (harness/plan/kv_fit.py), as an option error."""
+    from harness.plan.kv_fit import refuse_kv_over_chip
+
+    try:
+        refuse_kv_over_chip(spec, tp, dtype, kv_len, sliding_cache)
+    except HarnessInputError as exc:
+        raise OptionError(str(exc)) from None
+
+
 GOLDEN_VERSIONS = ("python", "torch", "transformers", "safetensors", "harness")  # what the reference's numbers depend on
 
 
