@@ -28,8 +28,9 @@ def nxd_layer_violations(length: int, module_cls=None) -> dict:
     NxDParallelState), lower it on the CPU PJRT device and check it: {"violations": [...],
     "layers": names of the parallel layer classes it holds}."""
     from harness.backends.neuron import NeuronLinears, import_neuronx_distributed
-    from harness.backends.xla import graph_tensors, lower_graph
-    from harness.hlo.contracts import GraphSignature, check_graph, expectation_for
+    from harness.backends.xla_lower import graph_tensors, lower_graph
+    from harness.hlo.contracts import GraphSignature, check_graph
+    from harness.hlo.expectation import expectation_for
     from harness.inputs.spec import load_spec
     from harness.inputs.tiny import TINY_CONFIG
     from harness.port.graphs import TracedDecoder
