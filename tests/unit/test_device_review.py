@@ -240,3 +240,23 @@ def test_info_batch_and_the_memory_plan_give_one_answer():
     with pytest.raises(HarnessInputError, match=rf"--batch 8 at --kv-len 4096: .* at most {most} sequences"):
         refuse_unfit_batch(batch_fit(spec, 2, "bfloat16", 8, 4096))
     assert 1 <= most < 7
+
+
+def test_info_batch_on_the_command_line_and_its_memory_plan_say_the_same_most(capsys):
+    """The command itself: `info --batch 1,2,4,8 --kv-len 4096` refuses batch 8 naming the most
+    sequences the memory plan prints, and with the batches that fit the memory plan's line and
+    every row of the batch table name that same number (the served build's fit, counted once)."""
+    import re
+
+    from harness import FIXTURES_DIR
+    from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
+
+    args = ["info", "--config", str(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"), "--tp", "2", "--kv-len", "4096"]
+    assert main(args + ["--batch", "1,2,4,8"]) == EXIT_BAD_INPUT
+    refused = re.search(r"at most (\d+) sequences fit", capsys.readouterr().err)
+    assert main(args + ["--batch", "1,2"]) == EXIT_OK
+    out = capsys.readouterr().out
+    plan = re.search(r"batch at --kv-len 4096: at most (\d+) sequences", out)
+    table = set(re.findall(r"^\s+4096\s+\d+ .*\(at most (\d+)\)$", out, re.M))
+    assert refused and plan and table == {plan.group(1)} and refused.group(1) == plan.group(1), (refused, plan, table)
+    assert 1 <= int(plan.group(1)) < 8
