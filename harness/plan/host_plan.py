@@ -162,7 +162,8 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
     weights = bytes_per_rank(spec, tp, dtype, kv_len)["weights"]
     commands = {}
     for name in COMMANDS:
-        phases = host_phases(name, parts, **(options or {}))
+        # the batch stage runs in a check without --batch (off neuron) or with --batch N > 1
+        phases = host_phases(name, parts, **{"batch_stage": batch is None or batch > 1, **(options or {})})
         peak = host_peak(name, phases)
         stages = graphs_by_stage(name, buckets, kv_len, batch=batch if name == "check" else slots,
                                  speculate=speculate, drafts=assistant is not None,

@@ -43,6 +43,10 @@ def test_the_plan_of_each_command(name, tp, instance):
         assert c["host_peak_bytes"] == host_peak(cmd, c["host_phases"]) > max(c["host_phases"].values())
         assert c["fits_host"] == (c["host_peak_bytes"] <= plan["host_bytes"])
     assert plan["device_problem"] == plan["commands"]["check"]["device_problem"] or plan["commands"]["check"]["fits_device"]
+    assert "batch stage" in plan["commands"]["check"]["host_phases"]
+    alone = resource_plan(spec, tp, "bfloat16", 256, (64, 256), batch=1)  # on neuron without --batch: no batch stage
+    assert "batch stage" not in alone["commands"]["check"]["host_phases"]
+    assert "batch stage" not in alone["commands"]["check"]["graphs_by_stage"]
     # issue 28: every command, check included, fits the instance's host by the phase plan (the
     # float64 envelope streamed, one reference model at a time)
     assert all(c["fits_host"] for c in plan["commands"].values())
