@@ -55,7 +55,8 @@ def budget(args) -> tuple[int | None, str]:
 
 def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> dict:
     """The command's resource plan; printed (one line) on a real checkpoint or when a budget was
-    given, and refused (exit 2) when its host peak is over the budget."""
+    given, and refused (exit 2) when its host peak is over the budget or, on neuron, its cold
+    compile over --compile-budget or a build it compiles over a NeuronCore (the device fit)."""
     from harness.base.settings import RunSettings
     from harness.plan.compile_budget import refuse_over_budget
     from harness.plan.host_plan import refuse_unfit_host, resource_plan, summary_line
@@ -78,6 +79,8 @@ def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> d
     over = refuse_over_budget(command, c["graphs_by_stage"], c["compile"], limit) if s.backend == "neuron" else None
     if over:
         raise OptionError(over)
+    if s.backend == "neuron" and c["device_problem"]:  # the one device fit, before any compile
+        raise OptionError(f"{command}: {c['device_problem']}")
     problem = refuse_unfit_host(plan, command, source)
     if problem:
         raise OptionError(problem)

@@ -260,3 +260,17 @@ def test_info_batch_on_the_command_line_and_its_memory_plan_say_the_same_most(ca
     table = set(re.findall(r"^\s+4096\s+\d+ .*\(at most (\d+)\)$", out, re.M))
     assert refused and plan and table == {plan.group(1)} and refused.group(1) == plan.group(1), (refused, plan, table)
     assert 1 <= int(plan.group(1)) < 8
+
+
+def test_a_device_check_whose_build_does_not_fit_a_core_is_refused_before_compiling(capsys, tmp_path, monkeypatch):
+    """The check's preflight refuses by the same device fit as info and doctor (a core of 1 GiB here:
+    the tiny model's builds are small), exit 2, nothing built; the cpu backend is not planned by it."""
+    from harness.cli import main
+    from harness.plan import instances
+
+    monkeypatch.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(instances, "CORE_HBM", 1 << 20)
+    assert main(["check", "--model", "tiny", "--backend", "neuron", "--skip-served-build"]) == 2
+    err = capsys.readouterr().err
+    assert "check: at tp=2 one NeuronCore needs" in err and "but has 0 GiB" in err, err
+    assert not (tmp_path / "cache").exists()
