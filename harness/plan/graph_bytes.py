@@ -24,8 +24,16 @@ def capture_bytes_per_row(spec: ModelSpec, nbytes: int) -> int:
     return spec.num_layers * layer + spec.hidden_size * nbytes
 
 
+def draft_capture_bytes(assistant, target_hidden: int, nbytes: int) -> int:
+    """A parity draft graph's captures (port/drafter.py): the pre-projection, each layer's output and
+    the final norm (the assistant's width), the post-projection (the target's), the chosen clusters
+    (int64, a masked head only) and the drafter's own logits."""
+    clusters = 8 * assistant.top_k_centroids if assistant.ordered else 0
+    return ((len(assistant.layers) + 2) * assistant.hidden_size + target_hidden + assistant.vocab_size) * nbytes + clusters
+
+
 def graph_io_bytes(spec: ModelSpec, length: int, nbytes: int, *, rows: int = 1, capture: bool = False,
-                   batched: bool = False, kind: str = "prefill") -> int:
+                   batched: bool = False, kind: str = "prefill", assistant=None) -> int:
     """One graph's inputs + outputs on a rank (what graphs.TracedDecoder / TracedBatchDecoder take
     and return), for `rows` sequences of `length` positions. Inputs: inputs_embeds [rows, s, width]
     in the build's dtype, int32 positions [rows, s], a batched build's int32 seq_ids [rows], a
@@ -35,10 +43,11 @@ def graph_io_bytes(spec: ModelSpec, length: int, nbytes: int, *, rows: int = 1, 
     verify graph, else one per sequence; a parity build's captures (capture_bytes_per_row); the
     unbatched perf verify graph's final norm states. A "draft" graph (draft_graphs.py) takes the
     token's embedding, the carried state and its position and returns one row of logits and the
-    state (a drafter's parity captures not counted)."""
+    state; on a parity build also the `assistant`'s captures (draft_capture_bytes)."""
     h = spec.hidden_size
     if kind == "draft":
-        return rows * (2 * h * nbytes + 4 + spec.vocab_size * nbytes + h * nbytes)
+        captures = draft_capture_bytes(assistant, h, nbytes) if capture and assistant is not None else 0
+        return rows * (2 * h * nbytes + 4 + spec.vocab_size * nbytes + h * nbytes + captures)
     every_row = capture or (kind == "verify" and not batched)
     inputs = length * (input_width(spec) * nbytes + 4) + 4 * batched + 4 * (not every_row)
     outputs = (length if every_row else 1) * spec.vocab_size * nbytes
@@ -55,12 +64,13 @@ def input_width(spec: ModelSpec) -> int:
 
 
 def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int, rows: int = 1, capture: bool = False,
-                 batched: bool = False) -> dict:
+                 batched: bool = False, assistant=None) -> dict:
     """Per-graph cost of the compiled graphs [(kind, length, KV bucket), ...] (graph_kinds) of
     `rows` sequences each (`batched`: a build of several KV slots, taking seq_ids): each graph's I/O
     (graph_io_bytes; a parity build when `capture`, else a perf build) plus GRAPH_OVERHEAD_BYTES,
     and the largest MoE working set over their calls."""
-    io = [graph_io_bytes(spec, length, nbytes, rows=rows, capture=capture, batched=batched, kind=kind)
+    io = [graph_io_bytes(spec, length, nbytes, rows=rows, capture=capture, batched=batched, kind=kind,
+                         assistant=assistant)
           + GRAPH_OVERHEAD_BYTES for kind, length, _ in graphs]
     moe = max((moe_working_set_bytes(spec, tp, rows * length, nbytes) for _, length, _ in graphs), default=0)
     return {"count": len(io), "per_graph": max(io, default=0), "graphs": sum(io), "moe_working_set": moe}
@@ -78,5 +88,5 @@ def graph_reserve_bytes(spec: ModelSpec, tp: int, nbytes: int, buckets) -> int:
     return cost["graphs"] + cost["moe_working_set"]
 
 
-__all__ = ["GRAPH_OVERHEAD_BYTES", "capture_bytes_per_row", "graph_io_bytes", "graph_reserve_bytes", "graphs_bytes",
+__all__ = ["GRAPH_OVERHEAD_BYTES", "capture_bytes_per_row", "draft_capture_bytes", "graph_io_bytes", "graph_reserve_bytes", "graphs_bytes",
            "input_width"]

@@ -84,7 +84,8 @@ def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 
     drafter = assistant.bytes_per_rank(tp, nbytes) if assistant is not None else 0
     shapes = graph_kinds(buckets, kv_len, speculate, drafts=assistant is not None)
     rows = batch_buckets(batch) if batch > 1 else (1,)
-    costs = [graphs_bytes(spec, tp, shapes, nbytes, rows=b, capture=not perf, batched=batch > 1) for b in rows]
+    costs = [graphs_bytes(spec, tp, shapes, nbytes, rows=b, capture=not perf, batched=batch > 1, assistant=assistant)
+             for b in rows]
     graphs = {"count": sum(c["count"] for c in costs), "per_graph": max(c["per_graph"] for c in costs),
               "graphs": sum(c["graphs"] for c in costs), "moe_working_set": max(c["moe_working_set"] for c in costs)}
     kv_cache = per_rank["kv_cache"] * batch

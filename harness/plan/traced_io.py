@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.port.draft_graphs import draft_example_inputs, drafting_class
 from harness.port.graphs import batch_example_inputs, example_inputs, input_width, traced_class
 from harness.port.model import Collectives, RankLinears
 
@@ -32,11 +33,15 @@ def nbytes_of(tensors) -> int:
 
 
 def traced_io_bytes(spec, tp: int, dtype: torch.dtype, length: int, *, max_len: int | None = None,
-                    capture: bool = False, slots: int = 1, rows: int = 1, kind: str = "prefill") -> dict:
+                    capture: bool = False, slots: int = 1, rows: int = 1, kind: str = "prefill",
+                    assistant=None) -> dict:
     """{"inputs", "outputs"} bytes of one rank's graph of `length` positions: a parity build
     (`capture`) or a perf build; with `slots` > 1 a batched build's graph at batch bucket `rows`;
-    `kind` "verify" traces the perf build's verify graph as the backends do (no last_index)."""
+    `kind` "verify" traces the perf build's verify graph as the backends do (no last_index), "draft"
+    the `assistant`'s (an AssistantSpec) draft graph compiled into the target's model."""
     max_len = max_len or max(length, 16)
+    if kind == "draft":
+        return _traced_draft(spec, tp, dtype, max_len, capture, assistant)
     last_row = not capture and not (kind == "verify" and slots == 1)
     with torch.device("meta"), torch.no_grad():
         module = traced_class(spec, batched=slots > 1)(spec, tp, max_len, dtype, RankLinears(MetaCollectives(tp)),
@@ -48,6 +53,15 @@ def traced_io_bytes(spec, tp: int, dtype: torch.dtype, length: int, *, max_len: 
         out = module(*inputs)
     outputs = out if isinstance(out, tuple) else (out,)
     return {"inputs": nbytes_of(inputs), "outputs": nbytes_of(outputs)}
+
+
+def _traced_draft(spec, tp: int, dtype: torch.dtype, max_len: int, capture: bool, assistant) -> dict:
+    with torch.device("meta"), torch.no_grad():
+        module = drafting_class(spec)(spec, tp, max_len, dtype, RankLinears(MetaCollectives(tp)), assistant=assistant,
+                                      with_captures=capture, last_row_only=not capture)
+        inputs = draft_example_inputs(spec.hidden_size, dtype)
+        out = module(**inputs)
+    return {"inputs": nbytes_of(inputs.values()), "outputs": nbytes_of(out)}
 
 
 __all__ = ["MetaCollectives", "traced_io_bytes"]
