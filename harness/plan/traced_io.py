@@ -41,7 +41,7 @@ def traced_io_bytes(spec, tp: int, dtype: torch.dtype, length: int, *, max_len: 
     the `assistant`'s (an AssistantSpec) draft graph compiled into the target's model."""
     max_len = max_len or max(length, 16)
     if kind == "draft":
-        return _traced_draft(spec, tp, dtype, max_len, capture, assistant)
+        return _traced_draft(spec, tp, dtype, max_len, capture=capture, assistant=assistant)
     last_row = not capture and not (kind == "verify" and slots == 1)
     with torch.device("meta"), torch.no_grad():
         module = traced_class(spec, batched=slots > 1)(spec, tp, max_len, dtype, RankLinears(MetaCollectives(tp)),
@@ -55,7 +55,7 @@ def traced_io_bytes(spec, tp: int, dtype: torch.dtype, length: int, *, max_len: 
     return {"inputs": nbytes_of(inputs), "outputs": nbytes_of(outputs)}
 
 
-def _traced_draft(spec, tp: int, dtype: torch.dtype, max_len: int, capture: bool, assistant) -> dict:
+def _traced_draft(spec, tp: int, dtype: torch.dtype, max_len: int, *, capture: bool, assistant) -> dict:
     with torch.device("meta"), torch.no_grad():
         module = drafting_class(spec)(spec, tp, max_len, dtype, RankLinears(MetaCollectives(tp)), assistant=assistant,
                                       with_captures=capture, last_row_only=not capture)
