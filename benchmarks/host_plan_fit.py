@@ -1,4 +1,4 @@
-"""Measure the host plan (harness/perf/host_plan.py): `check` and `reference` in fresh processes on
+"""Measure the host plan (harness/plan/host_plan.py): `check` and `reference` in fresh processes on
 random checkpoints of the 12B's structure at several sizes, peak RSS per phase, and the fit of the
 plan's constants.
 
@@ -171,7 +171,7 @@ def measure(command: str, hidden: int, prompts: str | None) -> dict:
 
 def plan_of(command: str, path: Path) -> dict:
     from harness.inputs.checkpoint import Checkpoint
-    from harness.perf.host_plan import resource_plan
+    from harness.plan.host_plan import resource_plan
 
     _resident_from_env()
     spec = Checkpoint.open(path).spec
@@ -191,7 +191,7 @@ def _rows() -> int:
 def fit(runs: list[dict]) -> dict:
     """Per command: the least-squares line peak = base + k x (the plan's largest phase before its
     constants), over the sizes given, and each run's plan error."""
-    from harness.perf.host_plan import counted_peak
+    from harness.plan.host_plan import counted_peak
 
     out = {}
     for command in sorted({r["command"] for r in runs}):

@@ -130,7 +130,7 @@ def backend_unavailable(name: str) -> str | None:
         except HarnessInputError as exc:
             return str(exc)
     elif name == "xla" and importlib.util.find_spec("torch_xla") is None:
-        from harness.backends.xla import INSTALL_COMMAND
+        from harness.backends.xla_env import INSTALL_COMMAND
 
         return f"the xla backend needs torch-xla, which this environment lacks; install it: {INSTALL_COMMAND}"
     return None

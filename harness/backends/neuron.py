@@ -39,7 +39,6 @@ import shlex
 import shutil
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -54,10 +53,10 @@ from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host'
 from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the SDK's pinned packages)
     NEURON_SDK_RELEASE, PINNED_VERSIONS, check_neuron_packages, installed_neuron_packages, toolchain_version,
     version_matches)
-from harness.backends.neuron_drafter import (NeuronDrafter, draft_tags, drafter_key, drafter_rank_weights, open_assistant,
-                                             trace_draft_graphs)
+from harness.backends.neuron_build import (  # noqa: F401  (re-exported: a build's graph tags)
+    Built, compile_build, kv_graphs_json, kv_tag, kv_tags)
+from harness.backends.neuron_drafter import NeuronDrafter, draft_tags, drafter_key, drafter_rank_weights, open_assistant
 from harness.base.errors import HarnessInputError
-from harness.port.draft_graphs import drafting_class
 from harness.port.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
     DECODE_TAG, POSITION_DTYPE, PREFILL_TAG, GraphBuildError, TracedDecoder, batch_buckets, batch_example_inputs,
     batch_graph_inputs, batch_tag, constant_buffers, example_inputs, graph_inputs, graph_plan, graph_result,
@@ -165,9 +164,9 @@ class NeuronBackend:
     def _load_entry(self):
         NxDModel = import_neuronx_distributed().NxDModel
         meta = read_cache_meta(self.artifact_dir, self.cache_key)
-        if meta.get("graphs") != _kv_graphs_json(self.kv_graphs):
+        if meta.get("graphs") != kv_graphs_json(self.kv_graphs):
             raise HarnessInputError(f"cache entry {self.artifact_dir} holds graphs {meta.get('graphs')}, "
-                                    f"not {_kv_graphs_json(self.kv_graphs)}; delete it and run again")
+                                    f"not {kv_graphs_json(self.kv_graphs)}; delete it and run again")
         model = NxDModel.load(str(self.artifact_dir / MODEL_FILE))
         if not isinstance(model, NxDModel):
             raise HarnessInputError(f"{self.artifact_dir / MODEL_FILE} could not be restored as an NxDModel by "
@@ -184,9 +183,9 @@ class NeuronBackend:
             built.append(self._compile(workdir))
             b = built[0]
             b.model.save(str(tmp / MODEL_FILE))
-            meta = {"format": CACHE_FORMAT, "key": self.cache_key, "graphs": _kv_graphs_json(self.kv_graphs),
+            meta = {"format": CACHE_FORMAT, "key": self.cache_key, "graphs": kv_graphs_json(self.kv_graphs),
                     "capture_names": b.capture_names, "kv_buffers": b.kv_names,
-                    "draft_graphs": _kv_graphs_json(self.draft_graphs), "draft_capture_names": b.draft_capture_names,
+                    "draft_graphs": kv_graphs_json(self.draft_graphs), "draft_capture_names": b.draft_capture_names,
                     "weight_shapes": _weight_shapes_to_json(b.weight_shapes), "last_row_only": self.last_row_only,
                     "compiler_args": self.compiler_args, "decode_compiler_args": self.decode_compiler_args,
                     "versions": self.versions,
@@ -201,70 +200,8 @@ class NeuronBackend:
         self.compiled = True
         return built[0]
 
-    def _traced_module(self) -> TracedDecoder:
-        """The traced module of this spec (the 12B's or the family's), with NxD's layers."""
-        fused = {"assistant": self.assistant.spec} if self.assistant is not None else {}
-        module = (drafting_class(self.spec) if fused else traced_class(self.spec, batched=self.slots > 1))(
-            self.spec, self.tp, self.max_len, self.dtype, (QuantizedNeuronLinears if self.quantize else NeuronLinears)(self.tp, self.dtype, self.reduce_dtype),
-            with_captures=self.capture, last_row_only=self.last_row_only, sliding_cache=self.sliding_cache,
-            slots=self.slots, **fused)
-        module.eval()
-        module.requires_grad_(False)
-        extra = sorted(constant_buffers(module))
-        if extra:  # values from the model code would have to reach the device by NxD naming rules
-            raise NeuronBuildError(f"the traced module holds buffers {extra[:8]} that are neither checkpoint "
-                                   "weights nor KV cache; compute such values in the graph from constants")
-        return module
-
-    def _compile(self, workdir: Path) -> "Built":
-        """Trace every graph of the plan with ModelBuilder v2 and compile them -> NxDModel. The
-        priority graph (decode by default) gets the weight layout optimised for it; the other graphs
-        use that layout."""
-        nxd = import_neuronx_distributed()
-        flags = compiler_flag_string(self.compiler_args)
-        per_graph = per_graph_flags({**self.kv_graphs, **self.draft_graphs}, self.compiler_args, self.decode_compiler_args)
-        try:
-            # lnc_size=1: inf2's NeuronCore-v2 has one physical core per logical core. NxD still asks
-            # the platform in initialize_model_parallel and for the layout transformer's compile:
-            # build_platform names it (the flags' --target) on a build host without a device.
-            with build_platform(self.compiler_args), \
-                    nxd.NxDParallelState(world_size=self.tp, tensor_model_parallel_size=self.tp, lnc_size=INF2_LNC):
-                module = self._traced_module()
-                kv_names = kv_buffer_names(module)
-                weight_shapes = _module_weight_shapes(module, kv_names)  # the checkpoint layout
-                builder = nxd.ModelBuilder(module)
-                with torch.no_grad():
-                    for tag, (length, kv) in self.kv_graphs.items():
-                        module.set_kv_read(kv)  # the trace bakes in which slots the graph reads
-                        builder.trace(args=self._example_inputs(tag, length), tag=tag)
-                    module.set_kv_read(None)
-                    trace_draft_graphs(builder, module, self.draft_graphs, self.spec.hidden_size, self.dtype)
-                model = builder.compile(priority_model_key=self.priority_key, compiler_workdir=str(workdir),
-                                        compiler_args=per_graph, max_workers=self.compile_workers)
-        except HarnessInputError:
-            raise
-        except Exception as exc:
-            raise NeuronBuildError(
-                f"building the neuron graphs {sorted(self.kv_graphs)} failed: {exc!r}"
-                + (f" (caused by {exc.__cause__!r})" if exc.__cause__ else "")
-                + f". neuronx-cc {self.versions['neuronx-cc']}, flags {flags!r}. The compiler's logs are under "
-                f"{workdir} (log-neuron-cc.txt per graph); nothing was written to the artifact cache. A compiler "
-                "crash (NCC_* code) on this pinned toolchain is a bug to report with those logs."
-            ) from exc
-        names = list(module.capture_names) if self.capture else None
-        if self.capture and not names:
-            raise NeuronBuildError("the parity build traced no capture points")
-        # before the entry is written: graphs whose state is not exactly the KV cache never reach the cache
-        graph_io(model, {**self.kv_graphs, **self.draft_graphs}, weight_shapes, kv_names,
-                 where="nothing was written to the artifact cache (the model code's bug, not the input's)")
-        return Built(model, names, kv_names, weight_shapes, list(module.draft_capture_names) if self.draft_graphs and
-                     self.capture else None)
-
-    def _example_inputs(self, tag: str, length: int) -> tuple:
-        width = input_width(self.spec)
-        if self.slots == 1:
-            return example_inputs(length, width, self.dtype, last_row=self.last_row_only and not is_verify_tag(tag))
-        return batch_example_inputs(length, width, self.dtype, int(tag.rsplit("_bs", 1)[1]), last_row=self.last_row_only)
+    def _compile(self, workdir: Path) -> Built:
+        return compile_build(self, workdir)
 
     def _graph_io(self):
         """Weights and states the graphs read (neuron_layers.graph_io), checked against the module's."""
@@ -349,30 +286,3 @@ class NeuronBackend:
             raise HarnessInputError(f"no device buffer {absent}; KV buffers are {self.kv_names[:4]} ...")
         k, v = (self.nxd_model.read_from_neuron_buffer(key, rank) for key in keys)
         return k, v
-
-
-class Built(NamedTuple):
-    """What a build (or a cache entry) provides: the NxDModel and what the graphs were made from."""
-
-    model: object
-    capture_names: list[str] | None
-    kv_names: list[str]
-    weight_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    draft_capture_names: list[str] | None = None  # a fused parity build's draft graphs' (neuron_drafter.py)
-
-
-def kv_tag(tag: str, kv: int) -> str:
-    """The ModelBuilder tag of graph `tag` (graphs.graph_plan) reading KV bucket `kv`."""
-    return f"{tag}_kv{int(kv)}"
-
-
-def kv_tags(buckets, max_len: int, slots: int = 1, speculate: int = 0) -> dict[str, tuple[int, int]]:
-    """ModelBuilder tag -> (sequence length, KV bucket), one per graph of graphs.kv_graph_plan (the
-    verify graph too, with `speculate` > 0); with several KV `slots`, each of them at every batch
-    bucket (graphs.batch_buckets, graphs.batch_tag)."""
-    plan = {kv_tag(tag, kv): (length, kv) for tag, length, kv in kv_graph_plan(buckets, max_len, speculate)}
-    return plan if slots == 1 else {batch_tag(t, b): v for t, v in plan.items() for b in batch_buckets(slots)}
-
-
-def _kv_graphs_json(kv_graphs: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
-    return {tag: [int(length), int(kv)] for tag, (length, kv) in sorted(kv_graphs.items())}

@@ -154,11 +154,12 @@ def source_closure(roots, leaves=(), without=()) -> tuple[Path, ...]:
 
 # The source the compiled graph is made from: the import closure of the traced module's definition
 # (port/graphs.py: the decoder, its KV slots, the device plan, the spec and sharding it bakes in)
-# and of NxD's layers (neuron_layers.py), plus neuron.py, which builds it. Derived, not listed: an
+# and of NxD's layers (neuron_layers.py), plus neuron.py and neuron_build.py, which build it. Derived: an
 # edit to any module the graph code imports changes the key (a hand list left kv_slots.py and
 # device_plan.py out, and old NEFFs were reused after an edit to either).
 MODEL_SOURCE_FILES = source_closure([_HARNESS_DIR / "port" / "graphs.py", _HARNESS_DIR / "backends" / "neuron_layers.py"],
-                                    leaves=[_HARNESS_DIR / "backends" / "neuron.py"])
+                                    leaves=[_HARNESS_DIR / "backends" / "neuron.py",
+                                            _HARNESS_DIR / "backends" / "neuron_build.py"])
 # The source of a fused build's draft graphs (RunSettings.assistant, neuron_drafter.py): hashed into the
 # drafter's part of the key only, so a target-only entry's key does not move with the drafter's code.
 DRAFTER_SOURCE_FILES = source_closure([_HARNESS_DIR / "port" / "draft_graphs.py"],

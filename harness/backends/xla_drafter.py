@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from harness.backends.xla import LoweredGraph, XlaCollectives, _transfers, bound, xla_runtime
+from harness.backends.xla_env import XlaCollectives, xla_runtime
+from harness.backends.xla_lower import LoweredGraph, _transfers, bound
 from harness.base.errors import HarnessInputError
 from harness.port.drafter import RankDrafter, rank_drafter_state
 from harness.port.graphs import POSITION_DTYPE

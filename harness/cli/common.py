@@ -146,7 +146,7 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
     if "backend" in fields:
         p.add_argument("--compile-budget", type=float, default=None, metavar="MINUTES",
                        help="refuse, before compiling, a neuron run whose cold compile (every graph of its builds, "
-                            "`info --plan`) is planned over MINUTES (harness/perf/compile_budget.py)")
+                            "`info --plan`) is planned over MINUTES (harness/plan/compile_budget.py)")
     if "backend_options" in fields:
         p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE", dest="backend_option",
                        help="an option of the backend, e.g. compile_workers=4 for neuron (repeatable; an option "

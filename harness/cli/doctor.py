@@ -81,7 +81,7 @@ def validate(args) -> None:
 
 def build_of(settings) -> dict:
     """The device fit's build keywords of a run (instances.core_bytes): what the HBM line counts."""
-    from harness.perf.instances import layout_transform
+    from harness.plan.instances import layout_transform
 
     return dict(buckets=settings.buckets, sliding_cache=settings.sliding_cache, batch=settings.batch,
                 speculate=settings.speculate, layout=layout_transform(settings.backend_options))
@@ -274,7 +274,7 @@ def _smaller_tp_hint(total: int, fit) -> str:
     """What a smaller --tp can do for this model: the smallest TP that fits, if this host has its cores."""
     if fit is None:
         return "; a smaller --tp helps only if the model fits it (`gemma-parity info --tp N` shows the fit)"
-    from harness.perf.instances import smallest_fitting_tp
+    from harness.plan.instances import smallest_fitting_tp
 
     spec, dtype, kv_len = fit
     smallest = smallest_fitting_tp(spec, dtype, kv_len)

@@ -1,5 +1,5 @@
 """`doctor`'s host checks: NeuronCores another process holds, free disk for the compile work
-directory, host memory, and the device plan (harness/perf/instances.py) of the run about to start.
+directory, host memory, and the device plan (harness/plan/instances.py) of the run about to start.
 
 Cores in use come from `neuron-ls --json-output`: each device's `neuron_processes` (a process of
 the Neuron runtime holds its device's cores; the field name is neuron-ls's JSON of SDK 2.x, which
@@ -91,7 +91,7 @@ def plan_check(spec, tp: int, dtype: str, kv_len: int, check, sliding_cache: str
     its build, MoE, the layout transform when on); `build`: core_bytes' keywords (buckets, batch,
     speculate, layout) of the run's options."""
     from harness.base.errors import ShardingError
-    from harness.perf.instances import check_fits, core_summary
+    from harness.plan.instances import check_fits, core_summary
 
     try:
         where = check_fits(spec, tp, dtype, kv_len, sliding_cache, **build)

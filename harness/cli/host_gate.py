@@ -2,7 +2,7 @@
 bench on a real checkpoint print the plan's one line first, and a run whose plan does not fit
 `--host-memory` (default: the RAM of the instance the TP degree needs; `auto`: this machine's) is
 refused with exit 2, naming the numbers and the options that would make it fit
-(harness/perf/host_plan.py)."""
+(harness/plan/host_plan.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ GIB = 1 << 30
 def add_host_memory_arg(p) -> None:
     p.add_argument("--host-memory", metavar="GIB", type=_host_memory_arg, default=None,
                    help="the host memory budget in GiB, or `auto` for this machine's RAM; a run whose host "
-                        "plan (harness/perf/host_plan.py) does not fit it is refused before model work "
+                        "plan (harness/plan/host_plan.py) does not fit it is refused before model work "
                         "(default: the RAM of the inf2 instance the TP degree needs)")
 
 
@@ -55,11 +55,12 @@ def budget(args) -> tuple[int | None, str]:
 
 def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> dict:
     """The command's resource plan; printed (one line) on a real checkpoint or when a budget was
-    given, and refused (exit 2) when its host peak is over the budget."""
+    given, and refused (exit 2) when its host peak is over the budget or, on neuron, its cold
+    compile over --compile-budget or a build it compiles over a NeuronCore (the device fit)."""
     from harness.base.settings import RunSettings
-    from harness.perf.compile_budget import refuse_over_budget
-    from harness.perf.host_plan import refuse_unfit_host, resource_plan, summary_line
-    from harness.perf.instances import layout_transform
+    from harness.plan.compile_budget import refuse_over_budget
+    from harness.plan.host_plan import refuse_unfit_host, resource_plan, summary_line
+    from harness.plan.instances import layout_transform
 
     s = getattr(args, "settings", None) or RunSettings()
     host, source = budget(args)
@@ -80,6 +81,8 @@ def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> d
     over = refuse_over_budget(command, c["graphs_by_stage"], c["compile"], limit) if s.backend == "neuron" else None
     if over:
         raise OptionError(over)
+    if s.backend == "neuron" and c["device_problem"]:  # the one device fit, before any compile
+        raise OptionError(f"{command}: {c['device_problem']}")
     problem = refuse_unfit_host(plan, command, source)
     if problem:
         raise OptionError(problem)

@@ -24,7 +24,7 @@ def add_command(sub) -> None:
     p.add_argument("--perf", action="store_true", help="also print each device graph's roofline floors on "
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
     p.add_argument("--plan", action="store_true", help="also print the resource plan of every command: peak "
-                   "host memory, device memory per NeuronCore and graphs (harness/perf/host_plan.py)")
+                   "host memory, device memory per NeuronCore and graphs (harness/plan/host_plan.py)")
     p.add_argument("--host-memory", metavar="GIB", type=float, default=None, help="the host budget of --plan in "
                    "GiB (default: the RAM of the instance the TP degree needs)")
     p.add_argument("--instance", default=None, help="instance type whose published rates --perf uses "
@@ -84,7 +84,7 @@ def validate(args) -> None:
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)
     v.check_kv_fits(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
-    from harness.perf.instances import check_fits, smallest_instance
+    from harness.plan.instances import check_fits, smallest_instance
 
     args.placement = check_fits(args.spec, args.tp, args.dtype, args.kv_len, sliding_cache=args.sliding_cache,
                                 **_build(args))
@@ -92,7 +92,7 @@ def validate(args) -> None:
         args.instance = smallest_instance(args.tp).name
     _check_instance(args)
     if args.batch:
-        from harness.perf.batch import batch_fit, refuse_unfit_batch
+        from harness.plan.batch_fit import batch_fit, refuse_unfit_batch
 
         for batch in args.batch:
             try:
@@ -104,18 +104,28 @@ def validate(args) -> None:
 
 def _build(args) -> dict:
     """The device fit's build keywords (instances.core_bytes): buckets, the weight-layout transform
-    (neuron's default), the verify graph of --speculate and the assistant's drafter."""
-    from harness.perf.instances import layout_transform
+    (neuron's default), the verify graph of --speculate and the assistant's drafter, for the served
+    (perf) build, what the memory plan and --batch count too (the check's parity build, with its
+    captures, is printed beside it and per command with --plan)."""
+    from harness.plan.instances import layout_transform
 
     layout = layout_transform(args.settings.backend_options)
     return dict(buckets=args.settings.buckets, layout=layout, speculate=args.settings.speculate,
-                assistant=args.assistant_spec)
+                assistant=args.assistant_spec, perf=True)
+
+
+def parity_core(args) -> dict:
+    """The check's parity build at the same options (instances.core_bytes: every row's logits and
+    the captures): what a device check needs beside the served build."""
+    from harness.plan.instances import core_bytes
+
+    return core_bytes(args.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache, **{**_build(args), "perf": False})
 
 
 def _resolve_tp(args) -> None:
     """No --tp: the default when the model fits there, else the smallest TP that fits (said first)."""
     from harness.base.errors import ShardingError
-    from harness.perf.instances import placement, smallest_fitting_tp
+    from harness.plan.instances import placement, smallest_fitting_tp
 
     fit = _build(args)
     try:
@@ -157,15 +167,15 @@ def run(args) -> int:
         print(args.tp_note)
     if args.ckpt is not None:
         print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
-    from harness.perf.memory import instance_memory_plan, render_memory_plan
+    from harness.plan.memory import instance_memory_plan, render_memory_plan
     from harness.perf.roofline import hbm_fit, render_hbm_fit
 
     s = args.settings
     payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
-    from harness.perf.instances import plan_notes
+    from harness.plan.instances import plan_notes
 
-    payload["placement"] = args.placement
-    payload["notes"] = plan_notes(args.spec, args.placement)
+    payload["placement"], payload["parity_core"] = args.placement, parity_core(args)
+    payload["notes"] = plan_notes(args.spec, args.placement, payload["parity_core"])
     print(format_info({**payload, "inert": None} if args.ckpt is not None else payload))
     payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len)
     payload["memory_plan"]["sliding_cache"] = args.sliding_cache
@@ -180,7 +190,7 @@ def run(args) -> int:
             args.instance, s.tp, s.dtype, args.chip), chip=args.chip, sliding_cache=s.sliding_cache)
         print(render_quantized_comparison(payload["quantization"]))
     if args.batch:
-        from harness.perf.batch import fit_table, render_fit_table
+        from harness.plan.batch_fit import fit_table, render_fit_table
 
         lengths = sorted({s.kv_len, *(n for n in (4096, 32768, 131072) if n <= (args.spec.max_positions or n))})
         payload["batch_fit"] = fit_table(args.spec, s.tp, s.dtype, args.batch, lengths, chip=args.chip,
@@ -198,7 +208,7 @@ def run(args) -> int:
         print(render_roofline(payload["roofline"]), end="")
         _print_floors_at_length(args, payload)
     if args.plan:
-        from harness.perf.host_plan import render_resource_plan, resource_plan
+        from harness.plan.host_plan import render_resource_plan, resource_plan
 
         host = None if args.host_memory is None else int(args.host_memory * 2**30)
         payload["resource_plan"] = resource_plan(args.spec, s.tp, s.dtype, s.kv_len, s.buckets, host_bytes=host,

@@ -243,34 +243,20 @@ def check_kv_len(spec, kv_len: int | None, host_cache: str | None = None) -> Non
         raise OptionError(f"--kv-len {kv_len}: more than the model's max_position_embeddings "
                           f"{spec.max_positions} ({spec.source}); use --kv-len {spec.max_positions} or less")
     if kv_len is not None and host_cache is not None:
-        _kv_fits_host(spec, kv_len, host_cache)
+        from harness.plan.kv_fit import refuse_kv_over_host
 
-
-def _kv_fits_host(spec, kv_len: int, sliding_cache: str) -> None:
-    """The KV cache's least size (one copy, bf16) against this host's memory: a KV length no
-    allocation can satisfy is refused with the numbers, not left to fail in the allocator."""
-    from harness.port.sharding import kv_cache_bytes
-
-    cost = kv_cache_bytes(spec, 1, "bfloat16", sliding_cache)
-    per_token, fixed = cost["per_token"], cost.get("ring", 0)
-    try:
-        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return
-    if per_token and per_token * kv_len + fixed > host:
-        longest = max((host - fixed) // per_token, 0)
-        raise OptionError(f"--kv-len {kv_len}: the KV cache alone needs at least {per_token} B/token x {kv_len}"
-                          f"{f' + {fixed} B of rings' if fixed else ''} = {(per_token * kv_len + fixed) / 2**30:.1f} GiB, "
-                          f"more than this host's {host / 2**30:.1f} GiB of memory; use --kv-len {longest} or less "
-                          "(the default is 256)")
+        try:
+            refuse_kv_over_host(spec, kv_len, host_cache)
+        except HarnessInputError as exc:
+            raise OptionError(str(exc)) from None
 
 
 def check_kv_fits(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear") -> None:
-    """--kv-len must fit one inf2.8xlarge chip next to the weights (harness/perf/memory.py)."""
-    from harness.perf.memory import instance_memory_plan, refuse_unfit_kv_len
+    """--kv-len against one inf2 chip beside the weights (harness/plan/kv_fit.py), as an option error."""
+    from harness.plan.kv_fit import refuse_kv_over_chip
 
     try:
-        refuse_unfit_kv_len(instance_memory_plan(spec, tp, dtype, kv_len), sliding_cache)
+        refuse_kv_over_chip(spec, tp, dtype, kv_len, sliding_cache)
     except HarnessInputError as exc:
         raise OptionError(str(exc)) from None
 

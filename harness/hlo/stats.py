@@ -17,7 +17,8 @@ import torch
 
 from harness.base.progress import status
 from harness.base.settings import RunSettings
-from harness.hlo.contracts import GraphSignature, GraphStats, check_graph, expectation_for, graph_stats
+from harness.hlo.contracts import GraphSignature, GraphStats, check_graph, graph_stats
+from harness.hlo.expectation import expectation_for
 from harness.port.graphs import graph_plan
 
 PIECES = ("ends", "sliding_attention", "full_attention")
@@ -48,7 +49,8 @@ def piece_spec(spec, piece: str):
 
 def _lower_piece(spec, tp: int, max_len: int, graphs: dict[str, int], dtype) -> dict[str, tuple]:
     """Lower every graph of the plan for one piece: tag -> (GraphStats, violations)."""
-    from harness.backends.xla import build_graph_module, graph_tensors, lower_graph, xla_runtime
+    from harness.backends.xla_env import xla_runtime
+    from harness.backends.xla_lower import build_graph_module, graph_tensors, lower_graph
 
     device = xla_runtime().device  # a missing torch-xla is reported before anything is allocated
     with torch.device("meta"):

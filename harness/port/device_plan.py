@@ -1,8 +1,9 @@
-"""Device memory of one NeuronCore beyond weights and KV cache: the mixture-of-experts working set,
-the weight-layout transform, and each compiled graph's own instructions and I/O buffers.
+"""The device graphs a build compiles (`graph_kinds`: each length at each KV bucket) and the device
+memory of the way the port runs them beyond weights and KV cache: the mixture-of-experts working
+set and the weight-layout transform.
 
 One home for these decisions: the MoE block (harness/port/blocks.py) asks `moe_gathers` which way
-to run, and the fit (harness/perf/instances.py) counts what that way holds on the core.
+to run, and the fit (harness/plan/instances.py) counts what that way holds on the core.
 
 - **MoE** (as neuronx-distributed's ExpertMLPsV2 in inference: selective loading when
   tokens x top-k / experts < DEFAULT_SELECTIVE_LOADING_THRESHOLD = 1.0, else every expert): a call
@@ -17,8 +18,7 @@ to run, and the fit (harness/perf/instances.py) counts what that way holds on th
   counts the weights twice when it is on and a run that fits only without it names
   `layout_priority=none`.
 - **Per graph**: every (length, KV bucket) is its own NEFF with its own instructions and I/O
-  buffers (inputs, logits, captures); `GRAPH_OVERHEAD_BYTES` is an estimate per graph of the
-  instructions and scratch beyond the I/O counted exactly.
+  buffers, counted by harness/plan/graph_bytes.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 from harness.inputs.spec import ModelSpec
 
 EXPERT_BLOCK = 32  # experts run at once in the all-experts path (bounds its activations)
-GRAPH_OVERHEAD_BYTES = 32 << 20  # instructions + runtime scratch per compiled graph (an estimate, unmeasured)
 MAX_KV_BUCKETS = 8  # KV buckets per run (graphs = lengths x KV buckets); more is refused
 
 
@@ -50,15 +49,22 @@ def kv_buckets(buckets, max_len: int) -> tuple[int, ...]:
         step *= 2
 
 
-def graph_shapes(buckets, max_len: int, speculate: int = 0, drafts: bool = False) -> list[tuple[int, int]]:
-    """(sequence length, KV bucket) of every compiled graph (graphs.kv_graph_plan's): each prefill
-    bucket at each KV bucket holding it, decode (1) at every KV bucket, with `speculate` = k the
-    verify graph (k+1 positions, a graph of its own even where a bucket has its length) at each KV
-    bucket holding it, and with `drafts` the drafter's one-position draft graph per KV bucket
-    (neuron_drafter's draft_kv<bucket>, compiled into the target's model)."""
-    lengths = sorted({int(b) for b in buckets} | {1}) + ([int(speculate) + 1] if speculate else [])
+def graph_kinds(buckets, max_len: int, speculate: int = 0, drafts: bool = False) -> list[tuple[str, int, int]]:
+    """(kind, sequence length, KV bucket) of every compiled graph (graphs.kv_graph_plan's): each
+    prefill bucket ("prefill") at each KV bucket holding it, "decode" (1) at every KV bucket, with
+    `speculate` = k the "verify" graph (k+1 positions, a graph of its own even where a bucket has
+    its length) at each KV bucket holding it, and with `drafts` the drafter's one-position "draft"
+    graph per KV bucket (neuron_drafter's draft_kv<bucket>, compiled into the target's model)."""
+    lengths = [("decode" if n == 1 else "prefill", n) for n in sorted({int(b) for b in buckets} | {1})]
+    lengths += [("verify", int(speculate) + 1)] if speculate else []
     kvs = kv_buckets(buckets, max_len)
-    return [(n, kv) for n in lengths for kv in kvs if kv >= n] + ([(1, kv) for kv in kvs] if drafts else [])
+    return [(kind, n, kv) for kind, n in lengths for kv in kvs if kv >= n] + ([("draft", 1, kv) for kv in kvs]
+                                                                              if drafts else [])
+
+
+def graph_shapes(buckets, max_len: int, speculate: int = 0, drafts: bool = False) -> list[tuple[int, int]]:
+    """(sequence length, KV bucket) of every compiled graph (graph_kinds without the kind)."""
+    return [(n, kv) for _, n, kv in graph_kinds(buckets, max_len, speculate, drafts)]
 
 
 def moe_gathers(tokens: int, top_k: int, num_experts: int) -> bool:
@@ -81,35 +87,5 @@ def moe_working_set_bytes(spec: ModelSpec, tp: int, tokens: int, nbytes: int) ->
     return tokens * block * ((3 * m + h) * nbytes + 4 * h)
 
 
-def graph_io_bytes(spec: ModelSpec, tp: int, length: int, nbytes: int, last_row_only: bool = False,
-                   rows: int = 1) -> int:
-    """One graph's I/O buffers on a rank for `rows` sequences: its input [rows, s, width] and
-    positions, and the logits (this rank's vocabulary share; the last row of each only on a perf
-    build)."""
-    width = spec.hidden_size + spec.num_layers * spec.per_layer_input_size
-    out_rows = 1 if last_row_only else length
-    return rows * (length * width * nbytes + length * 4 + out_rows * (spec.vocab_size // tp) * 4)
-
-
-def graphs_bytes(spec: ModelSpec, tp: int, graphs, nbytes: int, rows: int = 1, last_row_only: bool = False) -> dict:
-    """Per-graph cost of the compiled graphs [(length, KV bucket), ...] of `rows` sequences each:
-    each graph's I/O plus GRAPH_OVERHEAD_BYTES (a perf build, `last_row_only`: one row of logits per
-    sequence), and the largest MoE working set over their calls."""
-    io = [graph_io_bytes(spec, tp, length, nbytes, last_row_only=last_row_only, rows=rows) + GRAPH_OVERHEAD_BYTES
-          for length, _ in graphs]
-    moe = max((moe_working_set_bytes(spec, tp, rows * length, nbytes) for length, _ in graphs), default=0)
-    return {"count": len(io), "per_graph": max(io, default=0), "graphs": sum(io), "moe_working_set": moe}
-
-
-def graph_reserve_bytes(spec: ModelSpec, tp: int, nbytes: int, buckets) -> int:
-    """An upper bound, whatever the KV length, of one rank's graph cost (graphs_bytes' I/O,
-    instructions and MoE working set) for `buckets`: every length at MAX_KV_BUCKETS KV buckets.
-    What the longest context that fits (sharding.memory_plan) leaves room for."""
-    lengths = sorted({int(b) for b in buckets} | {1})
-    shapes = [(n, 0) for n in lengths for _ in range(MAX_KV_BUCKETS)]
-    cost = graphs_bytes(spec, tp, shapes, nbytes)
-    return cost["graphs"] + cost["moe_working_set"]
-
-
-__all__ = ["EXPERT_BLOCK", "GRAPH_OVERHEAD_BYTES", "MAX_KV_BUCKETS", "graph_io_bytes", "graph_shapes",
-           "graph_reserve_bytes", "graphs_bytes", "kv_buckets", "moe_gathers", "moe_working_set_bytes"]
+__all__ = ["EXPERT_BLOCK", "MAX_KV_BUCKETS", "graph_kinds", "graph_shapes", "kv_buckets", "moe_gathers",
+           "moe_working_set_bytes"]

@@ -6,7 +6,7 @@ graph, s=1), the example inputs each graph is traced with, the KV cache buffers 
 aliased between calls, the constant buffers that must reach the device, and how outputs unpack.
 The Neuron backend (ModelBuilder) and the XLA backend (torch-xla on the CPU PJRT device) both
 import these, so the XLA lane lowers exactly what inf2 would trace. This module imports no SDK:
-only `backends/neuron.py` knows Neuron, only `backends/xla.py` knows torch_xla.
+only `backends/neuron*.py` know Neuron, only `backends/xla*.py` know torch_xla.
 """
 
 from __future__ import annotations

@@ -311,7 +311,7 @@ def memory_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, *, device_byt
     """Device memory of one `device` (`device_bytes` shared by `ranks_per_device` ranks) for both
     sliding caches: weights, KV bytes per token, the rings' fixed bytes, the KV bytes at kv_len and
     the longest context that fits next to the weights and `reserve_bytes` per rank (the compiled
-    graphs: device_plan.graph_reserve_bytes), capped at the model's positions."""
+    graphs: graph_bytes.graph_reserve_bytes), capped at the model's positions."""
     weights = bytes_per_rank(spec, tp, dtype, 0)["weights"] * ranks_per_device
     reserve = reserve_bytes * ranks_per_device
     caches = {}

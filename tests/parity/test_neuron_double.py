@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from harness.backends import neuron, neuron_cache, neuron_env
+from harness.backends import neuron, neuron_build, neuron_cache, neuron_env
 from harness.base.errors import HarnessInputError
 from harness.base.settings import RunSettings
 from harness.port import graphs
@@ -217,7 +217,7 @@ def test_our_flag_check_refuses_the_equals_form_first(nxd, tiny0_ckpt, tmp_path)
 def test_lnc_from_the_named_platform(nxd, tiny0_ckpt, tmp_path, monkeypatch):
     """With lnc_size left to NxD, NxDParallelState asks the platform for its LNC: the platform the
     backend names for the build answers (inf2: 1)."""
-    monkeypatch.setattr(neuron, "INF2_LNC", None)
+    monkeypatch.setattr(neuron_build, "INF2_LNC", None)
     assert _build(tiny0_ckpt, tmp_path).compiled
 
 
@@ -267,7 +267,7 @@ def test_rule_the_build_names_its_platform(nxd, tiny0_ckpt, tmp_path, monkeypatc
     import os
 
     assert "NEURON_PLATFORM_TARGET_OVERRIDE" not in os.environ
-    monkeypatch.setattr(neuron, "build_platform", lambda flags: contextlib.nullcontext())  # the fix removed
+    monkeypatch.setattr(neuron_build, "build_platform", lambda flags: contextlib.nullcontext())  # the fix removed
     with pytest.raises(neuron.NeuronBuildError, match="no Neuron device"):
         _build(tiny0_ckpt, tmp_path)
     monkeypatch.undo()

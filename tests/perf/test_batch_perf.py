@@ -9,7 +9,8 @@ import pytest
 from harness import FIXTURES_DIR
 from harness.base.errors import HarnessInputError
 from harness.inputs.spec import load_spec
-from harness.perf.batch import batch_costs, batch_fit, batch_floors, refuse_unfit_batch, time_batch
+from harness.perf.batch import batch_costs, batch_floors, time_batch
+from harness.plan.batch_fit import batch_fit, refuse_unfit_batch
 from harness.perf.roofline import instance_rates
 from harness.port.decode import generate
 

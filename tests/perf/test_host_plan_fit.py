@@ -1,6 +1,6 @@
 """The host plan measured (benchmarks/host_plan_fit.py, docs/design.md#resource-plan): `check` in a fresh
 process on a checkpoint of the 12B's structure at a width the fit did not see (hidden 640; the fit
-used 512, 768 and 1024) peaks within 15% of harness/perf/host_plan.py's plan (slow lane). The default
+used 512, 768 and 1024) peaks within 15% of harness/plan/host_plan.py's plan (slow lane). The default
 lane holds the benchmark's per-phase peak reading and its scaled config (cheap)."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_the_scaled_checkpoints_keep_the_12b_structure():
     assert text["vocab_size"] == 8 * 512 and text["intermediate_size"] == 4 * 512
     spec = spec_from_config_dict(config)
     embedding = spec.vocab_size * spec.hidden_size
-    from harness.perf.host_plan import fp32_model_bytes
+    from harness.plan.host_plan import fp32_model_bytes
 
     assert 0.05 < 4 * embedding / fp32_model_bytes(spec) < 0.15  # the 12B's embedding is 9% of its weights
 

@@ -13,7 +13,7 @@ PACKAGE = Path(harness.__file__).parent
 MAX_POSITIONAL = 5
 # (module path, callee) -> why it is still allowed
 KNOWN = {
-    ("backends/xla.py", "xlac._xla_all_gather"): "torch-xla's C API takes positional arguments only",
+    ("backends/xla_env.py", "xlac._xla_all_gather"): "torch-xla's C API takes positional arguments only",
     ("reference/golden.py", "write_golden"): "to convert", ("reference/golden.py", "check_prompt_tensors"): "to convert",
     ("port/model.py", "Attention"): "to convert", ("port/model.py", "DecoderLayer"): "to convert",
     ("port/model.py", "self.layers[i]"): "to convert", ("perf/changepoints.py", "ChangePoint"): "to convert",

@@ -102,14 +102,15 @@ def test_the_26b_a4b_prefill_working_set_fits_a_core_at_tp4():
 def test_the_fit_counts_graphs_moe_and_the_layout_transform():
     """The 26B-A4B at TP 4 fits by a plan that counts its prefill working set, its graphs and the
     least the layout transform's load holds; each term is in the total it is judged by."""
-    from harness.perf.instances import CORE_HBM, core_bytes, placement
-    from harness.port.device_plan import graph_shapes, graphs_bytes
+    from harness.plan.instances import CORE_HBM, core_bytes, placement
+    from harness.plan.graph_bytes import graphs_bytes
+    from harness.port.device_plan import graph_kinds, graph_shapes
     from harness.port.sharding import bytes_per_rank
 
     spec = load_spec(CONFIGS / "gemma-4-26b-a4b-it.json")
     core = core_bytes(spec, 4, buckets=(64, 256))
     base = bytes_per_rank(spec, 4, "bfloat16", 256)
-    graphs = graphs_bytes(spec, 4, graph_shapes((64, 256), 256), 2)
+    graphs = graphs_bytes(spec, 4, graph_kinds((64, 256), 256), 2, capture=True)  # a parity build
     assert core["moe_working_set"] == moe_working_set_bytes(spec, 4, 256, 2) > 0
     assert core["run"] == base["total"] + graphs["graphs"] + core["moe_working_set"]
     assert core["graphs"] == len(graph_shapes((64, 256), 256)) == 7  # decode at 3 KV buckets, 64 at 3, 256 at 1
@@ -121,7 +122,7 @@ def test_the_fit_counts_graphs_moe_and_the_layout_transform():
 
 def test_a_run_that_fits_only_without_the_layout_transform_names_it(monkeypatch):
     from harness.base.errors import ShardingError
-    from harness.perf import instances
+    from harness.plan import instances
 
     spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
     core = instances.core_bytes(spec, 2)
@@ -153,7 +154,7 @@ def test_a_speculative_build_counts_its_verify_graph_and_the_assistants_drafter(
 
     from harness.base.errors import ShardingError
     from harness.inputs.assistant_spec import assistant_spec_from_dict
-    from harness.perf import instances
+    from harness.plan import instances
     from harness.port.device_plan import graph_shapes, kv_buckets
     from harness.port.graphs import kv_graph_plan
 

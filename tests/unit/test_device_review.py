@@ -184,8 +184,8 @@ def test_graphs_by_stage_are_the_graphs_the_neuron_backend_traces():
     from harness.backends.neuron import kv_tags
     from harness.backends.neuron_drafter import draft_tags
     from harness.inputs.spec import load_spec
-    from harness.perf.compile_budget import BATCH_STAGE_SLOTS
-    from harness.perf.host_plan import resource_plan
+    from harness.plan.compile_budget import BATCH_STAGE_SLOTS
+    from harness.plan.host_plan import resource_plan
     from harness.port.graphs import kv_buckets
 
     spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
@@ -229,8 +229,8 @@ def test_info_batch_and_the_memory_plan_give_one_answer():
     from harness import FIXTURES_DIR
     from harness.base.errors import HarnessInputError
     from harness.inputs.spec import load_spec
-    from harness.perf.batch import batch_fit, refuse_unfit_batch
-    from harness.perf.memory import instance_memory_plan, render_memory_plan
+    from harness.plan.batch_fit import batch_fit, refuse_unfit_batch
+    from harness.plan.memory import instance_memory_plan, render_memory_plan
 
     spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
     plan = instance_memory_plan(spec, 2, "bfloat16", 4096)
@@ -240,3 +240,37 @@ def test_info_batch_and_the_memory_plan_give_one_answer():
     with pytest.raises(HarnessInputError, match=rf"--batch 8 at --kv-len 4096: .* at most {most} sequences"):
         refuse_unfit_batch(batch_fit(spec, 2, "bfloat16", 8, 4096))
     assert 1 <= most < 7
+
+
+def test_info_batch_on_the_command_line_and_its_memory_plan_say_the_same_most(capsys):
+    """The command itself: `info --batch 1,2,4,8 --kv-len 4096` refuses batch 8 naming the most
+    sequences the memory plan prints, and with the batches that fit the memory plan's line and
+    every row of the batch table name that same number (the served build's fit, counted once)."""
+    import re
+
+    from harness import FIXTURES_DIR
+    from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
+
+    args = ["info", "--config", str(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"), "--tp", "2", "--kv-len", "4096"]
+    assert main(args + ["--batch", "1,2,4,8"]) == EXIT_BAD_INPUT
+    refused = re.search(r"at most (\d+) sequences fit", capsys.readouterr().err)
+    assert main(args + ["--batch", "1,2"]) == EXIT_OK
+    out = capsys.readouterr().out
+    plan = re.search(r"batch at --kv-len 4096: at most (\d+) sequences", out)
+    table = set(re.findall(r"^\s+4096\s+\d+ .*\(at most (\d+)\)$", out, re.M))
+    assert refused and plan and table == {plan.group(1)} and refused.group(1) == plan.group(1), (refused, plan, table)
+    assert 1 <= int(plan.group(1)) < 8
+
+
+def test_a_device_check_whose_build_does_not_fit_a_core_is_refused_before_compiling(capsys, tmp_path, monkeypatch):
+    """The check's preflight refuses by the same device fit as info and doctor (a core of 1 GiB here:
+    the tiny model's builds are small), exit 2, nothing built; the cpu backend is not planned by it."""
+    from harness.cli import main
+    from harness.plan import instances
+
+    monkeypatch.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(instances, "CORE_HBM", 1 << 20)
+    assert main(["check", "--model", "tiny", "--backend", "neuron", "--skip-served-build"]) == 2
+    err = capsys.readouterr().err
+    assert "check: at tp=2 one NeuronCore needs" in err and "but has 0 GiB" in err, err
+    assert not (tmp_path / "cache").exists()

@@ -1,4 +1,4 @@
-"""The resource plan (`info --plan`, harness/perf/host_plan.py): per command host peak, device bytes per
+"""The resource plan (`info --plan`, harness/plan/host_plan.py): per command host peak, device bytes per
 core and graphs, for the 12B, 31B and 26B-A4B, from a config like `info`."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from harness import FIXTURES_DIR
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from harness.inputs.spec import load_spec
-from harness.perf.host_plan import (COMMANDS, host_parts, host_peak, host_phases, fp32_model_bytes, resource_plan,
+from harness.plan.host_plan import (COMMANDS, host_parts, host_peak, host_phases, fp32_model_bytes, resource_plan,
                                     what_fits)
-from harness.perf.instances import core_bytes
+from harness.plan.instances import core_bytes
 
 CONFIGS = FIXTURES_DIR / "configs"
 GIB = 1 << 30
@@ -23,21 +23,30 @@ GIB = 1 << 30
 def test_the_plan_of_each_command(name, tp, instance):
     spec = load_spec(CONFIGS / f"gemma-4-{name}-it.json")
     plan = resource_plan(spec, tp, "bfloat16", 256, (64, 256), batch=None)  # a check with its batch stage
-    core = core_bytes(spec, tp, "bfloat16", 256, buckets=(64, 256))
+    core = core_bytes(spec, tp, "bfloat16", 256, buckets=(64, 256))  # the parity build: captures
+    perf = core_bytes(spec, tp, "bfloat16", 256, buckets=(64, 256), perf=True)  # served and bench: a row each
     assert plan["instance"] == instance and set(plan["commands"]) == set(COMMANDS)
     batch_stage = core_bytes(spec, tp, "bfloat16", 256, buckets=(64, 256), batch=4)
+    assert perf["total"] < core["total"] < batch_stage["total"]
     for cmd, c in plan["commands"].items():
         assert c["graphs"] == sum(c["graphs_by_stage"].values())
         if cmd == "reference":  # the references run on the host: nothing compiled
-            assert c["graphs"] == 0 and c["device_bytes_per_core"] == 0
+            assert c["graphs"] == 0 and c["device_bytes_per_core"] == 0 and c["fits_device"]
         elif cmd == "check":  # parity 7, the batch stage's 7 at batch buckets 1, 2, 4, served 7
             assert c["graphs_by_stage"] == {"parity build": 7, "batch stage": 21, "served build": 7}
-            assert c["device_bytes_per_core"] == batch_stage["total"] > core["total"]
-        else:
-            assert c["device_bytes_per_core"] == core["total"] and c["graphs"] == core["graphs"] == 7
+            assert c["device_bytes_per_core"] == batch_stage["total"]
+            assert c["fits_device"] == (batch_stage["total"] <= 16 * GIB) == (c["device_problem"] is None)
+        else:  # bench compiles the perf build only; bisect and quality the parity build
+            assert c["device_bytes_per_core"] == (perf if cmd == "bench" else core)["total"]
+            assert c["graphs"] == core["graphs"] == 7 and c["fits_device"] == (c["device_bytes_per_core"] <= 16 * GIB)
         assert c["compile"]["minutes"] == c["graphs"] * c["compile"]["per_graph"] and c["compile"]["source"]
         assert c["host_peak_bytes"] == host_peak(cmd, c["host_phases"]) > max(c["host_phases"].values())
-        assert c["fits_device"] and c["fits_host"] == (c["host_peak_bytes"] <= plan["host_bytes"])
+        assert c["fits_host"] == (c["host_peak_bytes"] <= plan["host_bytes"])
+    assert plan["device_problem"] == plan["commands"]["check"]["device_problem"] or plan["commands"]["check"]["fits_device"]
+    assert "batch stage" in plan["commands"]["check"]["host_phases"]
+    alone = resource_plan(spec, tp, "bfloat16", 256, (64, 256), batch=1)  # on neuron without --batch: no batch stage
+    assert "batch stage" not in alone["commands"]["check"]["host_phases"]
+    assert "batch stage" not in alone["commands"]["check"]["graphs_by_stage"]
     # issue 28: every command, check included, fits the instance's host by the phase plan (the
     # float64 envelope streamed, one reference model at a time)
     assert all(c["fits_host"] for c in plan["commands"].values())
@@ -116,7 +125,7 @@ def test_commands_refuse_a_run_over_the_host_budget_before_model_work(tmp_path, 
 
 
 def test_the_refusal_names_the_options_that_make_it_fit(capsys, monkeypatch):
-    from harness.perf import host_plan
+    from harness.plan import host_plan
 
     # a budget between the plan with the references and the fp32 stage and the plan without them
     spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-tiny.json")

@@ -1,4 +1,4 @@
-"""The inf2 workflow's device jobs against the compile budget (harness/perf/compile_budget.py): each
+"""The inf2 workflow's device jobs against the compile budget (harness/plan/compile_budget.py): each
 restores the harness's compile cache, and its timeout holds the cold compile of the 12B commands it
 runs, as `info --plan` plans them for the options on their command lines, with room for setup."""
 
@@ -11,7 +11,7 @@ import yaml
 
 from harness import FIXTURES_DIR
 from harness.inputs.spec import load_spec
-from harness.perf.compile_budget import compile_minutes, graphs_by_stage
+from harness.plan.compile_budget import compile_minutes, graphs_by_stage
 from harness.port.sharding import bytes_per_rank
 
 WORKFLOW = Path(__file__).resolve().parents[2] / ".github" / "workflows" / "inf2.yml"
@@ -63,3 +63,24 @@ def test_the_budget_reads_the_command_line():
     batched = cold_minutes("gemma-parity check --backend neuron --tp 2 --batch 4")
     assert default == 14 * 22.0 and batched == 2 * 21 * 22.0
     assert 240 < default + SETUP_MINUTES
+
+
+def test_every_budget_line_names_whether_its_figure_was_measured(monkeypatch):
+    """The 22 min per graph is published, not measured (no device here): the plan's line before a
+    command, the plan's table and the refusal say so, and say "measured" once a figure is set."""
+    from harness import FIXTURES_DIR
+    from harness.inputs.spec import load_spec
+    from harness.plan import compile_budget
+    from harness.plan.host_plan import render_resource_plan, resource_plan, summary_line
+
+    spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
+    plan = resource_plan(spec, 2, "bfloat16", 256, (64, 256))
+    assert "(22 min per graph, published, not measured)" in summary_line(plan, "check")
+    assert compile_budget.PUBLISHED_SOURCE in render_resource_plan(plan)
+    budget = plan["commands"]["check"]["compile"]
+    refusal = compile_budget.refuse_over_budget("check", plan["commands"]["check"]["graphs_by_stage"], budget, 10)
+    assert "published, not measured by this project" in refusal
+    monkeypatch.setattr(compile_budget, "MEASURED_MINUTES_PER_GRAPH", 9.0)
+    measured = resource_plan(spec, 2, "bfloat16", 256, (64, 256))
+    assert "(9 min per graph, measured)" in summary_line(measured, "check")
+    assert measured["commands"]["check"]["compile"]["minutes"] == 14 * 9.0

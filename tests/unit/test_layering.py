@@ -32,9 +32,11 @@ PACKAGES = {
     "backends": (4, "where the port's graphs run: CPU, XLA, Neuron (the only code that knows the SDK)"),
     "judge": (4, "the one tolerance policy, its verdicts, the stage and routing decisions"),
     "hlo": (5, "the device graphs' HLO: parsed, checked against the contracts, measured"),
-    "perf": (5, "benchmarks of the served build, their statistics, history, memory, instances"),
+    "perf": (5, "benchmarks of the served build, their statistics, history, roofline floors"),
     "parity": (6, "check, the served check, bisect and truncate, and the observation they judge"),
     "quality": (6, "the corpus golden and its judged teacher-forced pass"),
+    "plan": (6, "what a run needs, counted before it starts: the device fit per NeuronCore (graphs' bytes held "
+                "to the traced graphs), batch and KV fits, the memory plan, compile budget, host plan"),
     "report": (7, "what the commands print and write: tables, Markdown, JSON, plots"),
     "snapshot": (7, "one device call snapshotted, validated on read, replayed on any backend, a standalone repro"),
     "cli": (8, "the commands"),

@@ -20,8 +20,8 @@ def tiny_spec():
 def lower_tiny(spec, tp: int, length: int, module_cls=None, dtype=torch.bfloat16):
     """One rank's graph of the tiny model (weights as the module initialised them), lowered by
     torch-xla: (LoweredGraph, GraphSignature, Expectation)."""
-    from harness.backends.xla import build_graph_module, graph_tensors, lower_graph
-    from harness.hlo.contracts import GraphSignature, expectation_for
+    from harness.backends.xla_lower import build_graph_module, graph_tensors, lower_graph
+    from harness.hlo.expectation import GraphSignature, expectation_for
     from harness.port.graphs import TracedDecoder
 
     module = build_graph_module(spec, tp, KV_LEN, dtype, module_cls=module_cls or TracedDecoder)

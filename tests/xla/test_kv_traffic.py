@@ -21,7 +21,7 @@ SLOTS = 4
 
 
 def lower_batched(spec, length: int, batch: int, kv_read: int, sliding_cache: str = "linear", capture: bool = False):
-    from harness.backends.xla import build_graph_module, graph_tensors, lower_graph
+    from harness.backends.xla_lower import build_graph_module, graph_tensors, lower_graph
 
     module = build_graph_module(spec, 1, KV, torch.bfloat16, capture=capture, sliding_cache=sliding_cache, slots=SLOTS)
     module.set_kv_read(kv_read)

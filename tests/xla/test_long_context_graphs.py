@@ -9,7 +9,8 @@ import torch
 
 from harness.backends import build_engine
 from harness.base.settings import RunSettings
-from harness.hlo.contracts import GraphSignature, check_graph, expectation_for
+from harness.hlo.contracts import GraphSignature, check_graph
+from harness.hlo.expectation import expectation_for
 from harness.parity.check import check_port
 from harness.port.graphs import TracedDecoder, kv_buckets
 from tests.faults.catalog import LONG_BUCKETS, LONG_KV_LEN
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.xla
 
 
 def _lowered(spec, tp, length, kv_read=None, sliding_cache="linear", module_cls=TracedDecoder):
-    from harness.backends.xla import build_graph_module, graph_tensors, lower_graph
+    from harness.backends.xla_lower import build_graph_module, graph_tensors, lower_graph
 
     module = build_graph_module(spec, tp, KV_LEN, torch.bfloat16, module_cls=module_cls, sliding_cache=sliding_cache)
     module.set_kv_read(kv_read)

@@ -83,7 +83,8 @@ def test_each_rank_graph_on_its_own_shards_meets_the_contracts(tiny0_ckpt, rank)
     """Every TP=2 rank's graph, lowered on that rank's shards from the checkpoint, traces with the
     plan's per-rank shapes and its collectives, and meets every contract."""
     from harness.backends.xla import XlaBackend
-    from harness.hlo.contracts import GraphSignature, check_graph, expectation_for
+    from harness.hlo.contracts import GraphSignature, check_graph
+    from harness.hlo.expectation import expectation_for
 
     backend = XlaBackend(tiny0_ckpt, RunSettings(backend="xla", buckets=(16,), kv_len=32))
     graphs = backend.lower_graphs(rank=rank)

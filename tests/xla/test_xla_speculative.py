@@ -100,7 +100,7 @@ def test_a_drafter_fault_fails_the_stage_on_xla_naming_its_point(monkeypatch):
 
 def _lowered(tp: int = 2):
     from harness.backends import build_drafter, build_engine
-    from harness.hlo.contracts import GraphSignature, draft_expectation
+    from harness.hlo.expectation import GraphSignature, draft_expectation
     from harness.inputs.assistant_checkpoint import AssistantCheckpoint
 
     ckpt, assistant_dir, _ = pair("12b")
@@ -156,8 +156,9 @@ ORIGINAL = None
 def test_the_perf_builds_verify_graph_keeps_the_graph_contracts(tiny_spec, tp):
     """The verify graph of a perf build (traced without last_index): every row's logits and the
     final-norm states returned, its k+1 slots written, the KV cache aliased state, every contract."""
-    from harness.backends.xla import build_graph_module, graph_tensors, lower_graph
-    from harness.hlo.contracts import GraphSignature, check_graph, expectation_for
+    from harness.backends.xla_lower import build_graph_module, graph_tensors, lower_graph
+    from harness.hlo.contracts import GraphSignature, check_graph
+    from harness.hlo.expectation import expectation_for
     from harness.hlo.ir import parse_hlo
     from harness.port.graphs import graph_plan
 

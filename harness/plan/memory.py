@@ -13,7 +13,7 @@ import math
 from harness.base.errors import HarnessInputError
 from harness.base.settings import DEFAULT_BUCKETS
 from harness.perf.roofline import CHIP, DEFAULT_INSTANCE, INSTANCE_CHIPS
-from harness.port.device_plan import graph_reserve_bytes
+from harness.plan.graph_bytes import graph_reserve_bytes
 from harness.port.sharding import dtype_bytes, memory_plan
 
 
@@ -38,7 +38,7 @@ def instance_memory_plan(spec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
         raise HarnessInputError(f"--tp {tp} needs {chips} Inferentia2 chips ({CHIP['cores']} cores each); "
                                 f"{instance} has {INSTANCE_CHIPS[instance]}")
     # Each NeuronCore-v2 owns its share of the chip's HBM: TP=1 has one core's 16 GiB, not the chip's
-    # 32 (the same rule as the per-core fit in harness.perf.instances).
+    # 32 (the same rule as the per-core fit in harness.plan.instances).
     ranks = min(tp, CHIP["cores"])
     device = (f"one Inferentia2 chip of {instance}" if ranks == CHIP["cores"]
               else f"{ranks} of the {CHIP['cores']} NeuronCores of one Inferentia2 chip of {instance}")
@@ -49,9 +49,9 @@ def instance_memory_plan(spec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
 
 
 def max_batch(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear") -> int:
-    """The most KV slots (sequences) that fit at `kv_len` by the one device fit (perf.batch.batch_fit,
+    """The most KV slots (sequences) that fit at `kv_len` by the one device fit (batch_fit.batch_fit,
     instances.core_bytes): what `info --batch` admits and refuses by."""
-    from harness.perf.batch import batch_fit
+    from harness.plan.batch_fit import batch_fit
 
     return batch_fit(spec, tp, dtype, 1, kv_len, sliding_cache=sliding_cache)["max_batch"]
 
@@ -70,7 +70,7 @@ def render_memory_plan(plan: dict, sliding_cache: str) -> str:
     """The plan as text lines: the arithmetic behind each cache's longest context."""
     lines = [f"memory plan: {plan['device']}, {gib(plan['device_bytes'])} for {plan['ranks_per_device']} "
              f"rank(s); weights {gib(plan['weights_bytes'])}, compiled graphs up to {gib(plan['graphs_reserve_bytes'])} "
-             "(harness/port/device_plan.py; nothing else reserved for activations or runtime scratch)"]
+             "(harness/plan/graph_bytes.py; nothing else reserved for activations or runtime scratch)"]
     if plan["weights_bytes"] >= plan["device_bytes"]:
         lines.append(f"  the weights alone exceed {gib(plan['device_bytes'])}: this TP and dtype do not fit the chip")
     for kind, c in plan["caches"].items():

@@ -4,7 +4,7 @@ whether its weights and KV cache fit one NeuronCore's share of device memory at 
 An Inferentia2 chip has 2 NeuronCores and 32 GiB of HBM (AWS, "Amazon EC2 Inf2 instances"): one
 rank per core, 16 GiB each. The fit counts weights, the KV cache at the compiled length, every
 graph's I/O and instructions, the MoE working set and the weight-layout transform
-(harness/port/device_plan.py); other activations and the runtime's scratch come on top, so a plan using
+(harness/port/device_plan.py, harness/plan/graph_bytes.py); other activations and the runtime's scratch come on top, so a plan using
 nearly all 16 GiB is marked tight.
 """
 
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from harness.base.errors import ShardingError
 from harness.base.settings import DEFAULT_BUCKETS
 from harness.inputs.spec import ModelSpec
-from harness.port.device_plan import GRAPH_OVERHEAD_BYTES, graph_shapes, graphs_bytes
+from harness.plan.graph_bytes import GRAPH_OVERHEAD_BYTES, graphs_bytes
+from harness.port.device_plan import graph_kinds
 from harness.port.sharding import bytes_per_rank, dtype_bytes, plan_model
 
 GIB = 1 << 30
@@ -64,10 +65,11 @@ def layout_transform(backend_options: dict) -> bool:
 def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
                *, buckets=DEFAULT_BUCKETS, layout: bool = False, speculate: int = 0, assistant=None,
                batch: int = 1, perf: bool = False) -> dict:
-    """One NeuronCore's device memory for a build (harness/port/device_plan.py). `run`: weights, KV
+    """One NeuronCore's device memory for a build (harness/plan/graph_bytes.py). `run`: weights, KV
     cache (`batch` slots), the compiled graphs' I/O and instructions (each (length, KV bucket) one
-    graph, at every batch bucket of a batched build; a `perf` build returns one row of logits per
-    sequence, a parity build every row) and the MoE working set of the largest call.
+    graph, at every batch bucket of a batched build; graph_bytes.graph_io_bytes: a `perf` build
+    returns one row of logits per sequence, a parity build every row and its captures) and the MoE
+    working set of the largest call.
     The weight-layout transform (NxD's set_weights re-lays the weights out on the device before the
     states exist) would hold the weights plus at least the largest weight re-laid out
     (`layout_least`), at most a second copy of every weight (`layout_most`; the transformer is
@@ -80,9 +82,10 @@ def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 
     per_rank = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
     nbytes = dtype_bytes(dtype)
     drafter = assistant.bytes_per_rank(tp, nbytes) if assistant is not None else 0
-    shapes = graph_shapes(buckets, kv_len, speculate, drafts=assistant is not None)
+    shapes = graph_kinds(buckets, kv_len, speculate, drafts=assistant is not None)
     rows = batch_buckets(batch) if batch > 1 else (1,)
-    costs = [graphs_bytes(spec, tp, shapes, nbytes, rows=b, last_row_only=perf) for b in rows]
+    costs = [graphs_bytes(spec, tp, shapes, nbytes, rows=b, capture=not perf, batched=batch > 1, assistant=assistant)
+             for b in rows]
     graphs = {"count": sum(c["count"] for c in costs), "per_graph": max(c["per_graph"] for c in costs),
               "graphs": sum(c["graphs"] for c in costs), "moe_working_set": max(c["moe_working_set"] for c in costs)}
     kv_cache = per_rank["kv_cache"] * batch
@@ -160,15 +163,18 @@ def core_summary(core: dict) -> str:
     return text
 
 
-def plan_notes(spec: ModelSpec, where: dict) -> list[str]:
-    """What `info` says beyond the per-layer table: the instance, the family's extra parts and how
-    each is placed."""
+def plan_notes(spec: ModelSpec, where: dict, parity: dict | None = None) -> list[str]:
+    """What `info` says beyond the per-layer table: the instance, the served build's fit (and the
+    check's `parity` build's, a core_bytes), the family's extra parts and how each is placed."""
     gib = where["bytes_per_rank"] / GIB
     fit = "fits" if where["fits"] else "does NOT fit"
     lines = [f"instance: {where['instance']} ({where['chips_used']} chip(s), tp={where['tp']} ranks, one per "
-             f"NeuronCore); per core {gib:.2f} GiB of {CORE_HBM / GIB:.0f} GiB: {fit}"
+             f"NeuronCore); served build per core {gib:.2f} GiB of {CORE_HBM / GIB:.0f} GiB: {fit}"
              + (" (tight: little left for activations)" if where["fits"] and where["tight"] else ""),
-             f"per core: {core_summary(where['core'])}",
+             f"per core (served build): {core_summary(where['core'])}",
+             *([f"per core (check's parity build, every row's logits and the captures): {core_summary(parity)}"
+                + ("" if parity["total"] <= CORE_HBM else f"; does NOT fit {CORE_HBM / GIB:.0f} GiB")]
+               if parity else []),
              f"TP degrees the heads and sizes allow (up to {MAX_CORES} cores): {where['allowed_tps']}; "
              f"smallest that fits: {where['smallest_fitting_tp']}"]
     shared = [layer for layer in spec.layers if layer.kv_source is not None]

@@ -61,17 +61,17 @@ def graphs_by_stage(command: str, buckets, kv_len: int, *, batch: int | None = N
 
 
 def compile_minutes(graphs: int, weight_bytes_per_rank: int) -> dict:
-    """{minutes, per_graph, source} of compiling `graphs` graphs cold, one after another above the
-    parallel-compile limit."""
+    """{minutes, per_graph, source, basis} of compiling `graphs` graphs cold, one after another above
+    the parallel-compile limit; `basis` says in two words whether the per-graph figure was measured."""
     from harness.backends.neuron_cache import PARALLEL_COMPILE_LIMIT_BYTES
 
     if MEASURED_MINUTES_PER_GRAPH is not None:
-        per, source = MEASURED_MINUTES_PER_GRAPH, "measured on inf2"
+        per, source, basis = MEASURED_MINUTES_PER_GRAPH, "measured on inf2", "measured"
     elif weight_bytes_per_rank > PARALLEL_COMPILE_LIMIT_BYTES:
-        per, source = PUBLISHED_MINUTES_PER_GRAPH, PUBLISHED_SOURCE
+        per, source, basis = PUBLISHED_MINUTES_PER_GRAPH, PUBLISHED_SOURCE, "published, not measured"
     else:
-        per, source = SMALL_MINUTES_PER_GRAPH, SMALL_SOURCE
-    return {"minutes": round(graphs * per, 1), "per_graph": per, "source": source}
+        per, source, basis = SMALL_MINUTES_PER_GRAPH, SMALL_SOURCE, "estimated, not measured"
+    return {"minutes": round(graphs * per, 1), "per_graph": per, "source": source, "basis": basis}
 
 
 def refuse_over_budget(command: str, stages: dict[str, int], budget: dict, limit: float | None) -> str | None:

@@ -3,7 +3,7 @@ bisect, quality and bench): peak host memory, device memory per NeuronCore and t
 compiled graphs, for the model, TP, buckets and KV length asked for, against the instance's host RAM
 and HBM.
 
-Device side: harness/perf/instances.py core_bytes (weights, KV cache, graphs, MoE working set, layout
+Device side: harness/plan/instances.py core_bytes (weights, KV cache, graphs, MoE working set, layout
 transform). Host side, counted by phase (`host_phases`): what each command holds at once in each
 phase (the port's ranks, one transformers reference model at a time, the fp32 stage's port beside
 the port, the float64 envelope whole or streamed one layer at a time, the served build, the
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from harness.base.errors import ShardingError
 from harness.inputs.spec import ModelSpec
-from harness.perf.instances import INSTANCES, check_fits, core_bytes, smallest_instance
+from harness.plan.instances import INSTANCES, check_fits, core_bytes, smallest_instance
 from harness.port.sharding import bytes_per_rank, kv_cache_bytes, layer_params_per_rank
 
 GIB = 1 << 30
@@ -139,47 +139,62 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
                   batch: int | None = 1, assistant=None) -> dict:
     """Per command: host_peak_bytes (and its phases), the builds it compiles (`graphs_by_stage`,
     compile_budget.graphs_by_stage; `graphs` their sum) and their cold-compile minutes, the device
-    bytes per core of its largest build, and whether each fits; `host_bytes` is the host budget
+    bytes per core of its largest build (stage_build: a parity or a perf build) and whether every
+    build fits (`device_problem`: the first that does not); `host_bytes` is the host budget
     (default: the RAM of the instance the TP degree needs); `options` (golden, fp32_stage, served)
     what the command was asked to skip; `batch` the run's KV slots, or None for a check with its
     batch stage (a check without --batch off neuron; on neuron it is asked for with --batch N); `assistant` an AssistantSpec (its draft graphs and drafter)."""
-    from harness.perf.compile_budget import BATCH_STAGE_SLOTS, compile_minutes, graphs_by_stage
+    from harness.plan.compile_budget import compile_minutes, graphs_by_stage
 
     inst = smallest_instance(tp)
     budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "")
     build = dict(buckets=buckets, layout=layout, speculate=speculate, assistant=assistant)
     slots = batch or 1
-    cores = {s: core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build, batch=s)
-             for s in {slots, BATCH_STAGE_SLOTS if batch is None else slots}}
-    core = cores[slots]
-    try:
-        for s in cores:
-            check_fits(spec, tp, dtype, kv_len, sliding_cache, **build, batch=s)
-        device_problem = None
-    except ShardingError as exc:
-        device_problem = str(exc)
+    fits: dict[tuple[int, bool], str | None] = {}  # (KV slots, perf build) -> None, or why it does not fit
+
+    def core(key: tuple[int, bool]) -> dict:
+        if key not in fits:
+            try:
+                check_fits(spec, tp, dtype, kv_len, sliding_cache, **build, batch=key[0], perf=key[1])
+                fits[key] = None
+            except ShardingError as exc:
+                fits[key] = str(exc)
+        return core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build, batch=key[0], perf=key[1])
+
     parts = host_parts(spec, tp, dtype, backend, rows)
     weights = bytes_per_rank(spec, tp, dtype, kv_len)["weights"]
     commands = {}
     for name in COMMANDS:
-        phases = host_phases(name, parts, **(options or {}))
+        # the batch stage runs in a check without --batch (off neuron) or with --batch N > 1
+        phases = host_phases(name, parts, **{"batch_stage": batch is None or batch > 1, **(options or {})})
         peak = host_peak(name, phases)
         stages = graphs_by_stage(name, buckets, kv_len, batch=batch if name == "check" else slots,
                                  speculate=speculate, drafts=assistant is not None,
                                  served=(options or {}).get("served", True))
-        used = {BATCH_STAGE_SLOTS if stage == "batch stage" else slots for stage in stages}
-        device = max((cores[s]["total"] for s in used), default=0)
+        used = {stage_build(stage, slots) for stage in stages}
+        device = max((core(key)["total"] for key in used), default=0)
+        problems = [fits[key] for key in sorted(used) if fits[key]]
         commands[name] = {"host_peak_bytes": peak, "host_phases": phases, "host_basis": HOST_FIT[name][2],
                           "fits_host": budget is None or peak <= budget, "device_bytes_per_core": device,
                           "graphs_by_stage": stages, "graphs": sum(stages.values()),
                           "compile": compile_minutes(sum(stages.values()), weights),
-                          "fits_device": device_problem is None}
+                          "fits_device": not problems, "device_problem": problems[0] if problems else None}
+    device_problem = next((c["device_problem"] for c in commands.values() if c["device_problem"]), None)
+    core = core((slots, False))
     return {"instance": inst.name if inst else None, "host_bytes": budget, "fp32_model_bytes": parts["model"],
             "float64_streamed": parts["float64_streamed"], "backend": backend,
             "host_parts": parts, "options": dict(options or {}), "tp": tp, "kv_len": kv_len,
             "buckets": sorted({int(b) for b in buckets}), "batch": batch, "core": core,
             "core_hbm": 16 * GIB, "device_problem": device_problem, "commands": commands,
             "instances": [i.name for i in INSTANCES]}
+
+
+def stage_build(stage: str, slots: int) -> tuple[int, bool]:
+    """(KV slots, perf build) of a build compile_budget.graphs_by_stage names: the parity build and the
+    batch stage return every row and the captures, the served and bench builds one row of logits."""
+    from harness.plan.compile_budget import BATCH_STAGE_SLOTS
+
+    return (BATCH_STAGE_SLOTS if stage == "batch stage" else slots), stage in ("served build", "perf build")
 
 
 def render_resource_plan(plan: dict) -> str:
@@ -258,7 +273,8 @@ def summary_line(plan: dict, command: str) -> str:
     builds = ", ".join(f"{stage} {n}" for stage, n in c["graphs_by_stage"].items()) or "none"
     return (f"plan: host peak {gib(c['host_peak_bytes'])} of {budget} (largest phase: {phase}), "
             f"device {gib(c['device_bytes_per_core'])} per NeuronCore, {c['graphs']} graphs ({builds}), "
-            f"cold compile ~{c['compile']['minutes']:.0f} min")
+            f"cold compile ~{c['compile']['minutes']:.0f} min ({c['compile']['per_graph']:g} min per graph, "
+            f"{c['compile']['basis']})")
 
 
 __all__ = ["COMMANDS", "HOST_FIT", "HOST_RAM", "counted_peak", "fp32_model_bytes", "host_parts", "host_peak",

@@ -1,0 +1,69 @@
+"""Whether a batch's KV slots fit beside the weights (`info --batch`, the memory plan's most
+sequences): a perf build of `batch` KV slots by the one device fit (instances.core_bytes), against
+the HBM of the TP group's cores.
+"""
+
+from __future__ import annotations
+
+from harness.base.errors import HarnessInputError
+from harness.inputs.spec import ModelSpec
+from harness.perf.roofline import CHIP, GiB
+from harness.plan.instances import core_bytes
+
+
+def batch_fit(spec: ModelSpec, tp: int, dtype: str, batch: int, kv_len: int, chip: dict | None = None,
+              sliding_cache: str = "linear", buckets=None) -> dict:
+    """A perf build of `batch` KV slots of `kv_len` (what serves a batch) by the one device fit
+    (instances.core_bytes: weights, the slots' KV, every batch bucket's graphs, the MoE working set) against each core's HBM (the
+    chip's split over its cores), summed over the TP group; `max_batch` the most slots that fit at
+    this KV length by the same fit (what the memory plan prints too)."""
+    from harness.base.settings import DEFAULT_BUCKETS
+
+    chip = chip or CHIP
+    per_core = chip["hbm_bytes"] / chip["cores"]
+    build = dict(buckets=buckets or DEFAULT_BUCKETS, perf=True)  # what serves a batch: the perf build
+
+    def core(slots: int) -> dict:
+        return core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build, batch=slots)
+
+    this = core(batch)
+    most = 0
+    while most < 256 and core(most + 1)["total"] <= per_core:
+        most += 1
+    kv_one = core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build)["kv_cache"]
+    return {"batch": batch, "kv_len": kv_len, "weights_bytes": tp * this["weights"], "kv_bytes_per_sequence": tp * kv_one,
+            "kv_bytes": tp * this["kv_cache"], "graphs_bytes": tp * (this["graph_bytes"] + this["moe_working_set"]),
+            "graphs": this["graphs"], "needed_bytes": tp * this["total"], "capacity_bytes": tp * per_core,
+            "fits": this["total"] <= per_core, "max_batch": most}
+
+
+def fit_table(spec: ModelSpec, tp: int, dtype: str, batches, kv_lens, chip: dict | None = None,
+              sliding_cache: str = "linear") -> list[dict]:
+    """batch_fit of every batch size at every KV length."""
+    return [batch_fit(spec, tp, dtype, b, n, chip=chip, sliding_cache=sliding_cache) for n in kv_lens for b in batches]
+
+
+def refuse_unfit_batch(fit: dict) -> None:
+    """Bad input (naming the numbers) when a batch's KV slots do not fit beside the weights."""
+    if not fit["fits"]:
+        raise HarnessInputError(
+            f"--batch {fit['batch']} at --kv-len {fit['kv_len']}: weights {fit['weights_bytes'] / GiB:.2f} GiB + "
+            f"{fit['batch']} x {fit['kv_bytes_per_sequence'] / GiB:.3f} GiB of KV + {fit['graphs']} graphs "
+            f"{fit['graphs_bytes'] / GiB:.2f} GiB = {fit['needed_bytes'] / GiB:.2f} GiB, "
+            f"more than the {fit['capacity_bytes'] / GiB:.0f} GiB of HBM; at most {fit['max_batch']} sequences fit "
+            "at this KV length (lower --batch or --kv-len)")
+
+
+def render_fit_table(rows: list[dict]) -> str:
+    lines = ["batch fit (the device fit: weights + batch x KV slot + every batch bucket's graphs, against HBM):",
+             f"  {'kv_len':>8} {'batch':>5} {'KV/seq GiB':>10} {'KV GiB':>8} {'graphs GiB':>10} {'total GiB':>9} "
+             f"{'of GiB':>6}  fit"]
+    for r in rows:
+        lines.append(f"  {r['kv_len']:>8} {r['batch']:>5} {r['kv_bytes_per_sequence'] / GiB:>10.3f} "
+                     f"{r['kv_bytes'] / GiB:>8.2f} {r['graphs_bytes'] / GiB:>10.2f} {r['needed_bytes'] / GiB:>9.2f} "
+                     f"{r['capacity_bytes'] / GiB:>6.0f}  "
+                     f"{'yes' if r['fits'] else 'NO'} (at most {r['max_batch']})")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["batch_fit", "fit_table", "refuse_unfit_batch", "render_fit_table"]
