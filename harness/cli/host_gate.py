@@ -95,8 +95,8 @@ def quantized_copy_gate(args, command: str, ckpt) -> None:
     copy" phase), and refused (exit 2) before the copy is written when that phase is over the budget."""
     from harness.base.settings import RunSettings
     from harness.inputs.quantized_checkpoint import copy_host_bytes
-    from harness.perf.host_plan import HOST_RAM, gib, host_peak
-    from harness.perf.instances import smallest_instance
+    from harness.plan.host_plan import HOST_RAM, gib, host_peak
+    from harness.plan.instances import smallest_instance
 
     args.quantized_copy = copy_host_bytes(ckpt, args.quantize)
     host, source = budget(args)

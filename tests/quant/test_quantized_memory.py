@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness.inputs import quantized_checkpoint as qc
-from harness.perf.host_plan import HOST_FIT, resource_plan
+from harness.plan.host_plan import HOST_FIT, resource_plan
 
 
 @pytest.fixture
