@@ -29,7 +29,7 @@ import torch
 from harness.base.progress import status
 from harness.judge.compare import BF16, PointResult, TokenVerdict, classify_departure, compare_point
 from harness.judge.stage import near_tie_calibration
-from harness.judge.stage_result import Gate, StageResult, Ties, ties
+from harness.judge.stage_result import Gate, Stage, StageResult, Ties, ties
 from harness.parity.batched import serve_batch
 
 SKIPPED_NOTE = "served build not judged (--skip-served-build): the perf build bench times was not run"
@@ -222,7 +222,7 @@ def serve_prompts(checkpoint, settings, ref32: list, say) -> tuple:
                                                  f"time ({why})"], 1
 
 
-def served_stage(settings, progress: bool = False, skip: bool = False):
+def served_stage(settings, progress: bool = False, skip: bool = False) -> Stage:
     """The served-build stage for the parity run (harness.judge.stage_result.run_stages): a
     function of the finished result and the checkpoint returning the ServedResult, the perf build
     judged on the references the check observed."""
@@ -233,4 +233,4 @@ def served_stage(settings, progress: bool = False, skip: bool = False):
                 "served build not judged: no stage of the check observed the port (it raised first)"])
         refs = observed.references if observed is not None else ([], [])
         return check_served_build(checkpoint, *refs, result, settings=settings, progress=progress, skip=skip)
-    return stage
+    return Stage("served", stage)
