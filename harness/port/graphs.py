@@ -18,7 +18,8 @@ from harness.base.errors import HarnessInputError
 from harness.port.blocks import FamilyRankDecoder
 from harness.port.device_plan import kv_buckets  # noqa: F401  (re-exported: the KV buckets, capped)
 from harness.port.kv_slots import call_seq_ids
-from harness.port.model import KVCache, RankDecoder, RankLinears
+from harness.port.kv_cache import KVCache
+from harness.port.model import RankDecoder, RankLinears
 
 # Positions enter the graph as int32, as NxD's own examples feed indices (int64 is emulated on
 # Neuron); TracedDecoder widens them to int64 inside the graph, where index_copy needs them.

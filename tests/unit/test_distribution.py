@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from harness.judge.compare import compare_logits
+from harness.judge.tokens import compare_logits
 from harness.judge.distribution import LIMITS, distribution_stage, judge_distribution
 from harness.judge.ratios import MIN_POSITIONS, position_r
 from harness.judge.verdicts import PointResult

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import harness
-from harness.judge.compare import (BF16, FP32, NEAR_TIE_ULPS, classify_departure, classify_mismatch, saturation_tie,
-                                   tie_threshold)
+from harness.judge.compare import BF16, FP32, NEAR_TIE_ULPS
+from harness.judge.tokens import classify_departure, classify_mismatch, saturation_tie, tie_threshold
 from harness.base.errors import PromptError
 from harness.base.numerics import bf16_ulp
 from harness.inputs.prompts import check_kv_fit, kv_positions_used, validate_prompt_fit
@@ -250,10 +250,10 @@ def _calls(name: str) -> set[str]:
     ("judge_routing", {"harness/judge/stage.py"}),  # the stage judge judges routing; parity does not
     ("compare_layers", {"harness/judge/stage.py"}),  # local reads the stage's judged layers
     ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py"}),
-    ("classify_mismatch", {"harness/judge/compare.py"}),  # the drafter's cluster choices: judged as routing
-    ("saturation_tie", {"harness/judge/compare.py"}),
-    ("calibrate_band", {"harness/judge/compare.py", "harness/judge/routing.py"}),
-    ("tie_threshold", {"harness/judge/compare.py", "harness/judge/routing.py"}),
+    ("classify_mismatch", {"harness/judge/tokens.py"}),  # the drafter's cluster choices: judged as routing
+    ("saturation_tie", {"harness/judge/tokens.py"}),
+    ("calibrate_band", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
+    ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
     # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
     ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/quality/moe.py",
                        "harness/reference/forcing.py"}),
