@@ -12,7 +12,7 @@ from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
 
 # the backends whose drafter reads each sequence's own KV slot (`serves_slots`): speculation in a batch
-SLOT_DRAFTERS = ("cpu",)
+SLOT_DRAFTERS = ("cpu", "xla")
 
 
 def add_command(sub) -> None:
@@ -72,8 +72,8 @@ def validate_speculate(args, ckpt, rows=()) -> None:
     widest = max(args.batch or (1,)) if isinstance(args.batch, tuple) else (args.batch or 1)
     if widest > 1 and args.settings.backend not in SLOT_DRAFTERS:
         raise OptionError(f"--assistant with --batch {widest} on the {args.settings.backend} backend: its drafter reads "
-                          "a single sequence's KV cache (the cpu backend's drafts from each sequence's own slot); "
-                          "drop --batch or use --backend cpu")
+                          "a single sequence's KV cache (the cpu and xla backends' draft from each sequence's own "
+                          "slot); drop --batch or use --backend cpu or xla")
     args.settings = args.settings.but(speculate=args.speculate)
     for prompt_len, new_tokens in rows:
         check_verify_fit(prompt_len, new_tokens, args.speculate, args.settings.kv_len)
