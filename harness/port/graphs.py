@@ -114,8 +114,7 @@ class TracedBatchDecoder(TracedDecoder):
     -> what TracedDecoder returns, for every row: a parity build every row's logits and captures; a
     perf build (`last_row_only`) also takes `last_index` [b], each row's last real position, and
     returns only those rows' logits [b, 1, vocab] (lm_head on one row per sequence, as NxD Inference's
-    context encoding gathers the last real row before lm_head); its verify graph takes no
-    `last_index` and returns every row's logits and final-norm states (as TracedDecoder's)."""
+    context encoding gathers the last real row before lm_head); its verify graph, no `last_index`."""
 
     def forward(self, inputs_embeds, positions, seq_ids, last_index=None):
         try:
@@ -128,7 +127,7 @@ class TracedBatchDecoder(TracedDecoder):
         if self.last_row_only:
             self.set_seq_ids(seq_ids)
             hidden = self.final_hidden(inputs_embeds, positions)
-            if last_index is None:  # a perf build's verify graph: every row, and the final-norm states
+            if last_index is None:  # its verify graph: every row's logits and final-norm states
                 return self.lm_head(hidden), hidden
             rows = last_index.to(torch.long).reshape(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
             return self.lm_head(hidden.gather(1, rows))
@@ -317,8 +316,7 @@ def batch_graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor
                        last_row_only: bool = False, verify: bool = False) -> list[torch.Tensor]:
     """The inputs of a batched build's graph for one call: inputs_embeds [b, s, hidden] in the build's
     dtype, int32 positions [b, s] and seq_ids [b] (row r in slot r when None), and on a perf build
-    (`last_row_only`) last_index [b], each row's last real position (0 for a padding-only row), but
-    for its verify graph (`verify`: every row's logits and final-norm states, as batch 1's).
+    (`last_row_only`) last_index [b], each row's last real position (0 for a padding-only row), not to a `verify` graph.
     Shapes checked, and seq_ids too: one distinct slot in [0, slots) per row (the device would clamp
     or drop an out-of-range index without a word); more rows than slots is left to the backend's
     batch-bucket check, which names the buckets."""
