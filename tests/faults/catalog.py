@@ -358,7 +358,7 @@ def shared_softcap_formula_wrong(monkeypatch):
     fallbacks both read it (cap * tanh(x)): the reference, which takes its capped distribution and
     its greedy tokens from transformers alone, does not lean on it, so the check still sees it."""
     from harness.base import numerics
-    from harness.judge import compare as judge
+    from harness.judge import tokens as judge
 
     def wrong(logits, cap):
         return logits.float() if cap is None else cap * torch.tanh(logits.float())

@@ -354,7 +354,7 @@ def test_rule_parameters_are_never_state(nxd, tiny0_ckpt, tmp_path, monkeypatch)
             setattr(self, name, torch.nn.Parameter(self._buffers.pop(name), requires_grad=False))
 
     def update(self, positions, k, v):
-        rows = port_model.chunk_rows(positions)
+        rows = port_kv.chunk_rows(positions)
         self.k = torch.nn.Parameter(self.k.index_copy(2, rows, k), requires_grad=False)
         self.v = torch.nn.Parameter(self.v.index_copy(2, rows, v), requires_grad=False)
         return self.k[:, :, :self.read_len], self.v[:, :, :self.read_len]
