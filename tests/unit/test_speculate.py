@@ -252,10 +252,17 @@ def test_speculation_in_a_batch_equals_each_sequence_alone(random_pair):
 
 def test_speculation_in_a_batch_is_refused_only_where_the_drafter_reads_one_sequence(monkeypatch):
     """`--batch 2 --assistant A --speculate 3` composes on cpu and xla (their drafters read each
-    sequence's own KV slot) and is refused on neuron, before the assistant is read, naming the fix."""
+    sequence's own KV slot) and is refused on neuron, before the assistant is read, naming the fix.
+    The command's list is the drafters' own word (`serves_slots`, which the decode loop reads)."""
     from types import SimpleNamespace
 
+    from harness.backends.cpu_drafter import CpuDrafter
+    from harness.backends.neuron_drafter import NeuronDrafter
+    from harness.backends.xla_drafter import XlaDrafter
     from harness.cli import check as check_cli
+
+    drafters = {"cpu": CpuDrafter, "xla": XlaDrafter, "neuron": NeuronDrafter}
+    assert set(check_cli.SLOT_DRAFTERS) == {b for b, cls in drafters.items() if getattr(cls, "serves_slots", False)}
 
     class Reached(Exception):
         pass
