@@ -130,7 +130,8 @@ class XlaBackend:
                 raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                         "backend with capture=True for a parity build to capture activations")
             graph_in = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
-                                          dtype=self.dtype, slots=self.slots, last_row_only=self.last_row_only)
+                                          dtype=self.dtype, slots=self.slots, last_row_only=self.last_row_only,
+                                          verify=verify)
         else:
             _, graph_in = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
                                        parity_build=self.capture, last_row_only=self.last_row_only, last=last,

@@ -7,7 +7,10 @@ It has no cache: each layer reads the XlaBackend's device KV state tensor of the
 layer of its type, as a read-only input of the draft graph (no host copy, nothing written back:
 the backend's state is never reassigned here). Static shapes: embeds [1, 1, H], state [1, 1, H],
 position [1, 1] int32 (an input, so one compiled program serves every position); outputs the raw
-logits [1, 1, vocab], the post-projection state and, on a parity build, the capture points.
+logits [1, 1, vocab], the post-projection state and, on a parity build, the capture points. On a
+batched build (a KV state of several slots) each draft step reads the slot of its sequence: the
+slot is an int32 input selecting that sequence's keys and values from the state inside the
+program (one program serves every slot, as one serves every position).
 `lower_draft_graph` lowers one rank's draft graph (not executed) for the HLO contracts
 (harness/hlo/contracts.py `check_draft_graph`)."""
 
@@ -48,10 +51,9 @@ def draft_forward(module: RankDrafter, embeds, hidden, position, kv, capture: bo
 class XlaDrafter:
     """The assistant's drafter over an XlaBackend (harness.backends.build_drafter)."""
 
+    serves_slots = True  # step(slot=): a batched build's sequences draft from their own KV slot
+
     def __init__(self, backend, assistant):
-        if backend.slots > 1:
-            raise HarnessInputError("--assistant with --batch: the drafter reads a single sequence's cache; "
-                                    "drop --batch")
         self.backend, self.spec, self.rt = backend, assistant.spec, backend.rt
         self.module = build_draft_module(self.spec, backend.tp, backend.dtype)
         self.capture = backend.returns_captures  # a parity build's draft graph returns the capture points
@@ -62,9 +64,9 @@ class XlaDrafter:
         del states
         self.kv_names = kv_state_names(self.spec)
 
-    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, position: int, capture: bool = False):
-        """One draft at `position` (keys [0, position) of the target's device cache): (logits [vocab]
-        fp32, state [1, 1, H], captures name -> fp32 (empty unless asked))."""
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, position: int, capture: bool = False, slot: int = 0):
+        """One draft at `position` (keys [0, position) of the target's device cache of the sequence in
+        `slot`): (logits [vocab] fp32, state [1, 1, H], captures name -> fp32 (empty unless asked))."""
         if capture and not self.capture:
             raise HarnessInputError("this is a perf build (no capture outputs in its draft graph); build the "
                                     "backend with capture=True for a parity build")
@@ -73,6 +75,11 @@ class XlaDrafter:
         local = [be._local(t.contiguous().to(device), per_rank=False) for t in inputs]
         weights = {n: be._local(t, per_rank=True) for n, t in self.weights.items()}
         kv = [tuple(be._local(be.state[name], per_rank=True) for name in pair) for pair in self.kv_names]
+        if be.slots > 1:  # the sequence's slot, selected in the program (an input: one program for every slot)
+            if not 0 <= slot < be.slots:
+                raise HarnessInputError(f"draft from KV slot {slot}: the build has slots 0..{be.slots - 1}")
+            at = be._local(torch.tensor([slot], dtype=POSITION_DTYPE).to(device), per_rank=False).to(torch.long)
+            kv = [tuple(t.index_select(0, at) for t in pair) for pair in kv]
         with bound(self.module, weights):
             outputs, names = draft_forward(self.module, *local, kv, self.capture)
         results = [be._to_global(o, per_rank=False) for o in outputs]

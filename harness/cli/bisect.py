@@ -58,16 +58,16 @@ def validate(args) -> None:
 
 
 def run(args) -> int:
-    from harness.judge.distribution import strict_precision
     from harness.parity.bisect import bisect_golden
     from harness.report.formats import format_bisect, write_report
 
     ckpt = args.ckpt
     print(ckpt.describe())
-    result, payload = bisect_golden(ckpt, args.golden_read, args.settings, mode=args.mode, progress=True)
-    distribution = strict_precision(result.check, args.strict_precision)
-    if distribution is not None:  # the check's R distribution and over-precision, under --strict-precision too
-        payload["distribution"], payload["passed"] = distribution.to_json(), result.passed
+    result, payload = bisect_golden(ckpt, args.golden_read, args.settings, mode=args.mode, progress=True,
+                                    strict_precision=args.strict_precision)
+    distribution = next((s for s in getattr(result.check, "extra_stages", ()) if s.stage == "distribution"), None)
+    if distribution is not None:  # the check's R distribution and over-precision (its verdict is in "passed")
+        payload["distribution"] = distribution.to_json()
     text = format_bisect(payload) + _drafter(args, result, payload)
     payload = with_generator(payload, "bisect", args)
     if args.json is not None:  # the files first: a verdict is printed only once they are written

@@ -12,7 +12,7 @@ from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
 
 # the backends whose drafter reads each sequence's own KV slot (`serves_slots`): speculation in a batch
-SLOT_DRAFTERS = ("cpu",)
+SLOT_DRAFTERS = ("cpu", "xla")
 
 
 def add_command(sub) -> None:
@@ -72,8 +72,8 @@ def validate_speculate(args, ckpt, rows=()) -> None:
     widest = max(args.batch or (1,)) if isinstance(args.batch, tuple) else (args.batch or 1)
     if widest > 1 and args.settings.backend not in SLOT_DRAFTERS:
         raise OptionError(f"--assistant with --batch {widest} on the {args.settings.backend} backend: its drafter reads "
-                          "a single sequence's KV cache (the cpu backend's drafts from each sequence's own slot); "
-                          "drop --batch or use --backend cpu")
+                          "a single sequence's KV cache (the cpu and xla backends' draft from each sequence's own "
+                          "slot); drop --batch or use --backend cpu or xla")
     args.settings = args.settings.but(speculate=args.speculate)
     for prompt_len, new_tokens in rows:
         check_verify_fit(prompt_len, new_tokens, args.speculate, args.settings.kv_len)
@@ -140,7 +140,6 @@ def run(args) -> int:
     from harness.parity.check import run_parity_check
     from harness.parity.served import served_stage
     from harness.parity.speculative import speculative_stage
-    from harness.judge.distribution import strict_precision
     from harness.reference.selfcheck import refuse_unsound_reference
     from harness.report.formats import format_check, write_report
 
@@ -152,8 +151,8 @@ def run(args) -> int:
         extra += (speculative_stage(args.settings, args.assistant, args.speculate),)
     result = run_parity_check(ckpt, args.ckpt_dir, args.settings, golden=args.reference_source,
                               prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
-                              fp32_stage=not args.skip_fp32_stage, extra_checks=extra)
-    strict_precision(result, args.strict_precision)
+                              fp32_stage=not args.skip_fp32_stage, stages=extra,
+                              strict_precision=args.strict_precision)
     payload = with_generator(result.to_json(), "check", args)
     # The files first: a verdict is printed only once everything asked for is written, so that
     # "PARITY PASS" is never followed by an exit status other than 0.

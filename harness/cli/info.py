@@ -6,6 +6,7 @@ from harness.base.atomic import write_json_atomic
 from harness.base.errors import HarnessInputError, OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args, add_run_args, run_settings, with_generator
+from harness.report.perf_text import render_roofline
 
 
 def add_command(sub) -> None:
@@ -199,7 +200,7 @@ def run(args) -> int:
     if args.assistant is not None:
         payload["assistant"] = _assistant_fit(args, payload["memory_plan"])
     if args.perf:
-        from harness.perf import info_floors, render_roofline
+        from harness.perf import info_floors
 
         payload["roofline"] = info_floors(args.spec, s.tp, s.dtype, s.kv_len, instance=args.instance, chip=args.chip,
                                         sliding_cache=s.sliding_cache)

@@ -14,8 +14,10 @@ from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, w
 from harness.inputs.prompts import kv_positions_used
 from harness.perf.results import history_files, sample_problem, skipped_history_entries, validate_result
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, MAX_ALPHA,
-                          append_history, compare_files, compare_history, draw_length, draw_trend, parse_budgets,
-                          render_bench_summary, render_markdown, render_text, run_bench, write_json, write_text)
+                          append_history, compare_files, compare_history, parse_budgets, run_bench, write_json,
+                          write_text)
+from harness.report.perf_plot import draw_length, draw_trend
+from harness.report.perf_text import render_bench_summary, render_markdown, render_text
 
 
 def add_command(subparsers) -> None:
@@ -328,8 +330,8 @@ def _trend_plot(args, comp, budgets):
 
 
 def _png_is_ours(path: Path) -> bool:
-    """A PNG this tool drew: its tEXt chunk names the software (harness/perf/plot.py)."""
-    from harness.perf.plot import PNG_SOFTWARE
+    """A PNG this tool drew: its tEXt chunk names the software (harness/report/perf_plot.py)."""
+    from harness.report.perf_plot import PNG_SOFTWARE
 
     try:
         with open(path, "rb") as f:

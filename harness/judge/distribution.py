@@ -22,6 +22,7 @@ import torch
 from harness.base.points import Point
 from harness.judge.precision import find_over_precision, served_over_precision
 from harness.judge.ratios import MIN_POSITIONS, POINT_MIN_POSITIONS, finite_r
+from harness.judge.stage_result import Gate, Stage, StageResult
 
 # The gate, per scope (LIMITS: median and 95th percentile of R over a kind's positions, and over all
 # kinds together). Where from: the healthy census (tests/census, 52 members with local verdicts;
@@ -109,10 +110,10 @@ def by_kind(points, kind_of) -> dict[str, list]:
     return out
 
 
-@dataclass
-class Distribution:
+@dataclass(eq=False)
+class Distribution(StageResult):
     """R's distribution per kind and scope, the gate's breaches, and the over-precision found
-    (harness/judge/precision.py); an extra stage of check's result (harness.judge.results)."""
+    (harness/judge/precision.py); a stage of check's result (harness.judge.stage_result)."""
 
     kinds: list[KindStats] = field(default_factory=list)
     overall: list[KindStats] = field(default_factory=list)
@@ -121,6 +122,8 @@ class Distribution:
     strict: bool = False  # over-precision fails (--strict-precision) instead of warning
     notes: list[str] = field(default_factory=list)
     stage: str = "distribution"
+    ran: bool = True
+    served: object = field(default=None, repr=False)  # the served stage this reads (its over-precision)
     # The check this reads (its bf16 stage, the fp32 stage once attached): a gate beside the point
     # limits, so where a stage already fails at its points the distribution reports, not fails again.
     check: object = field(default=None, repr=False, compare=False)
@@ -131,21 +134,17 @@ class Distribution:
         return c is not None and (not c.stage_passed or (c.fp32 is not None and not c.fp32.stage_passed))
 
     @property
-    def passed(self) -> bool:
-        return not self.failures()
-
-    @property
     def flagged(self) -> list:
-        """The check's over-precision, then the served build's (read once its stage is attached)."""
-        return self.over_precision + served_over_precision(getattr(self.check, "extra_stages", ()))
+        """The check's over-precision, then the served build's (the served stage this read)."""
+        return self.over_precision + served_over_precision([self.served] if self.served is not None else [])
 
-    def failures(self) -> list[dict]:
+    def gates(self) -> list[Gate]:
         if self.superseded:
-            return []
+            return [Gate("distribution")]
         out = [dict(b, stage=self.stage) for b in self.breaches]
         if self.strict:
             out += [dict(o.failure(), stage=self.stage) for o in self.flagged[:1]]
-        return out
+        return [Gate("distribution", out)]
 
     def describe(self) -> str:
         gate = "; ".join(f"{scope} median <= {m:g}, p95 <= {q:g} (healthy census {HEALTHY[scope][0]:g}, "
@@ -171,18 +170,17 @@ class Distribution:
             verdict = "not counted (a stage already fails at its points)"
         return "\n".join(lines[:1]) + f": {verdict}\n" + "\n".join(lines[1:])
 
-    def to_json(self) -> dict:
+    def payload(self) -> dict:
         def clean(d):
             return {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in d.items()}
 
-        return {"passed": self.passed, "strict_precision": self.strict, "superseded": self.superseded,
+        return {"strict_precision": self.strict, "superseded": self.superseded,
                 "breaches": self.breaches,
                 "limits": {scope: {"median": m, "p95": q} for scope, (m, q) in LIMITS.items()},
                 "min_positions": MIN_POSITIONS,
                 "healthy_census": {scope: {"median": m, "p95": q} for scope, (m, q) in HEALTHY.items()},
                 "overall": [clean(asdict(s)) for s in self.overall], "kinds": [clean(asdict(s)) for s in self.kinds],
-                "failures": self.failures(), "over_precision": [o.to_json() for o in self.flagged],
-                "notes": self.notes}
+                "over_precision": [o.to_json() for o in self.flagged]}
 
 
 def scope_stats(points, scope: str, kind_of=None) -> tuple[list[KindStats], list[dict]]:
@@ -203,9 +201,10 @@ def scope_stats(points, scope: str, kind_of=None) -> tuple[list[KindStats], list
     return stats, breaches
 
 
-def judge_distribution(result, strict: bool = False) -> Distribution:
+def judge_distribution(result, strict: bool = False, served=None) -> Distribution:
     """The bf16 stage of a check (harness.judge.results.CheckResult, its local verdicts when they
-    ran) read as distributions of R, gated, with its over-precision (precision.find_over_precision)."""
+    ran) read as distributions of R, gated, with its over-precision (precision.find_over_precision)
+    and the `served` stage's; `strict` (--strict-precision): over-precision fails instead of warning."""
     cumulative = [p for p in result.all_points() if getattr(p, "position_r", None) is not None]
     local = [p for v in (result.local_verdicts or []) for p in v.local]
     kinds, breaches = scope_stats(cumulative, "cumulative")
@@ -218,13 +217,12 @@ def judge_distribution(result, strict: bool = False) -> Distribution:
                               "and the layers' over-precision is not judged (run bisect, capture mode)"]
     return Distribution(kinds=kinds + local_kinds, overall=overall, breaches=breaches + local_breaches + overall_breaches,
                         over_precision=find_over_precision(cumulative, local), strict=strict, notes=notes,
-                        check=result)
+                        check=result, served=served)
 
 
-def strict_precision(result, strict: bool = True):
-    """`--strict-precision` (check, bisect): over-precision fails the check's distribution stage
-    instead of warning. Returns the stage (None: the check judged no distribution, e.g. a port error)."""
-    found = next((s for s in getattr(result, "extra_stages", ()) if s.stage == "distribution"), None)
-    if found is not None:
-        found.strict = strict
-    return found
+def distribution_stage(strict: bool = False) -> Stage:
+    """The distribution as a stage of the parity run: it reads the bf16 stage's result and the served
+    stage (after it); none where the bf16 stage raised (nothing observed)."""
+    def run(result, served):
+        return None if result.port_error else judge_distribution(result, strict, served)
+    return Stage("distribution", run, reads=("result",), after=("served",))

@@ -12,7 +12,8 @@ from typing import NamedTuple
 import torch
 
 from harness.base.points import first_component, layer_points
-from harness.judge.compare import ENVELOPE_FACTOR, LayerResult, PointResult, compare_point, rel_l2
+from harness.judge.compare import ENVELOPE_FACTOR, PointResult, compare_point, rel_l2
+from harness.judge.verdicts import LayerResult
 from harness.judge.routing import RouterDecisions, judge_decisions
 
 

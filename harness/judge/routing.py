@@ -17,8 +17,8 @@ the margin and then the references are teacher-forced on the fp32 tokens:
    the ROUTING_QUANTILE of how far bf16 moves the fp32 top-k boundary margin (both references
    along the same path), at least NEAR_TIE_ULPS bf16 ULPs of the largest router logit; else it is
    a routing divergence, which fails the stage at `layers.{i}.expert_weights` (part: moe router).
-   The band and the tie are the judge's one calibration and tie helper (compare.calibrate_band,
-   compare.tie_threshold), as tokens' are.
+   The band and the tie are the judge's one calibration and tie helper (tokens.calibrate_band,
+   tokens.tie_threshold), as tokens' are.
 
 Steps 1 and 2 are harness/parity/observe.py's (observe_stage follows the port's path, by the rule of
 harness/parity/forced_path.py); step 3 is the stage judge's (harness/judge/stage.py calls judge_routing).
@@ -32,7 +32,8 @@ from typing import NamedTuple
 import torch
 
 from harness.base.points import Point
-from harness.judge.compare import ROUTING_FACTOR, ROUTING_QUANTILE, calibrate_band, margin_shifts, tie_threshold
+from harness.judge.compare import ROUTING_FACTOR, ROUTING_QUANTILE
+from harness.judge.tokens import calibrate_band, margin_shifts, tie_threshold
 from harness.reference.forcing import chosen_experts
 
 
@@ -143,8 +144,8 @@ def judge_routing(obs, spec) -> RoutingResult:
 
 def judge_decisions(decisions: list[RouterDecisions], top_k: int, label, rerouted: list[str] = ()) -> RoutingResult:
     """Each router point's decisions judged; label(name, row) names a row. The band is the judge's
-    one calibration (compare.calibrate_band) over every decision's boundary shift, the tie its one
-    tie helper (compare.tie_threshold)."""
+    one calibration (tokens.calibrate_band) over every decision's boundary shift, the tie its one
+    tie helper (tokens.tie_threshold)."""
     calibration = calibrate_band([boundary_shifts(d.ref_logits, d.env_logits, top_k) for d in decisions],
                                  ROUTING_QUANTILE, ROUTING_FACTOR)
     result = RoutingResult(decisions=sum(d.ref_logits.shape[0] for d in decisions), band=calibration.band,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from harness.judge.compare import (BF16, JUDGES, PLE_PIN_NOISE, POOLED_PARTS, StageJudge, calibrate_near_ties,
-                                   classify_departure, compare_logits, compare_point, compare_probabilities,
-                                   pooled_floors)
+from harness.judge.compare import (BF16, JUDGES, PLE_PIN_NOISE, POOLED_PARTS, StageJudge, compare_point,
+                                   compare_probabilities, pooled_floors)
+from harness.judge.tokens import calibrate_near_ties, classify_departure, compare_logits
 from harness.base.points import Point, layer_points
 from harness.judge.results import CheckResult, PromptOutcome
 from harness.judge.routing import judge_routing
@@ -16,7 +16,7 @@ from harness.judge.verdicts import LayerResult, NearTieCalibration, ProbabilityR
 
 
 def near_tie_calibration(ref32: list, ref16: list) -> NearTieCalibration:
-    """A check's token band from its references alone (compare.calibrate_near_ties): every
+    """A check's token band from its references alone (tokens.calibrate_near_ties): every
     prompt's prefill rows and decode steps."""
     pairs = [(a.captures["logits"], b.captures["logits"]) for a, b in zip(ref32, ref16)]
     pairs += [(a.step_logits, b.step_logits) for a, b in zip(ref32, ref16) if a.step_logits is not None]

@@ -1,10 +1,12 @@
 """The stage protocol: what every extra stage of `check` (served, batch, speculative, and any later
 one) returns, and the one function that builds the overall verdict.
 
-A stage is a function of named inputs returning a `StageResult`: its `stage` name, whether it
-`ran`, its notes, and its named gates (`Gate`: one verdict each, with the failures it found). The
+A stage (`Stage`) is a function of named inputs (INPUTS, and the results of the stages it reads)
+returning a `StageResult`: its `stage` name, whether it `ran`, its notes, and its named gates (`Gate`: one verdict each, with the failures it found). The
 failures are computed once, when the stage is sealed (`seal`, by the parity run that executed it);
-`to_json` only writes what was computed. A later gate (e.g. a distributional gate) joins a stage
+`to_json` only writes what was computed. The parity run executes the stages, `run_stages` only,
+in the one order `stage_order` holds (the stages on the parity build, then the others, each after
+the stages it reads: the distribution reads the served build's). A later gate (e.g. a distributional gate) joins a stage
 with `add_gate` before the seal, and counts in the verdict and the JSON like the stage's own.
 
 `overall_verdict` builds the check's verdict from its stages (the fp32 and bf16 stages and the
@@ -19,8 +21,9 @@ A tie band travels with its judge (`Ties`): a stage classifying token departures
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from harness.judge.compare import StageJudge
 
@@ -95,11 +98,65 @@ class StageResult:
                 "gates": [g.to_json() for g in self.all_gates()], **self.payload()}
 
 
-def run_stages(stages, result, checkpoint) -> None:
-    """The parity run executes the extra stages, in order: each a function of (the finished result,
-    the checkpoint) returning a StageResult, sealed and added to the result."""
-    for stage in stages:
-        result.extra_stages.append(stage(result, checkpoint).seal())
+@dataclass(frozen=True)
+class Stage:
+    """One stage as the parity run executes it: its `name`, the function `run`, the named inputs it
+    `reads` (INPUTS: passed by name) and the stages it reads `after` (their StageResults, by name;
+    None where the run has no such stage). `run` returns a StageResult, or None where the stage does
+    not apply to the model (nothing is recorded)."""
+
+    name: str
+    run: Callable[..., "StageResult | None"]
+    reads: tuple[str, ...] = ("result", "checkpoint")
+    after: tuple[str, ...] = ()
+
+
+# The named inputs a stage may read: the bf16 stage's finished result (harness.judge.results.CheckResult),
+# the checkpoint, the parity build's engine (held until the last stage reading it has run) and the
+# references the check observed (harness.parity.observe.StageReferences).
+INPUTS = ("result", "checkpoint", "engine", "references")
+
+
+def stage_order(stages) -> list[Stage]:
+    """The run order, the one rule: the stages reading the parity build ("engine") first, so that it
+    is released before a stage builds its own (a device never holds two builds of the model); then
+    the others in the order given, each stage after the stages it reads (`after`)."""
+    stages = list(stages)
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two stages of one name in {names}")
+    pending = sorted(stages, key=lambda s: "engine" not in s.reads)  # stable
+    ordered: list[Stage] = []
+    while pending:
+        ready = next((s for s in pending if not set(s.after) & {p.name for p in pending}), None)
+        if ready is None:
+            raise ValueError(f"the stages {[s.name for s in pending]} read each other (after): no order runs them")
+        if "engine" in ready.reads and any("engine" not in s.reads for s in ordered):
+            raise ValueError(f"the {ready.name} stage reads the parity build after it was released (it reads "
+                             f"{list(ready.after)})")
+        ordered.append(ready)
+        pending.remove(ready)
+    return ordered
+
+
+def run_stages(stages, inputs: dict) -> None:
+    """The parity run executes its stages, in stage_order: each called with the named inputs it
+    reads and the results of the stages it reads, its StageResult sealed and added to the result
+    (inputs["result"].extra_stages). The parity build (inputs["engine"]) is dropped from `inputs`
+    once the last stage reading it has run: a caller holding it nowhere else releases it there."""
+    result, done = inputs["result"], {}
+    ordered = stage_order(stages)
+    for i, stage in enumerate(ordered):
+        missing = [name for name in stage.reads if name not in inputs]
+        if missing:
+            raise ValueError(f"the {stage.name} stage reads {missing}, not among the run's inputs {sorted(inputs)}")
+        out = stage.run(**{name: inputs[name] for name in stage.reads}, **{name: done.get(name) for name in stage.after})
+        if out is not None:
+            result.extra_stages.append(out.seal())
+            done[stage.name] = out
+        if "engine" in inputs and not any("engine" in later.reads for later in ordered[i + 1:]):
+            del inputs["engine"]
+            gc.collect()
 
 
 class Verdict(NamedTuple):

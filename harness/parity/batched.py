@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from harness.base.progress import status
 from harness.judge.results import CheckResult
 from harness.judge.stage import judge_stage, structural_flips
-from harness.judge.stage_result import Gate, StageResult
+from harness.judge.stage_result import Gate, Stage, StageResult
 from harness.parity.observe import PortFailure, PortPrompt, StageContext, build_port, observe_stage, port_call
 
 # The batch stage's KV slots: one fewer than the prompts (so the last, shortest prompt starts in the
@@ -129,12 +129,12 @@ class BatchStage(StageResult):
         return out
 
 
-def batch_stage(settings, progress: bool = False, skip: str | None = None):
+def batch_stage(settings, progress: bool = False, skip: str | None = None) -> Stage:
     """The batch stage for the parity run (stage_result.run_stages): a function of the finished
     result and the checkpoint returning the BatchStage; `skip`: why it does not run (said in it)."""
     def stage(result, checkpoint) -> BatchStage:
         return BatchStage(ran=False, notes=[skip]) if skip else run_batch_stage(result, checkpoint, settings, progress)
-    return stage
+    return Stage("batch", stage)
 
 
 def run_batch_stage(result: CheckResult, checkpoint, settings, progress: bool = False) -> BatchStage:

@@ -68,7 +68,8 @@ def _capture_result(spec, check, refs: tuple, final_norm: list) -> BisectResult:
 # ---- the library entry point ------------------------------------------------------------------------------------
 
 def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: str | None = None, *,
-               build: PrefixBuild | None = None, progress: bool = False, fp32_stage: bool = False) -> BisectResult:
+               build: PrefixBuild | None = None, progress: bool = False, fp32_stage: bool = False,
+               strict_precision: bool = False) -> BisectResult:
     """Bisect `checkpoint` (run as `settings` say) against a golden read for the checkpoint's spec.
     The golden may come from other weights (yesterday's): only the architecture must match. Capture
     mode runs the check's stages (the fp32 one when `fp32_stage`)."""
@@ -92,7 +93,7 @@ def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: 
 
     engine = build_port(checkpoint, settings)
     layers = cpu_layers(checkpoint, engine)
-    run = {"progress": progress, "fp32_engine": "auto" if fp32_stage else None,
+    run = {"progress": progress, "fp32_engine": "auto" if fp32_stage else None, "strict_precision": strict_precision,
            "force_path": same_weights(golden, checkpoint) is not False}  # observe.follow_port_path
     return bisect_capture(checkpoint, engine, StageReferences(ref32, ref16), layers, run)
 

@@ -15,36 +15,35 @@ by compare.py's policy in two stages. What `gemma-parity check` and the parity s
 This module only orders the steps: harness.parity.observe observes each stage whole (the port, the
 references, and the references along the port's path), harness.judge.stage and harness.judge.compare judge it
 (routing included), harness.parity.local judges each layer alone beside the stage's observation, and
-harness.judge.results holds the result. The extra stages (`extra_checks`: served, batch, speculative)
-are executed by the parity run only (run_parity_check, through harness.judge.stage_result.run_stages),
-each a function of the finished result and the checkpoint returning a sealed StageResult;
-stage_result.overall_verdict builds the verdict.
+harness.judge.results holds the result. The further stages (the check's own: the per-layer table
+rows on the parity build and the distribution of R; the parity run's `stages`: served, batch,
+speculative) are executed here only, through harness.judge.stage_result.run_stages, each a
+stage_result.Stage (a function of named inputs returning a sealed StageResult) in the one order
+stage_result.stage_order holds; stage_result.overall_verdict builds the verdict.
 """
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass
-from typing import Callable
-
-
 from harness.parity.batched import run_port_batch
-from harness.parity.host_rows import judge_per_layer_rows
+from harness.parity.host_rows import per_layer_rows_stage
 from harness.parity.local import intra_op_threads_for, local_verdicts
 from harness.reference.golden import Golden, same_weights
 from harness.parity.observe import (PortFailure, StageContext, StageReferences, build_fp32_port, build_port, check_fit,
                                     load_reference_source, load_references, observe_stage, port_call)
 from harness.base.settings import RunSettings
-from harness.judge.distribution import judge_distribution
+from harness.judge.distribution import distribution_stage
 from harness.judge.results import CheckResult, LocalLayer
-from harness.judge.stage_result import StageResult, run_stages
+from harness.judge.stage_result import Stage, run_stages
 from harness.judge.stage import judge_stage, near_tie_calibration, structural_flips
 from harness.reference.run import ReferenceResult
 
-# An extra stage (the served build, ...): called with the finished result and the checkpoint, it
-# returns its harness.judge.stage_result.StageResult.
-ExtraCheck = Callable[[CheckResult, object], StageResult]
+
+def check_stages(strict_precision: bool = False) -> tuple[Stage, ...]:
+    """The check's own stages beyond fp32 and bf16: the per-layer table rows (on the parity build)
+    and the distribution of R (`strict_precision`: its over-precision fails instead of warning)."""
+    return per_layer_rows_stage(), distribution_stage(strict_precision)
 
 
 @dataclass(frozen=True)
@@ -136,20 +135,34 @@ def _local(result: CheckResult, checkpoint, layer_backend, progress: bool) -> No
 
 def check_port(checkpoint, engine, ref32: list[ReferenceResult], ref16: list[ReferenceResult],
                local: bool | None = None, progress: bool = False, fp32_engine="auto", layer_backend=None,
-               force_path: bool = True) -> CheckResult:
+               force_path: bool = True, strict_precision: bool = False, stages: tuple[Stage, ...] = ()) -> CheckResult:
     """Both stages: the fp32 structural stage (`fp32_engine`: "auto" builds it, None skips it),
     then the bf16 envelope stage on `engine` with flips the fp32 stage shows marked structural,
     plus (by default wherever the backend's ranks run on CPU; `layer_backend` runs them elsewhere)
-    the local verdict of every layer (the extra stages are the parity run's). An exception inside the port is a failed
-    result naming where it was raised. The result is labelled with the engine's run settings.
-    `force_path` False: the references are not computed again (a golden of other weights)."""
+    the local verdict of every layer, then the check's own stages (check_stages) and `stages`. An
+    exception inside the port is a failed result naming where it was raised. The result is labelled
+    with the engine's run settings. `force_path` False: the references are not computed again (a
+    golden of other weights)."""
+    return _check_port(checkpoint, {"engine": engine}, StageReferences(ref32, ref16),
+                       PortRun.of(engine.settings, progress, force_path),
+                       options=dict(local=local, fp32_engine=fp32_engine, layer_backend=layer_backend),
+                       stages=check_stages(strict_precision) + tuple(stages))
+
+
+def _check_port(checkpoint, held: dict, refs: StageReferences, run: PortRun, *, options: dict,
+                stages: tuple[Stage, ...]) -> CheckResult:
+    """`held`: {"engine": the parity build}, its only holder, so that run_stages releases it before a
+    stage builds its own."""
     with intra_op_threads_for(checkpoint.spec):  # the whole check: small models run faster on one thread
-        return _check_port(checkpoint, engine, StageReferences(ref32, ref16),
-                           PortRun.of(engine.settings, progress, force_path),
-                           dict(local=local, fp32_engine=fp32_engine, layer_backend=layer_backend))
+        result = _observed(checkpoint, held["engine"], refs, run, options)
+    held.update(result=result, checkpoint=checkpoint, references=refs)
+    run_stages(stages, held)
+    held.clear()
+    return result
 
 
-def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options: dict) -> CheckResult:
+def _observed(checkpoint, engine, refs: StageReferences, run: PortRun, options: dict) -> CheckResult:
+    """The fp32 and bf16 stages observed and judged, with the local verdicts."""
     local, fp32_engine, layer_backend = options["local"], options["fp32_engine"], options["layer_backend"]
     check_fit(checkpoint.spec, engine.settings, refs.fp32)
     calibration = near_tie_calibration(*refs)
@@ -166,8 +179,6 @@ def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options
         else:
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")
-        result.extra_stages.append(judge_distribution(result))  # R's distribution, over-precision
-        result.extra_stages += judge_per_layer_rows(checkpoint, engine, refs.fp32)  # PLE rows exact
     except PortFailure as failure:
         result = _failed_stage(context, failure)
     result.fp32 = fp32
@@ -178,9 +189,11 @@ def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options
 
 def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=None, prompts=None,
                      new_tokens: int = 8, progress: bool = False, fp32_stage: bool = True,
-                     extra_checks: tuple[ExtraCheck, ...] = ()) -> CheckResult:
+                     stages: tuple[Stage, ...] = (), strict_precision: bool = False) -> CheckResult:
     """What `gemma-parity check` does: the port run as `settings` say against the reference
-    (recomputed for `prompts`, or read from `golden`), judged in two stages."""
+    (recomputed for `prompts`, or read from `golden`), judged in two stages, then the check's own
+    stages and `stages` (served, batch, speculative: each builds its own engine, after the parity
+    build is released, so a device never holds two builds of the model at once)."""
     start = time.perf_counter()
     source = load_reference_source(checkpoint, checkpoint_dir, golden, prompts)
     check_fit(checkpoint.spec, settings, list(getattr(source, "prompts", source)),
@@ -188,19 +201,15 @@ def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=N
     # The backend before the reference: a missing SDK or a bad TP degree is reported before minutes
     # of reference work, and loading the shards checks every weight for NaN/Inf (Checkpoint.get)
     # before transformers (which does not) computes the reference.
-    engine = build_port(checkpoint, settings)
+    held = {"engine": build_port(checkpoint, settings)}  # its only holder: run_stages releases it
     built = time.perf_counter()
     ref32, ref16 = load_references(source, checkpoint, new_tokens, progress)
     referenced = time.perf_counter()
     # a golden of other weights cannot be re-run along the port's path (harness/parity/observe.py follow_port_path)
     force_path = not isinstance(source, Golden) or same_weights(source, checkpoint) is not False
-    result = check_port(checkpoint, engine, ref32, ref16, progress=progress, force_path=force_path,
-                        fp32_engine="auto" if fp32_stage else None)
-    # The extra stages (the served build) build their own engine: release the parity build first,
-    # so a device never holds two builds of the model at once (two 12B builds overflow 32 GiB HBM).
-    del engine
-    gc.collect()
-    run_stages(extra_checks, result, checkpoint)  # the extra stages judge the finished result
+    result = _check_port(checkpoint, held, StageReferences(ref32, ref16), PortRun.of(settings, progress, force_path),
+                         options=dict(local=None, fp32_engine="auto" if fp32_stage else None, layer_backend=None),
+                         stages=check_stages(strict_precision) + tuple(stages))
     result.run_seconds = {"build": round(built - start, 2), "reference": round(referenced - built, 2),
                           "total": round(time.perf_counter() - start, 2)}
     return result

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.judge.stage_result import Gate, Stage, StageResult
 
-@dataclass
-class PerLayerRowsStage:
+
+@dataclass(eq=False)
+class PerLayerRowsStage(StageResult):
     """The host's per-layer rows against transformers' in the port's dtype, every prompt's tokens."""
 
     dtype: str
@@ -26,17 +28,14 @@ class PerLayerRowsStage:
     max_abs: float
     notes: list[str] = field(default_factory=list)
     stage: str = "per_layer_rows"
+    ran: bool = True
 
-    @property
-    def passed(self) -> bool:
-        return self.differing == 0
-
-    def failures(self) -> list[dict]:
-        if self.passed:
-            return []
-        return [{"stage": self.stage, "point": "per-layer table rows", "where": "the host lookup",
+    def gates(self) -> list[Gate]:
+        if self.differing == 0:
+            return [Gate("bit_exact")]
+        return [Gate("bit_exact", [{"stage": self.stage, "point": "per-layer table rows", "where": "the host lookup",
                  "detail": f"{self.differing} of {self.rows} rows not bit-exact with transformers' {self.dtype} scaled "
-                           f"embedding (largest difference {self.max_abs:.3e}): the scale applied before its cast?"}]
+                           f"embedding (largest difference {self.max_abs:.3e}): the scale applied before its cast?"}])]
 
     def describe(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
@@ -44,9 +43,8 @@ class PerLayerRowsStage:
                 f"{self.rows} rows bit-exact with transformers' scaled embedding"
                 + (f" (largest difference {self.max_abs:.3e})" if not self.passed else ""))
 
-    def to_json(self) -> dict:
-        return {"passed": self.passed, "dtype": self.dtype, "rows": self.rows, "differing": self.differing,
-                "max_abs": self.max_abs, "notes": self.notes}
+    def payload(self) -> dict:
+        return {"dtype": self.dtype, "rows": self.rows, "differing": self.differing, "max_abs": self.max_abs}
 
 
 def reference_rows(checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -62,12 +60,20 @@ def reference_rows(checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.T
         return embedding(ids)
 
 
-def judge_per_layer_rows(checkpoint, engine, references) -> list[PerLayerRowsStage]:
-    """[] on a model without per-layer inputs; else the stage for every prompt's tokens (the
+def per_layer_rows_stage() -> Stage:
+    """The per-layer rows as a stage of the parity run: it reads the parity build (its host lookup)
+    and the fp32 references' tokens; none where the bf16 stage raised or the model has no per-layer inputs."""
+    def run(result, checkpoint, engine, references):
+        return None if result.port_error else judge_per_layer_rows(checkpoint, engine, references.fp32)
+    return Stage("per_layer_rows", run, reads=("result", "checkpoint", "engine", "references"))
+
+
+def judge_per_layer_rows(checkpoint, engine, references) -> PerLayerRowsStage | None:
+    """None on a model without per-layer inputs; else the stage for every prompt's tokens (the
     references' prompts and generated tokens)."""
     spec = checkpoint.spec
     if not spec.per_layer_input_size or getattr(engine, "per_layer_table", None) is None:
-        return []
+        return None
     ids = torch.tensor(sorted({t for r in references for t in list(r.prompt) + list(r.generated)}), dtype=torch.long)
     ids = ids[ids < engine.per_layer_table.shape[0]]
     host = engine.embed(ids)[0, :, spec.hidden_size:]
@@ -75,4 +81,4 @@ def judge_per_layer_rows(checkpoint, engine, references) -> list[PerLayerRowsSta
     differs = (host != expected).any(-1)
     max_abs = float((host.double() - expected.double()).abs().max()) if ids.numel() else 0.0
     dtype = str(engine.per_layer_table.dtype).removeprefix("torch.")
-    return [PerLayerRowsStage(dtype=dtype, rows=int(ids.numel()), differing=int(differs.sum()), max_abs=max_abs)]
+    return PerLayerRowsStage(dtype=dtype, rows=int(ids.numel()), differing=int(differs.sum()), max_abs=max_abs)

@@ -16,7 +16,8 @@ import torch
 from harness.base.points import Point, layer_points, locate, prefill_order
 from harness.base.progress import status
 from harness.inputs.family import runs_alone
-from harness.judge.compare import LayerResult, PointResult, compare_point
+from harness.judge.compare import PointResult, compare_point
+from harness.judge.verdicts import LayerResult
 from harness.judge.layers import (LayerRuns, LayerVerdict, _shifted_envelope, judge_layer_alone, judge_local_routing,
                                   stack_prompts)
 from harness.port import engine as port_engine

@@ -13,7 +13,7 @@ What is judged, per prompt:
   is still the reference's: against the fp32 reference by the bf16 envelope (compare_point);
 - its first token that departs from the reference: a near tie (the check's calibrated band), a
   saturation tie, or a real divergence, by the check's own departure classifier
-  (compare.classify_departure, with the bf16 stage's judge: served keeps no classifier of its own);
+  (tokens.classify_departure, with the bf16 stage's judge: served keeps no classifier of its own);
 - its tokens against the parity build's: a difference is reported as "the served build differs
   from the judged build at prompt k step s" (a failure when the served choice is a divergence).
 """
@@ -27,9 +27,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from harness.base.progress import status
-from harness.judge.compare import BF16, PointResult, TokenVerdict, classify_departure, compare_point
+from harness.judge.compare import BF16, PointResult, compare_point
+from harness.judge.tokens import classify_departure
+from harness.judge.verdicts import TokenVerdict
 from harness.judge.stage import near_tie_calibration
-from harness.judge.stage_result import Gate, StageResult, Ties, ties
+from harness.judge.stage_result import Gate, Stage, StageResult, Ties, ties
 from harness.parity.batched import serve_batch
 
 SKIPPED_NOTE = "served build not judged (--skip-served-build): the perf build bench times was not run"
@@ -137,7 +139,7 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 def judge_served(runs: list, ref32: list, ref16: list, parity_tokens: list | None,
                  tie: Ties) -> tuple[list[ServedPrompt], PointResult | None, list[str]]:
     """`runs`: the served build's DecodeResult per prompt. Returns the per-prompt verdicts (each
-    departure classified by compare.classify_departure with `tie`'s judge and band, as the check's stage does) and
+    departure classified by tokens.classify_departure with `tie`'s judge and band, as the check's stage does) and
     the step logits on the reference's prefix judged by the bf16 envelope (with a label per row)."""
     prompts, dev, ref, env, labels = [], [], [], [], []
     for k, (run, r32, r16) in enumerate(zip(runs, ref32, ref16)):
@@ -222,7 +224,7 @@ def serve_prompts(checkpoint, settings, ref32: list, say) -> tuple:
                                                  f"time ({why})"], 1
 
 
-def served_stage(settings, progress: bool = False, skip: bool = False):
+def served_stage(settings, progress: bool = False, skip: bool = False) -> Stage:
     """The served-build stage for the parity run (harness.judge.stage_result.run_stages): a
     function of the finished result and the checkpoint returning the ServedResult, the perf build
     judged on the references the check observed."""
@@ -233,4 +235,4 @@ def served_stage(settings, progress: bool = False, skip: bool = False):
                 "served build not judged: no stage of the check observed the port (it raised first)"])
         refs = observed.references if observed is not None else ([], [])
         return check_served_build(checkpoint, *refs, result, settings=settings, progress=progress, skip=skip)
-    return stage
+    return Stage("served", stage)

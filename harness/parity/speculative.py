@@ -25,7 +25,7 @@ import torch
 
 from harness.judge.compare import BF16, FP32, compare_point
 from harness.judge.routing import RouterDecisions, judge_decisions
-from harness.judge.stage_result import Gate, StageResult, ties
+from harness.judge.stage_result import Gate, Stage, StageResult, ties
 from harness.parity.served import _error, judge_served
 from harness.reference.assistant import DRAFTER
 
@@ -230,7 +230,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, sett
     return stage
 
 
-def speculative_stage(settings, assistant_dir, k: int):
+def speculative_stage(settings, assistant_dir, k: int) -> Stage:
     """The speculative stage for the parity run (stage_result.run_stages, like served.served_stage)."""
     def stage(result, checkpoint) -> SpeculativeStage:
         observed = result.observation or getattr(result.fp32, "observation", None)
@@ -239,7 +239,7 @@ def speculative_stage(settings, assistant_dir, k: int):
                 "speculative decoding not judged: no stage of the check observed the port (it raised first)"])
         return check_speculative(checkpoint, observed.ref32, observed.ref16, getattr(result, "calibration", None),
                                  settings=settings, assistant_dir=assistant_dir, k=k)
-    return stage
+    return Stage("speculative", stage)
 
 
 def first_drafter_point(stage: SpeculativeStage) -> dict | None:

@@ -1,5 +1,6 @@
 """Performance: timed prefill and decode runs with roofline floors, budgets, a run history with
-change points, and regression detection. One job per module:
+change points, and regression detection (their text, Markdown and PNGs are harness/report's
+perf_text and perf_plot). One job per module:
 
   machine       the machine and software of a run; this host's measured bandwidth and matmul rate
   stats         percentiles, Mann-Whitney U (scipy), runs needed for a level, bootstrap intervals
@@ -10,7 +11,6 @@ change points, and regression detection. One job per module:
   compare       budgets, the decision rule, comparisons of two runs
   changepoints  change points over run medians (CUSUM permutation test, binary segmentation)
   history       `perf compare --history`: baseline from the history, trend, change points
-  render, plot  text and Markdown; the trend PNG (matplotlib, the `plot` extra)
 
 The names below are the package's API (what `gemma-parity bench`/`perf compare` and the tests use).
 """
@@ -23,9 +23,6 @@ from harness.perf.compare import (BUDGETS, DEFAULT_ALPHA, DEFAULT_FACTOR, MAX_AL
                                   compare_samples, decide, parse_budgets, pin_outputs, software_notes)
 from harness.perf.history import HISTORY_WINDOW, compare_history, median_run_samples
 from harness.perf.machine import git_commit, machine_info, package_versions
-from harness.perf.plot import draw_length, draw_trend, plot_available
-from harness.perf.render import (render_bench_summary, render_markdown, render_roofline, render_roofline_markdown,
-                                 render_text)
 from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, FORMAT, append_history, budget_samples,
                                   dtype_name, latency_samples, load_history, load_result, metric_samples,
                                   mismatches, validate_result, write_json, write_text)

@@ -31,7 +31,7 @@ from torch import nn
 
 from harness.port.drafter import RankDrafter
 from harness.port.graphs import POSITION_DTYPE, TracedDecoder, TracedFamilyDecoder, traced_class
-from harness.port.model import KVCache
+from harness.port.kv_cache import KVCache
 
 DRAFT_TAG = "draft"
 DRAFT_INPUTS = ("draft_embeds", "draft_hidden", "draft_position")

@@ -18,7 +18,8 @@ from harness.base.errors import HarnessInputError
 from harness.port.blocks import FamilyRankDecoder
 from harness.port.device_plan import kv_buckets  # noqa: F401  (re-exported: the KV buckets, capped)
 from harness.port.kv_slots import call_seq_ids
-from harness.port.model import KVCache, RankDecoder, RankLinears
+from harness.port.kv_cache import KVCache
+from harness.port.model import RankDecoder, RankLinears
 
 # Positions enter the graph as int32, as NxD's own examples feed indices (int64 is emulated on
 # Neuron); TracedDecoder widens them to int64 inside the graph, where index_copy needs them.
@@ -113,7 +114,7 @@ class TracedBatchDecoder(TracedDecoder):
     -> what TracedDecoder returns, for every row: a parity build every row's logits and captures; a
     perf build (`last_row_only`) also takes `last_index` [b], each row's last real position, and
     returns only those rows' logits [b, 1, vocab] (lm_head on one row per sequence, as NxD Inference's
-    context encoding gathers the last real row before lm_head)."""
+    context encoding gathers the last real row before lm_head); its verify graph, no `last_index`."""
 
     def forward(self, inputs_embeds, positions, seq_ids, last_index=None):
         try:
@@ -126,6 +127,8 @@ class TracedBatchDecoder(TracedDecoder):
         if self.last_row_only:
             self.set_seq_ids(seq_ids)
             hidden = self.final_hidden(inputs_embeds, positions)
+            if last_index is None:  # its verify graph: every row's logits and final-norm states
+                return self.lm_head(hidden), hidden
             rows = last_index.to(torch.long).reshape(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
             return self.lm_head(hidden.gather(1, rows))
         if not self.with_captures:
@@ -310,10 +313,10 @@ def graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, posi
 
 def batch_graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor, positions: torch.Tensor,
                        seq_ids: torch.Tensor | None, dtype: torch.dtype, slots: int,
-                       last_row_only: bool = False) -> list[torch.Tensor]:
+                       last_row_only: bool = False, verify: bool = False) -> list[torch.Tensor]:
     """The inputs of a batched build's graph for one call: inputs_embeds [b, s, hidden] in the build's
     dtype, int32 positions [b, s] and seq_ids [b] (row r in slot r when None), and on a perf build
-    (`last_row_only`) last_index [b], each row's last real position (0 for a padding-only row).
+    (`last_row_only`) last_index [b], each row's last real position (0 for a padding-only row), not to a `verify` graph.
     Shapes checked, and seq_ids too: one distinct slot in [0, slots) per row (the device would clamp
     or drop an out-of-range index without a word); more rows than slots is left to the backend's
     batch-bucket check, which names the buckets."""
@@ -323,11 +326,11 @@ def batch_graph_inputs(spec, graphs: dict[str, int], inputs_embeds: torch.Tensor
     rows, length = inputs_embeds.shape[:2]
     if tuple(positions.shape) != (rows, length):
         raise HarnessInputError(f"positions of shape {tuple(positions.shape)}: expected [{rows}, {length}]")
-    tag_for_length(length, graphs)
+    tag_for_length(length, graphs, verify)
     seq_ids = call_seq_ids(seq_ids, rows, slots)
     inputs = [inputs_embeds.to(dtype).contiguous(), positions.to(POSITION_DTYPE).contiguous(),
               seq_ids.to(POSITION_DTYPE).contiguous()]
-    if last_row_only:
+    if last_row_only and not verify:
         inputs.append(((positions >= 0).sum(dim=1) - 1).clamp(min=0).to(POSITION_DTYPE))
     return inputs
 

@@ -15,7 +15,7 @@ position each holds), so a reused slot needs no reset. A row of padding only (al
 batch bucket's filler) writes its slot's rows back unchanged. Shapes are static; the slots a call
 names must be distinct.
 
-model.KVCache and model.RingCache call these when a call names its slots (`cache.seq_ids` set) or
+kv_cache.KVCache and kv_cache.RingCache call these when a call names its slots (`cache.seq_ids` set) or
 the cache holds several (row r then in slot r); a cache of one sequence without seq_ids keeps the
 one-sequence path of batch 1.
 """
@@ -91,7 +91,7 @@ def ring_key_positions(positions: torch.Tensor, window: int) -> torch.Tensor:
 
 
 def ring_slot_update(cache, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """model.RingCache.update per row: each row's ring as it was before its chunk followed by the
+    """kv_cache.RingCache.update per row: each row's ring as it was before its chunk followed by the
     chunk's keys is returned; then each real row of a chunk shorter than the ring is scattered into
     its ring slot (position % window), and a chunk as long as the ring or longer rewrites the ring
     with the latest real row mapping to each slot (the rows it touches are the whole ring)."""

@@ -209,7 +209,7 @@ def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None,
 
 
 def ring_windows(spec: ModelSpec, sliding_cache: str, max_len: int) -> dict[int, int]:
-    """Layer index -> window of the layers kept in a ring of `window` slots (model.make_cache)."""
+    """Layer index -> window of the layers kept in a ring of `window` slots (kv_cache.make_cache)."""
     if sliding_cache != "ring":
         return {}
     return {layer.index: layer.window for layer in spec.layers if layer.is_sliding and layer.window < max_len}

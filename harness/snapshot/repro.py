@@ -48,7 +48,8 @@ class _LayerHost(nn.Module):
 def port_layer(checkpoint, settings, index: int, rows: int, parts: list[str]) -> nn.Module:
     """The port's layer `index` at TP 1 in the run's dtype, hosted by its decoder's run_layers."""
     from harness.port.blocks import FamilyRankDecoder
-    from harness.port.model import RankDecoder, RankLinears, make_cache
+    from harness.port.kv_cache import make_cache
+    from harness.port.model import RankDecoder, RankLinears
     from harness.port.sharding import plan_model, shard_layer
 
     spec, dtype = checkpoint.spec, settings.torch_dtype

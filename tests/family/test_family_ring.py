@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness.port import blocks as port_blocks
-from harness.port import model as port_model
+from harness.port import kv_cache as port_kv
 from tests.family.shared import family_checkpoint, family_reference
 
 
@@ -42,7 +42,7 @@ def test_shared_layer_reading_the_written_ring_fails(monkeypatch):
 
     def forward(self, x, cos, sin, positions, mask):
         cache = self.source_cache
-        if isinstance(cache, port_model.RingCache):  # the ring after the write, then the chunk
+        if isinstance(cache, port_kv.RingCache):  # the ring after the write, then the chunk
             k, v = cache.last_read
             w = cache.k.shape[2]
             cache.last_read = torch.cat([cache.k, k[:, :, w:]], 2), torch.cat([cache.v, v[:, :, w:]], 2)

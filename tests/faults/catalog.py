@@ -21,10 +21,11 @@ from torch import nn
 
 from harness.backends import cpu as port_cpu
 from harness.base.settings import RunSettings
-from harness.judge.compare import compare_logits
+from harness.judge.tokens import compare_logits
 from harness.port import blocks as port_blocks
 from harness.port import decode as port_decode
 from harness.port import engine as port_engine
+from harness.port import kv_cache as port_kv
 from harness.port import model as port_model
 from harness.port import sharding as port_sharding
 
@@ -357,7 +358,7 @@ def shared_softcap_formula_wrong(monkeypatch):
     fallbacks both read it (cap * tanh(x)): the reference, which takes its capped distribution and
     its greedy tokens from transformers alone, does not lean on it, so the check still sees it."""
     from harness.base import numerics
-    from harness.judge import compare as judge
+    from harness.judge import tokens as judge
 
     def wrong(logits, cap):
         return logits.float() if cap is None else cap * torch.tanh(logits.float())
@@ -394,14 +395,14 @@ def full_layers_get_sliding_mask(monkeypatch):
 def decode_cache_written_one_late(monkeypatch):
     """Decode steps write their key and value one slot past their position (prefill is right): the
     query attends a stale slot and the new key lands where the mask hides it."""
-    original = port_model.KVCache.update
+    original = port_kv.KVCache.update
 
     def update(self, positions, k, v):
         if positions.shape[-1] == 1:
             positions = (positions + 1).clamp_max(self.k.shape[2] - 1)
         return original(self, positions, k, v)
 
-    monkeypatch.setattr(port_model.KVCache, "update", update)
+    monkeypatch.setattr(port_kv.KVCache, "update", update)
 
 
 def decode_rope_one_position_late(monkeypatch):
@@ -463,7 +464,7 @@ def ring_index_off_by_one(monkeypatch):
         slots = port_model.ring_slot_positions(written_to, self.window).roll(1)  # slot s takes p = s - 1
         return _ring_write(self, positions, k, v, slots)
 
-    monkeypatch.setattr(port_model.RingCache, "update", update)
+    monkeypatch.setattr(port_kv.RingCache, "update", update)
 
 
 def stale_ring_slot_visible(monkeypatch):
@@ -475,7 +476,7 @@ def stale_ring_slot_visible(monkeypatch):
         slots = port_model.ring_slot_positions(first, self.window)
         return torch.cat([torch.where(slots >= 0, first - 1, slots), positions[0]])
 
-    monkeypatch.setattr(port_model.RingCache, "key_positions", key_positions)
+    monkeypatch.setattr(port_kv.RingCache, "key_positions", key_positions)
 
 
 def chunk_positions_offset(monkeypatch):
@@ -522,13 +523,13 @@ def decode_kv_bucket_one_too_small(monkeypatch):
 def chunk_reads_overwritten_keys(monkeypatch):
     """The ring is written before the chunk attends: the chunk's early queries read, in the slots
     they still need (positions p - window + 1 ...), the keys of its own later rows."""
-    original = port_model.RingCache.update
+    original = port_kv.RingCache.update
 
     def update(self, positions, k, v):
         original(self, positions, k, v)
         return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
 
-    monkeypatch.setattr(port_model.RingCache, "update", update)
+    monkeypatch.setattr(port_kv.RingCache, "update", update)
 
 
 # ---- the catalog --------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def _check_args(tmp_path, monkeypatch, *extra: str) -> tuple:
     from harness.parity import check as parity
 
     def stand_in(ckpt, ckpt_dir, settings, **kw):
-        raise _Reached(settings, kw["extra_checks"])
+        raise _Reached(settings, kw["stages"])
 
     monkeypatch.setattr(parity, "run_parity_check", stand_in)
     args = build_parser().parse_args(["check", "--model", "tiny", "--json", str(tmp_path / "c.json"), *extra])
@@ -100,7 +100,7 @@ def test_the_default_check_adds_the_batch_stage_and_batch_1_says_it_ran_none(tmp
     one, extra_one = _check_args(tmp_path, monkeypatch, "--batch", "1")
     assert one.batch == 1 and len(extra_one) == 2
     result = CheckResult(backend="cpu", tp=2, dtype="bfloat16")
-    skipped = extra_one[0](result, None)  # --batch 1: no model work, a stage that says why it did not run
+    skipped = extra_one[0].run(result, None)  # --batch 1: no model work, a stage that says why it did not run
     assert skipped.stage == "batch" and not skipped.ran and skipped.passed
     assert "--batch 1" in skipped.describe() and skipped.to_json()["ran"] is False
     four, extra_four = _check_args(tmp_path, monkeypatch, "--batch", "4")

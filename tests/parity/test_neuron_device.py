@@ -17,7 +17,8 @@ import torch
 
 from harness.backends import build_engine
 from harness.base.settings import RunSettings
-from harness.judge.compare import compare_logits, compare_point
+from harness.judge.compare import compare_point
+from harness.judge.tokens import compare_logits
 from harness.port.decode import forced, generate
 
 pytestmark = pytest.mark.neuron

@@ -19,6 +19,7 @@ from harness.backends import neuron, neuron_build, neuron_cache, neuron_env
 from harness.base.errors import HarnessInputError
 from harness.base.settings import RunSettings
 from harness.port import graphs
+from harness.port import kv_cache as port_kv
 from harness.port import model as port_model
 from tests.nxd_double import installed
 from tests.parity import test_neuron_device as device
@@ -159,7 +160,7 @@ def test_rule_no_in_place_state_update(nxd, tiny0_ckpt, tmp_path, monkeypatch):
         self.v.index_copy_(2, positions[0], v)
         return self.k[:, :, :self.read_len], self.v[:, :, :self.read_len]
 
-    monkeypatch.setattr(port_model.KVCache, "update", update)
+    monkeypatch.setattr(port_kv.KVCache, "update", update)
     with pytest.raises(neuron.NeuronBuildError, match="updated in place"):
         _build(tiny0_ckpt, tmp_path)
 
@@ -345,7 +346,7 @@ def test_rule_rank_dependent_python_is_baked_as_rank_0(nxd, tiny0_ckpt, tmp_path
 
 def test_rule_parameters_are_never_state(nxd, tiny0_ckpt, tmp_path, monkeypatch):
     """A KV cache kept as Parameters and reassigned in forward is refused (not supported by NxD)."""
-    real_init = port_model.KVCache.__init__
+    real_init = port_kv.KVCache.__init__
 
     def init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
@@ -353,13 +354,13 @@ def test_rule_parameters_are_never_state(nxd, tiny0_ckpt, tmp_path, monkeypatch)
             setattr(self, name, torch.nn.Parameter(self._buffers.pop(name), requires_grad=False))
 
     def update(self, positions, k, v):
-        rows = port_model.chunk_rows(positions)
+        rows = port_kv.chunk_rows(positions)
         self.k = torch.nn.Parameter(self.k.index_copy(2, rows, k), requires_grad=False)
         self.v = torch.nn.Parameter(self.v.index_copy(2, rows, v), requires_grad=False)
         return self.k[:, :, :self.read_len], self.v[:, :, :self.read_len]
 
-    monkeypatch.setattr(port_model.KVCache, "__init__", init)
-    monkeypatch.setattr(port_model.KVCache, "update", update)
+    monkeypatch.setattr(port_kv.KVCache, "__init__", init)
+    monkeypatch.setattr(port_kv.KVCache, "update", update)
     with pytest.raises(neuron.NeuronBuildError, match="reassigned in forward"):
         _build(tiny0_ckpt, tmp_path)
 

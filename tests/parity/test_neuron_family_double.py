@@ -179,7 +179,7 @@ def test_a_shared_layer_holding_a_cache_of_its_own_fails_the_build(nxd, monkeypa
     makes state only of buffers reassigned in forward, so that cache would be a weight of zeros, not
     device state. The build fails with a NeuronBuildError naming the buffers, and nothing reaches the
     artifact cache."""
-    from harness.port.model import KVCache
+    from harness.port.kv_cache import KVCache
 
     real = SharedKVAttention.__init__
 

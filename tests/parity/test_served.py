@@ -148,6 +148,8 @@ def test_the_parity_build_is_released_before_an_extra_stage_builds_its_own(tiny0
 
     from harness.parity import check as parity
 
+    from harness.judge.stage_result import Stage
+
     built = []
     real_build = parity.build_port
     monkeypatch.setattr(parity, "build_port", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
@@ -159,10 +161,10 @@ def test_the_parity_build_is_released_before_an_extra_stage_builds_its_own(tiny0
         return BatchStage(ran=False, notes=["a stand-in stage"])
 
     refs = []
-    monkeypatch.setattr(parity, "check_port", lambda ck, engine, *a, **k: refs.append(weakref.ref(engine))
+    monkeypatch.setattr(parity, "_observed", lambda ck, engine, *a, **k: refs.append(weakref.ref(engine))
                         or built.clear() or parity.CheckResult("cpu", 1, "bfloat16"))
     parity.run_parity_check(tiny0_ckpt, tiny0_ckpt.path, CPU, prompts=[[2, 17, 93]], new_tokens=1,
-                            fp32_stage=False, extra_checks=(extra,))
+                            fp32_stage=False, stages=(Stage("batch", extra),))
     assert seen == [True], "the parity engine was still alive when the extra stage ran"
 
 

@@ -26,6 +26,7 @@ import random
 import pytest
 
 from harness import perf
+from harness.report import perf_plot, perf_text
 from harness.cli import main as cli_main
 from harness.perf import changepoints
 
@@ -132,7 +133,7 @@ def test_history_names_the_commit_of_the_first_slow_run(tmp_path):
     assert [(cp.index, cp.commit, cp.direction) for cp in steps] == [(8, "commit08", "slower")]
     assert steps[0].ratio == pytest.approx(1.25, rel=0.03)
     assert not [cp for cp in comp.change_points if cp.metric == "decode_ms_per_token"]
-    text = perf.render_text(comp)
+    text = perf_text.render_text(comp)
     assert sum("commit08" in line and "slower" in line for line in text.splitlines()) == 1  # printed once
     assert f"family-wise alpha 0.01 over the {comp.change_point_metrics} metrics tested, Holm" in text
     assert [p["commit"] for p in comp.trend["prefill_ms"]] == [f"commit{i:02d}" for i in range(14)]
@@ -166,10 +167,10 @@ def test_compare_history_writes_the_trend_png_beside_the_markdown(tmp_path, caps
 
 
 def test_trend_png_is_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch):
-    monkeypatch.setattr("harness.perf.plot.plot_available", lambda: False)
+    monkeypatch.setattr("harness.report.perf_plot.plot_available", lambda: False)
     write_history(tmp_path, [100.0] * 4)
     comp = perf.compare_history(tmp_path, intervals=False)
-    assert perf.draw_trend(comp, tmp_path / "x.png") is None and not (tmp_path / "x.png").exists()
+    assert perf_plot.draw_trend(comp, tmp_path / "x.png") is None and not (tmp_path / "x.png").exists()
     assert any("matplotlib is not installed" in n for n in comp.notes)
 
 
@@ -179,7 +180,7 @@ def test_the_trend_plot_labels_at_most_twenty_runs_however_long_the_history():
     pytest.importorskip("matplotlib", reason="the trend PNG needs the plot extra (matplotlib)")
     from matplotlib.figure import Figure
 
-    from harness.perf import plot
+    from harness.report import perf_plot as plot
 
     assert plot.tick_positions(5) == [0, 1, 2, 3, 4]
     for n in (21, 100, 999, 10_000):

@@ -61,7 +61,7 @@ def test_the_two_file_compare_writes_its_trend_plot(tmp_path, capsys):
 
 
 def test_history_labels_tell_two_runs_of_one_commit_apart(tmp_path):
-    from harness.perf.plot import run_labels
+    from harness.report.perf_plot import run_labels
 
     for minute, commit in enumerate(["aaaaaaa1", "bbbbbbb2", "bbbbbbb2", "ccccccc3"]):
         perf.append_history(history_run(minute, 1.0, minute, git_commit=commit), tmp_path)
@@ -71,7 +71,7 @@ def test_history_labels_tell_two_runs_of_one_commit_apart(tmp_path):
     require_plot_extra()
     from matplotlib.figure import Figure
 
-    from harness.perf.plot import _panel
+    from harness.report.perf_plot import _panel
 
     ax = Figure().subplots()
     _panel(ax, "prefill_ms", comp.trend["prefill_ms"], comp, None)

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from harness import perf
+from harness.report import perf_text
 from harness.base.errors import HarnessInputError
 from harness.base.settings import RunSettings
 from harness.cli import main as cli_main
@@ -128,11 +129,11 @@ def test_bench_reports_floors_and_efficiency_per_graph(bench_runs, capsys):
         "memory_bytes_per_s"]["max"] and spread["flops_per_s"]["n"] == perf.machine.MATMUL_REPEATS
     # measured once per process: the second bench of the module reports the same rates
     assert perf.load_result(bench_runs[0] / "b.json")["roofline"]["rates"] == block["rates"]
-    text = perf.render_bench_summary(result)
+    text = perf_text.render_bench_summary(result)
     assert "efficiency" in text and f"{100 * block['graphs'][-1]['efficiency']:.1f}%" in text
     assert "graph ms" in text and "host-side ms" in text and "rates measured once" in text
     assert "ttft_ms" in text and "throughput" in text
-    assert "| prefill[16] |" in perf.render_roofline_markdown(block)
+    assert "| prefill[16] |" in perf_text.render_roofline_markdown(block)
 
 
 def test_bench_pins_the_tokens_it_generated(bench_runs, tiny0_ckpt):

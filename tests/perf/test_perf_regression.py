@@ -13,6 +13,7 @@ import random
 import pytest
 
 from harness import perf
+from harness.report import perf_text
 from harness.base.errors import HarnessInputError
 from harness.cli import main as cli_main
 
@@ -98,7 +99,7 @@ def test_tail_percentiles_are_withheld_below_their_sample_size():
     assert perf.summarize([float(k) for k in range(100)])["p99"] == pytest.approx(98.01)
     result = synthetic_result([10.0, 11.0, 12.0], [5.0] * 3)
     result["summary"] = {"prefill_ms": perf.summarize([10.0, 11.0, 12.0]), "tokens_per_second": 200.0}
-    text = perf.render_bench_summary(result)
+    text = perf_text.render_bench_summary(result)
     assert "p90         -  p99         -" in text and "(n=3)" in text
     assert "p90 is shown from n >= 10 samples and p99 from n >= 100" in text
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.judge.compare import (BF16, FP32, FP32_FACTOR, calibrate_near_ties, classify_departure,
-                                   classify_mismatch, compare_logits, compare_point, compare_probabilities,
-                                   margin_shifts, saturation_tie)
+from harness.judge.compare import BF16, FP32, FP32_FACTOR, compare_point, compare_probabilities
+from harness.judge.tokens import (calibrate_near_ties, classify_departure, classify_mismatch, compare_logits,
+                                  margin_shifts, saturation_tie)
 
 CAP = 30.0
 

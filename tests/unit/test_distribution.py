@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from harness.judge.compare import compare_logits
-from harness.judge.distribution import LIMITS, judge_distribution, strict_precision
+from harness.judge.tokens import compare_logits
+from harness.judge.distribution import LIMITS, distribution_stage, judge_distribution
 from harness.judge.ratios import MIN_POSITIONS, position_r
 from harness.judge.verdicts import PointResult
 
@@ -71,11 +71,12 @@ def test_a_point_with_few_rows_is_not_gated():
 def test_over_precision_warns_names_its_start_and_its_cost_and_fails_under_strict():
     check = _Check([_point("embeddings", _noise(64, 0.8), lanes=72)] + _layers([1.0] * 2), local=_layers([1.0] * 2))
     dist = judge_distribution(check)
-    check.extra_stages = [dist]
     assert dist.passed and [o.point for o in dist.over_precision] == ["embeddings"]
     assert "144 more bytes a token" in dist.over_precision[0].describe() and "WARNING" in dist.describe()
-    assert strict_precision(check) is dist and not dist.passed and dist.failures()[0]["point"] == "embeddings"
-    assert "FAIL over-precision" in dist.describe()
+    check.port_error = None
+    strict = distribution_stage(strict=True).run(check, None)  # --strict-precision: a parameter of the stage
+    assert not strict.passed and strict.failures()[0]["point"] == "embeddings" and strict.to_json()["strict_precision"]
+    assert "FAIL over-precision" in strict.describe()
 
 
 def test_over_precision_inside_a_layer_is_read_alone():
@@ -114,11 +115,11 @@ def test_the_served_builds_over_precision_says_what_it_costs():
     """The served build's step logits (judged by compare_point in harness/parity/served.py) closer to
     fp32 than bf16 can be: flagged once its stage is attached, its cost a vocabulary of fp32 values."""
     check = _Check(_layers([1.0] * 2), local=_layers([1.0] * 2))
-    dist = judge_distribution(check)
     served = type("Served", (), {"stage": "served", "step_logits": _point("served.step_logits", _noise(40, 0.5),
                                                                           lanes=262144)})()
-    check.extra_stages = [dist, served]
+    assert not judge_distribution(check).flagged  # the served stage is read only where given (it runs after it)
+    dist = judge_distribution(check, served=served)
     assert [o.point for o in dist.flagged] == ["served.step_logits"] and dist.passed
     assert "the served build" in dist.describe() and "524288 more bytes a token" in dist.describe()
-    strict_precision(check)
-    assert not dist.passed and dist.to_json()["over_precision"][0]["extra_bytes_per_token"] == 524288
+    strict = judge_distribution(check, strict=True, served=served)
+    assert not strict.passed and strict.to_json()["over_precision"][0]["extra_bytes_per_token"] == 524288

@@ -20,7 +20,8 @@ from harness.inputs.tiny import TINY_CONFIG, TINY_FAMILY
 from harness.port import draft_graphs
 from harness.port.drafter import DRAFTER_PREFIX, RankDrafter
 from harness.port.graphs import traced_class
-from harness.port.model import KVCache, RankLinears
+from harness.port.kv_cache import KVCache
+from harness.port.model import RankLinears
 
 PAIRS = {"12b": (TINY_CONFIG, "gemma-4-tiny-assistant.json"), "31b": (TINY_FAMILY["31b"], "gemma-4-tiny-31b-assistant.json")}
 N = 5

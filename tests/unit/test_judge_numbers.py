@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from harness.judge.compare import (per_position_rel_l2, BF16, FP32, compare_logits, compare_point, compare_probabilities,
-                                   saturation_tie)
+from harness.judge.compare import BF16, FP32, compare_point, compare_probabilities, per_position_rel_l2
+from harness.judge.tokens import compare_logits, saturation_tie
 
 ROWS, WIDTH = 4, 8
 A = 0.01  # the envelope's relative error per affected row: far above the bf16 floor (2^-9)
@@ -129,7 +129,7 @@ def test_saturation_exemption_only_for_exactly_equal_capped_maxima():
 
 def test_near_tie_floor_is_four_bf16_ulps():
     """With a zero band, a flip at |logit| 20 (bf16 ULP 0.125) is a tie up to 0.5 and not at 0.6."""
-    from harness.judge.compare import classify_mismatch
+    from harness.judge.tokens import classify_mismatch
 
     assert classify_mismatch(0, torch.tensor([20.0, 19.5]), 1).kind == "near_tie"
     assert classify_mismatch(0, torch.tensor([20.0, 19.4]), 1).kind == "divergence"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.port.model import RingCache
+from harness.port.kv_cache import RingCache
 
 
 class CacheSizedOps(TorchDispatchMode):

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import harness
-from harness.judge.compare import (BF16, FP32, NEAR_TIE_ULPS, classify_departure, classify_mismatch, saturation_tie,
-                                   tie_threshold)
+from harness.judge.compare import BF16, FP32, NEAR_TIE_ULPS
+from harness.judge.tokens import classify_departure, classify_mismatch, saturation_tie, tie_threshold
 from harness.base.errors import PromptError
 from harness.base.numerics import bf16_ulp
 from harness.inputs.prompts import check_kv_fit, kv_positions_used, validate_prompt_fit
@@ -250,10 +250,10 @@ def _calls(name: str) -> set[str]:
     ("judge_routing", {"harness/judge/stage.py"}),  # the stage judge judges routing; parity does not
     ("compare_layers", {"harness/judge/stage.py"}),  # local reads the stage's judged layers
     ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py"}),
-    ("classify_mismatch", {"harness/judge/compare.py"}),  # the drafter's cluster choices: judged as routing
-    ("saturation_tie", {"harness/judge/compare.py"}),
-    ("calibrate_band", {"harness/judge/compare.py", "harness/judge/routing.py"}),
-    ("tie_threshold", {"harness/judge/compare.py", "harness/judge/routing.py"}),
+    ("classify_mismatch", {"harness/judge/tokens.py"}),  # the drafter's cluster choices: judged as routing
+    ("saturation_tie", {"harness/judge/tokens.py"}),
+    ("calibrate_band", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
+    ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
     # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
     ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/quality/moe.py",
                        "harness/reference/forcing.py"}),
@@ -327,12 +327,83 @@ def test_every_extra_stage_returns_a_stage_result_whose_failures_its_gates_compu
     from harness.parity.served import ServedResult
     from harness.parity.speculative import SpeculativeStage
 
-    for cls in (ServedResult, BatchStage, SpeculativeStage):
+    from harness.judge.distribution import Distribution
+    from harness.parity.host_rows import PerLayerRowsStage
+
+    for cls in (ServedResult, BatchStage, SpeculativeStage, Distribution, PerLayerRowsStage):
         assert issubclass(cls, StageResult)
         assert not {"failures", "to_json", "passed"} & set(vars(cls)), cls.__name__
     assert _calls("run_stages") == {"harness/parity/check.py"}  # only the parity run executes stages
     assert _calls("overall_verdict") == {"harness/judge/results.py"}  # one function builds the verdict
     assert _calls("divergent") >= {"harness/judge/stage_result.py"}
+
+
+def _stage_adders(files: dict[str, str]) -> set[str]:
+    """The modules (path -> source) adding a stage to a result's extra_stages (append, extend, insert,
+    +=, or assigning the list), or deciding a stage's strictness after it ran (`.strict = `)."""
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("append", "extend", "insert") and ast.unparse(node.func.value).endswith("extra_stages"):
+                found.add(path)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+            if any(isinstance(t, ast.Attribute) and t.attr in ("extra_stages", "strict") for t in targets):
+                found.add(path)
+    return found
+
+
+# a stage added by hand beside run_stages, or strictness decided after the run: what a second copy looks like
+STAGE_COPIES = ["result.extra_stages.append(judge_distribution(result))",
+                "result.extra_stages += judge_per_layer_rows(checkpoint, engine, refs)",
+                "check.extra_stages = [dist, served]",
+                "found.strict = strict"]
+
+
+def test_only_run_stages_adds_a_stage_and_a_second_copy_is_found():
+    files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
+    assert _stage_adders(files) == {"harness/judge/stage_result.py"}
+    for copy in STAGE_COPIES:
+        assert _stage_adders({"a module of parity": copy}) == {"a module of parity"}, copy
+
+
+def test_the_stage_order_is_declared_and_held_by_run_stages():
+    """The stages on the parity build run first and it is released after the last of them; a stage
+    reading another runs after it and is given its result (the distribution reads the served build's)."""
+    from harness.judge.results import CheckResult
+    from harness.judge.stage_result import Stage, run_stages, stage_order
+    from harness.parity.batched import BatchStage
+
+    ran = []
+
+    def stage(name, **kw):
+        def run(**inputs):
+            ran.append((name, sorted(inputs), inputs.get("served") is not None))
+            return BatchStage(ran=False, notes=[name]) if name != "none" else None
+        return Stage(name, run, **kw)
+
+    stages = [stage("distribution", reads=("result",), after=("served",)), stage("served"), stage("none"),
+              stage("rows", reads=("result", "engine"))]
+    inputs = {"result": CheckResult("cpu", 1, "bfloat16"), "checkpoint": None, "engine": object()}
+    run_stages(stages, inputs)
+    assert [r[0] for r in ran] == ["rows", "served", "distribution", "none"]  # each as soon as its reads ran
+    assert ran[2] == ("distribution", ["result", "served"], True) and "engine" not in inputs
+    assert [s.notes[0] for s in inputs["result"].extra_stages] == ["rows", "served", "distribution"]  # None: none
+    with pytest.raises(ValueError, match="read each other"):
+        stage_order([stage("a", after=("b",)), stage("b", after=("a",))])
+    with pytest.raises(ValueError, match="after it was released"):
+        stage_order([stage("served"), stage("rows", reads=("engine",), after=("served",))])
+    with pytest.raises(ValueError, match="reads \\['references'\\]"):
+        run_stages([stage("x", reads=("references",))], {"result": CheckResult("cpu", 1, "bfloat16")})
+
+
+def test_strict_precision_is_a_parameter_of_the_distribution_stage():
+    from harness.parity.check import check_stages
+
+    names = [s.name for s in check_stages()]
+    assert names == ["per_layer_rows", "distribution"]
+    assert next(s for s in check_stages() if s.name == "distribution").after == ("served",)
+    assert "strict_precision" not in _callers()  # no function decides it after the run
 
 
 def test_a_gate_added_to_a_stage_counts_in_its_verdict_and_json():

@@ -248,3 +248,34 @@ def test_speculation_in_a_batch_equals_each_sequence_alone(random_pair):
         assert (run.tokens, run.accepted, run.drafted) == (own.tokens, own.accepted, own.drafted) and run.drafted
         torch.testing.assert_close(run.step_logits, own.step_logits, atol=1e-4, rtol=1e-4)
         assert run.tokens == generate(alone, [prompt], 6)[0].tokens
+
+
+def test_speculation_in_a_batch_is_refused_only_where_the_drafter_reads_one_sequence(monkeypatch):
+    """`--batch 2 --assistant A --speculate 3` composes on cpu and xla (their drafters read each
+    sequence's own KV slot) and is refused on neuron, before the assistant is read, naming the fix.
+    The command's list is the drafters' own word (`serves_slots`, which the decode loop reads)."""
+    from types import SimpleNamespace
+
+    from harness.backends.cpu_drafter import CpuDrafter
+    from harness.backends.neuron_drafter import NeuronDrafter
+    from harness.backends.xla_drafter import XlaDrafter
+    from harness.cli import check as check_cli
+
+    drafters = {"cpu": CpuDrafter, "xla": XlaDrafter, "neuron": NeuronDrafter}
+    assert set(check_cli.SLOT_DRAFTERS) == {b for b, cls in drafters.items() if getattr(cls, "serves_slots", False)}
+
+    class Reached(Exception):
+        pass
+
+    def reached(args):
+        raise Reached(args.settings.backend)
+    monkeypatch.setattr(check_cli, "assistant_dir", reached)
+    for backend in ("cpu", "xla", "neuron"):
+        args = SimpleNamespace(assistant="A", speculate=3, batch=2, settings=RunSettings(backend=backend, batch=2))
+        if backend == "neuron":
+            with pytest.raises(OptionError, match="--batch 2 on the neuron backend.*drop --batch or use --backend cpu or xla"):
+                check_cli.validate_speculate(args, None)
+        else:
+            with pytest.raises(Reached):
+                check_cli.validate_speculate(args, None)
+            assert args.settings.speculate == 3

@@ -36,12 +36,12 @@ def pair(name: str):
     return Checkpoint.open(target), assistant, run_reference(target, PROMPTS, NEW_TOKENS)
 
 
-def _stage(name: str, tp: int, dtype: str = "bfloat16"):
+def _stage(name: str, tp: int, dtype: str = "bfloat16", batch: int = 1):
     from harness.parity.speculative import check_speculative
 
     ckpt, assistant, refs = pair(name)
     ref32, ref16 = refs["float32"], refs["bfloat16"]
-    settings = RunSettings(backend="xla", tp=tp, dtype=dtype, buckets=(16, 64), kv_len=64)
+    settings = RunSettings(backend="xla", tp=tp, dtype=dtype, buckets=(16, 64), kv_len=64, batch=batch)
     return check_speculative(ckpt, ref32, ref16, SimpleNamespace(band=4.0), settings=settings, assistant_dir=assistant, k=K)
 
 
@@ -51,6 +51,43 @@ def test_the_speculative_stage_passes_on_xla(name, tp):
     assert stage.error is None and stage.passed, stage.describe()
     assert len(stage.drafter_points) == 2 * 9  # bf16 and fp32, nine points each (state_fed included)
     assert all(a["port"] >= a["reference"] - a["band"] for a in stage.acceptance)
+
+
+def test_the_speculative_stage_passes_in_a_batch_on_xla():
+    """`check --batch 2 --assistant A --speculate 3 --backend xla`'s stage: both prompts served as one
+    batch of two KV slots, each sequence drafting from its own slot (XlaDrafter.serves_slots), one
+    batched verify call a round; greedy tokens the target's own, acceptance judged per sequence."""
+    stage = _stage("12b", 1, batch=2)
+    assert stage.error is None and stage.passed, stage.describe()
+    assert [a["prompt"] for a in stage.acceptance] == list(range(len(PROMPTS)))
+    assert all(a["passed"] and a["verifies"] > 0 for a in stage.acceptance), stage.acceptance
+
+
+def test_bench_speculates_in_a_batch_on_xla(tmp_path, capsys):
+    """`bench --batch 1,2 --assistant A --speculate 3 --backend xla` on the mirror pair: the batched
+    perf build (last-row prefill, its verify graph returning every row and the final-norm states)
+    speculates, each sequence's tokens its plain greedy decode's, and reports the accepted drafts per
+    verify of each batch, per sequence: the cpu backend's figures, sequence for sequence (the first
+    sequence's the same alone and beside another)."""
+    from harness.cli import main
+    from harness.reference.mirror_assistant import mirror_pair
+
+    target, assistant = mirror_pair(0)
+
+    def bench(backend: str) -> dict:
+        out = tmp_path / f"{backend}.json"
+        code = main(["bench", "--checkpoint", str(target), "--backend", backend, "--tp", "1", "--assistant", str(assistant),
+                     "--speculate", str(K), "--batch", "1,2", "--runs", "1", "--warmup", "0", "--new-tokens", "8",
+                     "--buckets", "16", "--kv-len", "32", "--out", str(out)])
+        assert code == 0, capsys.readouterr().err[-2000:]
+        return {r["batch"]: r["speculative"] for r in json.loads(out.read_text())["batch"]["rows"]}
+
+    rows, cpu = bench("xla"), bench("cpu")
+    assert sorted(rows) == [1, 2]
+    for b, s in rows.items():
+        assert s["tokens_equal"] and s["k"] == K and len(s["per_sequence"]) == b and s["verifies"] > 0, s
+        assert s["per_sequence"] == cpu[b]["per_sequence"] and s["verifies"] == cpu[b]["verifies"], (s, cpu[b])
+    assert rows[2]["per_sequence"][0] == rows[1]["per_sequence"][0] and max(rows[2]["per_sequence"]) > 1.0
 
 
 def test_check_with_the_assistant_passes_on_xla_at_tp2(tmp_path, capsys):
