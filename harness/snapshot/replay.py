@@ -102,7 +102,8 @@ def replay_whole(engine, snap) -> dict[str, torch.Tensor]:
         _load_kv(backend, snap)
     _load_layer_weights(backend, snap)
     t, n = snap.tensors, snap.target["length"]
-    _, captures = backend.forward(t["call.inputs_embeds"], t["call.positions"], capture=True)
+    _, captures = backend.forward(t["call.inputs_embeds"], t["call.positions"], capture=True,
+                                  seq_ids=t.get("call.seq_ids"))  # as the engine passed them
     return {name: v[0, :n].float() for name, v in captures.items()}
 
 

@@ -34,7 +34,7 @@ def test_a_planted_fault_snapshots_replays_and_its_repro_exits_1(tiny0_ckpt, tin
     assert flow.lines[0].startswith("snapshot plan:")
     done = run_repro(tmp_path / "repro", tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "plain reading: agrees" in done.stdout and "port's traced layer: FAILS" in done.stdout
+    assert "plain reading: agrees" in done.stdout and "port's traced layer (TP 2): FAILS" in done.stdout
 
 
 def _replay(backend: str, ratio: float) -> BackendReplay:
