@@ -13,6 +13,7 @@ Tensor names (the snapshot's safetensors file):
   port.{point}, ref.{point}, env.{point}   the call's real rows at the layer's points and final_norm
                             (a decode step's named as the check names them: decode.layers.{i}.*)
   port.input, ref.input     the layer's input rows (the port's own, the stage reference's)
+  pooled.{point}            a pooled part's floors (whole, worst row) as the stage judged it
   weights.r{rank}.{name}    the layer's weights as rank `rank` holds them
 """
 
@@ -29,6 +30,20 @@ def judged_points(spec, layer: int, prefix: str = "") -> list[str]:
     """The points a snapshot stores and its replay judges: the layer's, then the final norm (with
     `prefix` "decode.", a decode step's names in the check's observation)."""
     return [prefix + n for n in layer_points(layer, spec=spec) + ["final_norm"]]
+
+
+def pooled_floors_of(spec, obs, layer: int, prefix: str = "") -> dict[str, tuple[float, float]]:
+    """Per pooled part among the layer's points (compare.POOLED_PARTS), the floors the stage's judge
+    gave it: compare.pooled_floors over that part at every layer of the observation."""
+    from harness.judge.compare import POOLED_PARTS, pooled_floors
+
+    out = {}
+    for name in judged_points(spec, layer, prefix):
+        part = name.split(".")[-1]
+        if part in POOLED_PARTS:
+            names = [n for n in obs.ref if n.startswith(prefix + "layers.") and n.endswith("." + part)]
+            out[name] = pooled_floors(names, obs.ref, obs.env)
+    return out
 
 
 def input_point(layer: int, prefix: str = "") -> str:
@@ -104,6 +119,8 @@ def record_call(checkpoint, settings, target, observation) -> dict[str, torch.Te
     for name in judged_points(spec, i, prefix):
         tensors[f"port.{name}"] = captures[call_name(name)][0, rows].float().contiguous()
         tensors[f"ref.{name}"], tensors[f"env.{name}"] = stage_rows(observation, name, target)
+    for name, floors in pooled_floors_of(spec, observation, i, prefix).items():
+        tensors[f"pooled.{name}"] = torch.tensor(floors, dtype=torch.float64)  # the judge's floors (replay's too)
     tensors["port.input"] = captures[input_point(i)][0, rows].float().contiguous()
     tensors["ref.input"] = stage_rows(observation, input_point(i, prefix), target)[0]
     for rank, weights in enumerate(rank_layer_weights(checkpoint, settings.tp, i, settings.torch_dtype)):

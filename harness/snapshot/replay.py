@@ -91,8 +91,9 @@ def _load_layer_weights(backend, snap) -> None:
 def _judge(snap, outputs: dict[str, torch.Tensor], names: list[str]) -> list:
     judge = JUDGES[snap.target["stage"]]
     t = snap.tensors
-    return [compare_point(name, outputs[call_name(name)], t[f"ref.{name}"], t[f"env.{name}"], judge)
-            for name in names]
+    pooled = {name: tuple(t[f"pooled.{name}"].tolist()) for name in names if f"pooled.{name}" in t}
+    return [compare_point(name, outputs[call_name(name)], t[f"ref.{name}"], t[f"env.{name}"], judge,
+                          pooled=pooled.get(name, (0.0, 0.0))) for name in names]
 
 
 def replay_whole(engine, snap) -> dict[str, torch.Tensor]:

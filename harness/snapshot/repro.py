@@ -23,8 +23,8 @@ import torch
 
 from harness.base.atomic import atomic_directory
 from harness.base.points import layer_points
-from harness.judge.compare import JUDGES
-from harness.snapshot.record import input_point, stage_rows
+from harness.judge.compare import JUDGES, POOLED_PARTS, ROW_NORM_FLOOR
+from harness.snapshot.record import input_point, pooled_floors_of, stage_rows
 
 FILES = ("repro.py", "repro.safetensors", "port_rank{rank}.pt")
 
@@ -77,27 +77,31 @@ def repro_inputs(checkpoint, settings, target, obs) -> tuple[dict, list[dict], l
     """The script's tensors, each call's inputs (for tracing) and the hosted layers."""
     from harness.port import graphs
 
+    from harness.snapshot.repro_host import port_source
+
     spec, i = checkpoint.spec, target.layer
-    source = spec.layers[i].kv_source
-    hosted = [i] if source is None else [source, i]
+    source = spec.layers[i].kv_source  # the plain reading's: the model's own
+    hosted = [i] if source is None else [port_source(spec, i), i]  # the port's: as its decoder binds it
     n_prefill, calls = engine_calls(checkpoint, settings, target, obs)
     kv_lengths = graphs.kv_buckets(settings.buckets, settings.kv_len)
     tensors, traced, row = {}, [], 0
-    plain = {j: [] for j in hosted}
-    plain_ple = {j: [] for j in hosted}
+    plain = {j: [] for j in {i, source} - {None}}
+    plain_ple = {j: [] for j in plain}
     for j, call in enumerate(calls):
         rows, bucket = call.real_rows, call.positions.shape[1]
         xs = torch.zeros(len(hosted), 1, bucket, spec.hidden_size)
-        for slot, layer in enumerate(hosted):
+        for layer in set(hosted) | set(plain):
             x = _reference_rows(obs, target, layer, n_prefill=n_prefill, j=j, row=row, rows=rows)
-            xs[slot, 0, :rows] = x
-            plain[layer].append(x)
+            if layer in hosted:
+                xs[hosted.index(layer), 0, :rows] = x
+            if layer in plain:
+                plain[layer].append(x)
         ples = torch.zeros(0)
         if spec.per_layer_input_size:
             per_layer = _per_layer_inputs(checkpoint, settings, call.inputs_embeds)
             ples = torch.stack([per_layer[:, :, layer] for layer in hosted]).float()
-            for slot, layer in enumerate(hosted):
-                plain_ple[layer].append(ples[slot, 0, :rows])
+            for layer in plain:
+                plain_ple[layer].append(per_layer[0, :rows, layer].float())
             tensors[f"call{j}.ples"] = ples
         row += rows if j < n_prefill else 0
         tensors[f"call{j}.xs"], tensors[f"call{j}.positions"] = xs, call.positions
@@ -146,12 +150,15 @@ def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
         kv.append([list(t.shape) for t in host_cache(host)])
     judge, spec = JUDGES[target.stage], checkpoint.spec
     meta = {"config": layer_config(spec, target.layer), "dtype": str(run.torch_dtype).removeprefix("torch."),
-            "source_config": layer_config(spec, hosted[0]) if len(hosted) > 1 else None,
-            "factor": judge.factor, "floor": judge.floor, "points": parts, "tp": run.tp, "kv_shapes": kv,
+            "source_config": layer_config(spec, spec.layers[target.layer].kv_source) if len(hosted) > 1 else None,
+            "factor": judge.factor, "floor": judge.floor, "points": parts,
+            "pooled": {n.rsplit(".", 1)[1]: list(f) for n, f in pooled_floors_of(spec, stage.observation, target.layer,
+                                                                                target.prefix).items()},
+            "row_floor": {part: 1.0 if part in POOLED_PARTS else ROW_NORM_FLOOR for part in parts}, "tp": run.tp, "kv_shapes": kv,
             "calls": [{"method": f"call{j}", "sums": reductions[j], "rows": c["rows"]} for j, c in enumerate(calls)],
             "target_rows": target.length,
             "description": f"layer {target.layer} ({spec.layers[target.layer].type}"
-                           f"{', reads layer %d cache' % hosted[0] if len(hosted) > 1 else ''}) of {checkpoint.path} "
+                           f"{', KV-shared: reads layer %d cache' % spec.layers[target.layer].kv_source if len(hosted) > 1 else ''}) of {checkpoint.path} "
                            f"(spec {spec.spec_hash()}) at TP {run.tp}, prompt {target.prompt}: the "
                            f"{target.graph_tag} call (call {len(calls) - 1} of the engine's {len(calls)}), "
                            f"{target.stage} stage: {target.point} {target.ratio:.3g}x in the "

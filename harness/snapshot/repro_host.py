@@ -65,6 +65,15 @@ class RankHost(nn.Module):
         return parts + tuple(self.collectives.partials) + (self.cache.k, self.cache.v)
 
 
+def port_source(spec, index: int) -> int | None:
+    """The layer whose cache the port's layer `index` reads, as the port's decoder decides it
+    (FamilyRankDecoder.source_of; None: the layer's own cache)."""
+    from harness.port.blocks import FamilyRankDecoder
+
+    layer = spec.layers[index]
+    return None if layer.kv_source is None else FamilyRankDecoder.source_of(types.SimpleNamespace(spec=spec), layer)
+
+
 def rank_hosts(checkpoint, settings, index: int, parts: list[str]) -> list[RankHost]:
     """Every rank's host of layer `index` (and its KV source) at the run's TP, dtype and KV length."""
     from harness.port.blocks import FamilyRankDecoder
@@ -74,7 +83,7 @@ def rank_hosts(checkpoint, settings, index: int, parts: list[str]) -> list[RankH
     spec, dtype, tp = checkpoint.spec, settings.torch_dtype, settings.tp
     decoder_cls = FamilyRankDecoder if spec.is_family else RankDecoder
     plans = plan_model(spec, tp)
-    source = spec.layers[index].kv_source
+    source = port_source(spec, index)
     wanted = [index] if source is None else [source, index]
     weights = {j: checkpoint.layer_weights(j, dtype) for j in wanted}
     hosts = []
