@@ -8,6 +8,7 @@ layer's weights on every rank.
 Tensor names (the snapshot's safetensors file):
   call.inputs_embeds [1, bucket, width], call.positions [1, bucket]   as the engine passed them
   call.seq_ids [1]          only when the engine passed seq_ids
+  prior.{j}.inputs_embeds, prior.{j}.positions   the engine's earlier calls of the prompt, in order
   kv.r{rank}.{layer}.k|v   the rows [0, first position of the call) of each cache it reads (a ring:
                             the whole ring)
   port.{point}, ref.{point}, env.{point}   the call's real rows at the layer's points and final_norm
@@ -112,9 +113,11 @@ def record_call(checkpoint, settings, target, observation) -> dict[str, torch.Te
     recording = record_calls(engine, ids, ref.generated, wanted, _kv_state(spec, rings))
     call, captures = recording.call, recording.captures
     tensors = dict(recording.kv)
-    tensors.update({"call.inputs_embeds": call.inputs_embeds.contiguous(), "call.positions": call.positions.contiguous()})
+    tensors["call.inputs_embeds"], tensors["call.positions"] = call.inputs_embeds, call.positions
     if call.seq_ids is not None:
         tensors["call.seq_ids"] = call.seq_ids.contiguous()
+    for j, prior in enumerate(recording.calls[:-1]):  # what builds the cache on a backend it cannot be loaded into
+        tensors[f"prior.{j}.inputs_embeds"], tensors[f"prior.{j}.positions"] = prior.inputs_embeds, prior.positions
     rows = slice(0, target.length)
     for name in judged_points(spec, i, prefix):
         tensors[f"port.{name}"] = captures[call_name(name)][0, rows].float().contiguous()

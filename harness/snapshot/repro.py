@@ -106,7 +106,8 @@ def repro_inputs(checkpoint, settings, target, obs) -> tuple[dict, list[dict], l
         row += rows if j < n_prefill else 0
         tensors[f"call{j}.xs"], tensors[f"call{j}.positions"] = xs, call.positions
         traced.append({"xs": xs.to(settings.torch_dtype), "positions": call.positions,
-                       "ples": ples.to(settings.torch_dtype), "read_len": graphs.kv_read_length(call.positions, kv_lengths),
+                       "ples": ples.to(settings.torch_dtype),
+                       "read_len": graphs.kv_read_length(call.positions, kv_lengths),
                        "rows": rows})
     tensors["input"] = torch.cat(plain[i])
     if spec.per_layer_input_size:
@@ -126,19 +127,25 @@ def repro_inputs(checkpoint, settings, target, obs) -> tuple[dict, list[dict], l
 
 def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
     """What `bisect --emit-repro DIR` does after its run."""
+    from harness.snapshot.target import choose_target, stage_settings
+    from harness.snapshot.write import refuse_existing
+
+    refuse_existing(out_dir, "--emit-repro")
+    target = choose_target(result, settings)
+    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+    return write_repro(checkpoint, stage_settings(settings, target.stage), target, stage.observation, out_dir, say=say)
+
+
+def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Path:
+    """The repro of `target`'s call (harness.snapshot.target.Target) from the stage `observation`
+    its port ran with settings `run`: planned, then written atomically into `out_dir`."""
     from safetensors.torch import save
 
     import harness
     from harness.snapshot.repro_host import host_cache, rank_hosts, trace_rank
-    from harness.snapshot.target import choose_target, stage_settings
-    from harness.snapshot.write import refuse_existing
 
     out_dir = Path(out_dir)
-    refuse_existing(out_dir, "--emit-repro")
-    target = choose_target(result, settings)
-    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
-    run = stage_settings(settings, target.stage)
-    tensors, calls, hosted = repro_inputs(checkpoint, run, target, stage.observation)
+    tensors, calls, hosted = repro_inputs(checkpoint, run, target, observation)
     parts = [name.rsplit(".", 1)[1] for name in layer_points(target.layer, spec=checkpoint.spec)]
     modules, reductions, kv = [], None, []
     for host in rank_hosts(checkpoint, run, target.layer, parts):
@@ -149,16 +156,18 @@ def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
         reductions = counts
         kv.append([list(t.shape) for t in host_cache(host)])
     judge, spec = JUDGES[target.stage], checkpoint.spec
+    shared = f", KV-shared: reads layer {spec.layers[target.layer].kv_source} cache" if len(hosted) > 1 else ""
     meta = {"config": layer_config(spec, target.layer), "dtype": str(run.torch_dtype).removeprefix("torch."),
             "source_config": layer_config(spec, spec.layers[target.layer].kv_source) if len(hosted) > 1 else None,
             "factor": judge.factor, "floor": judge.floor, "points": parts,
-            "pooled": {n.rsplit(".", 1)[1]: list(f) for n, f in pooled_floors_of(spec, stage.observation, target.layer,
+            "pooled": {n.rsplit(".", 1)[1]: list(f) for n, f in pooled_floors_of(spec, observation, target.layer,
                                                                                 target.prefix).items()},
-            "row_floor": {part: 1.0 if part in POOLED_PARTS else ROW_NORM_FLOOR for part in parts}, "tp": run.tp, "kv_shapes": kv,
+            "row_floor": {part: 1.0 if part in POOLED_PARTS else ROW_NORM_FLOOR for part in parts},
+            "tp": run.tp, "kv_shapes": kv,
             "calls": [{"method": f"call{j}", "sums": reductions[j], "rows": c["rows"]} for j, c in enumerate(calls)],
             "target_rows": target.length,
             "description": f"layer {target.layer} ({spec.layers[target.layer].type}"
-                           f"{', KV-shared: reads layer %d cache' % spec.layers[target.layer].kv_source if len(hosted) > 1 else ''}) of {checkpoint.path} "
+                           f"{shared}) of {checkpoint.path} "
                            f"(spec {spec.spec_hash()}) at TP {run.tp}, prompt {target.prompt}: the "
                            f"{target.graph_tag} call (call {len(calls) - 1} of the engine's {len(calls)}), "
                            f"{target.stage} stage: {target.point} {target.ratio:.3g}x in the "

@@ -18,7 +18,8 @@ import warnings
 import torch
 from torch import nn
 
-from harness.port.model import Collectives, RankLinears, make_cache
+from harness.port import model as port_model
+from harness.port.model import Collectives, RankLinears
 
 
 class PartialSums(Collectives):
@@ -92,9 +93,9 @@ def rank_hosts(checkpoint, settings, index: int, parts: list[str]) -> list[RankH
         for j in wanted:
             layer = decoder_cls.layer_class(spec, spec.layers[j], plans[j], RankLinears(collectives),
                                             max_len=settings.kv_len, dtype=dtype)
-            if spec.layers[j].kv_source is None:
-                layer.self_attn.cache = make_cache(settings.sliding_cache, spec.layers[j], plans[j].kv_heads_per_rank,
-                                                   settings.kv_len, dtype)
+            if spec.layers[j].kv_source is None:  # the module's make_cache, looked up as the decoder does
+                layer.self_attn.cache = port_model.make_cache(settings.sliding_cache, spec.layers[j],
+                                                              plans[j].kv_heads_per_rank, settings.kv_len, dtype)
             layer.load_state_dict(shard_layer(weights[j], plans[j], rank), strict=True)
             layers[j] = layer.to(dtype).eval()
         if source is not None:
