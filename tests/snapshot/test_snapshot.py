@@ -5,6 +5,7 @@ catalog, the family variants and TP 1 run in the slow lane (tests/snapshot/test_
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -24,7 +25,7 @@ def test_a_planted_fault_snapshots_replays_and_its_repro_exits_1(tiny0_ckpt, tin
     the repro script, with harness unimportable, shows the port's layer failing beside a plain
     reading that agrees, and exits 1, on the CPU and through --neuron's torch_neuronx.trace (a
     stand-in: no device here); without torch-neuronx or with bad arguments it exits 2 before any
-    work. The plan line's size is what was written, within 10%."""
+    work. Both plan lines' sizes are what was written, within 10%."""
     fault = BY_NAME["rope-interleaved-pairs"]
     flow = snapshot_flow(fault, tiny0_ckpt, tiny0_reference, SETTINGS, tmp_path / "snap", tmp_path / "repro",
                          modes=("whole", "layer"), fp32=False, other_tp=1)  # the bf16 stage catches it
@@ -38,6 +39,10 @@ def test_a_planted_fault_snapshots_replays_and_its_repro_exits_1(tiny0_ckpt, tin
     planned, written = planned_and_written(tmp_path / "snap", flow.manifest)
     assert abs(planned - written) <= 0.1 * written, (planned, written)
     assert flow.lines[0].startswith("snapshot plan:")
+    repro_plan = next(line for line in flow.lines if line.startswith("repro plan:"))
+    planned_repro = float(re.search(r"([0-9.]+) MiB", repro_plan).group(1)) * 2**20
+    written_repro = sum(p.stat().st_size for p in (tmp_path / "repro").iterdir())
+    assert abs(planned_repro - written_repro) <= 0.1 * written_repro, (repro_plan, written_repro)
     done = run_repro(tmp_path / "repro", tmp_path, "--neuron", "--compiler-workdir", str(tmp_path / "cc"),
                      neuronx_stub=True)
     assert done.returncode == 1, done.stdout + done.stderr

@@ -30,8 +30,8 @@ FIXTURES = {TINY: ("tiny0_ckpt", "tiny0_reference"), TINY_INEXACT_SCALE: ("inexa
 # the engine's own calls (their positions, padding, KV buckets; a decode step's prefill and earlier
 # steps) on every rank of the TP plan, fed the reference's input rows: chunk, ring, decode and TP
 # plan faults reproduce (measured 2026-12-03).
+# (embed-scale-not-cast is caught at the embeddings alone, no layer point: --snapshot refuses it, no device call.)
 REPRO_GAPS = {
-    "embed-scale-not-cast": "the host's embedding lookup, upstream of every layer: the layer is fed the reference's input",
     "rmsnorm-no-fp32-upcast": "caught by the distribution stage only (as in REPLAY_GAPS): no failing layer point to emit",
 }
 
