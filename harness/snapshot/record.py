@@ -1,15 +1,20 @@
-"""Recording the snapshotted call: the port built again as the judged stage ran it, the target
-prompt's earlier prefill chunks (and, for a decode step, the prefill and the teacher-forced steps
-before it) run to fill the KV cache, then the cache rows the call reads, the
-call's inputs and the port's own outputs of it taken, beside the stage's references for the same
-rows and the first failing layer's weights on every rank.
+"""Recording the snapshotted call: the port built again as the judged stage ran it and driven by
+the engine's own decode loop up to the call (harness.snapshot.calls: the target prompt's earlier
+prefill chunks and, for a decode step, the teacher-forced steps before it), then the cache rows
+the call reads, the call's inputs exactly as the engine passed them to backend.forward and the
+port's own outputs of it, beside the stage's references for the same rows and the first failing
+layer's weights on every rank.
 
 Tensor names (the snapshot's safetensors file):
-  call.inputs_embeds [1, bucket, width], call.positions [1, bucket], call.seq_ids [1]
-  kv.r{rank}.{layer}.k|v   the rows [0, start) of each cache the call reads (a ring: the whole ring)
+  call.inputs_embeds [1, bucket, width], call.positions [1, bucket]   as the engine passed them
+  call.seq_ids [1]          only when the engine passed seq_ids
+  prior.{j}.inputs_embeds, prior.{j}.positions   the engine's earlier calls of the prompt, in order
+  kv.r{rank}.{layer}.k|v   the rows [0, first position of the call) of each cache it reads (a ring:
+                            the whole ring)
   port.{point}, ref.{point}, env.{point}   the call's real rows at the layer's points and final_norm
                             (a decode step's named as the check names them: decode.layers.{i}.*)
   port.input, ref.input     the layer's input rows (the port's own, the stage reference's)
+  pooled.{point}            a pooled part's floors (whole, worst row) as the stage judged it
   weights.r{rank}.{name}    the layer's weights as rank `rank` holds them
 """
 
@@ -18,14 +23,28 @@ from __future__ import annotations
 import torch
 
 from harness.base.points import layer_points
-from harness.port.engine import chunk_plan, chunk_positions
 from harness.port.sharding import plan_model, shard_layer
+from harness.snapshot.calls import call_index, record_calls
 
 
 def judged_points(spec, layer: int, prefix: str = "") -> list[str]:
     """The points a snapshot stores and its replay judges: the layer's, then the final norm (with
     `prefix` "decode.", a decode step's names in the check's observation)."""
     return [prefix + n for n in layer_points(layer, spec=spec) + ["final_norm"]]
+
+
+def pooled_floors_of(spec, obs, layer: int, prefix: str = "") -> dict[str, tuple[float, float]]:
+    """Per pooled part among the layer's points (compare.POOLED_PARTS), the floors the stage's judge
+    gave it: compare.pooled_floors over that part at every layer of the observation."""
+    from harness.judge.compare import POOLED_PARTS, pooled_floors
+
+    out = {}
+    for name in judged_points(spec, layer, prefix):
+        part = name.split(".")[-1]
+        if part in POOLED_PARTS:
+            names = [n for n in obs.ref if n.startswith(prefix + "layers.") and n.endswith("." + part)]
+            out[name] = pooled_floors(names, obs.ref, obs.env)
+    return out
 
 
 def input_point(layer: int, prefix: str = "") -> str:
@@ -49,26 +68,27 @@ def owned_caches(spec) -> list[int]:
     return [layer.index for layer in spec.layers if layer.kv_source is None]
 
 
-def _chunk(engine, ids: torch.Tensor, start: int, length: int, bucket: int):
-    pad = torch.full((bucket - length,), engine.spec.pad_token_id, dtype=torch.long)
-    return engine.embed(torch.cat([ids[start:start + length], pad])), chunk_positions(start, length, bucket)
+def _kv_state(spec, rings: dict):
+    """A reader of the cache rows a call reads, per rank and layer, as the port stores them: the
+    rows [0, its first position) of a linear cache (the position the engine passed, so a host-side
+    offset is recorded as the engine made it), a ring whole."""
+
+    def read(backend, call) -> dict[str, torch.Tensor]:
+        start, out = call.first_position, {}
+        if start <= 0:
+            return out
+        for rank in range(backend.tp):
+            for layer in owned_caches(spec):
+                k, v = backend.kv_cache(layer, rank)
+                rows = slice(None) if layer in rings else slice(0, start)
+                out[f"kv.r{rank}.{layer}.k"] = k[:, :, rows].contiguous().clone()
+                out[f"kv.r{rank}.{layer}.v"] = v[:, :, rows].contiguous().clone()
+        return out
+
+    return read
 
 
-def _kv_state(backend, spec, start: int, rings: dict) -> dict[str, torch.Tensor]:
-    """The cache rows the call reads, per rank and layer, as the port stores them."""
-    if start == 0:
-        return {}
-    out = {}
-    for rank in range(backend.tp):
-        for layer in owned_caches(spec):
-            k, v = backend.kv_cache(layer, rank)
-            rows = slice(None) if layer in rings else slice(0, start)
-            out[f"kv.r{rank}.{layer}.k"] = k[:, :, rows].contiguous().clone()
-            out[f"kv.r{rank}.{layer}.v"] = v[:, :, rows].contiguous().clone()
-    return out
-
-
-def _stage_rows(obs, name: str, target) -> tuple[torch.Tensor, torch.Tensor]:
+def stage_rows(obs, name: str, target) -> tuple[torch.Tensor, torch.Tensor]:
     """The stage's fp32 reference and envelope rows of the call at a point (stacked over prompts;
     a decode point's rows are every prompt's teacher-forced steps after the first)."""
     if target.step is not None:
@@ -79,16 +99,6 @@ def _stage_rows(obs, name: str, target) -> tuple[torch.Tensor, torch.Tensor]:
     return obs.ref[name][rows].float().contiguous(), obs.env[name][rows].float().contiguous()
 
 
-def _decode_call(engine, ids: torch.Tensor, tokens: list[int], step: int, settings):
-    """Prefill, then the teacher-forced steps before `step`: the call's (inputs, positions) left to run."""
-    backend, n = engine.backend, ids.numel()
-    for start, length, bucket in chunk_plan(n, settings.buckets, settings.kv_len):
-        backend.forward(*_chunk(engine, ids, start, length, bucket))
-    for s in range(step):
-        backend.forward(engine.embed(torch.tensor([tokens[s]])), torch.tensor([[n + s]]))
-    return engine.embed(torch.tensor([tokens[step]])), torch.tensor([[n + step]])
-
-
 def record_call(checkpoint, settings, target, observation) -> dict[str, torch.Tensor]:
     """Every tensor of the snapshot (module docstring), the port run once more for the prompt."""
     from harness.parity.observe import build_port
@@ -96,28 +106,26 @@ def record_call(checkpoint, settings, target, observation) -> dict[str, torch.Te
 
     spec, i, prefix = checkpoint.spec, target.layer, target.prefix
     engine = build_port(checkpoint, settings)
-    backend = engine.backend
     ref = observation.ref32[target.prompt]
     ids = engine.validate_ids(ref.prompt)
-    backend.reset()
-    if target.step is not None:
-        embeds, positions = _decode_call(engine, ids, ref.generated, target.step, settings)
-    else:
-        for start, length, bucket in chunk_plan(ids.numel(), settings.buckets, settings.kv_len):
-            embeds, positions = _chunk(engine, ids, start, length, bucket)
-            if start == target.start:
-                break
-            backend.forward(embeds, positions)
-    tensors = _kv_state(backend, spec, target.start, ring_windows(spec, settings.sliding_cache, settings.kv_len))
-    _, captures = backend.forward(embeds, positions, capture=True)
-    tensors.update({"call.inputs_embeds": embeds.contiguous(), "call.positions": positions.contiguous(),
-                    "call.seq_ids": torch.zeros(1, dtype=torch.long)})
+    wanted = call_index(ids.numel(), settings, target.step, target.start)
+    rings = ring_windows(spec, settings.sliding_cache, settings.kv_len)
+    recording = record_calls(engine, ids, ref.generated, wanted, _kv_state(spec, rings))
+    call, captures = recording.call, recording.captures
+    tensors = dict(recording.kv)
+    tensors["call.inputs_embeds"], tensors["call.positions"] = call.inputs_embeds, call.positions
+    if call.seq_ids is not None:
+        tensors["call.seq_ids"] = call.seq_ids.contiguous()
+    for j, prior in enumerate(recording.calls[:-1]):  # what builds the cache on a backend it cannot be loaded into
+        tensors[f"prior.{j}.inputs_embeds"], tensors[f"prior.{j}.positions"] = prior.inputs_embeds, prior.positions
     rows = slice(0, target.length)
     for name in judged_points(spec, i, prefix):
         tensors[f"port.{name}"] = captures[call_name(name)][0, rows].float().contiguous()
-        tensors[f"ref.{name}"], tensors[f"env.{name}"] = _stage_rows(observation, name, target)
+        tensors[f"ref.{name}"], tensors[f"env.{name}"] = stage_rows(observation, name, target)
+    for name, floors in pooled_floors_of(spec, observation, i, prefix).items():
+        tensors[f"pooled.{name}"] = torch.tensor(floors, dtype=torch.float64)  # the judge's floors (replay's too)
     tensors["port.input"] = captures[input_point(i)][0, rows].float().contiguous()
-    tensors["ref.input"] = _stage_rows(observation, input_point(i, prefix), target)[0]
+    tensors["ref.input"] = stage_rows(observation, input_point(i, prefix), target)[0]
     for rank, weights in enumerate(rank_layer_weights(checkpoint, settings.tp, i, settings.torch_dtype)):
         tensors.update({f"weights.r{rank}.{name}": w for name, w in weights.items()})
     # each its own memory: safetensors refuses views of one tensor (a replicated head, fp32 embeddings)

@@ -3,7 +3,9 @@
 reference rows stored beside it.
 
 Whole: the call as recorded (inputs, positions, the KV rows it reads) through the backend's
-parity build; the snapshot's layer points and final norm judged. Layer: the layer alone (its
+parity build; the snapshot's layer points and final norm judged. Where the recorded KV rows cannot
+be loaded (a compiled backend, another TP degree), the engine's earlier calls of the prompt, also
+recorded, run first and build the cache on that backend. Layer: the layer alone (its
 ranks, real collectives, the decoder's own run_layers) on the stage reference's input to it, with
 the recorded KV rows; only where ranks live on the host (cpu) and the layer runs alone
 (harness.inputs.family.runs_alone). Several backends name whose failure it is: shown by every
@@ -60,9 +62,21 @@ def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
         if snap.manifest.get("runs_alone") is False:
             raise OptionError(f"--layer {spec_layer}: this layer reads per-layer inputs or another layer's cache and "
                               "cannot run alone; replay the whole call (drop --layer)")
-    if snap.kv(0) and (tp != snap.tp or not cls.host_ranks):
+    if snap.kv(0) and not _loads_kv(cls, snap, tp) and (mode == "layer" or not _priors(snap)):
         raise OptionError(f"the call reads {snap.target['start']} cached rows, recorded per rank at TP {snap.tp}: they "
                           f"load only into a host backend at TP {snap.tp} (cpu); replay the whole call there")
+
+
+def _loads_kv(cls, snap, tp: int) -> bool:
+    return bool(cls.host_ranks) and tp == snap.tp
+
+
+def _priors(snap) -> list[tuple]:
+    """The engine's earlier calls of the prompt, (inputs_embeds, positions), in order."""
+    t, out = snap.tensors, []
+    while f"prior.{len(out)}.positions" in t:
+        out.append((t[f"prior.{len(out)}.inputs_embeds"], t[f"prior.{len(out)}.positions"]))
+    return out
 
 
 def _load_kv(backend, snap) -> None:
@@ -91,18 +105,23 @@ def _load_layer_weights(backend, snap) -> None:
 def _judge(snap, outputs: dict[str, torch.Tensor], names: list[str]) -> list:
     judge = JUDGES[snap.target["stage"]]
     t = snap.tensors
-    return [compare_point(name, outputs[call_name(name)], t[f"ref.{name}"], t[f"env.{name}"], judge)
-            for name in names]
+    pooled = {name: tuple(t[f"pooled.{name}"].tolist()) for name in names if f"pooled.{name}" in t}
+    return [compare_point(name, outputs[call_name(name)], t[f"ref.{name}"], t[f"env.{name}"], judge,
+                          pooled=pooled.get(name, (0.0, 0.0))) for name in names]
 
 
 def replay_whole(engine, snap) -> dict[str, torch.Tensor]:
     backend = engine.backend
     backend.reset()
-    if snap.kv(0):
-        _load_kv(backend, snap)
     _load_layer_weights(backend, snap)
+    if snap.kv(0) and _loads_kv(type(backend), snap, backend.tp):
+        _load_kv(backend, snap)
+    else:  # a compiled backend or another TP: the engine's earlier calls build the cache there
+        for embeds, positions in _priors(snap):
+            backend.forward(embeds, positions)
     t, n = snap.tensors, snap.target["length"]
-    _, captures = backend.forward(t["call.inputs_embeds"], t["call.positions"], capture=True)
+    _, captures = backend.forward(t["call.inputs_embeds"], t["call.positions"], capture=True,
+                                  seq_ids=t.get("call.seq_ids"))  # as the engine passed them
     return {name: v[0, :n].float() for name, v in captures.items()}
 
 

@@ -1,79 +1,32 @@
 """Emitting a standalone repro of the first failing layer (`bisect --emit-repro DIR`): repro.py
 (fixtures/repro/repro.py, a script of its own: it imports torch and safetensors only, and
-torch-neuronx when asked), repro.safetensors (the
-layer's weights, the stage reference's input and outputs for the prompt's rows up to the end of
-the failing call, the envelope, the judge's numbers in its metadata) and port_layer.pt (the
-port's own layer, at TP 1, traced by torch.jit: it loads with torch alone). Small: one layer at
-the prompt's shapes. Written atomically, its size stated first."""
+torch-neuronx when asked), repro.safetensors and port_rank{r}.pt (the port's own layer per rank of
+the run's TP plan, traced once per device call: harness.snapshot.repro_host).
+
+The calls are the engine's own (harness.snapshot.calls): every call of the target prompt up to the
+failing one (its earlier prefill chunks, and for a decode step the prefill and the teacher-forced
+steps before it), each with the positions, padding and KV bucket the engine and backend gave it,
+fed the stage reference's input rows of the call. The script runs them in order on every rank,
+carrying each rank's KV cache from call to call and summing the ranks' partials where the port
+all-reduces; a plain reading runs the same rows in one pass at their true positions. A KV-shared
+layer (the family's E-series) brings its source layer along: the source writes the cache the shared
+layer reads. Small: one layer (two when shared) at the prompt's shapes, per rank; written
+atomically, its size stated first."""
 
 from __future__ import annotations
 
+import io
 import json
-import warnings
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from harness.base.atomic import atomic_directory
-from harness.base.errors import OptionError
 from harness.base.points import layer_points
-from harness.judge.compare import JUDGES
-from harness.snapshot.record import input_point
+from harness.judge.compare import JUDGES, POOLED_PARTS, ROW_NORM_FLOOR
+from harness.snapshot.record import input_point, pooled_floors_of, stage_rows
 
-FILES = ("repro.py", "repro.safetensors", "port_layer.pt")
-
-
-class _LayerHost(nn.Module):
-    """The port decoder's own run_layers over one layer (its masks, rope and cache writes), the
-    other layers' slots holding the same layer: what gets traced."""
-
-    def __init__(self, decoder_cls, spec, layer: nn.Module, index: int, parts: list[str]):
-        super().__init__()
-        self.spec, self.index, self.parts = spec, index, parts
-        self.layers = nn.ModuleList([layer] * (index + 1))  # indexable by the layer's own index
-        self._run = decoder_cls.run_layers
-        self.layer_input = decoder_cls.__dict__.get("layer_input", None)
-        if isinstance(self.layer_input, staticmethod):
-            self.layer_input = self.layer_input.__func__
-
-    def forward(self, x, positions, per_layer_input=None):
-        if per_layer_input is not None:  # the family decoder picks layer `index`'s slice of these
-            self._per_layer_inputs = per_layer_input.unsqueeze(2).expand(-1, -1, self.index + 1, -1)
-        captures: dict = {}
-        self._run(self, x, positions, self.index, self.index + 1, captures=captures)
-        return tuple(captures[f"layers.{self.index}.{p}"].float() for p in self.parts)
-
-
-def port_layer(checkpoint, settings, index: int, rows: int, parts: list[str]) -> nn.Module:
-    """The port's layer `index` at TP 1 in the run's dtype, hosted by its decoder's run_layers."""
-    from harness.port.blocks import FamilyRankDecoder
-    from harness.port.kv_cache import make_cache
-    from harness.port.model import RankDecoder, RankLinears
-    from harness.port.sharding import plan_model, shard_layer
-
-    spec, dtype = checkpoint.spec, settings.torch_dtype
-    decoder_cls = FamilyRankDecoder if spec.is_family else RankDecoder
-    plan = plan_model(spec, 1)[index]
-    layer = decoder_cls.layer_class(spec, spec.layers[index], plan, RankLinears(), max_len=rows, dtype=dtype)
-    layer.self_attn.cache = make_cache(settings.sliding_cache, spec.layers[index], plan.kv_heads_per_rank, rows, dtype)
-    layer.load_state_dict(shard_layer(checkpoint.layer_weights(index, dtype), plan, 0), strict=True)
-    layer.self_attn.cache.read_len = rows  # a Python int: a traced shape would turn it into a tensor
-    return _LayerHost(decoder_cls, spec, layer.to(dtype).eval(), index, parts)
-
-
-def _per_layer_input(checkpoint, settings, ids: list[int], index: int) -> torch.Tensor:
-    """The port's per-layer input of layer `index` for the rows (host table rows, device projection)."""
-    from harness.port.blocks import PerLayerInputs
-    from harness.port.engine import Engine
-
-    spec, dtype = checkpoint.spec, settings.torch_dtype
-    engine = Engine(spec, None, checkpoint.embed_weight(dtype), settings, per_layer_table=checkpoint.per_layer_table(dtype))
-    inputs = engine.embed(torch.tensor(ids, dtype=torch.long))
-    module = PerLayerInputs(spec).to(dtype)
-    module.load_state_dict(checkpoint.device_model_weights(dtype), strict=True)
-    with torch.no_grad():
-        return module(inputs[..., :spec.hidden_size], inputs[..., spec.hidden_size:])[0, :, index].contiguous()
+FILES = ("repro.py", "repro.safetensors", "port_rank{rank}.pt")
 
 
 def layer_config(spec, index: int) -> dict:
@@ -84,75 +37,151 @@ def layer_config(spec, index: int) -> dict:
             "type": layer.type}
 
 
-def repro_tensors(checkpoint, settings, target, obs) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The repro's tensors (weights, input, reference and envelope rows [0, end of the call)) and
-    the points it judges."""
+def _per_layer_inputs(checkpoint, settings, inputs_embeds: torch.Tensor) -> torch.Tensor:
+    """[1, s, layers, P]: the per-layer inputs the device computes from a call's inputs_embeds."""
+    from harness.port.blocks import PerLayerInputs
+
+    spec, dtype = checkpoint.spec, settings.torch_dtype
+    module = PerLayerInputs(spec).to(dtype)
+    module.load_state_dict(checkpoint.device_model_weights(dtype), strict=True)
+    with torch.no_grad():
+        return module(inputs_embeds[..., :spec.hidden_size].to(dtype), inputs_embeds[..., spec.hidden_size:].to(dtype))
+
+
+def _reference_rows(obs, target, layer: int, *, n_prefill: int, j: int, row: int, rows: int) -> torch.Tensor:
+    """The stage reference's input to `layer` at the real rows of call j of the target prompt."""
+    if j < n_prefill:
+        offset = sum(len(r.prompt) for r in obs.ref32[:target.prompt]) + row
+        name = input_point(layer)
+    else:
+        offset = sum(max(len(r.generated) - 1, 0) for r in obs.ref32[:target.prompt]) + (j - n_prefill)
+        name = input_point(layer, "decode.")
+    return obs.ref[name][offset:offset + rows].float()
+
+
+def engine_calls(checkpoint, settings, target, obs):
+    """The engine's calls of the target prompt up to the failing one, with the (prefill chunk
+    count, call list) (harness.snapshot.calls)."""
+    from harness.parity.observe import build_port
+    from harness.port.engine import chunk_plan
+    from harness.snapshot.calls import call_index, record_calls
+
+    engine = build_port(checkpoint, settings)
+    ref = obs.ref32[target.prompt]
+    ids = engine.validate_ids(ref.prompt)
+    recording = record_calls(engine, ids, ref.generated, call_index(ids.numel(), settings, target.step, target.start))
+    return len(chunk_plan(ids.numel(), settings.buckets, settings.kv_len)), recording.calls
+
+
+def repro_inputs(checkpoint, settings, target, obs) -> tuple[dict, list[dict], list[int]]:
+    """The script's tensors, each call's inputs (for tracing) and the hosted layers."""
+    from harness.port import graphs
+
+    from harness.snapshot.repro_host import port_source
+
     spec, i = checkpoint.spec, target.layer
-    if target.step is not None:
-        raise OptionError(f"--emit-repro: the first failing point, {target.point}, is a decode step's; the repro runs "
-                          "the layer over the prompt in one prefill pass, where a decode-only fault does not show: "
-                          "replay the snapshot instead (--snapshot DIR, `gemma-parity replay DIR`)")
-    if spec.layers[i].kv_source is not None:
-        raise OptionError(f"--emit-repro: layer {i} reads layer {spec.layers[i].kv_source}'s cache (KV sharing), so "
-                          "it cannot run alone; replay the snapshot instead (--snapshot DIR, `gemma-parity replay`)")
-    stop = target.start + target.length
-    offset = sum(len(r.prompt) for r in obs.ref32[:target.prompt])
-    rows = slice(offset, offset + stop)
-    points = layer_points(i, spec=spec)
-    tensors = {f"w.{k}": v.contiguous() for k, v in checkpoint.layer_weights(i, settings.torch_dtype).items()}
-    tensors["input"] = obs.ref[input_point(i)][rows].float().contiguous()
-    for name in points:
-        tensors[f"ref.{name.rsplit('.', 1)[1]}"] = obs.ref[name][rows].float().contiguous()
-        tensors[f"env.{name.rsplit('.', 1)[1]}"] = obs.env[name][rows].float().contiguous()
+    source = spec.layers[i].kv_source  # the plain reading's: the model's own
+    hosted = [i] if source is None else [port_source(spec, i), i]  # the port's: as its decoder binds it
+    n_prefill, calls = engine_calls(checkpoint, settings, target, obs)
+    kv_lengths = graphs.kv_buckets(settings.buckets, settings.kv_len)
+    tensors, traced, row = {}, [], 0
+    plain = {j: [] for j in {i, source} - {None}}
+    plain_ple = {j: [] for j in plain}
+    for j, call in enumerate(calls):
+        rows, bucket = call.real_rows, call.positions.shape[1]
+        xs = torch.zeros(len(hosted), 1, bucket, spec.hidden_size)
+        for layer in set(hosted) | set(plain):
+            x = _reference_rows(obs, target, layer, n_prefill=n_prefill, j=j, row=row, rows=rows)
+            if layer in hosted:
+                xs[hosted.index(layer), 0, :rows] = x
+            if layer in plain:
+                plain[layer].append(x)
+        ples = torch.zeros(0)
+        if spec.per_layer_input_size:
+            per_layer = _per_layer_inputs(checkpoint, settings, call.inputs_embeds)
+            ples = torch.stack([per_layer[:, :, layer] for layer in hosted]).float()
+            for layer in plain:
+                plain_ple[layer].append(per_layer[0, :rows, layer].float())
+            tensors[f"call{j}.ples"] = ples
+        row += rows if j < n_prefill else 0
+        tensors[f"call{j}.xs"], tensors[f"call{j}.positions"] = xs, call.positions
+        traced.append({"xs": xs.to(settings.torch_dtype), "positions": call.positions,
+                       "ples": ples.to(settings.torch_dtype),
+                       "read_len": graphs.kv_read_length(call.positions, kv_lengths),
+                       "rows": rows})
+    tensors["input"] = torch.cat(plain[i])
     if spec.per_layer_input_size:
-        prompt = obs.ref32[target.prompt].prompt[:stop]
-        tensors["per_layer_input"] = _per_layer_input(checkpoint, settings, prompt, i).float()
-    return {k: t.clone().contiguous() for k, t in tensors.items()}, [name.rsplit(".", 1)[1] for name in points]
+        tensors["per_layer_input"] = torch.cat(plain_ple[i])
+    if source is not None:
+        tensors["source_input"] = torch.cat(plain[source])
+        tensors.update({f"ws.{k}": v for k, v in checkpoint.layer_weights(source, settings.torch_dtype).items()})
+        if spec.per_layer_input_size:
+            tensors["source_per_layer_input"] = torch.cat(plain_ple[source])
+    tensors.update({f"w.{k}": v for k, v in checkpoint.layer_weights(i, settings.torch_dtype).items()})
+    for name in layer_points(i, spec=spec):
+        ref, env = stage_rows(obs, target.prefix + name, target)
+        part = name.rsplit(".", 1)[1]
+        tensors[f"ref.{part}"], tensors[f"env.{part}"] = ref, env
+    return tensors, traced, hosted
 
 
 def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
     """What `bisect --emit-repro DIR` does after its run."""
-    import io
-
-    from safetensors.torch import save
-
     from harness.snapshot.target import choose_target, stage_settings
     from harness.snapshot.write import refuse_existing
 
-    out_dir = Path(out_dir)
     refuse_existing(out_dir, "--emit-repro")
     target = choose_target(result, settings)
     stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
-    run = stage_settings(settings, target.stage)
-    tensors, parts = repro_tensors(checkpoint, run, target, stage.observation)
-    stop = target.start + target.length
-    host = port_layer(checkpoint, run, target.layer, stop, parts)
-    example = (tensors["input"].to(run.torch_dtype)[None], torch.arange(stop)[None])
-    if "per_layer_input" in tensors:
-        example += (tensors["per_layer_input"].to(run.torch_dtype)[None],)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the static branches are this call's shapes
-        traced = torch.jit.trace(host, example, check_trace=False)
-    buffer = io.BytesIO()
-    torch.jit.save(traced, buffer)
-    judge = JUDGES[target.stage]
-    meta = {"config": layer_config(checkpoint.spec, target.layer), "dtype": str(run.torch_dtype).removeprefix("torch."),
-            "factor": judge.factor, "floor": judge.floor, "points": parts, "port_outputs": parts,
-            "start": target.start, "stop": stop,
-            "description": f"layer {target.layer} ({checkpoint.spec.layers[target.layer].type}) of {checkpoint.path} "
-                           f"(spec {checkpoint.spec.spec_hash()}), prompt {target.prompt} rows {target.start}..{stop - 1} "
-                           f"of the {target.graph_tag} call, {target.stage} stage: {target.point} "
-                           f"{target.ratio:.3g}x in the {'failing' if target.failing else 'passing (control)'} run"}
-    blob = save(tensors, metadata={"repro": json.dumps(meta)})
-    import harness
+    return write_repro(checkpoint, stage_settings(settings, target.stage), target, stage.observation, out_dir, say=say)
 
+
+def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Path:
+    """The repro of `target`'s call (harness.snapshot.target.Target) from the stage `observation`
+    its port ran with settings `run`: planned, then written atomically into `out_dir`."""
+    from safetensors.torch import save
+
+    import harness
+    from harness.snapshot.repro_host import host_cache, rank_hosts, trace_rank
+
+    out_dir = Path(out_dir)
+    tensors, calls, hosted = repro_inputs(checkpoint, run, target, observation)
+    parts = [name.rsplit(".", 1)[1] for name in layer_points(target.layer, spec=checkpoint.spec)]
+    modules, reductions, kv = [], None, []
+    for host in rank_hosts(checkpoint, run, target.layer, parts):
+        traced, counts = trace_rank(host, calls)
+        buffer = io.BytesIO()
+        torch.jit.save(traced, buffer)
+        modules.append(buffer.getvalue())
+        reductions = counts
+        kv.append([list(t.shape) for t in host_cache(host)])
+    judge, spec = JUDGES[target.stage], checkpoint.spec
+    shared = f", KV-shared: reads layer {spec.layers[target.layer].kv_source} cache" if len(hosted) > 1 else ""
+    meta = {"config": layer_config(spec, target.layer), "dtype": str(run.torch_dtype).removeprefix("torch."),
+            "source_config": layer_config(spec, spec.layers[target.layer].kv_source) if len(hosted) > 1 else None,
+            "factor": judge.factor, "floor": judge.floor, "points": parts,
+            "pooled": {n.rsplit(".", 1)[1]: list(f) for n, f in pooled_floors_of(spec, observation, target.layer,
+                                                                                target.prefix).items()},
+            "row_floor": {part: 1.0 if part in POOLED_PARTS else ROW_NORM_FLOOR for part in parts},
+            "tp": run.tp, "kv_shapes": kv,
+            "calls": [{"method": f"call{j}", "sums": reductions[j], "rows": c["rows"]} for j, c in enumerate(calls)],
+            "target_rows": target.length,
+            "description": f"layer {target.layer} ({spec.layers[target.layer].type}"
+                           f"{shared}) of {checkpoint.path} "
+                           f"(spec {spec.spec_hash()}) at TP {run.tp}, prompt {target.prompt}: the "
+                           f"{target.graph_tag} call (call {len(calls) - 1} of the engine's {len(calls)}), "
+                           f"{target.stage} stage: {target.point} {target.ratio:.3g}x in the "
+                           f"{'failing' if target.failing else 'passing (control)'} run"}
+    blob = save({k: t.detach().clone().contiguous() for k, t in tensors.items()}, metadata={"repro": json.dumps(meta)})
     script = (harness.FIXTURES_DIR / "repro" / "repro.py").read_text(encoding="utf-8")
-    size = len(blob) + buffer.tell() + len(script)
-    say(f"repro plan: {out_dir}: {', '.join(FILES)}, {size / 2**20:.2f} MiB (layer {target.layer}, {stop} rows)")
+    size = len(blob) + sum(map(len, modules)) + len(script)
+    say(f"repro plan: {out_dir}: repro.py, repro.safetensors, {len(modules)} x port_rank{{r}}.pt, {size / 2**20:.2f} "
+        f"MiB (layer {target.layer}, {len(calls)} calls, TP {run.tp})")
     with atomic_directory(out_dir) as tmp:
         (tmp / "repro.py").write_text(script, encoding="utf-8")
         (tmp / "repro.safetensors").write_bytes(blob)
-        (tmp / "port_layer.pt").write_bytes(buffer.getvalue())
+        for rank, module in enumerate(modules):
+            (tmp / f"port_rank{rank}.pt").write_bytes(module)
     say(f"repro written to {out_dir}: run `python {out_dir / 'repro.py'}` (torch and safetensors only; "
         "--neuron on an inf2 host)")
     return out_dir

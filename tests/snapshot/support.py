@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,10 +39,10 @@ def run_check(checkpoint, references, settings: RunSettings, fp32: bool = True):
 
 
 def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Path, repro: Path | None = None,
-                  modes=("whole",), fp32: bool = True, other_tp: int | None = None) -> Flow:
+                  modes=("whole",), fp32: bool = True, other_tp: int | None = None, unplanted: bool = True) -> Flow:
     """Check with `fault` planted (None: the clean port), snapshot (and emit a repro) with it still
-    planted, replay each mode on cpu planted, then whole again with the fault removed (`fp32`
-    False: the check's bf16 stage only)."""
+    planted, replay each mode on cpu planted, then (`unplanted`) whole again with the fault removed
+    (`fp32` False: the check's bf16 stage only)."""
     from harness.snapshot.read import read_snapshot
     from harness.snapshot.repro import emit_repro
     from harness.snapshot.replay import replay
@@ -64,7 +65,8 @@ def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Pat
             flow.replays[("cpu", mode, True)] = replay(snap, checkpoint, "cpu", mode=mode)
         if other_tp is not None:  # the same call at another TP degree (the port shards anew)
             flow.replays[(f"cpu-tp{other_tp}", "whole", True)] = replay(snap, checkpoint, "cpu", tp=other_tp)
-    flow.replays[("cpu", "whole", False)] = replay(snap, checkpoint, "cpu")
+    if unplanted:
+        flow.replays[("cpu", "whole", False)] = replay(snap, checkpoint, "cpu")
     return flow
 
 
@@ -73,12 +75,58 @@ def planned_and_written(out: Path, manifest: dict) -> tuple[int, int]:
     return manifest["planned_bytes"], written
 
 
-def run_repro(repro: Path, tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    """repro.py in a fresh interpreter where `import harness` fails."""
+# A stand-in for torch-neuronx with the documented signature of torch_neuronx.trace (Neuron SDK 2.x:
+# trace(func, example_inputs, *_, input_output_aliases={}, compiler_workdir=None, compiler_args=None,
+# partitioner_config=None, inline_weights_to_neff=True, cpu_backend=False)): it logs each call and
+# traces on the CPU, so repro.py's --neuron path runs as far as a machine without a device allows.
+NEURONX_STUB = """import json, os, torch
+def trace(func, example_inputs, *_, input_output_aliases={}, compiler_workdir=None, compiler_args=None,
+          partitioner_config=None, inline_weights_to_neff=True, cpu_backend=False):
+    assert isinstance(func, torch.nn.Module) and isinstance(example_inputs, tuple)
+    with open(os.environ["NEURONX_STUB_LOG"], "a") as f:
+        f.write(json.dumps({"inputs": len(example_inputs), "workdir": compiler_workdir}) + "\\n")
+    return torch.jit.trace(func, example_inputs, check_trace=False)
+"""
+
+
+def observation(references) -> SimpleNamespace:
+    """What a stage observed, as the recorder reads it: the references stacked over prompts."""
+    import torch
+
+    ref32, ref16 = references["float32"], references["bfloat16"]
+    names = ref32[0].captures
+    stack = lambda runs: {n: torch.cat([r.captures[n] for r in runs]) for n in names}  # noqa: E731
+    return SimpleNamespace(ref32=ref32, ref=stack(ref32), env=stack(ref16))
+
+
+def control_target(references, settings: RunSettings, layer: int, prompt: int = 0, step: int | None = None):
+    """A control Target without a check: prompt `prompt`'s last prefill chunk (it reads the cached
+    rows of any earlier one) or its teacher-forced decode step `step`, at layer `layer`."""
+    from harness.port.engine import chunk_plan
+    from harness.snapshot.target import Target
+
+    n = len(references["float32"][prompt].prompt)
+    if step is not None:
+        return Target(stage="bf16", point=f"decode.layers.{layer}.output", layer=layer, ratio=1.0, failing=False,
+                      prompt=prompt, position=n + step, start=n + step, length=1, bucket=1, step=step)
+    start, length, bucket = chunk_plan(n, settings.buckets, settings.kv_len)[-1]
+    return Target(stage="bf16", point=f"layers.{layer}.output", layer=layer, ratio=1.0, failing=False, prompt=prompt,
+                  position=start, start=start, length=length, bucket=bucket)
+
+
+def run_repro(repro: Path, tmp: Path, *args: str, neuronx_stub: bool = False) -> subprocess.CompletedProcess:
+    """repro.py in a fresh interpreter where `import harness` fails (and, with `neuronx_stub`,
+    torch_neuronx is NEURONX_STUB, its calls logged to tmp/neuronx.log)."""
     blocker = tmp / "blocker" / "harness"
     blocker.mkdir(parents=True, exist_ok=True)
     (blocker / "__init__.py").write_text(BLOCKER)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(blocker.parent)
+    if neuronx_stub:
+        stub = tmp / "neuronx-stub" / "torch_neuronx"
+        stub.mkdir(parents=True, exist_ok=True)
+        (stub / "__init__.py").write_text(NEURONX_STUB)
+        env["PYTHONPATH"] += os.pathsep + str(stub.parent)
+        env["NEURONX_STUB_LOG"] = str(tmp / "neuronx.log")
     return subprocess.run([sys.executable, str(repro / "repro.py"), *args], cwd=tmp, env=env, capture_output=True,
                           text=True, timeout=300)

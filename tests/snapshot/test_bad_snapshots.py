@@ -21,18 +21,11 @@ from harness.cli.snapshot_hooks import validate_snapshot_args
 from harness.inputs.checkpoint import sha256_file
 from harness.snapshot.record import rank_layer_weights, record_call
 from harness.snapshot.target import Target
+from tests.snapshot.support import observation
 from harness.snapshot.write import MANIFEST, SEAL, TENSORS, layer_weights_digest, seal, tensor_digest, write_snapshot
 
 SETTINGS = RunSettings(buckets=(64, 256), kv_len=288)
 LAYER, OTHER = 1, 2  # two sliding layers of the tiny 12B: same shapes, other weights
-
-
-def observation(references) -> SimpleNamespace:
-    """What a stage observed, as record_call reads it: the references stacked over prompts."""
-    ref32, ref16 = references["float32"], references["bfloat16"]
-    names = ref32[0].captures
-    stack = lambda runs: {n: torch.cat([r.captures[n] for r in runs]) for n in names}  # noqa: E731
-    return SimpleNamespace(ref32=ref32, ref=stack(ref32), env=stack(ref16))
 
 
 @pytest.fixture(scope="module")

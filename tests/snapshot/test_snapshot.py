@@ -4,6 +4,11 @@ catalog, the family variants and TP 1 run in the slow lane (tests/snapshot/test_
 
 from __future__ import annotations
 
+import json
+import re
+
+import pytest
+
 from harness.base.settings import RunSettings
 from harness.snapshot.replay import BackendReplay, whose
 from harness.judge.verdicts import PointResult
@@ -18,7 +23,9 @@ def test_a_planted_fault_snapshots_replays_and_its_repro_exits_1(tiny0_ckpt, tin
     check's own ratio with the fault planted, whole and layer alone (and at TP 1 too), and agrees
     with it removed;
     the repro script, with harness unimportable, shows the port's layer failing beside a plain
-    reading that agrees, and exits 1. The plan line's size is what was written, within 10%."""
+    reading that agrees, and exits 1, on the CPU and through --neuron's torch_neuronx.trace (a
+    stand-in: no device here); without torch-neuronx or with bad arguments it exits 2 before any
+    work. Both plan lines' sizes are what was written, within 10%."""
     fault = BY_NAME["rope-interleaved-pairs"]
     flow = snapshot_flow(fault, tiny0_ckpt, tiny0_reference, SETTINGS, tmp_path / "snap", tmp_path / "repro",
                          modes=("whole", "layer"), fp32=False, other_tp=1)  # the bf16 stage catches it
@@ -32,9 +39,24 @@ def test_a_planted_fault_snapshots_replays_and_its_repro_exits_1(tiny0_ckpt, tin
     planned, written = planned_and_written(tmp_path / "snap", flow.manifest)
     assert abs(planned - written) <= 0.1 * written, (planned, written)
     assert flow.lines[0].startswith("snapshot plan:")
-    done = run_repro(tmp_path / "repro", tmp_path)
+    repro_plan = next(line for line in flow.lines if line.startswith("repro plan:"))
+    planned_repro = float(re.search(r"([0-9.]+) MiB", repro_plan).group(1)) * 2**20
+    written_repro = sum(p.stat().st_size for p in (tmp_path / "repro").iterdir())
+    assert abs(planned_repro - written_repro) <= 0.1 * written_repro, (repro_plan, written_repro)
+    done = run_repro(tmp_path / "repro", tmp_path, "--neuron", "--compiler-workdir", str(tmp_path / "cc"),
+                     neuronx_stub=True)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "plain reading: agrees" in done.stdout and "port's traced layer: FAILS" in done.stdout
+    assert "plain reading: agrees" in done.stdout and "port's traced layer (TP 2): FAILS" in done.stdout
+    # --neuron: the failing call of each rank through torch_neuronx.trace (a stand-in with its
+    # signature, tracing on this CPU): inputs x, positions, per-layer inputs, k, v, one sum per all-reduce
+    assert "port's layer on neuron: FAILS" in done.stdout
+    calls = [json.loads(line) for line in (tmp_path / "neuronx.log").read_text().splitlines()]
+    assert calls == [{"inputs": 7, "workdir": str(tmp_path / "cc" / f"rank{r}")} for r in range(2)], calls
+    refused = run_repro(tmp_path / "repro", tmp_path, "--neuron")  # no torch-neuronx: refused before any work
+    assert refused.returncode == 2 and "--neuron needs torch-neuronx" in refused.stderr and not refused.stdout
+    for bad in (["--nueron"], ["--compiler-workdir", "x"]):
+        done = run_repro(tmp_path / "repro", tmp_path, *bad)
+        assert done.returncode == 2 and "usage:" in done.stderr and not done.stdout, bad
 
 
 def _replay(backend: str, ratio: float) -> BackendReplay:
@@ -51,3 +73,30 @@ def test_replay_names_whose_failure_it_is():
     named = whose(snap, [_replay("cpu", 1), _replay("neuron", 20)])
     assert "compilation or runtime divergence of neuron" in named and "not on cpu" in named
     assert whose(snap, [_replay("cpu", 1)]).startswith("no backend run")
+
+
+@pytest.mark.slow  # a family reference and two repro runs, ~25 CPU-s; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
+def test_a_kv_shared_layers_decode_step_repro_carries_its_source(tmp_path):
+    """The E4B's KV-shared layer 8 at a teacher-forced decode step, TP 2, without a check (a control
+    target on the references): the repro runs the engine's prefill and decode calls with the
+    source layer's cache on both ranks and agrees (exit 0); emitted with the shared layer bound to
+    the wrong source (kv-shared-source-off-by-one), the same repro exits 1 while its plain reading,
+    the model's own source, agrees. (The variant x TP matrix: test_snapshot_catalog.py.)"""
+    from harness.snapshot.repro import write_repro
+    from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_CATALOG, FAMILY_KV_LEN
+    from tests.family.shared import family_checkpoint, family_reference
+    from tests.snapshot.support import control_target, observation
+
+    ckpt, refs = family_checkpoint("e4b"), family_reference("e4b")
+    assert ckpt.spec.layers[8].kv_source == 7
+    settings = RunSettings(tp=2, dtype="bfloat16", buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
+    target, obs = control_target(refs, settings, layer=8, step=1), observation(refs)
+    write_repro(ckpt, settings, target, obs, tmp_path / "clean", say=lambda line: None)
+    fault = next(f for f in FAMILY_CATALOG if f.name == "kv-shared-source-off-by-one")
+    with pytest.MonkeyPatch.context() as mp:
+        fault.inject(mp)
+        write_repro(ckpt, settings, target, obs, tmp_path / "fault", say=lambda line: None)
+    clean, faulty = run_repro(tmp_path / "clean", tmp_path), run_repro(tmp_path / "fault", tmp_path)
+    assert clean.returncode == 0 and "KV-shared: reads layer 7" in clean.stdout, clean.stdout + clean.stderr
+    assert "call 2 of the engine's 3" in clean.stdout  # one prefill chunk, then decode steps 0 and 1
+    assert faulty.returncode == 1 and "plain reading: agrees" in faulty.stdout, faulty.stdout + faulty.stderr

@@ -2,8 +2,8 @@
 
 - Every fault of the catalog that `check` catches at a prefill layer point yields a snapshot whose
   replay on cpu, with the fault still planted, reproduces it (except the recorded REPLAY_GAPS),
-  and whose repro.py (harness unimportable) exits 1, except the recorded REPRO_GAPS; a decode
-  step's failure replays but has no repro (refused, naming why); a fault caught at no layer point
+  and whose repro.py (harness unimportable) exits 1, except the recorded REPRO_GAPS (decode steps
+  included: the repro runs the engine's calls up to the step); a fault caught at no layer point
   (host side, tokens only) has no device call behind it and `--snapshot` says so.
 - Every family variant at TP 1 and 2: the clean control replays to 0 and its repro exits 0; one
   fault of the variant replays as reproduced.
@@ -26,27 +26,24 @@ from tests.snapshot.support import BLOCKER, run_check, snapshot_flow
 
 FIXTURES = {TINY: ("tiny0_ckpt", "tiny0_reference"), TINY_INEXACT_SCALE: ("inexact_scale_ckpt", "inexact_scale_reference"),
             LONG: ("long_ckpt", "long_reference")}
-# Faults whose snapshot replays but whose one-layer repro cannot show them, and why: the repro runs
-# the layer on the reference's input, from position 0, in one chunk.
+# Faults whose snapshot replays but whose one-layer repro cannot show them, and why. The repro runs
+# the engine's own calls (their positions, padding, KV buckets; a decode step's prefill and earlier
+# steps) on every rank of the TP plan, fed the reference's input rows: chunk, ring, decode and TP
+# plan faults reproduce (measured 2026-12-03).
+# (embed-scale-not-cast is caught at the embeddings alone, no layer point: --snapshot refuses it, no device call.)
 REPRO_GAPS = {
-    "embed-scale-not-cast": "the host's embedding lookup, upstream of every layer: the layer is fed the reference's input",
-    "chunk-positions-offset": "a later prefill chunk's positions: the repro runs the rows in one chunk from position 0",
-    "chunk-ignores-cached-prefix": "a later chunk's cache reads: the repro runs the rows in one chunk",
-    "chunk-reads-overwritten-keys": "a ring written before a later chunk attends: the repro runs the rows in one chunk",
-    "ring-index-off-by-one": "the ring's slot of a position: one chunk from position 0 reads no earlier slot",
-    "stale-ring-slot-visible": "a ring slot written by an earlier chunk: one chunk from position 0 has none",
-    "kv-heads-wrong-rank": "a TP plan fault: the traced layer is TP 1 (the snapshot's replay at TP 2 shows it)",
-    "single-kv-head-split": "a TP plan fault: the traced layer is TP 1 (the snapshot's replay at TP 2 shows it)",
-    "rmsnorm-no-fp32-upcast": "marginal over the stacked prompts (as in REPLAY_GAPS): within the factor on one call",
+    "rmsnorm-no-fp32-upcast": "caught by the distribution stage only (as in REPLAY_GAPS): no failing layer point to emit",
 }
 
 
-# Faults whose snapshot replays without reproducing, and why (measured 2026-12-03; the lead's to close).
+# Faults whose snapshot replays without reproducing, and why (measured 2026-12-03). The recorder takes
+# the engine's own backend.forward inputs (harness/snapshot/calls.py), so host-side position faults
+# (chunk-positions-offset, decode-from-bucket-length) are in the recorded call and reproduce.
 REPLAY_GAPS = {
-    "chunk-positions-offset": "a host-side position bug: the recorder computes the chunk's positions itself "
-                              "(harness/snapshot/record.py), so the call holds the right ones",
-    "decode-from-bucket-length": "a host-side decode position bug: the recorder feeds the step at n + step itself",
-    "rmsnorm-no-fp32-upcast": "marginal over the stacked prompts: on its one call the error stays within the factor",
+    "rmsnorm-no-fp32-upcast": "its only failure is the distribution stage's (R's median over every position of every "
+                              "prompt, each layer alone, 1.10-1.12 against the gate 1.05): no layer point fails, so "
+                              "the snapshot is a control of the largest ratio, and a point judge of one call cannot "
+                              "see a median shift that is within the 4x factor at every row",
 }
 
 
@@ -65,7 +62,7 @@ def _run_repros(dirs, tmp_path) -> dict[str, int]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # the whole catalog, ~8 CPU-s a fault; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
+@pytest.mark.slow  # the whole catalog, ~7 CPU-s a fault (one check, snapshot, repro, replay each); sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
 def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_path):
     emitted, refused, reproduced, no_repro = {}, {}, {}, {}
     for fault in CATALOG:
@@ -74,7 +71,7 @@ def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_p
         settings = RunSettings(**engine_options(fault.checkpoint))
         out, repro = tmp_path / fault.name / "snap", tmp_path / fault.name / "repro"
         try:
-            flow = snapshot_flow(fault, ckpt, refs, settings, out, repro)
+            flow = snapshot_flow(fault, ckpt, refs, settings, out, repro, unplanted=False)
         except OptionError as exc:
             refused[fault.name] = str(exc)
             continue
@@ -86,7 +83,7 @@ def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_p
     print({"refused": sorted(refused), "no repro": sorted(no_repro), "emitted": sorted(emitted)})
     assert {n for n, r in reproduced.items() if not r} == set(REPLAY_GAPS), reproduced
     assert all("no device call" in why for why in refused.values()), refused
-    assert all("decode step's" in why for why in no_repro.values()), no_repro
+    assert not no_repro, no_repro  # decode steps and KV-shared layers have repros too
     assert len(reproduced) >= 25, sorted(refused)
     codes = _run_repros(emitted.values(), tmp_path)
     exits = {name: codes[str(d)] for name, d in emitted.items()}

@@ -40,3 +40,23 @@ def test_xla_control_agrees_and_an_xla_only_fault_is_xlas(tiny0_ckpt, tiny0_refe
     snap, replays = _snapshot_and_replay(faulty, tiny0_ckpt, tmp_path / "fault")
     assert snap.target["failing"] and [r.reproduces for r in replays] == [False, True]
     assert "compilation or runtime divergence of xla" in whose(snap, replays)
+
+
+@pytest.mark.parametrize("name,tp,layer,step", [("tiny", 1, 5, None), ("e4b", 2, 8, 0)])
+def test_a_control_recorded_on_xla_replays_and_repros_clean(name, tp, layer, step, request, tmp_path):
+    """Without a check (a control target on the references): the xla engine's own calls recorded
+    (the E4B's at a decode step, its KV-shared layer: the prefill call replayed first to build the
+    cache on xla), replayed on xla and cpu to agreement, the plan within 10% of what is written,
+    and the repro of the xla engine's calls exiting 0 (the tiny 12B at TP 1, the E4B at TP 2)."""
+    from tests.snapshot.support import control_target, planned_and_written
+    from tests.snapshot.test_snapshot_backends import model, record_replay_repro
+
+    ckpt, refs, (buckets, kv_len) = model(name, request)
+    settings = RunSettings(backend="xla", tp=tp, buckets=buckets, kv_len=kv_len)
+    target = control_target(refs, settings, layer=layer, prompt=1, step=step)
+    manifest, replays, done = record_replay_repro(ckpt, refs, settings, target, tmp_path)
+    assert manifest["settings"]["backend"] == "xla" and not any(r.reproduces for r in replays), \
+        [r.describe() for r in replays]
+    planned, written = planned_and_written(tmp_path / "snap", manifest)
+    assert abs(planned - written) <= 0.1 * written, (planned, written)
+    assert done.returncode == 0 and f"at TP {tp}" in done.stdout, done.stdout + done.stderr

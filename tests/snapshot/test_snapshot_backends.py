@@ -1,0 +1,69 @@
+"""Snapshot, replay and repro of a control call recorded on each backend (no check: a control
+target on the references, tests/snapshot/support.py `control_target`), for the tiny 12B and the
+family variants at TP 1 and 2: recorded through the NxD double (the neuron backend's own code,
+traced and "compiled" by tests/nxd_double), replayed on neuron and cpu to agreement, the plan
+within 10% of what is written, the repro (traced from the port's cpu layer, fed the neuron engine's
+calls) exiting 0. The xla backend's: tests/xla/test_snapshot_xla.py; the fault side (every catalog
+fault, a neuron-only fault): tests/snapshot/test_snapshot_catalog.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.base.settings import RunSettings
+from tests.snapshot.support import control_target, observation, planned_and_written, run_repro
+
+# model, TP, layer, decode step. No MoE control here: on references alone (no check) the port's routing
+# is not followed, so a flipped near-tie expert moves the final norm; the MoE variant's snapshots are
+# the check's (test_snapshot_catalog.py's family test).
+CASES = [("tiny", 1, 5, None), ("e4b", 2, 8, 0), ("31b", 1, 1, 1)]
+
+
+def model(name: str, request):
+    from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN
+    from tests.family.shared import family_checkpoint, family_reference
+
+    if name == "tiny":
+        return request.getfixturevalue("tiny0_ckpt"), request.getfixturevalue("tiny0_reference"), ((64, 256), 288)
+    return family_checkpoint(name), family_reference(name), (FAMILY_BUCKETS, FAMILY_KV_LEN)
+
+
+def record_replay_repro(ckpt, refs, settings, target, tmp_path):
+    """Snapshot `target` recorded on settings.backend, its replays there and on cpu, its repro's run."""
+    from harness.snapshot.read import read_snapshot
+    from harness.snapshot.record import record_call
+    from harness.snapshot.replay import replay
+    from harness.snapshot.repro import write_repro
+    from harness.snapshot.write import write_snapshot
+
+    obs = observation(refs)
+    manifest = write_snapshot(tmp_path / "snap", ckpt, settings, target, record_call(ckpt, settings, target, obs),
+                              source="test", say=lambda line: None)
+    snap = read_snapshot(tmp_path / "snap")
+    replays = [replay(snap, ckpt, name) for name in (settings.backend, "cpu")]
+    write_repro(ckpt, settings, target, obs, tmp_path / "repro", say=lambda line: None)
+    return manifest, replays, run_repro(tmp_path / "repro", tmp_path)
+
+
+@pytest.mark.slow  # traces and "compiles" every graph through the NxD double, ~20 CPU-s a case; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
+@pytest.mark.parametrize("name,tp,layer,step", CASES)
+def test_a_control_recorded_through_the_nxd_double_replays_and_repros_clean(name, tp, layer, step, request, tmp_path):
+    from harness.backends import neuron_env
+    from tests.nxd_double import installed
+
+    ckpt, refs, (buckets, kv_len) = model(name, request)
+    settings = RunSettings(backend="neuron", tp=tp, buckets=buckets, kv_len=kv_len)
+    target = control_target(refs, settings, layer=layer, prompt=1, step=step)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
+        mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+        mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
+        with installed(mp):
+            neuron_env.import_neuronx_distributed()
+            manifest, replays, done = record_replay_repro(ckpt, refs, settings, target, tmp_path)
+    assert manifest["settings"]["backend"] == "neuron" and manifest["target"]["graph_tag"] == target.graph_tag
+    assert [r.backend for r in replays] == ["neuron", "cpu"] and not any(r.reproduces for r in replays), \
+        [r.describe() for r in replays]
+    planned, written = planned_and_written(tmp_path / "snap", manifest)
+    assert abs(planned - written) <= 0.1 * written, (planned, written)
+    assert done.returncode == 0 and f"at TP {tp}" in done.stdout, done.stdout + done.stderr
