@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from harness.base.points import Point
-from harness.judge.precision import find_over_precision, served_over_precision
+from harness.judge.precision import find_over_precision, flagged_over_precision
 from harness.judge.ratios import MIN_POSITIONS, POINT_MIN_POSITIONS, finite_r
 
 # The gate, per scope (LIMITS: median and 95th percentile of R over a kind's positions, and over all
@@ -136,8 +136,8 @@ class Distribution:
 
     @property
     def flagged(self) -> list:
-        """The check's over-precision, then the served build's (read once its stage is attached)."""
-        return self.over_precision + served_over_precision(getattr(self.check, "extra_stages", ()))
+        """The check's over-precision (R's and the bit-exact layers', run order), then the served build's."""
+        return flagged_over_precision(self.over_precision, getattr(self.check, "extra_stages", ()))
 
     def failures(self) -> list[dict]:
         if self.superseded:

@@ -31,6 +31,7 @@ from typing import Callable
 
 from harness.parity.batched import run_port_batch
 from harness.parity.host_rows import judge_per_layer_rows
+from harness.parity.layer_bits import bitwise_layers
 from harness.parity.local import intra_op_threads_for, local_verdicts
 from harness.reference.golden import Golden, same_weights
 from harness.parity.observe import (PortFailure, StageContext, StageReferences, build_fp32_port, build_port, check_fit,
@@ -163,6 +164,8 @@ def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options
             local = layer_backend is not None
         if local:
             _local(result, checkpoint, layer_backend or engine.backend, run.progress)
+            result.extra_stages.append(port_call("bit-exact layers", lambda: bitwise_layers(  # alone at TP 1
+                checkpoint, engine, [r.captures for r in result.observation.ref32])))
         else:
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")

@@ -255,8 +255,8 @@ def _calls(name: str) -> set[str]:
     ("calibrate_band", {"harness/judge/compare.py", "harness/judge/routing.py"}),
     ("tie_threshold", {"harness/judge/compare.py", "harness/judge/routing.py"}),
     # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
-    ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/quality/moe.py",
-                       "harness/reference/forcing.py"}),
+    ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/parity/layer_bits.py",
+                       "harness/quality/moe.py", "harness/reference/forcing.py"}),
     ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py"}),  # routing.py: judging only
     ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
