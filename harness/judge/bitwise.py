@@ -10,8 +10,8 @@ precision-ordering faults: 14 % to 57 % at the point where they start), however 
 R's median (harness/judge/distribution.py) moves by 2 % at hidden 64 and less than the census's own
 spread. Which way the rounding moved is read on the departing elements alone: the median of
 |port - fp32| / |bf16 reference - fp32| there is above 1 when the port rounds earlier (less precise: a
-failure) and below 1 when it rounds later (over-precision: flagged by harness/judge/precision.py, a
-failure under `--strict-precision`). The numbers and where they come from: docs/judging.md#the-bit-exact-layer-stage.
+failure), well below 1 when it rounds later (over-precision: flagged by harness/judge/precision.py, a
+failure under `--strict-precision`), and near 1 when it computes something else as precisely (a failure). The numbers and where they come from: docs/judging.md#the-bit-exact-layer-stage.
 """
 
 from __future__ import annotations
@@ -26,13 +26,17 @@ from harness.judge.precision import OverPrecision
 # A point departs when more than DEPARTURE_LIMIT of its elements differ from transformers' bf16 layer.
 # Where from: the healthy census departs at no element (HEALTHY_DEPARTURE, `python -m
 # tests.census.bitwise`); the catalog's precision-ordering faults at 14 % or more of the point where
-# they start (tests/faults/precision.py). The limit leaves room for a kernel that reorders a sum in a
-# few elements (a 1-ulp tie broken the other way) without a bug.
+# they start (tests/faults/precision.py), the exact GELU in place of the tanh one at 8 %. The limit
+# leaves room for a kernel that reorders a sum in a few elements (a 1-ulp tie broken the other way).
 DEPARTURE_LIMIT = 0.01
 HEALTHY_DEPARTURE = 0.0
-# The departing elements' median of |port - fp32| / |bf16 reference - fp32|: below 1, the port is
-# closer to fp32 than the model (a later rounding: over-precision); at or above, an earlier rounding.
-OVER_BELOW = 1.0
+# Which way a departure rounds: the departing elements' median of R = |port - fp32| / |bf16 reference -
+# fp32|, pooled over the layers where a part departs first. Below OVER_BELOW the port is closer to fp32
+# than the model: a later rounding (over-precision, flagged). Above 1 it rounds earlier (a failure);
+# in between it is a computation other than the model's at about its precision (a failure too: the
+# exact GELU in place of the tanh one reads 0.98). Where from (tests/faults/precision.py, the tiny 12B):
+# the later roundings pool at 0.77-0.93, the earlier ones at 1.13-1.42.
+OVER_BELOW = 0.95
 
 
 @dataclass
@@ -57,11 +61,12 @@ class PointBits:
         return self.fraction > DEPARTURE_LIMIT
 
     def describe(self, later: bool) -> str:
-        way = "later (over-precision)" if later else "earlier (precision ordering)"
+        way = ("a rounding later than the model's (over-precision)" if later else
+               "a rounding earlier than the model's (precision ordering)" if (self.departing_r or 0) > 1 else
+               "a computation other than the model's at about its precision")
         return (f"{self.differing} of {self.elements} elements ({self.fraction:.1%}) differ from transformers' bf16 "
                 f"layer on the same input (up to {self.max_ulps} bf16 ulps), over the limit {DEPARTURE_LIMIT:.0%}; "
-                f"median R on them {self.departing_r:.3f}: a rounding {way} than the model's (the median over the layers "
-                f"where this part departs first)")
+                f"median R on them {self.departing_r:.3f}: {way} (read over the layers where this part departs first)")
 
 
 def ordered_bits(t: torch.Tensor) -> torch.Tensor:
@@ -124,7 +129,7 @@ class BitwiseStage:
         return not self.failures()
 
     def failures(self) -> list[dict]:
-        """The first departure rounding earlier, where it starts, with how many layers depart so."""
+        """The first departure not rounding later, where it starts, with how many layers depart so."""
         early = [p for p, later in self.starts() if not later]
         if not early:
             return []
