@@ -11,6 +11,8 @@ for bit (harness/judge/bitwise.py judges it).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from harness.base.points import layer_points
@@ -24,15 +26,34 @@ from harness.reference.layers import ReferenceLayers
 NOT_COMPARED = ("expert_weights",)
 
 
-def tp1_module(checkpoint, rows: int):
-    """Rank 0 of a TP 1 bf16 CPU port of `checkpoint` with a linear cache of `rows` slots, built for
-    this stage (the engine's own may shard, batch, chunk or ring its cache). Its weights cost a bf16
-    copy of the decoder and lm_head while the stage runs."""
-    from harness.backends import make_backend
-    from harness.base.settings import RunSettings
+class LayerAtATime:
+    """The port's decoder at TP 1 in bf16 (its own module code: masks, rope, caches as the
+    whole-model forward runs them) built on the meta device, one layer's weights and cache
+    materialised while it runs: a bf16 copy of one layer at a time, never the decoder's nor lm_head's."""
 
-    settings = RunSettings(backend="cpu", tp=1, dtype="bfloat16", buckets=(rows,), kv_len=rows)
-    return make_backend(checkpoint, settings).ranks[0]  # the ranks only: no host embedding table
+    def __init__(self, checkpoint, rows: int):
+        from harness.port.blocks import rank_decoder
+        from harness.port.sharding import plan_model
+
+        self.checkpoint, self.plans = checkpoint, plan_model(checkpoint.spec, 1)
+        with torch.device("meta"):  # a linear cache of exactly `rows` slots, one sequence
+            self.module = rank_decoder(checkpoint.spec, tp=1, max_len=rows, dtype=torch.bfloat16)
+
+    @contextmanager
+    def layer(self, index: int):
+        """The module with layer `index` materialised (its weights loaded; port_layer_exact zeroes its
+        cache), freed after."""
+        from harness.port.sharding import shard_layer
+
+        block = self.module.layers[index]
+        block.to_empty(device="cpu")
+        block.load_state_dict(shard_layer(self.checkpoint.layer_weights(index, torch.bfloat16), self.plans[index], 0),
+                              strict=True)
+        block.eval()
+        try:
+            yield self.module
+        finally:
+            block.to("meta")
 
 
 def port_layer_exact(module, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -61,14 +82,15 @@ def bitwise_layers(checkpoint, engine, golden_caps: list[dict]) -> BitwiseStage:
     if not alone:
         stage.notes.append("no layer of this model runs alone (per-layer inputs): the stage judged nothing")
         return stage
-    module = tp1_module(checkpoint, max(c["embeddings"].shape[0] for c in golden_caps))
+    port_layers = LayerAtATime(checkpoint, max(c["embeddings"].shape[0] for c in golden_caps))
     reference = ReferenceLayers(checkpoint)
     for i in alone:
         layers = {dt: reference.layer(i, dt) for dt in (torch.bfloat16, torch.float32)}
+        inputs = [caps["embeddings" if i == 0 else f"layers.{i - 1}.output"] for caps in golden_caps]
+        with port_layers.layer(i) as module:
+            ports = [port_layer_exact(module, i, x) for x in inputs]
         runs = []
-        for caps in golden_caps:
-            x = caps["embeddings" if i == 0 else f"layers.{i - 1}.output"]
-            port = port_layer_exact(module, i, x)
+        for x, port in zip(inputs, ports):
             routes = follow_routes(port, spec.moe.top_k).routes[i] if f"layers.{i}.expert_weights" in port else None
             runs.append((port, *(reference.captures(layers[dt], i, x, dt, routes) for dt in layers)))
         for name in layer_points(i, spec=spec):
