@@ -24,11 +24,13 @@ from harness.base.points import Point
 from harness.judge.precision import OverPrecision
 
 # A point departs when more than DEPARTURE_LIMIT of its elements differ from transformers' bf16 layer.
-# Where from: the healthy census departs at no element (HEALTHY_DEPARTURE, `python -m
+# Where from: the healthy census departs at no element of any point (HEALTHY_DEPARTURE, `python -m
 # tests.census.bitwise`); the catalog's precision-ordering faults at 14 % or more of the point where
-# they start (tests/faults/precision.py), the exact GELU in place of the tanh one at 8 %. The limit
-# leaves room for a kernel that reorders a sum in a few elements (a 1-ulp tie broken the other way).
-DEPARTURE_LIMIT = 0.01
+# they start (tests/faults/precision.py), the exact GELU in place of the tanh one at 8 %, and a part
+# whose share of the residual stream is small (the per-layer input's gate kept in fp32) at 1.1 % of
+# the layer's output. The limit leaves room for a kernel that reorders a sum in a few elements (a
+# 1-ulp tie broken the other way).
+DEPARTURE_LIMIT = 0.001
 HEALTHY_DEPARTURE = 0.0
 # Which way a departure rounds: the departing elements' median of R = |port - fp32| / |bf16 reference -
 # fp32|, pooled over the layers where a part departs first. Below OVER_BELOW the port is closer to fp32
@@ -65,7 +67,7 @@ class PointBits:
                "a rounding earlier than the model's (precision ordering)" if (self.departing_r or 0) > 1 else
                "a computation other than the model's at about its precision")
         return (f"{self.differing} of {self.elements} elements ({self.fraction:.1%}) differ from transformers' bf16 "
-                f"layer on the same input (up to {self.max_ulps} bf16 ulps), over the limit {DEPARTURE_LIMIT:.0%}; "
+                f"layer on the same input (up to {self.max_ulps} bf16 ulps), over the limit {DEPARTURE_LIMIT:.1%}; "
                 f"median R on them {self.departing_r:.3f}: {way} (read over the layers where this part departs first)")
 
 
@@ -93,12 +95,12 @@ def point_bits(name: str, port: torch.Tensor, ref16: torch.Tensor, ref32: torch.
 
 @dataclass
 class BitwiseStage:
-    """Every layer that runs alone (harness/inputs/family.py runs_alone), each point judged bit for
+    """Every layer with its own KV cache (harness/parity/layer_bits.py), each point judged bit for
     bit (PointBits); an extra stage of check's result. Departures rounding earlier fail; those rounding
     later are over-precision (`over_precision`, flagged by the distribution stage)."""
 
     points: list[PointBits] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)  # layers that do not run alone
+    skipped: list[int] = field(default_factory=list)  # KV-shared layers: they do not run alone
     notes: list[str] = field(default_factory=list)
     stage: str = "bitwise_layers"
 
@@ -142,13 +144,13 @@ class BitwiseStage:
         verdict = "PASS" if self.passed else "FAIL"
         judged = sorted({Point.parse(p.name).layer for p in self.points})
         lines = [f"bit-exact layers (each layer alone at TP 1 against transformers' bf16 layer, limit "
-                 f"{DEPARTURE_LIMIT:.0%} of a point's elements; healthy census {HEALTHY_DEPARTURE:.0%}): {verdict}, "
+                 f"{DEPARTURE_LIMIT:.1%} of a point's elements; healthy census {HEALTHY_DEPARTURE:.0%}): {verdict}, "
                  f"{len(judged)} layers, {len(self.departures)} of {len(self.points)} points depart"]
         lines += [f"  FAIL {f['point']}: {f['detail']}" for f in self.failures()]
         lines += [f"  over-precision {p.name}: {p.describe(True)}" for p, later in self.starts() if later][:3]
         if self.skipped:
-            lines.append(f"  not judged: layers {self.skipped} (a per-layer input or a shared KV cache: they do not "
-                         "run alone)")
+            lines.append(f"  not judged: layers {self.skipped} (they read another layer's KV cache: they do not run "
+                         "alone)")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -165,7 +165,7 @@ def _check_port(checkpoint, engine, refs: StageReferences, run: PortRun, options
         if local:
             _local(result, checkpoint, layer_backend or engine.backend, run.progress)
             result.extra_stages.append(port_call("bit-exact layers", lambda: bitwise_layers(  # alone at TP 1
-                checkpoint, engine, [r.captures for r in result.observation.ref32])))
+                checkpoint, engine, result.observation.ref32)))
         else:
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")

@@ -16,7 +16,6 @@ from contextlib import contextmanager
 import torch
 
 from harness.base.points import layer_points
-from harness.inputs.family import runs_alone
 from harness.judge.bitwise import BitwiseStage, point_bits
 from harness.reference.forcing import follow_routes
 from harness.reference.layers import ReferenceLayers
@@ -42,13 +41,14 @@ class LayerAtATime:
     @contextmanager
     def layer(self, index: int):
         """The module with layer `index` materialised (its weights loaded; port_layer_exact zeroes its
-        cache), freed after."""
+        cache), freed after; index None: the per-layer inputs' projection (E2B, E4B)."""
         from harness.port.sharding import shard_layer
 
-        block = self.module.layers[index]
+        block = self.module.layers[index] if index is not None else self.module.per_layer
         block.to_empty(device="cpu")
-        block.load_state_dict(shard_layer(self.checkpoint.layer_weights(index, torch.bfloat16), self.plans[index], 0),
-                              strict=True)
+        weights = (self.checkpoint.device_model_weights(torch.bfloat16) if index is None else
+                   shard_layer(self.checkpoint.layer_weights(index, torch.bfloat16), self.plans[index], 0))
+        block.load_state_dict(weights, strict=True)
         block.eval()
         try:
             yield self.module
@@ -56,10 +56,13 @@ class LayerAtATime:
             block.to("meta")
 
 
-def port_layer_exact(module, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Layer `index` of the port alone on x [n, hidden]: one chunk of n rows at positions 0..n-1, the
-    cache read over exactly those n keys; its capture points [n, ...] fp32."""
+def port_layer_exact(module, index: int, x: torch.Tensor, per_layer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Layer `index` of the port alone on x [n, hidden] (and the per-layer inputs [n, layers, width] of
+    a model with them): one chunk of n rows at positions 0..n-1, the cache read over exactly those n
+    keys; its capture points [n, ...] fp32."""
     n = x.shape[0]
+    if per_layer is not None:
+        module._per_layer_inputs = per_layer[None]  # what FamilyRankDecoder.run_layers reads (its _split's)
     module.reset_cache()
     module.set_seq_ids(None)
     module.set_kv_read(n)
@@ -70,29 +73,47 @@ def port_layer_exact(module, index: int, x: torch.Tensor) -> dict[str, torch.Ten
     return {k: v[0].float().reshape(n, -1) for k, v in captures.items()}
 
 
-def bitwise_layers(checkpoint, engine, golden_caps: list[dict]) -> BitwiseStage:
-    """The stage over every layer that runs alone; golden_caps: the fp32 reference's captures per
-    prompt (the layers' inputs)."""
+def per_layer_inputs(checkpoint, port_layers: LayerAtATime, references) -> list[torch.Tensor | None]:
+    """Each prompt's per-layer inputs [n, layers, width] in bf16 (None on a model without them), fed
+    to both sides alike: transformers' scaled per-layer rows of the prompt's tokens
+    (host_rows.reference_rows) combined with the golden's word embeddings by the port's projection."""
+    from harness.parity.host_rows import reference_rows
+
+    if not checkpoint.spec.per_layer_input_size:
+        return [None] * len(references)
+    out = []
+    with port_layers.layer(None) as module, torch.no_grad():
+        for ref in references:
+            ids = torch.tensor(ref.prompt, dtype=torch.long)
+            rows = reference_rows(checkpoint, ids, torch.bfloat16)
+            out.append(module.per_layer(ref.captures["embeddings"].to(torch.bfloat16)[None], rows[None])[0])
+    return out
+
+
+def bitwise_layers(checkpoint, engine, references) -> BitwiseStage:
+    """The stage over every layer that runs alone (its own KV cache: a KV-shared layer reads another's);
+    references: the fp32 reference's results per prompt (their captures hold the layers' inputs)."""
     spec, settings = checkpoint.spec, engine.settings
-    stage = BitwiseStage(skipped=[layer.index for layer in spec.layers if not runs_alone(spec, layer.index)])
-    alone = [layer.index for layer in spec.layers if runs_alone(spec, layer.index)]
+    alone = [layer.index for layer in spec.layers if layer.kv_source is None]
+    stage = BitwiseStage(skipped=[layer.index for layer in spec.layers if layer.index not in alone])
     if settings.dtype != "bfloat16" or getattr(settings, "quantize", None) is not None:
         stage.notes.append(f"not judged: the port runs {settings.quantize or settings.dtype}, not the model's bf16")
         return stage
-    if not alone:
-        stage.notes.append("no layer of this model runs alone (per-layer inputs): the stage judged nothing")
-        return stage
+    golden_caps = [r.captures for r in references]
     port_layers = LayerAtATime(checkpoint, max(c["embeddings"].shape[0] for c in golden_caps))
+    ple = per_layer_inputs(checkpoint, port_layers, references)
     reference = ReferenceLayers(checkpoint)
     for i in alone:
         layers = {dt: reference.layer(i, dt) for dt in (torch.bfloat16, torch.float32)}
         inputs = [caps["embeddings" if i == 0 else f"layers.{i - 1}.output"] for caps in golden_caps]
+        own = [p[:, i] if p is not None else None for p in ple]
         with port_layers.layer(i) as module:
-            ports = [port_layer_exact(module, i, x) for x in inputs]
+            ports = [port_layer_exact(module, i, x, p) for x, p in zip(inputs, ple)]
         runs = []
-        for x, port in zip(inputs, ports):
+        for x, port, p in zip(inputs, ports, own):
             routes = follow_routes(port, spec.moe.top_k).routes[i] if f"layers.{i}.expert_weights" in port else None
-            runs.append((port, *(reference.captures(layers[dt], i, x, dt, routes) for dt in layers)))
+            runs.append((port, *(reference.captures(layers[dt], i, x, dt, routes=routes, per_layer_input=p)
+                                 for dt in layers)))
         for name in layer_points(i, spec=spec):
             if name.split(".")[-1] in NOT_COMPARED or name not in runs[0][1]:
                 continue
