@@ -61,8 +61,7 @@ def port_layer_exact(module, index: int, x: torch.Tensor, per_layer: torch.Tenso
     a model with them): one chunk of n rows at positions 0..n-1, the cache read over exactly those n
     keys; its capture points [n, ...] fp32."""
     n = x.shape[0]
-    if per_layer is not None:
-        module._per_layer_inputs = per_layer[None]  # what FamilyRankDecoder.run_layers reads (its _split's)
+    module._per_layer_inputs = None if per_layer is None else per_layer[None]  # FamilyRankDecoder.run_layers reads it
     module.reset_cache()
     module.set_seq_ids(None)
     module.set_kv_read(n)
@@ -73,8 +72,9 @@ def port_layer_exact(module, index: int, x: torch.Tensor, per_layer: torch.Tenso
     return {k: v[0].float().reshape(n, -1) for k, v in captures.items()}
 
 
-def per_layer_inputs(checkpoint, port_layers: LayerAtATime, references) -> list[torch.Tensor | None]:
-    """Each prompt's per-layer inputs [n, layers, width] in bf16 (None on a model without them), fed
+def per_layer_inputs(checkpoint, port_layers: LayerAtATime, references) -> list[torch.Tensor | None] | None:
+    """Each prompt's per-layer inputs [n, layers, width] in bf16 (None on a model without them; None
+    for all when the golden's rows are not the prompts' tokens), fed
     to both sides alike: transformers' scaled per-layer rows of the prompt's tokens
     (host_rows.reference_rows) combined with the golden's word embeddings by the port's projection."""
     from harness.parity.host_rows import reference_rows
@@ -85,6 +85,8 @@ def per_layer_inputs(checkpoint, port_layers: LayerAtATime, references) -> list[
     with port_layers.layer(None) as module, torch.no_grad():
         for ref in references:
             ids = torch.tensor(ref.prompt, dtype=torch.long)
+            if ids.numel() != ref.captures["embeddings"].shape[0]:
+                return None  # the golden's rows are not the prompt's prefill: no per-layer rows to feed
             rows = reference_rows(checkpoint, ids, torch.bfloat16)
             out.append(module.per_layer(ref.captures["embeddings"].to(torch.bfloat16)[None], rows[None])[0])
     return out
@@ -102,6 +104,9 @@ def bitwise_layers(checkpoint, engine, references) -> BitwiseStage:
     golden_caps = [r.captures for r in references]
     port_layers = LayerAtATime(checkpoint, max(c["embeddings"].shape[0] for c in golden_caps))
     ple = per_layer_inputs(checkpoint, port_layers, references)
+    if ple is None:
+        stage.notes.append("not judged: the golden's embeddings rows are not its prompts' tokens (no per-layer rows)")
+        return stage
     reference = ReferenceLayers(checkpoint)
     for i in alone:
         layers = {dt: reference.layer(i, dt) for dt in (torch.bfloat16, torch.float32)}
