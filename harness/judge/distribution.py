@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from harness.base.points import Point
-from harness.judge.precision import find_over_precision, served_over_precision
+from harness.judge.precision import find_over_precision, flagged_over_precision
 from harness.judge.ratios import MIN_POSITIONS, POINT_MIN_POSITIONS, finite_r
 from harness.judge.stage_result import Gate, Stage, StageResult
 
@@ -124,6 +124,7 @@ class Distribution(StageResult):
     stage: str = "distribution"
     ran: bool = True
     served: object = field(default=None, repr=False)  # the served stage this reads (its over-precision)
+    bitwise: object = field(default=None, repr=False)  # the bit-exact layers stage this reads (likewise)
     # The check this reads (its bf16 stage, the fp32 stage once attached): a gate beside the point
     # limits, so where a stage already fails at its points the distribution reports, not fails again.
     check: object = field(default=None, repr=False, compare=False)
@@ -135,8 +136,9 @@ class Distribution(StageResult):
 
     @property
     def flagged(self) -> list:
-        """The check's over-precision, then the served build's (the served stage this read)."""
-        return self.over_precision + served_over_precision([self.served] if self.served is not None else [])
+        """The check's over-precision (R's and the bit-exact layers', run order), then the served build's
+        (the stages this read)."""
+        return flagged_over_precision(self.over_precision, [s for s in (self.bitwise, self.served) if s is not None])
 
     def gates(self) -> list[Gate]:
         if self.superseded:
@@ -201,10 +203,11 @@ def scope_stats(points, scope: str, kind_of=None) -> tuple[list[KindStats], list
     return stats, breaches
 
 
-def judge_distribution(result, strict: bool = False, served=None) -> Distribution:
+def judge_distribution(result, strict: bool = False, served=None, bitwise=None) -> Distribution:
     """The bf16 stage of a check (harness.judge.results.CheckResult, its local verdicts when they
     ran) read as distributions of R, gated, with its over-precision (precision.find_over_precision)
-    and the `served` stage's; `strict` (--strict-precision): over-precision fails instead of warning."""
+    and the bit-exact layers' and the `served` stage's; `strict` (--strict-precision): over-precision fails
+    instead of warning."""
     cumulative = [p for p in result.all_points() if getattr(p, "position_r", None) is not None]
     local = [p for v in (result.local_verdicts or []) for p in v.local]
     kinds, breaches = scope_stats(cumulative, "cumulative")
@@ -217,12 +220,12 @@ def judge_distribution(result, strict: bool = False, served=None) -> Distributio
                               "and the layers' over-precision is not judged (run bisect, capture mode)"]
     return Distribution(kinds=kinds + local_kinds, overall=overall, breaches=breaches + local_breaches + overall_breaches,
                         over_precision=find_over_precision(cumulative, local), strict=strict, notes=notes,
-                        check=result, served=served)
+                        check=result, served=served, bitwise=bitwise)
 
 
 def distribution_stage(strict: bool = False) -> Stage:
     """The distribution as a stage of the parity run: it reads the bf16 stage's result and the served
     stage (after it); none where the bf16 stage raised (nothing observed)."""
-    def run(result, served):
-        return None if result.port_error else judge_distribution(result, strict, served)
-    return Stage("distribution", run, reads=("result",), after=("served",))
+    def run(result, served=None, bitwise_layers=None):
+        return None if result.port_error else judge_distribution(result, strict, served, bitwise_layers)
+    return Stage("distribution", run, reads=("result",), after=("served", "bitwise_layers"))

@@ -48,9 +48,13 @@ class OverPrecision:
                 f"at this point, and the work that reads it at fp32's rate")
 
     def describe(self) -> str:
-        return (f"{self.point} ({self.where}, {self.scope}): median R {self.median:.3f} over {self.positions} "
-                f"positions, below {OVER_PRECISION_LIMIT:g} (the port is closer to fp32 than bf16 can be); "
-                f"cost: {self.cost()}")
+        if self.scope == "bitwise":  # harness/judge/bitwise.py: the layer alone departs from transformers' bits
+            found = (f"departs from transformers' bf16 layer alone, and its departing elements' median R is "
+                     f"{self.median:.3f}, below 1 (a rounding later than the model's)")
+        else:
+            found = (f"median R {self.median:.3f} over {self.positions} positions, below {OVER_PRECISION_LIMIT:g} "
+                     "(the port is closer to fp32 than bf16 can be)")
+        return f"{self.point} ({self.where}, {self.scope}): {found}; cost: {self.cost()}"
 
     def failure(self) -> dict:
         return {"point": self.point, "ratio": self.median, "where": f"{self.where}, {self.scope}",
@@ -105,3 +109,11 @@ def served_over_precision(stages) -> list[OverPrecision]:
     found = [over_precise(s.step_logits, "served") for s in stages
              if getattr(s, "stage", None) == "served" and getattr(s, "step_logits", None) is not None]
     return [o for o in found if o is not None]
+
+
+def flagged_over_precision(own: list[OverPrecision], stages) -> list[OverPrecision]:
+    """Every over-precision a check flags: `own` (R's, find_over_precision) with the bit-exact layer
+    stage's (harness/judge/bitwise.py: a departure from transformers' bf16 layer rounding later), in run
+    order, then the served build's (read from the check's extra stages once attached)."""
+    bitwise = [o for s in stages if getattr(s, "stage", None) == "bitwise_layers" for o in s.over_precision]
+    return sorted(own + bitwise, key=lambda o: (_order(o.point), o.scope != "local")) + served_over_precision(stages)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from harness.parity.batched import run_port_batch
 from harness.parity.host_rows import per_layer_rows_stage
+from harness.parity.layer_bits import bitwise_layers_stage
 from harness.parity.local import intra_op_threads_for, local_verdicts
 from harness.reference.golden import Golden, same_weights
 from harness.parity.observe import (PortFailure, StageContext, StageReferences, build_fp32_port, build_port, check_fit,
@@ -41,9 +42,10 @@ from harness.reference.run import ReferenceResult
 
 
 def check_stages(strict_precision: bool = False) -> tuple[Stage, ...]:
-    """The check's own stages beyond fp32 and bf16: the per-layer table rows (on the parity build)
-    and the distribution of R (`strict_precision`: its over-precision fails instead of warning)."""
-    return per_layer_rows_stage(), distribution_stage(strict_precision)
+    """The check's own stages beyond fp32 and bf16: the per-layer table rows and the bit-exact layers
+    (on the parity build), and the distribution of R (`strict_precision`: its over-precision, R's, the
+    bit-exact layers' and the served build's, fails instead of warning)."""
+    return per_layer_rows_stage(), bitwise_layers_stage(), distribution_stage(strict_precision)
 
 
 @dataclass(frozen=True)

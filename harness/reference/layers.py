@@ -36,9 +36,10 @@ class ReferenceLayers:
             return norm(x.to(dtype)).float()
 
     def captures(self, layer, index: int, x: torch.Tensor, dtype: torch.dtype,
-                 routes: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 routes: torch.Tensor | None = None, per_layer_input: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The layer's capture points on x [n, hidden]; on an MoE layer with `routes` [n, k], its
-        router forced to those experts (harness.reference.run.force_routing)."""
+        router forced to those experts (harness.reference.run.force_routing); on a layer with a
+        per-layer input, `per_layer_input` [n, width] fed to it."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         from harness.reference.forcing import force_routing
@@ -62,8 +63,9 @@ class ReferenceLayers:
         hooks += force_routing({index: layer}, {index: routes}) if routes is not None else []
         try:
             with torch.no_grad():
+                extra = {} if per_layer_input is None else {"per_layer_input": per_layer_input.to(dtype)[None]}
                 out = layer(x, position_embeddings=self.rotary(x, positions, layer_type), attention_mask=mask,
-                            position_ids=positions, shared_kv_states={})  # a "store" layer writes into it
+                            position_ids=positions, shared_kv_states={}, **extra)  # a "store" layer writes into it
         finally:
             for h in hooks:
                 h.remove()

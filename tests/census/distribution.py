@@ -64,12 +64,12 @@ def main() -> int:
         result = run_check(case.shape, case.run, local=True)
         merge(table, extremes(result), case.id)
         dist = next(s for s in result.extra_stages if s.stage == "distribution")
-        if not dist.passed or dist.over_precision:
+        if not dist.passed or dist.flagged or not result.passed:
             failed.append(case.id)
         worst = max((s for s in dist.kinds if s.gated), key=lambda s: s.median, default=None)
         print(f"{case.id}: {'PASS' if case.id not in failed else 'FAIL'} passed={result.passed} "
               f"worst median {worst.kind if worst else '-'} {worst.median if worst else 0:.3f} "
-              f"over-precision {[o.point for o in dist.over_precision][:2]}", flush=True)
+              f"over-precision {[o.point for o in dist.flagged][:2]}", flush=True)
     print(render(table))
     print(f"{len(failed)} distribution failures or over-precision: {failed}")
     return 1 if failed else 0

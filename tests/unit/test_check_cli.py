@@ -123,13 +123,14 @@ def test_check_fails_with_exit_1_on_a_port_bug(tiny0_dir, golden, tmp_path, monk
 
 def test_check_names_stage_and_point_of_a_sub_envelope_bug(tiny0_dir, golden, tmp_path, monkeypatch, capsys):
     """The exact GELU (every point within ~1.3x the bf16 envelope): exit 1, the fp32 stage fails at
-    layer 0's MLP residual, the bf16 stage passes, and the JSON says which stage failed."""
+    layer 0's MLP residual, the bf16 stage passes, the bit-exact layer stage departs there too (a
+    computation other than the model's), and the JSON says which stages failed."""
     from tests.faults.catalog import exact_gelu
 
     exact_gelu(monkeypatch)
     assert _check(tiny0_dir, golden, tmp_path) == 1
     out = capsys.readouterr().out
-    assert "PARITY FAIL (stage fp32)" in out and "FAIL layers.0.mlp_residual" in out
+    assert "PARITY FAIL (stage fp32, bitwise_layers)" in out and "FAIL layers.0.mlp_residual" in out
     # the layer table shows where: layer 0's row fails in its fp32 column (bf16 passes it)
     row0 = next(line for line in out.splitlines() if line.startswith("0 "))
     assert row0.rstrip().endswith("FAIL fp32 (layers.0.mlp_residual)"), row0
@@ -137,7 +138,8 @@ def test_check_names_stage_and_point_of_a_sub_envelope_bug(tiny0_dir, golden, tm
     layer0 = payload["layers"][0]
     assert layer0["pass"] is True and layer0["fp32_pass"] is False and layer0["fp32_ratio"] > 8
     assert "FAIL fp32 (layers.0.mlp_residual)" in (tmp_path / "report" / "check.md").read_text()
-    assert payload["failed_stages"] == ["fp32"] and payload["stages"]["bf16"]["passed"] is True
+    assert payload["failed_stages"] == ["fp32", "bitwise_layers"] and payload["stages"]["bf16"]["passed"] is True
+    assert payload["extra_stages"]["bitwise_layers"]["failures"][0]["point"] == "layers.0.mlp_residual"
     assert payload["first_failure"]["stage"] == "fp32"
     assert payload["first_failure"]["point"] == "layers.0.mlp_residual"
 

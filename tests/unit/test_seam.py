@@ -255,8 +255,8 @@ def _calls(name: str) -> set[str]:
     ("calibrate_band", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
     ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
     # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
-    ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/quality/moe.py",
-                       "harness/reference/forcing.py"}),
+    ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/parity/layer_bits.py",
+                       "harness/quality/moe.py", "harness/reference/forcing.py"}),
     ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py"}),  # routing.py: judging only
     ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
@@ -401,8 +401,8 @@ def test_strict_precision_is_a_parameter_of_the_distribution_stage():
     from harness.parity.check import check_stages
 
     names = [s.name for s in check_stages()]
-    assert names == ["per_layer_rows", "distribution"]
-    assert next(s for s in check_stages() if s.name == "distribution").after == ("served",)
+    assert names == ["per_layer_rows", "bitwise_layers", "distribution"]
+    assert next(s for s in check_stages() if s.name == "distribution").after == ("served", "bitwise_layers")
     assert "strict_precision" not in _callers()  # no function decides it after the run
 
 
