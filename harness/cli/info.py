@@ -191,7 +191,8 @@ def run(args) -> int:
             args.instance, s.tp, s.dtype, args.chip), chip=args.chip, sliding_cache=s.sliding_cache)
         print(render_quantized_comparison(payload["quantization"]))
     if args.batch:
-        from harness.plan.batch_fit import fit_table, render_fit_table
+        from harness.plan.batch_fit import fit_table
+        from harness.report.fit import render_fit_table
 
         lengths = sorted({s.kv_len, *(n for n in (4096, 32768, 131072) if n <= (args.spec.max_positions or n))})
         payload["batch_fit"] = fit_table(args.spec, s.tp, s.dtype, args.batch, lengths, chip=args.chip,
