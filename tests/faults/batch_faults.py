@@ -18,6 +18,7 @@ import torch
 from harness.port import batching as port_batching
 from harness.port import blocks as port_blocks
 from harness.port import decode as port_decode
+from harness.port import kv_cache as port_kv
 from harness.port import model as port_model
 
 BATCH_SLOTS = 3
@@ -108,7 +109,7 @@ def kv_write_neighbour_slot(monkeypatch):
         cache.last_read = tuple(read)
         return cache.last_read
 
-    monkeypatch.setattr(port_model, "linear_slot_update", update)
+    monkeypatch.setattr(port_kv, "linear_slot_update", update)  # the caches call it by this name
 
 
 def decode_slot0_length(monkeypatch):

@@ -461,7 +461,7 @@ def ring_index_off_by_one(monkeypatch):
 
     def update(self, positions, k, v):
         written_to = positions[0, 0] + (positions[0] >= 0).sum()
-        slots = port_model.ring_slot_positions(written_to, self.window).roll(1)  # slot s takes p = s - 1
+        slots = port_kv.ring_slot_positions(written_to, self.window).roll(1)  # slot s takes p = s - 1
         return _ring_write(self, positions, k, v, slots)
 
     monkeypatch.setattr(port_kv.RingCache, "update", update)
@@ -473,7 +473,7 @@ def stale_ring_slot_visible(monkeypatch):
 
     def key_positions(self, positions):
         first = positions[0, 0]
-        slots = port_model.ring_slot_positions(first, self.window)
+        slots = port_kv.ring_slot_positions(first, self.window)
         return torch.cat([torch.where(slots >= 0, first - 1, slots), positions[0]])
 
     monkeypatch.setattr(port_kv.RingCache, "key_positions", key_positions)
