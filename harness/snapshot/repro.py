@@ -230,7 +230,7 @@ def write_bits_repro(checkpoint, settings, target, observation, out_dir, say=pri
             "calls": [{"method": "call0", "sums": counts[0], "rows": n}],
             "description": f"layer {i} ({spec.layers[i].type}) of {checkpoint.path} (spec {spec.spec_hash()}) alone "
                            f"at TP 1 in bf16 on prompt {target.prompt}'s {n} rows (one chunk), against transformers' "
-                           f"bf16 layer on the same input, bit for bit: {target.point} departs at "
-                           f"{target.ratio:.1%} of its elements in the failing run"}
+                           f"bf16 layer on the same input, bit for bit: {target.point} departed at "
+                           f"{target.ratio:.1%} of its elements when recorded"}
     return save_repro(out_dir, tensors, meta, [traced_bytes(traced)], what=f"layer {i} alone, bit-exact, TP 1",
                       say=say, how="bit for bit on this CPU")

@@ -5,11 +5,14 @@ its replay and its standalone repro judge it bit for bit, on the tiny 12B at TP 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness.base.errors import OptionError
 from harness.base.settings import RunSettings
 from tests.faults.catalog import BY_NAME, TINY, engine_options
+from harness.snapshot.read import SnapshotError
 from tests.snapshot.support import planned_and_written, run_repro, snapshot_flow
 
 SETTINGS = RunSettings(**dict(engine_options(TINY), tp=1))
@@ -21,7 +24,9 @@ def test_a_bit_exact_failure_replays_and_its_repro_exits_1_and_a_clean_port_agre
     at its attention residual. The snapshot holds that layer's call (prompt, rows, input, transformers'
     bf16 outputs, the limit); replayed with the fault planted it reproduces, with it removed it agrees;
     the repro (harness unimportable) exits 1, and the same target's repro of the clean port, the
-    control, exits 0. A bit-exact snapshot replays on cpu at TP 1 only (others refused, exit 2)."""
+    control, exits 0. (Its first two prompts only: the check's cost is the prompts' rows.) A bit-exact
+    snapshot replays on cpu at TP 1 only (others refused, exit 2), and one whose input rows disagree
+    with its call, resealed, is refused on read."""
     from harness.judge.bitwise import DEPARTURE_LIMIT
     from harness.snapshot.read import read_snapshot
     from harness.snapshot.replay import check_mode
@@ -29,7 +34,8 @@ def test_a_bit_exact_failure_replays_and_its_repro_exits_1_and_a_clean_port_agre
     from harness.snapshot.target import Target
 
     fault = BY_NAME["rmsnorm-no-fp32-upcast"]
-    flow = snapshot_flow(fault, tiny0_ckpt, tiny0_reference, SETTINGS, tmp_path / "snap", tmp_path / "repro",
+    references = {dtype: runs[:2] for dtype, runs in tiny0_reference.items()}  # two short prompts: cheap
+    flow = snapshot_flow(fault, tiny0_ckpt, references, SETTINGS, tmp_path / "snap", tmp_path / "repro",
                          fp32=False, local=True)
     target = flow.manifest["target"]
     assert (target["stage"], target["point"], target["layer"]) == ("bitwise_layers", "layers.0.attn_residual", 0)
@@ -52,3 +58,22 @@ def test_a_bit_exact_failure_replays_and_its_repro_exits_1_and_a_clean_port_agre
     for backend, tp in (("xla", 1), ("cpu", 2)):
         with pytest.raises(OptionError, match="on cpu at TP 1"):
             check_mode(snap, backend, "whole", tp)
+    _resealed_short_input(tmp_path / "snap")
+    with pytest.raises(SnapshotError, match="bits.input has"):
+        read_snapshot(tmp_path / "snap")
+
+
+def _resealed_short_input(path) -> None:
+    """bits.input one row short, every digest, shape and seal rewritten (a forger who knows the format):
+    refused by the rows check on read."""
+    from safetensors.torch import load_file
+
+    from harness.snapshot.write import MANIFEST, TENSORS
+    from tests.snapshot.test_bad_snapshots import reseal
+
+    tensors = load_file(str(path / TENSORS))
+    tensors["bits.input"] = tensors["bits.input"][:-1].contiguous()
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["tensors"]["bits.input"]["shape"] = list(tensors["bits.input"].shape)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    reseal(path, tensors, digests=True)
