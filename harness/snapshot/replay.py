@@ -157,11 +157,10 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
     from harness.parity.local import intra_op_threads_for
     from harness.parity.observe import build_port
 
-    if snap.target["stage"] == BITS_STAGE:
+    if snap.target["stage"] == BITS_STAGE:  # the process's own threads, as the stage and the recording ran
         from harness.snapshot.bits import replay_bits
 
-        with intra_op_threads_for(checkpoint.spec):
-            return replay_bits(snap, checkpoint)
+        return replay_bits(snap, checkpoint)
     tp = tp or snap.tp
     settings = snap.run_settings(backend=backend_name, tp=tp)
     recorded = snap.manifest["settings"]
