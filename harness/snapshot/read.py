@@ -122,7 +122,7 @@ def _consistent(path: Path, manifest: dict, tensors: dict) -> None:
     target = manifest.get("target") or {}
     n = target.get("length")
     for name, t in tensors.items():
-        if name.split(".")[0] in ("port", "ref", "env") and t.shape[0] != n:
+        if name.split(".")[0] in ("port", "ref", "env", "bits") and t.shape[0] != n:
             raise SnapshotError(f"{path}: {name} has {t.shape[0]} rows but the call has {n} real rows: "
                                 f"inconsistent, resealed after an edit; {FIX}")
     ranks = {int(k.split(".")[1][1:]) for k in tensors if k.startswith("weights.")}
@@ -177,9 +177,11 @@ def _whose_weights(checkpoint, snap: Snapshot, stored: dict, rank: int, dtype) -
 
 
 def describe(snap: Snapshot) -> str:
+    from harness.snapshot.target import measure
+
     t = snap.target
     return (f"snapshot {snap.path}: the {t['graph_tag']} call of prompt {t['prompt']} (rows {t['start']}.."
             f"{t['start'] + t['length'] - 1}), {'failing' if t['failing'] else 'control'} point {t['point']} "
-            f"({t['ratio']:.3g}x, {t['stage']} stage), written by {snap.manifest['source']} on "
+            f"({measure(t)}, {t['stage']} stage), written by {snap.manifest['source']} on "
             f"{snap.manifest['settings']['backend']} TP {snap.tp} {snap.manifest['settings']['dtype']}; "
             f"{json.dumps(snap.manifest['versions'].get('torch', '?'))} torch")

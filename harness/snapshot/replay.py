@@ -22,6 +22,7 @@ from harness.base.errors import OptionError
 from harness.inputs.family import runs_alone
 from harness.judge.compare import JUDGES, compare_point
 from harness.snapshot.record import call_name, judged_points
+from harness.snapshot.target import BITS_STAGE
 
 MODES = ("whole", "layer")
 
@@ -50,6 +51,10 @@ def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
     """What a replay of `mode` needs, refused before any model work."""
     from harness.backends import backend_class, backend_unavailable
 
+    if snap.target["stage"] == BITS_STAGE:  # the layer alone as the bit-exact stage ran it
+        from harness.snapshot.bits import check_bits_mode
+
+        return check_bits_mode(backend_name, tp)
     cls = backend_class(backend_name)
     why = backend_unavailable(backend_name)
     if why:
@@ -152,6 +157,10 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
     from harness.parity.local import intra_op_threads_for
     from harness.parity.observe import build_port
 
+    if snap.target["stage"] == BITS_STAGE:  # the process's own threads, as the stage and the recording ran
+        from harness.snapshot.bits import replay_bits
+
+        return replay_bits(snap, checkpoint)
     tp = tp or snap.tp
     settings = snap.run_settings(backend=backend_name, tp=tp)
     recorded = snap.manifest["settings"]

@@ -127,11 +127,13 @@ def repro_inputs(checkpoint, settings, target, obs) -> tuple[dict, list[dict], l
 
 def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
     """What `bisect --emit-repro DIR` does after its run."""
-    from harness.snapshot.target import choose_target, stage_settings
+    from harness.snapshot.target import BITS_STAGE, choose_target, stage_settings
     from harness.snapshot.write import refuse_existing
 
     refuse_existing(out_dir, "--emit-repro")
     target = choose_target(result, settings)
+    if target.stage == BITS_STAGE:
+        return write_bits_repro(checkpoint, settings, target, result.observation, out_dir, say=say)
     stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
     return write_repro(checkpoint, stage_settings(settings, target.stage), target, stage.observation, out_dir, say=say)
 
@@ -139,20 +141,14 @@ def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
 def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Path:
     """The repro of `target`'s call (harness.snapshot.target.Target) from the stage `observation`
     its port ran with settings `run`: planned, then written atomically into `out_dir`."""
-    from safetensors.torch import save
-
-    import harness
     from harness.snapshot.repro_host import host_cache, rank_hosts, trace_rank
 
-    out_dir = Path(out_dir)
     tensors, calls, hosted = repro_inputs(checkpoint, run, target, observation)
     parts = [name.rsplit(".", 1)[1] for name in layer_points(target.layer, spec=checkpoint.spec)]
     modules, reductions, kv = [], None, []
     for host in rank_hosts(checkpoint, run, target.layer, parts):
         traced, counts = trace_rank(host, calls)
-        buffer = io.BytesIO()
-        torch.jit.save(traced, buffer)
-        modules.append(buffer.getvalue())
+        modules.append(traced_bytes(traced))
         reductions = counts
         kv.append([list(t.shape) for t in host_cache(host)])
     judge, spec = JUDGES[target.stage], checkpoint.spec
@@ -172,16 +168,69 @@ def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Pat
                            f"{target.graph_tag} call (call {len(calls) - 1} of the engine's {len(calls)}), "
                            f"{target.stage} stage: {target.point} {target.ratio:.3g}x in the "
                            f"{'failing' if target.failing else 'passing (control)'} run"}
+    return save_repro(out_dir, tensors, meta, modules, what=f"layer {target.layer}, {len(calls)} calls, TP {run.tp}",
+                      say=say)
+
+
+def save_repro(out_dir, tensors: dict, meta: dict, modules: list[bytes], what: str, say=print,
+               how: str = "--neuron on an inf2 host") -> Path:
+    """repro.py, repro.safetensors (`meta` in its metadata) and the traced ranks: planned, then
+    written atomically into `out_dir`."""
+    from safetensors.torch import save
+
+    import harness
+
+    out_dir = Path(out_dir)
     blob = save({k: t.detach().clone().contiguous() for k, t in tensors.items()}, metadata={"repro": json.dumps(meta)})
     script = (harness.FIXTURES_DIR / "repro" / "repro.py").read_text(encoding="utf-8")
     size = len(blob) + sum(map(len, modules)) + len(script)
     say(f"repro plan: {out_dir}: repro.py, repro.safetensors, {len(modules)} x port_rank{{r}}.pt, {size / 2**20:.2f} "
-        f"MiB (layer {target.layer}, {len(calls)} calls, TP {run.tp})")
+        f"MiB ({what})")
     with atomic_directory(out_dir) as tmp:
         (tmp / "repro.py").write_text(script, encoding="utf-8")
         (tmp / "repro.safetensors").write_bytes(blob)
         for rank, module in enumerate(modules):
             (tmp / f"port_rank{rank}.pt").write_bytes(module)
-    say(f"repro written to {out_dir}: run `python {out_dir / 'repro.py'}` (torch and safetensors only; "
-        "--neuron on an inf2 host)")
+    say(f"repro written to {out_dir}: run `python {out_dir / 'repro.py'}` (torch and safetensors only; {how})")
     return out_dir
+
+
+def traced_bytes(traced) -> bytes:
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    return buffer.getvalue()
+
+
+def write_bits_repro(checkpoint, settings, target, observation, out_dir, say=print, prompt: int | None = None) -> Path:
+    """The repro of a bit-exact target (harness.snapshot.bits): the port's layer alone traced at TP 1
+    in bf16 on the one chunk of the prompt's rows (harness.snapshot.repro_host), the recorded input,
+    transformers' bf16 outputs and the stage's departure limit; the script compares bit for bit.
+    `prompt`: that prompt's rows (a control), else the first where the target's point departs."""
+    from harness.judge.bitwise import DEPARTURE_LIMIT
+    from harness.snapshot.bits import bits_settings, record_bits
+    from harness.snapshot.repro_host import host_cache, rank_hosts, trace_rank
+
+    target, recorded = record_bits(checkpoint, target, observation, prompt)
+    i, n, spec = target.layer, target.length, checkpoint.spec
+    run = bits_settings(settings).but(kv_len=n)  # the stage's cache: exactly the chunk's rows
+    names = [k.removeprefix("bits.ref16.") for k in recorded if k.startswith("bits.ref16.")]
+    parts = [name.rsplit(".", 1)[1] for name in names]
+    ple = recorded.get("bits.per_layer_input")
+    ples = torch.zeros(0) if ple is None else ple.float()[None, None]
+    call = {"xs": recorded["bits.input"][None, None], "positions": torch.arange(n)[None],
+            "ples": ples.to(torch.bfloat16), "read_len": n, "rows": n}
+    host = rank_hosts(checkpoint, run, i, parts)[0]
+    traced, counts = trace_rank(host, [call])
+    tensors = {"call0.xs": call["xs"].float(), "call0.positions": call["positions"]}
+    if ple is not None:
+        tensors["call0.ples"] = ples
+    tensors.update({f"bits.{part}": recorded[f"bits.ref16.{name}"] for part, name in zip(parts, names)})
+    meta = {"kind": "bits", "dtype": "bfloat16", "points": parts, "tp": 1, "target_rows": n,
+            "kv_shapes": [[list(t.shape) for t in host_cache(host)]], "departure_limit": DEPARTURE_LIMIT,
+            "calls": [{"method": "call0", "sums": counts[0], "rows": n}],
+            "description": f"layer {i} ({spec.layers[i].type}) of {checkpoint.path} (spec {spec.spec_hash()}) alone "
+                           f"at TP 1 in bf16 on prompt {target.prompt}'s {n} rows (one chunk), against transformers' "
+                           f"bf16 layer on the same input, bit for bit: {target.point} departed at "
+                           f"{target.ratio:.1%} of its elements when recorded"}
+    return save_repro(out_dir, tensors, meta, [traced_bytes(traced)], what=f"layer {i} alone, bit-exact, TP 1",
+                      say=say, how="bit for bit on this CPU")

@@ -5,7 +5,9 @@ prefill call behind its point with the largest ratio, as a control.
 The judged stage is the one whose first failing layer comes first (the fp32 structural stage wins
 when it names an earlier layer, as CheckResult.divergent decides); the point's worst row names the
 prompt and position, and the engine's chunk plan names the call (the prefill chunk holding that
-position: its graph, its rows, the KV rows it reads).
+position: its graph, its rows, the KV rows it reads). When the bit-exact layer stage fails at a layer
+before any failing layer point of those stages, the snapshot is of that layer alone at TP 1, one
+chunk of a prompt's rows (harness/snapshot/bits.py picks the prompt).
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from dataclasses import asdict, dataclass
 
 from harness.base.errors import OptionError
 from harness.base.points import Point, locate
+from harness.judge.bitwise import BitwiseStage
 from harness.port.engine import chunk_plan
 from harness.port.graphs import DECODE_TAG, PREFILL_TAG
+
+BITS_STAGE = BitwiseStage.stage
+BITS_TAG = "layer_alone_tp1"  # not a device graph: the port's layer alone, bf16, TP 1, one chunk of n rows
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class Target:
 
     @property
     def graph_tag(self) -> str:
+        if self.stage == BITS_STAGE:
+            return BITS_TAG
         return DECODE_TAG if self.step is not None else PREFILL_TAG.format(self.bucket)
 
     @property
@@ -43,6 +51,23 @@ class Target:
 
     def to_json(self) -> dict:
         return dict(asdict(self), graph_tag=self.graph_tag)
+
+
+def measure(target: dict) -> str:
+    """How far the target's point is out, as its stage measures it (a Target's to_json)."""
+    if target["stage"] == BITS_STAGE:
+        return f"{target['ratio']:.1%} of its elements depart bit for bit"
+    return f"{target['ratio']:.3g}x"
+
+
+def _bits_failure(result) -> tuple[str, int] | None:
+    """The bit-exact layer stage's first failing point and its layer (None: it passed, did not run, or
+    failed by an exception, which has no layer behind it)."""
+    stage = next((s for s in getattr(result, "extra_stages", []) if s.stage == BITS_STAGE), None)
+    if stage is None or stage.error is not None:
+        return None
+    found = [f["point"] for g in stage.all_gates() if g.name == "bit_exact" for f in g.failures]
+    return (found[0], Point.parse(found[0]).layer) if found else None
 
 
 def _prefill_layer_points(stage) -> list:
@@ -73,6 +98,11 @@ def choose_target(result, settings) -> Target:
     the port) has no prefill call behind it: refused, naming what did fail."""
     stages = [s for s in (result.fp32, result) if s is not None and s.observation is not None]
     failing = [(s, p) for s in stages for p in [_first_failing(s)] if p is not None]
+    bits = _bits_failure(result)
+    if bits is not None and all(Point.parse(p.name).layer > bits[1] for _, p in failing):
+        rows = result.observation.ref32[0].captures["embeddings"].shape[0]  # bits.record_bits picks the prompt
+        return Target(stage=BITS_STAGE, point=bits[0], layer=bits[1], ratio=1.0, failing=True, prompt=0, position=0,
+                      start=0, length=rows, bucket=rows)
     if failing:
         stage, point = min(failing, key=lambda sp: _order(sp[0], sp[1], result.fp32))
     elif not result.passed:

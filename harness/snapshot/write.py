@@ -89,15 +89,17 @@ def make_manifest(checkpoint, settings, target, tensors: dict[str, torch.Tensor]
 
 
 def plan_line(out_dir, target, nbytes: int, count: int) -> str:
+    from harness.snapshot.target import measure
+
     kind = "failing" if target.failing else "control (passing run: largest ratio)"
     return (f"snapshot plan: {out_dir}: {count} tensors, {nbytes / 2**20:.2f} MiB; the {target.graph_tag} call of "
             f"prompt {target.prompt} (rows {target.start}..{target.start + target.length - 1}), {kind} point "
-            f"{target.point} ({target.ratio:.3g}x, {target.stage} stage)")
+            f"{target.point} ({measure(target.to_json())}, {target.stage} stage)")
 
 
 def write_snapshot(out_dir, checkpoint, settings, target, tensors: dict[str, torch.Tensor], source: str,
-                   say=print) -> dict:
-    """Plan (printed through `say`), write, verify: the manifest as written."""
+                   say=print, extra: dict | None = None) -> dict:
+    """Plan (printed through `say`), write, verify: the manifest as written (with `extra`'s keys)."""
     from safetensors.torch import save_file
 
     from harness.reference.golden import _verify_written
@@ -107,7 +109,7 @@ def write_snapshot(out_dir, checkpoint, settings, target, tensors: dict[str, tor
     nbytes = planned_bytes(tensors)
     say(plan_line(out_dir, target, nbytes, len(tensors)))
     manifest = make_manifest(checkpoint, settings, target, tensors, source=source)
-    manifest["planned_bytes"] = nbytes
+    manifest.update(extra or {}, planned_bytes=nbytes)
     with atomic_directory(out_dir) as tmp:
         try:
             save_file(tensors, str(tmp / TENSORS))
@@ -127,13 +129,20 @@ def snapshot_check(result, checkpoint, settings, out_dir, source: str, say=print
     """What `check --snapshot` and `bisect --snapshot` do after their run: choose the call
     (harness.snapshot.target), record it, write it. The written manifest."""
     from harness.snapshot.record import record_call
-    from harness.snapshot.target import choose_target, stage_settings
+    from harness.snapshot.target import BITS_STAGE, choose_target, stage_settings
 
     target = choose_target(result, settings)
     stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
-    run = stage_settings(settings, target.stage)
-    tensors = record_call(checkpoint, run, target, stage.observation)
-    manifest = write_snapshot(out_dir, checkpoint, run, target, tensors, source=source, say=say)
+    run, extra = stage_settings(settings, target.stage), None
+    if target.stage == BITS_STAGE:  # the port's layer alone, bit for bit (harness.snapshot.bits)
+        from harness.snapshot.bits import bits_manifest, bits_settings, record_bits
+
+        run, extra = bits_settings(settings), bits_manifest()
+        target, tensors = record_bits(checkpoint, target, result.observation)
+    else:
+        tensors = record_call(checkpoint, run, target, stage.observation)
+    manifest = write_snapshot(out_dir, checkpoint, run, target, tensors, source=source, say=say, extra=extra)
+    backends = "cpu (a bit-exact snapshot: cpu at TP 1 only)" if target.stage == BITS_STAGE else "cpu|xla|neuron"
     say(f"snapshot written to {out_dir} ({directory_bytes(out_dir) / 2**20:.2f} MiB); replay it with "
-        f"`gemma-parity replay {out_dir} --backend cpu|xla|neuron`")
+        f"`gemma-parity replay {out_dir} --backend {backends}`")
     return manifest

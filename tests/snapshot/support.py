@@ -28,21 +28,24 @@ class Flow:
     repro_refused: str | None = None  # why --emit-repro refused this failure (a decode step's, KV sharing)
 
 
-def run_check(checkpoint, references, settings: RunSettings, fp32: bool = True):
-    """check's two stages (the fp32 one unless `fp32` is False), no local verdicts."""
+def run_check(checkpoint, references, settings: RunSettings, fp32: bool = True, local: bool = False):
+    """check's two stages (the fp32 one unless `fp32` is False), with the local verdicts (and so the
+    bit-exact layer stage) only when `local`."""
     from harness.backends import build_engine
     from harness.parity.check import check_port
 
     engine = build_engine(checkpoint, settings, capture=True)
-    return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=False,
+    return check_port(checkpoint, engine, references["float32"], references["bfloat16"], local=local,
                       fp32_engine="auto" if fp32 else None)
 
 
 def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Path, repro: Path | None = None,
-                  modes=("whole",), fp32: bool = True, other_tp: int | None = None, unplanted: bool = True) -> Flow:
+                  modes=("whole",), fp32: bool = True, other_tp: int | None = None, unplanted: bool = True,
+                  local: bool = False) -> Flow:
     """Check with `fault` planted (None: the clean port), snapshot (and emit a repro) with it still
     planted, replay each mode on cpu planted, then (`unplanted`) whole again with the fault removed
-    (`fp32` False: the check's bf16 stage only)."""
+    (`fp32` False: the check's bf16 stage only; `local`: with the local verdicts and the bit-exact
+    layer stage)."""
     from harness.snapshot.read import read_snapshot
     from harness.snapshot.repro import emit_repro
     from harness.snapshot.replay import replay
@@ -52,7 +55,7 @@ def snapshot_flow(fault, checkpoint, references, settings: RunSettings, out: Pat
     with pytest.MonkeyPatch.context() as mp:
         if fault is not None:
             fault.inject(mp)
-        result = run_check(checkpoint, references, settings, fp32=fp32)
+        result = run_check(checkpoint, references, settings, fp32=fp32, local=local)
         manifest = snapshot_check(result, checkpoint, settings, out, source="check", say=lines.append)
         flow = Flow(result, manifest, lines)
         if repro is not None:

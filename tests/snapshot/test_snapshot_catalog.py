@@ -1,10 +1,11 @@
 """The slow lane of the snapshot suite (default-lane siblings: tests/snapshot/test_snapshot.py).
 
-- Every fault of the catalog that `check` catches at a prefill layer point yields a snapshot whose
-  replay on cpu, with the fault still planted, reproduces it (except the recorded REPLAY_GAPS),
-  and whose repro.py (harness unimportable) exits 1, except the recorded REPRO_GAPS (decode steps
-  included: the repro runs the engine's calls up to the step); a fault caught at no layer point
-  (host side, tokens only) has no device call behind it and `--snapshot` says so.
+- Every fault of the catalog that `check` catches at a layer point, or first in its bit-exact layer
+  stage, yields a snapshot whose replay on cpu, with the fault still planted, reproduces it (except
+  the recorded REPLAY_GAPS: none), and whose repro.py (harness unimportable) exits 1, except the
+  recorded REPRO_GAPS (none; decode steps included: the repro runs the engine's calls up to the
+  step); a fault caught at no layer point (host side, tokens only) has no device call behind it and
+  `--snapshot` says so.
 - Every family variant at TP 1 and 2: the clean control replays to 0 and its repro exits 0; one
   fault of the variant replays as reproduced.
 - A fault planted only in the NxD double's compiled path replays as neuron's divergence alone.
@@ -26,25 +27,21 @@ from tests.snapshot.support import BLOCKER, run_check, snapshot_flow
 
 FIXTURES = {TINY: ("tiny0_ckpt", "tiny0_reference"), TINY_INEXACT_SCALE: ("inexact_scale_ckpt", "inexact_scale_reference"),
             LONG: ("long_ckpt", "long_reference")}
-# Faults whose snapshot replays but whose one-layer repro cannot show them, and why. The repro runs
-# the engine's own calls (their positions, padding, KV buckets; a decode step's prefill and earlier
-# steps) on every rank of the TP plan, fed the reference's input rows: chunk, ring, decode and TP
-# plan faults reproduce (measured 2026-12-03).
+# Faults whose snapshot replays but whose one-layer repro cannot show them, and why: none. The repro
+# runs the engine's own calls (their positions, padding, KV buckets; a decode step's prefill and
+# earlier steps) on every rank of the TP plan, fed the reference's input rows: chunk, ring, decode
+# and TP plan faults reproduce (measured 2026-12-03). A fault whose first failure is the bit-exact
+# layer stage (rmsnorm-no-fp32-upcast: every point within the envelope) is snapshotted as that layer
+# alone at TP 1 and judged bit for bit by its replay and its repro (harness/snapshot/bits.py); the
+# catalog's `local` faults run with the local verdicts, so that stage runs for them.
 # (embed-scale-not-cast is caught at the embeddings alone, no layer point: --snapshot refuses it, no device call.)
-REPRO_GAPS = {
-    "rmsnorm-no-fp32-upcast": "caught by the distribution stage only (as in REPLAY_GAPS): no failing layer point to emit",
-}
+REPRO_GAPS: dict[str, str] = {}
 
 
-# Faults whose snapshot replays without reproducing, and why (measured 2026-12-03). The recorder takes
-# the engine's own backend.forward inputs (harness/snapshot/calls.py), so host-side position faults
-# (chunk-positions-offset, decode-from-bucket-length) are in the recorded call and reproduce.
-REPLAY_GAPS = {
-    "rmsnorm-no-fp32-upcast": "its only failure is the distribution stage's (R's median over every position of every "
-                              "prompt, each layer alone, 1.10-1.12 against the gate 1.05): no layer point fails, so "
-                              "the snapshot is a control of the largest ratio, and a point judge of one call cannot "
-                              "see a median shift that is within the 4x factor at every row",
-}
+# Faults whose snapshot replays without reproducing, and why: none (measured 2026-12-03). The recorder
+# takes the engine's own backend.forward inputs (harness/snapshot/calls.py), so host-side position
+# faults (chunk-positions-offset, decode-from-bucket-length) are in the recorded call and reproduce.
+REPLAY_GAPS: dict[str, str] = {}
 
 
 def _run_repros(dirs, tmp_path) -> dict[str, int]:
@@ -64,27 +61,30 @@ def _run_repros(dirs, tmp_path) -> dict[str, int]:
 
 @pytest.mark.slow  # the whole catalog, ~7 CPU-s a fault (one check, snapshot, repro, replay each); sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
 def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_path):
-    emitted, refused, reproduced, no_repro = {}, {}, {}, {}
+    emitted, refused, reproduced, no_repro, bits = {}, {}, {}, {}, []
     for fault in CATALOG:
         ckpt_name, ref_name = FIXTURES[fault.checkpoint]
         ckpt, refs = request.getfixturevalue(ckpt_name), request.getfixturevalue(ref_name)
         settings = RunSettings(**engine_options(fault.checkpoint))
         out, repro = tmp_path / fault.name / "snap", tmp_path / fault.name / "repro"
         try:
-            flow = snapshot_flow(fault, ckpt, refs, settings, out, repro, unplanted=False)
+            flow = snapshot_flow(fault, ckpt, refs, settings, out, repro, unplanted=False, local=fault.local)
         except OptionError as exc:
             refused[fault.name] = str(exc)
             continue
         reproduced[fault.name] = flow.replays[("cpu", "whole", True)].reproduces
+        if flow.manifest["target"]["stage"] == "bitwise_layers":
+            bits.append(fault.name)
         if flow.repro_refused:
             no_repro[fault.name] = flow.repro_refused
         else:
             emitted[fault.name] = repro
-    print({"refused": sorted(refused), "no repro": sorted(no_repro), "emitted": sorted(emitted)})
+    print({"refused": sorted(refused), "no repro": sorted(no_repro), "emitted": sorted(emitted), "bit-exact": bits})
     assert {n for n, r in reproduced.items() if not r} == set(REPLAY_GAPS), reproduced
     assert all("no device call" in why for why in refused.values()), refused
     assert not no_repro, no_repro  # decode steps and KV-shared layers have repros too
     assert len(reproduced) >= 25, sorted(refused)
+    assert "rmsnorm-no-fp32-upcast" in bits, bits  # its first failure: the bit-exact layer stage
     codes = _run_repros(emitted.values(), tmp_path)
     exits = {name: codes[str(d)] for name, d in emitted.items()}
     assert {n for n, c in exits.items() if c != 1} == set(REPRO_GAPS) & set(exits), exits

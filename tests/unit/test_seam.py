@@ -256,7 +256,8 @@ def _calls(name: str) -> set[str]:
     ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
     # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
     ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/parity/layer_bits.py",
-                       "harness/quality/moe.py", "harness/reference/forcing.py"}),
+                       "harness/quality/moe.py", "harness/reference/forcing.py",
+                       "harness/snapshot/bits.py"}),  # a bit-exact snapshot records the stage's run again
     ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py"}),  # routing.py: judging only
     ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
