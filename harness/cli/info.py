@@ -6,6 +6,7 @@ from harness.base.atomic import write_json_atomic
 from harness.base.errors import HarnessInputError, OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args, add_run_args, run_settings, with_generator
+from harness.report.fit import render_fit_table
 from harness.report.perf_text import render_roofline
 
 
@@ -192,7 +193,6 @@ def run(args) -> int:
         print(render_quantized_comparison(payload["quantization"]))
     if args.batch:
         from harness.plan.batch_fit import fit_table
-        from harness.report.fit import render_fit_table
 
         lengths = sorted({s.kv_len, *(n for n in (4096, 32768, 131072) if n <= (args.spec.max_positions or n))})
         payload["batch_fit"] = fit_table(args.spec, s.tp, s.dtype, args.batch, lengths, chip=args.chip,
