@@ -81,3 +81,22 @@ def test_tiny_port_is_bit_exact_alone_and_a_rounding_moved_departs(monkeypatch, 
     first, first_later = stage.starts()[0]
     assert (first.name, first_later) == (start, later), stage.describe()
     assert first.fraction > 10 * DEPARTURE_LIMIT and stage.passed == later
+
+
+def test_an_exception_inside_the_layers_alone_is_the_stages_failure(monkeypatch, tiny0_ckpt):
+    """The stage as the parity run executes it: an exception raised by the port's layers alone is
+    this stage's named failure (its JSON says where), not a crash of the check; no local verdicts: no stage."""
+    from types import SimpleNamespace
+
+    from harness.parity import layer_bits
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(layer_bits, "bitwise_layers", broken)
+    stage = layer_bits.bitwise_layers_stage()
+    result = SimpleNamespace(port_error=None, local=[object()], observation=SimpleNamespace(ref32=[]))
+    out = stage.run(result=result, checkpoint=tiny0_ckpt, engine=None).seal()
+    assert not out.passed and out.ran and "planted" in str(out.to_json()["error"])
+    assert [g.name for g in out.all_gates()] == ["error"] and "FAIL" in out.describe()
+    assert stage.run(result=SimpleNamespace(port_error=None, local=None), checkpoint=tiny0_ckpt, engine=None) is None
