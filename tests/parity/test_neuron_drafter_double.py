@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from harness.backends import build_drafter, build_engine, neuron, neuron_cache, neuron_env
-from harness.base.errors import OptionError
+from harness.base.errors import HarnessInputError, OptionError
 from harness.base.settings import RunSettings
 from harness.port import draft_graphs
 from harness.port.graphs import GraphBuildError
@@ -120,12 +120,41 @@ def test_the_cache_key_tells_fused_builds_from_target_only_ones():
     assert all(p in neuron_cache.ARTIFACT_KEY_FILES for p in neuron_cache.DRAFTER_SOURCE_FILES)
 
 
-def test_a_batched_build_refuses_the_assistant():
-    from harness.backends.neuron_drafter import open_assistant
-    from harness.base.errors import HarnessInputError
-
-    with pytest.raises(HarnessInputError, match="--batch 2"):
-        open_assistant(SimpleNamespace(assistant="A", batch=2), spec=None)
+@pytest.mark.slow  # a batched fused build through the double (~10 graphs) and the cpu's batched run
+def test_speculation_in_a_batch_on_the_device_is_the_cpus(nxd):
+    """A build of 2 KV slots with the assistant: every draft graph takes the drafting slot
+    (draft_seq) and carries the cache, the verify graph is traced at every batch bucket, and the one
+    decode loop speculates three ragged prompts (the third takes the slot the first leaves) with each
+    sequence drafting from its own slot: tokens, drafts and accepted drafts per verify equal the CPU
+    backend's batched run, sequence for sequence, and the tokens are the target's own greedy ones."""
+    ckpt, assistant = pair()
+    settings = small("neuron", assistant).but(batch=2, buckets=(16, 32), kv_len=32)
+    dev = build_engine(ckpt, settings, capture=True)
+    cpu = build_engine(ckpt, settings.but(backend="cpu"), capture=True)
+    be = dev.backend
+    assert set(be.draft_graphs) == {"draft_kv16", "draft_kv32"}
+    assert {f"verify_4_kv{kv}_bs{b}" for kv in (16, 32) for b in (1, 2)} <= set(be.nxd_model.graphs)
+    routes = {a.route_key() for t, a in be.nxd_model.graphs.items() if t.startswith("draft")}
+    assert len(routes) == 1 and "draft_seq: [1]" in routes.pop()  # one route: the slot is an input
+    assert all(draft_states(dev, t) == set(be.kv_names) for t in be.draft_graphs)
+    prompts = [PROMPT, list(range(3, 21)), [11, 7]]
+    on_dev, on_cpu = build_drafter(dev, assistant), build_drafter(cpu, assistant)
+    runs_dev = generate(dev, prompts, 6, speculative(on_dev, K))
+    runs_cpu = generate(cpu, prompts, 6, speculative(on_cpu, K))
+    assert on_dev.last_tag in be.draft_graphs and be.last_tag.startswith("verify_4_kv")
+    alone = build_engine(ckpt, settings.but(backend="cpu", batch=1))
+    for prompt, d, c in zip(prompts, runs_dev, runs_cpu, strict=True):
+        assert (d.tokens, d.drafted, d.accepted) == (c.tokens, c.drafted, c.accepted) and d.drafted
+        assert d.tokens == generate(alone, [prompt], 6)[0].tokens
+    # a step from each slot (now the third and second sequences') is the cpu drafter's from that slot
+    torch.manual_seed(0)
+    embeds, hidden = torch.randn(1, 1, ckpt.spec.hidden_size), torch.randn(1, 1, ckpt.spec.hidden_size)
+    steps = [on_dev.step(embeds, hidden, 8, slot=s)[0] for s in (0, 1)]
+    for s, got in enumerate(steps):
+        torch.testing.assert_close(got, on_cpu.step(embeds, hidden, 8, slot=s)[0], atol=1e-4, rtol=1e-4)
+    assert (steps[0] - steps[1]).abs().max() > 1e-2  # the slots hold different sequences
+    with pytest.raises(HarnessInputError, match="KV slot 2: the build has slots 0..1"):
+        on_dev.step(embeds, hidden, 8, slot=2)
 
 
 # ---- slow lane --------------------------------------------------------------------------------------
