@@ -256,3 +256,60 @@ def test_bench_with_the_assistant_runs_the_perf_builds_draft_graphs(nxd, tmp_pat
     dev, cpu = blocks["neuron"], blocks["cpu"]
     assert dev["tokens_equal"] and dev["accepted_per_verify"] > 1.0
     assert dev["accepted_per_verify"] == cpu["accepted_per_verify"] and dev["draft_step_ms"] > 0
+
+
+# A batched check through the double (~65 CPU-s at TP 2, --batch 4: 27 graphs, both references). The
+# slow lane runs TP 2; TP 1 is `-m matrix` (by hand). Cheap sibling: test_speculation_in_a_batch_is_refused_
+# only_where_the_drafter_reads_one_sequence (tests/unit/test_speculate.py) and tests/unit/test_draft_graphs.py.
+@pytest.mark.parametrize("tp", [pytest.param(2, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.matrix)])
+def test_check_batch_4_with_the_assistant_passes_through_the_double(nxd, tp, tmp_path, capsys):
+    """`check --batch 4 --assistant A --speculate 3 --backend neuron` on the 12B-like tiny pair with
+    five ragged prompts (1 to 20 tokens, one past the bucket; the fifth takes a slot a finished one
+    leaves): every stage passes, the speculative stage ran as a batch of 4 (each sequence drafting
+    from its own slot), its greedy tokens are the target's own and its acceptance is judged per
+    sequence, equal to the like-for-like reference's."""
+    from harness.cli import main
+
+    ckpt, assistant = pair()
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([PROMPT, [11], list(range(40, 60)), PROMPT[::-1] + [9, 9, 31, 4], list(range(3, 17))]))
+    out = tmp_path / "check.json"
+    rc = main(["check", "--checkpoint", str(ckpt.path), "--assistant", str(assistant.path), "--speculate", str(K),
+               "--backend", "neuron", "--buckets", "16", "--kv-len", "64", "--tp", str(tp), "--batch", "4",
+               "--prompts", str(prompts), "--skip-served-build", "--json", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    stage = result["extra_stages"]["speculative"]
+    assert rc == 0 and result["passed"] and stage["ran"] and stage["passed"], (stage["failures"], printed[-1500:])
+    assert any("batch of 4" in n and "its own slot" in n for n in stage["notes"]), stage["notes"]
+    assert [a["prompt"] for a in stage["acceptance"]] == list(range(5))
+    assert all(a["passed"] and a["reference_tokens_equal"] and a["accepted"] == a["reference_accepted"]
+               for a in stage["acceptance"]), stage["acceptance"]
+    # greedy tokens identical to the target's own: the bf16 stage's batched greedy decode on the same build kind
+    assert [p["tokens"] for p in stage["prompts"]] == [p["device_tokens"] for p in result["prompts"]]
+
+
+@pytest.mark.slow  # a batched perf build with the drafter through the double, and the cpu's (~40 CPU-s)
+def test_bench_batch_with_the_assistant_reports_acceptance_per_batch_through_the_double(nxd, tmp_path):
+    """`bench --batch 1,4 --assistant A --speculate 3 --backend neuron` on the mirror pair (drafts
+    mostly accepted): each batch decoded speculatively on the batched perf build (its draft graphs
+    taking the slot, its verify graph at every batch bucket), every sequence's tokens its plain
+    greedy decode's, and the accepted drafts per verify of each batch, per sequence, the cpu
+    backend's."""
+    from harness.cli import main
+    from harness.reference.mirror_assistant import mirror_pair
+
+    target, assistant = mirror_pair(0)
+    rows = {}
+    for backend in ("neuron", "cpu"):
+        out = tmp_path / f"{backend}.json"
+        assert main(["bench", "--checkpoint", str(target), "--assistant", str(assistant), "--speculate", str(K),
+                     "--backend", backend, "--tp", "2", "--batch", "1,4", "--runs", "1", "--warmup", "0",
+                     "--new-tokens", "8", "--buckets", "16", "--kv-len", "32", "--out", str(out)]) == 0
+        rows[backend] = {r["batch"]: r["speculative"] for r in json.loads(out.read_text())["batch"]["rows"]}
+    dev, cpu = rows["neuron"], rows["cpu"]
+    assert sorted(dev) == [1, 4]
+    for b, s in dev.items():
+        assert s["tokens_equal"] and s["k"] == K and len(s["per_sequence"]) == b and s["verifies"] > 0, s
+        assert s["per_sequence"] == cpu[b]["per_sequence"] and s["accepted_per_verify"] == cpu[b]["accepted_per_verify"]
+    assert dev[4]["per_sequence"][0] == dev[1]["per_sequence"][0] and dev[4]["accepted_per_verify"] > 1.0
