@@ -45,7 +45,6 @@ from harness.port.kv_slots import carry_slot, read_slot
 
 DRAFT_TAG = "draft"
 DRAFT_INPUTS = ("draft_embeds", "draft_hidden", "draft_position")
-BATCH_DRAFT_INPUTS = (*DRAFT_INPUTS, "draft_seq")  # a batched build's: the drafting sequence's KV slot too
 
 
 def weights_not_buffers(module: nn.Module) -> None:
