@@ -122,8 +122,8 @@ def validate_bench(args) -> None:
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
     v.check_kv_len(ckpt.spec, kv_len, getattr(args, "sliding_cache", "linear") if args.backend != "neuron" else None)
-    plan_gate(args, "bench", ckpt.spec)
     validate_speculate(args, ckpt, [(min(args.settings.buckets), args.new_tokens)])  # the bench prompt
+    plan_gate(args, "bench", ckpt.spec)  # with the assistant's verify and draft graphs
 
 
 # ---- running -------------------------------------------------------------------------------------

@@ -282,6 +282,12 @@ def test_check_batch_4_with_the_assistant_passes_through_the_double(nxd, tp, tmp
     stage = result["extra_stages"]["speculative"]
     assert rc == 0 and result["passed"] and stage["ran"] and stage["passed"], (stage["failures"], printed[-1500:])
     assert any("batch of 4" in n and "its own slot" in n for n in stage["notes"]), stage["notes"]
+    from harness.backends.neuron import kv_tags
+    from harness.backends.neuron_drafter import draft_tags
+    from harness.port.graphs import kv_buckets
+
+    graphs = len(kv_tags((16,), 64, slots=4, speculate=K)) + len(draft_tags(kv_buckets((16,), 64)))
+    assert f"{graphs} graphs (parity build {graphs})" in printed  # the plan gate counted what was built
     assert [a["prompt"] for a in stage["acceptance"]] == list(range(5))
     assert all(a["passed"] and a["reference_tokens_equal"] and a["accepted"] == a["reference_accepted"]
                for a in stage["acceptance"]), stage["acceptance"]
