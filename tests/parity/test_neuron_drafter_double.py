@@ -261,16 +261,18 @@ def test_bench_with_the_assistant_runs_the_perf_builds_draft_graphs(nxd, tmp_pat
 # A batched check through the double (~65 CPU-s at TP 2, --batch 4: 27 graphs, both references). The
 # slow lane runs TP 2; TP 1 is `-m matrix` (by hand). Cheap sibling: test_speculation_in_a_batch_is_refused_
 # only_where_the_drafter_reads_one_sequence (tests/unit/test_speculate.py) and tests/unit/test_draft_graphs.py.
-@pytest.mark.parametrize("tp", [pytest.param(2, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.matrix)])
-def test_check_batch_4_with_the_assistant_passes_through_the_double(nxd, tp, tmp_path, capsys):
-    """`check --batch 4 --assistant A --speculate 3 --backend neuron` on the 12B-like tiny pair with
-    five ragged prompts (1 to 20 tokens, one past the bucket; the fifth takes a slot a finished one
+@pytest.mark.parametrize("name, tp", [pytest.param("12b", 2, marks=pytest.mark.slow),
+                                      pytest.param("12b", 1, marks=pytest.mark.matrix),
+                                      pytest.param("31b", 2, marks=pytest.mark.matrix)])
+def test_check_batch_4_with_the_assistant_passes_through_the_double(nxd, name, tp, tmp_path, capsys):
+    """`check --batch 4 --assistant A --speculate 3 --backend neuron` on the 12B-like tiny pair (and,
+    by hand, the family's 31B-like pair) with five ragged prompts (1 to 20 tokens, one past the bucket; the fifth takes a slot a finished one
     leaves): every stage passes, the speculative stage ran as a batch of 4 (each sequence drafting
     from its own slot), its greedy tokens are the target's own and its acceptance is judged per
     sequence, equal to the like-for-like reference's."""
     from harness.cli import main
 
-    ckpt, assistant = pair()
+    ckpt, assistant = pair(name)
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps([PROMPT, [11], list(range(40, 60)), PROMPT[::-1] + [9, 9, 31, 4], list(range(3, 17))]))
     out = tmp_path / "check.json"
