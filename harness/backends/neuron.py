@@ -249,8 +249,9 @@ class NeuronBackend:
                 raise HarnessInputError("this is a perf build (no capture outputs in its graphs); build the "
                                         "backend with capture=True for a parity build to capture activations")
             args = batch_graph_inputs(self.spec, self.graphs, inputs_embeds, positions, seq_ids=seq_ids,
-                                      dtype=self.dtype, slots=self.slots, last_row_only=self.last_row_only)
-            tag = tag_for_length(positions.shape[1], self.graphs)
+                                      dtype=self.dtype, slots=self.slots, last_row_only=self.last_row_only,
+                                      verify=verify)
+            tag = tag_for_length(positions.shape[1], self.graphs, verify)
         else:
             tag, args = graph_inputs(self.spec, self.graphs, inputs_embeds, positions, self.dtype, capture=capture,
                                      parity_build=self.capture, last_row_only=self.last_row_only, last=last,

@@ -54,7 +54,7 @@ def traced_module(be) -> TracedDecoder:
     """The traced module of backend `be`'s spec (the 12B's or the family's), with NxD's layers."""
     fused = {"assistant": be.assistant.spec} if be.assistant is not None else {}
     linears = (QuantizedNeuronLinears if be.quantize else NeuronLinears)(be.tp, be.dtype, be.reduce_dtype)
-    module = (drafting_class(be.spec) if fused else traced_class(be.spec, batched=be.slots > 1))(
+    module = (drafting_class if fused else traced_class)(be.spec, batched=be.slots > 1)(
         be.spec, be.tp, be.max_len, be.dtype, linears, with_captures=be.capture, last_row_only=be.last_row_only,
         sliding_cache=be.sliding_cache, slots=be.slots, **fused)
     module.eval()
@@ -67,11 +67,12 @@ def traced_module(be) -> TracedDecoder:
 
 
 def trace_inputs(be, tag: str, length: int) -> tuple:
-    """The example inputs graph `tag` of `length` positions is traced with in backend `be`'s build."""
-    width = input_width(be.spec)
+    """The example inputs graph `tag` of `length` positions is traced with in backend `be`'s build (a
+    perf build's last_index, except on a verify graph, which returns every row)."""
+    width, last_row = input_width(be.spec), be.last_row_only and not is_verify_tag(tag)
     if be.slots == 1:
-        return example_inputs(length, width, be.dtype, last_row=be.last_row_only and not is_verify_tag(tag))
-    return batch_example_inputs(length, width, be.dtype, int(tag.rsplit("_bs", 1)[1]), last_row=be.last_row_only)
+        return example_inputs(length, width, be.dtype, last_row=last_row)
+    return batch_example_inputs(length, width, be.dtype, int(tag.rsplit("_bs", 1)[1]), last_row=last_row)
 
 
 def compile_build(be, workdir: Path) -> Built:
@@ -96,7 +97,7 @@ def compile_build(be, workdir: Path) -> Built:
                     module.set_kv_read(kv)  # the trace bakes in which slots the graph reads
                     builder.trace(args=trace_inputs(be, tag, length), tag=tag)
                 module.set_kv_read(None)
-                trace_draft_graphs(builder, module, be.draft_graphs, be.spec.hidden_size, be.dtype)
+                trace_draft_graphs(builder, module, be.draft_graphs, be.spec.hidden_size, be.dtype, batched=be.slots > 1)
             model = builder.compile(priority_model_key=be.priority_key, compiler_workdir=str(workdir),
                                     compiler_args=per_graph, max_workers=be.compile_workers)
     except HarnessInputError:

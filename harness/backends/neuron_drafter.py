@@ -10,7 +10,11 @@ The drafter's weights are the module's `drafter.*` parameters, set with the targ
 NxDModel.set_weights; the draft graphs read the target's KV cache as the aliased state every graph
 shares (draft_graphs.carry_kv; the backend refuses a graph that does not carry it,
 neuron_layers.graph_io). `NeuronDrafter` is what `harness.backends.build_drafter` returns: one
-draft step per call, on the graph of the smallest KV bucket holding the drafting position.
+draft step per call, on the graph of the smallest KV bucket holding the drafting position. A build
+of several KV slots (--batch N) holds the batched fused module (draft_graphs.BatchDraftingDecoder):
+its draft graphs take `draft_seq` too, the drafting sequence's slot, so every sequence of a batch
+drafts from its own slot (`serves_slots`) through the same one graph per KV bucket, and the batched
+verify graph (at every batch bucket) checks all of their drafts in one call.
 The artifact cache key gains the assistant's spec hash, k and this source's hash (`drafter_key`),
 so a target-only entry is never reused for a fused build, nor the other way round.
 """
@@ -49,22 +53,20 @@ def drafter_key(aspec, k: int, tags: dict) -> dict:
 
 
 def open_assistant(settings, spec):
-    """The run's AssistantCheckpoint (settings.assistant), or None; refused where a build cannot draft."""
+    """The run's AssistantCheckpoint (settings.assistant), or None (a batched build drafts per slot)."""
     if settings.assistant is None:
         return None
     from harness.inputs.assistant_checkpoint import AssistantCheckpoint
 
-    if settings.batch != 1:
-        raise HarnessInputError(f"--assistant with --batch {settings.batch}: the drafter reads the cache of one "
-                                "sequence; run speculative decoding with --batch 1")
     return AssistantCheckpoint.open(settings.assistant, spec)
 
 
-def trace_draft_graphs(builder, module, tags: dict, hidden: int, dtype: torch.dtype) -> None:
-    """builder.trace of each draft graph, the module told its KV bucket first (the trace bakes it in)."""
+def trace_draft_graphs(builder, module, tags: dict, hidden: int, dtype: torch.dtype, batched: bool = False) -> None:
+    """builder.trace of each draft graph, the module told its KV bucket first (the trace bakes it in);
+    `batched`: a build of several KV slots, its draft graphs taking the drafting slot (`draft_seq`)."""
     for tag, (_, kv) in tags.items():
         module.draft_read = kv
-        builder.trace(kwargs=draft_example_inputs(hidden, dtype), tag=tag)
+        builder.trace(kwargs=draft_example_inputs(hidden, dtype, batched=batched), tag=tag)
     module.draft_read = None
 
 
@@ -77,20 +79,27 @@ def drafter_rank_weights(assistant, tp: int, dtype: torch.dtype) -> list[dict[st
 class NeuronDrafter:
     """The drafter of a NeuronBackend built with an assistant (the interface of cpu_drafter.CpuDrafter)."""
 
+    serves_slots = True  # step(slot=): a batched build's sequences draft from their own KV slot (draft_seq)
+
     def __init__(self, backend, assistant, capture_names: list[str] | None):
         self.backend, self.spec, self.capture_names = backend, assistant.spec, capture_names
         self.last_tag: str | None = None
 
-    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, position: int, capture: bool = False):
-        """One draft at `position` (keys [0, position)): (logits [vocab] fp32, state [1, 1, H], captures)."""
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor, position: int, capture: bool = False, slot: int = 0):
+        """One draft at `position` (keys [0, position) of the sequence in KV slot `slot`): (logits
+        [vocab] fp32, state [1, 1, H], captures)."""
         be = self.backend
         if capture and not be.capture:
             raise HarnessInputError("this is a perf build (no capture outputs in its draft graphs); build the "
                                     "backend with capture=True for a parity build to capture the drafter's points")
+        if not 0 <= int(slot) < be.slots:
+            raise HarnessInputError(f"draft from KV slot {slot}: the build has slots 0..{be.slots - 1} (--batch {be.slots})")
         pos = torch.tensor([[int(position)]], dtype=POSITION_DTYPE)
+        # a batched build's draft graphs take the slot (draft_seq, an input: one graph serves every slot)
+        seq = {"draft_seq": torch.tensor([int(slot)], dtype=POSITION_DTYPE)} if be.slots > 1 else {}
         self.last_tag = f"{DRAFT_TAG}_kv{kv_read_length(pos, be.kv_lengths)}"
         out = be.nxd_model(draft_embeds=embeds.to(be.dtype).contiguous(), draft_hidden=hidden.to(be.dtype).contiguous(),
-                           draft_position=pos, model_name=self.last_tag)
+                           draft_position=pos, **seq, model_name=self.last_tag)
         logits, state, *caps = out
         captures = dict(zip(self.capture_names or (), caps)) if capture else {}
         return logits[0, -1].float(), state, {k: v.float() for k, v in captures.items()}

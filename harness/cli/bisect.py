@@ -52,8 +52,8 @@ def validate(args) -> None:
     golden = args.golden_read = v.check_golden_inputs(args, inputs, refuse_other_weights=False)
     validate_prompt_fit(golden.prompts, golden.new_tokens, f"golden {args.golden}", buckets=args.settings.buckets,
                         kv_len=args.settings.kv_len, max_positions=ckpt.spec.max_positions)
-    plan_gate(args, "bisect", ckpt.spec, rows_of(golden.prompts, golden.new_tokens), golden=True)
     validate_speculate(args, ckpt, [(len(p), golden.new_tokens) for p in golden.prompts])
+    plan_gate(args, "bisect", ckpt.spec, rows_of(golden.prompts, golden.new_tokens), golden=True)
     validate_snapshot_args(args)
 
 

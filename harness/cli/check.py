@@ -12,7 +12,9 @@ from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
 
 # the backends whose drafter reads each sequence's own KV slot (`serves_slots`): speculation in a batch
-SLOT_DRAFTERS = ("cpu", "xla")
+# (all three today: neuron's batched draft graphs take the drafting slot, backends/neuron_drafter.py);
+# a backend whose drafter reads one sequence's cache would be refused --batch N with an assistant
+SLOT_DRAFTERS = ("cpu", "xla", "neuron")
 
 
 def add_command(sub) -> None:
@@ -72,8 +74,8 @@ def validate_speculate(args, ckpt, rows=()) -> None:
     widest = max(args.batch or (1,)) if isinstance(args.batch, tuple) else (args.batch or 1)
     if widest > 1 and args.settings.backend not in SLOT_DRAFTERS:
         raise OptionError(f"--assistant with --batch {widest} on the {args.settings.backend} backend: its drafter reads "
-                          "a single sequence's KV cache (the cpu and xla backends' draft from each sequence's own "
-                          "slot); drop --batch or use --backend cpu or xla")
+                          f"a single sequence's KV cache (the {', '.join(SLOT_DRAFTERS)} backends' draft from each "
+                          f"sequence's own slot); drop --batch or use --backend {' or '.join(SLOT_DRAFTERS)}")
     args.settings = args.settings.but(speculate=args.speculate)
     for prompt_len, new_tokens in rows:
         check_verify_fit(prompt_len, new_tokens, args.speculate, args.settings.kv_len)

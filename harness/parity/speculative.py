@@ -222,6 +222,10 @@ def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, sett
             if dtype == settings.dtype:
                 judged = runs
                 stage.prompts, _, _ = judge_served(runs, ref32, ref16, None, ties(judge, calibration))
+        if settings.batch > 1:
+            stage.notes.append(f"speculative decoding ran as a batch of {settings.batch} sequences (a KV slot each, "
+                               "continuous batching, each drafting from its own slot, one verify call a round); "
+                               "each judged against its prompt alone")
         stage.acceptance = judge_acceptance(fp32_runs, ref32, load_target(checkpoint.path), references[torch.float32].model, k)
         for a, run in zip(stage.acceptance, judged):
             a["port_" + settings.dtype] = run.acceptance  # reported, not judged: bf16 drafts flip near ties

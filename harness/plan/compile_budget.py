@@ -4,8 +4,8 @@ per-graph figure.
 
 Graphs per build come from the same plan the backends trace (port/device_plan.graph_shapes, the
 KV graph plan: each prefill bucket at each KV bucket holding it, decode at every KV bucket, a
-verify graph with --speculate, draft graphs with an assistant) times the batch buckets of a
-batched build (graphs.batch_buckets). A model over neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES of
+verify graph with --speculate) times the batch buckets of a batched build (graphs.batch_buckets),
+plus an assistant's draft graphs once (one sequence drafts per call). A model over neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES of
 weights per rank compiles one graph at a time (its default compile_workers), so its budget is
 graphs x minutes per graph; a smaller one compiles on NxD's pool and its figure is a bound.
 
@@ -41,13 +41,15 @@ def graphs_by_stage(command: str, buckets, kv_len: int, *, batch: int | None = N
     if command not in DEVICE_COMMANDS:
         return {}
     one = len(graph_shapes(buckets, kv_len, speculate, drafts))
-    plain = len(graph_shapes(buckets, kv_len))  # a batched build neither verifies nor drafts
+    draft = len(graph_shapes(buckets, kv_len, 0, drafts)) - len(graph_shapes(buckets, kv_len))  # per KV bucket
 
-    def batched(slots: int) -> int:
-        return plain * len(batch_buckets(slots))
+    def batched(slots: int, speculating: bool = False) -> int:
+        """A build of `slots` KV slots: every graph at each batch bucket, a draft graph once."""
+        per_bucket = len(graph_shapes(buckets, kv_len, speculate if speculating else 0))
+        return per_bucket * len(batch_buckets(slots)) + (draft if speculating else 0)
 
     slots = batch or 1
-    main = batched(slots) if slots > 1 else one
+    main = batched(slots, speculating=True) if slots > 1 else one  # the batch stage neither verifies nor drafts
     if command == "bench":
         return {"perf build": main}
     stages = {"parity build": main}

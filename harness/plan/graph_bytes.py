@@ -37,23 +37,23 @@ def graph_io_bytes(spec: ModelSpec, length: int, nbytes: int, *, rows: int = 1, 
     """One graph's inputs + outputs on a rank (what graphs.TracedDecoder / TracedBatchDecoder take
     and return), for `rows` sequences of `length` positions. Inputs: inputs_embeds [rows, s, width]
     in the build's dtype, int32 positions [rows, s], a batched build's int32 seq_ids [rows], a
-    perf build's int32 last_index (one per row; none on the unbatched verify graph). Outputs: the
-    logits over the whole vocabulary (lm_head all-gathers its shards, so every rank returns all of
-    it, in the build's dtype): every row on a parity build (`capture`) and on the unbatched perf
-    verify graph, else one per sequence; a parity build's captures (capture_bytes_per_row); the
-    unbatched perf verify graph's final norm states. A "draft" graph (draft_graphs.py) takes the
-    token's embedding, the carried state and its position and returns one row of logits and the
-    state; on a parity build also the `assistant`'s captures (draft_capture_bytes)."""
+    perf build's int32 last_index (one per row; none on a verify graph). Outputs: the logits over
+    the whole vocabulary (lm_head all-gathers its shards, so every rank returns all of it, in the
+    build's dtype): every row on a parity build (`capture`) and on a perf verify graph, else one per
+    sequence; a parity build's captures (capture_bytes_per_row); a perf verify graph's final norm
+    states. A "draft" graph (draft_graphs.py) takes the token's embedding, the carried state, its
+    position and in a batched build the drafting slot (draft_seq), and returns one row of logits and
+    the state; on a parity build also the `assistant`'s captures (draft_capture_bytes)."""
     h = spec.hidden_size
     if kind == "draft":
         captures = draft_capture_bytes(assistant, h, nbytes) if capture and assistant is not None else 0
-        return rows * (2 * h * nbytes + 4 + spec.vocab_size * nbytes + h * nbytes + captures)
-    every_row = capture or (kind == "verify" and not batched)
+        return rows * (2 * h * nbytes + 4 + 4 * batched + spec.vocab_size * nbytes + h * nbytes + captures)
+    every_row = capture or kind == "verify"
     inputs = length * (input_width(spec) * nbytes + 4) + 4 * batched + 4 * (not every_row)
     outputs = (length if every_row else 1) * spec.vocab_size * nbytes
     if capture:
         outputs += length * capture_bytes_per_row(spec, nbytes)
-    elif every_row:  # the perf build's verify graph: every row's final norm too (graphs.TracedDecoder)
+    elif every_row:  # a perf build's verify graph: every row's final norm too (graphs.TracedDecoder)
         outputs += length * h * nbytes
     return rows * (inputs + outputs)
 

@@ -67,9 +67,9 @@ def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 
                batch: int = 1, perf: bool = False) -> dict:
     """One NeuronCore's device memory for a build (harness/plan/graph_bytes.py). `run`: weights, KV
     cache (`batch` slots), the compiled graphs' I/O and instructions (each (length, KV bucket) one
-    graph, at every batch bucket of a batched build; graph_bytes.graph_io_bytes: a `perf` build
-    returns one row of logits per sequence, a parity build every row and its captures) and the MoE
-    working set of the largest call.
+    graph, at every batch bucket of a batched build, a draft graph once: one sequence drafts per
+    call; graph_bytes.graph_io_bytes: a `perf` build returns one row of logits per sequence, a
+    parity build every row and its captures) and the MoE working set of the largest call.
     The weight-layout transform (NxD's set_weights re-lays the weights out on the device before the
     states exist) would hold the weights plus at least the largest weight re-laid out
     (`layout_least`), at most a second copy of every weight (`layout_most`; the transformer is
@@ -84,8 +84,10 @@ def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 
     drafter = assistant.bytes_per_rank(tp, nbytes) if assistant is not None else 0
     shapes = graph_kinds(buckets, kv_len, speculate, drafts=assistant is not None)
     rows = batch_buckets(batch) if batch > 1 else (1,)
-    costs = [graphs_bytes(spec, tp, shapes, nbytes, rows=b, capture=not perf, batched=batch > 1, assistant=assistant)
-             for b in rows]
+    per_bucket, drafts = [g for g in shapes if g[0] != "draft"], [g for g in shapes if g[0] == "draft"]
+    costs = [graphs_bytes(spec, tp, per_bucket, nbytes, rows=b, capture=not perf, batched=batch > 1) for b in rows]
+    if drafts:  # one sequence drafts per call: each draft graph once, at every batch size (draft_graphs.py)
+        costs.append(graphs_bytes(spec, tp, drafts, nbytes, capture=not perf, batched=batch > 1, assistant=assistant))
     graphs = {"count": sum(c["count"] for c in costs), "per_graph": max(c["per_graph"] for c in costs),
               "graphs": sum(c["graphs"] for c in costs), "moe_working_set": max(c["moe_working_set"] for c in costs)}
     kv_cache = per_rank["kv_cache"] * batch

@@ -38,28 +38,30 @@ def traced_io_bytes(spec, tp: int, dtype: torch.dtype, length: int, *, max_len: 
     """{"inputs", "outputs"} bytes of one rank's graph of `length` positions: a parity build
     (`capture`) or a perf build; with `slots` > 1 a batched build's graph at batch bucket `rows`;
     `kind` "verify" traces the perf build's verify graph as the backends do (no last_index), "draft"
-    the `assistant`'s (an AssistantSpec) draft graph compiled into the target's model."""
+    the `assistant`'s (an AssistantSpec) draft graph compiled into the target's model (with `slots`
+    > 1, the batched build's, taking the drafting slot)."""
     max_len = max_len or max(length, 16)
     if kind == "draft":
-        return _traced_draft(spec, tp, dtype, max_len, capture=capture, assistant=assistant)
-    last_row = not capture and not (kind == "verify" and slots == 1)
+        return _traced_draft(spec, tp, dtype, max_len, capture=capture, assistant=assistant, slots=slots)
+    last_row = not capture and kind != "verify"
     with torch.device("meta"), torch.no_grad():
         module = traced_class(spec, batched=slots > 1)(spec, tp, max_len, dtype, RankLinears(MetaCollectives(tp)),
                                                        with_captures=capture, last_row_only=not capture,
                                                        slots=slots)
         width = input_width(spec)
         inputs = (example_inputs(length, width, dtype, last_row=last_row) if slots == 1
-                  else batch_example_inputs(length, width, dtype, rows, last_row=not capture))
+                  else batch_example_inputs(length, width, dtype, rows, last_row=last_row))
         out = module(*inputs)
     outputs = out if isinstance(out, tuple) else (out,)
     return {"inputs": nbytes_of(inputs), "outputs": nbytes_of(outputs)}
 
 
-def _traced_draft(spec, tp: int, dtype: torch.dtype, max_len: int, *, capture: bool, assistant) -> dict:
+def _traced_draft(spec, tp: int, dtype: torch.dtype, max_len: int, *, capture: bool, assistant, slots: int) -> dict:
     with torch.device("meta"), torch.no_grad():
-        module = drafting_class(spec)(spec, tp, max_len, dtype, RankLinears(MetaCollectives(tp)), assistant=assistant,
-                                      with_captures=capture, last_row_only=not capture)
-        inputs = draft_example_inputs(spec.hidden_size, dtype)
+        module = drafting_class(spec, batched=slots > 1)(spec, tp, max_len, dtype, RankLinears(MetaCollectives(tp)),
+                                                         assistant=assistant, with_captures=capture,
+                                                         last_row_only=not capture, slots=slots)
+        inputs = draft_example_inputs(spec.hidden_size, dtype, batched=slots > 1)
         out = module(**inputs)
     return {"inputs": nbytes_of(inputs.values()), "outputs": nbytes_of(out)}
 

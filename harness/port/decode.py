@@ -159,7 +159,8 @@ def _check_speculative(engine, step: Speculative, slots: Slots) -> None:
                           "at most (RunSettings.speculate)")
     if slots.count > 1 and not getattr(step.drafter, "serves_slots", False):
         raise HarnessInputError(f"--assistant with --batch {slots.count} on the {engine.backend.name} backend: its drafter "
-                                "reads one sequence's cache; drop --batch, or use the cpu or xla backend")
+                                "reads one sequence's cache; drop --batch, or use a drafter that serves slots "
+                                "(the cpu, xla and neuron backends' do)")
 
 
 def _admit(engine, slots: Slots, prompts: list, indices: list, free: list, *, wants: list, step, capture: bool,

@@ -14,6 +14,14 @@ models as submodules of one module; it runs the k draft steps and the verify in 
 graph, where this port runs one draft step per call (the judge captures every step, and the verify
 is the target's own graph).
 
+A batched build (a KV cache of several sequences' slots, harness/port/kv_slots.py) holds the same
+drafter in `TracedBatchDecoder`'s module: the target's graphs take `seq_ids` as before, and a draft
+graph also takes `draft_seq` ([1] int32, the drafting sequence's KV slot), an input as the
+position is, so one draft graph per KV bucket serves every slot. It reads that slot's first
+positions only (kv_slots.read_slot) and carries only that slot's row at the drafting position
+(kv_slots.carry_slot). Each sequence drafts on its own (the decode loop drafts per sequence, as
+the cpu and xla drafters do); the verify of every sequence's drafts is one batched verify call.
+
 A draft graph reads the cache without writing it. A buffer a traced graph reads but never
 reassigns need not become device state: the tracer may fold it into the graph as a constant at
 its trace-time value (zeros), and the drafter would then read zeros forever, its drafts never
@@ -30,8 +38,10 @@ import torch
 from torch import nn
 
 from harness.port.drafter import RankDrafter
-from harness.port.graphs import POSITION_DTYPE, TracedDecoder, TracedFamilyDecoder, traced_class
+from harness.port.graphs import (POSITION_DTYPE, TracedBatchDecoder, TracedDecoder, TracedFamilyBatchDecoder,
+                                 TracedFamilyDecoder, traced_class)
 from harness.port.kv_cache import KVCache
+from harness.port.kv_slots import carry_slot, read_slot
 
 DRAFT_TAG = "draft"
 DRAFT_INPUTS = ("draft_embeds", "draft_hidden", "draft_position")
@@ -49,12 +59,13 @@ def weights_not_buffers(module: nn.Module) -> None:
 
 
 class DraftingDecoder:
-    """Mixed into a traced decoder class: the target's graphs and the drafter's in one module."""
+    """Mixed into a traced decoder class: the target's graphs and the drafter's in one module
+    (one sequence's cache; BatchDraftingDecoder: a cache of several slots)."""
 
     def __init__(self, spec, tp: int, max_len: int, dtype: torch.dtype, linears, *, assistant, **options):
         super().__init__(spec, tp, max_len, dtype, linears, **options)
-        if self.slots != 1:
-            raise ValueError("the drafter reads a cache of one sequence; a batched build has no draft graphs")
+        if self.slots != 1 and not isinstance(self, BatchDraftingDecoder):
+            raise ValueError("a cache of several slots drafts through BatchDraftingDecoder (drafting_class(batched=True))")
         self.drafter = RankDrafter(assistant, tp, linears, dtype)
         weights_not_buffers(self.drafter)
         self.draft_read: int | None = None  # the KV bucket the draft graph being traced reads
@@ -66,29 +77,49 @@ class DraftingDecoder:
             return super().forward(inputs_embeds, positions, last_index)
         return self.draft(draft_embeds, draft_hidden, draft_position)
 
-    def draft(self, embeds, hidden, position):
-        """One draft step at `position` [1, 1] (keys [0, position)): (logits [1, 1, vocab], the
-        post-projected state [1, 1, H]) and, on a parity build, the drafter's captures."""
+    def draft(self, embeds, hidden, position, seq=None):
+        """One draft step at `position` [1, 1] (keys [0, position) of the sequence in KV slot `seq`
+        [1], or of the one sequence): (logits [1, 1, vocab], the post-projected state [1, 1, H])
+        and, on a parity build, the drafter's captures."""
         position = position.to(torch.long)
-        kv = [self.target_kv(layer.kv_source) for layer in self.drafter.aspec.layers]  # read, then carry:
-        self.carry_kv(position.reshape(1))  # the reads take the input cache, not the carried copy
+        on = () if seq is None else (seq.to(torch.long).reshape(1),)
+        kv = [self.target_kv(layer.kv_source, *on) for layer in self.drafter.aspec.layers]  # read, then carry:
+        self.carry_kv(position.reshape(1), *on)  # the reads take the input cache, not the carried copy
         logits, state, caps = self.drafter(embeds, hidden, position, kv, capture=self.with_captures)
         if not self.with_captures:
             return logits, state
         self.draft_capture_names = list(caps)
         return (logits, state, *caps.values())
 
-    def carry_kv(self, slot: torch.Tensor) -> None:
-        """Every KV buffer reassigned out of place, its slot `slot` rewritten with itself (module doc)."""
+    def carry_kv(self, slot: torch.Tensor, seq: torch.Tensor | None = None) -> None:
+        """Every KV buffer reassigned out of place, its slot `slot` (the drafting position) rewritten
+        with itself (module doc); with `seq`, only that sequence's row there (kv_slots.carry_slot)."""
         for cache in (m for m in self.modules() if isinstance(m, KVCache)):
+            if seq is not None:
+                cache.k, cache.v = (carry_slot(t, seq, slot.reshape(1, 1)) for t in (cache.k, cache.v))
+                continue
             cache.k = cache.k.index_copy(2, slot, cache.k.index_select(2, slot))
             cache.v = cache.v.index_copy(2, slot, cache.v.index_select(2, slot))
 
-    def target_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of target layer `layer`'s cache in the graph's KV bucket: [1, kv_heads, slots, d]."""
+    def target_kv(self, layer: int, seq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of target layer `layer`'s cache in the graph's KV bucket: [1, kv_heads, slots, d]
+        (with `seq`, of the sequence in that KV slot: kv_slots.read_slot)."""
         cache = self.get_submodule(f"layers.{layer}.self_attn.cache")
         n = self.draft_read or cache.k.shape[2]
+        if seq is not None:
+            return read_slot(cache.k, seq, n), read_slot(cache.v, seq, n)
         return cache.k[:, :, :n], cache.v[:, :, :n]
+
+
+class BatchDraftingDecoder(DraftingDecoder):
+    """Mixed into a batched traced decoder (TracedBatchDecoder): its graphs as before (`seq_ids`,
+    a perf build's `last_index`), and a draft step of the sequence in KV slot `draft_seq` [1]."""
+
+    def forward(self, inputs_embeds=None, positions=None, seq_ids=None, last_index=None, draft_embeds=None,
+                draft_hidden=None, draft_position=None, draft_seq=None):
+        if draft_embeds is None:
+            return TracedBatchDecoder.forward(self, inputs_embeds, positions, seq_ids, last_index)
+        return self.draft(draft_embeds, draft_hidden, draft_position, draft_seq)
 
 
 class TracedDraftingDecoder(DraftingDecoder, TracedDecoder):
@@ -99,12 +130,27 @@ class TracedFamilyDraftingDecoder(DraftingDecoder, TracedFamilyDecoder):
     """The gemma4 family's traced decoder with the drafter."""
 
 
-def drafting_class(spec) -> type:
-    """The traced module class of a target with its drafter (graphs.traced_class's, unbatched)."""
-    return TracedFamilyDraftingDecoder if traced_class(spec) is TracedFamilyDecoder else TracedDraftingDecoder
+class TracedBatchDraftingDecoder(BatchDraftingDecoder, TracedBatchDecoder):
+    """The 12B's batched traced decoder with the drafter."""
 
 
-def draft_example_inputs(hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The keyword inputs a draft graph is traced with (and called with: NxD routes by their names)."""
-    return {"draft_embeds": torch.zeros(1, 1, hidden, dtype=dtype), "draft_hidden": torch.zeros(1, 1, hidden, dtype=dtype),
-            "draft_position": torch.zeros(1, 1, dtype=POSITION_DTYPE)}
+class TracedFamilyBatchDraftingDecoder(BatchDraftingDecoder, TracedFamilyBatchDecoder):
+    """The gemma4 family's batched traced decoder with the drafter."""
+
+
+def drafting_class(spec, batched: bool = False) -> type:
+    """The traced module class of a target with its drafter (graphs.traced_class's; `batched`: a
+    build of several KV slots, its draft graphs taking `draft_seq`)."""
+    family = traced_class(spec) is TracedFamilyDecoder
+    if batched:
+        return TracedFamilyBatchDraftingDecoder if family else TracedBatchDraftingDecoder
+    return TracedFamilyDraftingDecoder if family else TracedDraftingDecoder
+
+
+def draft_example_inputs(hidden: int, dtype: torch.dtype, batched: bool = False) -> dict[str, torch.Tensor]:
+    """The keyword inputs a draft graph is traced with (and called with: NxD routes by their names);
+    a batched build's also `draft_seq` [1], the drafting sequence's KV slot."""
+    inputs = {"draft_embeds": torch.zeros(1, 1, hidden, dtype=dtype),
+              "draft_hidden": torch.zeros(1, 1, hidden, dtype=dtype),
+              "draft_position": torch.zeros(1, 1, dtype=POSITION_DTYPE)}
+    return {**inputs, "draft_seq": torch.zeros(1, dtype=POSITION_DTYPE)} if batched else inputs

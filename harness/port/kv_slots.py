@@ -63,6 +63,20 @@ def _gather_rows(buf: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Ten
     return buf.reshape(-1, d).index_select(0, index).reshape(-1, heads, rows, d)
 
 
+def read_slot(buf: torch.Tensor, seq: torch.Tensor, n: int) -> torch.Tensor:
+    """[1, kv_heads, n, d]: the first `n` positions of slot seq[0] (a draft step's read of its own
+    sequence's keys or values; nothing of another slot is read)."""
+    return _gather_rows(buf, slot_rows(buf, seq, torch.arange(n, device=buf.device)[None]), n)
+
+
+def carry_slot(buf: torch.Tensor, seq: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """`buf` with slot seq[0]'s rows at `position` ([1, 1]) rewritten with themselves: a new tensor
+    of the same values (a draft graph's reassignment of the cache, harness/port/draft_graphs.py),
+    touching only those rows."""
+    index = slot_rows(buf, seq, position)
+    return _scatter_rows(buf, index, _gather_rows(buf, index, position.shape[1]))
+
+
 def linear_slot_update(cache, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Scatter each row's chunk into its slot at the row's positions (a chunk's padded rows after its
     real ones, hidden by causality as in batch 1; a padding-only row writes back what it finds) and

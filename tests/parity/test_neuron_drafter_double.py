@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from harness.backends import build_drafter, build_engine, neuron, neuron_cache, neuron_env
-from harness.base.errors import OptionError
+from harness.base.errors import HarnessInputError, OptionError
 from harness.base.settings import RunSettings
 from harness.port import draft_graphs
 from harness.port.graphs import GraphBuildError
@@ -120,12 +120,41 @@ def test_the_cache_key_tells_fused_builds_from_target_only_ones():
     assert all(p in neuron_cache.ARTIFACT_KEY_FILES for p in neuron_cache.DRAFTER_SOURCE_FILES)
 
 
-def test_a_batched_build_refuses_the_assistant():
-    from harness.backends.neuron_drafter import open_assistant
-    from harness.base.errors import HarnessInputError
-
-    with pytest.raises(HarnessInputError, match="--batch 2"):
-        open_assistant(SimpleNamespace(assistant="A", batch=2), spec=None)
+@pytest.mark.slow  # a batched fused build through the double (~10 graphs) and the cpu's batched run
+def test_speculation_in_a_batch_on_the_device_is_the_cpus(nxd):
+    """A build of 2 KV slots with the assistant: every draft graph takes the drafting slot
+    (draft_seq) and carries the cache, the verify graph is traced at every batch bucket, and the one
+    decode loop speculates three ragged prompts (the third takes the slot the first leaves) with each
+    sequence drafting from its own slot: tokens, drafts and accepted drafts per verify equal the CPU
+    backend's batched run, sequence for sequence, and the tokens are the target's own greedy ones."""
+    ckpt, assistant = pair()
+    settings = small("neuron", assistant).but(batch=2, buckets=(16, 32), kv_len=32)
+    dev = build_engine(ckpt, settings, capture=True)
+    cpu = build_engine(ckpt, settings.but(backend="cpu"), capture=True)
+    be = dev.backend
+    assert set(be.draft_graphs) == {"draft_kv16", "draft_kv32"}
+    assert {f"verify_4_kv{kv}_bs{b}" for kv in (16, 32) for b in (1, 2)} <= set(be.nxd_model.graphs)
+    routes = {a.route_key() for t, a in be.nxd_model.graphs.items() if t.startswith("draft")}
+    assert len(routes) == 1 and "draft_seq: [1]" in routes.pop()  # one route: the slot is an input
+    assert all(draft_states(dev, t) == set(be.kv_names) for t in be.draft_graphs)
+    prompts = [PROMPT, list(range(3, 21)), [11, 7]]
+    on_dev, on_cpu = build_drafter(dev, assistant), build_drafter(cpu, assistant)
+    runs_dev = generate(dev, prompts, 6, speculative(on_dev, K))
+    runs_cpu = generate(cpu, prompts, 6, speculative(on_cpu, K))
+    assert on_dev.last_tag in be.draft_graphs and be.last_tag.startswith("verify_4_kv")
+    alone = build_engine(ckpt, settings.but(backend="cpu", batch=1))
+    for prompt, d, c in zip(prompts, runs_dev, runs_cpu, strict=True):
+        assert (d.tokens, d.drafted, d.accepted) == (c.tokens, c.drafted, c.accepted) and d.drafted
+        assert d.tokens == generate(alone, [prompt], 6)[0].tokens
+    # a step from each slot (now the third and second sequences') is the cpu drafter's from that slot
+    torch.manual_seed(0)
+    embeds, hidden = torch.randn(1, 1, ckpt.spec.hidden_size), torch.randn(1, 1, ckpt.spec.hidden_size)
+    steps = [on_dev.step(embeds, hidden, 8, slot=s)[0] for s in (0, 1)]
+    for s, got in enumerate(steps):
+        torch.testing.assert_close(got, on_cpu.step(embeds, hidden, 8, slot=s)[0], atol=1e-4, rtol=1e-4)
+    assert (steps[0] - steps[1]).abs().max() > 1e-2  # the slots hold different sequences
+    with pytest.raises(HarnessInputError, match="KV slot 2: the build has slots 0..1"):
+        on_dev.step(embeds, hidden, 8, slot=2)
 
 
 # ---- slow lane --------------------------------------------------------------------------------------
@@ -227,3 +256,68 @@ def test_bench_with_the_assistant_runs_the_perf_builds_draft_graphs(nxd, tmp_pat
     dev, cpu = blocks["neuron"], blocks["cpu"]
     assert dev["tokens_equal"] and dev["accepted_per_verify"] > 1.0
     assert dev["accepted_per_verify"] == cpu["accepted_per_verify"] and dev["draft_step_ms"] > 0
+
+
+# A batched check through the double (~65 CPU-s at TP 2, --batch 4: 27 graphs, both references). The
+# slow lane runs TP 2; TP 1 is `-m matrix` (by hand). Cheap sibling: test_speculation_in_a_batch_is_refused_
+# only_where_the_drafter_reads_one_sequence (tests/unit/test_speculate.py) and tests/unit/test_draft_graphs.py.
+@pytest.mark.parametrize("name, tp", [pytest.param("12b", 2, marks=pytest.mark.slow),
+                                      pytest.param("12b", 1, marks=pytest.mark.matrix),
+                                      pytest.param("31b", 2, marks=pytest.mark.matrix)])
+def test_check_batch_4_with_the_assistant_passes_through_the_double(nxd, name, tp, tmp_path, capsys):
+    """`check --batch 4 --assistant A --speculate 3 --backend neuron` on the 12B-like tiny pair (and,
+    by hand, the family's 31B-like pair) with five ragged prompts (1 to 20 tokens, one past the bucket; the fifth takes a slot a finished one
+    leaves): every stage passes, the speculative stage ran as a batch of 4 (each sequence drafting
+    from its own slot), its greedy tokens are the target's own and its acceptance is judged per
+    sequence, equal to the like-for-like reference's."""
+    from harness.cli import main
+
+    ckpt, assistant = pair(name)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([PROMPT, [11], list(range(40, 60)), PROMPT[::-1] + [9, 9, 31, 4], list(range(3, 17))]))
+    out = tmp_path / "check.json"
+    rc = main(["check", "--checkpoint", str(ckpt.path), "--assistant", str(assistant.path), "--speculate", str(K),
+               "--backend", "neuron", "--buckets", "16", "--kv-len", "64", "--tp", str(tp), "--batch", "4",
+               "--prompts", str(prompts), "--skip-served-build", "--json", str(out)])
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    stage = result["extra_stages"]["speculative"]
+    assert rc == 0 and result["passed"] and stage["ran"] and stage["passed"], (stage["failures"], printed[-1500:])
+    assert any("batch of 4" in n and "its own slot" in n for n in stage["notes"]), stage["notes"]
+    from harness.backends.neuron import kv_tags
+    from harness.backends.neuron_drafter import draft_tags
+    from harness.port.graphs import kv_buckets
+
+    graphs = len(kv_tags((16,), 64, slots=4, speculate=K)) + len(draft_tags(kv_buckets((16,), 64)))
+    assert f"{graphs} graphs (parity build {graphs})" in printed  # the plan gate counted what was built
+    assert [a["prompt"] for a in stage["acceptance"]] == list(range(5))
+    assert all(a["passed"] and a["reference_tokens_equal"] and a["accepted"] == a["reference_accepted"]
+               for a in stage["acceptance"]), stage["acceptance"]
+    # greedy tokens identical to the target's own: the bf16 stage's batched greedy decode on the same build kind
+    assert [p["tokens"] for p in stage["prompts"]] == [p["device_tokens"] for p in result["prompts"]]
+
+
+@pytest.mark.slow  # a batched perf build with the drafter through the double, and the cpu's (~40 CPU-s)
+def test_bench_batch_with_the_assistant_reports_acceptance_per_batch_through_the_double(nxd, tmp_path):
+    """`bench --batch 1,4 --assistant A --speculate 3 --backend neuron` on the mirror pair (drafts
+    mostly accepted): each batch decoded speculatively on the batched perf build (its draft graphs
+    taking the slot, its verify graph at every batch bucket), every sequence's tokens its plain
+    greedy decode's, and the accepted drafts per verify of each batch, per sequence, the cpu
+    backend's."""
+    from harness.cli import main
+    from harness.reference.mirror_assistant import mirror_pair
+
+    target, assistant = mirror_pair(0)
+    rows = {}
+    for backend in ("neuron", "cpu"):
+        out = tmp_path / f"{backend}.json"
+        assert main(["bench", "--checkpoint", str(target), "--assistant", str(assistant), "--speculate", str(K),
+                     "--backend", backend, "--tp", "2", "--batch", "1,4", "--runs", "1", "--warmup", "0",
+                     "--new-tokens", "8", "--buckets", "16", "--kv-len", "32", "--out", str(out)]) == 0
+        rows[backend] = {r["batch"]: r["speculative"] for r in json.loads(out.read_text())["batch"]["rows"]}
+    dev, cpu = rows["neuron"], rows["cpu"]
+    assert sorted(dev) == [1, 4]
+    for b, s in dev.items():
+        assert s["tokens_equal"] and s["k"] == K and len(s["per_sequence"]) == b and s["verifies"] > 0, s
+        assert s["per_sequence"] == cpu[b]["per_sequence"] and s["accepted_per_verify"] == cpu[b]["accepted_per_verify"]
+    assert dev[4]["per_sequence"][0] == dev[1]["per_sequence"][0] and dev[4]["accepted_per_verify"] > 1.0

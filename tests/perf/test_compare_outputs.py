@@ -48,7 +48,7 @@ def test_the_two_file_compare_writes_its_trend_plot(tmp_path, capsys):
         pytest.approx(perf.compare_files(tmp_path / "base.json", tmp_path / "base.json").trend["prefill_ms"][0]["median"]),
         pytest.approx(comp.metrics[0].current_median)]
     require_plot_extra()
-    from harness.cli.perf import _png_is_ours
+    from harness.cli.perf_compare import _png_is_ours
 
     png, md = tmp_path / "two.png", tmp_path / "rep.md"
     code = cli_main(["perf", "compare", "--baseline", str(tmp_path / "base.json"), "--current", str(tmp_path / "cur.json"),

@@ -198,6 +198,13 @@ def test_graphs_by_stage_are_the_graphs_the_neuron_backend_traces():
     assert batched["check"]["graphs_by_stage"] == {"parity build": len(kv_tags(buckets, kv, slots=2))}
     spec3 = resource_plan(spec, 2, "bfloat16", kv, buckets, batch=1, speculate=3)["commands"]
     assert spec3["bisect"]["graphs"] == len(kv_tags(buckets, kv, speculate=3))
+    # speculation in a batch: every graph (verify too) at each batch bucket, each draft graph once
+    from harness.plan.compile_budget import graphs_by_stage
+
+    drafts = len(draft_tags(kv_buckets(buckets, kv)))
+    assert graphs_by_stage("check", buckets, kv, batch=4, speculate=3, drafts=True) == {
+        "parity build": len(kv_tags(buckets, kv, slots=4, speculate=3)) + drafts,
+        "served build": len(kv_tags(buckets, kv, slots=4, speculate=3)) + drafts}
     budget = plan["check"]["compile"]
     assert budget["minutes"] == plan["check"]["graphs"] * budget["per_graph"] and "published" in budget["source"]
     assert len(draft_tags(kv_buckets(buckets, kv))) == len(kv_buckets(buckets, kv))

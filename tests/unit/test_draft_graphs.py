@@ -80,3 +80,45 @@ def test_the_draft_step_reads_only_its_kv_bucket(read):
         logits, _ = module(draft_embeds=torch.randn(1, 1, spec.hidden_size), draft_hidden=torch.randn(1, 1, spec.hidden_size),
                            draft_position=torch.tensor([[N]]))
     assert bool(torch.isfinite(logits).all()) == (read == 8)
+
+
+@pytest.mark.parametrize("name", ["12b", "31b"])
+def test_a_batched_draft_step_reads_and_carries_only_its_own_slot(name):
+    """The batched fused module (a cache of 3 slots, draft_graphs.BatchDraftingDecoder): its target
+    graphs are TracedBatchDecoder's; a draft step of `draft_seq` s is the RankDrafter on slot s's keys
+    alone (NaN in every other slot and past the KV bucket leaves it finite, and another slot drafts
+    another step), and it reassigns every KV buffer without changing a value."""
+    from harness.port.graphs import TracedBatchDecoder  # the family's too (traced_class, batched)
+
+    target, assistant = PAIRS[name]
+    spec = load_spec(target)
+    aspec = assistant_spec_from_dict(json.loads((FIXTURES_DIR / "configs" / "tiny" / assistant).read_text()), spec)
+    torch.manual_seed(0)
+    module = draft_graphs.drafting_class(spec, batched=True)(spec, 1, 16, torch.float32, RankLinears(), slots=3,
+                                                             assistant=aspec).eval()
+    assert isinstance(module, TracedBatchDecoder) and isinstance(module, traced_class(spec, batched=True))
+    alone = RankDrafter(aspec, 1, RankLinears(), torch.float32)
+    alone.load_state_dict({k[len(DRAFTER_PREFIX):]: v for k, v in module.state_dict().items() if k.startswith(DRAFTER_PREFIX)})
+    e, h, p = torch.randn(1, 1, spec.hidden_size), torch.randn(1, 1, spec.hidden_size), torch.tensor([[N]], dtype=torch.int32)
+    with torch.no_grad():
+        width = spec.hidden_size + spec.num_layers * spec.per_layer_input_size
+        module(torch.randn(3, N, width), torch.arange(N, dtype=torch.int32).expand(3, -1).contiguous(),
+               torch.tensor([2, 0, 1], dtype=torch.int32))  # three prompts, one per slot
+        healthy = {n: (c.k.clone(), c.v.clone()) for n, c in caches(module).items()}
+        for cache in caches(module).values():
+            cache.k[[0, 2]], cache.v[[0, 2]] = float("nan"), float("nan")  # every slot but 1
+            cache.k[:, :, 8:], cache.v[:, :, 8:] = float("nan"), float("nan")  # and past the bucket
+        before = {n: (c.k, c.v) for n, c in caches(module).items()}
+        module.draft_read = 8
+        logits, state = module(draft_embeds=e, draft_hidden=h, draft_position=p,
+                               draft_seq=torch.tensor([1], dtype=torch.int32))
+        kv = [tuple(t[1:2, :, :8] for t in healthy[f"layers.{layer.kv_source}.self_attn.cache"]) for layer in aspec.layers]
+        want_logits, want_state, _ = alone(e, h, p, kv)
+        for name, cache in caches(module).items():
+            k, v = before[name]
+            assert cache.k is not k and cache.v is not v  # reassigned: the draft graph's state
+            assert torch.equal(cache.k.nan_to_num(), k.nan_to_num()) and torch.equal(cache.v.nan_to_num(), v.nan_to_num())
+            cache.k, cache.v = healthy[name]  # the healthy cache back: slot 2 drafts another step
+        other, _ = module(draft_embeds=e, draft_hidden=h, draft_position=p, draft_seq=torch.tensor([2], dtype=torch.int32))
+    assert torch.isfinite(logits).all() and torch.equal(logits, want_logits) and torch.equal(state, want_state)
+    assert not torch.equal(other, logits)

@@ -59,8 +59,8 @@ def traced_build(config: str, tp: int, buckets, kv_len: int, batch: int, perf: b
             graphs.append({"tag": tag, "kind": kind, "length": length, "kv": kv, "rows": rows,
                            "traced": _traced(config, tp, length, not perf, batch, rows, kind)})
     for tag, (length, kv) in (draft_tags(kv_buckets(buckets, kv_len)) if drafts else {}).items():
-        graphs.append({"tag": tag, "kind": "draft", "length": length, "kv": kv, "rows": 1,
-                       "traced": _traced(config, tp, length, not perf, 1, 1, "draft")})
+        graphs.append({"tag": tag, "kind": "draft", "length": length, "kv": kv, "rows": 1,  # once, any batch
+                       "traced": _traced(config, tp, length, not perf, batch, 1, "draft")})
     return graphs
 
 
@@ -113,12 +113,16 @@ def test_the_real_configs(model):
             assert max(g["traced"] for g in graphs) > 380 * 2**20
 
 
-@pytest.mark.parametrize("tp, perf", [(2, False), (1, True)])
-def test_a_speculative_builds_verify_and_draft_graphs_are_the_traced_graphs(tp, perf):
+@pytest.mark.parametrize("tp, perf, batch", [(2, False, 1), (1, True, 1), (2, True, 4), (1, False, 4)])
+def test_a_speculative_builds_verify_and_draft_graphs_are_the_traced_graphs(tp, perf, batch):
     """With the assistant: the verify graph and the draft graphs (a parity build's drafter captures
-    counted too) as the fused module returns them."""
-    graphs = check_fit(TINY["12b"], tp, 1, perf, speculate=3, drafts=True)
+    counted too) as the fused module returns them; in a batched build (speculation in a batch) the
+    verify graph at every batch bucket (every row's logits and, on a perf build, states) and each
+    draft graph once, taking the drafting slot."""
+    graphs = check_fit(TINY["12b"], tp, batch, perf, speculate=3, drafts=True)
     assert {g["kind"] for g in graphs} == {"prefill", "decode", "verify", "draft"}
+    verify = [g for g in graphs if g["kind"] == "verify"]
+    assert sorted(g["rows"] for g in verify) == sorted(list(batch_buckets(batch)) * len({g["kv"] for g in verify}))
 
 
 def test_a_fit_that_counts_a_vocabulary_share_or_no_captures_fails(monkeypatch):

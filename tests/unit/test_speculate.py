@@ -251,9 +251,10 @@ def test_speculation_in_a_batch_equals_each_sequence_alone(random_pair):
 
 
 def test_speculation_in_a_batch_is_refused_only_where_the_drafter_reads_one_sequence(monkeypatch):
-    """`--batch 2 --assistant A --speculate 3` composes on cpu and xla (their drafters read each
-    sequence's own KV slot) and is refused on neuron, before the assistant is read, naming the fix.
-    The command's list is the drafters' own word (`serves_slots`, which the decode loop reads)."""
+    """`--batch 2 --assistant A --speculate 3` composes on cpu, xla and neuron (their drafters read each
+    sequence's own KV slot; neuron's batched draft graphs take the slot, draft_seq). The command's list
+    is the drafters' own word (`serves_slots`, which the decode loop reads); a backend off that list is
+    refused before the assistant is read, naming the fix."""
     from types import SimpleNamespace
 
     from harness.backends.cpu_drafter import CpuDrafter
@@ -270,12 +271,14 @@ def test_speculation_in_a_batch_is_refused_only_where_the_drafter_reads_one_sequ
     def reached(args):
         raise Reached(args.settings.backend)
     monkeypatch.setattr(check_cli, "assistant_dir", reached)
+
+    def args(backend):
+        return SimpleNamespace(assistant="A", speculate=3, batch=2, settings=RunSettings(backend=backend, batch=2))
     for backend in ("cpu", "xla", "neuron"):
-        args = SimpleNamespace(assistant="A", speculate=3, batch=2, settings=RunSettings(backend=backend, batch=2))
-        if backend == "neuron":
-            with pytest.raises(OptionError, match="--batch 2 on the neuron backend.*drop --batch or use --backend cpu or xla"):
-                check_cli.validate_speculate(args, None)
-        else:
-            with pytest.raises(Reached):
-                check_cli.validate_speculate(args, None)
-            assert args.settings.speculate == 3
+        given = args(backend)
+        with pytest.raises(Reached):
+            check_cli.validate_speculate(given, None)
+        assert given.settings.speculate == 3
+    monkeypatch.setattr(check_cli, "SLOT_DRAFTERS", ("cpu", "xla"))  # a drafter reading one sequence's cache
+    with pytest.raises(OptionError, match="--batch 2 on the neuron backend.*drop --batch or use --backend cpu or xla"):
+        check_cli.validate_speculate(args("neuron"), None)
