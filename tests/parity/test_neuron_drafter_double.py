@@ -242,18 +242,8 @@ def test_bench_with_the_assistant_runs_the_perf_builds_draft_graphs(nxd, tmp_pat
     """`bench --backend neuron --assistant A --speculate 3` on the mirror pair (drafts mostly accepted):
     the perf build's draft graphs (no captures) and the verify graph's prompt state drive speculative
     decode to the plain decode's tokens, with the CPU backend's acceptance."""
-    from harness.cli import main
-    from harness.reference.mirror_assistant import mirror_pair
-
-    target, assistant = mirror_pair(0)
-    blocks = {}
-    for backend in ("neuron", "cpu"):
-        out = tmp_path / f"{backend}.json"
-        assert main(["bench", "--checkpoint", str(target), "--assistant", str(assistant), "--speculate", str(K),
-                     "--backend", backend, "--tp", "2", "--runs", "1", "--warmup", "0", "--new-tokens", "12",
-                     "--buckets", "16", "--kv-len", "64", "--out", str(out)]) == 0
-        blocks[backend] = json.loads(out.read_text())["speculative"]
-    dev, cpu = blocks["neuron"], blocks["cpu"]
+    results = _bench_mirror_pair_on_neuron_and_cpu(tmp_path, ["--new-tokens", "12", "--kv-len", "64"])
+    dev, cpu = (r["speculative"] for r in results)
     assert dev["tokens_equal"] and dev["accepted_per_verify"] > 1.0
     assert dev["accepted_per_verify"] == cpu["accepted_per_verify"] and dev["draft_step_ms"] > 0
 
@@ -304,20 +294,27 @@ def test_bench_batch_with_the_assistant_reports_acceptance_per_batch_through_the
     taking the slot, its verify graph at every batch bucket), every sequence's tokens its plain
     greedy decode's, and the accepted drafts per verify of each batch, per sequence, the cpu
     backend's."""
-    from harness.cli import main
-    from harness.reference.mirror_assistant import mirror_pair
-
-    target, assistant = mirror_pair(0)
-    rows = {}
-    for backend in ("neuron", "cpu"):
-        out = tmp_path / f"{backend}.json"
-        assert main(["bench", "--checkpoint", str(target), "--assistant", str(assistant), "--speculate", str(K),
-                     "--backend", backend, "--tp", "2", "--batch", "1,4", "--runs", "1", "--warmup", "0",
-                     "--new-tokens", "8", "--buckets", "16", "--kv-len", "32", "--out", str(out)]) == 0
-        rows[backend] = {r["batch"]: r["speculative"] for r in json.loads(out.read_text())["batch"]["rows"]}
-    dev, cpu = rows["neuron"], rows["cpu"]
+    results = _bench_mirror_pair_on_neuron_and_cpu(tmp_path, ["--batch", "1,4", "--new-tokens", "8", "--kv-len", "32"])
+    dev, cpu = ({r["batch"]: r["speculative"] for r in res["batch"]["rows"]} for res in results)
     assert sorted(dev) == [1, 4]
     for b, s in dev.items():
         assert s["tokens_equal"] and s["k"] == K and len(s["per_sequence"]) == b and s["verifies"] > 0, s
         assert s["per_sequence"] == cpu[b]["per_sequence"] and s["accepted_per_verify"] == cpu[b]["accepted_per_verify"]
     assert dev[4]["per_sequence"][0] == dev[1]["per_sequence"][0] and dev[4]["accepted_per_verify"] > 1.0
+
+
+def _bench_mirror_pair_on_neuron_and_cpu(tmp_path, options: list) -> tuple:
+    """`bench --assistant A --speculate K` on the mirror pair (drafts mostly accepted) at TP 2, through
+    the double and on the cpu backend with the same `options`: the two results files, read."""
+    from harness.cli import main
+    from harness.reference.mirror_assistant import mirror_pair
+
+    target, assistant = mirror_pair(0)
+    results = []
+    for backend in ("neuron", "cpu"):
+        out = tmp_path / f"{backend}.json"
+        assert main(["bench", "--checkpoint", str(target), "--assistant", str(assistant), "--speculate", str(K),
+                     "--backend", backend, "--tp", "2", "--runs", "1", "--warmup", "0", "--buckets", "16",
+                     *options, "--out", str(out)]) == 0
+        results.append(json.loads(out.read_text()))
+    return tuple(results)
