@@ -21,7 +21,7 @@ import torch
 from harness.base.errors import OptionError
 from harness.inputs.family import runs_alone
 from harness.judge.compare import JUDGES, compare_point
-from harness.snapshot.record import call_name, judged_points
+from harness.snapshot.record import LOGITS, call_name, judged_points
 from harness.snapshot.target import BITS_STAGE
 
 MODES = ("whole", "layer")
@@ -55,6 +55,11 @@ def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
         from harness.snapshot.bits import check_bits_mode
 
         return check_bits_mode(backend_name, tp)
+    if snap.target.get("host"):  # host code: the same on every backend, nothing built
+        if mode == "layer":
+            raise OptionError(f"--layer: this snapshot is of a host step ({snap.target['host']}), no layer is behind "
+                              "it; drop --layer")
+        return None
     cls = backend_class(backend_name)
     why = backend_unavailable(backend_name)
     if why:
@@ -64,6 +69,9 @@ def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
             raise OptionError(f"--layer on the {backend_name} backend: a layer runs alone only where the ranks live on "
                               "this host (cpu); replay the whole call there (drop --layer)")
         spec_layer = snap.layer
+        if snap.target["point"] in LOGITS or snap.target["point"].endswith("final_norm"):
+            raise OptionError(f"--layer {spec_layer}: the failing point is the call's head ({snap.target['point']}, "
+                              "after its last layer); replay the whole call (drop --layer)")
         if snap.manifest.get("runs_alone") is False:
             raise OptionError(f"--layer {spec_layer}: this layer reads per-layer inputs or another layer's cache and "
                               "cannot run alone; replay the whole call (drop --layer)")
@@ -125,9 +133,9 @@ def replay_whole(engine, snap) -> dict[str, torch.Tensor]:
         for embeds, positions in _priors(snap):
             backend.forward(embeds, positions)
     t, n = snap.tensors, snap.target["length"]
-    _, captures = backend.forward(t["call.inputs_embeds"], t["call.positions"], capture=True,
-                                  seq_ids=t.get("call.seq_ids"))  # as the engine passed them
-    return {name: v[0, :n].float() for name, v in captures.items()}
+    logits, captures = backend.forward(t["call.inputs_embeds"], t["call.positions"], capture=True,
+                                       seq_ids=t.get("call.seq_ids"))  # as the engine passed them
+    return {name: v[0, :n].float() for name, v in dict(captures, logits=logits).items()}
 
 
 def replay_layer(engine, snap) -> dict[str, torch.Tensor]:
@@ -161,6 +169,10 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
         from harness.snapshot.bits import replay_bits
 
         return replay_bits(snap, checkpoint)
+    if snap.target.get("host"):  # no device call: the port's host code on the recorded inputs
+        from harness.snapshot.host import replay_host
+
+        return replay_host(snap, checkpoint, backend_name, tp or snap.tp)
     tp = tp or snap.tp
     settings = snap.run_settings(backend=backend_name, tp=tp)
     recorded = snap.manifest["settings"]
@@ -174,6 +186,8 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
     names = judged_points(checkpoint.spec, snap.layer, "" if snap.target.get("step") is None else "decode.")
     if mode == "layer":
         names = names[:-1]  # the layer's points: the final norm is not run
+    else:
+        names += [n for n in LOGITS if f"ref.{n}" in snap.tensors]  # a head target's logits
     return BackendReplay(backend_name, tp, mode, _judge(snap, outputs, names))
 
 
