@@ -70,10 +70,8 @@ def _first_inexact_prompt(stage) -> int:
                 if not torch.equal(*_embedding_rows(stage, k)))
 
 
-def host_target(result, settings):
-    """The Target of the first host-side failure (harness.snapshot.target.Target), or None."""
-    from harness.snapshot.target import Target
-
+def host_target_fields(result, settings) -> dict | None:
+    """The fields of the Target (harness.snapshot.target.Target) of the first host-side failure, or None."""
     found = host_failure(result)
     if found is None:
         return None
@@ -86,18 +84,18 @@ def host_target(result, settings):
         start, length, bucket = next(c for c in chunk_plan(len(obs.ref32[detail].prompt), settings.buckets,
                                                            settings.kv_len) if c[0] <= row < c[0] + c[1])
         differing = int((port[start:start + length] != ref[start:start + length]).any(-1).sum())
-        return Target(point="embeddings", ratio=differing / length, prompt=detail, position=row, start=start,
-                      length=length, bucket=bucket, **common)
+        return dict(point="embeddings", ratio=differing / length, prompt=detail, position=row, start=start,
+                    length=length, bucket=bucket, **common)
     if kind == "probabilities":
         decode = detail.name == "decode_probabilities"
         counts = [r.forced.step_logits.shape[0] if decode else r.forced.prefill.logits.shape[0] for r in obs.runs]
         prompt, row = locate(detail.worst_position, counts)
         position = len(obs.ref32[prompt].prompt) + row if decode else row
-        return Target(point=detail.name, ratio=float(detail.ratio), prompt=prompt, position=position,
-                      start=position, length=1, bucket=1, step=row if decode else None, **common)
+        return dict(point=detail.name, ratio=float(detail.ratio), prompt=prompt, position=position,
+                    start=position, length=1, bucket=1, step=row if decode else None, **common)
     want = len(obs.ref32[detail].generated)
     n = len(obs.ref32[detail].prompt)
-    return Target(point="sequence", ratio=1.0, prompt=detail, position=n, start=n, length=want, bucket=1, **common)
+    return dict(point="sequence", ratio=1.0, prompt=detail, position=n, start=n, length=want, bucket=1, **common)
 
 
 def find_stage(result, target):

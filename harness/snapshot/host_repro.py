@@ -17,10 +17,10 @@ from harness.judge import compare
 from harness.judge.tokens import tie_threshold
 
 
-def write_host_repro(result, checkpoint, settings, target, out_dir, say=print):
-    """Record the target's step (harness.snapshot.host or the head) and save the repro."""
+def host_repro_inputs(result, checkpoint, settings, target) -> tuple[dict, dict]:
+    """The repro's tensors and metadata for the target's step (harness.snapshot.host, or the head),
+    which harness.snapshot.repro saves with fixtures/repro/host_repro.py as its script."""
     from harness.snapshot.host import find_stage, record_host
-    from harness.snapshot.repro import save_repro
 
     stage = find_stage(result, target)
     spec = checkpoint.spec
@@ -43,8 +43,7 @@ def write_host_repro(result, checkpoint, settings, target, out_dir, say=print):
     kind = target.host or "head"
     meta.update(kind=kind, description=f"the {kind} step of {checkpoint.path} (spec {spec.spec_hash()}), prompt "
                 f"{target.prompt}, {target.stage} stage: {target.point} failed in the check")
-    return save_repro(out_dir, tensors, meta, [], what=f"the {kind} step", say=say, script="host_repro.py",
-                      how="a plain reading beside the port's recorded output")
+    return tensors, meta
 
 
 def _head(checkpoint, settings, target, stage) -> tuple[dict, dict]:

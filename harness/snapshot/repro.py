@@ -133,9 +133,11 @@ def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
     refuse_existing(out_dir, "--emit-repro")
     target = choose_target(result, settings)
     if target.host or target.point in LOGITS:  # no layer behind it: the host step's or the head's repro
-        from harness.snapshot.host_repro import write_host_repro
+        from harness.snapshot.host_repro import host_repro_inputs
 
-        return write_host_repro(result, checkpoint, stage_settings(settings, target.stage), target, out_dir, say=say)
+        tensors, meta = host_repro_inputs(result, checkpoint, stage_settings(settings, target.stage), target)
+        return save_repro(out_dir, tensors, meta, [], what=f"the {meta['kind']} step", say=say,
+                          script="host_repro.py", how="a plain reading beside the port's recorded output")
     if target.stage == BITS_STAGE:
         return write_bits_repro(checkpoint, settings, target, result.observation, out_dir, say=say)
     stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result

@@ -158,11 +158,11 @@ def _failing_head(stages):
 def _host_or_refuse(result, settings, stages) -> Target:
     """A failure no device call is behind: its host step (harness.snapshot.host), or, for an
     exception inside the port (no observation of the failing run to replay against), a refusal."""
-    from harness.snapshot.host import host_target
+    from harness.snapshot.host import host_target_fields
 
-    found = host_target(result, settings)
+    found = host_target_fields(result, settings)
     if found is not None:
-        return found
+        return Target(**found)
     errors = [s.port_error for s in (result, result.fp32) if s is not None and s.port_error]
     if errors:
         raise OptionError(f"--snapshot: an exception inside the port ({errors[0]['type']} at {errors[0]['where']}) "

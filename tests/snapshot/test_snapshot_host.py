@@ -36,7 +36,7 @@ def test_a_host_probability_fault_snapshots_replays_and_its_repro_exits_1(tiny0_
     assert "plain reading: agrees" in done.stdout and "port's recorded probabilities: FAILS" in done.stdout
 
 
-@pytest.mark.slow  # five checks (~6 CPU-s each); sibling: test_a_host_probability_fault_snapshots_replays_and_its_repro_exits_1
+@pytest.mark.slow  # five checks, bf16 stage only (~8 CPU-s each); sibling: test_a_host_probability_fault_snapshots_replays_and_its_repro_exits_1
 @pytest.mark.parametrize("name,kind", [("embed-scale-not-cast", "embed"), ("decode-token-off-by-one", "tokens"),
                                        ("shared-softcap-formula-wrong", "probabilities"),
                                        ("host-softcap-without-divide", "probabilities"), ("softcap-twice", None)])
@@ -50,7 +50,7 @@ def test_each_host_side_fault_replays_and_its_repro_exits_1(name, kind, request,
     ckpt_name, ref_name = FIXTURES[fault.checkpoint]
     ckpt, refs = request.getfixturevalue(ckpt_name), request.getfixturevalue(ref_name)
     settings = RunSettings(**engine_options(fault.checkpoint))
-    flow = snapshot_flow(fault, ckpt, refs, settings, tmp_path / "snap", tmp_path / "repro")
+    flow = snapshot_flow(fault, ckpt, refs, settings, tmp_path / "snap", tmp_path / "repro", fp32=False)
     target = flow.manifest["target"]
     assert target.get("host") == kind and target["failing"], target
     if kind is None:
@@ -68,3 +68,96 @@ def test_an_exception_inside_the_port_is_refused_naming_where(tiny0_ckpt, tiny0_
         snapshot_flow(BY_NAME["decode-raises"], tiny0_ckpt, tiny0_reference, SETTINGS, tmp_path / "snap",
                       fp32=False, unplanted=False)
     assert not (tmp_path / "snap").exists()
+
+
+@pytest.fixture(scope="module")
+def embed_snapshot(tmp_path_factory, tiny0_ckpt, tiny0_reference):
+    """A clean embed host-step snapshot of prompt 1's rows, recorded from the references alone (the
+    port's rows are the bf16 reference's: what a clean lookup gives)."""
+    import torch
+
+    from harness.snapshot.host import embedding_row_ids
+    from harness.snapshot.target import Target
+    from harness.snapshot.write import write_snapshot
+
+    settings = RunSettings(buckets=(64, 256), kv_len=288)
+    prompt = tiny0_reference["bfloat16"][1].prompt
+    ids = torch.tensor(prompt, dtype=torch.long)
+    row_ids = embedding_row_ids(tiny0_ckpt.spec, ids)
+    ref = tiny0_reference["bfloat16"][1].captures["embeddings"]
+    tensors = {"host.ids": ids, "host.row_ids": row_ids, "host.rows": tiny0_ckpt.embed_weight(torch.bfloat16)[row_ids],
+               "host.port": ref.clone(), "host.ref": ref.clone()}
+    target = Target(stage="bf16", point="embeddings", layer=-1, ratio=0.0, failing=True, prompt=1, position=0,
+                    start=0, length=len(prompt), bucket=64, host="embed")
+    out = tmp_path_factory.mktemp("host") / "s"
+    write_snapshot(out, tiny0_ckpt, settings, target, tensors, source="test", say=lambda line: None)
+    return out
+
+
+def _respoil(path, change) -> None:
+    """Rewrite the tensors through `change` and reseal everything a forger who knows the format would."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from harness.inputs.checkpoint import sha256_file
+    from harness.snapshot.write import MANIFEST, SEAL, TENSORS, seal, tensor_digest
+
+    tensors = change(load_file(str(path / TENSORS)))
+    save_file(tensors, str(path / TENSORS))
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["tensors"] = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                               "sha256": tensor_digest(t)} for n, t in tensors.items()}
+    manifest["tensors_sha256"] = sha256_file(path / TENSORS)
+    manifest[SEAL] = seal(manifest, manifest["tensors_sha256"])
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _other_rows(t):
+    t["host.rows"] = t["host.rows"].clone()
+    t["host.rows"][0] += 1
+    return t
+
+
+HOST_CASES = {"rows-of-another-checkpoint": (_other_rows, "not the checkpoint's rows"),
+              "a-tensor-dropped": (lambda t: {k: v for k, v in t.items() if k != "host.ref"}, "lacks host.ref"),
+              "layer-weights-added": (lambda t: dict(t, **{"weights.r0.x": torch_ones()}), "holds layer weights")}
+
+
+def torch_ones():
+    import torch
+
+    return torch.ones(2)
+
+
+@pytest.mark.parametrize("case", list(HOST_CASES))
+def test_a_bad_host_snapshot_exits_2_before_any_work(case, embed_snapshot, tmp_path, monkeypatch, capsys):
+    """Resealed host-step snapshots (rows not the checkpoint's, a needed tensor dropped, layer
+    weights added) exit 2 naming the problem, before the host step runs; `--layer` on a host step too."""
+    import shutil
+
+    from harness.cli import main
+    from harness.snapshot import host
+
+    spoil, fragment = HOST_CASES[case]
+    path = shutil.copytree(embed_snapshot, tmp_path / "copy")
+    _respoil(path, spoil)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the host step ran on a bad snapshot")
+
+    monkeypatch.setattr(host, "replay_host", no_work)
+    assert main(["replay", str(path)]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_the_clean_host_snapshot_replays_to_0_and_layer_is_refused(embed_snapshot, capsys):
+    """Control for the cases above: the clean embed snapshot replays to 0 on cpu and xla (host code:
+    the same on every backend, nothing built); --layer is refused (exit 2)."""
+    from harness.cli import main
+
+    assert main(["replay", str(embed_snapshot), "--backend", "cpu,xla"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("agrees: all 24 rows bit-exact") == 2, out
+    assert main(["replay", str(embed_snapshot), "--layer", "0"]) == 2
+    assert "no layer is behind it" in capsys.readouterr().err

@@ -249,11 +249,13 @@ def _calls(name: str) -> set[str]:
     ("add_pins", {"harness/parity/observe.py"}),
     ("judge_routing", {"harness/judge/stage.py"}),  # the stage judge judges routing; parity does not
     ("compare_layers", {"harness/judge/stage.py"}),  # local reads the stage's judged layers
-    ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py"}),
+    ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py",
+                            "harness/snapshot/host.py"}),  # a tokens host step's replay judges as the check
     ("classify_mismatch", {"harness/judge/tokens.py"}),  # the drafter's cluster choices: judged as routing
     ("saturation_tie", {"harness/judge/tokens.py"}),
     ("calibrate_band", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
-    ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
+    ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py",
+                       "harness/snapshot/host_repro.py"}),  # a tokens repro's per-step thresholds, as data
     # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
     ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/parity/layer_bits.py",
                        "harness/quality/moe.py", "harness/reference/forcing.py",
