@@ -19,8 +19,9 @@ Kinds (the snapshot's `target.host`), each with its tensors (host.*):
                  (host.port), the reference's tokens and logits (host.ref_tokens, host.ref_logits,
                  host.ref_capped when the golden has them) and the stage's tie band (host.band);
                  judged by tokens.classify_departure.
-An exception inside the port leaves no observation (no outputs, no references of the failing run):
-nothing to replay against, so `--snapshot` refuses it, naming where it was raised.
+  raises         an exception inside the port's host code: the engine's step that raised (a
+                 prefill or a decode step), its arguments as the decode loop passed them, replayed
+                 through the port's code (harness/snapshot/host_raises.py).
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ import torch
 from harness.base.points import locate
 from harness.port.engine import chunk_plan
 
-KINDS = ("embed", "probabilities", "tokens")
+KINDS = ("embed", "probabilities", "tokens", "raises")
 ACCOUNTED = ("near_tie", "saturation_tie")  # departures the check accepts (PromptOutcome.accounted)
 
 
 def host_failure(result):
     """(kind, stage, detail) of the first host-side failure of the check's stages, bf16 first:
-    detail is the prompt (embed, tokens) or the failing ProbabilityResult. None: there is none."""
+    detail is the prompt (embed, tokens) or the failing ProbabilityResult. An exception inside the
+    port comes first (the check's failures list it first). None: there is none."""
+    for stage in (s for s in (result, result.fp32) if s is not None and s.port_error and s.references is not None):
+        return "raises", stage, None
     for stage in (s for s in (result, result.fp32) if s is not None and s.observation is not None):
         if not stage.embeddings_exact:
             return "embed", stage, _first_inexact_prompt(stage)
@@ -78,6 +82,9 @@ def host_target_fields(result, settings) -> dict | None:
     kind, stage, detail = found
     obs = stage.observation
     common = dict(stage=stage.stage, layer=-1, failing=True, host=kind)
+    if kind == "raises":  # where it raised is found by recording (host_raises.record_raises)
+        return dict(point="exception inside the port", ratio=1.0, prompt=0, position=0, start=0, length=1, bucket=1,
+                    **common)
     if kind == "embed":
         port, ref = _embedding_rows(stage, detail)
         row = int((port != ref).any(-1).nonzero()[0])
@@ -102,8 +109,21 @@ def find_stage(result, target):
     return result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
 
 
-def record_host(checkpoint, settings, target, stage) -> dict[str, torch.Tensor]:
-    """Every host.* tensor of the target's kind (module docstring)."""
+def record_host(checkpoint, settings, target, stage) -> tuple[object, dict[str, torch.Tensor]]:
+    """(the target, as recorded, and every host.* tensor of its kind: module docstring)."""
+    if target.host == "raises":
+        from dataclasses import replace
+
+        from harness.snapshot.host_raises import record_raises
+
+        fields, tensors = record_raises(checkpoint, settings, stage)
+        row_ids = tensors["host.row_ids"] = embedding_row_ids(checkpoint.spec, tensors["host.ids"])
+        tensors["host.rows"] = checkpoint.embed_weight(settings.torch_dtype)[row_ids].contiguous()
+        return replace(target, **fields), tensors
+    return target, _record(checkpoint, settings, target, stage)
+
+
+def _record(checkpoint, settings, target, stage) -> dict[str, torch.Tensor]:
     from harness.judge.compare import JUDGES
     from harness.reference.run import transformers_capped
 
@@ -142,6 +162,7 @@ def embedding_row_ids(spec, ids: torch.Tensor) -> torch.Tensor:
 
 
 NEEDED = {"embed": ("host.ids", "host.row_ids", "host.rows", "host.port", "host.ref"),
+          "raises": ("host.ids", "host.positions", "host.row_ids", "host.rows", "host.ref"),
           "probabilities": ("host.logits", "host.port", "host.ref"),
           "tokens": ("host.ids", "host.logits", "host.port", "host.ref_tokens", "host.ref_logits", "host.band")}
 
@@ -156,7 +177,7 @@ def missing_tensors(kind: str, tensors: dict) -> list[str]:
 def check_host_rows(snap, checkpoint) -> str | None:
     """What is wrong with an embed snapshot's rows against `checkpoint` (None: they are its rows)."""
     t = snap.tensors
-    if snap.target["host"] != "embed":
+    if snap.target["host"] not in ("embed", "raises"):
         return None
     row_ids = t["host.row_ids"]
     if bool(((row_ids < 0) | (row_ids >= checkpoint.spec.vocab_size)).any()):
@@ -270,4 +291,11 @@ def _tokens(snap, checkpoint, settings, t):
     return (None, text) if verdict.kind in ACCOUNTED else (text, "")
 
 
-_JUDGED = {"embed": _embed, "probabilities": _probabilities, "tokens": _tokens}
+def _raises(snap, checkpoint, settings, t):
+    from harness.snapshot.host_raises import HostCalls, judge_raises
+
+    device = HostCalls()
+    return judge_raises(snap, host_engine(checkpoint, settings, device), device, t)
+
+
+_JUDGED = {"embed": _embed, "probabilities": _probabilities, "tokens": _tokens, "raises": _raises}

@@ -27,10 +27,10 @@ def host_repro_inputs(result, checkpoint, settings, target) -> tuple[dict, dict]
     if target.host is None:
         tensors, meta = _head(checkpoint, settings, target, stage)
     else:
-        recorded = record_host(checkpoint, settings, target, stage)
+        target, recorded = record_host(checkpoint, settings, target, stage)
         tensors = {name.removeprefix("host."): t for name, t in recorded.items()}
         meta = {"dtype": str(settings.torch_dtype).removeprefix("torch.")}
-        if target.host == "embed":
+        if target.host in ("embed", "raises"):
             meta.update(hidden=spec.hidden_size, pad=spec.pad_token_id, placeholders=list(spec.placeholder_token_ids or []))
         elif target.host == "probabilities":
             meta.update(cap=spec.final_logit_softcapping, relative=compare.HOST_RELATIVE_TOLERANCE,
@@ -40,6 +40,8 @@ def host_repro_inputs(result, checkpoint, settings, target) -> tuple[dict, dict]
             band = float(tensors.pop("band"))
             tensors["thresholds"] = torch.tensor([tie_threshold(band, row, judge.envelope_ties)
                                                   for row in tensors["ref_logits"]], dtype=torch.float64)
+    if target.host == "raises":
+        meta.update(raised=f"the port's {target.step_name} raised {target.raised}")
     kind = target.host or "head"
     meta.update(kind=kind, description=f"the {kind} step of {checkpoint.path} (spec {spec.spec_hash()}), prompt "
                 f"{target.prompt}, {target.stage} stage: {target.point} failed in the check")

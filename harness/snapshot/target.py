@@ -39,6 +39,8 @@ class Target:
     bucket: int
     step: int | None = None  # a decode call: the teacher-forced step (its row of the decode points)
     host: str | None = None  # a host step's kind (harness.snapshot.host.KINDS): no device call behind it
+    step_name: str | None = None  # a `raises` host step: the engine's step that raised (prefill, decode_step)
+    raised: str | None = None  # and what it raised, when recorded
 
     @property
     def graph_tag(self) -> str:
@@ -65,6 +67,8 @@ def measure(target: dict) -> str:
         return f"{target['ratio']:.0%} of the call's rows not bit-exact"
     if target.get("host") == "tokens":
         return "the reported sequence departs"
+    if target.get("host") == "raises":
+        return f"{target['step_name']} raised {target['raised']}"
     if target.get("host") == "probabilities":
         return f"ratio {target['ratio']:.3g}, limit 1"
     return f"{target['ratio']:.3g}x"
@@ -166,8 +170,7 @@ def _host_or_refuse(result, settings, stages) -> Target:
     errors = [s.port_error for s in (result, result.fp32) if s is not None and s.port_error]
     if errors:
         raise OptionError(f"--snapshot: an exception inside the port ({errors[0]['type']} at {errors[0]['where']}) "
-                          "leaves no observation of the failing run: no outputs and no references to replay "
-                          "against, so neither a device call nor a host step is behind it; rerun the check "
+                          "in a stage that kept no references: nothing to replay it against; rerun the check "
                           "(docs/snapshot.md)")
     what = [f["point"] for s in stages for f in s.failures()][:3] or [", ".join(result.failed_stages)]
     raise OptionError(f"--snapshot: the check fails at {', '.join(map(str, what))}: no layer, head or host-step point "

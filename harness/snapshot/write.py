@@ -152,7 +152,7 @@ def snapshot_check(result, checkpoint, settings, out_dir, source: str, say=print
     elif target.host:  # no device call: the host step behind the failure (harness.snapshot.host)
         from harness.snapshot.host import record_host
 
-        tensors = record_host(checkpoint, run, target, stage)
+        target, tensors = record_host(checkpoint, run, target, stage)
     else:
         tensors = record_call(checkpoint, run, target, stage.observation)
     manifest = write_snapshot(out_dir, checkpoint, run, target, tensors, source=source, say=say, extra=extra)

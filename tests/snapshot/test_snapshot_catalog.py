@@ -5,9 +5,8 @@
   (harness unimportable) exits 1, except the recorded REPRO_GAPS (none; decode steps included: the
   repro runs the engine's calls up to the step): at a layer point, first in its bit-exact layer
   stage, at the call's head (the logits) or in a host step (the embedding lookup, the served
-  probabilities, the reported tokens: harness/snapshot/host.py). The one exception, REFUSED: an
-  exception inside the port leaves no observation of the failing run to replay against, and
-  `--snapshot` says so, naming where it was raised.
+  probabilities, the reported tokens, the step that raised: harness/snapshot/host.py); REFUSED
+  (none) would list a fault `--snapshot` refuses, with its reason.
 - Every family variant at TP 1 and 2: the clean control replays to 0 and its repro exits 0; one
   fault of the variant replays as reproduced.
 - A fault planted only in the NxD double's compiled path replays as neuron's divergence alone.
@@ -38,10 +37,11 @@ FIXTURES = {TINY: ("tiny0_ckpt", "tiny0_reference"), TINY_INEXACT_SCALE: ("inexa
 # catalog's `local` faults run with the local verdicts, so that stage runs for them.
 # Faults caught at no layer point have the host step's or the head's repro (fixtures/repro/host_repro.py).
 REPRO_GAPS: dict[str, str] = {}
-# Faults --snapshot refuses, and why: an exception inside the port leaves no outputs and no references
-# of the failing run (the check's stage holds only the exception), so nothing is there to replay against.
-REFUSED = {"decode-raises": "exception inside the port"}
+# Faults --snapshot refuses, and why: none (an exception inside the port's host code is its raising
+# step, harness/snapshot/host_raises.py; one inside a device call would be refused, none in the catalog).
+REFUSED: dict[str, str] = {}
 HOST_KINDS = {"embed-scale-not-cast": "embed", "decode-token-off-by-one": "tokens", "softcap-twice": None,
+              "decode-raises": "raises",
               "host-softcap-without-divide": "probabilities", "shared-softcap-formula-wrong": "probabilities",
               "host-probabilities-uncapped": "probabilities"}
 

@@ -2,13 +2,12 @@
 steps (harness/snapshot/host.py: the embedding lookup, the served probabilities, the reported
 tokens) replay through the port's own host code on the recorded inputs; a head failure (the
 logits) replays as its device call. Each reproduces with its fault planted, agrees without it, and
-its repro exits 1; an exception inside the port is refused, naming where it was raised."""
+its repro exits 1; an exception inside the port's host code replays as the step that raised."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.base.errors import OptionError
 from harness.base.settings import RunSettings
 from tests.faults.catalog import BY_NAME, TINY, engine_options
 from tests.snapshot.support import planned_and_written, run_repro, snapshot_flow
@@ -61,13 +60,22 @@ def test_each_host_side_fault_replays_and_its_repro_exits_1(name, kind, request,
     assert done.returncode == 1, done.stdout + done.stderr
 
 
-def test_an_exception_inside_the_port_is_refused_naming_where(tiny0_ckpt, tiny0_reference, tmp_path):
-    """decode-raises: no observation of the failing run, so nothing to replay against: --snapshot
-    refuses before writing anything, naming the exception and its frame."""
-    with pytest.raises(OptionError, match=r"exception inside the port \(IndexError at .*catalog\.py"):
-        snapshot_flow(BY_NAME["decode-raises"], tiny0_ckpt, tiny0_reference, SETTINGS, tmp_path / "snap",
-                      fp32=False, unplanted=False)
-    assert not (tmp_path / "snap").exists()
+@pytest.mark.slow  # the port run three times up to the raise (~50 CPU-s); sibling: test_a_host_probability_fault_snapshots_replays_and_its_repro_exits_1
+def test_an_exception_inside_the_port_replays_as_its_host_step(tiny0_ckpt, tiny0_reference, tmp_path):
+    """decode-raises (a decode step past the window raises in the engine's host code): the snapshot
+    is that decode step (its token and position as the loop passed them), replayed through
+    Engine.decode_step: it raises with the fault planted, and without it passes the device a row
+    bit-exact with the reference's; the repro exits 1."""
+    flow = snapshot_flow(BY_NAME["decode-raises"], tiny0_ckpt, tiny0_reference, SETTINGS, tmp_path / "snap",
+                         tmp_path / "repro", fp32=False)
+    target = flow.manifest["target"]
+    assert target["host"] == "raises" and target["step_name"] == "decode_step", target
+    assert target["position"] >= 32 and "IndexError" in target["raised"], target  # 2 x the tiny's window
+    planted, clean = flow.replays[("cpu", "whole", True)], flow.replays[("cpu", "whole", False)]
+    assert planted.reproduces and "raised IndexError" in planted.failure, planted.describe()
+    assert not clean.reproduces and "bit-exact" in clean.agreement, clean.describe()
+    done = run_repro(tmp_path / "repro", tmp_path)
+    assert done.returncode == 1 and "plain reading of the step's lookup: agrees" in done.stdout, done.stdout
 
 
 @pytest.fixture(scope="module")
