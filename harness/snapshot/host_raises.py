@@ -63,7 +63,11 @@ def find_raise(checkpoint, settings, references) -> tuple[int, _Raised]:
     from harness.parity.observe import build_port
     from harness.port import decode
 
-    engine = build_port(checkpoint, settings)
+    try:
+        engine = build_port(checkpoint, settings)
+    except Exception as exc:  # the port's failure, but in its build: no step of a run is behind it
+        raise OptionError(f"--snapshot: the port raises while it is built ({type(exc).__name__}: {exc}): no call and "
+                          "no host step is behind it; the check's verdict names the frame (docs/snapshot.md)") from None
     _watch(engine)
     for k, r32 in enumerate(references.fp32):
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.base.errors import OptionError
 from harness.base.settings import RunSettings
 from tests.faults.catalog import BY_NAME, TINY, engine_options
 from tests.snapshot.support import planned_and_written, run_repro, snapshot_flow
@@ -169,3 +170,24 @@ def test_the_clean_host_snapshot_replays_to_0_and_layer_is_refused(embed_snapsho
     assert out.count("agrees: all 24 rows bit-exact") == 2, out
     assert main(["replay", str(embed_snapshot), "--layer", "0"]) == 2
     assert "no layer is behind it" in capsys.readouterr().err
+
+
+def test_a_raise_inside_the_device_call_is_refused(tiny0_ckpt, tiny0_reference, monkeypatch):
+    """An exception raised inside backend.forward (the device call, here the cpu backend's decode
+    past position 31) is no host step: recording it is refused (exit 2), naming the exception."""
+    from types import SimpleNamespace
+
+    from harness.backends import cpu
+    from harness.snapshot.host_raises import find_raise
+
+    original = cpu.CpuBackend.forward
+
+    def forward(self, inputs_embeds, positions, *args, **kwargs):
+        if positions.shape[1] == 1 and int(positions[0, 0]) >= 32:
+            raise RuntimeError("device fault past 32")
+        return original(self, inputs_embeds, positions, *args, **kwargs)
+
+    monkeypatch.setattr(cpu.CpuBackend, "forward", forward)
+    refs = SimpleNamespace(fp32=tiny0_reference["float32"][:3])
+    with pytest.raises(OptionError, match="raises inside its device call \\(RuntimeError: device fault past 32"):
+        find_raise(tiny0_ckpt, SETTINGS.but(tp=1), refs)
