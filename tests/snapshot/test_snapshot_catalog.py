@@ -76,7 +76,8 @@ def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_p
         settings = RunSettings(**engine_options(fault.checkpoint))
         out, repro = tmp_path / fault.name / "snap", tmp_path / fault.name / "repro"
         try:
-            flow = snapshot_flow(fault, ckpt, refs, settings, out, repro, unplanted=False, local=fault.local)
+            flow = snapshot_flow(fault, ckpt, refs, settings, out, repro, unplanted=fault.name in HOST_KINDS,
+                                 local=fault.local)
         except OptionError as exc:
             refused[fault.name] = str(exc)
             continue
@@ -85,6 +86,9 @@ def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_p
             target = flow.manifest["target"]
             assert target.get("host") == HOST_KINDS[fault.name], (fault.name, target)
             assert target.get("host") or target["point"] == "logits", (fault.name, target)
+            assert target.get("step_name") == ("decode_step" if fault.name == "decode-raises" else None), target
+            clean = flow.replays[("cpu", "whole", False)]
+            assert not clean.reproduces, (fault.name, clean.describe())  # the same step on the fixed port agrees
         if flow.manifest["target"]["stage"] == "bitwise_layers":
             bits.append(fault.name)
         if flow.repro_refused:

@@ -1,8 +1,9 @@
-"""Host-step and head snapshots (docs/snapshot.md): a check failure no layer point shows. The host
-steps (harness/snapshot/host.py: the embedding lookup, the served probabilities, the reported
-tokens) replay through the port's own host code on the recorded inputs; a head failure (the
-logits) replays as its device call. Each reproduces with its fault planted, agrees without it, and
-its repro exits 1; an exception inside the port's host code replays as the step that raised."""
+"""Host-step snapshots (docs/snapshot.md): a check failure no layer point shows, replayed through the
+port's own host code on the recorded inputs (harness/snapshot/host.py). Here: one host fault end to
+end, bad host-step snapshots refused, a clean one replaying to 0, a raise inside the device call
+refused. Every other fault caught at no layer point (the embedding lookup, the reported tokens, the
+softcap faults, the head's logits, the step that raised), planted and removed, is in the slow
+lane's catalog test (tests/snapshot/test_snapshot_catalog.py)."""
 
 from __future__ import annotations
 
@@ -34,49 +35,6 @@ def test_a_host_probability_fault_snapshots_replays_and_its_repro_exits_1(tiny0_
     done = run_repro(tmp_path / "repro", tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "plain reading: agrees" in done.stdout and "port's recorded probabilities: FAILS" in done.stdout
-
-
-@pytest.mark.slow  # five checks, bf16 stage only (~8 CPU-s each); sibling: test_a_host_probability_fault_snapshots_replays_and_its_repro_exits_1
-@pytest.mark.parametrize("name,kind", [("embed-scale-not-cast", "embed"), ("decode-token-off-by-one", "tokens"),
-                                       ("shared-softcap-formula-wrong", "probabilities"),
-                                       ("host-softcap-without-divide", "probabilities"), ("softcap-twice", None)])
-def test_each_host_side_fault_replays_and_its_repro_exits_1(name, kind, request, tmp_path):
-    """Each catalog fault caught at no layer point: its host step (or, softcap-twice, its device
-    call's logits) replays as reproduced with the fault planted and agreeing without it, and its
-    repro exits 1."""
-    from tests.snapshot.test_snapshot_catalog import FIXTURES
-
-    fault = BY_NAME[name]
-    ckpt_name, ref_name = FIXTURES[fault.checkpoint]
-    ckpt, refs = request.getfixturevalue(ckpt_name), request.getfixturevalue(ref_name)
-    settings = RunSettings(**engine_options(fault.checkpoint))
-    flow = snapshot_flow(fault, ckpt, refs, settings, tmp_path / "snap", tmp_path / "repro", fp32=False)
-    target = flow.manifest["target"]
-    assert target.get("host") == kind and target["failing"], target
-    if kind is None:
-        assert target["point"] == "logits" and target["layer"] == ckpt.spec.num_layers - 1, target
-    assert flow.replays[("cpu", "whole", True)].reproduces, flow.replays[("cpu", "whole", True)].describe()
-    assert not flow.replays[("cpu", "whole", False)].reproduces, flow.replays[("cpu", "whole", False)].describe()
-    done = run_repro(tmp_path / "repro", tmp_path)
-    assert done.returncode == 1, done.stdout + done.stderr
-
-
-@pytest.mark.slow  # the port run three times up to the raise (~50 CPU-s); sibling: test_a_host_probability_fault_snapshots_replays_and_its_repro_exits_1
-def test_an_exception_inside_the_port_replays_as_its_host_step(tiny0_ckpt, tiny0_reference, tmp_path):
-    """decode-raises (a decode step past the window raises in the engine's host code): the snapshot
-    is that decode step (its token and position as the loop passed them), replayed through
-    Engine.decode_step: it raises with the fault planted, and without it passes the device a row
-    bit-exact with the reference's; the repro exits 1."""
-    flow = snapshot_flow(BY_NAME["decode-raises"], tiny0_ckpt, tiny0_reference, SETTINGS, tmp_path / "snap",
-                         tmp_path / "repro", fp32=False)
-    target = flow.manifest["target"]
-    assert target["host"] == "raises" and target["step_name"] == "decode_step", target
-    assert target["position"] >= 32 and "IndexError" in target["raised"], target  # 2 x the tiny's window
-    planted, clean = flow.replays[("cpu", "whole", True)], flow.replays[("cpu", "whole", False)]
-    assert planted.reproduces and "raised IndexError" in planted.failure, planted.describe()
-    assert not clean.reproduces and "bit-exact" in clean.agreement, clean.describe()
-    done = run_repro(tmp_path / "repro", tmp_path)
-    assert done.returncode == 1 and "plain reading of the step's lookup: agrees" in done.stdout, done.stdout
 
 
 @pytest.fixture(scope="module")
