@@ -17,6 +17,7 @@ Tensor names (the snapshot's safetensors file):
                             is the last one)
   port.input, ref.input     the layer's input rows (the port's own, the stage reference's)
   pooled.{point}            a pooled part's floors (whole, worst row) as the stage judged it
+  routes.{layer}            MoE: the experts the call chose per real row at each layer up to the snapshot's
   weights.r{rank}.{name}    the layer's weights as rank `rank` holds them
 """
 
@@ -59,6 +60,21 @@ LOGITS = ("logits", "decode_logits")  # the head's last point, prefill and decod
 def call_name(name: str) -> str:
     """A point's name in the call's own captures (a decode step's are the prefill names)."""
     return "logits" if name in LOGITS else name.removeprefix("decode.")
+
+
+def call_routes(spec, captures: dict, layer: int, rows: int) -> dict[str, torch.Tensor]:
+    """routes.{j}: the experts the call chose at each MoE layer up to `layer`, per real row
+    (reference.forcing.chosen_experts), so that a replay elsewhere names where it routes otherwise."""
+    from harness.reference.forcing import chosen_experts
+
+    if spec.moe is None:
+        return {}
+    found = {}
+    for j in range(layer + 1):
+        weights = captures.get(f"layers.{j}.expert_weights")
+        if weights is not None:
+            found[f"routes.{j}"] = chosen_experts(weights[0, :rows].float(), spec.moe.top_k)
+    return found
 
 
 def rank_layer_weights(checkpoint, tp: int, layer: int, dtype) -> list[dict[str, torch.Tensor]]:
@@ -135,6 +151,7 @@ def record_call(checkpoint, settings, target, observation) -> dict[str, torch.Te
         tensors[f"ref.{name}"], tensors[f"env.{name}"] = stage_rows(observation, name, target)
     for name, floors in pooled_floors_of(spec, observation, i, prefix).items():
         tensors[f"pooled.{name}"] = torch.tensor(floors, dtype=torch.float64)  # the judge's floors (replay's too)
+    tensors.update(call_routes(spec, captures, i, target.length))
     tensors["port.input"] = captures[input_point(i)][0, rows].float().contiguous()
     tensors["ref.input"] = stage_rows(observation, input_point(i, prefix), target)[0]
     for rank, weights in enumerate(rank_layer_weights(checkpoint, settings.tp, i, settings.torch_dtype)):

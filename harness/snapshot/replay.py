@@ -33,6 +33,7 @@ class BackendReplay:
     tp: int
     mode: str
     points: list = field(default_factory=list)  # PointResult, in run order
+    rerouted: list = field(default_factory=list)  # MoE layers where the replay chose other experts than recorded
 
     @property
     def reproduces(self) -> bool:
@@ -42,9 +43,13 @@ class BackendReplay:
         worst = max(self.points, key=lambda p: p.required_factor)
         failing = [p for p in self.points if not p.passed]
         head = f"{self.backend} (TP {self.tp}, {self.mode}): "
+        routed = (f"; it routes otherwise than the recorded call at MoE layers {self.rerouted}: the stored references "
+                  "follow the recorded routing, so a difference from there on may be a routing near tie, not this "
+                  "backend's error" if self.rerouted else "")
         if failing:
-            return head + f"REPRODUCES: {failing[0].name} {failing[0].required_factor:.3g}x (first of {len(failing)})"
-        return head + f"agrees: every point within the judge (largest {worst.name} {worst.required_factor:.3g}x)"
+            return head + (f"REPRODUCES: {failing[0].name} {failing[0].required_factor:.3g}x (first of {len(failing)})"
+                           + routed)
+        return head + f"agrees: every point within the judge (largest {worst.name} {worst.required_factor:.3g}x)" + routed
 
 
 def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
@@ -188,7 +193,19 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
         names = names[:-1]  # the layer's points: the final norm is not run
     else:
         names += [n for n in LOGITS if f"ref.{n}" in snap.tensors]  # a head target's logits
-    return BackendReplay(backend_name, tp, mode, _judge(snap, outputs, names))
+    return BackendReplay(backend_name, tp, mode, _judge(snap, outputs, names), _rerouted(snap, outputs, checkpoint.spec))
+
+
+def _rerouted(snap, outputs: dict, spec) -> list[int]:
+    """The MoE layers whose experts, chosen by this replay, differ from the recorded call's (routes.*)."""
+    from harness.snapshot.record import call_routes
+
+    recorded = {k: v for k, v in snap.tensors.items() if k.startswith("routes.")}
+    if not recorded:
+        return []
+    captures = {k: v[None] for k, v in outputs.items()}  # call_routes reads a call's [1, rows, ...] captures
+    replayed = call_routes(spec, captures, snap.layer, snap.target["length"])
+    return [int(k.split(".")[1]) for k, v in recorded.items() if k in replayed and not torch.equal(v, replayed[k])]
 
 
 def whose(snap, replays: list[BackendReplay]) -> str:
@@ -202,6 +219,10 @@ def whose(snap, replays: list[BackendReplay]) -> str:
         kind = "the port's own (it shows on every backend run)" if len(ran) > 1 else f"reproduced on {ran[0]}"
         return f"{what} reproduces on {', '.join(shown)}: {kind}"
     clean = [b for b in ran if b not in shown]
+    rerouted = [r.backend for r in replays if r.reproduces and r.rerouted]
+    if rerouted:  # the stored references follow the recorded routing: not this backend's error by itself
+        return (f"{what} shows on {', '.join(shown)} but not on {', '.join(clean)}; {', '.join(rerouted)} routes "
+                "otherwise than the recorded call (a MoE routing near tie?): not named a divergence of that backend")
     kind = ("a compilation or runtime divergence of " + ", ".join(shown)) if "cpu" in clean else \
         f"shown by {', '.join(shown)} only"
     return f"{what} reproduces on {', '.join(shown)} but not on {', '.join(clean)}: {kind}"

@@ -260,7 +260,8 @@ def _calls(name: str) -> set[str]:
     ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/parity/layer_bits.py",
                        "harness/quality/moe.py", "harness/reference/forcing.py",
                        "harness/snapshot/bits.py"}),  # a bit-exact snapshot records the stage's run again
-    ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py"}),  # routing.py: judging only
+    ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py",  # routing.py: judging only
+                        "harness/snapshot/record.py"}),  # a snapshot's recorded routes, to name a replay's other routing
     ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
 ])
