@@ -97,16 +97,17 @@ def moe_flow(settings, tmp_path, fault=None):
     return manifest["target"], replays, run_repro(tmp_path / "repro", tmp_path)
 
 
-@pytest.mark.slow  # two MoE checks through the NxD double, ~60 CPU-s; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
-def test_the_moe_variant_through_the_nxd_double_snapshots_replays_and_repros(tmp_path):
-    """The 26B-A4B variant on neuron (the NxD double) at TP 2: the clean check's control snapshot
-    replays to agreement on neuron and cpu and its repro exits 0; with topk-not-renormalised planted
-    the check's snapshot reproduces on both (the port's own) and its repro exits 1."""
+@pytest.mark.slow  # two MoE checks through the NxD double, ~30 CPU-s a TP degree; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_moe_variant_through_the_nxd_double_snapshots_replays_and_repros(tp, tmp_path):
+    """The 26B-A4B variant on neuron (the NxD double) at TP 1 and 2: the clean check's control
+    snapshot replays to agreement on neuron and cpu and its repro exits 0; with topk-not-renormalised
+    planted the check's snapshot reproduces on both (the port's own) and its repro exits 1."""
     from harness.backends import neuron_env
     from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN
     from tests.nxd_double import installed
 
-    settings = RunSettings(backend="neuron", tp=2, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
+    settings = RunSettings(backend="neuron", tp=tp, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
         mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
