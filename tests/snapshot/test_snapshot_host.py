@@ -119,10 +119,16 @@ def test_a_bad_host_snapshot_exits_2_before_any_work(case, embed_snapshot, tmp_p
 
 
 def test_the_clean_host_snapshot_replays_to_0_and_layer_is_refused(embed_snapshot, capsys):
-    """Control for the cases above: the clean embed snapshot replays to 0 on cpu and xla (host code:
-    the same on every backend, nothing built); --layer is refused (exit 2)."""
+    """Control for the cases above: the clean embed snapshot (its plan within 10% of what was written)
+    replays to 0 on cpu and xla (host code: the same on every backend, nothing built); --layer is
+    refused (exit 2)."""
     from harness.cli import main
 
+    import json
+
+    manifest = json.loads((embed_snapshot / "snapshot.json").read_text())
+    planned, written = planned_and_written(embed_snapshot, manifest)
+    assert abs(planned - written) <= 0.1 * written, (planned, written)
     assert main(["replay", str(embed_snapshot), "--backend", "cpu,xla"]) == 0
     out = capsys.readouterr().out
     assert out.count("agrees: all 24 rows bit-exact") == 2, out
