@@ -40,6 +40,9 @@ def validate(args) -> None:
     if args.tp is not None and args.tp < 1:
         raise OptionError(f"--tp {args.tp}: need a positive tensor parallel degree")
     snap = args.snap = read_snapshot(args.snapshot)
+    if args.layer is not None and snap.target.get("host"):
+        raise OptionError(f"--layer {args.layer}: this snapshot is of a host step ({snap.target['host']}), no layer is "
+                          "behind it; drop --layer")
     if args.layer is not None and args.layer != snap.layer:
         raise OptionError(f"--layer {args.layer}: this snapshot holds layer {snap.layer}'s input and outputs only; "
                           f"pass --layer {snap.layer} or drop it")

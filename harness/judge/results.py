@@ -101,6 +101,8 @@ class CheckResult:
     # The observation judged here (harness.parity.observe), for what is judged after the stage (the local
     # verdicts, bisect): not part of the result's data.
     observation: object = field(default=None, repr=False, compare=False)
+    # The stage's references when the port raised (no observation): a snapshot of the raising step reads them.
+    references: object = field(default=None, repr=False, compare=False)
     local_verdicts: list = field(default_factory=list, repr=False, compare=False)  # local.LayerVerdict
     local_nonfinite: dict | None = field(default=None, repr=False, compare=False)
     run_seconds: dict[str, float] = field(default_factory=dict)  # the whole run: build, reference, total

@@ -72,10 +72,10 @@ class PortRun:
                             structural=structural or {}, progress=self.progress, force_path=self.force_path)
 
 
-def _failed_stage(context: StageContext, failure: PortFailure) -> CheckResult:
+def _failed_stage(context: StageContext, failure: PortFailure, refs: StageReferences | None = None) -> CheckResult:
     calibration = context.calibration if context.stage == "bf16" else None
     return CheckResult(backend=context.backend, tp=context.tp, dtype=context.dtype, stage=context.stage,
-                       port_error=failure.describe(), calibration=calibration)
+                       port_error=failure.describe(), calibration=calibration, references=refs)
 
 
 def run_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> CheckResult:
@@ -104,7 +104,7 @@ def _fp32_stage(checkpoint, engine, fp32_engine, refs: StageReferences, context:
         result.seconds["build"] = built
         return result
     except PortFailure as failure:
-        return _failed_stage(context, failure)
+        return _failed_stage(context, failure, refs)
 
 
 def structural_stage(checkpoint, refs: StageReferences | tuple, settings: RunSettings,
@@ -182,7 +182,7 @@ def _observed(checkpoint, engine, refs: StageReferences, run: PortRun, options: 
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")
     except PortFailure as failure:
-        result = _failed_stage(context, failure)
+        result = _failed_stage(context, failure, refs)
     result.fp32 = fp32
     if fp32 is None:
         result.notes.append("fp32 structural stage skipped")

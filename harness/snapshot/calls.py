@@ -82,7 +82,8 @@ class CallRecorder:
         if self._kv_state is not None:
             self.recording.kv = self._kv_state(self._backend, call)
         a["capture"] = True
-        _, self.recording.captures = self._backend.forward(*bound.args, **bound.kwargs)
+        logits, captures = self._backend.forward(*bound.args, **bound.kwargs)
+        self.recording.captures = dict(captures, logits=logits)  # the call's output too (a head point's)
         raise _Reached
 
 

@@ -126,6 +126,15 @@ def _consistent(path: Path, manifest: dict, tensors: dict) -> None:
             raise SnapshotError(f"{path}: {name} has {t.shape[0]} rows but the call has {n} real rows: "
                                 f"inconsistent, resealed after an edit; {FIX}")
     ranks = {int(k.split(".")[1][1:]) for k in tensors if k.startswith("weights.")}
+    if target.get("host"):  # a host step: its own tensors, no layer's weights
+        from harness.snapshot.host import missing_tensors
+
+        missing = missing_tensors(target["host"], tensors)
+        if missing or ranks:
+            why = f"lacks {', '.join(missing)}" if missing else "holds layer weights"
+            raise SnapshotError(f"{path}: a {target['host']} host-step snapshot that {why}: resealed after an edit; "
+                                f"{FIX}")
+        return
     if ranks != set(range(int(manifest["settings"]["tp"]))):
         raise SnapshotError(f"{path}: weights of ranks {sorted(ranks)} for TP {manifest['settings']['tp']}; {FIX}")
 
@@ -154,6 +163,13 @@ def check_checkpoint(snap: Snapshot, checkpoint) -> None:
         changed = sorted(k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k))
         raise SnapshotError(f"{snap.path}: written from another checkpoint than {checkpoint.path} (files differ: "
                             f"{', '.join(changed[:3])}); pass the checkpoint it came from with --checkpoint")
+    if snap.target.get("host"):
+        from harness.snapshot.host import check_host_rows
+
+        problem = check_host_rows(snap, checkpoint)
+        if problem:
+            raise SnapshotError(f"{snap.path}: {problem} ({checkpoint.path}); {FIX}")
+        return
     layer, dtype = snap.layer, snap.run_settings().torch_dtype
     for rank, expected in enumerate(rank_layer_weights(checkpoint, snap.tp, layer, dtype)):
         stored = snap.weights(rank)
@@ -180,6 +196,10 @@ def describe(snap: Snapshot) -> str:
     from harness.snapshot.target import measure
 
     t = snap.target
+    if t.get("host"):
+        return (f"snapshot {snap.path}: the host step {t['host']} (no device call) of prompt {t['prompt']}, failing "
+                f"point {t['point']} ({measure(t)}, {t['stage']} stage), written by {snap.manifest['source']} on "
+                f"{snap.manifest['settings']['backend']} TP {snap.tp} {snap.manifest['settings']['dtype']}")
     return (f"snapshot {snap.path}: the {t['graph_tag']} call of prompt {t['prompt']} (rows {t['start']}.."
             f"{t['start'] + t['length'] - 1}), {'failing' if t['failing'] else 'control'} point {t['point']} "
             f"({measure(t)}, {t['stage']} stage), written by {snap.manifest['source']} on "

@@ -12,9 +12,12 @@ Tensor names (the snapshot's safetensors file):
   kv.r{rank}.{layer}.k|v   the rows [0, first position of the call) of each cache it reads (a ring:
                             the whole ring)
   port.{point}, ref.{point}, env.{point}   the call's real rows at the layer's points and final_norm
-                            (a decode step's named as the check names them: decode.layers.{i}.*)
+                            (a decode step's named as the check names them: decode.layers.{i}.*), and
+                            at the logits when they are the failing point (a head target: the layer
+                            is the last one)
   port.input, ref.input     the layer's input rows (the port's own, the stage reference's)
   pooled.{point}            a pooled part's floors (whole, worst row) as the stage judged it
+  routes.{layer}            MoE: the experts the call chose per real row at each layer up to the snapshot's
   weights.r{rank}.{name}    the layer's weights as rank `rank` holds them
 """
 
@@ -51,9 +54,27 @@ def input_point(layer: int, prefix: str = "") -> str:
     return prefix + ("embeddings" if layer == 0 else f"layers.{layer - 1}.output")
 
 
+LOGITS = ("logits", "decode_logits")  # the head's last point, prefill and decode: stored only for a head target
+
+
 def call_name(name: str) -> str:
     """A point's name in the call's own captures (a decode step's are the prefill names)."""
-    return name.removeprefix("decode.")
+    return "logits" if name in LOGITS else name.removeprefix("decode.")
+
+
+def call_routes(spec, captures: dict, layer: int, rows: int) -> dict[str, torch.Tensor]:
+    """routes.{j}: the experts the call chose at each MoE layer up to `layer`, per real row
+    (reference.forcing.chosen_experts), so that a replay elsewhere names where it routes otherwise."""
+    from harness.reference.forcing import chosen_experts
+
+    if spec.moe is None:
+        return {}
+    found = {}
+    for j in range(layer + 1):
+        weights = captures.get(f"layers.{j}.expert_weights")
+        if weights is not None:
+            found[f"routes.{j}"] = chosen_experts(weights[0, :rows].float(), spec.moe.top_k)
+    return found
 
 
 def rank_layer_weights(checkpoint, tp: int, layer: int, dtype) -> list[dict[str, torch.Tensor]]:
@@ -91,12 +112,17 @@ def _kv_state(spec, rings: dict):
 def stage_rows(obs, name: str, target) -> tuple[torch.Tensor, torch.Tensor]:
     """The stage's fp32 reference and envelope rows of the call at a point (stacked over prompts;
     a decode point's rows are every prompt's teacher-forced steps after the first)."""
+    rows = stage_slice(obs, target)
+    return obs.ref[name][rows].float().contiguous(), obs.env[name][rows].float().contiguous()
+
+
+def stage_slice(obs, target) -> slice:
+    """The call's rows among a point's rows stacked over prompts (stage_rows)."""
     if target.step is not None:
         offset = sum(max(len(r.generated) - 1, 0) for r in obs.ref32[:target.prompt]) + target.step
     else:
         offset = sum(len(r.prompt) for r in obs.ref32[:target.prompt]) + target.start
-    rows = slice(offset, offset + target.length)
-    return obs.ref[name][rows].float().contiguous(), obs.env[name][rows].float().contiguous()
+    return slice(offset, offset + target.length)
 
 
 def record_call(checkpoint, settings, target, observation) -> dict[str, torch.Tensor]:
@@ -119,11 +145,13 @@ def record_call(checkpoint, settings, target, observation) -> dict[str, torch.Te
     for j, prior in enumerate(recording.calls[:-1]):  # what builds the cache on a backend it cannot be loaded into
         tensors[f"prior.{j}.inputs_embeds"], tensors[f"prior.{j}.positions"] = prior.inputs_embeds, prior.positions
     rows = slice(0, target.length)
-    for name in judged_points(spec, i, prefix):
+    logits = [target.point] if target.point in LOGITS else []  # vocabulary-wide rows: only when they failed
+    for name in judged_points(spec, i, prefix) + logits:
         tensors[f"port.{name}"] = captures[call_name(name)][0, rows].float().contiguous()
         tensors[f"ref.{name}"], tensors[f"env.{name}"] = stage_rows(observation, name, target)
     for name, floors in pooled_floors_of(spec, observation, i, prefix).items():
         tensors[f"pooled.{name}"] = torch.tensor(floors, dtype=torch.float64)  # the judge's floors (replay's too)
+    tensors.update(call_routes(spec, captures, i, target.length))
     tensors["port.input"] = captures[input_point(i)][0, rows].float().contiguous()
     tensors["ref.input"] = stage_rows(observation, input_point(i, prefix), target)[0]
     for rank, weights in enumerate(rank_layer_weights(checkpoint, settings.tp, i, settings.torch_dtype)):

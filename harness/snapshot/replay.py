@@ -21,7 +21,7 @@ import torch
 from harness.base.errors import OptionError
 from harness.inputs.family import runs_alone
 from harness.judge.compare import JUDGES, compare_point
-from harness.snapshot.record import call_name, judged_points
+from harness.snapshot.record import LOGITS, call_name, judged_points
 from harness.snapshot.target import BITS_STAGE
 
 MODES = ("whole", "layer")
@@ -33,6 +33,7 @@ class BackendReplay:
     tp: int
     mode: str
     points: list = field(default_factory=list)  # PointResult, in run order
+    rerouted: list = field(default_factory=list)  # MoE layers where the replay chose other experts than recorded
 
     @property
     def reproduces(self) -> bool:
@@ -42,9 +43,13 @@ class BackendReplay:
         worst = max(self.points, key=lambda p: p.required_factor)
         failing = [p for p in self.points if not p.passed]
         head = f"{self.backend} (TP {self.tp}, {self.mode}): "
+        routed = (f"; it routes otherwise than the recorded call at MoE layers {self.rerouted}: the stored references "
+                  "follow the recorded routing, so a difference from there on may be a routing near tie, not this "
+                  "backend's error" if self.rerouted else "")
         if failing:
-            return head + f"REPRODUCES: {failing[0].name} {failing[0].required_factor:.3g}x (first of {len(failing)})"
-        return head + f"agrees: every point within the judge (largest {worst.name} {worst.required_factor:.3g}x)"
+            return head + (f"REPRODUCES: {failing[0].name} {failing[0].required_factor:.3g}x (first of {len(failing)})"
+                           + routed)
+        return head + f"agrees: every point within the judge (largest {worst.name} {worst.required_factor:.3g}x)" + routed
 
 
 def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
@@ -55,6 +60,11 @@ def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
         from harness.snapshot.bits import check_bits_mode
 
         return check_bits_mode(backend_name, tp)
+    if snap.target.get("host"):  # host code: the same on every backend, nothing built
+        if mode == "layer":
+            raise OptionError(f"--layer: this snapshot is of a host step ({snap.target['host']}), no layer is behind "
+                              "it; drop --layer")
+        return None
     cls = backend_class(backend_name)
     why = backend_unavailable(backend_name)
     if why:
@@ -64,6 +74,9 @@ def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
             raise OptionError(f"--layer on the {backend_name} backend: a layer runs alone only where the ranks live on "
                               "this host (cpu); replay the whole call there (drop --layer)")
         spec_layer = snap.layer
+        if snap.target["point"] in LOGITS or snap.target["point"].endswith("final_norm"):
+            raise OptionError(f"--layer {spec_layer}: the failing point is the call's head ({snap.target['point']}, "
+                              "after its last layer); replay the whole call (drop --layer)")
         if snap.manifest.get("runs_alone") is False:
             raise OptionError(f"--layer {spec_layer}: this layer reads per-layer inputs or another layer's cache and "
                               "cannot run alone; replay the whole call (drop --layer)")
@@ -125,9 +138,9 @@ def replay_whole(engine, snap) -> dict[str, torch.Tensor]:
         for embeds, positions in _priors(snap):
             backend.forward(embeds, positions)
     t, n = snap.tensors, snap.target["length"]
-    _, captures = backend.forward(t["call.inputs_embeds"], t["call.positions"], capture=True,
-                                  seq_ids=t.get("call.seq_ids"))  # as the engine passed them
-    return {name: v[0, :n].float() for name, v in captures.items()}
+    logits, captures = backend.forward(t["call.inputs_embeds"], t["call.positions"], capture=True,
+                                       seq_ids=t.get("call.seq_ids"))  # as the engine passed them
+    return {name: v[0, :n].float() for name, v in dict(captures, logits=logits).items()}
 
 
 def replay_layer(engine, snap) -> dict[str, torch.Tensor]:
@@ -161,6 +174,10 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
         from harness.snapshot.bits import replay_bits
 
         return replay_bits(snap, checkpoint)
+    if snap.target.get("host"):  # no device call: the port's host code on the recorded inputs
+        from harness.snapshot.host import replay_host
+
+        return replay_host(snap, checkpoint, backend_name, tp or snap.tp)
     tp = tp or snap.tp
     settings = snap.run_settings(backend=backend_name, tp=tp)
     recorded = snap.manifest["settings"]
@@ -174,7 +191,21 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
     names = judged_points(checkpoint.spec, snap.layer, "" if snap.target.get("step") is None else "decode.")
     if mode == "layer":
         names = names[:-1]  # the layer's points: the final norm is not run
-    return BackendReplay(backend_name, tp, mode, _judge(snap, outputs, names))
+    else:
+        names += [n for n in LOGITS if f"ref.{n}" in snap.tensors]  # a head target's logits
+    return BackendReplay(backend_name, tp, mode, _judge(snap, outputs, names), _rerouted(snap, outputs, checkpoint.spec))
+
+
+def _rerouted(snap, outputs: dict, spec) -> list[int]:
+    """The MoE layers whose experts, chosen by this replay, differ from the recorded call's (routes.*)."""
+    from harness.snapshot.record import call_routes
+
+    recorded = {k: v for k, v in snap.tensors.items() if k.startswith("routes.")}
+    if not recorded:
+        return []
+    captures = {k: v[None] for k, v in outputs.items()}  # call_routes reads a call's [1, rows, ...] captures
+    replayed = call_routes(spec, captures, snap.layer, snap.target["length"])
+    return [int(k.split(".")[1]) for k, v in recorded.items() if k in replayed and not torch.equal(v, replayed[k])]
 
 
 def whose(snap, replays: list[BackendReplay]) -> str:
@@ -188,6 +219,10 @@ def whose(snap, replays: list[BackendReplay]) -> str:
         kind = "the port's own (it shows on every backend run)" if len(ran) > 1 else f"reproduced on {ran[0]}"
         return f"{what} reproduces on {', '.join(shown)}: {kind}"
     clean = [b for b in ran if b not in shown]
+    rerouted = [r.backend for r in replays if r.reproduces and r.rerouted]
+    if rerouted:  # the stored references follow the recorded routing: not this backend's error by itself
+        return (f"{what} shows on {', '.join(shown)} but not on {', '.join(clean)}; {', '.join(rerouted)} routes "
+                "otherwise than the recorded call (a MoE routing near tie?): not named a divergence of that backend")
     kind = ("a compilation or runtime divergence of " + ", ".join(shown)) if "cpu" in clean else \
         f"shown by {', '.join(shown)} only"
     return f"{what} reproduces on {', '.join(shown)} but not on {', '.join(clean)}: {kind}"

@@ -24,7 +24,7 @@ import torch
 from harness.base.atomic import atomic_directory
 from harness.base.points import layer_points
 from harness.judge.compare import JUDGES, POOLED_PARTS, ROW_NORM_FLOOR
-from harness.snapshot.record import input_point, pooled_floors_of, stage_rows
+from harness.snapshot.record import LOGITS, input_point, pooled_floors_of, stage_rows
 
 FILES = ("repro.py", "repro.safetensors", "port_rank{rank}.pt")
 
@@ -132,6 +132,12 @@ def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
 
     refuse_existing(out_dir, "--emit-repro")
     target = choose_target(result, settings)
+    if target.host or target.point in LOGITS:  # no layer behind it: the host step's or the head's repro
+        from harness.snapshot.host_repro import host_repro_inputs
+
+        tensors, meta = host_repro_inputs(result, checkpoint, stage_settings(settings, target.stage), target)
+        return save_repro(out_dir, tensors, meta, [], what=f"the {meta['kind']} step", say=say,
+                          script="host_repro.py", how="a plain reading beside the port's recorded output")
     if target.stage == BITS_STAGE:
         return write_bits_repro(checkpoint, settings, target, result.observation, out_dir, say=say)
     stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
@@ -173,7 +179,7 @@ def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Pat
 
 
 def save_repro(out_dir, tensors: dict, meta: dict, modules: list[bytes], what: str, say=print,
-               how: str = "--neuron on an inf2 host") -> Path:
+               how: str = "--neuron on an inf2 host", script: str = "repro.py") -> Path:
     """repro.py, repro.safetensors (`meta` in its metadata) and the traced ranks: planned, then
     written atomically into `out_dir`."""
     from safetensors.torch import save
@@ -182,7 +188,7 @@ def save_repro(out_dir, tensors: dict, meta: dict, modules: list[bytes], what: s
 
     out_dir = Path(out_dir)
     blob = save({k: t.detach().clone().contiguous() for k, t in tensors.items()}, metadata={"repro": json.dumps(meta)})
-    script = (harness.FIXTURES_DIR / "repro" / "repro.py").read_text(encoding="utf-8")
+    script = (harness.FIXTURES_DIR / "repro" / script).read_text(encoding="utf-8")
     size = len(blob) + sum(map(len, modules)) + len(script)
     say(f"repro plan: {out_dir}: repro.py, repro.safetensors, {len(modules)} x port_rank{{r}}.pt, {size / 2**20:.2f} "
         f"MiB ({what})")

@@ -21,6 +21,7 @@ from harness.port.engine import chunk_plan
 from harness.port.graphs import DECODE_TAG, PREFILL_TAG
 
 BITS_STAGE = BitwiseStage.stage
+HEAD_KINDS = ("final_norm", "logits")  # Point kinds of the head: after the last layer, inside the call
 BITS_TAG = "layer_alone_tp1"  # not a device graph: the port's layer alone, bf16, TP 1, one chunk of n rows
 
 
@@ -37,9 +38,14 @@ class Target:
     length: int
     bucket: int
     step: int | None = None  # a decode call: the teacher-forced step (its row of the decode points)
+    host: str | None = None  # a host step's kind (harness.snapshot.host.KINDS): no device call behind it
+    step_name: str | None = None  # a `raises` host step: the engine's step that raised (prefill, decode_step)
+    raised: str | None = None  # and what it raised, when recorded
 
     @property
     def graph_tag(self) -> str:
+        if self.host is not None:
+            return f"host_{self.host}"  # not a device graph: the port's host code
         if self.stage == BITS_STAGE:
             return BITS_TAG
         return DECODE_TAG if self.step is not None else PREFILL_TAG.format(self.bucket)
@@ -57,6 +63,14 @@ def measure(target: dict) -> str:
     """How far the target's point is out, as its stage measures it (a Target's to_json)."""
     if target["stage"] == BITS_STAGE:
         return f"{target['ratio']:.1%} of its elements depart bit for bit"
+    if target.get("host") == "embed":
+        return f"{target['ratio']:.0%} of the call's rows not bit-exact"
+    if target.get("host") == "tokens":
+        return "the reported sequence departs"
+    if target.get("host") == "raises":
+        return f"{target['step_name']} raised {target['raised']}"
+    if target.get("host") == "probabilities":
+        return f"ratio {target['ratio']:.3g}, limit 1"
     return f"{target['ratio']:.3g}x"
 
 
@@ -93,9 +107,11 @@ def _order(stage, point, fp32) -> tuple:
 
 
 def choose_target(result, settings) -> Target:
-    """The call to snapshot from a check's result (its bf16 stage, with `result.fp32` beside it).
-    A failure with no failing prefill layer point (decode only, host only, or an exception inside
-    the port) has no prefill call behind it: refused, naming what did fail."""
+    """The call to snapshot from a check's result (its bf16 stage, with `result.fp32` beside it):
+    the first failing layer point's; with none, the first failing head point's (final norm, logits:
+    the same call's outputs, beside its last layer); with none, the host step behind the failure
+    (harness.snapshot.host: the embedding lookup, the served probabilities, the reported tokens). An
+    exception inside the port has neither: refused, naming where it was raised."""
     stages = [s for s in (result.fp32, result) if s is not None and s.observation is not None]
     failing = [(s, p) for s in stages for p in [_first_failing(s)] if p is not None]
     bits = _bits_failure(result)
@@ -106,27 +122,59 @@ def choose_target(result, settings) -> Target:
     if failing:
         stage, point = min(failing, key=lambda sp: _order(sp[0], sp[1], result.fp32))
     elif not result.passed:
-        what = [f["point"] for s in stages for f in s.failures()][:3] or ["an exception inside the port"]
-        raise OptionError(f"--snapshot: the check fails at {', '.join(map(str, what))}, none of them a layer point "
-                          "(prefill or decode), so no device call is behind it (a host-side or token failure); "
-                          "docs/snapshot.md: use the check's verdict for this failure")
+        head = _failing_head(stages)
+        if head is None:
+            return _host_or_refuse(result, settings, stages)
+        stage, point = head
     else:
         stage = result
         point = max(_prefill_layer_points(result), key=lambda p: p.required_factor)
-    refs = stage.observation.ref32
+    refs, failed = stage.observation.ref32, not result.passed
+    layer = Point.parse(point.name).layer
+    layer = stage.layers[-1].index if layer is None else layer  # a head point: the call's last layer beside it
     if Point.parse(point.name).decode:  # rows: every prompt's teacher-forced steps after the first
         steps = [max(len(r.generated) - 1, 0) for r in refs]
         prompt, row = locate(point.worst_position, steps)
-        return Target(stage=stage.stage, point=point.name, layer=Point.parse(point.name).layer,
-                      ratio=float(point.required_factor), failing=True, prompt=prompt, position=len(refs[prompt].prompt)
-                      + row, start=len(refs[prompt].prompt) + row, length=1, bucket=1, step=row)
+        return Target(stage=stage.stage, point=point.name, layer=layer, ratio=float(point.required_factor),
+                      failing=True, prompt=prompt, position=len(refs[prompt].prompt) + row,
+                      start=len(refs[prompt].prompt) + row, length=1, bucket=1, step=row)
     lengths = [len(r.prompt) for r in refs]
     prompt, position = locate(point.worst_position, lengths)
     start, length, bucket = next(c for c in chunk_plan(lengths[prompt], settings.buckets, settings.kv_len)
                                  if c[0] <= position < c[0] + c[1])
-    return Target(stage=stage.stage, point=point.name, layer=Point.parse(point.name).layer,
-                  ratio=float(point.required_factor), failing=bool(failing), prompt=prompt, position=position,
-                  start=start, length=length, bucket=bucket)
+    return Target(stage=stage.stage, point=point.name, layer=layer, ratio=float(point.required_factor),
+                  failing=failed, prompt=prompt, position=position, start=start, length=length, bucket=bucket)
+
+
+def _failing_head(stages):
+    """(stage, point) of the first failing head point (the final norm, the logits: the device call's
+    outputs after its layers), prefill before decode, or None."""
+    for decode in (False, True):
+        for stage in stages:
+            heads = [p for p in stage.all_points() if Point.parse(p.name).kind in HEAD_KINDS
+                     and Point.parse(p.name).decode == decode]
+            found = next((p for p in heads if stage.point_failed(p)), None)
+            if found is not None:
+                return stage, found
+    return None
+
+
+def _host_or_refuse(result, settings, stages) -> Target:
+    """A failure no device call is behind: its host step (harness.snapshot.host), or, for an
+    exception inside the port (no observation of the failing run to replay against), a refusal."""
+    from harness.snapshot.host import host_target_fields
+
+    found = host_target_fields(result, settings)
+    if found is not None:
+        return Target(**found)
+    errors = [s.port_error for s in (result, result.fp32) if s is not None and s.port_error]
+    if errors:
+        raise OptionError(f"--snapshot: an exception inside the port ({errors[0]['type']} at {errors[0]['where']}) "
+                          "in a stage that kept no references: nothing to replay it against; rerun the check "
+                          "(docs/snapshot.md)")
+    what = [f["point"] for s in stages for f in s.failures()][:3] or [", ".join(result.failed_stages)]
+    raise OptionError(f"--snapshot: the check fails at {', '.join(map(str, what))}: no layer, head or host-step point "
+                      "of its two stages, so no call is behind it to snapshot (docs/snapshot.md)")
 
 
 def stage_settings(settings, stage: str):

@@ -24,8 +24,7 @@ KIND = "gemma-parity device-call snapshot"
 MANIFEST = "snapshot.json"
 TENSORS = "snapshot.safetensors"
 SEAL = "snapshot_sha256"
-HEADER_BYTES_PER_TENSOR = 96  # a safetensors header entry: name, dtype, shape, offsets (JSON)
-MANIFEST_BYTES_PER_TENSOR = 200  # its manifest entry: shape, dtype, sha256
+SEALING_BYTES = 256  # what sealing adds to the manifest: tensors_sha256 and the seal (64 hex each), keys
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -41,10 +40,18 @@ def seal(manifest: dict, tensors_sha256: str) -> str:
                           + tensors_sha256.encode()).hexdigest()
 
 
-def planned_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    """What the snapshot will take on disk: the tensors' bytes plus header and manifest entries."""
+def planned_bytes(tensors: dict[str, torch.Tensor], manifest: dict) -> int:
+    """What the snapshot will take on disk: the tensors' bytes, the safetensors header as it will
+    be written (one JSON entry per tensor), and the manifest as written, before its seal."""
     data = sum(t.numel() * t.element_size() for t in tensors.values())
-    return data + len(tensors) * (HEADER_BYTES_PER_TENSOR + MANIFEST_BYTES_PER_TENSOR) + 4096
+    offset, header = 0, {}
+    for name, t in sorted(tensors.items()):
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": str(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header_bytes = 8 + len(json.dumps(header, separators=(",", ":"))) + 8  # length prefix, padding
+    planned = dict(manifest, planned_bytes=10 ** 12)  # the number's width: at most 13 digits
+    return data + header_bytes + len(json.dumps(planned, indent=1)) + SEALING_BYTES
 
 
 def directory_bytes(path) -> int:
@@ -78,7 +85,8 @@ def make_manifest(checkpoint, settings, target, tensors: dict[str, torch.Tensor]
                      "sliding_cache": settings.sliding_cache, "batch": settings.batch,
                      "backend_options": {k: str(v) for k, v in settings.backend_options.items()}},
         "spec_hash": spec.spec_hash(), "num_layers": spec.num_layers,
-        "layer_type": spec.layers[target.layer].type, "runs_alone": runs_alone(spec, target.layer),
+        "layer_type": "host" if target.host else spec.layers[target.layer].type,
+        "runs_alone": False if target.host else runs_alone(spec, target.layer),
         "checkpoint": {"path": str(checkpoint.path), "files": checkpoint.file_hashes()},
         "layer_weights_sha256": layer_weights_digest(tensors),
         "versions": package_versions(),
@@ -92,7 +100,8 @@ def plan_line(out_dir, target, nbytes: int, count: int) -> str:
     from harness.snapshot.target import measure
 
     kind = "failing" if target.failing else "control (passing run: largest ratio)"
-    return (f"snapshot plan: {out_dir}: {count} tensors, {nbytes / 2**20:.2f} MiB; the {target.graph_tag} call of "
+    what = f"host step {target.host} (no device call)" if target.host else f"{target.graph_tag} call"
+    return (f"snapshot plan: {out_dir}: {count} tensors, {nbytes / 2**20:.2f} MiB; the {what} of "
             f"prompt {target.prompt} (rows {target.start}..{target.start + target.length - 1}), {kind} point "
             f"{target.point} ({measure(target.to_json())}, {target.stage} stage)")
 
@@ -106,10 +115,11 @@ def write_snapshot(out_dir, checkpoint, settings, target, tensors: dict[str, tor
 
     out_dir = Path(out_dir)
     refuse_existing(out_dir, "--snapshot")
-    nbytes = planned_bytes(tensors)
-    say(plan_line(out_dir, target, nbytes, len(tensors)))
     manifest = make_manifest(checkpoint, settings, target, tensors, source=source)
-    manifest.update(extra or {}, planned_bytes=nbytes)
+    manifest.update(extra or {})
+    nbytes = planned_bytes(tensors, manifest)
+    say(plan_line(out_dir, target, nbytes, len(tensors)))
+    manifest["planned_bytes"] = nbytes
     with atomic_directory(out_dir) as tmp:
         try:
             save_file(tensors, str(tmp / TENSORS))
@@ -139,10 +149,15 @@ def snapshot_check(result, checkpoint, settings, out_dir, source: str, say=print
 
         run, extra = bits_settings(settings), bits_manifest()
         target, tensors = record_bits(checkpoint, target, result.observation)
+    elif target.host:  # no device call: the host step behind the failure (harness.snapshot.host)
+        from harness.snapshot.host import record_host
+
+        target, tensors = record_host(checkpoint, run, target, stage)
     else:
         tensors = record_call(checkpoint, run, target, stage.observation)
     manifest = write_snapshot(out_dir, checkpoint, run, target, tensors, source=source, say=say, extra=extra)
-    backends = "cpu (a bit-exact snapshot: cpu at TP 1 only)" if target.stage == BITS_STAGE else "cpu|xla|neuron"
+    backends = ("cpu (a bit-exact snapshot: cpu at TP 1 only)" if target.stage == BITS_STAGE else
+                "cpu (a host step: the same host code on every backend)" if target.host else "cpu|xla|neuron")
     say(f"snapshot written to {out_dir} ({directory_bytes(out_dir) / 2**20:.2f} MiB); replay it with "
         f"`gemma-parity replay {out_dir} --backend {backends}`")
     return manifest

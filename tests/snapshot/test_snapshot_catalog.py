@@ -1,11 +1,12 @@
 """The slow lane of the snapshot suite (default-lane siblings: tests/snapshot/test_snapshot.py).
 
-- Every fault of the catalog that `check` catches at a layer point, or first in its bit-exact layer
-  stage, yields a snapshot whose replay on cpu, with the fault still planted, reproduces it (except
-  the recorded REPLAY_GAPS: none), and whose repro.py (harness unimportable) exits 1, except the
-  recorded REPRO_GAPS (none; decode steps included: the repro runs the engine's calls up to the
-  step); a fault caught at no layer point (host side, tokens only) has no device call behind it and
-  `--snapshot` says so.
+- Every fault of the catalog that `check` catches yields a snapshot whose replay on cpu, with the
+  fault still planted, reproduces it (except the recorded REPLAY_GAPS: none), and whose repro.py
+  (harness unimportable) exits 1, except the recorded REPRO_GAPS (none; decode steps included: the
+  repro runs the engine's calls up to the step): at a layer point, first in its bit-exact layer
+  stage, at the call's head (the logits) or in a host step (the embedding lookup, the served
+  probabilities, the reported tokens, the step that raised: harness/snapshot/host.py); REFUSED
+  (none) would list a fault `--snapshot` refuses, with its reason.
 - Every family variant at TP 1 and 2: the clean control replays to 0 and its repro exits 0; one
   fault of the variant replays as reproduced.
 - A fault planted only in the NxD double's compiled path replays as neuron's divergence alone.
@@ -34,8 +35,15 @@ FIXTURES = {TINY: ("tiny0_ckpt", "tiny0_reference"), TINY_INEXACT_SCALE: ("inexa
 # layer stage (rmsnorm-no-fp32-upcast: every point within the envelope) is snapshotted as that layer
 # alone at TP 1 and judged bit for bit by its replay and its repro (harness/snapshot/bits.py); the
 # catalog's `local` faults run with the local verdicts, so that stage runs for them.
-# (embed-scale-not-cast is caught at the embeddings alone, no layer point: --snapshot refuses it, no device call.)
+# Faults caught at no layer point have the host step's or the head's repro (fixtures/repro/host_repro.py).
 REPRO_GAPS: dict[str, str] = {}
+# Faults --snapshot refuses, and why: none (an exception inside the port's host code is its raising
+# step, harness/snapshot/host_raises.py; one inside a device call would be refused, none in the catalog).
+REFUSED: dict[str, str] = {}
+HOST_KINDS = {"embed-scale-not-cast": "embed", "decode-token-off-by-one": "tokens", "softcap-twice": None,
+              "decode-raises": "raises",
+              "host-softcap-without-divide": "probabilities", "shared-softcap-formula-wrong": "probabilities",
+              "host-probabilities-uncapped": "probabilities"}
 
 
 # Faults whose snapshot replays without reproducing, and why: none (measured 2026-12-03). The recorder
@@ -59,7 +67,7 @@ def _run_repros(dirs, tmp_path) -> dict[str, int]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # the whole catalog, ~7 CPU-s a fault (one check, snapshot, repro, replay each); sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
+@pytest.mark.slow  # the whole catalog, ~7 CPU-s a fault (one check, snapshot, repro, replay each); siblings: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1, test_a_host_probability_fault_snapshots_replays_and_its_repro_exits_1
 def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_path):
     emitted, refused, reproduced, no_repro, bits = {}, {}, {}, {}, []
     for fault in CATALOG:
@@ -68,11 +76,19 @@ def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_p
         settings = RunSettings(**engine_options(fault.checkpoint))
         out, repro = tmp_path / fault.name / "snap", tmp_path / fault.name / "repro"
         try:
-            flow = snapshot_flow(fault, ckpt, refs, settings, out, repro, unplanted=False, local=fault.local)
+            flow = snapshot_flow(fault, ckpt, refs, settings, out, repro, unplanted=fault.name in HOST_KINDS,
+                                 local=fault.local)
         except OptionError as exc:
             refused[fault.name] = str(exc)
             continue
         reproduced[fault.name] = flow.replays[("cpu", "whole", True)].reproduces
+        if fault.name in HOST_KINDS:
+            target = flow.manifest["target"]
+            assert target.get("host") == HOST_KINDS[fault.name], (fault.name, target)
+            assert target.get("host") or target["point"] == "logits", (fault.name, target)
+            assert target.get("step_name") == ("decode_step" if fault.name == "decode-raises" else None), target
+            clean = flow.replays[("cpu", "whole", False)]
+            assert not clean.reproduces, (fault.name, clean.describe())  # the same step on the fixed port agrees
         if flow.manifest["target"]["stage"] == "bitwise_layers":
             bits.append(fault.name)
         if flow.repro_refused:
@@ -81,9 +97,9 @@ def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_p
             emitted[fault.name] = repro
     print({"refused": sorted(refused), "no repro": sorted(no_repro), "emitted": sorted(emitted), "bit-exact": bits})
     assert {n for n, r in reproduced.items() if not r} == set(REPLAY_GAPS), reproduced
-    assert all("no device call" in why for why in refused.values()), refused
-    assert not no_repro, no_repro  # decode steps and KV-shared layers have repros too
-    assert len(reproduced) >= 25, sorted(refused)
+    assert set(refused) == set(REFUSED) and all(REFUSED[n] in why for n, why in refused.items()), refused
+    assert not no_repro, no_repro  # decode steps, KV-shared layers, host steps and the head have repros too
+    assert len(reproduced) == len(CATALOG) - len(REFUSED), sorted(refused)
     assert "rmsnorm-no-fp32-upcast" in bits, bits  # its first failure: the bit-exact layer stage
     codes = _run_repros(emitted.values(), tmp_path)
     exits = {name: codes[str(d)] for name, d in emitted.items()}

@@ -249,16 +249,19 @@ def _calls(name: str) -> set[str]:
     ("add_pins", {"harness/parity/observe.py"}),
     ("judge_routing", {"harness/judge/stage.py"}),  # the stage judge judges routing; parity does not
     ("compare_layers", {"harness/judge/stage.py"}),  # local reads the stage's judged layers
-    ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py"}),
+    ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py",
+                            "harness/snapshot/host.py"}),  # a tokens host step's replay judges as the check
     ("classify_mismatch", {"harness/judge/tokens.py"}),  # the drafter's cluster choices: judged as routing
     ("saturation_tie", {"harness/judge/tokens.py"}),
     ("calibrate_band", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
-    ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
+    ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py",
+                       "harness/snapshot/host_repro.py"}),  # a tokens repro's per-step thresholds, as data
     # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
     ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/parity/layer_bits.py",
                        "harness/quality/moe.py", "harness/reference/forcing.py",
                        "harness/snapshot/bits.py"}),  # a bit-exact snapshot records the stage's run again
-    ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py"}),  # routing.py: judging only
+    ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py",  # routing.py: judging only
+                        "harness/snapshot/record.py"}),  # a snapshot's recorded routes, to name a replay's other routing
     ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
 ])
@@ -282,6 +285,8 @@ def test_quality_says_why_it_does_not_take_the_per_layer_input_pins():
 STEP_CALLS = ("decode_step", "verify", "decode")
 # bench times single steps (its timing probes are not a decode loop of the check, bisect or quality)
 STEP_TIMERS = {"harness/perf/bench.py", "harness/perf/length.py", "harness/perf/speculative.py", "harness/perf/batch.py"}
+# one recorded host step run again (a snapshot of the step that raised), not a loop over steps
+STEP_REPLAYS = {"harness/snapshot/host_raises.py"}
 
 
 def _step_callers(files: dict[str, str]) -> set[str]:
@@ -311,7 +316,7 @@ def test_one_decode_loop_serves_single_batched_and_speculative_runs():
     from harness.port.engine import Engine
 
     files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
-    assert _step_callers(files) - STEP_TIMERS == {"harness/port/decode.py"}
+    assert _step_callers(files) - STEP_TIMERS - STEP_REPLAYS == {"harness/port/decode.py"}
     assert not hasattr(Engine, "generate") and not hasattr(BatchEngine, "generate")
     assert not hasattr(speculate, "speculative_generate")
     assert {"harness/parity/batched.py", "harness/parity/served.py",
