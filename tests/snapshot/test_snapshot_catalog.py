@@ -89,6 +89,10 @@ def test_every_caught_catalog_fault_replays_and_its_repro_exits_1(request, tmp_p
             assert target.get("step_name") == ("decode_step" if fault.name == "decode-raises" else None), target
             clean = flow.replays[("cpu", "whole", False)]
             assert not clean.reproduces, (fault.name, clean.describe())  # the same step on the fixed port agrees
+            if not target.get("host"):  # the head: no layer runs alone behind it, so --layer is refused (exit 2)
+                from harness.cli import main
+
+                assert main(["replay", str(out), "--layer", str(target["layer"])]) == 2, fault.name
         if flow.manifest["target"]["stage"] == "bitwise_layers":
             bits.append(fault.name)
         if flow.repro_refused:
