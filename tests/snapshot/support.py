@@ -4,6 +4,7 @@ the test says, and the repro script run with this package made unimportable."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -133,3 +134,19 @@ def run_repro(repro: Path, tmp: Path, *args: str, neuronx_stub: bool = False) ->
         env["NEURONX_STUB_LOG"] = str(tmp / "neuronx.log")
     return subprocess.run([sys.executable, str(repro / "repro.py"), *args], cwd=tmp, env=env, capture_output=True,
                           text=True, timeout=300)
+
+
+@contextlib.contextmanager
+def through_the_double(mp, tmp_path: Path):
+    """The neuron backend's own code through the NxD double (tests/nxd_double) inside monkeypatch
+    `mp`: a compile cache under `tmp_path`, two visible cores of a 16-core host, and neuronx_distributed
+    imported as the backend imports it."""
+    from harness.backends import neuron_env
+    from tests.nxd_double import installed
+
+    mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
+    mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+    mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
+    with installed(mp):
+        neuron_env.import_neuronx_distributed()
+        yield

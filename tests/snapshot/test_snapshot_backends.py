@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from harness.base.settings import RunSettings
-from tests.snapshot.support import control_target, observation, planned_and_written, run_repro
+from tests.snapshot.support import control_target, observation, planned_and_written, run_repro, through_the_double
 
 # model, TP, layer, decode step. No MoE control here: on references alone (no check) the port's routing
 # is not followed, so a flipped near-tie expert moves the final norm; the MoE variant's snapshots are
@@ -51,19 +51,11 @@ def record_replay_repro(ckpt, refs, settings, target, tmp_path):
 @pytest.mark.slow  # traces and "compiles" every graph through the NxD double, ~20 CPU-s a case; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
 @pytest.mark.parametrize("name,tp,layer,step", CASES)
 def test_a_control_recorded_through_the_nxd_double_replays_and_repros_clean(name, tp, layer, step, request, tmp_path):
-    from harness.backends import neuron_env
-    from tests.nxd_double import installed
-
     ckpt, refs, (buckets, kv_len) = model(name, request)
     settings = RunSettings(backend="neuron", tp=tp, buckets=buckets, kv_len=kv_len)
     target = control_target(refs, settings, layer=layer, prompt=1, step=step)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
-        mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
-        mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
-        with installed(mp):
-            neuron_env.import_neuronx_distributed()
-            manifest, replays, done = record_replay_repro(ckpt, refs, settings, target, tmp_path)
+    with pytest.MonkeyPatch.context() as mp, through_the_double(mp, tmp_path):
+        manifest, replays, done = record_replay_repro(ckpt, refs, settings, target, tmp_path)
     assert manifest["settings"]["backend"] == "neuron" and manifest["target"]["graph_tag"] == target.graph_tag
     assert [r.backend for r in replays] == ["neuron", "cpu"] and not any(r.reproduces for r in replays), \
         [r.describe() for r in replays]
@@ -103,18 +95,11 @@ def test_the_moe_variant_through_the_nxd_double_snapshots_replays_and_repros(tp,
     """The 26B-A4B variant on neuron (the NxD double) at TP 1 and 2: the clean check's control
     snapshot replays to agreement on neuron and cpu and its repro exits 0; with topk-not-renormalised
     planted the check's snapshot reproduces on both (the port's own) and its repro exits 1."""
-    from harness.backends import neuron_env
     from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN
-    from tests.nxd_double import installed
 
     settings = RunSettings(backend="neuron", tp=tp, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
-        mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
-        mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
-        with installed(mp):
-            neuron_env.import_neuronx_distributed()
-            moe_clean_and_planted(settings, tmp_path)
+    with pytest.MonkeyPatch.context() as mp, through_the_double(mp, tmp_path):
+        moe_clean_and_planted(settings, tmp_path)
 
 
 def moe_clean_and_planted(settings, tmp_path) -> None:

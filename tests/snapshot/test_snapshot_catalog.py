@@ -24,7 +24,7 @@ from harness.base.settings import RunSettings
 from tests.faults.catalog import (BY_NAME, CATALOG, FAMILY_BUCKETS, FAMILY_KV_LEN, LONG, TINY, TINY_INEXACT_SCALE,
                                   engine_options)
 from tests.family.shared import family_checkpoint, family_reference
-from tests.snapshot.support import BLOCKER, run_check, snapshot_flow
+from tests.snapshot.support import BLOCKER, run_check, snapshot_flow, through_the_double
 
 FIXTURES = {TINY: ("tiny0_ckpt", "tiny0_reference"), TINY_INEXACT_SCALE: ("inexact_scale_ckpt", "inexact_scale_reference"),
             LONG: ("long_ckpt", "long_reference")}
@@ -138,28 +138,19 @@ def test_a_fault_in_the_doubles_compiled_path_is_neurons_alone(tiny0_ckpt, tiny0
     the sum (a miscompiled reduction; a uniform scale would vanish in the post-norms):
     check on neuron fails; the snapshot replays as reproduced on neuron and agreeing on cpu, named
     a compilation or runtime divergence of neuron."""
-    from harness.backends import neuron_env
     from harness.snapshot.read import read_snapshot
     from harness.snapshot.replay import replay, whose
     from harness.snapshot.write import snapshot_check
-    from tests.nxd_double import installed
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "neuron-cache"))
-        mp.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
-        mp.setattr(neuron_env, "neuron_core_count", lambda: 16)
-        with installed(mp):
-            from harness.backends.neuron_env import import_neuronx_distributed
+    with pytest.MonkeyPatch.context() as mp, through_the_double(mp, tmp_path):
+        from neuronx_distributed.parallel_layers import layers as nxd_layers
 
-            import_neuronx_distributed()  # as the backend imports it (transformers 5 has no utils.fx)
-            from neuronx_distributed.parallel_layers import layers as nxd_layers
-
-            mp.setattr(nxd_layers, "reduce_from_tensor_model_parallel_region", lambda x, *a, **k: x * 2)
-            settings = RunSettings(backend="neuron", tp=2, buckets=(64, 256), kv_len=288)
-            result = run_check(tiny0_ckpt, tiny0_reference, settings)
-            assert not result.passed
-            snapshot_check(result, tiny0_ckpt, settings, tmp_path / "snap", source="check", say=lambda line: None)
-            snap = read_snapshot(tmp_path / "snap")
-            replays = [replay(snap, tiny0_ckpt, "cpu"), replay(snap, tiny0_ckpt, "neuron")]
+        mp.setattr(nxd_layers, "reduce_from_tensor_model_parallel_region", lambda x, *a, **k: x * 2)
+        settings = RunSettings(backend="neuron", tp=2, buckets=(64, 256), kv_len=288)
+        result = run_check(tiny0_ckpt, tiny0_reference, settings)
+        assert not result.passed
+        snapshot_check(result, tiny0_ckpt, settings, tmp_path / "snap", source="check", say=lambda line: None)
+        snap = read_snapshot(tmp_path / "snap")
+        replays = [replay(snap, tiny0_ckpt, "cpu"), replay(snap, tiny0_ckpt, "neuron")]
     assert [r.reproduces for r in replays] == [False, True]
     assert "compilation or runtime divergence of neuron" in whose(snap, replays)
