@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harness.base.errors import OptionError
+from harness.base.points import Point
 from harness.inputs.family import runs_alone
 from harness.judge.compare import JUDGES, compare_point
 from harness.snapshot.record import LOGITS, call_name, judged_points
@@ -36,20 +37,41 @@ class BackendReplay:
     rerouted: list = field(default_factory=list)  # MoE layers where the replay chose other experts than recorded
 
     @property
+    def judged(self) -> list:
+        """The points the stored references can judge: all of them, or, where this replay routes otherwise
+        than the recorded call, those computed before the first rerouted layer's experts ran (the
+        references follow the recorded routing from there on)."""
+        return [p for p in self.points if not self.rerouted or before_experts(p.name, min(self.rerouted))]
+
+    @property
     def reproduces(self) -> bool:
-        return any(not p.passed for p in self.points)
+        return any(not p.passed for p in self.judged)
 
     def describe(self) -> str:
         worst = max(self.points, key=lambda p: p.required_factor)
-        failing = [p for p in self.points if not p.passed]
+        failing = [p for p in self.judged if not p.passed]
         head = f"{self.backend} (TP {self.tp}, {self.mode}): "
-        routed = (f"; it routes otherwise than the recorded call at MoE layers {self.rerouted}: the stored references "
-                  "follow the recorded routing, so a difference from there on may be a routing near tie, not this "
-                  "backend's error" if self.rerouted else "")
+        unjudged = [p for p in self.points if not p.passed and p not in failing]
+        routed = (f"; it routes otherwise than the recorded call at MoE layers {self.rerouted} (a router near tie): "
+                  f"the stored references follow the recorded routing, so points from layer {min(self.rerouted)}'s "
+                  f"experts on are not judged ({len(unjudged)} of them outside the judge)" if self.rerouted else "")
         if failing:
             return head + (f"REPRODUCES: {failing[0].name} {failing[0].required_factor:.3g}x (first of {len(failing)})"
                            + routed)
         return head + f"agrees: every point within the judge (largest {worst.name} {worst.required_factor:.3g}x)" + routed
+
+
+# A layer's points computed before its experts run: its attention and KV, its router's logits.
+BEFORE_EXPERTS = ("attn_residual", "router_logits", "k", "v")
+
+
+def before_experts(name: str, layer: int) -> bool:
+    """Whether point `name` is computed before MoE layer `layer`'s experts run (so that a different
+    expert choice there cannot move it)."""
+    point = Point.parse(name)
+    if not point.in_layer:
+        return point.kind == "embeddings"
+    return point.layer < layer or (point.layer == layer and point.part in BEFORE_EXPERTS)
 
 
 def check_mode(snap, backend_name: str, mode: str, tp: int) -> None:
@@ -213,16 +235,18 @@ def whose(snap, replays: list[BackendReplay]) -> str:
     shown = [r.backend for r in replays if r.reproduces]
     ran = [r.backend for r in replays]
     what = "the failure" if snap.target["failing"] else "a divergence from this passing control"
+    moved = [r.backend for r in replays if r.rerouted]
     if not shown:
-        return f"no backend run ({', '.join(ran)}) reproduces {what}"
+        return f"no backend run ({', '.join(ran)}) reproduces {what}" + (
+            f" ({', '.join(moved)} routes otherwise than the recorded call: judged up to that layer's experts)"
+            if moved else "")
     if len(shown) == len(ran):
         kind = "the port's own (it shows on every backend run)" if len(ran) > 1 else f"reproduced on {ran[0]}"
         return f"{what} reproduces on {', '.join(shown)}: {kind}"
     clean = [b for b in ran if b not in shown]
-    rerouted = [r.backend for r in replays if r.reproduces and r.rerouted]
-    if rerouted:  # the stored references follow the recorded routing: not this backend's error by itself
-        return (f"{what} shows on {', '.join(shown)} but not on {', '.join(clean)}; {', '.join(rerouted)} routes "
-                "otherwise than the recorded call (a MoE routing near tie?): not named a divergence of that backend")
+    if moved:  # the stored references follow the recorded routing: not this backend's error by itself
+        return (f"{what} shows on {', '.join(shown)} but not on {', '.join(clean)}; {', '.join(moved)} routes "
+                "otherwise than the recorded call (a MoE routing near tie): not named a divergence of that backend")
     kind = ("a compilation or runtime divergence of " + ", ".join(shown)) if "cpu" in clean else \
         f"shown by {', '.join(shown)} only"
     return f"{what} reproduces on {', '.join(shown)} but not on {', '.join(clean)}: {kind}"

@@ -75,6 +75,27 @@ def test_replay_names_whose_failure_it_is():
     assert whose(snap, [_replay("cpu", 1)]).startswith("no backend run")
 
 
+def test_a_replay_that_routes_otherwise_judges_only_what_its_routing_cannot_move():
+    """A MoE replay choosing other experts at layer 2 than the recorded call (a router near tie on
+    another backend): points from layer 2's experts on are outside the judge (the stored references
+    follow the recorded routing), those before still judge; so a departure only there is no
+    reproduction, not named a divergence; one before layer 2's experts still is."""
+    def point(name, ratio):
+        return PointResult(name, 0.1, 0.9, 0.1, 0.01, ratio, ratio, 0, True, ratio <= 4.0)
+
+    snap = type("S", (), {"target": {"failing": False}})()
+    after = [point("layers.1.output", 1), point("layers.2.router_logits", 1), point("kv.2.k", 1),
+             point("layers.2.mlp_residual", 30), point("layers.3.output", 40), point("final_norm", 40)]
+    moved = BackendReplay("cpu", 1, "whole", after, rerouted=[2])
+    assert not moved.reproduces and "not judged (3 of them outside the judge)" in moved.describe()
+    assert BackendReplay("cpu", 1, "whole", after).reproduces  # the same departures, routed as recorded
+    named = whose(snap, [_replay("xla", 1), moved])
+    assert named.startswith("no backend run") and "cpu routes otherwise" in named and "compilation" not in named
+    before = [point("layers.1.output", 30)] + after[1:]
+    assert BackendReplay("cpu", 1, "whole", before, rerouted=[2]).reproduces
+    assert BackendReplay("cpu", 1, "whole", [point("layers.2.router_logits", 30)], rerouted=[2]).reproduces
+
+
 @pytest.mark.slow  # a family reference and two repro runs, ~25 CPU-s; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
 def test_a_kv_shared_layers_decode_step_repro_carries_its_source(tmp_path):
     """The E4B's KV-shared layer 8 at a teacher-forced decode step, TP 2, without a check (a control
