@@ -103,6 +103,7 @@ class BitsReplay:
 
     def __init__(self, points: list):
         self.backend, self.tp, self.mode, self.points = "cpu", 1, "layer alone, bit-exact", points
+        self.rerouted = ()  # the layer alone follows the recorded run's routes (reference.forcing)
         self.stage = BitwiseStage(points=points).seal()
 
     @property

@@ -223,6 +223,7 @@ class HostReplay:
     failure: str | None  # what breaks the judge, or None
     agreement: str = ""
     mode: str = "host step"
+    rerouted: tuple = ()  # a host step runs no router
 
     @property
     def reproduces(self) -> bool:
