@@ -48,7 +48,6 @@ class BackendReplay:
         return any(not p.passed for p in self.judged)
 
     def describe(self) -> str:
-        worst = max(self.points, key=lambda p: p.required_factor)
         failing = [p for p in self.judged if not p.passed]
         head = f"{self.backend} (TP {self.tp}, {self.mode}): "
         unjudged = [p for p in self.points if not p.passed and p not in failing]
@@ -58,6 +57,9 @@ class BackendReplay:
         if failing:
             return head + (f"REPRODUCES: {failing[0].name} {failing[0].required_factor:.3g}x (first of {len(failing)})"
                            + routed)
+        if not self.judged:
+            return head + "judged no point: every point of the snapshot comes after the rerouted experts" + routed
+        worst = max(self.judged, key=lambda p: p.required_factor)
         return head + f"agrees: every point within the judge (largest {worst.name} {worst.required_factor:.3g}x)" + routed
 
 
@@ -236,17 +238,15 @@ def whose(snap, replays: list[BackendReplay]) -> str:
     ran = [r.backend for r in replays]
     what = "the failure" if snap.target["failing"] else "a divergence from this passing control"
     moved = [r.backend for r in replays if r.rerouted]
+    # a replay routing otherwise is judged only where its routing cannot move a point (BackendReplay.judged)
+    routed = (f" ({', '.join(moved)} routes otherwise than the recorded call: judged only up to the first "
+              "rerouted layer's experts)" if moved else "")
     if not shown:
-        return f"no backend run ({', '.join(ran)}) reproduces {what}" + (
-            f" ({', '.join(moved)} routes otherwise than the recorded call: judged up to that layer's experts)"
-            if moved else "")
+        return f"no backend run ({', '.join(ran)}) reproduces {what}" + routed
     if len(shown) == len(ran):
         kind = "the port's own (it shows on every backend run)" if len(ran) > 1 else f"reproduced on {ran[0]}"
-        return f"{what} reproduces on {', '.join(shown)}: {kind}"
+        return f"{what} reproduces on {', '.join(shown)}: {kind}" + routed
     clean = [b for b in ran if b not in shown]
-    if moved:  # the stored references follow the recorded routing: not this backend's error by itself
-        return (f"{what} shows on {', '.join(shown)} but not on {', '.join(clean)}; {', '.join(moved)} routes "
-                "otherwise than the recorded call (a MoE routing near tie): not named a divergence of that backend")
     kind = ("a compilation or runtime divergence of " + ", ".join(shown)) if "cpu" in clean else \
         f"shown by {', '.join(shown)} only"
-    return f"{what} reproduces on {', '.join(shown)} but not on {', '.join(clean)}: {kind}"
+    return f"{what} reproduces on {', '.join(shown)} but not on {', '.join(clean)}: {kind}" + routed

@@ -93,6 +93,11 @@ def test_a_replay_that_routes_otherwise_judges_only_what_its_routing_cannot_move
     assert named.startswith("no backend run") and "cpu routes otherwise" in named and "compilation" not in named
     before = [point("layers.1.output", 30)] + after[1:]
     assert BackendReplay("cpu", 1, "whole", before, rerouted=[2]).reproduces
+    snap.target["failing"] = True  # a fault the recording backend alone shows: still that backend's, named
+    named = whose(snap, [BackendReplay("neuron", 1, "whole", after), moved])
+    assert "compilation or runtime divergence of neuron" in named and "cpu routes otherwise" in named
+    earlier = BackendReplay("cpu", 1, "whole", after[3:], rerouted=[1])
+    assert not earlier.reproduces and "judged no point" in earlier.describe()
     assert BackendReplay("cpu", 1, "whole", [point("layers.2.router_logits", 30)], rerouted=[2]).reproduces
 
 
