@@ -57,6 +57,11 @@ def input_point(layer: int, prefix: str = "") -> str:
 LOGITS = ("logits", "decode_logits")  # the head's last point, prefill and decode: stored only for a head target
 
 
+# A layer's points computed before its experts run (its attention and KV, its router's logits): the
+# ones a different expert choice at that layer cannot move (a replay's and a repro's rerouting rule).
+BEFORE_EXPERTS = ("attn_residual", "router_logits", "k", "v")
+
+
 def call_name(name: str) -> str:
     """A point's name in the call's own captures (a decode step's are the prefill names)."""
     return "logits" if name in LOGITS else name.removeprefix("decode.")

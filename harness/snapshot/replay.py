@@ -22,7 +22,7 @@ from harness.base.errors import OptionError
 from harness.base.points import Point
 from harness.inputs.family import runs_alone
 from harness.judge.compare import JUDGES, compare_point
-from harness.snapshot.record import LOGITS, call_name, judged_points
+from harness.snapshot.record import BEFORE_EXPERTS, LOGITS, call_name, judged_points
 from harness.snapshot.target import BITS_STAGE
 
 MODES = ("whole", "layer")
@@ -61,10 +61,6 @@ class BackendReplay:
             return head + "judged no point: every point of the snapshot comes after the rerouted experts" + routed
         worst = max(self.judged, key=lambda p: p.required_factor)
         return head + f"agrees: every point within the judge (largest {worst.name} {worst.required_factor:.3g}x)" + routed
-
-
-# A layer's points computed before its experts run: its attention and KV, its router's logits.
-BEFORE_EXPERTS = ("attn_residual", "router_logits", "k", "v")
 
 
 def before_experts(name: str, layer: int) -> bool:

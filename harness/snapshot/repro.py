@@ -24,7 +24,7 @@ import torch
 from harness.base.atomic import atomic_directory
 from harness.base.points import layer_points
 from harness.judge.compare import JUDGES, POOLED_PARTS, ROW_NORM_FLOOR
-from harness.snapshot.record import LOGITS, input_point, pooled_floors_of, stage_rows
+from harness.snapshot.record import BEFORE_EXPERTS, LOGITS, input_point, pooled_floors_of, stage_rows
 
 FILES = ("repro.py", "repro.safetensors", "port_rank{rank}.pt")
 
@@ -162,6 +162,7 @@ def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Pat
     meta = {"config": layer_config(spec, target.layer), "dtype": str(run.torch_dtype).removeprefix("torch."),
             "source_config": layer_config(spec, spec.layers[target.layer].kv_source) if len(hosted) > 1 else None,
             "factor": judge.factor, "floor": judge.floor, "points": parts,
+            "before_experts": [part for part in parts if part in BEFORE_EXPERTS],
             "pooled": {n.rsplit(".", 1)[1]: list(f) for n, f in pooled_floors_of(spec, observation, target.layer,
                                                                                 target.prefix).items()},
             "row_floor": {part: 1.0 if part in POOLED_PARTS else ROW_NORM_FLOOR for part in parts},

@@ -101,6 +101,34 @@ def test_a_replay_that_routes_otherwise_judges_only_what_its_routing_cannot_move
     assert BackendReplay("cpu", 1, "whole", [point("layers.2.router_logits", 30)], rerouted=[2]).reproduces
 
 
+def test_the_repro_exempts_the_experts_only_where_this_cpu_reroutes_as_its_plain_reading():
+    """fixtures/repro/repro.py's rule: the expert points are left unjudged only when the plain
+    reading on this CPU chooses other experts than the recorded call and the port's traced layer
+    chooses exactly as the plain reading (a near tie resolved otherwise here); a port choosing
+    otherwise than the plain reading, or a plain reading routing as recorded, is judged whole."""
+    import runpy
+    from pathlib import Path
+
+    import torch
+
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "fixtures/repro/repro.py"), run_name="repro")
+    rerouted_here = script["rerouted_here"]
+
+    def weights(*rows):  # each row's chosen experts, weighted, zero elsewhere (4 experts)
+        out = torch.zeros(len(rows), 4)
+        for r, chosen in enumerate(rows):
+            out[r, list(chosen)] = torch.tensor([0.6, 0.4])
+        return {"expert_weights": out}
+
+    meta = {"points": ["attn_residual", "router_logits", "expert_weights", "mlp_residual"], "config": {"top_k": 2}}
+    t = {"ref." + k: v for k, v in weights((0, 1), (2, 3)).items()}
+    here = weights((0, 2), (2, 3))
+    assert rerouted_here(here, here, t, meta)
+    assert not rerouted_here(here, weights((0, 1), (2, 3)), t, meta)  # the port chose otherwise than plain
+    assert not rerouted_here(weights((0, 1), (2, 3)), weights((1, 3), (2, 3)), t, meta)  # plain routes as recorded
+    assert not rerouted_here(here, here, t, {**meta, "points": ["attn_residual", "mlp_residual"]})  # no router
+
+
 @pytest.mark.slow  # a family reference and two repro runs, ~25 CPU-s; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
 def test_a_kv_shared_layers_decode_step_repro_carries_its_source(tmp_path):
     """The E4B's KV-shared layer 8 at a teacher-forced decode step, TP 2, without a check (a control

@@ -104,9 +104,9 @@ def test_the_moe_variant_through_the_nxd_double_snapshots_replays_and_repros(tp,
 
 def moe_clean_and_planted(settings, tmp_path) -> None:
     """The MoE variant's clean control and topk-not-renormalised planted, on settings.backend and cpu
-    (moe_flow): the control agrees on its backend, and on cpu unless cpu routes otherwise than the
-    recorded call (a near tie: the stored references follow the recorded routing, and the replay
-    names it), and its repro exits 0; the fault reproduces on both (the port's own) and its repro
+    (moe_flow): the control agrees on its backend and on cpu (where cpu routes otherwise than the
+    recorded call at a near tie, the stored references follow the recorded routing: the replay names
+    it and judges what that routing cannot move, as the repro does), and its repro exits 0; the fault reproduces on both (the port's own) and its repro
     exits 1."""
     from harness.snapshot.replay import whose
     from tests.faults.catalog import FAMILY_CATALOG
@@ -116,7 +116,7 @@ def moe_clean_and_planted(settings, tmp_path) -> None:
     assert not target["failing"] and [r.backend for r in replays] == [settings.backend, "cpu"], target
     own, cpu = replays
     assert not own.reproduces and not own.rerouted, own.describe()
-    assert not cpu.reproduces or (cpu.rerouted and "routes otherwise" in cpu.describe()), cpu.describe()
+    assert not cpu.reproduces and (not cpu.rerouted or "routes otherwise" in cpu.describe()), cpu.describe()
     assert "compilation or runtime divergence" not in whose(SimpleNamespace(target=target), replays)
     assert done.returncode == 0 and f"at TP {settings.tp}" in done.stdout, done.stdout + done.stderr
     target, replays, done = moe_flow(settings, tmp_path / "fault", fault)

@@ -62,15 +62,16 @@ def test_a_control_recorded_on_xla_replays_and_repros_clean(name, tp, layer, ste
     assert done.returncode == 0 and f"at TP {tp}" in done.stdout, done.stdout + done.stderr
 
 
-def test_the_moe_variant_on_xla_snapshots_replays_and_repros(tmp_path):
-    """The 26B-A4B variant on xla at TP 2, from its check: the clean control replays to agreement on
-    xla and cpu and its repro exits 0; topk-not-renormalised planted reproduces on both and its
-    repro exits 1 (tests/snapshot/test_snapshot_backends.py moe_clean_and_planted). MoE at TP 2 on
-    xla: run serially by .ci/xla-lane (its rendezvous can abort the XLA CPU runtime beside another).
-    Not at TP 1: there the control's call routes otherwise on cpu than on xla at a near tie (layer 4,
-    prompt 2), so the stored references (along xla's routing) judge neither the cpu replay (which
-    names the other routing) nor the repro's cpu layer (exit 2, cannot judge): docs/snapshot.md."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_moe_variant_on_xla_snapshots_replays_and_repros(tp, tmp_path):
+    """The 26B-A4B variant on xla at TP 1 and 2, from its check: the clean control replays to
+    agreement on xla and cpu and its repro exits 0; topk-not-renormalised planted reproduces on both
+    and its repro exits 1 (tests/snapshot/test_snapshot_backends.py moe_clean_and_planted). At TP 1
+    the control's call routes otherwise on cpu than on xla at a near tie (layers 3 and 4, prompt 2):
+    the cpu replay and the repro judge only what that routing cannot move (docs/snapshot.md). MoE at
+    TP 2 on xla: run serially by .ci/xla-lane (its rendezvous can abort the XLA CPU runtime beside
+    another)."""
     from tests.faults.catalog import FAMILY_BUCKETS, FAMILY_KV_LEN
     from tests.snapshot.test_snapshot_backends import moe_clean_and_planted
 
-    moe_clean_and_planted(RunSettings(backend="xla", tp=2, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN), tmp_path)
+    moe_clean_and_planted(RunSettings(backend="xla", tp=tp, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN), tmp_path)
