@@ -19,7 +19,9 @@ from tests.snapshot.support import control_target, observation, planned_and_writ
 # model, TP, layer, decode step. No MoE control here: on references alone (no check) the port's routing
 # is not followed, so a flipped near-tie expert moves the final norm; the MoE variant's snapshots are
 # the check's (moe_flow below, through the double and on xla; on cpu test_snapshot_catalog.py's family test).
-CASES = [("tiny", 1, 5, None), ("e4b", 2, 8, 0), ("31b", 1, 1, 1)]
+# Every dense model at TP 1 and 2, prefill and decode-step calls, a KV-shared layer among them (~7 CPU-s a case).
+CASES = [("tiny", 1, 5, None), ("tiny", 2, 3, 0), ("e2b", 1, 2, None), ("e2b", 2, 6, 1), ("e4b", 1, 3, None),
+         ("e4b", 2, 8, 0), ("31b", 1, 1, 1), ("31b", 2, 4, None)]
 
 
 def model(name: str, request):
@@ -48,7 +50,7 @@ def record_replay_repro(ckpt, refs, settings, target, tmp_path):
     return manifest, replays, run_repro(tmp_path / "repro", tmp_path)
 
 
-@pytest.mark.slow  # traces and "compiles" every graph through the NxD double, ~20 CPU-s a case; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
+@pytest.mark.slow  # traces and "compiles" every graph through the NxD double, ~7 CPU-s a case; sibling: test_a_planted_fault_snapshots_replays_and_its_repro_exits_1
 @pytest.mark.parametrize("name,tp,layer,step", CASES)
 def test_a_control_recorded_through_the_nxd_double_replays_and_repros_clean(name, tp, layer, step, request, tmp_path):
     ckpt, refs, (buckets, kv_len) = model(name, request)

@@ -10,6 +10,7 @@ import pytest
 
 from harness.base.settings import RunSettings
 from tests.snapshot.support import run_check
+from tests.snapshot.test_snapshot_backends import CASES
 
 pytestmark = pytest.mark.xla
 SETTINGS = RunSettings(backend="xla", tp=2, buckets=(64, 256), kv_len=288)
@@ -42,12 +43,12 @@ def test_xla_control_agrees_and_an_xla_only_fault_is_xlas(tiny0_ckpt, tiny0_refe
     assert "compilation or runtime divergence of xla" in whose(snap, replays)
 
 
-@pytest.mark.parametrize("name,tp,layer,step", [("tiny", 1, 5, None), ("e4b", 2, 8, 0)])
+@pytest.mark.parametrize("name,tp,layer,step", CASES)  # every dense model at TP 1 and 2, as through the double
 def test_a_control_recorded_on_xla_replays_and_repros_clean(name, tp, layer, step, request, tmp_path):
     """Without a check (a control target on the references): the xla engine's own calls recorded
     (the E4B's at a decode step, its KV-shared layer: the prefill call replayed first to build the
     cache on xla), replayed on xla and cpu to agreement, the plan within 10% of what is written,
-    and the repro of the xla engine's calls exiting 0 (the tiny 12B at TP 1, the E4B at TP 2)."""
+    and the repro of the xla engine's calls exiting 0 (every dense model at TP 1 and 2)."""
     from tests.snapshot.support import control_target, planned_and_written
     from tests.snapshot.test_snapshot_backends import model, record_replay_repro
 
