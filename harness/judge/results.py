@@ -34,8 +34,7 @@ class PromptOutcome:
     @property
     def accounted(self) -> bool:
         """SEQ_MATCH, or the departure is classified as a tie."""
-        return self.seq_match or (self.departure is not None
-                                  and self.departure.kind in ("near_tie", "saturation_tie"))
+        return self.seq_match or (self.departure is not None and self.departure.accounted)
 
     @property
     def near_ties(self) -> int:

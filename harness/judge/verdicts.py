@@ -101,8 +101,13 @@ class TokenVerdict:
     device_token: int
     margin: float  # how much the reference prefers its token over the device's (raw fp32 logits)
     threshold: float  # margins at or below this are near ties
-    kind: str  # "near_tie" | "divergence"
+    kind: str  # "near_tie" | "saturation_tie" | "divergence"
     evidence: str = ""
+
+    @property
+    def accounted(self) -> bool:
+        """A tie (near or saturation) the check accepts as rounding, not a departure of the port's."""
+        return self.kind in ("near_tie", "saturation_tie")
 
 
 @dataclass

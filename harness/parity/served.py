@@ -51,7 +51,7 @@ class ServedPrompt:
 
     @property
     def accounted(self) -> bool:
-        return self.departure is None or self.departure.kind in ("near_tie", "saturation_tie")
+        return self.departure is None or self.departure.accounted
 
     def to_json(self) -> dict:
         return {"tokens": self.tokens, "reference_tokens": self.reference_tokens,

@@ -35,7 +35,6 @@ from harness.base.points import locate
 from harness.port.engine import chunk_plan
 
 KINDS = ("embed", "probabilities", "tokens", "raises")
-ACCOUNTED = ("near_tie", "saturation_tie")  # departures the check accepts (PromptOutcome.accounted)
 
 
 def host_failure(result):
@@ -289,7 +288,7 @@ def _tokens(snap, checkpoint, settings, t):
     if verdict is None:
         return None, f"the {len(free.tokens)} reported tokens are the reference's"
     text = f"sequence: step {verdict.position} {verdict.kind}: {verdict.evidence}"
-    return (None, text) if verdict.kind in ACCOUNTED else (text, "")
+    return (None, text) if verdict.accounted else (text, "")
 
 
 def _raises(snap, checkpoint, settings, t):
