@@ -77,7 +77,7 @@ def measure(target: dict) -> str:
 def _bits_failure(result) -> tuple[str, int] | None:
     """The bit-exact layer stage's first failing point and its layer (None: it passed, did not run, or
     failed by an exception, which has no layer behind it)."""
-    stage = next((s for s in getattr(result, "extra_stages", []) if s.stage == BITS_STAGE), None)
+    stage = next((s for s in result.extra_stages if s.stage == BITS_STAGE), None)
     if stage is None or stage.error is not None:
         return None
     found = [f["point"] for g in stage.all_gates() if g.name == "bit_exact" for f in g.failures]
