@@ -56,6 +56,11 @@ def validate(args) -> None:
             raise SnapshotError(f"{snap.path}: the checkpoint it records ({path}) cannot be opened ({exc}); pass the "
                                 "checkpoint it came from with --checkpoint DIR") from None
         raise
+    quantize = snap.run_settings().quantize
+    if quantize:  # the structural truth of an int8 port: the quantized model, rebuilt from this checkpoint
+        from harness.inputs.quantized_checkpoint import quantized_reference
+
+        ckpt = args.ckpt = quantized_reference(ckpt, quantize)
     check_checkpoint(snap, ckpt)
     args.tp = args.tp or snap.tp
     plan_model(ckpt.spec, args.tp)  # a TP degree the model cannot shard is refused here

@@ -322,13 +322,14 @@ def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
         replaceable_report(output_location(args.report, "--report", True, inputs, outputs), "--report", args.command)
     clean_leftovers(outputs.values())
     ckpt = open_checkpoint(args)
-    if getattr(args, "quantize", None):  # the structural truth: the quantized model itself (docs/quantization.md)
-        from harness.cli.host_gate import gated_quantized_reference
-
-        args.ckpt = ckpt = gated_quantized_reference(args, args.command, ckpt)  # exit 2 before the copy is written
+    # judged on the user's checkpoint (the quantized copy has its spec), before any copy is written
     check_tp(ckpt.spec, args.tp)
     on_host = getattr(args, "backend", None) != "neuron"  # the cpu and xla backends hold the cache here
     check_kv_len(ckpt.spec, args.kv_len, getattr(args, "sliding_cache", "linear") if on_host else None)
     if not on_host:  # the device's memory, before any compile
         check_kv_fits(ckpt.spec, args.tp, args.dtype, args.kv_len, args.sliding_cache)
+    if getattr(args, "quantize", None):  # the structural truth: the quantized model itself (docs/quantization.md)
+        from harness.cli.host_gate import gated_quantized_reference
+
+        args.ckpt = ckpt = gated_quantized_reference(args, args.command, ckpt)  # exit 2 before the copy is written
     return ckpt

@@ -59,8 +59,11 @@ class Snapshot:
         from harness.base.settings import RunSettings
 
         s = self.manifest["settings"]
+        # every setting that changes the computation, as recorded (harness.snapshot.write.make_manifest)
         settings = RunSettings(backend=s["backend"], tp=s["tp"], dtype=s["dtype"], buckets=tuple(s["buckets"]),
-                               kv_len=s["kv_len"], sliding_cache=s["sliding_cache"])
+                               kv_len=s["kv_len"], sliding_cache=s["sliding_cache"], batch=s.get("batch", 1),
+                               quantize=s.get("quantize"), speculate=s.get("speculate", 0),
+                               assistant=s.get("assistant"))
         return settings.but(**changes)
 
 
@@ -154,11 +157,13 @@ def check_checkpoint(snap: Snapshot, checkpoint) -> None:
     its layer's, as every rank holds them (harness.port.sharding)."""
     from harness.snapshot.record import rank_layer_weights
 
+    from harness.snapshot.write import user_checkpoint
+
     recorded = snap.manifest["checkpoint"]["files"]
     if snap.manifest.get("spec_hash") != checkpoint.spec.spec_hash():
         raise SnapshotError(f"{snap.path}: written for spec {snap.manifest.get('spec_hash')}, but "
                             f"{checkpoint.path} resolves to spec {checkpoint.spec.spec_hash()}: another model")
-    current = checkpoint.file_hashes()
+    current = user_checkpoint(checkpoint).file_hashes()
     if current != recorded:
         changed = sorted(k for k in set(recorded) | set(current) if recorded.get(k) != current.get(k))
         raise SnapshotError(f"{snap.path}: written from another checkpoint than {checkpoint.path} (files differ: "
@@ -170,23 +175,24 @@ def check_checkpoint(snap: Snapshot, checkpoint) -> None:
         if problem:
             raise SnapshotError(f"{snap.path}: {problem} ({checkpoint.path}); {FIX}")
         return
-    layer, dtype = snap.layer, snap.run_settings().torch_dtype
-    for rank, expected in enumerate(rank_layer_weights(checkpoint, snap.tp, layer, dtype)):
+    layer, settings = snap.layer, snap.run_settings()
+    dtype, quantize = settings.torch_dtype, settings.quantize
+    for rank, expected in enumerate(rank_layer_weights(checkpoint, snap.tp, layer, dtype, quantize)):
         stored = snap.weights(rank)
         if set(stored) != set(expected) or any(not torch.equal(stored[k], expected[k]) for k in expected):
-            other = _whose_weights(checkpoint, snap, stored, rank, dtype)
+            other = _whose_weights(checkpoint, snap, stored, rank, dtype, quantize)
             raise SnapshotError(f"{snap.path}: the stored weights (rank {rank}) are not layer {layer}'s of "
                                 f"{checkpoint.path}{other}: the snapshot was assembled from another layer's "
                                 f"weights; {FIX}")
 
 
-def _whose_weights(checkpoint, snap: Snapshot, stored: dict, rank: int, dtype) -> str:
+def _whose_weights(checkpoint, snap: Snapshot, stored: dict, rank: int, dtype, quantize=None) -> str:
     from harness.snapshot.record import rank_layer_weights
 
     for index in range(checkpoint.spec.num_layers):
         if index == snap.layer:
             continue
-        other = rank_layer_weights(checkpoint, snap.tp, index, dtype)[rank]
+        other = rank_layer_weights(checkpoint, snap.tp, index, dtype, quantize)[rank]
         if set(other) == set(stored) and all(torch.equal(stored[k], other[k]) for k in other):
             return f" (they are layer {index}'s)"
     return ""

@@ -82,11 +82,22 @@ def call_routes(spec, captures: dict, layer: int, rows: int) -> dict[str, torch.
     return found
 
 
-def rank_layer_weights(checkpoint, tp: int, layer: int, dtype) -> list[dict[str, torch.Tensor]]:
-    """Layer `layer`'s weights as each of `tp` ranks holds them (harness.port.sharding)."""
-    weights = checkpoint.layer_weights(layer, dtype)
+def rank_layer_weights(checkpoint, tp: int, layer: int, dtype, quantize: str | None = None) -> list[dict[str, torch.Tensor]]:
+    """Layer `layer`'s weights as each of `tp` ranks holds them (harness.port.sharding); with
+    `quantize`, the int8 codes and scales the quantized port holds (harness.inputs.quantize)."""
+    weights = layer_weights(checkpoint, layer, dtype, quantize)
     plan = plan_model(checkpoint.spec, tp)[layer]
     return [{k: v.contiguous() for k, v in shard_layer(weights, plan, rank).items()} for rank in range(tp)]
+
+
+def layer_weights(checkpoint, layer: int, dtype, quantize: str | None = None) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s whole weights as the port loads them: quantized from the stored weights with
+    `quantize` (never from the quantized model's dequantized copy), else in `dtype`."""
+    from harness.inputs.quantize import port_layer_weights, scheme_of
+
+    if quantize is None:
+        return checkpoint.layer_weights(layer, dtype)
+    return port_layer_weights(checkpoint, layer, scheme_of(quantize), dtype)
 
 
 def owned_caches(spec) -> list[int]:
@@ -159,7 +170,8 @@ def record_call(checkpoint, settings, target, observation) -> dict[str, torch.Te
     tensors.update(call_routes(spec, captures, i, target.length))
     tensors["port.input"] = captures[input_point(i)][0, rows].float().contiguous()
     tensors["ref.input"] = stage_rows(observation, input_point(i, prefix), target)[0]
-    for rank, weights in enumerate(rank_layer_weights(checkpoint, settings.tp, i, settings.torch_dtype)):
+    for rank, weights in enumerate(rank_layer_weights(checkpoint, settings.tp, i, settings.torch_dtype,
+                                                              settings.quantize)):
         tensors.update({f"weights.r{rank}.{name}": w for name, w in weights.items()})
     # each its own memory: safetensors refuses views of one tensor (a replicated head, fp32 embeddings)
     return {name: t.detach().clone().contiguous() for name, t in tensors.items()}

@@ -25,6 +25,7 @@ from harness.base.atomic import atomic_directory
 from harness.base.points import layer_points
 from harness.judge.compare import JUDGES, POOLED_PARTS, ROW_NORM_FLOOR
 from harness.snapshot.record import BEFORE_EXPERTS, LOGITS, input_point, pooled_floors_of, stage_rows
+from harness.snapshot.write import settings_record, user_checkpoint
 
 FILES = ("repro.py", "repro.safetensors", "port_rank{rank}.pt")
 
@@ -166,11 +167,12 @@ def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Pat
             "pooled": {n.rsplit(".", 1)[1]: list(f) for n, f in pooled_floors_of(spec, observation, target.layer,
                                                                                 target.prefix).items()},
             "row_floor": {part: 1.0 if part in POOLED_PARTS else ROW_NORM_FLOOR for part in parts},
-            "tp": run.tp, "kv_shapes": kv,
+            "tp": run.tp, "kv_shapes": kv, "settings": settings_record(run),
             "calls": [{"method": f"call{j}", "sums": reductions[j], "rows": c["rows"]} for j, c in enumerate(calls)],
             "target_rows": target.length,
             "description": f"layer {target.layer} ({spec.layers[target.layer].type}"
-                           f"{shared}) of {checkpoint.path} "
+                           f"{shared}{', ' + run.quantize + ' weights' if run.quantize else ''}) of "
+                           f"{user_checkpoint(checkpoint).path} "
                            f"(spec {spec.spec_hash()}) at TP {run.tp}, prompt {target.prompt}: the "
                            f"{target.graph_tag} call (call {len(calls) - 1} of the engine's {len(calls)}), "
                            f"{target.stage} stage: {target.point} {target.ratio:.3g}x in the "
@@ -233,6 +235,7 @@ def write_bits_repro(checkpoint, settings, target, observation, out_dir, say=pri
         tensors["call0.ples"] = ples
     tensors.update({f"bits.{part}": recorded[f"bits.ref16.{name}"] for part, name in zip(parts, names)})
     meta = {"kind": "bits", "dtype": "bfloat16", "points": parts, "tp": 1, "target_rows": n,
+            "settings": settings_record(run),
             "kv_shapes": [[list(t.shape) for t in host_cache(host)]], "departure_limit": DEPARTURE_LIMIT,
             "calls": [{"method": "call0", "sums": counts[0], "rows": n}],
             "description": f"layer {i} ({spec.layers[i].type}) of {checkpoint.path} (spec {spec.spec_hash()}) alone "

@@ -79,19 +79,23 @@ def rank_hosts(checkpoint, settings, index: int, parts: list[str]) -> list[RankH
     """Every rank's host of layer `index` (and its KV source) at the run's TP, dtype and KV length."""
     from harness.port.blocks import FamilyRankDecoder
     from harness.port.model import RankDecoder
+    from harness.port.quantized import QuantizedLinears
     from harness.port.sharding import plan_model, shard_layer
+    from harness.snapshot.record import layer_weights
 
     spec, dtype, tp = checkpoint.spec, settings.torch_dtype, settings.tp
+    quantize = getattr(settings, "quantize", None)  # the int8 port's own projections, traced as it runs them
+    linears = RankLinears if quantize is None else QuantizedLinears
     decoder_cls = FamilyRankDecoder if spec.is_family else RankDecoder
     plans = plan_model(spec, tp)
     source = port_source(spec, index)
     wanted = [index] if source is None else [source, index]
-    weights = {j: checkpoint.layer_weights(j, dtype) for j in wanted}
+    weights = {j: layer_weights(checkpoint, j, dtype, quantize) for j in wanted}
     hosts = []
     for rank in range(tp):
         collectives, layers = PartialSums(), {}
         for j in wanted:
-            layer = decoder_cls.layer_class(spec, spec.layers[j], plans[j], RankLinears(collectives),
+            layer = decoder_cls.layer_class(spec, spec.layers[j], plans[j], linears(collectives),
                                             max_len=settings.kv_len, dtype=dtype)
             if spec.layers[j].kv_source is None:  # the module's make_cache, looked up as the decoder does
                 layer.self_attn.cache = port_model.make_cache(settings.sliding_cache, spec.layers[j],

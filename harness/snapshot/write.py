@@ -74,20 +74,34 @@ def layer_weights_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def settings_record(settings) -> dict:
+    """Every run setting that changes the computation, as the snapshot and the repro record them
+    (read back by harness.snapshot.read.Snapshot.run_settings)."""
+    return {"backend": settings.backend, "tp": settings.tp, "dtype": settings.dtype,
+            "buckets": list(settings.buckets), "kv_len": settings.kv_len,
+            "sliding_cache": settings.sliding_cache, "batch": settings.batch,
+            "quantize": settings.quantize, "speculate": settings.speculate, "assistant": settings.assistant,
+            "backend_options": {k: str(v) for k, v in settings.backend_options.items()}}
+
+
+def user_checkpoint(checkpoint):
+    """The checkpoint the user named: for `--quantize`, the original behind the quantized model's copy
+    (harness/inputs/quantized_checkpoint.py)."""
+    return getattr(checkpoint, "unquantized", None) or checkpoint
+
+
 def make_manifest(checkpoint, settings, target, tensors: dict[str, torch.Tensor], source: str) -> dict:
     """Everything but the tensors: what the call is, how it was built, where it came from."""
     spec = checkpoint.spec
     return {
         "format_version": FORMAT_VERSION, "kind": KIND, "source": source,
         "target": target.to_json(),
-        "settings": {"backend": settings.backend, "tp": settings.tp, "dtype": settings.dtype,
-                     "buckets": list(settings.buckets), "kv_len": settings.kv_len,
-                     "sliding_cache": settings.sliding_cache, "batch": settings.batch,
-                     "backend_options": {k: str(v) for k, v in settings.backend_options.items()}},
+        "settings": settings_record(settings),
         "spec_hash": spec.spec_hash(), "num_layers": spec.num_layers,
         "layer_type": "host" if target.host else spec.layers[target.layer].type,
         "runs_alone": False if target.host else runs_alone(spec, target.layer),
-        "checkpoint": {"path": str(checkpoint.path), "files": checkpoint.file_hashes()},
+        # the user's checkpoint: a quantized run's reference copy is the tool's own, rebuilt from it on replay
+        "checkpoint": {"path": str(user_checkpoint(checkpoint).path), "files": user_checkpoint(checkpoint).file_hashes()},
         "layer_weights_sha256": layer_weights_digest(tensors),
         "versions": package_versions(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
