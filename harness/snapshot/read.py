@@ -145,9 +145,16 @@ def _consistent(path: Path, manifest: dict, tensors: dict) -> None:
 def read_snapshot(path) -> Snapshot:
     """A snapshot verified by itself (hashes, seal, every tensor, consistency)."""
     path = Path(path)
+    from harness.snapshot.fields import FieldProblem, check_manifest, check_tensors
+
     manifest = _manifest(path)
     file = _hashes(path, manifest)
-    tensors = _tensors(file, manifest)
+    try:  # the seal holds; what the manifest says must hold too (edited and resealed)
+        check_manifest(manifest)
+        tensors = _tensors(file, manifest)
+        check_tensors(manifest, tensors)
+    except FieldProblem as exc:
+        raise SnapshotError(f"{path / MANIFEST}: {exc}: not what a snapshot holds (edited and resealed?); {FIX}") from None
     _consistent(path, manifest, tensors)
     return Snapshot(path, manifest, tensors)
 
@@ -175,6 +182,16 @@ def check_checkpoint(snap: Snapshot, checkpoint) -> None:
         if problem:
             raise SnapshotError(f"{snap.path}: {problem} ({checkpoint.path}); {FIX}")
         return
+    from harness.snapshot.fields import FieldProblem, check_judged
+    from harness.snapshot.record import judged_points
+    from harness.snapshot.target import BITS_STAGE
+
+    if snap.target["stage"] != BITS_STAGE:
+        try:
+            check_judged(snap.tensors, judged_points(checkpoint.spec, snap.layer, "" if snap.target.get("step") is None
+                                                     else "decode."))
+        except FieldProblem as exc:
+            raise SnapshotError(f"{snap.path}: {exc}: edited and resealed?; {FIX}") from None
     layer, settings = snap.layer, snap.run_settings()
     dtype, quantize = settings.torch_dtype, settings.quantize
     for rank, expected in enumerate(rank_layer_weights(checkpoint, snap.tp, layer, dtype, quantize)):

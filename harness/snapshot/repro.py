@@ -195,7 +195,7 @@ def save_repro(out_dir, tensors: dict, meta: dict, modules: list[bytes], what: s
     size = len(blob) + sum(map(len, modules)) + len(script)
     say(f"repro plan: {out_dir}: repro.py, repro.safetensors, {len(modules)} x port_rank{{r}}.pt, {size / 2**20:.2f} "
         f"MiB ({what})")
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, final=True) as tmp:  # a signal after its rename: held, the run ends (commit_point)
         (tmp / "repro.py").write_text(script, encoding="utf-8")
         (tmp / "repro.safetensors").write_bytes(blob)
         for rank, module in enumerate(modules):

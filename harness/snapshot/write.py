@@ -30,7 +30,8 @@ SEALING_BYTES = 256  # what sealing adds to the manifest: tensors_sha256 and the
 def tensor_digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (any dtype), with its dtype and shape."""
     head = f"{t.dtype}{tuple(t.shape)}".encode()
-    return hashlib.sha256(head + t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    # flattened first: the same bytes, and a 0-d tensor (which cannot be viewed as bytes) digests too
+    return hashlib.sha256(head + t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def seal(manifest: dict, tensors_sha256: str) -> str:
@@ -134,7 +135,7 @@ def write_snapshot(out_dir, checkpoint, settings, target, tensors: dict[str, tor
     nbytes = planned_bytes(tensors, manifest)
     say(plan_line(out_dir, target, nbytes, len(tensors)))
     manifest["planned_bytes"] = nbytes
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, final=True) as tmp:  # a signal after its rename: held, the run ends (commit_point)
         try:
             save_file(tensors, str(tmp / TENSORS))
         except Exception as exc:  # safetensors' own error type for I/O failures
