@@ -30,7 +30,7 @@ import traceback
 
 from harness.cli import bisect, check, doctor, graphs, info, merge, perf, perf_compare, quality, reference, replay
 from harness.cli.common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
-                                EXIT_TERMINATED)
+                                EXIT_PIPE, EXIT_TERMINATED)
 from harness.base.atomic import release_claims
 from harness.base.errors import SHOW_BYTES, HarnessInputError, os_problem
 
@@ -130,7 +130,7 @@ def _run(args, name: str, argv: list[str]) -> int:
     except BrokenPipeError:
         # stdout closed early (`| head`): nothing more can be shown; not a parity verdict
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BAD_INPUT
+        return EXIT_PIPE  # quietly, as a tool killed by SIGPIPE: the reader asked for no more
     except OSError as exc:
         where = exc.filename if exc.filename is not None else "a file"
         _err(f"gemma-parity {name}: error: {os_problem(exc, where, 'failed')}")

@@ -13,6 +13,7 @@ from pathlib import Path
 EXIT_OK, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_INTERNAL = 70  # EX_SOFTWARE in sysexits.h
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+EXIT_PIPE = 141  # stdout closed by its reader (`| head`): 128 + SIGPIPE, what a shell reports for such a tool
 
 
 def add_model_args(p, config: bool = False) -> None:
@@ -144,14 +145,30 @@ def add_run_args(p, defaults=None, fields=RUN_ARGS, purpose: str = "port dtype")
                             f"continuous batching; each is judged against its prompt alone (default: batch 1, and check "
                             "then adds a batch stage of its prompts; --batch 1: batch 1 only)")
     if "backend" in fields:
-        p.add_argument("--compile-budget", type=float, default=None, metavar="MINUTES",
+        p.add_argument("--compile-budget", type=budget_minutes, default=None, metavar="MINUTES",
                        help="refuse, before compiling, a neuron run whose cold compile (every graph of its builds, "
-                            "`info --plan`) is planned over MINUTES (harness/plan/compile_budget.py)")
+                            "`info --plan`) is planned over MINUTES, a finite number > 0; neuron only: cpu and xla "
+                            "runs are not budgeted (harness/plan/compile_budget.py)")
     if "backend_options" in fields:
         p.add_argument("--backend-option", action="append", default=[], metavar="KEY=VALUE", dest="backend_option",
                        help="an option of the backend, e.g. compile_workers=4 for neuron (repeatable; an option "
                             "the backend does not have is refused)")
     p.set_defaults(run_fields=tuple(fields), run_defaults=d)
+
+
+def budget_minutes(text: str) -> float:
+    """--compile-budget's value: a finite number of minutes over 0 (0 would refuse every cold compile,
+    a warm cache's included, since the plan counts graphs, not the cache; say what you mean with a
+    small positive budget instead)."""
+    import math
+
+    try:
+        minutes = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+    if not math.isfinite(minutes) or minutes <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of minutes over 0")
+    return minutes
 
 
 def run_settings(args):
@@ -166,6 +183,11 @@ def run_settings(args):
     if "backend_options" in args.run_fields:
         raw = parse_backend_options(args.backend_option)
         settings = settings.but(backend_options=backend_options(settings.backend, raw))
+    if getattr(args, "compile_budget", None) is not None and settings.backend != "neuron":
+        from harness.base.errors import OptionError
+
+        raise OptionError(f"--compile-budget {args.compile_budget:g}: only --backend neuron's cold compile is "
+                          f"budgeted; the {settings.backend} backend compiles nothing against it: drop the option")
     return settings
 
 

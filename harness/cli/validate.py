@@ -174,9 +174,14 @@ def replaceable_report(path: Path, flag: str, command: str = "") -> None:
 
 def clean_leftovers(paths) -> None:
     """Remove what killed runs left beside (or in) the outputs and in the tiny-model cache."""
+    from harness.base.errors import OutputError
     from harness.inputs.tiny import cache_dir
 
-    dirs = {p.parent for p in paths} | {p for p in paths if p.is_dir()} | {cache_dir()}
+    try:
+        cache = {cache_dir()}
+    except OutputError:  # no home and no GEMMA_PARITY_CACHE: no cache to clean (a command needing one says so)
+        cache = set()
+    dirs = {p.parent for p in paths} | {p for p in paths if p.is_dir()} | cache
     for directory in sorted(dirs):
         for line in clean_stale_temps(directory):
             print(f"gemma-parity: {line}", file=sys.stderr)
@@ -320,6 +325,9 @@ def port_run_outputs_and_checkpoint(args, inputs: dict[str, Path]):
         replaceable_file(output_location(args.json, "--json", False, inputs, outputs), "--json", _json_is_ours)
     if args.report is not None:
         replaceable_report(output_location(args.report, "--report", True, inputs, outputs), "--report", args.command)
+    for flag, attr in (("--snapshot", "snapshot"), ("--emit-repro", "emit_repro")):  # new directories, written last
+        if getattr(args, attr, None) is not None:  # not a link, not in or around an input or another output
+            output_location(getattr(args, attr), flag, True, inputs, outputs)
     clean_leftovers(outputs.values())
     ckpt = open_checkpoint(args)
     # judged on the user's checkpoint (the quantized copy has its spec), before any copy is written

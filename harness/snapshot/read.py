@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from harness.base.errors import HarnessInputError, InputFileError, read_json_file, read_problem
+from harness.base.errors import HarnessInputError, InputFileError, not_a_file, read_json_file, read_problem
 from harness.inputs.checkpoint import sha256_file
 from harness.snapshot.write import FORMAT_VERSION, KIND, MANIFEST, SEAL, TENSORS, seal, tensor_digest
 
@@ -69,11 +69,14 @@ class Snapshot:
 
 def _manifest(path: Path) -> dict:
     if not path.is_dir():
-        raise SnapshotError(f"{path}: {'not found' if not path.exists() else 'not a directory'}; pass a directory "
-                            f"written by --snapshot")
+        what = not_a_file(path)  # what is there: not found, a dangling link, a link loop, a pipe...
+        raise SnapshotError(f"{path}: {'not a directory' if what == 'is not a regular file' else what}; pass a "
+                            f"directory written by --snapshot")
     file = path / MANIFEST
     if not file.is_file():
-        raise SnapshotError(f"{path}: no {MANIFEST}, so not a snapshot; {FIX}")
+        what = not_a_file(file)
+        raise SnapshotError(f"{path}: no {MANIFEST}, so not a snapshot; {FIX}" if what == "not found" else
+                            f"{file}: {what}, not the snapshot's manifest; {FIX}")
     manifest = read_json_file(file, "snapshot manifest", SnapshotError, FIX)
     if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
         raise SnapshotError(f"{file}: not a snapshot manifest (kind {KIND!r}); {FIX}")
@@ -86,7 +89,8 @@ def _manifest(path: Path) -> dict:
 def _hashes(path: Path, manifest: dict) -> Path:
     file = path / TENSORS
     if not file.is_file():
-        raise SnapshotError(f"{file}: missing; the snapshot is incomplete: {FIX}")
+        what = not_a_file(file)
+        raise SnapshotError(f"{file}: {'missing' if what == 'not found' else what}; the snapshot is incomplete: {FIX}")
     try:
         actual = sha256_file(file)
     except OSError as exc:
