@@ -130,6 +130,9 @@ class RunSettings:
     assistant: str | None = None
     # --quantize: int8 weight storage (harness/inputs/quantize.py); None: unquantized
     quantize: str | None = None
+    # --demo-fault NAME: a known port bug planted for a demonstration (harness/port/demo_fault.py); None
+    # for every real run. A setting so that it travels into the snapshot and the repro.
+    demo_fault: str | None = None
 
     def __post_init__(self):
         if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:

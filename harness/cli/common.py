@@ -206,6 +206,10 @@ def with_generator(payload: dict, command: str, args=None) -> dict:
     import harness
 
     out = {"generator": f"gemma-parity {command} {harness.__version__}", **payload}
+    if getattr(getattr(args, "settings", None), "demo_fault", None):  # a planted bug's result, marked as such
+        from harness.port.demo_fault import banner
+
+        out["demo_fault"] = {"name": args.settings.demo_fault, "note": banner(args.settings.demo_fault)}
     if args is not None:
         out["provenance"] = run_provenance(args)
     return out

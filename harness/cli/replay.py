@@ -74,10 +74,17 @@ def run(args) -> int:
     from harness.snapshot.read import describe
     from harness.snapshot.replay import replay, whose
 
+    demo = args.snap.run_settings().demo_fault
+    if demo:  # a demo snapshot: its planted bug is planted again for the replay (harness/port/demo_fault.py)
+        from harness.port.demo_fault import banner
+
+        print(banner(demo) + " (recorded in this snapshot; planted again for the replay)")
     print(describe(args.snap))
     replays = []
     for name in args.backends:
         replays.append(replay(args.snap, args.ckpt, name, tp=args.tp, mode=args.mode))
         print(replays[-1].describe())
     print(whose(args.snap, replays))
+    if demo:
+        print(banner(demo))
     return EXIT_FAIL if any(r.reproduces for r in replays) else EXIT_OK

@@ -16,14 +16,29 @@ def add_snapshot_args(p, repro: bool = False) -> None:
     p.add_argument("--snapshot", metavar="DIR", help="write the device call behind the first failing point (on a "
                    "passing run, the one with the largest ratio, as a control) to DIR, a new directory, for "
                    "`gemma-parity replay` (docs/snapshot.md)")
+    p.add_argument("--demo-fault", metavar="NAME", default=None,
+                   help="plant a known port bug (rope-pairs) to watch the snapshot, replay and repro fail on CPU; "
+                        "every output says so (docs/snapshot.md#a-failure-to-look-at). Never for a real run")
     if repro:
         p.add_argument("--emit-repro", metavar="DIR", help="write a standalone repro.py (torch and safetensors "
                        "only) and its tensors of the first failing layer to DIR, a new directory")
 
 
 def validate_snapshot_args(args) -> None:
-    """The output directories are new, distinct, and the run is one that has a call to snapshot."""
+    """The output directories are new, distinct, and the run is one that has a call to snapshot;
+    --demo-fault planted for the rest of the command, announced."""
     from harness.snapshot.write import refuse_existing
+
+    if getattr(args, "demo_fault", None) is not None:
+        from harness.port.demo_fault import banner, check_name, plant
+
+        check_name(args.demo_fault)
+        if args.settings.backend != "cpu":
+            raise OptionError(f"--demo-fault {args.demo_fault}: the demonstration runs on the cpu backend; drop "
+                              f"--backend {args.settings.backend}")
+        args.settings = args.settings.but(demo_fault=args.demo_fault)
+        plant(args.demo_fault)  # this process is the command: the bug stays planted until it exits
+        print(banner(args.demo_fault), flush=True)
 
     given = [(flag, getattr(args, attr, None)) for flag, attr in (("--snapshot", "snapshot"),
                                                                   ("--emit-repro", "emit_repro"))]
@@ -44,7 +59,16 @@ def validate_snapshot_args(args) -> None:
 
 
 def after_run(args, check_result, command: str) -> None:
-    """After the command's run: write what was asked for, or, on a failure, say how to ask."""
+    """After the command's run: write what was asked for, or, on a failure, say how to ask; a demo
+    run's banner last (its first line was one too)."""
+    _after_run(args, check_result, command)
+    if getattr(args, "demo_fault", None) is not None:
+        from harness.port.demo_fault import banner
+
+        print(banner(args.demo_fault), flush=True)
+
+
+def _after_run(args, check_result, command: str) -> None:
     snapshot, repro = getattr(args, "snapshot", None), getattr(args, "emit_repro", None)
     if snapshot is None and repro is None:
         if check_result is not None and not check_result.passed:

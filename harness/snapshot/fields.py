@@ -63,6 +63,10 @@ def check_settings(s: dict) -> None:
     _int(s.get("speculate", 0), "settings.speculate", 0)
     if s.get("quantize") is not None:
         _str(s["quantize"], "settings.quantize", QUANTIZE_CHOICES)
+    if s.get("demo_fault") is not None:
+        from harness.port.demo_fault import DEMO_FAULTS
+
+        _str(s["demo_fault"], "settings.demo_fault", tuple(DEMO_FAULTS))
     if s.get("assistant") is not None:
         _str(s["assistant"], "settings.assistant")
     if not isinstance(s.get("backend_options", {}), dict):

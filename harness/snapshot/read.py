@@ -63,7 +63,7 @@ class Snapshot:
         settings = RunSettings(backend=s["backend"], tp=s["tp"], dtype=s["dtype"], buckets=tuple(s["buckets"]),
                                kv_len=s["kv_len"], sliding_cache=s["sliding_cache"], batch=s.get("batch", 1),
                                quantize=s.get("quantize"), speculate=s.get("speculate", 0),
-                               assistant=s.get("assistant"))
+                               assistant=s.get("assistant"), demo_fault=s.get("demo_fault"))
         return settings.but(**changes)
 
 

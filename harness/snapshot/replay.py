@@ -205,7 +205,9 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
         from harness.backends import backend_options
 
         settings = settings.but(backend_options=backend_options(backend_name, recorded["backend_options"]))
-    with intra_op_threads_for(checkpoint.spec):
+    from harness.port.demo_fault import planted
+
+    with intra_op_threads_for(checkpoint.spec), planted(settings.demo_fault):  # a demo snapshot's bug, again
         engine = build_port(checkpoint, settings)
         outputs = (replay_layer if mode == "layer" else replay_whole)(engine, snap)
     names = judged_points(checkpoint.spec, snap.layer, "" if snap.target.get("step") is None else "decode.")

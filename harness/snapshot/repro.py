@@ -177,6 +177,10 @@ def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Pat
                            f"{target.graph_tag} call (call {len(calls) - 1} of the engine's {len(calls)}), "
                            f"{target.stage} stage: {target.point} {target.ratio:.3g}x in the "
                            f"{'failing' if target.failing else 'passing (control)'} run"}
+    if run.demo_fault:  # plainly labelled: the script prints the description first
+        from harness.port.demo_fault import banner
+
+        meta["description"] = f"{banner(run.demo_fault)}\n{meta['description']}"
     return save_repro(out_dir, tensors, meta, modules, what=f"layer {target.layer}, {len(calls)} calls, TP {run.tp}",
                       say=say)
 

@@ -82,6 +82,7 @@ def settings_record(settings) -> dict:
             "buckets": list(settings.buckets), "kv_len": settings.kv_len,
             "sliding_cache": settings.sliding_cache, "batch": settings.batch,
             "quantize": settings.quantize, "speculate": settings.speculate, "assistant": settings.assistant,
+            "demo_fault": settings.demo_fault,
             "backend_options": {k: str(v) for k, v in settings.backend_options.items()}}
 
 
