@@ -160,6 +160,9 @@ def _after(name: str, status: int | None) -> None:
             late.append(signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM)
     finally:
         late = commit_point.finish() + late
+        demo = sys.modules.get("harness.port.demo_fault")  # loaded only by a --demo-fault run
+        if demo is not None:
+            demo.unplant_all()  # a --demo-fault's bug ends with its command
     if late and status is not None:
         _err(f"gemma-parity {name}: {commit_point.signal_name(late[0])} came after the output was written whole; "
              f"the run finished (exit {status})")

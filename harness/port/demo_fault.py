@@ -39,15 +39,26 @@ def check_name(name: str | None) -> None:
                           "docs' walkthrough; leave it out for a real run)")
 
 
+_PLANTED: list = []  # what undoes each fault planted for a command (unplant_all at its end)
+
+
 def plant(name: str):
-    """Plant fault `name` in the port's code; returns what undoes it."""
+    """Plant fault `name` in the port's code; returns what undoes it (also kept for unplant_all)."""
     from harness.port import model
 
     check_name(name)
     attr, replacement = DEMO_FAULTS[name](model)
     original = getattr(model, attr)
     setattr(model, attr, replacement)
-    return lambda: setattr(model, attr, original)
+    undo = lambda: setattr(model, attr, original)  # noqa: E731
+    _PLANTED.append(undo)
+    return undo
+
+
+def unplant_all() -> None:
+    """The command ended: every fault it planted removed (a library caller's process goes on)."""
+    while _PLANTED:
+        _PLANTED.pop()()
 
 
 @contextlib.contextmanager
@@ -61,3 +72,4 @@ def planted(name: str | None):
         yield
     finally:
         undo()
+        _PLANTED.remove(undo)
