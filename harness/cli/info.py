@@ -6,7 +6,7 @@ from harness.base.atomic import write_json_atomic
 from harness.base.errors import HarnessInputError, OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args, add_run_args, run_settings, with_generator
-from harness.cli.host_gate import add_host_memory_arg
+from harness.cli.host_gate import add_host_memory_arg, budget
 from harness.report.fit import render_fit_table
 from harness.report.perf_text import render_roofline
 
@@ -53,6 +53,8 @@ def validate(args) -> None:
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
     tp_given, args.tp_note = args.tp is not None, None
+    if args.config is None and args.checkpoint is None and args.model is None:  # none named: not the 12B
+        args.tp_note = "planning the embedded tiny model (none named; the 12B: --config fixtures/configs/gemma-4-12b-it.json)"
     if not tp_given:
         args.tp = args.run_defaults.tp
     v._int_option(args, "seed", 0)
@@ -136,7 +138,7 @@ def _resolve_tp(args) -> None:
     smallest = smallest_fitting_tp(args.spec, args.dtype, args.kv_len, args.sliding_cache, **fit)
     if smallest is None:
         return  # the checks below refuse the default with the numbers
-    args.tp_note = (f"--tp not given: tp={args.tp} (the default) does not fit one NeuronCore per rank; "
+    args.tp_note = (f"{args.tp_note}\n" if args.tp_note else "") + (f"--tp not given: tp={args.tp} (the default) does not fit one NeuronCore per rank; "
                     f"planning at tp={smallest}, the smallest TP that fits")
     args.tp = smallest
     args.settings = run_settings(args)
@@ -209,8 +211,6 @@ def run(args) -> int:
         _print_floors_at_length(args, payload)
     if args.plan:
         from harness.plan.host_plan import render_resource_plan, resource_plan
-
-        from harness.cli.host_gate import budget
 
         host = budget(args)[0]  # what this machine has unless --host-memory GIB names another host
         payload["resource_plan"] = resource_plan(args.spec, s.tp, s.dtype, s.kv_len, s.buckets, host_bytes=host,
