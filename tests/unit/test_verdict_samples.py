@@ -78,7 +78,8 @@ def test_each_sample_is_what_its_command_prints(name, status):
 
 def test_the_structural_comparison_catches_a_stale_sample():
     """What the check above relies on: an invented or reordered line is caught, a cut is not."""
-    output = ["port: x 1.0", "layer 0 2.5e-03 pass", "layer 1 3.5e-03 pass", "PARITY FAIL (stage fp32, bf16, batch)"]
-    assert is_subsequence(["port: x 7.0", "...", "layer 1 9.9e-01 pass"], output)[0]
-    assert not is_subsequence(["layer 1 3.5e-03 pass", "layer 0 2.5e-03 pass"], output)[0]
+    output = ["port: x 1.0", "0 sliding 2.5e-03 pass", "5 full 3.5e-03 FAIL", "PARITY FAIL (stage fp32, bf16, batch)"]
+    assert is_subsequence(["port: x 7.0", "...", "5   full  9.9e-01  FAIL"], output)[0]  # numbers and spacing masked
+    assert not is_subsequence(["5 full 3.5e-03 FAIL", "0 sliding 2.5e-03 pass"], output)[0]  # reordered
+    assert not is_subsequence(["5 full 3.5e-03 pass"], output)[0]  # a verdict the run did not give
     assert not is_subsequence(["PARITY FAIL (stage fp32, bf16)"], output)[0]
