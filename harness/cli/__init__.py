@@ -25,6 +25,7 @@ import argparse
 import datetime
 import os
 import signal
+import time
 import tempfile
 import traceback
 
@@ -173,6 +174,7 @@ def main(argv=None) -> int:
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     parser = build_parser()
     args = parser.parse_args(argv)  # a malformed command line exits 2 (argparse)
+    args.started = time.perf_counter()  # check --verbose: the command's time beside its run's
     previous = {signal.SIGTERM: signal.getsignal(signal.SIGTERM), signal.SIGINT: signal.getsignal(signal.SIGINT)}
     try:
         # from here a signal unwinds (temp files are removed on the way out): Ctrl-C as

@@ -145,9 +145,12 @@ def run(args) -> int:
     from harness.reference.selfcheck import refuse_unsound_reference
     from harness.report.formats import format_check, write_report
 
+    import time
+
     ckpt = args.ckpt
     print(ckpt.describe())
     refuse_unsound_reference(ckpt, args.prompt_ids or args.reference_source.prompts)  # exit 2
+    before_run = time.perf_counter()
     extra = batch_checks(args) + (served_stage(args.settings, progress=True, skip=args.skip_served_build),)
     if args.assistant_ckpt is not None:
         extra += (speculative_stage(args.settings, args.assistant, args.speculate),)
@@ -165,6 +168,8 @@ def run(args) -> int:
     for flag, where in (("report", args.report), ("json", args.json)):
         if where is not None:
             print(f"{flag} written to {where}")
+    result.run_seconds.update(before=round(before_run - args.started, 2),  # input checks, reference self-check
+                              command=round(time.perf_counter() - args.started, 2))
     # the served build's verdict (and other extra stages') after the layer table, before the verdict lines
     print(format_check(result, verbose=args.verbose, extra=tuple(s.describe() for s in result.extra_stages)))
     after_run(args, result, "check")

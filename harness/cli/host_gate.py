@@ -1,7 +1,7 @@
 """The host plan before a command's model work (issue 28): check, reference, bisect, quality and
 bench on a real checkpoint print the plan's one line first, and a run whose plan does not fit
-`--host-memory` (default: the RAM of the instance the TP degree needs; `auto`: this machine's) is
-refused with exit 2, naming the numbers and the options that would make it fit
+`--host-memory` (default `auto`: this machine's RAM, read from the machine; GIB states another
+host's) is refused with exit 2, naming the numbers and the options that would make it fit
 (harness/plan/host_plan.py)."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from harness.base.errors import OptionError
 GIB = 1 << 30
 
 
-def add_host_memory_arg(p) -> None:
+def add_host_memory_arg(p, purpose: str = "a run whose host plan (harness/plan/host_plan.py) does not fit it is "
+                                            "refused before model work") -> None:
+    """`--host-memory GIB|auto` on every command that takes it (None in args means the default, auto)."""
     p.add_argument("--host-memory", metavar="GIB", type=_host_memory_arg, default=None,
-                   help="the host memory budget in GiB, or `auto` for this machine's RAM; a run whose host "
-                        "plan (harness/plan/host_plan.py) does not fit it is refused before model work "
-                        "(default: the RAM of the inf2 instance the TP degree needs)")
+                   help=f"the host memory budget in GiB, or `auto` for this machine's RAM; {purpose} "
+                        "(default: auto, what this host has)")
 
 
 def _host_memory_arg(text: str):
@@ -35,22 +36,22 @@ def _host_memory_arg(text: str):
 
 
 def machine_ram_bytes() -> int:
-    """This machine's physical memory (MemTotal), read only for `--host-memory auto`."""
+    """This machine's physical memory (MemTotal): the `--host-memory` default (`auto`)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         raise OptionError("--host-memory auto: this system does not report its memory; give the budget "
-                          "in GiB") from None
+                          "in GiB (--host-memory GIB)") from None
 
 
-def budget(args) -> tuple[int | None, str]:
-    """(host budget bytes or None for the instance default, where it comes from)."""
+def budget(args) -> tuple[int, str]:
+    """(host budget bytes, where it comes from): --host-memory GIB, else (`auto`, the default) what
+    this machine has: a run is judged against the host it runs on, not the instance it might."""
     value = getattr(args, "host_memory", None)
-    if value == "auto":
-        return machine_ram_bytes(), "--host-memory auto: this machine's RAM"
-    if value is not None:
-        return int(value * GIB), f"--host-memory {value:g}"
-    return None, "the instance's RAM; --host-memory GIB for another host"
+    if value is None or value == "auto":
+        said = "--host-memory auto" if value == "auto" else "the default, --host-memory auto"
+        return machine_ram_bytes(), f"this machine's RAM ({said}; --host-memory GIB for another host)"
+    return int(value * GIB), f"--host-memory {value:g}"
 
 
 def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> dict:
@@ -94,18 +95,13 @@ def quantized_copy_gate(args, command: str, ckpt) -> None:
     """`--quantize`: the host bytes writing the quantized model's copy holds (once per checkpoint
     and scheme: harness/inputs/quantized_checkpoint.py), kept for the command's plan (its "quantized
     copy" phase), and refused (exit 2) before the copy is written when that phase is over the budget."""
-    from harness.base.settings import RunSettings
     from harness.inputs.quantized_checkpoint import copy_host_bytes
-    from harness.plan.host_plan import HOST_RAM, gib, host_peak
-    from harness.plan.instances import smallest_instance
+    from harness.plan.host_plan import gib, host_peak
 
     args.quantized_copy = copy_host_bytes(ckpt, args.quantize)
     host, source = budget(args)
-    if host is None:
-        instance = smallest_instance((getattr(args, "settings", None) or RunSettings()).tp)
-        host = HOST_RAM.get(instance.name if instance else "")
     peak = host_peak(command, {"quantized copy": args.quantized_copy})
-    if args.quantized_copy and host is not None and peak > host:
+    if args.quantized_copy and peak > host:
         raise OptionError(f"{command} --quantize {args.quantize}: writing the quantized model's copy of {ckpt.path} "
                           f"(once, into the cache) needs {gib(peak)} of host memory at its peak, over the host budget "
                           f"of {gib(host)} ({source}); run it on a host with more memory (--host-memory GIB states "

@@ -6,6 +6,7 @@ from harness.base.atomic import write_json_atomic
 from harness.base.errors import HarnessInputError, OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args, add_run_args, run_settings, with_generator
+from harness.cli.host_gate import add_host_memory_arg, budget
 from harness.report.fit import render_fit_table
 from harness.report.perf_text import render_roofline
 
@@ -27,8 +28,7 @@ def add_command(sub) -> None:
                    "inf2.8xlarge (prefill at bucket 64, decode), computed without running anything")
     p.add_argument("--plan", action="store_true", help="also print the resource plan of every command: peak "
                    "host memory, device memory per NeuronCore and graphs (harness/plan/host_plan.py)")
-    p.add_argument("--host-memory", metavar="GIB", type=float, default=None, help="the host budget of --plan in "
-                   "GiB (default: the RAM of the instance the TP degree needs)")
+    add_host_memory_arg(p, "the budget --plan judges each command's host peak against")
     p.add_argument("--instance", default=None, help="instance type whose published rates --perf uses "
                    "(inf2.xlarge, inf2.8xlarge, inf2.24xlarge, inf2.48xlarge; default: the smallest with --tp "
                    "NeuronCores, inf2.8xlarge up to tp 2)")
@@ -53,10 +53,10 @@ def validate(args) -> None:
     v._int_option(args, "tp", 1)
     v._int_option(args, "kv_len", 1)
     tp_given, args.tp_note = args.tp is not None, None
+    if args.config is None and args.checkpoint is None and args.model is None:  # none named: not the 12B
+        args.tp_note = "planning the embedded tiny model (none named; the 12B: --config fixtures/configs/gemma-4-12b-it.json)"
     if not tp_given:
         args.tp = args.run_defaults.tp
-    if args.host_memory is not None and not args.host_memory > 0:
-        raise v.OptionError(f"--host-memory {args.host_memory}: give the host budget in GiB, a positive number")
     v._int_option(args, "seed", 0)
     args.settings = run_settings(args)
     inputs = v.model_inputs(args)
@@ -138,7 +138,7 @@ def _resolve_tp(args) -> None:
     smallest = smallest_fitting_tp(args.spec, args.dtype, args.kv_len, args.sliding_cache, **fit)
     if smallest is None:
         return  # the checks below refuse the default with the numbers
-    args.tp_note = (f"--tp not given: tp={args.tp} (the default) does not fit one NeuronCore per rank; "
+    args.tp_note = (f"{args.tp_note}\n" if args.tp_note else "") + (f"--tp not given: tp={args.tp} (the default) does not fit one NeuronCore per rank; "
                     f"planning at tp={smallest}, the smallest TP that fits")
     args.tp = smallest
     args.settings = run_settings(args)
@@ -212,7 +212,7 @@ def run(args) -> int:
     if args.plan:
         from harness.plan.host_plan import render_resource_plan, resource_plan
 
-        host = None if args.host_memory is None else int(args.host_memory * 2**30)
+        host = budget(args)[0]  # what this machine has unless --host-memory GIB names another host
         payload["resource_plan"] = resource_plan(args.spec, s.tp, s.dtype, s.kv_len, s.buckets, host_bytes=host,
                                                  sliding_cache=s.sliding_cache, speculate=s.speculate,
                                                  batch=max(args.batch) if args.batch else 1,  # neuron: no batch stage

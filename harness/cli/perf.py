@@ -155,6 +155,9 @@ def _auto_runs(args) -> int:
 
 
 def run_bench_command(args) -> int:
+    from harness.perf import environment
+
+    started = environment.probe()  # what else the machine ran during this bench (perf/environment.py)
     runs = _auto_runs(args) if args.runs == "auto" else args.runs
     result = run_bench(args.ckpt, args.settings, runs=runs, warmup=args.warmup, new_tokens=args.new_tokens,
                        progress=True, lengths=args.lengths)
@@ -184,6 +187,7 @@ def run_bench_command(args) -> int:
         result["quantize"] = args.settings.quantize
         result["unquantized"] = beside_unquantized(args.ckpt, args.settings, result, runs=runs, warmup=args.warmup,
                                                    new_tokens=args.new_tokens, lengths=args.lengths)
+    result["environment"] = environment.since(started)
     write_json(args.out, result, overwrite=args.force)
     print(render_bench_summary(result), end="")
     if args.settings.quantize:

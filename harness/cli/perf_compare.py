@@ -9,7 +9,7 @@ from pathlib import Path
 
 from harness.base.errors import HarnessInputError, InputFileError, OptionError, read_json_file
 from harness.cli import validate as v
-from harness.cli.common import EXIT_FAIL, EXIT_OK, with_generator
+from harness.cli.common import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_OK, with_generator
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, MAX_ALPHA, compare_files, compare_history, parse_budgets,
                           write_json, write_text)
 from harness.perf.results import history_files, sample_problem, skipped_history_entries, validate_result
@@ -24,7 +24,8 @@ def add_command(subparsers) -> None:
     compare = perf_commands.add_parser(
         "compare", help="flag regressions and broken budgets",
         description="Compare a current run with a baseline. Exit 0 ok, 1 regression or broken "
-                    "budget, 2 bad input.")
+                    "budget, 2 bad input or runs not comparable (the machine's other work differed: "
+                    "docs/performance.md#comparable-runs).")
     compare.add_argument("--baseline", metavar="FILE")
     compare.add_argument("--current", metavar="FILE")
     compare.add_argument("--history", metavar="DIR", help="newest run in DIR vs the history's baseline, "
@@ -121,7 +122,12 @@ def run_compare_command(args) -> int:
         write_text(args.markdown, render_markdown(comp, link) + f"\n{v.MARKDOWN_MARK}\n", overwrite=True)
     if args.json is not None:
         write_json(args.json, with_generator(comp.to_dict(), "perf compare"), overwrite=True)
-    return EXIT_FAIL if comp.failed else EXIT_OK
+    if comp.failed:
+        return EXIT_FAIL
+    if comp.not_comparable:  # neither a pass nor a regression: the runs say nothing about the code
+        print(f"gemma-parity: {comp.not_comparable}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
 
 
 def _warn_provenance(args) -> None:

@@ -216,8 +216,10 @@ def judge_distribution(result, strict: bool = False, served=None, bitwise=None) 
     for scope, points in (("cumulative", cumulative), ("local", local)):
         stats, found = scope_stats(points, scope, lambda name: "all")
         overall, overall_breaches = overall + stats, overall_breaches + found
-    notes = [] if local else ["no local (layer-alone) verdicts ran: the cumulative distribution alone is gated "
-                              "and the layers' over-precision is not judged (run bisect, capture mode)"]
+    alone = ("no layer of this model runs alone (each reads a per-layer input or another layer's KV cache)"
+             if result.local == [] else "no local (layer-alone) verdicts ran")
+    notes = [] if local else [f"{alone}: the cumulative distribution alone is gated and the layers' "
+                              "over-precision is not judged" + ("" if result.local == [] else " (run bisect, capture mode)")]
     return Distribution(kinds=kinds + local_kinds, overall=overall, breaches=breaches + local_breaches + overall_breaches,
                         over_precision=find_over_precision(cumulative, local), strict=strict, notes=notes,
                         check=result, served=served, bitwise=bitwise)

@@ -105,6 +105,7 @@ class CheckResult:
     local_verdicts: list = field(default_factory=list, repr=False, compare=False)  # local.LayerVerdict
     local_nonfinite: dict | None = field(default=None, repr=False, compare=False)
     run_seconds: dict[str, float] = field(default_factory=dict)  # the whole run: build, reference, total
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each extra stage (run_stages)
     # The extra stages the parity run executed (served, batch, speculative, ...): each a sealed
     # harness.judge.stage_result.StageResult, counted in the verdict like the two stages.
     extra_stages: list = field(default_factory=list, compare=False)
@@ -272,7 +273,7 @@ class CheckResult:
                 "failed_stage": verdict.failed_stages[0] if verdict.failed_stages else None,
                 "first_failure": verdict.failures[0] if verdict.failures else None,
                 "seconds": dict({s.stage: s.seconds for s in (self.fp32, self) if s is not None},
-                                run=self.run_seconds),
+                                run=self.run_seconds, stages=self.stage_seconds),
                 "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
                 "port_error": self.port_error or (self.fp32.port_error if self.fp32 else None),
                 "routing": self.routing.to_json() if self.routing is not None else None,

@@ -22,6 +22,7 @@ A tie band travels with its judge (`Ties`): a stage classifying token departures
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -150,6 +151,7 @@ def run_stages(stages, inputs: dict) -> None:
         missing = [name for name in stage.reads if name not in inputs]
         if missing:
             raise ValueError(f"the {stage.name} stage reads {missing}, not among the run's inputs {sorted(inputs)}")
+        start = time.perf_counter()
         out = stage.run(**{name: inputs[name] for name in stage.reads}, **{name: done.get(name) for name in stage.after})
         if out is not None:
             result.extra_stages.append(out.seal())
@@ -157,6 +159,7 @@ def run_stages(stages, inputs: dict) -> None:
         if "engine" in inputs and not any("engine" in later.reads for later in ordered[i + 1:]):
             del inputs["engine"]
             gc.collect()
+        result.stage_seconds[stage.name] = round(time.perf_counter() - start, 2)  # check --verbose prints it
 
 
 class Verdict(NamedTuple):

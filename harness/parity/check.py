@@ -129,9 +129,11 @@ def _local(result: CheckResult, checkpoint, layer_backend, progress: bool) -> No
     verdicts, nonfinite = port_call("bf16 stage: local layer verdicts", lambda: local_verdicts(
         checkpoint, layer_backend, result.observation, result.layers, progress))
     result.local_verdicts, result.local_nonfinite = verdicts, nonfinite
+    # a layer that cannot run alone (a per-layer input, a shared KV cache) has no local verdict: its
+    # row's local column stays empty rather than repeat its cumulative ratio (tiny-e2b: every layer)
     result.local = [LocalLayer(index=v.index, passed=v.passed, component=v.component,
-                               ratio=max(p.required_factor for p in v.judged), rel_l2=v.judged[-1].rel_l2,
-                               envelope_rel_l2=v.judged[-1].envelope_rel_l2) for v in verdicts]
+                               ratio=max(p.required_factor for p in v.local), rel_l2=v.local[-1].rel_l2,
+                               envelope_rel_l2=v.local[-1].envelope_rel_l2) for v in verdicts if v.local]
     result.seconds["local"] = round(time.perf_counter() - start, 2)
 
 
@@ -212,6 +214,6 @@ def run_parity_check(checkpoint, checkpoint_dir, settings: RunSettings, golden=N
     result = _check_port(checkpoint, held, StageReferences(ref32, ref16), PortRun.of(settings, progress, force_path),
                          options=dict(local=None, fp32_engine="auto" if fp32_stage else None, layer_backend=None),
                          stages=check_stages(strict_precision) + tuple(stages))
-    result.run_seconds = {"build": round(built - start, 2), "reference": round(referenced - built, 2),
-                          "total": round(time.perf_counter() - start, 2)}
+    result.run_seconds.update(build=round(built - start, 2), reference=round(referenced - built, 2),
+                              total=round(time.perf_counter() - start, 2))
     return result

@@ -135,7 +135,7 @@ def bitwise_layers_stage() -> Stage:
     ranks on CPU): it reads the bf16 stage's observation (the fp32 references' layer inputs) and the
     parity build's settings; an exception inside the port's layers alone is the stage's failure."""
     def run(result, checkpoint, engine):
-        if result.port_error or not result.local:
+        if result.port_error or result.local is None:  # the local verdicts did not run (not the CPU's ranks)
             return None
         try:
             return port_call("bit-exact layers", lambda: bitwise_layers(checkpoint, engine, result.observation.ref32))

@@ -10,7 +10,8 @@ perf_text and perf_plot). One job per module:
   bench         the benchmark runner: TTFT, TPOT, E2E, throughput, efficiency per graph
   compare       budgets, the decision rule, comparisons of two runs
   changepoints  change points over run medians (CUSUM permutation test, binary segmentation)
-  history       `perf compare --history`: baseline from the history, trend, change points
+  history       `perf compare --history` (a baseline from the history, trend, change points) and of two files
+  environment   what else the machine ran during a bench, and the rule that says two runs are not comparable
 
 The names below are the package's API (what `gemma-parity bench`/`perf compare` and the tests use).
 """
@@ -19,9 +20,9 @@ from harness.perf.bench import (DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP
                                 graph_medians, run_bench)
 from harness.perf.changepoints import ChangePoint, cusum, find_change_points, find_family
 from harness.perf.compare import (BUDGETS, DEFAULT_ALPHA, DEFAULT_FACTOR, MAX_ALPHA, BudgetCheck, Comparison, MetricComparison,
-                                  check_budgets, check_comparable, compare_files, compare_metric, compare_results,
+                                  check_budgets, check_comparable, compare_metric, compare_results,
                                   compare_samples, decide, parse_budgets, pin_outputs, software_notes)
-from harness.perf.history import HISTORY_WINDOW, compare_history, median_run_samples
+from harness.perf.history import HISTORY_WINDOW, compare_files, compare_history, median_run_samples
 from harness.perf.machine import git_commit, machine_info, package_versions
 from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, FORMAT, append_history, budget_samples,
                                   dtype_name, latency_samples, load_history, load_result, metric_samples,

@@ -18,23 +18,20 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from harness.base.errors import HarnessInputError
 from harness.perf import outputs, stats
 from harness.perf.batch import pin_batch_outputs
+from harness.perf.environment import judge_environment
 from harness.perf.length import pin_length_outputs
-from harness.perf.results import CONFIGURATION_FIELDS, load_result, metric_samples, mismatches, budget_samples
+from harness.perf.results import CONFIGURATION_FIELDS, metric_samples, mismatches, budget_samples
 
 # Absolute ceilings on the median, in ms, for the real 12B on one inf2 chip at TP=2, bf16, bucket 64.
 BUDGETS = {
-    # The published port's first-token prefill: about 101 ms at the 64-token bucket
-    # (docs/design.md#performance-facts).
-    "ttft_ms": 101.0,
-    # No decode figure is published. The floor is one read of the ~23.8 GB of bf16 device weights
-    # (both ranks) at the chip's HBM bandwidth, about 27 ms per step (roofline.py;
-    # docs/design.md#performance-facts rounds it to 28). Budget = 2x that floor: a memory-bound
-    # step at 50% of peak bandwidth, leaving room for the KV read, the all-reduces between the two cores and the host round trip per token.
+    "ttft_ms": 101.0,  # the published port's first-token prefill at the 64-token bucket (docs/design.md#performance-facts)
+    # No decode figure is published: 2x the floor (one read of the ~23.8 GB of bf16 weights of both ranks
+    # at the chip's HBM bandwidth, ~27 ms: roofline.py), a memory-bound step at 50% of peak bandwidth,
+    # leaving room for the KV read, the all-reduces between the cores and the host round trip per token.
     "tpot_ms": 56.0,
 }
 DEFAULT_FACTOR = 1.1
@@ -91,6 +88,9 @@ class Comparison:
     at_length: dict | None = None  # the current run's latency at each prompt length with its floors
     length_plot: str | None = None  # the latency-vs-length PNG, when one was drawn
     history: bool = False  # a history's runs (perf compare --history), else two files
+    # "not comparable: ..." when the runs' machines were busy alike beyond perf/environment.py's bounds
+    # (no metric is then called faster or slower, and the command exits 2)
+    not_comparable: str | None = None
 
     @property
     def regressions(self) -> list[str]:
@@ -282,25 +282,5 @@ def compare_results(baseline: dict | None, current: dict, factor: float = DEFAUL
     comp.at_length = current.get("at_length")
     if baseline is not None:
         pin_outputs(comp, baseline, current, allow_output_change)
-    return comp
-
-
-def trend(runs: list[tuple[Path, dict]]) -> dict[str, list[dict]]:
-    """Per metric (compared metrics and latency), each run's median and p10/p90 spread."""
-    out: dict[str, list[dict]] = {}
-    for path, result in runs:
-        for metric, values in budget_samples(result).items():
-            out.setdefault(metric, []).append({
-                "name": path.name, "commit": str(result.get("git_commit", "unknown")),
-                "created": result["created"], "median": statistics.median(values),
-                "p10": stats.percentile(values, 10), "p90": stats.percentile(values, 90), "n": len(values)})
-    return out
-
-
-def compare_files(baseline_path, current_path, **kwargs) -> Comparison:
-    """Two result files; the comparison's trend holds their two points (what the plot draws)."""
-    baseline, current = load_result(baseline_path), load_result(current_path)
-    comp = compare_results(baseline, current, baseline_label=str(baseline_path), current_label=str(current_path),
-                           **kwargs)
-    comp.trend = trend([(Path(baseline_path), baseline), (Path(current_path), current)])
+        judge_environment(comp, baseline, current)
     return comp

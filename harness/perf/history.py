@@ -18,9 +18,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from harness.perf import environment, stats
 from harness.perf.changepoints import find_family, runs_needed
 from harness.perf.compare import (DEFAULT_ALPHA, DEFAULT_FACTOR, Comparison, check_comparable, compare_results,
-                                  compare_samples, pin_outputs, software_notes, trend)
+                                  compare_samples, pin_outputs, software_notes)
 from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, budget_samples, load_history, load_result,
                                   metric_samples, mismatches)
 
@@ -82,13 +83,42 @@ def compare_history(directory, factor: float = DEFAULT_FACTOR, alpha: float = DE
                           f"{', '.join(COMPARABLE_FIELDS)}): budgets checked only")
         change_point_analysis(comp, comparable, alpha)
         return comp
+    quiet_alike = environment.alike(earlier, newest)  # the window's runs timed under a load like the newest's
+    if quiet_alike and len(quiet_alike) < len(earlier):
+        notes_env = [f"environment: {len(earlier) - len(quiet_alike)} of the last {len(earlier)} runs left out of "
+                     "the baseline: the machine's other work then differed from the newest run's"]
+        earlier = quiet_alike
+    else:
+        notes_env = []
     samples, notes = median_run_samples(earlier)
     comp = compare_samples(samples, metric_samples(newest), factor, alpha, budgets,
                            f"median run of the last {len(earlier)} comparable runs in {directory}",
                            str(newest_path), budget_pool=budget_samples(newest), intervals=intervals)
     newest_earlier = earlier[-1][1]
     comp.notes = (check_comparable(newest_earlier, newest, True) + software_notes(newest_earlier, newest)
-                  + notes)
+                  + notes + notes_env)
     pin_outputs(comp, newest_earlier, newest, allow_output_change, baseline_label=str(earlier[-1][0]))
+    environment.judge_environment(comp, newest_earlier, newest, baseline_label=str(earlier[-1][0]))
     change_point_analysis(comp, comparable, alpha)
+    return comp
+
+
+def trend(runs: list[tuple[Path, dict]]) -> dict[str, list[dict]]:
+    """Per metric (compared metrics and latency), each run's median and p10/p90 spread."""
+    out: dict[str, list[dict]] = {}
+    for path, result in runs:
+        for metric, values in budget_samples(result).items():
+            out.setdefault(metric, []).append({
+                "name": path.name, "commit": str(result.get("git_commit", "unknown")),
+                "created": result["created"], "median": statistics.median(values),
+                "p10": stats.percentile(values, 10), "p90": stats.percentile(values, 90), "n": len(values)})
+    return out
+
+
+def compare_files(baseline_path, current_path, **kwargs) -> Comparison:
+    """Two result files; the comparison's trend holds their two points (what the plot draws)."""
+    baseline, current = load_result(baseline_path), load_result(current_path)
+    comp = compare_results(baseline, current, baseline_label=str(baseline_path), current_label=str(current_path),
+                           **kwargs)
+    comp.trend = trend([(Path(baseline_path), baseline), (Path(current_path), current)])
     return comp

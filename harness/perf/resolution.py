@@ -69,21 +69,12 @@ def resolution_notes(baseline_samples: dict, current_samples: dict, alpha: float
 
 
 def machine_rate_notes(baseline: dict, current: dict) -> list[str]:
-    """A warning when the two runs' measured machine rates differ beyond their spreads."""
-    spreads = [((r.get("roofline") or {}).get("rates_spread") or {}) for r in (baseline, current)]
-    out = []
-    for key, label in (("memory_bytes_per_s", "memory bandwidth"), ("flops_per_s", "matmul rate")):
-        a, b = (s.get(key) if isinstance(s, dict) else None for s in spreads)
-        if not (isinstance(a, dict) and isinstance(b, dict)):
-            continue
-        try:
-            apart = a["max"] < b["min"] or b["max"] < a["min"]
-            ratio = max(a["median"], b["median"]) / min(a["median"], b["median"])
-        except (KeyError, TypeError, ZeroDivisionError):
-            continue
-        if apart:
-            out.append(f"warning: the two runs' machines measured different {label} (baseline median "
-                       f"{a['median']:.3g}, current {b['median']:.3g}: {ratio:.2f}x, beyond both spreads); "
-                       "the machine's load differed, so timings are not comparable: rerun both on a quiet "
-                       "machine, or with more --runs")
-    return out
+    """A note when the two runs' measured machine rates differ beyond their spreads (more than
+    perf/environment.py's RATE_BOUND apart makes the runs not comparable: the verdict says so)."""
+    from harness.perf.environment import RATE_BOUND, rate_differences
+
+    return [f"the two runs' machines measured different {what} (baseline median {a:.3g}, current {b:.3g}: "
+            f"{max(a, b) / min(a, b):.2f}x, beyond both spreads; "
+            + (f"over the {RATE_BOUND:.0%} the comparison allows: not comparable)" if beyond
+               else f"within the {RATE_BOUND:.0%} the comparison allows)")
+            for what, a, b, beyond in rate_differences(baseline, current)]

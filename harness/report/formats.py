@@ -9,6 +9,7 @@ from harness.judge.compare import ENVELOPE_FACTOR, FP32_FACTOR
 from harness.report.bisect import (BISECT_HEADERS, CAUSES, bisect_markdown_lines, bisect_rows,  # noqa: F401
                                    bisect_summary_lines, format_bisect)
 from harness.report.plot import bisect_title, plot_layer_errors
+from harness.report.seconds import seconds_lines
 from harness.report.table import fmt, table
 
 
@@ -139,14 +140,18 @@ def _prompt_lines(payload: dict) -> list[str]:
     return lines
 
 
-def _seconds_lines(seconds: dict) -> list[str]:
-    """Wall time per stage and phase (`check --verbose`)."""
-    lines = []
-    for stage in ("run", "fp32", "bf16"):
-        parts = seconds.get(stage) or {}
-        if parts:
-            lines.append(f"time, {stage}: " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()))
-    return lines
+def seq_match_line(payload: dict) -> str:
+    """SEQ_MATCH with what it means here: True, every prompt's greedy tokens equal the reference's;
+    False above PARITY PASS, every departure was judged a tie (a near tie inside the band, or a
+    saturation tie), which parity allows."""
+    seq = payload["seq_match"]
+    if seq is not False:
+        return f"SEQ_MATCH {seq}" + (" (every prompt's greedy tokens equal the reference's)" if seq else "")
+    departed = [str(k) for k, p in enumerate(payload.get("prompts") or []) if p.get("seq_match") is False]
+    where = f"in prompt{'s' if len(departed) > 1 else ''} {', '.join(departed)}" if departed else "somewhere"
+    why = ("every departure is a near or saturation tie (the band above), which parity allows" if payload["passed"]
+           else "see the flips above: a departure that is no tie fails the check")
+    return f"SEQ_MATCH False (the greedy tokens departed from the reference's {where}; {why})"
 
 
 def format_check(result, verbose: bool = False, extra: tuple[str, ...] = ()) -> str:
@@ -186,12 +191,12 @@ def format_check(result, verbose: bool = False, extra: tuple[str, ...] = ()) -> 
     lines += list(extra)
     lines += [f"note: {n}" for n in payload.get("notes", [])]
     if verbose:
-        lines += _seconds_lines(payload.get("seconds") or {})
+        lines += seconds_lines(payload.get("seconds") or {})
     first = payload["first_divergent_layer"]
     where = f"{first} ({payload.get('first_divergent_component')})" if first is not None else "none"
     lines.append(f"first divergent layer: {where}; near-tie flips "
                  f"{payload['near_tie_flips']}, real divergences {payload['real_divergences']}")
-    lines.append(f"SEQ_MATCH {payload['seq_match']}")
+    lines.append(seq_match_line(payload))
     if payload.get("first_failure"):
         f = payload["first_failure"]
         lines.append(f"first failure: {f['stage']} stage, {f['point']} at {f.get('where')}")

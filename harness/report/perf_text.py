@@ -110,6 +110,10 @@ def render_bench_summary(result: dict) -> str:
                      f"{t['e2e_tokens_per_s']:.1f} tok/s, prefill {t['prefill_tokens_per_s']:.0f} tok/s")
     lines.append(PERCENTILE_RULE)
     lines.append(_outputs_line(result.get("outputs")))
+    if "environment" in result:
+        from harness.perf.environment import describe
+
+        lines.append(f"machine during the run: {describe(result['environment'])}")
     text = "\n".join(lines) + "\n"
     if result.get("roofline"):
         text += render_roofline(result["roofline"])
@@ -167,7 +171,7 @@ def comparison_tables(comp: Comparison) -> tuple[list[str], list[list[str]]]:
 
 def status_line(comp: Comparison) -> str:
     if not comp.failed:
-        return "perf: ok"
+        return "perf: NOT COMPARABLE (no verdict)" if comp.not_comparable else "perf: ok"
     parts = [comp.output_change.split(":")[0]] if comp.output_change else []
     parts += [f"regression in {', '.join(comp.regressions)}"] if comp.regressions else []
     parts += [f"over budget: {', '.join(comp.broken_budgets)}"] if comp.broken_budgets else []
@@ -196,7 +200,8 @@ def change_point_rows(comp: Comparison) -> tuple[list[str], list[list[str]]]:
 def render_text(comp: Comparison) -> str:
     header, rows = comparison_tables(comp)
     out = [status_line(comp), f"baseline: {comp.baseline_label}", f"current:  {comp.current_label}",
-           rule_line(comp), *([comp.output_change] if comp.output_change else []), "", *_table(header, rows)]
+           rule_line(comp), *([comp.output_change] if comp.output_change else []),
+           *([comp.not_comparable] if comp.not_comparable else []), "", *_table(header, rows)]
     if comp.change_points:
         out += ["", change_point_title(comp) + ":", *_table(*change_point_rows(comp))]
     if comp.roofline:
@@ -211,12 +216,13 @@ def render_text(comp: Comparison) -> str:
 
 def render_markdown(comp: Comparison, plot_link: str | None = None) -> str:
     header, rows = comparison_tables(comp)
-    icon = "❌" if comp.failed else "✅"
+    icon = "❌" if comp.failed else "⚠️" if comp.not_comparable else "✅"
     out = [f"### {icon} {status_line(comp)}", "",
            f"Baseline: `{comp.baseline_label}`  ", f"Current: `{comp.current_label}`  ",
            f"A metric regresses when its median ratio exceeds {comp.factor:g} **and** a one-sided "
            f"Mann-Whitney U test gives p < {comp.alpha:g}; the interval is a bootstrap interval of the "
-           "ratio of medians.", *(["", f"**{comp.output_change}**"] if comp.output_change else []), "",
+           "ratio of medians.", *(["", f"**{comp.output_change}**"] if comp.output_change else []),
+           *(["", f"**{comp.not_comparable}**"] if comp.not_comparable else []), "",
            *_markdown_table(header, rows)]
     if comp.change_points:
         out += ["", "#### C" + change_point_title(comp)[1:], "", *_markdown_table(*change_point_rows(comp))]

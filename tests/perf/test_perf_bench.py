@@ -70,6 +70,9 @@ def test_bench_writes_a_complete_result(bench_runs):
     assert {"python", "torch", "transformers"} <= set(result["versions"])
     assert result["settings"] == {"runs": RUNS, "warmup": 1, "buckets": [8, 16], "new_tokens": NEW_TOKENS,
                                   "kv_len": 32}
+    env = result["environment"]  # what else the machine ran (its shares made quiet by tests/perf/conftest.py)
+    assert env["cores"] == os.cpu_count() and 0 < env["window_s"] and len(env["load_1m"]) == 2
+    assert "machine during the run: " in printed[0]
 
 
 def test_bench_records_ttft_tpot_and_end_to_end(bench_runs):

@@ -56,20 +56,38 @@ def _expected_git_state() -> dict:
     return {"commit": os.environ.get("GITHUB_SHA", "unknown"), "dirty": None}
 
 
-def _check(tiny0_dir, golden, tmp_path, batch_stage: bool = False):
+def _check(tiny0_dir, golden, tmp_path, batch_stage: bool = False, verbose: bool = False):
     # --batch 1 unless asked: the other tests here are about the stages and the report; the contract
     # test runs the default check whole, its batch stage included
     return main(["check", "--checkpoint", str(tiny0_dir), "--golden", str(golden),
-                 *([] if batch_stage else ["--batch", "1"]),
+                 *([] if batch_stage else ["--batch", "1"]), *(["--verbose"] if verbose else []),
                  "--json", str(tmp_path / "check.json"), "--report", str(tmp_path / "report")])
+
+
+def _every_stage_is_timed(out: str, payload: dict) -> None:
+    """--verbose: each extra stage that ran has its time, and the lines add up to the run's total
+    (what no line accounts for is printed, and small)."""
+    import re
+
+    times = {line.split(":")[0]: line for line in out.splitlines() if line.startswith("time, ")}
+    seconds = payload["seconds"]
+    assert set(payload["extra_stages"]) <= set(seconds["stages"]), (payload["extra_stages"].keys(), seconds)
+    for stage in seconds["stages"]:
+        assert f" {stage} " in times["time, stages"]
+    rest = float(re.search(r"rest of the run: (-?[\d.]+) s", times["time, rest of the run"]).group(1))
+    total = seconds["run"]["total"]
+    assert -0.5 < rest < 0.1 * total + 1.0, (rest, total, times)  # every stage of the run is in a line above
+    command = float(re.search(r"time, command: ([\d.]+) s", times["time, command"]).group(1))
+    assert command >= total - 0.1 and "before the run" in times["time, command"]
 
 
 def test_check_with_golden_passes_and_writes_the_contract(tiny0_dir, golden, tmp_path, capsys):
     """A healthy port exits 0, prints SEQ_MATCH with both token sequences, and writes the JSON
     keys the issue promises plus a Markdown report and a plot."""
-    assert _check(tiny0_dir, golden, tmp_path, batch_stage=True) == 0
+    assert _check(tiny0_dir, golden, tmp_path, batch_stage=True, verbose=True) == 0
     out = capsys.readouterr().out
     assert "SEQ_MATCH True" in out and "PARITY PASS" in out
+    _every_stage_is_timed(out, json.loads((tmp_path / "check.json").read_text()))
     # where the files went, then the main layer table (with the fp32 stage's column) before the served
     # build's verdict, and the verdict last
     lines = out.splitlines()
