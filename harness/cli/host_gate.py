@@ -73,7 +73,8 @@ def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> d
     plan = resource_plan(spec, s.tp, s.dtype, s.kv_len, s.buckets, sliding_cache=s.sliding_cache, host_bytes=host,
                          layout=layout, backend=s.backend, rows=rows, options=options, speculate=s.speculate,
                          batch=batch if command == "check" else (batch or 1),
-                         assistant=getattr(getattr(args, "assistant_ckpt", None), "spec", None))  # its draft graphs
+                         assistant=getattr(getattr(args, "assistant_ckpt", None), "spec", None),  # its draft graphs
+                         quantize=s.quantize)
     args.resource_plan = plan
     limit = getattr(args, "compile_budget", None)
     if getattr(args, "checkpoint", None) is not None or getattr(args, "host_memory", None) is not None or limit:

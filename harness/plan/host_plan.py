@@ -136,19 +136,20 @@ def counted_peak(phases: dict) -> int:
 def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *, sliding_cache: str = "linear",
                   host_bytes: int | None = None, layout: bool = False, backend: str = "neuron",
                   rows: int | None = None, options: dict | None = None, speculate: int = 0,
-                  batch: int | None = 1, assistant=None) -> dict:
+                  batch: int | None = 1, assistant=None, quantize: str | None = None) -> dict:
     """Per command: host_peak_bytes (and its phases), the builds it compiles (`graphs_by_stage`,
     compile_budget.graphs_by_stage; `graphs` their sum) and their cold-compile minutes, the device
     bytes per core of its largest build (stage_build: a parity or a perf build) and whether every
     build fits (`device_problem`: the first that does not); `host_bytes` is the host budget
     (default: the RAM of the instance the TP degree needs); `options` (golden, fp32_stage, served)
     what the command was asked to skip; `batch` the run's KV slots, or None for a check with its
-    batch stage (a check without --batch off neuron; on neuron it is asked for with --batch N); `assistant` an AssistantSpec (its draft graphs and drafter)."""
+    batch stage (a check without --batch off neuron; on neuron it is asked for with --batch N); `assistant` an AssistantSpec (its draft graphs and drafter);
+    `quantize` the weights' storage on the device (int8: core_fit.weight_bytes)."""
     from harness.plan.compile_budget import compile_minutes, graphs_by_stage
 
     inst = smallest_instance(tp)
     budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "")
-    build = dict(buckets=buckets, layout=layout, speculate=speculate, assistant=assistant)
+    build = dict(buckets=buckets, layout=layout, speculate=speculate, assistant=assistant, quantize=quantize)
     slots = batch or 1
     fits: dict[tuple[int, bool], str | None] = {}  # (KV slots, perf build) -> None, or why it does not fit
 
@@ -162,7 +163,7 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
         return core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build, batch=key[0], perf=key[1])
 
     parts = host_parts(spec, tp, dtype, backend, rows)
-    weights = bytes_per_rank(spec, tp, dtype, kv_len)["weights"]
+    weights = core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build)["weights"]
     commands = {}
     for name in COMMANDS:
         # the batch stage runs in a check without --batch (off neuron) or with --batch N > 1
@@ -184,7 +185,7 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
     return {"instance": inst.name if inst else None, "host_bytes": budget, "fp32_model_bytes": parts["model"],
             "float64_streamed": parts["float64_streamed"], "backend": backend,
             "host_parts": parts, "options": dict(options or {}), "tp": tp, "kv_len": kv_len,
-            "buckets": sorted({int(b) for b in buckets}), "batch": batch, "core": core,
+            "buckets": sorted({int(b) for b in buckets}), "batch": batch, "core": core, "quantize": quantize,
             "core_hbm": 16 * GIB, "device_problem": device_problem, "commands": commands,
             "instances": [i.name for i in INSTANCES]}
 
