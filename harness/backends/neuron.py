@@ -55,6 +55,7 @@ from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the 
     version_matches)
 from harness.backends.neuron_build import (  # noqa: F401  (re-exported: a build's graph tags)
     Built, compile_build, kv_graphs_json, kv_tag, kv_tags)
+from harness.backends.neuron_gate import admit_build
 from harness.backends.neuron_drafter import NeuronDrafter, draft_tags, drafter_key, drafter_rank_weights, open_assistant
 from harness.base.errors import HarnessInputError
 from harness.port.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
@@ -107,6 +108,7 @@ class NeuronBackend:
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here, before any compile
         self.visible_cores = assign_visible_cores(tp)  # a core list smaller than tp fails here, before any build
+        self.speculate = settings.speculate
         self.graphs = graph_plan(buckets, max_len, settings.speculate)  # with the verify graph (speculate > 0)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         self.kv_lengths = kv_buckets(self.buckets, max_len)
@@ -141,6 +143,9 @@ class NeuronBackend:
         self.artifact_dir = self.cache_dir / self.cache_key
         self.compiled = False  # True when this process compiled the graphs (a cache miss)
         self.timings: dict[str, float] = {}
+        # the one gate, before any trace: its graphs and per-core memory by the plan's fit, its cold
+        # compile against the run's stated budget (neuron_gate.py)
+        self.build = admit_build(self, self.quantize)
 
         start = time.perf_counter()
         built = self._load_or_compile()

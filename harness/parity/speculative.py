@@ -195,6 +195,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, sett
     judge it (tokens, drafter points, acceptance)."""
     from harness.backends import build_drafter, build_engine
     from harness.inputs.assistant_checkpoint import AssistantCheckpoint
+    from harness.parity.observe import fp32_settings
     from harness.port.decode import generate, speculative
     from harness.reference.assistant import AssistantReference, load_target
 
@@ -203,7 +204,10 @@ def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, sett
         assistant = AssistantCheckpoint.open(assistant_dir, checkpoint.spec)
         references = {dt: AssistantReference(assistant_dir, dt) for dt in (torch.float32, torch.bfloat16)}
         for dtype in dict.fromkeys((settings.dtype, "float32")):
-            engine = build_engine(checkpoint, settings.but(dtype=dtype, speculate=k, assistant=str(assistant.path)),
+            # the fp32 run on the host, as the fp32 stage's (observe.fp32_settings): on a device it would
+            # be a build no plan counts (the 12B's fp32 parity build is over a NeuronCore)
+            where = settings if dtype == settings.dtype else fp32_settings(settings)
+            engine = build_engine(checkpoint, where.but(dtype=dtype, speculate=k, assistant=str(assistant.path)),
                                   capture=True)  # its verify graph, and on neuron its draft graphs
             drafter = build_drafter(engine, assistant)
             runs = generate(engine, [r.prompt for r in ref32], [len(r.generated) for r in ref32], speculative(drafter, k),

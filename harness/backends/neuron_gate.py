@@ -1,0 +1,90 @@
+"""The one gate every Neuron build passes before tracing (NeuronBackend.__init__): whoever asks for it
+(a command, an extra stage, a test marked `neuron`, a benchmark), the build's graphs are counted
+from the tags it will trace and its memory per NeuronCore by the one device fit
+(harness/port/core_fit.py core_bytes, the fit every plan prints); a build over a core is refused
+before any compile, and a cold build is counted against the run's stated budget.
+
+The run's budget (`LEDGER.state`) is what its plan counted: a command states its plan's graphs
+(harness/cli/host_gate.py), the device job's test session the graphs its `neuron` tests declare
+(tests/conftest.py). A cold build past it is a build outside the plan and is refused before it
+compiles; with no budget stated every build is still fitted and recorded. `LEDGER.builds` is what
+the run built, in order (the plan's tests compare it with the plan; the calibration run records it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.base.errors import ShardingError
+from harness.port.core_fit import CORE_HBM, core_bytes
+
+GiB = 1 << 30
+
+
+@dataclass
+class Build:
+    """One device build as the gate admitted it."""
+
+    kind: str  # "parity" (captures) or "perf"
+    graphs: int  # the graphs it traces (its kv tags and draft tags)
+    cold: bool  # compiled here (no cache entry), not loaded
+    core: dict  # core_fit.core_bytes of the build
+    key: str = ""  # its artifact-cache key
+
+
+@dataclass
+class BuildLedger:
+    """The run's device builds and the budget they are counted against."""
+
+    stated_graphs: int | None = None  # the cold graphs the run's plan allows; None: none stated
+    source: str = ""  # who stated it (the command and its plan, or the test session)
+    builds: list[Build] = field(default_factory=list)
+
+    def state(self, graphs: int | None, source: str) -> None:
+        """The run's budget: `graphs` cold graphs at most (None: no budget), and who stated it."""
+        self.stated_graphs, self.source, self.builds = graphs, source, []
+
+    @property
+    def compiled(self) -> int:
+        return sum(b.graphs for b in self.builds if b.cold)
+
+    def admit(self, build: Build) -> None:
+        """Refuse a build over a core or, cold, past the stated budget; else record it."""
+        core = build.core
+        if core["total"] > CORE_HBM:
+            raise ShardingError(
+                f"a {build.kind} build of {build.graphs} graphs needs {core['total'] / GiB:.2f} GiB per NeuronCore "
+                f"(weights {core['weights'] / GiB:.2f}, KV {core['kv_cache'] / GiB:.2f}, graphs "
+                f"{core['graph_bytes'] / GiB:.2f}, runtime reserve {core['reserve'] / GiB:.2f}), over a core's "
+                f"{CORE_HBM / GiB:.0f} GiB: refused before tracing (`gemma-parity info --plan` shows the fit; use a "
+                "larger --tp, a shorter --kv-len, fewer buckets or --quantize int8)")
+        if build.cold and self.stated_graphs is not None and self.compiled + build.graphs > self.stated_graphs:
+            made = ", ".join(f"{b.kind} {b.graphs}{'' if b.cold else ' (cached)'}" for b in self.builds) or "none"
+            raise ShardingError(
+                f"a cold {build.kind} build of {build.graphs} graphs is outside the run's plan: {self.source} "
+                f"planned {self.stated_graphs} cold graphs and {self.compiled} are compiled already (builds so far: "
+                f"{made}); refused before tracing. Plan the build (harness/plan/compile_budget.py) or drop it")
+        self.builds.append(build)
+
+
+LEDGER = BuildLedger()
+
+
+def admit_build(be, quantize: str | None) -> Build:
+    """Fit and count backend `be`'s build (its settings already resolved, nothing traced yet); the
+    fit's graph count must be the tags the build traces, or the plan and the build disagree."""
+    dtype = str(be.dtype).removeprefix("torch.")
+    core = core_bytes(be.spec, be.tp, dtype, be.max_len, be.sliding_cache, buckets=be.buckets,
+                      layout=be.priority_key is not None, speculate=be.speculate,
+                      assistant=be.assistant.spec if be.assistant is not None else None, batch=be.slots,
+                      perf=not be.capture, quantize=quantize)
+    traced = len(be.kv_graphs) + len(be.draft_graphs)
+    if core["graphs"] != traced:
+        raise ShardingError(f"the device fit counts {core['graphs']} graphs but this build traces {traced} "
+                            f"({sorted({**be.kv_graphs, **be.draft_graphs})[:6]} ...): the plan and the build disagree")
+    build = Build("parity" if be.capture else "perf", traced, not be.artifact_dir.exists(), core, be.cache_key)
+    LEDGER.admit(build)
+    return build
+
+
+__all__ = ["LEDGER", "Build", "BuildLedger", "admit_build"]
