@@ -101,3 +101,21 @@ def test_a_build_over_a_core_is_refused_before_tracing(nxd, tiny0_ckpt, monkeypa
     with pytest.raises(ShardingError, match="refused before tracing"):
         build_engine(tiny0_ckpt, small())
     assert nxd == []
+
+
+def test_the_speculative_stage_builds_fp32_on_the_host():
+    """check --backend neuron --assistant A --speculate K: the stage's fp32 run goes to the host, as
+    the fp32 stage's does (its device build would be one no plan counts: the 12B's fp32 parity build
+    is over a NeuronCore); its run in the run's dtype is the parity build the plan counts (the same
+    settings: the same cache entry)."""
+    from harness.parity.speculative import speculative_settings
+    from harness.port.core_fit import CORE_HBM, core_bytes
+    from harness.inputs.spec import load_spec
+    from harness import FIXTURES_DIR
+
+    settings = RunSettings(backend="neuron", tp=2, speculate=3, assistant="A", backend_options={"cache_dir": "x"})
+    runs = speculative_settings(settings, 3, "A")
+    assert [(s.backend, s.dtype) for s in runs] == [("neuron", settings.dtype), ("cpu", "float32")]
+    assert runs[0] == settings and runs[1].backend_options == {}
+    spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
+    assert core_bytes(spec, 2, "float32", speculate=3)["total"] > CORE_HBM  # what the device build would have needed
