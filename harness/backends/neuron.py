@@ -172,6 +172,7 @@ class NeuronBackend:
         if meta.get("graphs") != kv_graphs_json(self.kv_graphs):
             raise HarnessInputError(f"cache entry {self.artifact_dir} holds graphs {meta.get('graphs')}, "
                                     f"not {kv_graphs_json(self.kv_graphs)}; delete it and run again")
+        os.utime(self.artifact_dir)  # used by this run: the CI's prune keeps it (.github/inf2-compile-cache.sh)
         model = NxDModel.load(str(self.artifact_dir / MODEL_FILE))
         if not isinstance(model, NxDModel):
             raise HarnessInputError(f"{self.artifact_dir / MODEL_FILE} could not be restored as an NxDModel by "
