@@ -55,6 +55,7 @@ from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the 
     version_matches)
 from harness.backends.neuron_build import (  # noqa: F401  (re-exported: a build's graph tags)
     Built, compile_build, kv_graphs_json, kv_tag, kv_tags)
+from harness.backends.neuron_calibration import record_build
 from harness.backends.neuron_gate import admit_build
 from harness.backends.neuron_drafter import NeuronDrafter, draft_tags, drafter_key, drafter_rank_weights, open_assistant
 from harness.base.errors import HarnessInputError
@@ -89,7 +90,7 @@ class NeuronBackend:
     `layout_priority`, the graph whose weight layout NxD optimises ("decode", "prefill", or None:
     none, the default until a device run measures the transform's peak, neuron_layers);
     `reduce_dtype`, the row-parallel all-reduce dtype; `compile_workers`, graphs compiled at once
-    (default: 1 over neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES of weights per rank, else NxD's)."""
+    (default: from this host's memory and vCPUs, neuron_cache.compile_workers; the reason is printed)."""
 
     name = "neuron"
 
@@ -126,8 +127,9 @@ class NeuronBackend:
         self.decode_compiler_args = decode_flags(self.compiler_args, decode_compiler_args)
         self.priority_key = _priority_key(layout_priority, self.kv_graphs)
         self.reduce_dtype = reduce_dtype
-        self.compile_workers = (compile_workers if compile_workers is not None else
-                                default_compile_workers(bytes_per_rank(self.spec, tp, _dtype_key(dtype), max_len)["weights"]))
+        workers = default_compile_workers(bytes_per_rank(self.spec, tp, _dtype_key(dtype), max_len)["weights"])
+        self.compile_workers, self.workers_reason = ((compile_workers, "--backend-option compile_workers")
+                                                     if compile_workers is not None else workers)
         self.zero_on_reset = zero_on_reset
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_key = artifact_cache_key(
@@ -157,6 +159,8 @@ class NeuronBackend:
         start = time.perf_counter()
         self._load_weights(checkpoint)
         self.timings["weights_s"] = time.perf_counter() - start
+        if os.environ.get("GEMMA_PARITY_CALIBRATE"):  # the device job: what this build cost, for the next plan
+            record_build(self, self.timings.get("build_s"), None)
         self._zeros = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in self.state_specs.items()
                        if key in self.kv_names}
 
@@ -183,6 +187,7 @@ class NeuronBackend:
 
     def _compile_entry(self):
         workdir = self.cache_dir / ".work" / f"{self.cache_key}-{os.getpid()}"
+        print(f"neuron: compiling {self.build.graphs} graphs cold, {self.workers_reason}", flush=True)
         built: list[Built] = []
 
         def write(tmp: Path):
