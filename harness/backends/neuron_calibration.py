@@ -71,6 +71,7 @@ def record_build(be, compile_seconds: float | None, device_bytes: int | None) ->
         kinds[graph_kind(tag)] = kinds.get(graph_kind(tag), 0) + 1
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # the compiler runs as children
     model = be.artifact_dir / "nxd_model.pt"
+    data["builds"] = data["builds"][-49:]  # the newest 50: a run per build kind and key is what the plan reads
     data["builds"].append({
         "kind": "parity" if be.capture else "served", "key": be.cache_key, "graphs": kinds,
         "compile_seconds": compile_seconds, "workers": be.compile_workers,
