@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
+import shlex  # noqa: F401  (tests reach it as neuron.shlex)
 import shutil
 import time
 from pathlib import Path
@@ -140,8 +140,10 @@ class NeuronBackend:
             environment={**compile_environment(neuron_runtime_version()),
                                                        "layout_priority": str(self.priority_key),
                                                        "reduce_dtype": _dtype_key(reduce_dtype), **quantize_key(self.quantize),
-                                                       **({"decode_flags": shlex.join(self.decode_compiler_args)}
-                                                          if self.decode_compiler_args != self.compiler_args else {})})
+                                                       # which graph gets which flags, not only the two strings
+                                                       "graph_flags": json.dumps(per_graph_flags(
+                                                           {**self.kv_graphs, **self.draft_graphs}, self.compiler_args,
+                                                           self.decode_compiler_args), sort_keys=True)})
         self.artifact_dir = self.cache_dir / self.cache_key
         self.compiled = False  # True when this process compiled the graphs (a cache miss)
         self.timings: dict[str, float] = {}

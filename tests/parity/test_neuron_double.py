@@ -418,3 +418,16 @@ def test_decode_graphs_take_their_own_compiler_flags(nxd, tiny0_ckpt, tmp_path):
     assert _build(tiny0_ckpt, tmp_path, decode_compiler_args=None).cache_key == base.cache_key
     with pytest.raises(HarnessInputError, match="--target inf2"):
         _build(tiny0_ckpt, tmp_path, decode_compiler_args="-O2")
+
+
+def test_the_cache_key_holds_which_graph_gets_which_flags(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """The same two flag strings given to other graphs (here: context encoding at -O2, the rest at
+    -O1) are other compiled graphs: the local artifact key holds the per-graph mapping."""
+    base = _build(tiny0_ckpt, tmp_path)
+    swapped = neuron_cache.per_graph_flags
+
+    def swap(tags, compiler_args, decode_args):
+        return swapped(tags, decode_args, compiler_args)
+
+    monkeypatch.setattr(neuron, "per_graph_flags", swap)
+    assert _build(tiny0_ckpt, tmp_path).cache_key != base.cache_key
