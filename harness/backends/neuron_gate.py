@@ -5,9 +5,9 @@ from the tags it will trace and its memory per NeuronCore by the one device fit
 before any compile, and a cold build is counted against the run's stated budget.
 
 The run's budget (`LEDGER.state`) is what its plan counted: a command states its plan's graphs
-(harness/cli/host_gate.py), the device job's test session the graphs its `neuron` tests declare
-(tests/conftest.py). A cold build past it is a build outside the plan and is refused before it
-compiles; with no budget stated every build is still fitted and recorded. `LEDGER.builds` is what
+(harness/cli/host_gate.py). A cold build past it is a build outside the plan and is refused before
+it compiles; with no budget stated (a test session: the device job's `neuron` tests declare their
+builds, counted by tests/unit/test_inf2_budget.py) every build is still fitted and recorded. `LEDGER.builds` is what
 the run built, in order (the plan's tests compare it with the plan; the calibration run records it).
 """
 

@@ -119,3 +119,19 @@ def test_the_speculative_stage_builds_fp32_on_the_host():
     assert runs[0] == settings and runs[1].backend_options == {}
     spec = load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
     assert core_bytes(spec, 2, "float32", speculate=3)["total"] > CORE_HBM  # what the device build would have needed
+
+
+@pytest.mark.slow  # a batch-8 build through the double (24 graphs traced and compiled)
+@pytest.mark.parametrize("declared", [0, 1])
+def test_the_device_jobs_planned_builds_are_what_the_double_compiles(nxd, tiny0_ckpt, declared):
+    """The builds tests/perf/test_device_budgets.py declares (what the device job's budget counts),
+    made at their shapes on the tiny model: the double compiles exactly the graphs the budget test
+    counts for them (tests/unit/test_inf2_budget.py build_graphs)."""
+    from harness.backends import build_engine
+    from tests.perf.test_device_budgets import DEVICE_BUILDS
+    from tests.unit.test_inf2_budget import build_graphs
+
+    b = DEVICE_BUILDS[declared]
+    settings = RunSettings(backend="neuron", tp=2, buckets=tuple(b["buckets"]), kv_len=b["kv_len"], batch=b["batch"])
+    build_engine(tiny0_ckpt, settings, capture=b["capture"])
+    assert len([c for c in nxd if c["kind"] == "graph"]) == build_graphs(b)
