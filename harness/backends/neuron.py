@@ -45,7 +45,7 @@ import torch
 from harness.backends.neuron_cache import (  # noqa: F401  (re-exported: the backend's cache and flags)
     CACHE_FORMAT, DEFAULT_COMPILER_ARGS, ENTRY_FILES, META_FILE, MODEL_FILE, MODEL_SOURCE_FILES,
     artifact_cache_key, cache_entry_complete, compile_environment, compiler_flag_string, decode_flags,
-    default_cache_dir, default_compile_workers, model_source_hash, normalize_compiler_args, per_graph_flags, read_cache_meta,
+    default_cache_dir, model_source_hash, normalize_compiler_args, per_graph_flags, read_cache_meta,
     write_cache_entry)
 from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host's Neuron environment)
     INF2_CORES_PER_DEVICE, INF2_LNC, assign_visible_cores, build_platform, import_neuronx_distributed,
@@ -56,7 +56,7 @@ from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the 
 from harness.backends.neuron_build import (  # noqa: F401  (re-exported: a build's graph tags)
     Built, compile_build, kv_graphs_json, kv_tag, kv_tags)
 from harness.backends.neuron_calibration import record_build
-from harness.backends.neuron_gate import admit_build
+from harness.backends.neuron_gate import admit_build, default_compile_workers
 from harness.backends.neuron_drafter import NeuronDrafter, draft_tags, drafter_key, drafter_rank_weights, open_assistant
 from harness.base.errors import HarnessInputError
 from harness.port.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
@@ -90,7 +90,7 @@ class NeuronBackend:
     `layout_priority`, the graph whose weight layout NxD optimises ("decode", "prefill", or None:
     none, the default until a device run measures the transform's peak, neuron_layers);
     `reduce_dtype`, the row-parallel all-reduce dtype; `compile_workers`, graphs compiled at once
-    (default: from this host's memory and vCPUs, neuron_cache.compile_workers; the reason is printed)."""
+    (default: from this host's memory and vCPUs, neuron_gate.compile_workers; the reason is printed)."""
 
     name = "neuron"
 
@@ -145,11 +145,8 @@ class NeuronBackend:
                                                            {**self.kv_graphs, **self.draft_graphs}, self.compiler_args,
                                                            self.decode_compiler_args), sort_keys=True)})
         self.artifact_dir = self.cache_dir / self.cache_key
-        self.compiled = False  # True when this process compiled the graphs (a cache miss)
-        self.timings: dict[str, float] = {}
-        # the one gate, before any trace: its graphs and per-core memory by the plan's fit, its cold
-        # compile against the run's stated budget (neuron_gate.py)
-        self.build = admit_build(self, self.quantize)
+        self.compiled, self.timings = False, {}  # compiled: this process compiled the graphs (a cache miss)
+        self.build = admit_build(self, self.quantize)  # the one gate, before any trace (neuron_gate.py)
 
         start = time.perf_counter()
         built = self._load_or_compile()

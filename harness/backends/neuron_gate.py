@@ -9,16 +9,50 @@ The run's budget (`LEDGER.state`) is what its plan counted: a command states its
 it compiles; with no budget stated (a test session: the device job's `neuron` tests declare their
 builds, counted by tests/unit/test_inf2_budget.py) every build is still fitted and recorded. `LEDGER.builds` is what
 the run built, in order (the plan's tests compare it with the plan; the calibration run records it).
+How many of a build's graphs compile at once (`compile_workers`) is decided here too: the backend
+passes it to ModelBuilder and the compile budget (harness/plan/compile_budget.py) divides by it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from harness.base.errors import ShardingError
 from harness.port.core_fit import CORE_HBM, core_bytes
 
 GiB = 1 << 30
+
+
+# Compile workers. ModelBuilder compiles the non-priority graphs on a thread pool (max_workers None:
+# Python's default pool), one neuronx-cc process per graph; the traced HLO holds no weights
+# (inline_weights_to_neff=False), so a compile's host memory is its graph's, beside the process that
+# traced it (one rank's weights). The figure per compile is an estimate, not measured (nothing
+# published gives neuronx-cc's peak for a graph of this size); the first inf2 run measures it
+# (harness/plan/calibration.py) and the plan uses the measurement where one exists.
+COMPILE_PEAK_HOST_BYTES = 8 * 2**30
+CPUS_PER_COMPILE = 2  # neuronx-cc runs its own threads: half the vCPUs at most, as compiles at once
+
+
+def compile_workers(host_bytes: int, cpus: int, held_bytes: int, peak_bytes: int = COMPILE_PEAK_HOST_BYTES) -> tuple[int, str]:
+    """(graphs compiled at once, why): as many as the host's memory beside what the process holds and
+    its cores allow, at least 1."""
+    by_memory = max((host_bytes - held_bytes) // max(peak_bytes, 1), 1)
+    by_cores = max(cpus // CPUS_PER_COMPILE, 1)
+    workers = int(min(by_memory, by_cores))
+    return workers, (f"{workers} at once: {host_bytes / 2**30:.0f} GiB of host memory less {held_bytes / 2**30:.1f} GiB "
+                     f"held, at {peak_bytes / 2**30:.1f} GiB per compile, allows {by_memory}; {cpus} vCPUs at "
+                     f"{CPUS_PER_COMPILE} per compile allow {by_cores}")
+
+
+def default_compile_workers(weight_bytes_per_rank: int) -> tuple[int, str]:
+    """compile_workers on this host: its physical memory and vCPUs, the traced rank's weights held."""
+    try:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1, "1 at once: this host does not report its memory"
+    return compile_workers(host, os.cpu_count() or 1, weight_bytes_per_rank)
+
 
 
 @dataclass
@@ -87,4 +121,5 @@ def admit_build(be, quantize: str | None) -> Build:
     return build
 
 
-__all__ = ["LEDGER", "Build", "BuildLedger", "admit_build"]
+__all__ = ["COMPILE_PEAK_HOST_BYTES", "LEDGER", "Build", "BuildLedger", "admit_build", "compile_workers",
+           "default_compile_workers"]

@@ -8,7 +8,7 @@ verify graph with --speculate) times the batch buckets of a batched build (graph
 plus an assistant's draft graphs once (one sequence drafts per call).
 
 The budget is ceil(graphs / workers) x minutes per graph: ModelBuilder compiles the graphs on a
-pool of `workers` (neuron_cache.compile_workers, from the instance's host memory and vCPUs; the
+pool of `workers` (neuron_gate.compile_workers, from the instance's host memory and vCPUs; the
 reason is printed). Per-graph minutes: measured by the first inf2 run where a calibration exists
 (harness/plan/calibration.py), else published, and said so: aws-neuron-sdk issue 1210 reports an
 8B forward graph compiling in about 1 minute without its ArgMax (22 with it, 5 before a 2025
@@ -67,7 +67,7 @@ def compile_minutes(graphs, weight_bytes_per_rank: int, *, host_bytes: int | Non
     vCPUs (default: an inf2.8xlarge), ceil(graphs / workers) rounds of the per-graph figure a build; `calibration` (calibration.read) gives measured figures where it has them
     (the slowest graph kind's minutes, the compiler's peak host memory). `basis` says in a few words
     whether the figures were measured."""
-    from harness.backends.neuron_cache import COMPILE_PEAK_HOST_BYTES, compile_workers
+    from harness.backends.neuron_gate import COMPILE_PEAK_HOST_BYTES, compile_workers
 
     measured = (calibration or {}).get("compile", {})
     peak = measured.get("peak_host_bytes") or COMPILE_PEAK_HOST_BYTES
