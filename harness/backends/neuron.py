@@ -137,13 +137,9 @@ class NeuronBackend:
             compiler_args=self.compiler_args, model_source_hash=model_source_hash(), capture=self.capture,
             max_len=max_len, dtype=dtype, sliding_cache=settings.sliding_cache, kv_graphs=self.kv_graphs,
             drafter=drafter_key(self.assistant.spec, settings.speculate, self.draft_graphs) if self.assistant else None,
-            environment={**compile_environment(neuron_runtime_version()),
-                                                       "layout_priority": str(self.priority_key),
-                                                       "reduce_dtype": _dtype_key(reduce_dtype), **quantize_key(self.quantize),
-                                                       # which graph gets which flags, not only the two strings
-                                                       "graph_flags": json.dumps(per_graph_flags(
-                                                           {**self.kv_graphs, **self.draft_graphs}, self.compiler_args,
-                                                           self.decode_compiler_args), sort_keys=True)})
+            environment={**compile_environment(neuron_runtime_version()), "layout_priority": str(self.priority_key),
+                         "reduce_dtype": _dtype_key(reduce_dtype), **quantize_key(self.quantize),
+                         "graph_flags": self._graph_flags()})  # which graph gets which flags, not only the strings
         self.artifact_dir = self.cache_dir / self.cache_key
         self.compiled, self.timings = False, {}  # compiled: this process compiled the graphs (a cache miss)
         self.build = admit_build(self, self.quantize)  # the one gate, before any trace (neuron_gate.py)
@@ -164,6 +160,10 @@ class NeuronBackend:
                        if key in self.kv_names}
 
     # -- building ------------------------------------------------------------------------------------
+    def _graph_flags(self) -> str:
+        return json.dumps(per_graph_flags({**self.kv_graphs, **self.draft_graphs}, self.compiler_args,
+                                          self.decode_compiler_args), sort_keys=True)
+
     def _load_or_compile(self):
         if self.artifact_dir.exists():
             return self._load_entry()

@@ -178,8 +178,7 @@ def run(args) -> int:
     payload["placement"], payload["parity_core"] = args.placement, parity_core(args)
     payload["notes"] = plan_notes(args.spec, args.placement, payload["parity_core"])
     print(format_info({**payload, "inert": None} if args.ckpt is not None else payload))
-    payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len,
-                                                  quantize=args.settings.quantize)
+    payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len, quantize=s.quantize)
     payload["memory_plan"]["sliding_cache"] = args.sliding_cache
     print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
     payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache)
