@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
+import shlex  # noqa: F401  (tests reach it as neuron.shlex)
 import shutil
 import time
 from pathlib import Path
@@ -45,7 +45,7 @@ import torch
 from harness.backends.neuron_cache import (  # noqa: F401  (re-exported: the backend's cache and flags)
     CACHE_FORMAT, DEFAULT_COMPILER_ARGS, ENTRY_FILES, META_FILE, MODEL_FILE, MODEL_SOURCE_FILES,
     artifact_cache_key, cache_entry_complete, compile_environment, compiler_flag_string, decode_flags,
-    default_cache_dir, default_compile_workers, model_source_hash, normalize_compiler_args, per_graph_flags, read_cache_meta,
+    default_cache_dir, model_source_hash, normalize_compiler_args, per_graph_flags, read_cache_meta,
     write_cache_entry)
 from harness.backends.neuron_env import (  # noqa: F401  (re-exported: the host's Neuron environment)
     INF2_CORES_PER_DEVICE, INF2_LNC, assign_visible_cores, build_platform, import_neuronx_distributed,
@@ -55,6 +55,8 @@ from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the 
     version_matches)
 from harness.backends.neuron_build import (  # noqa: F401  (re-exported: a build's graph tags)
     Built, compile_build, kv_graphs_json, kv_tag, kv_tags)
+from harness.backends.neuron_calibration import record_build
+from harness.backends.neuron_gate import admit_build, default_compile_workers
 from harness.backends.neuron_drafter import NeuronDrafter, draft_tags, drafter_key, drafter_rank_weights, open_assistant
 from harness.base.errors import HarnessInputError
 from harness.port.graphs import (  # noqa: F401  (the device graphs, defined once for every backend)
@@ -88,7 +90,7 @@ class NeuronBackend:
     `layout_priority`, the graph whose weight layout NxD optimises ("decode", "prefill", or None:
     none, the default until a device run measures the transform's peak, neuron_layers);
     `reduce_dtype`, the row-parallel all-reduce dtype; `compile_workers`, graphs compiled at once
-    (default: 1 over neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES of weights per rank, else NxD's)."""
+    (default: from this host's memory and vCPUs, neuron_gate.compile_workers; the reason is printed)."""
 
     name = "neuron"
 
@@ -107,6 +109,7 @@ class NeuronBackend:
         self.spec, self.tp, self.dtype, self.max_len = checkpoint.spec, tp, dtype, max_len
         plan_model(self.spec, tp)  # a layout that cannot shard fails here, before any compile
         self.visible_cores = assign_visible_cores(tp)  # a core list smaller than tp fails here, before any build
+        self.speculate = settings.speculate
         self.graphs = graph_plan(buckets, max_len, settings.speculate)  # with the verify graph (speculate > 0)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         self.kv_lengths = kv_buckets(self.buckets, max_len)
@@ -124,8 +127,9 @@ class NeuronBackend:
         self.decode_compiler_args = decode_flags(self.compiler_args, decode_compiler_args)
         self.priority_key = _priority_key(layout_priority, self.kv_graphs)
         self.reduce_dtype = reduce_dtype
-        self.compile_workers = (compile_workers if compile_workers is not None else
-                                default_compile_workers(bytes_per_rank(self.spec, tp, _dtype_key(dtype), max_len)["weights"]))
+        workers = default_compile_workers(bytes_per_rank(self.spec, tp, _dtype_key(dtype), max_len)["weights"])
+        self.compile_workers, self.workers_reason = ((compile_workers, "--backend-option compile_workers")
+                                                     if compile_workers is not None else workers)
         self.zero_on_reset = zero_on_reset
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.cache_key = artifact_cache_key(
@@ -133,14 +137,12 @@ class NeuronBackend:
             compiler_args=self.compiler_args, model_source_hash=model_source_hash(), capture=self.capture,
             max_len=max_len, dtype=dtype, sliding_cache=settings.sliding_cache, kv_graphs=self.kv_graphs,
             drafter=drafter_key(self.assistant.spec, settings.speculate, self.draft_graphs) if self.assistant else None,
-            environment={**compile_environment(neuron_runtime_version()),
-                                                       "layout_priority": str(self.priority_key),
-                                                       "reduce_dtype": _dtype_key(reduce_dtype), **quantize_key(self.quantize),
-                                                       **({"decode_flags": shlex.join(self.decode_compiler_args)}
-                                                          if self.decode_compiler_args != self.compiler_args else {})})
+            environment={**compile_environment(neuron_runtime_version()), "layout_priority": str(self.priority_key),
+                         "reduce_dtype": _dtype_key(reduce_dtype), **quantize_key(self.quantize),
+                         "graph_flags": self._graph_flags()})  # which graph gets which flags, not only the strings
         self.artifact_dir = self.cache_dir / self.cache_key
-        self.compiled = False  # True when this process compiled the graphs (a cache miss)
-        self.timings: dict[str, float] = {}
+        self.compiled, self.timings = False, {}  # compiled: this process compiled the graphs (a cache miss)
+        self.build = admit_build(self, self.quantize)  # the one gate, before any trace (neuron_gate.py)
 
         start = time.perf_counter()
         built = self._load_or_compile()
@@ -152,10 +154,16 @@ class NeuronBackend:
         start = time.perf_counter()
         self._load_weights(checkpoint)
         self.timings["weights_s"] = time.perf_counter() - start
+        if os.environ.get("GEMMA_PARITY_CALIBRATE"):  # the device job: what this build cost, for the next plan
+            record_build(self, self.timings.get("build_s"), None)
         self._zeros = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in self.state_specs.items()
                        if key in self.kv_names}
 
     # -- building ------------------------------------------------------------------------------------
+    def _graph_flags(self) -> str:
+        return json.dumps(per_graph_flags({**self.kv_graphs, **self.draft_graphs}, self.compiler_args,
+                                          self.decode_compiler_args), sort_keys=True)
+
     def _load_or_compile(self):
         if self.artifact_dir.exists():
             return self._load_entry()
@@ -167,6 +175,7 @@ class NeuronBackend:
         if meta.get("graphs") != kv_graphs_json(self.kv_graphs):
             raise HarnessInputError(f"cache entry {self.artifact_dir} holds graphs {meta.get('graphs')}, "
                                     f"not {kv_graphs_json(self.kv_graphs)}; delete it and run again")
+        os.utime(self.artifact_dir)  # used by this run: the CI's prune keeps it (.github/inf2-compile-cache.sh)
         model = NxDModel.load(str(self.artifact_dir / MODEL_FILE))
         if not isinstance(model, NxDModel):
             raise HarnessInputError(f"{self.artifact_dir / MODEL_FILE} could not be restored as an NxDModel by "
@@ -177,6 +186,7 @@ class NeuronBackend:
 
     def _compile_entry(self):
         workdir = self.cache_dir / ".work" / f"{self.cache_key}-{os.getpid()}"
+        print(f"neuron: compiling {self.build.graphs} graphs cold, {self.workers_reason}", flush=True)
         built: list[Built] = []
 
         def write(tmp: Path):

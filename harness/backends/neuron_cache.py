@@ -101,18 +101,6 @@ def per_graph_flags(tags, compiler_args: list[str], decode_args: list[str]) -> d
     return {tag: compiler_flag_string(compiler_args if is_context_encoding(tag) else decode_args) for tag in tags}
 
 
-# A model whose per-rank weights exceed this compiles one graph at a time by default: ModelBuilder
-# compiles the non-priority graphs on a thread pool (max_workers=None: one per core), each running
-# neuronx-cc on a 12B-sized graph, in a process that already holds the traced rank module (about
-# 11 GiB of weights for the 12B at TP=2); several at once can exhaust an inf2.8xlarge's 128 GiB.
-PARALLEL_COMPILE_LIMIT_BYTES = 2**30
-
-
-def default_compile_workers(weight_bytes_per_rank: int) -> int | None:
-    """1 for a model over PARALLEL_COMPILE_LIMIT_BYTES per rank, else None (NxD's default pool)."""
-    return 1 if weight_bytes_per_rank > PARALLEL_COMPILE_LIMIT_BYTES else None
-
-
 # ---- the compiled-artifact cache ----------------------------------------------------------------
 
 CACHE_FORMAT = 3  # bump when the layout of a cache entry changes (3: no constants file, rope in the graph)

@@ -50,7 +50,7 @@ def add_command(sub) -> None:
     p.add_argument("--dtype", type=dtype_arg, default="bfloat16", metavar="DTYPE",
                    help="device dtype, one the commands run: bfloat16 (bf16) or float32 (fp32) (default bfloat16)")
     # the HBM check counts the run's own build: its buckets, KV slots (batch buckets) and graphs
-    add_run_args(p, RunSettings(backend="neuron"), fields=("buckets", "sliding_cache", "batch", "backend_options"))
+    add_run_args(p, RunSettings(backend="neuron"), fields=("buckets", "sliding_cache", "batch", "backend_options", "quantize"))
     p.add_argument("--speculate", type=int, default=0, metavar="K", help="draft length of speculative decoding: "
                    "the HBM check counts the verify graph (K+1 positions) at each KV bucket (default 0: none)")
     p.set_defaults(func=run, validate=validate)
@@ -84,7 +84,8 @@ def build_of(settings) -> dict:
     from harness.plan.instances import layout_transform
 
     return dict(buckets=settings.buckets, sliding_cache=settings.sliding_cache, batch=settings.batch,
-                speculate=settings.speculate, layout=layout_transform(settings.backend_options))
+                speculate=settings.speculate, layout=layout_transform(settings.backend_options),
+                quantize=settings.quantize)  # int8 weights on the core under --quantize
 
 
 def run(args) -> int:

@@ -97,5 +97,11 @@ def plan_check(spec, tp: int, dtype: str, kv_len: int, check, sliding_cache: str
         where = check_fits(spec, tp, dtype, kv_len, sliding_cache, **build)
     except ShardingError as exc:
         return check("HBM", False, str(exc))
+    from harness.plan.calibration import read_calibration
+
+    measured = read_calibration().get("device") or []
+    after = "; ".join(f"a {d['kind']} build measured {d['after_load'] / GIB:.2f} GiB after load" for d in measured)
     return check("HBM", True, f"per core {where['bytes_per_rank'] / GIB:.2f} GiB of 16 GiB: fits ("
-                 f"{core_summary(where['core'])})", where["tight"])
+                 f"{core_summary(where['core'])}{', int8 weights' if build.get('quantize') else ''}); "
+                 + (f"calibration: {after}" if after else "planned, not measured (no calibration kept)"),
+                 where["tight"])

@@ -74,12 +74,17 @@ def plan_gate(args, command: str, spec, rows: int | None = None, **options) -> d
     plan = resource_plan(spec, s.tp, s.dtype, s.kv_len, s.buckets, sliding_cache=s.sliding_cache, host_bytes=host,
                          layout=layout, backend=s.backend, rows=rows, options=options, speculate=s.speculate,
                          batch=batch if command == "check" else (batch or 1),
-                         assistant=getattr(getattr(args, "assistant_ckpt", None), "spec", None))  # its draft graphs
+                         assistant=getattr(getattr(args, "assistant_ckpt", None), "spec", None),  # its draft graphs
+                         quantize=s.quantize)
     args.resource_plan = plan
     limit = getattr(args, "compile_budget", None)
     if getattr(args, "checkpoint", None) is not None or getattr(args, "host_memory", None) is not None or limit:
         print(f"{command} {summary_line(plan, command)}", flush=True)
     c = plan["commands"][command]
+    if s.backend == "neuron":  # every build the run makes is counted against what this plan counted
+        from harness.backends.neuron_gate import LEDGER
+
+        LEDGER.state(c["graphs"], f"the plan of `{command}` ({', '.join(f'{k} {n}' for k, n in c['graphs_by_stage'].items())})")
     over = refuse_over_budget(command, c["graphs_by_stage"], c["compile"], limit) if s.backend == "neuron" else None
     if over:
         raise OptionError(over)

@@ -99,7 +99,7 @@ def validate(args) -> None:
         for batch in args.batch:
             try:
                 refuse_unfit_batch(batch_fit(args.spec, args.tp, args.dtype, batch, args.kv_len, chip=args.chip,
-                                             sliding_cache=args.sliding_cache))
+                                             sliding_cache=args.sliding_cache, quantize=args.settings.quantize))
             except HarnessInputError as exc:
                 raise OptionError(str(exc)) from None
 
@@ -113,7 +113,7 @@ def _build(args) -> dict:
 
     layout = layout_transform(args.settings.backend_options)
     return dict(buckets=args.settings.buckets, layout=layout, speculate=args.settings.speculate,
-                assistant=args.assistant_spec, perf=True)
+                assistant=args.assistant_spec, perf=True, quantize=args.settings.quantize)
 
 
 def parity_core(args) -> dict:
@@ -162,6 +162,9 @@ def _is_published_model(spec) -> bool:
 
 
 def run(args) -> int:
+    from harness.perf.roofline import hbm_fit, render_hbm_fit
+    from harness.plan.instances import plan_notes
+    from harness.plan.memory import instance_memory_plan, render_memory_plan
     from harness.port.sharding import plan_summary
     from harness.report.formats import format_info
 
@@ -169,17 +172,13 @@ def run(args) -> int:
         print(args.tp_note)
     if args.ckpt is not None:
         print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
-    from harness.plan.memory import instance_memory_plan, render_memory_plan
-    from harness.perf.roofline import hbm_fit, render_hbm_fit
-
     s = args.settings
     payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
-    from harness.plan.instances import plan_notes
 
     payload["placement"], payload["parity_core"] = args.placement, parity_core(args)
     payload["notes"] = plan_notes(args.spec, args.placement, payload["parity_core"])
     print(format_info({**payload, "inert": None} if args.ckpt is not None else payload))
-    payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len)
+    payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len, quantize=s.quantize)
     payload["memory_plan"]["sliding_cache"] = args.sliding_cache
     print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
     payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache)
@@ -196,7 +195,7 @@ def run(args) -> int:
 
         lengths = sorted({s.kv_len, *(n for n in (4096, 32768, 131072) if n <= (args.spec.max_positions or n))})
         payload["batch_fit"] = fit_table(args.spec, s.tp, s.dtype, args.batch, lengths, chip=args.chip,
-                                         sliding_cache=s.sliding_cache)
+                                         sliding_cache=s.sliding_cache, quantize=s.quantize)
         print(render_fit_table(payload["batch_fit"]), end="")
     if args.assistant is not None:
         payload["assistant"] = _assistant_fit(args, payload["memory_plan"])
@@ -216,7 +215,8 @@ def run(args) -> int:
         payload["resource_plan"] = resource_plan(args.spec, s.tp, s.dtype, s.kv_len, s.buckets, host_bytes=host,
                                                  sliding_cache=s.sliding_cache, speculate=s.speculate,
                                                  batch=max(args.batch) if args.batch else 1,  # neuron: no batch stage
-                                                 assistant=args.assistant_spec, layout=_build(args)["layout"])
+                                                 assistant=args.assistant_spec, layout=_build(args)["layout"],
+                                                 quantize=s.quantize)
         print(render_resource_plan(payload["resource_plan"]))
     if args.json is not None:
         write_json_atomic(args.json, with_generator(payload, "info"))

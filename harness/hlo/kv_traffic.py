@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from harness.hlo.ir import HloModule, parse_hlo, users
 from harness.port.sharding import plan_model, ring_windows
 
-# ops that hand the same cache bytes on (a view, a layout change, a sharding marker)
-VIEWS = {"reshape", "bitcast", "copy", "convert", "custom-call", "get-tuple-element"}
+# ops that hand the same cache bytes on (a view, a sharding marker). A `copy` or `convert` of the
+# cache is not one: it materialises every row (another layout or dtype), so it reads the cache whole
+# and, on the way to the aliased output, rewrites it whole.
+VIEWS = {"reshape", "bitcast", "custom-call", "get-tuple-element"}
 ROW_READS = {"gather", "slice", "dynamic-slice"}
 ROW_WRITES = {"scatter": 2, "dynamic-update-slice": 1}  # opcode -> operand index of the written rows
 

@@ -190,6 +190,17 @@ def judge_acceptance(runs: list, ref32: list, target, assistant, k: int) -> list
     return out
 
 
+def speculative_settings(settings, k: int, assistant: str) -> list:
+    """The builds of the speculative stage: the run's dtype as the run says, then fp32 on the host as
+    the fp32 stage's (observe.fp32_settings): on a device fp32 would be a build no plan counts (the
+    12B's fp32 parity build is over a NeuronCore)."""
+    from harness.parity.observe import fp32_settings
+
+    return [(settings if dtype == settings.dtype else fp32_settings(settings)).but(dtype=dtype, speculate=k,
+                                                                                  assistant=assistant)
+            for dtype in dict.fromkeys((settings.dtype, "float32"))]
+
+
 def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, settings, assistant_dir, k: int) -> SpeculativeStage:
     """Run speculative greedy decode of every reference prompt in the run's dtype and in fp32 and
     judge it (tokens, drafter points, acceptance)."""
@@ -202,9 +213,9 @@ def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, sett
     try:
         assistant = AssistantCheckpoint.open(assistant_dir, checkpoint.spec)
         references = {dt: AssistantReference(assistant_dir, dt) for dt in (torch.float32, torch.bfloat16)}
-        for dtype in dict.fromkeys((settings.dtype, "float32")):
-            engine = build_engine(checkpoint, settings.but(dtype=dtype, speculate=k, assistant=str(assistant.path)),
-                                  capture=True)  # its verify graph, and on neuron its draft graphs
+        for run_settings in speculative_settings(settings, k, str(assistant.path)):
+            dtype = run_settings.dtype
+            engine = build_engine(checkpoint, run_settings, capture=True)  # its verify graph, on neuron its draft graphs
             drafter = build_drafter(engine, assistant)
             runs = generate(engine, [r.prompt for r in ref32], [len(r.generated) for r in ref32], speculative(drafter, k),
                             capture=True)  # a sequence per KV slot of the build (--batch N: continuous batching)

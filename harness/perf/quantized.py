@@ -8,52 +8,33 @@ lm_head, norms, router, experts and KV cache are the unquantized build's.
 
 from __future__ import annotations
 
-from harness.inputs.quantize import quantized_weight_bytes
-from harness.inputs.spec import ModelSpec, dtype_bytes
+from harness.inputs.spec import ModelSpec
+from harness.port.core_fit import core_bytes, weight_savings
 from harness.perf.roofline import CHIP, Rates, floors, graph_costs
-from harness.port.sharding import bytes_per_rank, plan_model
+from harness.port.sharding import bytes_per_rank
 
 GiB = 2 ** 30
-
-
-def quantized_shapes(spec: ModelSpec, tp: int) -> list[tuple[int, int]]:
-    """Every per-rank [rows, cols] weight the scheme stores quantized, over the layers."""
-    shapes = []
-    for layer, plan in zip(spec.layers, plan_model(spec, tp)):
-        h, d, mlp = spec.hidden_size, layer.head_dim, spec.mlp_size(layer) // tp
-        q = plan.q_heads_per_rank * d
-        shapes += [(q, h), (h, q), (mlp, h), (mlp, h), (h, mlp)]
-        if layer.kv_source is None:  # a KV-shared layer has no k/v projections
-            shapes += [(plan.kv_heads_per_rank * d, h)] * (1 if layer.k_eq_v else 2)
-    return shapes
-
-
-def weight_savings(spec: ModelSpec, tp: int, dtype: str) -> dict:
-    """Per rank: the quantized projections' bytes in `dtype`, as int8 codes, and their scales."""
-    shapes = quantized_shapes(spec, tp)
-    elements = sum(r * c for r, c in shapes)
-    scales = sum(r for r, _ in shapes) * 4
-    return {"unquantized_bytes": elements * dtype_bytes(dtype), "codes_bytes": sum(quantized_weight_bytes(r, c)
-            for r, c in shapes) - scales, "scale_bytes": scales}
 
 
 def quantized_comparison(spec: ModelSpec, tp: int, dtype: str, kv_len: int, rates: Rates,
                          chip: dict | None = None, sliding_cache: str = "linear") -> dict:
     """The unquantized and int8 builds side by side: weights, KV and total bytes per rank, whether
-    the TP group's HBM holds them, and the decode step's floor on `rates`."""
+    one rank's NeuronCore holds its served build (core_fit.core_bytes: graphs and the runtime's
+    reserve too), and the decode step's floor on `rates`."""
     chip = chip or CHIP
     saved = weight_savings(spec, tp, dtype)
     delta = saved["unquantized_bytes"] - saved["codes_bytes"] - saved["scale_bytes"]  # per rank
-    capacity = tp * chip["hbm_bytes"] / chip["cores"]
+    capacity = chip["hbm_bytes"] / chip["cores"]  # a rank is one NeuronCore
     base = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
     decode = graph_costs(spec, tp, dtype, 1, kv_len)
     rows = {}
     for name, minus in (("unquantized", 0), ("int8", delta)):
         weights = base["weights"] - minus
         floor = floors({**decode, "weight_bytes": decode["weight_bytes"] - tp * minus}, rates)
+        core = core_bytes(spec, tp, dtype, kv_len, sliding_cache, perf=True, quantize=None if minus == 0 else "int8")
         rows[name] = {"weights_bytes_per_rank": weights, "kv_bytes_per_rank": base["kv_cache"],
-                      "total_bytes_per_rank": weights + base["kv_cache"],
-                      "fits": tp * (weights + base["kv_cache"]) <= capacity,
+                      "total_bytes_per_rank": weights + base["kv_cache"], "core_bytes": core["total"],
+                      "fits": core["total"] <= capacity,
                       "decode_floor_ms": floor["floor_ms"], "decode_bound": floor["bound"]}
     return {"dtype": dtype, "tp": tp, "kv_len": kv_len, "rates": rates.name, "capacity_bytes": capacity,
             "scale_bytes_per_rank": saved["scale_bytes"], **rows,
@@ -66,8 +47,9 @@ def render_quantized_comparison(c: dict) -> str:
     for name in ("unquantized", "int8"):
         r = c[name]
         lines.append(f"  {name:<11} weights {r['weights_bytes_per_rank'] / GiB:8.3f} GiB/rank + KV "
-                     f"{r['kv_bytes_per_rank'] / GiB:.3f} GiB = {r['total_bytes_per_rank'] / GiB:.3f} GiB/rank "
-                     f"({'fits' if r['fits'] else 'DOES NOT FIT'} {c['capacity_bytes'] / GiB:.0f} GiB); decode floor "
+                     f"{r['kv_bytes_per_rank'] / GiB:.3f} GiB = {r['total_bytes_per_rank'] / GiB:.3f} GiB/rank; served build "
+                     f"{r['core_bytes'] / GiB:.2f} GiB per core ({'fits' if r['fits'] else 'DOES NOT FIT'} a "
+                     f"{c['capacity_bytes'] / GiB:.0f} GiB NeuronCore); decode floor "
                      f"{r['decode_floor_ms']:.2f} ms ({r['decode_bound']}-bound)")
     lines.append(f"  int8 weights are {c['weights_ratio']:.3f}x the unquantized ones and the decode floor "
                  f"{c['floor_ratio']:.3f}x, the fp32 scales counted ({c['scale_bytes_per_rank'] / 2**20:.2f} MiB per "

@@ -1,8 +1,7 @@
 """Planning: what a run needs, counted before it starts. One job per module:
 
-  graph_bytes     each device graph's inputs + outputs (held to the traced graphs, traced_io)
   traced_io       a graph's inputs and outputs as the graph defines them, on the meta device
-  instances       the inf2 instances, the TP degrees a model allows, one NeuronCore's fit (core_bytes)
+  instances       the inf2 instances, the TP degrees a model allows, the fit of a core (port/core_fit.py)
   batch_fit       the KV slots of a batch beside the weights, by that fit (`info --batch`)
   memory          one chip's memory plan: the longest context that fits, the most sequences
   kv_fit          --kv-len against the chip and against this host's memory

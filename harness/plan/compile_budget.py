@@ -5,15 +5,15 @@ per-graph figure.
 Graphs per build come from the same plan the backends trace (port/device_plan.graph_shapes, the
 KV graph plan: each prefill bucket at each KV bucket holding it, decode at every KV bucket, a
 verify graph with --speculate) times the batch buckets of a batched build (graphs.batch_buckets),
-plus an assistant's draft graphs once (one sequence drafts per call). A model over neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES of
-weights per rank compiles one graph at a time (its default compile_workers), so its budget is
-graphs x minutes per graph; a smaller one compiles on NxD's pool and its figure is a bound.
+plus an assistant's draft graphs once (one sequence drafts per call).
 
-Per-graph minutes: this project has not compiled on a device yet, so the figure is published, and
-said so: a Llama-3.1-8B decode graph took 21-22 minutes in neuronx-cc in 2025, 5 before a compiler
-regression (aws-neuron-sdk issue 1210), and optimum-neuron warns a large model's graph "may take up
-to one hour" (aws-neuron-sdk issue 825). Replace it with a measured figure once an inf2 run has
-timed one (`MEASURED_MINUTES_PER_GRAPH`).
+The budget is ceil(graphs / workers) x minutes per graph: ModelBuilder compiles the graphs on a
+pool of `workers` (neuron_gate.compile_workers, from the instance's host memory and vCPUs; the
+reason is printed). Per-graph minutes: measured by the first inf2 run where a calibration exists
+(harness/plan/calibration.py), else published, and said so: aws-neuron-sdk issue 1210 reports an
+8B forward graph compiling in about 1 minute without its ArgMax (22 with it, 5 before a 2025
+compiler regression); the port's graphs hold no ArgMax, so 5 minutes a graph is a margin over the
+published figure, not a measurement.
 """
 
 from __future__ import annotations
@@ -21,16 +21,14 @@ from __future__ import annotations
 from harness.port.device_plan import graph_shapes
 from harness.port.graphs import batch_buckets
 
-PUBLISHED_MINUTES_PER_GRAPH = 22.0  # a 8B-class decode graph (aws-neuron-sdk issue 1210); unmeasured here
-PUBLISHED_SOURCE = ("published, not measured by this project: 22 min per 8B-class graph "
-                    "(aws-neuron-sdk issue 1210; optimum-neuron: up to an hour for large models, issue 825)")
-SMALL_MINUTES_PER_GRAPH = 1.0  # a model under the parallel-compile limit (the tiny fixtures): an estimate
-SMALL_SOURCE = "estimate for a model under 1 GiB of weights per rank (compiled in parallel), unmeasured"
-MEASURED_MINUTES_PER_GRAPH: float | None = None  # set from the first inf2 run's compile log
+PUBLISHED_MINUTES_PER_GRAPH = 5.0  # margin over issue 1210's ArgMax-free ~1 min; unmeasured here
+PUBLISHED_SOURCE = ("published, not measured by this project: an 8B forward graph without ArgMax compiles in "
+                    "about 1 min (aws-neuron-sdk issue 1210, where an ArgMax made it 22); 5 min taken as a margin")
 # The batch stage of a check without --batch: its KV slots (parity/batched.py's MAX_STAGE_SLOTS, the
 # most it uses), so the batch buckets 1, 2, 4.
 BATCH_STAGE_SLOTS = 4
 DEVICE_COMMANDS = ("check", "bisect", "quality", "bench")
+INF2_8XLARGE_HOST, INF2_8XLARGE_VCPUS = 128 * 2**30, 32  # AWS, Inf2 instances
 
 
 def graphs_by_stage(command: str, buckets, kv_len: int, *, batch: int | None = None, speculate: int = 0,
@@ -62,18 +60,27 @@ def graphs_by_stage(command: str, buckets, kv_len: int, *, batch: int | None = N
     return stages
 
 
-def compile_minutes(graphs: int, weight_bytes_per_rank: int) -> dict:
-    """{minutes, per_graph, source, basis} of compiling `graphs` graphs cold, one after another above
-    the parallel-compile limit; `basis` says in two words whether the per-graph figure was measured."""
-    from harness.backends.neuron_cache import PARALLEL_COMPILE_LIMIT_BYTES
+def compile_minutes(graphs, weight_bytes_per_rank: int, *, host_bytes: int | None = None, cpus: int | None = None,
+                    calibration: dict | None = None) -> dict:
+    """{minutes, per_graph, workers, workers_reason, source, basis} of compiling `graphs` cold (a count,
+    or each build's count: builds compile one after another) on a host of `host_bytes` and `cpus`
+    vCPUs (default: an inf2.8xlarge), ceil(graphs / workers) rounds of the per-graph figure a build; `calibration` (calibration.read) gives measured figures where it has them
+    (the slowest graph kind's minutes, the compiler's peak host memory). `basis` says in a few words
+    whether the figures were measured."""
+    from harness.backends.neuron_gate import COMPILE_PEAK_HOST_BYTES, compile_workers
 
-    if MEASURED_MINUTES_PER_GRAPH is not None:
-        per, source, basis = MEASURED_MINUTES_PER_GRAPH, "measured on inf2", "measured"
-    elif weight_bytes_per_rank > PARALLEL_COMPILE_LIMIT_BYTES:
-        per, source, basis = PUBLISHED_MINUTES_PER_GRAPH, PUBLISHED_SOURCE, "published, not measured"
+    measured = (calibration or {}).get("compile", {})
+    peak = measured.get("peak_host_bytes") or COMPILE_PEAK_HOST_BYTES
+    workers, why = compile_workers(host_bytes or INF2_8XLARGE_HOST, cpus or INF2_8XLARGE_VCPUS, weight_bytes_per_rank, peak)
+    if measured.get("minutes_per_graph"):
+        per = max(measured["minutes_per_graph"].values())
+        source, basis = f"measured on inf2 ({calibration.get('source', 'calibration')})", "measured"
     else:
-        per, source, basis = SMALL_MINUTES_PER_GRAPH, SMALL_SOURCE, "estimated, not measured"
-    return {"minutes": round(graphs * per, 1), "per_graph": per, "source": source, "basis": basis}
+        per, source, basis = PUBLISHED_MINUTES_PER_GRAPH, PUBLISHED_SOURCE, "published, not measured"
+    rounds = sum(-(-int(g) // workers) for g in ([graphs] if isinstance(graphs, int) else graphs))
+    return {"minutes": round(rounds * per, 1), "per_graph": per, "workers": workers,
+            "workers_reason": why + ("" if measured.get("peak_host_bytes") else " (per-compile memory estimated)"),
+            "source": source, "basis": basis}
 
 
 def refuse_over_budget(command: str, stages: dict[str, int], budget: dict, limit: float | None) -> str | None:
@@ -83,10 +90,11 @@ def refuse_over_budget(command: str, stages: dict[str, int], budget: dict, limit
         return None
     parts = ", ".join(f"{name} {n}" for name, n in stages.items())
     return (f"{command}: a cold compile of {sum(stages.values())} graphs ({parts}) takes about {budget['minutes']:.0f} "
-            f"min at {budget['per_graph']:g} min per graph ({budget['source']}), over --compile-budget {limit:g}. "
+            f"min at {budget['per_graph']:g} min per graph, {budget['workers']} at once ({budget['source']}), over "
+            f"--compile-budget {limit:g}. "
             "Drop builds (--batch 1: no batch stage; --skip-served-build), use fewer buckets or KV buckets "
             "(--buckets, --kv-len), restore a compile cache, or raise --compile-budget")
 
 
-__all__ = ["BATCH_STAGE_SLOTS", "DEVICE_COMMANDS", "PUBLISHED_MINUTES_PER_GRAPH", "compile_minutes",
+__all__ = ["BATCH_STAGE_SLOTS", "DEVICE_COMMANDS", "PUBLISHED_MINUTES_PER_GRAPH", "PUBLISHED_SOURCE", "compile_minutes",
            "graphs_by_stage", "refuse_over_budget"]

@@ -22,6 +22,7 @@ from harness.port.sharding import bytes_per_rank, kv_cache_bytes, layer_params_p
 
 GIB = 1 << 30
 HOST_RAM = {"inf2.8xlarge": 128 * GIB, "inf2.24xlarge": 384 * GIB, "inf2.48xlarge": 768 * GIB}  # AWS, Inf2 page
+VCPUS = {"inf2.8xlarge": 32, "inf2.24xlarge": 96, "inf2.48xlarge": 192}  # AWS, Inf2 page
 COMMANDS = ("check", "reference", "bisect", "quality", "bench")
 # command -> (base bytes, k, basis): peak = base + k x the largest counted phase. Fitted by
 # benchmarks/host_plan_fit.py (docs/design.md#resource-plan has the runs); bisect, quality and bench
@@ -136,19 +137,23 @@ def counted_peak(phases: dict) -> int:
 def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *, sliding_cache: str = "linear",
                   host_bytes: int | None = None, layout: bool = False, backend: str = "neuron",
                   rows: int | None = None, options: dict | None = None, speculate: int = 0,
-                  batch: int | None = 1, assistant=None) -> dict:
+                  batch: int | None = 1, assistant=None, quantize: str | None = None) -> dict:
     """Per command: host_peak_bytes (and its phases), the builds it compiles (`graphs_by_stage`,
     compile_budget.graphs_by_stage; `graphs` their sum) and their cold-compile minutes, the device
     bytes per core of its largest build (stage_build: a parity or a perf build) and whether every
     build fits (`device_problem`: the first that does not); `host_bytes` is the host budget
     (default: the RAM of the instance the TP degree needs); `options` (golden, fp32_stage, served)
     what the command was asked to skip; `batch` the run's KV slots, or None for a check with its
-    batch stage (a check without --batch off neuron; on neuron it is asked for with --batch N); `assistant` an AssistantSpec (its draft graphs and drafter)."""
+    batch stage (a check without --batch off neuron; on neuron it is asked for with --batch N); `assistant` an AssistantSpec (its draft graphs and drafter);
+    `quantize` the weights' storage on the device (int8: core_fit.weight_bytes)."""
+    from harness.plan.calibration import read_calibration
     from harness.plan.compile_budget import compile_minutes, graphs_by_stage
+
+    calibration = read_calibration()  # the first inf2 run's measurements, where one was kept
 
     inst = smallest_instance(tp)
     budget = host_bytes if host_bytes is not None else HOST_RAM.get(inst.name if inst else "")
-    build = dict(buckets=buckets, layout=layout, speculate=speculate, assistant=assistant)
+    build = dict(buckets=buckets, layout=layout, speculate=speculate, assistant=assistant, quantize=quantize)
     slots = batch or 1
     fits: dict[tuple[int, bool], str | None] = {}  # (KV slots, perf build) -> None, or why it does not fit
 
@@ -162,7 +167,7 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
         return core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build, batch=key[0], perf=key[1])
 
     parts = host_parts(spec, tp, dtype, backend, rows)
-    weights = bytes_per_rank(spec, tp, dtype, kv_len)["weights"]
+    weights = core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build)["weights"]
     commands = {}
     for name in COMMANDS:
         # the batch stage runs in a check without --batch (off neuron) or with --batch N > 1
@@ -177,14 +182,16 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
         commands[name] = {"host_peak_bytes": peak, "host_phases": phases, "host_basis": HOST_FIT[name][2],
                           "fits_host": budget is None or peak <= budget, "device_bytes_per_core": device,
                           "graphs_by_stage": stages, "graphs": sum(stages.values()),
-                          "compile": compile_minutes(sum(stages.values()), weights),
+                          "compile": compile_minutes(list(stages.values()), weights, host_bytes=budget,
+                                                     cpus=VCPUS.get(inst.name if inst else ""), calibration=calibration),
                           "fits_device": not problems, "device_problem": problems[0] if problems else None}
     device_problem = next((c["device_problem"] for c in commands.values() if c["device_problem"]), None)
     core = core((slots, False))
     return {"instance": inst.name if inst else None, "host_bytes": budget, "fp32_model_bytes": parts["model"],
             "float64_streamed": parts["float64_streamed"], "backend": backend,
             "host_parts": parts, "options": dict(options or {}), "tp": tp, "kv_len": kv_len,
-            "buckets": sorted({int(b) for b in buckets}), "batch": batch, "core": core,
+            "buckets": sorted({int(b) for b in buckets}), "batch": batch, "core": core, "quantize": quantize,
+            "calibration": calibration,
             "core_hbm": 16 * GIB, "device_problem": device_problem, "commands": commands,
             "instances": [i.name for i in INSTANCES]}
 
@@ -198,6 +205,8 @@ def stage_build(stage: str, slots: int) -> tuple[int, bool]:
 
 
 def render_resource_plan(plan: dict) -> str:
+    from harness.plan.calibration import describe
+
     host = "no stated budget" if plan["host_bytes"] is None else gib(plan["host_bytes"])
     lines = [f"resource plan: {plan['instance']} (host {host}; tp={plan['tp']}, one NeuronCore "
              f"of 16 GiB per rank), model {gib(plan['fp32_model_bytes'])} in fp32, buckets {plan['buckets']}, "
@@ -215,9 +224,11 @@ def render_resource_plan(plan: dict) -> str:
         builds = ", ".join(f"{stage} {n}" for stage, n in c["graphs_by_stage"].items())
         lines.append(f"            device {gib(c['device_bytes_per_core'])} per core, largest build ({dev}); "
                      f"{c['graphs']} graphs = {builds}; cold compile ~{c['compile']['minutes']:.0f} min "
-                     f"({c['compile']['per_graph']:g} min per graph: {c['compile']['source']})")
+                     f"({c['compile']['per_graph']:g} min per graph: {c['compile']['source']}; "
+                     f"{c['compile']['workers_reason']})")
     if plan["device_problem"]:
         lines.append(f"  device: {plan['device_problem']}")
+    lines += [f"  {line}" for line in describe(plan["calibration"])]
     for name, c in plan["commands"].items():
         if not c["fits_host"]:
             lines.append(f"  {name}: {what_fits(plan, name)}")
@@ -274,7 +285,7 @@ def summary_line(plan: dict, command: str) -> str:
     return (f"plan: host peak {gib(c['host_peak_bytes'])} of {budget} (largest phase: {phase}), "
             f"device {gib(c['device_bytes_per_core'])} per NeuronCore, {c['graphs']} graphs ({builds}), "
             f"cold compile ~{c['compile']['minutes']:.0f} min ({c['compile']['per_graph']:g} min per graph, "
-            f"{c['compile']['basis']})")
+            f"{c['compile']['workers']} at once, {c['compile']['basis']})")
 
 
 __all__ = ["COMMANDS", "HOST_FIT", "HOST_RAM", "counted_peak", "fp32_model_bytes", "host_parts", "host_peak",

@@ -4,7 +4,7 @@ whether its weights and KV cache fit one NeuronCore's share of device memory at 
 An Inferentia2 chip has 2 NeuronCores and 32 GiB of HBM (AWS, "Amazon EC2 Inf2 instances"): one
 rank per core, 16 GiB each. The fit counts weights, the KV cache at the compiled length, every
 graph's I/O and instructions, the MoE working set and the weight-layout transform
-(harness/port/device_plan.py, harness/plan/graph_bytes.py); other activations and the runtime's scratch come on top, so a plan using
+(harness/port/device_plan.py, harness/port/core_fit.py); other activations and the runtime's scratch come on top, so a plan using
 nearly all 16 GiB is marked tight.
 """
 
@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from harness.base.errors import ShardingError
 from harness.base.settings import DEFAULT_BUCKETS
 from harness.inputs.spec import ModelSpec
-from harness.plan.graph_bytes import GRAPH_OVERHEAD_BYTES, graphs_bytes
-from harness.port.device_plan import graph_kinds
-from harness.port.sharding import bytes_per_rank, dtype_bytes, plan_model
+from harness.port.core_fit import CORE_HBM, core_bytes
+from harness.port.sharding import plan_model
 
 GIB = 1 << 30
-CORE_HBM = 16 * GIB
 TIGHT = 0.9  # more than this share of a core's HBM in weights + KV leaves little for activations
 
 
@@ -60,47 +58,6 @@ def layout_transform(backend_options: dict) -> bool:
     from harness.backends.neuron_layers import DEFAULT_LAYOUT_PRIORITY
 
     return backend_options.get("layout_priority", DEFAULT_LAYOUT_PRIORITY) is not None
-
-
-def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
-               *, buckets=DEFAULT_BUCKETS, layout: bool = False, speculate: int = 0, assistant=None,
-               batch: int = 1, perf: bool = False) -> dict:
-    """One NeuronCore's device memory for a build (harness/plan/graph_bytes.py). `run`: weights, KV
-    cache (`batch` slots), the compiled graphs' I/O and instructions (each (length, KV bucket) one
-    graph, at every batch bucket of a batched build, a draft graph once: one sequence drafts per
-    call; graph_bytes.graph_io_bytes: a `perf` build returns one row of logits per sequence, a
-    parity build every row and its captures) and the MoE working set of the largest call.
-    The weight-layout transform (NxD's set_weights re-lays the weights out on the device before the
-    states exist) would hold the weights plus at least the largest weight re-laid out
-    (`layout_least`), at most a second copy of every weight (`layout_most`; the transformer is
-    closed source, unverified): both always computed, counted in `total` (the larger of the run and
-    the least the load needs) only with `layout`. A speculative build (`speculate` = k) adds the
-    verify graph; with the `assistant` (an AssistantSpec) its drafter's weights (`drafter`) and its
-    draft graphs, compiled into the target's model, are on the same core."""
-    from harness.port.graphs import batch_buckets
-
-    per_rank = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
-    nbytes = dtype_bytes(dtype)
-    drafter = assistant.bytes_per_rank(tp, nbytes) if assistant is not None else 0
-    shapes = graph_kinds(buckets, kv_len, speculate, drafts=assistant is not None)
-    rows = batch_buckets(batch) if batch > 1 else (1,)
-    per_bucket, drafts = [g for g in shapes if g[0] != "draft"], [g for g in shapes if g[0] == "draft"]
-    costs = [graphs_bytes(spec, tp, per_bucket, nbytes, rows=b, capture=not perf, batched=batch > 1) for b in rows]
-    if drafts:  # one sequence drafts per call: each draft graph once, at every batch size (draft_graphs.py)
-        costs.append(graphs_bytes(spec, tp, drafts, nbytes, capture=not perf, batched=batch > 1, assistant=assistant))
-    graphs = {"count": sum(c["count"] for c in costs), "per_graph": max(c["per_graph"] for c in costs),
-              "graphs": sum(c["graphs"] for c in costs), "moe_working_set": max(c["moe_working_set"] for c in costs)}
-    kv_cache = per_rank["kv_cache"] * batch
-    run = per_rank["weights"] + kv_cache + drafter + graphs["graphs"] + graphs["moe_working_set"]
-    largest = spec.vocab_size // tp * spec.hidden_size * nbytes  # the lm_head shard
-    if spec.moe is not None:
-        largest = max(largest, spec.moe.num_experts * 2 * (spec.moe.intermediate_size // tp) * spec.hidden_size * nbytes)
-    resident = per_rank["weights"] + drafter + graphs["count"] * GRAPH_OVERHEAD_BYTES
-    least, most = resident + largest, resident + per_rank["weights"] + drafter
-    return {"weights": per_rank["weights"], "kv_cache": kv_cache, "drafter": drafter, "batch": batch,
-            "graphs": graphs["count"], "graph_bytes": graphs["graphs"], "per_graph_bytes": graphs["per_graph"],
-            "moe_working_set": graphs["moe_working_set"], "run": run, "layout": layout, "layout_least": least,
-            "layout_most": most, "total": max(run, least) if layout else run}
 
 
 def placement(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,

@@ -13,7 +13,7 @@ import math
 from harness.base.errors import HarnessInputError
 from harness.base.settings import DEFAULT_BUCKETS
 from harness.perf.roofline import CHIP, DEFAULT_INSTANCE, INSTANCE_CHIPS
-from harness.plan.graph_bytes import graph_reserve_bytes
+from harness.port.core_fit import RUNTIME_RESERVE_BYTES, graph_reserve_bytes, weight_bytes
 from harness.port.sharding import dtype_bytes, memory_plan
 
 
@@ -27,7 +27,7 @@ def instance_for(tp: int) -> str | None:
 
 
 def instance_memory_plan(spec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,
-                         instance: str | None = None) -> dict:
+                         instance: str | None = None, quantize: str | None = None) -> dict:
     """sharding.memory_plan for one chip of `instance` (default: instance_for(tp)) at TP `tp`: the
     most loaded chip."""
     instance = instance or instance_for(tp) or DEFAULT_INSTANCE
@@ -42,18 +42,21 @@ def instance_memory_plan(spec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
     ranks = min(tp, CHIP["cores"])
     device = (f"one Inferentia2 chip of {instance}" if ranks == CHIP["cores"]
               else f"{ranks} of the {CHIP['cores']} NeuronCores of one Inferentia2 chip of {instance}")
-    reserve = graph_reserve_bytes(spec, tp, dtype_bytes(dtype), DEFAULT_BUCKETS)  # the graphs' share
+    # the graphs' share and the runtime's, per rank; the weights as they load (int8 under --quantize)
+    reserve = graph_reserve_bytes(spec, tp, dtype_bytes(dtype), DEFAULT_BUCKETS) + RUNTIME_RESERVE_BYTES
     plan = memory_plan(spec, tp, dtype, kv_len, device_bytes=CHIP["hbm_bytes"] * ranks // CHIP["cores"],
-                       ranks_per_device=ranks, device=device, reserve_bytes=reserve)
-    return {**plan, "instance": instance, "max_batch": max_batch(spec, tp, dtype, kv_len)}
+                       ranks_per_device=ranks, device=device, reserve_bytes=reserve,
+                       weights_per_rank=weight_bytes(spec, tp, dtype, quantize))
+    return {**plan, "instance": instance, "quantize": quantize,
+            "max_batch": max_batch(spec, tp, dtype, kv_len, quantize=quantize)}
 
 
-def max_batch(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear") -> int:
+def max_batch(spec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear", quantize: str | None = None) -> int:
     """The most KV slots (sequences) that fit at `kv_len` by the one device fit (batch_fit.batch_fit,
     instances.core_bytes): what `info --batch` admits and refuses by."""
     from harness.plan.batch_fit import batch_fit
 
-    return batch_fit(spec, tp, dtype, 1, kv_len, sliding_cache=sliding_cache)["max_batch"]
+    return batch_fit(spec, tp, dtype, 1, kv_len, sliding_cache=sliding_cache, quantize=quantize)["max_batch"]
 
 
 def gib(nbytes: int) -> str:
@@ -70,7 +73,7 @@ def render_memory_plan(plan: dict, sliding_cache: str) -> str:
     """The plan as text lines: the arithmetic behind each cache's longest context."""
     lines = [f"memory plan: {plan['device']}, {gib(plan['device_bytes'])} for {plan['ranks_per_device']} "
              f"rank(s); weights {gib(plan['weights_bytes'])}, compiled graphs up to {gib(plan['graphs_reserve_bytes'])} "
-             "(harness/plan/graph_bytes.py; nothing else reserved for activations or runtime scratch)"]
+             f"and the runtime's reserve (harness/port/core_fit.py){', int8 weights (--quantize)' if plan.get('quantize') else ''}"]
     if plan["weights_bytes"] >= plan["device_bytes"]:
         lines.append(f"  the weights alone exceed {gib(plan['device_bytes'])}: this TP and dtype do not fit the chip")
     for kind, c in plan["caches"].items():

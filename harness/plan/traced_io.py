@@ -2,7 +2,7 @@
 harness/port/graphs.py built and called on PyTorch's meta device (shapes and dtypes, no memory, no
 weights), with the example inputs the backends trace it with.
 
-The device fit counts each graph's I/O by formula (graph_bytes.graph_io_bytes) because it is asked
+The device fit counts each graph's I/O by formula (core_fit.graph_io_bytes) because it is asked
 for hundreds of builds at once (`info --batch`, `--plan`); this is what that formula is held to
 (tests/unit/test_fit_io.py: within 10% on every model, build, batch and TP degree). A 12B graph
 traces in about a second; the tiny models' in a fraction of one.

@@ -18,7 +18,7 @@ to run, and the fit (harness/plan/instances.py) counts what that way holds on th
   counts the weights twice when it is on and a run that fits only without it names
   `layout_priority=none`.
 - **Per graph**: every (length, KV bucket) is its own NEFF with its own instructions and I/O
-  buffers, counted by harness/plan/graph_bytes.py.
+  buffers, counted by harness/port/core_fit.py.
 """
 
 from __future__ import annotations

@@ -307,12 +307,15 @@ def kv_cache_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", sliding_ca
 
 
 def memory_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, *, device_bytes: int, ranks_per_device: int,
-                device: str, reserve_bytes: int = 0) -> dict:
+                device: str, reserve_bytes: int = 0, weights_per_rank: int | None = None) -> dict:
     """Device memory of one `device` (`device_bytes` shared by `ranks_per_device` ranks) for both
     sliding caches: weights, KV bytes per token, the rings' fixed bytes, the KV bytes at kv_len and
     the longest context that fits next to the weights and `reserve_bytes` per rank (the compiled
-    graphs: graph_bytes.graph_reserve_bytes), capped at the model's positions."""
-    weights = bytes_per_rank(spec, tp, dtype, 0)["weights"] * ranks_per_device
+    graphs: core_fit.graph_reserve_bytes), capped at the model's positions. `weights_per_rank`: the
+    weights as they load when not `dtype`'s (int8 under --quantize: core_fit.weight_bytes)."""
+    if weights_per_rank is None:
+        weights_per_rank = bytes_per_rank(spec, tp, dtype, 0)["weights"]
+    weights = weights_per_rank * ranks_per_device
     reserve = reserve_bytes * ranks_per_device
     caches = {}
     for kind in ("linear", "ring"):

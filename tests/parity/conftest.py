@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+# The device build of the neuron parametrisation (tests/unit/test_inf2_budget.py plans it): port_check's
+# parity build (every tiny seed has the same graphs: one compile).
+DEVICE_BUILDS = [{"model": "tiny", "buckets": [16, 64, 256], "kv_len": 256, "batch": 1, "capture": True}]
 BACKENDS = ["cpu", pytest.param("xla", marks=pytest.mark.xla), pytest.param("neuron", marks=pytest.mark.neuron)]
 
 

@@ -22,6 +22,10 @@ from harness.judge.tokens import compare_logits
 from harness.port.decode import forced, generate
 
 pytestmark = pytest.mark.neuron
+# The device builds of this module (tests/unit/test_inf2_budget.py plans the device job from them):
+# the tiny model's perf and parity builds at BUCKETS and KV_LEN.
+DEVICE_BUILDS = [{"model": "tiny", "buckets": [16, 64], "kv_len": 128, "batch": 1, "capture": False},
+                 {"model": "tiny", "buckets": [16, 64], "kv_len": 128, "batch": 1, "capture": True}]
 
 TP = 2
 BUCKETS = (16, 64)  # 64 > the tiny model's 16-token window: the sliding mask runs on the device

@@ -299,9 +299,9 @@ def test_layout_priority_choices_and_the_layout_transformer(nxd, tiny0_ckpt, tmp
 def test_a_load_that_fails_in_the_layout_transform_names_layout_priority_none(nxd, tiny0_ckpt, tmp_path, monkeypatch):
     """A core with room for the weights once but not twice: the transform's load fails naming the
     option that makes it fit, and without the transform the same build loads."""
-    weights = sum(t.numel() * t.element_size() for t in
-                  neuron.rank_state_dicts(tiny0_ckpt, 2, torch.bfloat16)[0].values())
-    monkeypatch.setenv("NXD_DOUBLE_CORE_BYTES", str(int(1.5 * weights)))
+    loaded = _build(tiny0_ckpt, tmp_path).nxd_model.device_memory  # the build without the transform
+    # a core with room for that load and half the weights again, not for a second copy of them
+    monkeypatch.setenv("NXD_DOUBLE_CORE_BYTES", str(loaded["total"] + loaded["weights"] // 2))
     with pytest.raises(neuron.NeuronBuildError, match="layout_priority=none"):
         _build(tiny0_ckpt, tmp_path, layout_priority="decode")
     assert _build(tiny0_ckpt, tmp_path).nxd_model.loaded_on_neuron
@@ -418,3 +418,16 @@ def test_decode_graphs_take_their_own_compiler_flags(nxd, tiny0_ckpt, tmp_path):
     assert _build(tiny0_ckpt, tmp_path, decode_compiler_args=None).cache_key == base.cache_key
     with pytest.raises(HarnessInputError, match="--target inf2"):
         _build(tiny0_ckpt, tmp_path, decode_compiler_args="-O2")
+
+
+def test_the_cache_key_holds_which_graph_gets_which_flags(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """The same two flag strings given to other graphs (here: context encoding at -O2, the rest at
+    -O1) are other compiled graphs: the local artifact key holds the per-graph mapping."""
+    base = _build(tiny0_ckpt, tmp_path)
+    swapped = neuron_cache.per_graph_flags
+
+    def swap(tags, compiler_args, decode_args):
+        return swapped(tags, decode_args, compiler_args)
+
+    monkeypatch.setattr(neuron, "per_graph_flags", swap)
+    assert _build(tiny0_ckpt, tmp_path).cache_key != base.cache_key

@@ -24,6 +24,11 @@ from harness import perf
 pytestmark = pytest.mark.neuron
 
 CHECKPOINT_ENV = "GEMMA_PARITY_12B_CHECKPOINT"
+# The device builds these tests make (tests/unit/test_inf2_budget.py plans the device job from every
+# `neuron` module's DEVICE_BUILDS): the bench's perf build at bucket 64 (the workflow's bench step
+# reuses it from the cache) and a perf build of 8 KV slots (its batch buckets 1, 2, 4, 8).
+DEVICE_BUILDS = [{"model": "12b", "buckets": [64], "kv_len": 256, "batch": 1, "capture": False},
+                 {"model": "12b", "buckets": [64], "kv_len": 256, "batch": 8, "capture": False}]
 HISTORY_ENV = "GEMMA_PARITY_PERF_HISTORY"
 
 
@@ -51,6 +56,13 @@ def device_run() -> dict:
                             RunSettings(backend="neuron", dtype="bf16", buckets=(perf.PUBLISHED_BUCKET,)),
                             runs=perf.DEFAULT_RUNS, warmup=perf.DEFAULT_WARMUP, new_tokens=perf.DEFAULT_NEW_TOKENS)
     perf.append_history(result, Path(os.environ.get(HISTORY_ENV, "perf-history")))
+    if os.environ.get("GEMMA_PARITY_CALIBRATE"):  # the measured times, for the next plan (docs/neuron.md)
+        import statistics
+
+        from harness.backends.neuron_calibration import record_latency
+
+        record_latency(None, statistics.median(result["metrics"]["decode_ms_per_token"]),
+                       {b: statistics.median(v) for b, v in result["prefill_ms_by_bucket"].items()})
     return result
 
 

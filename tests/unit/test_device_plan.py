@@ -103,7 +103,8 @@ def test_the_fit_counts_graphs_moe_and_the_layout_transform():
     """The 26B-A4B at TP 4 fits by a plan that counts its prefill working set, its graphs and the
     least the layout transform's load holds; each term is in the total it is judged by."""
     from harness.plan.instances import CORE_HBM, core_bytes, placement
-    from harness.plan.graph_bytes import graphs_bytes
+    from harness.port import core_fit
+    from harness.port.core_fit import graphs_bytes
     from harness.port.device_plan import graph_kinds, graph_shapes
     from harness.port.sharding import bytes_per_rank
 
@@ -112,7 +113,7 @@ def test_the_fit_counts_graphs_moe_and_the_layout_transform():
     base = bytes_per_rank(spec, 4, "bfloat16", 256)
     graphs = graphs_bytes(spec, 4, graph_kinds((64, 256), 256), 2, capture=True)  # a parity build
     assert core["moe_working_set"] == moe_working_set_bytes(spec, 4, 256, 2) > 0
-    assert core["run"] == base["total"] + graphs["graphs"] + core["moe_working_set"]
+    assert core["run"] == base["total"] + graphs["graphs"] + core["moe_working_set"] + core_fit.RUNTIME_RESERVE_BYTES
     assert core["graphs"] == len(graph_shapes((64, 256), 256)) == 7  # decode at 3 KV buckets, 64 at 3, 256 at 1
     assert core["layout_most"] - core["layout_least"] == core["weights"] - 262144 // 4 * spec.hidden_size * 2
     assert core["weights"] < core["layout_least"] <= core["layout_most"] and core["total"] >= core["run"]
@@ -155,6 +156,7 @@ def test_a_speculative_build_counts_its_verify_graph_and_the_assistants_drafter(
     from harness.base.errors import ShardingError
     from harness.inputs.assistant_spec import assistant_spec_from_dict
     from harness.plan import instances
+    from harness.port import core_fit
     from harness.port.device_plan import graph_shapes, kv_buckets
     from harness.port.graphs import kv_graph_plan
 
@@ -177,7 +179,7 @@ def test_a_speculative_build_counts_its_verify_graph_and_the_assistants_drafter(
     assert pair["run"] - alone["run"] == drafter + pair["graph_bytes"] - alone["graph_bytes"]
     # the layout transform's upper bound: a second copy of every weight, the drafter's too
     assert pair["layout_most"] - alone["layout_most"] == 2 * drafter + (pair["graphs"] - alone["graphs"]) * (
-        instances.GRAPH_OVERHEAD_BYTES)
+        core_fit.GRAPH_OVERHEAD_BYTES)
     monkeypatch.setattr(instances, "CORE_HBM", (alone["total"] + pair["total"]) // 2)
     instances.check_fits(spec, 2, buckets=(16, 64))
     with pytest.raises(ShardingError, match="drafter"):

@@ -1,4 +1,4 @@
-"""The device fit's bytes per graph (instances.core_bytes through graph_bytes.graph_io_bytes) against the
+"""The device fit's bytes per graph (core_fit.core_bytes through core_fit.graph_io_bytes) against the
 graphs themselves: every graph a build traces (graphs.kv_graph_plan at each batch bucket, as the
 backends' kv_tags), built and called on the meta device (harness/plan/traced_io.py), its inputs +
 outputs summed. Within 10% per graph, in the build's sum and its largest, for parity and perf builds,
@@ -17,7 +17,7 @@ import torch
 from harness import FIXTURES_DIR
 from harness.inputs.spec import load_spec
 from harness.plan.instances import core_bytes
-from harness.plan.graph_bytes import GRAPH_OVERHEAD_BYTES, graph_io_bytes
+from harness.port.core_fit import GRAPH_OVERHEAD_BYTES, graph_io_bytes
 from harness.port.graphs import batch_buckets, is_verify_tag, kv_graph_plan
 from harness.plan.traced_io import traced_io_bytes
 
@@ -128,7 +128,7 @@ def test_a_speculative_builds_verify_and_draft_graphs_are_the_traced_graphs(tp, 
 def test_a_fit_that_counts_a_vocabulary_share_or_no_captures_fails(monkeypatch):
     """The check above can fail: the old formula's terms (fp32 logits of this rank's vocabulary share,
     no captures) are off by more than 10% at TP 1 on a parity build."""
-    from harness.plan import graph_bytes
+    from harness.port import core_fit as graph_bytes
 
     monkeypatch.setattr(graph_bytes, "capture_bytes_per_row", lambda spec, nbytes: 0)
     with pytest.raises(AssertionError):

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from harness.backends import neuron, neuron_cache, neuron_env
+from harness.backends import neuron, neuron_cache, neuron_env, neuron_gate
 from harness.base.errors import HarnessInputError
 from harness.base.settings import RunSettings
 from harness.inputs.spec import load_spec
@@ -112,11 +112,18 @@ def test_quoted_flag_values_survive_the_join():
 
 # ---- compile workers ------------------------------------------------------------------------------------
 
-def test_large_models_compile_one_graph_at_a_time():
+def test_compile_workers_come_from_the_hosts_memory_and_vcpus(monkeypatch):
+    """ModelBuilder compiles graphs on a pool: as many at once as the host's memory beside the traced
+    rank's weights and its vCPUs allow (the reason says which bound), never fewer than one; this
+    host's default reads its own memory and vCPUs (it was 1 for any model over 1 GiB per rank)."""
     big = bytes_per_rank(load_spec("fixtures/configs/gemma-4-12b-it.json"), 2, "bfloat16", 256)["weights"]
-    tiny = bytes_per_rank(load_spec("fixtures/configs/gemma-4-tiny.json"), 2, "bfloat16", 256)["weights"]
-    assert big > neuron_cache.PARALLEL_COMPILE_LIMIT_BYTES > tiny
-    assert neuron_cache.default_compile_workers(big) == 1 and neuron_cache.default_compile_workers(tiny) is None
+    gib = 2**30
+    workers, why = neuron_gate.compile_workers(128 * gib, 32, big)  # an inf2.8xlarge
+    assert workers == (128 * gib - big) // neuron_gate.COMPILE_PEAK_HOST_BYTES > 1 and "vCPUs" in why
+    assert neuron_gate.compile_workers(128 * gib, 4, big)[0] == 2  # the vCPUs bound it
+    assert neuron_gate.compile_workers(16 * gib, 32, big)[0] == 1  # memory for none beside the weights: one
+    monkeypatch.setattr(neuron_gate.os, "cpu_count", lambda: 6)
+    assert neuron_gate.default_compile_workers(0)[0] <= 3
 
 
 # ---- the transformers.utils.fx stand-in ---------------------------------------------------------------------

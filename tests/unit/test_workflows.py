@@ -105,7 +105,8 @@ def test_the_workflow_scripts_pass_shellcheck():
 
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed: pip install -e '.[lint]' (the README's test command installs it)")
-    scripts = [WORKFLOWS.parent / "inf2-preconditions.sh", WORKFLOWS.parents[1] / ".ci" / "run"]
+    scripts = [WORKFLOWS.parent / "inf2-preconditions.sh", WORKFLOWS.parent / "inf2-compile-cache.sh",
+               WORKFLOWS.parents[1] / ".ci" / "run"]
     run = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
 
@@ -203,3 +204,67 @@ def test_the_preconditions_step_names_what_is_missing(mode, tmp_path):
     os.chmod(bin_dir / "neuron-ls", 0o755)
     run = subprocess.run(["bash", str(script), mode], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "::error::" not in run.stdout, run.stdout
+
+
+def _step_index(steps: list, predicate) -> int:
+    return next(i for i, s in enumerate(steps) if predicate(s))
+
+
+@pytest.mark.parametrize("job_name", ["device", "check-12b"])
+def test_the_compile_cache_survives_a_failed_run(job_name):
+    """Each device job restores and saves its compile cache in separate steps, the save after every
+    compiling step (each `gemma-parity check|bench` and `pytest -m neuron`) under always(), keyed
+    per run (an entry is never overwritten) and restored by prefix; the two device jobs share one
+    concurrency group (never both on the NeuronCores)."""
+    job = load("inf2.yml")["jobs"][job_name]
+    steps = job["steps"]
+    uses = [str(s.get("uses", "")) for s in steps]
+    assert not any(u.startswith("actions/cache@") for u in uses), "actions/cache saves only on success"
+    restore = _step_index(steps, lambda s: str(s.get("uses", "")).startswith("actions/cache/restore@"))
+    save = _step_index(steps, lambda s: str(s.get("uses", "")).startswith("actions/cache/save@"))
+    compiling = [i for i, s in enumerate(steps) if re.search(r"gemma-parity (check|bench)|pytest -m neuron", s.get("run", ""))]
+    assert restore < min(compiling) and save > max(compiling), (restore, compiling, save)
+    assert "always()" in steps[save]["if"] and "always()" in steps[save - 1]["if"]  # the prune step decides
+    assert "github.run_id" in steps[restore]["with"]["key"] and steps[restore]["with"]["restore-keys"].strip()
+    assert steps[save]["with"]["key"] == "${{ steps.restore-compile.outputs.cache-primary-key }}"
+    assert steps[save]["with"]["path"] == steps[restore]["with"]["path"] == ".cache/gemma-parity"
+    assert job["concurrency"] == {"group": "inf2-neuroncores", "cancel-in-progress": False}
+
+
+def test_the_compile_cache_prune_keeps_a_failed_runs_entries(tmp_path):
+    """.github/inf2-compile-cache.sh: after a successful job the entries it did not use are pruned
+    (and the save is asked for); after a failed one nothing is pruned; an unchanged cache is not saved."""
+    import os
+    import subprocess
+    import time
+
+    script = WORKFLOWS.parent / "inf2-compile-cache.sh"
+    neuron = tmp_path / "cache" / "neuron"
+    (neuron / "stale").mkdir(parents=True)
+    (neuron / "used").mkdir()
+    old = time.time() - 3600
+    for name in ("stale", "used"):
+        os.utime(neuron / name, (old, old))
+    env = {"PATH": "/usr/bin:/bin", "GEMMA_PARITY_CACHE": str(tmp_path / "cache"), "RUNNER_TEMP": str(tmp_path)}
+
+    def run(*args) -> str:
+        out = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    run("mark")
+    assert run("changed", "success").strip().endswith("changed=false") is False  # "stale" pruned: changed
+    assert sorted(p.name for p in neuron.iterdir()) == []  # nothing touched: every entry was stale
+    (neuron / "stale").mkdir()
+    (neuron / "used").mkdir()
+    for name in ("stale", "used"):
+        os.utime(neuron / name, (old, old))
+    run("mark")
+    os.utime(neuron / "used")  # a load touches its entry
+    (neuron / "new").mkdir()  # a compile publishes one
+    assert "changed=true" in run("changed", "failure")
+    assert sorted(p.name for p in neuron.iterdir()) == ["new", "stale", "used"]  # a failed job prunes nothing
+    run("changed", "success")
+    assert sorted(p.name for p in neuron.iterdir()) == ["new", "used"]
+    run("mark")
+    assert "changed=false" in run("changed", "failure")

@@ -38,6 +38,21 @@ class CompilerError(RuntimeError):
     """neuronx-cc refused its command line (exit status 2 from its argument parser)."""
 
 
+# Every compile this process ran (the double's ledger, for tests): flags, target, module hash. A
+# job's compile budget is modelled by $NXD_DOUBLE_COMPILE_BUDGET (graphs): the compile past it fails
+# as the job would, killed at its timeout with that compile unfinished.
+COMPILED: list[dict] = []
+
+
+def _spend_budget(record: dict) -> None:
+    budget = os.environ.get("NXD_DOUBLE_COMPILE_BUDGET")
+    graphs = sum(1 for r in COMPILED if r["kind"] == "graph")
+    if budget is not None and record["kind"] == "graph" and graphs >= int(budget):
+        raise CompilerError(f"the job's compile budget of {budget} graphs is spent ({graphs} compiled): a real "
+                            "job is killed at its timeout here, its later steps never run")
+    COMPILED.append(record)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="neuronx-cc compile", add_help=False, exit_on_error=False,
                                 allow_abbrev=False)
@@ -105,6 +120,9 @@ def neuron_xla_compile(module_bytes, compiler_flags, input_format="hlo", platfor
     if lnc not in LNC_BY_TARGET[platform_target]:
         raise CompilerError(f"--lnc {lnc} is not supported on {platform_target}")
     record = {"flags": compiler_flags, "target": platform_target, "module": hashlib.sha256(module_bytes).hexdigest()}
+    # the layout transformer (no --target, --lnc given) is not one of the build's graphs
+    _spend_budget({**record, "kind": "layout" if "--enable-internal-neff-wrapper" not in compiler_flags
+                   and "--lnc=1" in compiler_flags and args.target is None else "graph"})
     if work_dir is not None:
         Path(work_dir).mkdir(parents=True, exist_ok=True)
         log = args.logfile or os.path.join(work_dir, "log-neuron-cc.txt")

@@ -44,6 +44,18 @@ from ..parallel_layers import parallel_state
 from . import fixed
 
 
+# The device's resources as the double models them. A NeuronCore-v2 has 16 GiB of HBM (half an
+# Inferentia2 chip's 32); $NXD_DOUBLE_CORE_BYTES sets another for a test. A graph's binary is charged
+# NEFF_BYTES (aws-neuron-sdk issue 1210 reports 40 MB for an ArgMax-free graph's NEFF) and the runtime
+# RUNTIME_RESERVE_BYTES of its own (scratch, DMA rings: not published; the plan's estimate).
+NEFF_BYTES = 64 << 20
+RUNTIME_RESERVE_BYTES = 1 << 30
+
+
+def core_bytes() -> int:
+    return int(os.environ.get("NXD_DOUBLE_CORE_BYTES", 16 << 30))
+
+
 def _get(module, name):
     owner, _, attr = name.rpartition(".")
     mod = module.get_submodule(owner) if owner else module
@@ -74,6 +86,7 @@ class NxDModel(torch.nn.Module):
         self.weights: list[dict] = [{} for _ in range(world_size)]
         self.states: list[dict] = [{} for _ in range(world_size)]
         self.loaded_on_neuron = False
+        self.device_memory: dict = {}  # one core's bytes after to_neuron (_load_bytes)
         self._weights_set = False
         self._ranks: list = []
 
@@ -134,12 +147,11 @@ class NxDModel(torch.nn.Module):
             if missing or extra or wrong:
                 raise ValueError(f"rank {rank}: weights do not match the graphs: missing {missing[:6]}, not read "
                                  f"by any graph {extra[:6]}, wrong shape/dtype {wrong[:6]}")
-        limit = os.environ.get("NXD_DOUBLE_CORE_BYTES")  # a core's HBM, for tests of the load's peak
-        if limit and self.layout_transformer:  # both layouts on the core while the transformer runs
-            need = 2 * sum(t.numel() * t.element_size() for t in sharded_checkpoint[0].values())
-            if need > int(limit):
+        if self.layout_transformer:  # both layouts on the core while the transformer runs, beside the runtime
+            need = 2 * sum(t.numel() * t.element_size() for t in sharded_checkpoint[0].values()) + RUNTIME_RESERVE_BYTES
+            if need > core_bytes():
                 raise RuntimeError(f"NRT: out of device memory: the layout transformation needs {need} bytes "
-                                   f"on a core of {limit}")
+                                   f"on a core of {core_bytes()}")
         self.weights = [{k: v.detach().clone().contiguous() for k, v in w.items()} for w in sharded_checkpoint]
         self._weights_set = True
 
@@ -149,11 +161,33 @@ class NxDModel(torch.nn.Module):
         if not self._weights_set:
             raise RuntimeError("to_neuron() before set_weights(): the graphs have no weights to load")
         states = self._state_specs()
+        self.device_memory = self._load_bytes(states)  # what each core holds once loaded, or the load fails
         self.states = [{k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in states.items()}
                        for _ in range(self.world_size)]
         self._ranks = [{tag: self._rank_module(rank, module, self.graphs[tag]) for tag, module in self.traced_modules.items()}
                        for rank in range(self.world_size)]
         self.loaded_on_neuron = True
+
+    def _load_bytes(self, states: dict) -> dict:
+        """One core's device memory after the load, as the runtime allocates it: the rank's weights
+        as given (their dtype: int8 codes stay int8), every state buffer, each graph's input and
+        output buffers and its binary, and the runtime's own reserve; over the core's HBM the load
+        fails as the runtime's does (out of device memory)."""
+        def nbytes(shape, dtype):
+            return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        weights = max(sum(t.numel() * t.element_size() for t in w.values()) for w in self.weights)
+        io = {tag: sum(nbytes(shape, dtype) for _, shape, dtype in art.provided) +
+              sum(nbytes(shape, dtype) for shape, dtype in art.outputs) for tag, art in self.graphs.items()}
+        used = {"weights": weights, "states": sum(nbytes(*spec) for spec in states.values()),
+                "io": sum(io.values()), "binaries": len(self.graphs) * NEFF_BYTES, "reserve": RUNTIME_RESERVE_BYTES,
+                "graphs": len(self.graphs), "io_by_graph": io}
+        used["total"] = sum(used[k] for k in ("weights", "states", "io", "binaries", "reserve"))
+        used["core"] = core_bytes()
+        if used["total"] > used["core"]:
+            raise RuntimeError(f"NRT: out of device memory: loading {len(self.graphs)} graphs needs {used['total']} "
+                               f"bytes on a core of {used['core']} (weights {weights}, states {used['states']}, graph "
+                               f"I/O {used['io']}, binaries {used['binaries']}, runtime {RUNTIME_RESERVE_BYTES})")
+        return used
 
     def _rank_module(self, rank, traced, art):
         """The graph's code on one rank: its folded constants, the rank's weights, and the states its
