@@ -1,0 +1,129 @@
+"""The upstream census (issue 45): transformers' own Gemma-4 tester configurations, built with the
+classes' own initialisation (no margin-widening builder), at several seeds, TP 1 and TP 2.
+
+Where each configuration comes from (transformers' test suite, as read in the public repository;
+the commit is the stored version read):
+
+- `Gemma4TextModelTester` (tests/models/gemma4/test_modeling_gemma4.py:58-86 at commit
+  bb7902f58039bb42cfe06b92a07e7b538a0c8dbc): 4 layers sliding/full/sliding/full, 2 KV-shared
+  layers, per-layer inputs (vocab 99, width 16), the MoE block (moe_intermediate 16, top-2),
+  `global_head_dim = head_dim`, bidirectional attention "vision". The rest are
+  `CausalLMModelTester`'s defaults (tests/causal_lm_tester.py:72-155 at commit
+  00d3cdbeaab26587a543f75df7997a53a6fb146b: vocab 99, hidden 32, 2 heads, 2 KV heads, intermediate
+  37, max positions 512, initializer range 0.02, pad/bos/eos 0/1/2, 8 experts), passed to the config
+  when its `__init__` names them (`get_config`, same file :176-181). transformers 5.24's
+  `Gemma4TextConfig.__init__` has no `global_head_dim`: it is dropped, so full layers keep the
+  class default (head_dim 512) with the class's unit q/k norms.
+- `Gemma4UnifiedTextModelTester` (tests/models/gemma4_unified/test_modeling_gemma4_unified.py:67-85
+  at commit 043bb8dde14aae1a56b84cd230737cf5d0877912): the same 4-layer pattern and 2 KV-shared
+  layers, no MoE, no per-layer inputs.
+- Per-test edits: `test_use_cache_false_with_kv_sharing` (test_modeling_gemma4.py, the stored
+  version with that test) sets `attention_k_eq_v = True` and
+  `num_global_key_value_heads = num_key_value_heads` (k=v full layers); a sliding window of 2
+  (the smallest window that still masks, the edit issue 45 names).
+
+TP 2: where a size does not split over 2 ranks (intermediate 37, vocabularies of 99), the smallest
+change that does (38, 100) is made; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tests.census.ports import Run, prompt_of
+
+_ROOT = Path(tempfile.mkdtemp(prefix="census-upstream-"))
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# CausalLMModelTester's defaults that the Gemma-4 configs' __init__ names (tests/causal_lm_tester.py)
+CAUSAL_LM_TESTER = {"vocab_size": 99, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
+                    "intermediate_size": 37, "max_position_embeddings": 512, "initializer_range": 0.02,
+                    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 32 // 2}
+# Gemma4TextModelTester.__init__ (test_modeling_gemma4.py:64-86)
+GEMMA4_TEXT = {**CAUSAL_LM_TESTER, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+               "layer_types": [SLIDING, FULL, SLIDING, FULL], "vocab_size_per_layer_input": 99,
+               "hidden_size_per_layer_input": 16, "enable_moe_block": True, "moe_intermediate_size": 16,
+               "top_k_experts": 2, "num_experts": 8, "use_bidirectional_attention": "vision"}
+# Gemma4UnifiedTextModelTester.__init__ (test_modeling_gemma4_unified.py:72-85)
+UNIFIED_TEXT = {**CAUSAL_LM_TESTER, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                "layer_types": [SLIDING, FULL, SLIDING, FULL], "use_bidirectional_attention": "vision"}
+# test_use_cache_false_with_kv_sharing's edit: full layers with k = v
+K_EQ_V = {"attention_k_eq_v": True, "num_global_key_value_heads": 2}
+WINDOW_2 = {"sliding_window": 2}
+# the smallest change that lets every size split over 2 ranks
+SPLIT_2 = {"intermediate_size": 38, "vocab_size": 100, "vocab_size_per_layer_input": 100}
+
+CLASSES = {"gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
+           "gemma4_unified": ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM")}
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One tester configuration: its model type, config items (sorted), a seed."""
+
+    name: str
+    model_type: str
+    items: tuple
+    seed: int = 0
+
+    @property
+    def config(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.items}
+
+
+def upstream(name: str, model_type: str, base: dict, *edits: dict, seed: int = 0, tp: int = 1) -> Upstream:
+    """A tester configuration with the suite's edits, and at TP 2 the smallest change that splits."""
+    config = dict(base)
+    for edit in edits + ((SPLIT_2,) if tp == 2 else ()):
+        config.update({k: v for k, v in edit.items() if k in base or k not in SPLIT_2})
+    items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()))
+    return Upstream(name, model_type, items, seed)
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(case: Upstream):
+    """The configuration's checkpoint, initialised by the class's own init at the case's seed."""
+    import transformers
+
+    from harness.inputs.checkpoint import Checkpoint
+
+    config_cls, model_cls = CLASSES[case.model_type]
+    torch.manual_seed(case.seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**case.config))
+    out = _ROOT / f"{case.name}-{abs(hash(case.items)) % 10**8}-{case.seed}"
+    model.save_pretrained(out)
+    return Checkpoint.open(out)
+
+
+@functools.lru_cache(maxsize=None)
+def references(case: Upstream, prompts: tuple, new_tokens: int):
+    from harness.parity.local import intra_op_threads_for
+    from harness.reference.run import run_reference
+
+    ckpt = checkpoint(case)
+    with intra_op_threads_for(ckpt.spec):
+        return run_reference(ckpt.path, [list(p) for p in prompts], new_tokens)
+
+
+def run_check(case: Upstream, run: Run, local: bool = False):
+    """`check` (both stages) of the bf16 port of the case at the run's settings."""
+    from harness.backends import build_engine
+    from harness.base.settings import RunSettings
+    from harness.parity.check import check_port
+
+    ckpt = checkpoint(case)
+    refs = references(case, run.prompts, run.new_tokens)
+    settings = RunSettings(tp=run.tp, buckets=run.buckets, kv_len=run.kv_len, sliding_cache=run.sliding_cache)
+    engine = build_engine(ckpt, settings, capture=True)
+    return check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=local or run.local,
+                      fp32_engine="auto" if run.fp32_stage else None)
+
+
+def prompts(vocab: int) -> tuple:
+    """Prompts of 40 and 5 tokens (past a window of 2 and of the default) inside the tester's vocabulary."""
+    return prompt_of(40, vocab=vocab), prompt_of(5, vocab=vocab)
