@@ -127,3 +127,34 @@ def run_check(case: Upstream, run: Run, local: bool = False):
 def prompts(vocab: int) -> tuple:
     """Prompts of 40 and 5 tokens (past a window of 2 and of the default) inside the tester's vocabulary."""
     return prompt_of(40, vocab=vocab), prompt_of(5, vocab=vocab)
+
+
+@dataclass(frozen=True)
+class UpstreamCase:
+    id: str
+    case: Upstream
+    run: Run
+    fast: bool = False
+
+
+def _cases() -> list[UpstreamCase]:
+    out = []
+    for tp in (1, 2):
+        for seed in (0, 1, 2):
+            c = upstream("gemma4-text", "gemma4_text", GEMMA4_TEXT, seed=seed, tp=tp)
+            out.append(UpstreamCase(f"gemma4-text-seed{seed}-tp{tp}", c, Run(prompts(c.config["vocab_size"]), 8, tp=tp)))
+        for name, edit in (("k-eq-v", K_EQ_V), ("window2", WINDOW_2)):
+            c = upstream(f"gemma4-text-{name}", "gemma4_text", GEMMA4_TEXT, edit, seed=0, tp=tp)
+            out.append(UpstreamCase(f"gemma4-text-{name}-seed0-tp{tp}", c, Run(prompts(c.config["vocab_size"]), 8, tp=tp)))
+        for seed in (0, 1):
+            c = upstream("gemma4-unified-text", "gemma4_unified", UNIFIED_TEXT, seed=seed, tp=tp)
+            out.append(UpstreamCase(f"gemma4-unified-text-seed{seed}-tp{tp}", c,
+                                    Run(prompts(c.config["vocab_size"]), 8, tp=tp)))
+    # the default lane's sample: the MoE + per-layer-input + KV-sharing tester at TP 2, short prompts
+    c = upstream("gemma4-text", "gemma4_text", GEMMA4_TEXT, seed=0, tp=2)
+    out.append(UpstreamCase("gemma4-text-seed0-tp2-short", c,
+                            Run((prompt_of(8, vocab=100), prompt_of(3, vocab=100)), 4, tp=2), fast=True))
+    return out
+
+
+UPSTREAM_CASES = _cases()
