@@ -4,17 +4,17 @@ classes' own initialisation (no margin-widening builder), at several seeds, TP 1
 Where each configuration comes from (transformers' test suite, as read in the public repository;
 the commit is the stored version read):
 
-- `Gemma4TextModelTester` (tests/models/gemma4/test_modeling_gemma4.py:58-86 at commit
+- `Gemma4TextModelTester` (huggingface/transformers/tests/models/gemma4/test_modeling_gemma4.py:58-86 at commit
   bb7902f58039bb42cfe06b92a07e7b538a0c8dbc): 4 layers sliding/full/sliding/full, 2 KV-shared
   layers, per-layer inputs (vocab 99, width 16), the MoE block (moe_intermediate 16, top-2),
   `global_head_dim = head_dim`, bidirectional attention "vision". The rest are
-  `CausalLMModelTester`'s defaults (tests/causal_lm_tester.py:72-155 at commit
+  `CausalLMModelTester`'s defaults (huggingface/transformers/tests/causal_lm_tester.py:77-159 at commit
   00d3cdbeaab26587a543f75df7997a53a6fb146b: vocab 99, hidden 32, 2 heads, 2 KV heads, intermediate
   37, max positions 512, initializer range 0.02, pad/bos/eos 0/1/2, 8 experts), passed to the config
-  when its `__init__` names them (`get_config`, same file :176-181). transformers 5.24's
+  when its `__init__` names them (`get_config`, same file :184-189). transformers 5.24's
   `Gemma4TextConfig.__init__` has no `global_head_dim`: it is dropped, so full layers keep the
   class default (head_dim 512) with the class's unit q/k norms.
-- `Gemma4UnifiedTextModelTester` (tests/models/gemma4_unified/test_modeling_gemma4_unified.py:67-85
+- `Gemma4UnifiedTextModelTester` (huggingface/transformers/tests/models/gemma4_unified/test_modeling_gemma4_unified.py:71-90
   at commit 043bb8dde14aae1a56b84cd230737cf5d0877912): the same 4-layer pattern and 2 KV-shared
   layers, no MoE, no per-layer inputs.
 - Per-test edits: `test_use_cache_false_with_kv_sharing` (test_modeling_gemma4.py, the stored
@@ -40,7 +40,7 @@ from tests.census.ports import Run, prompt_of
 _ROOT = Path(tempfile.mkdtemp(prefix="census-upstream-"))
 SLIDING, FULL = "sliding_attention", "full_attention"
 
-# CausalLMModelTester's defaults that the Gemma-4 configs' __init__ names (tests/causal_lm_tester.py)
+# CausalLMModelTester's defaults that the Gemma-4 configs' __init__ names (huggingface/transformers/tests/causal_lm_tester.py)
 CAUSAL_LM_TESTER = {"vocab_size": 99, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
                     "intermediate_size": 37, "max_position_embeddings": 512, "initializer_range": 0.02,
                     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "head_dim": 32 // 2}
@@ -49,7 +49,7 @@ GEMMA4_TEXT = {**CAUSAL_LM_TESTER, "num_hidden_layers": 4, "num_kv_shared_layers
                "layer_types": [SLIDING, FULL, SLIDING, FULL], "vocab_size_per_layer_input": 99,
                "hidden_size_per_layer_input": 16, "enable_moe_block": True, "moe_intermediate_size": 16,
                "top_k_experts": 2, "num_experts": 8, "use_bidirectional_attention": "vision"}
-# Gemma4UnifiedTextModelTester.__init__ (test_modeling_gemma4_unified.py:72-85)
+# Gemma4UnifiedTextModelTester.__init__ (test_modeling_gemma4_unified.py:77-90)
 UNIFIED_TEXT = {**CAUSAL_LM_TESTER, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
                 "layer_types": [SLIDING, FULL, SLIDING, FULL], "use_bidirectional_attention": "vision"}
 # test_use_cache_false_with_kv_sharing's edit: full layers with k = v
