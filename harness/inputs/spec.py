@@ -18,6 +18,13 @@ SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text", "gemma4", "gem
 # others are the unified 12B's modeling_gemma4_unified.
 FAMILY_MODEL_TYPES = ("gemma4", "gemma4_text")
 DRAFTER_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+# transformers' own (config class, model class) per model type: what a published checkpoint is saved
+# with (the conditional-generation classes carry the vision/audio parts) and what the reference, the
+# loader's shape check of the inert parts and the tiny builder instantiate.
+TRANSFORMERS_CLASSES = {"gemma4_unified": ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration"),
+                        "gemma4_unified_text": ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM"),
+                        "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
+                        "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM")}
 # The multimodal wrapper swaps these placeholder ids for the pad id before embedding
 # (docs/design.md#the-model-facts-and-traps, trap 7).
 DEFAULT_PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -132,7 +139,8 @@ class ModelSpec:
             return "text-only config: no vision or audio parts"
         if self.is_family:
             return (f"{', '.join(self.inert_parts)} present but not run: the port runs the text decoder "
-                    "(model.language_model) only; vision/audio tower weights are ignored")
+                    "(model.language_model) only; the encoder towers' weights are loaded by the reference, "
+                    "never by the port")
         return (
             f"{', '.join(self.inert_parts)} present but inert: this is the encoder-free unified "
             "checkpoint (no vision or audio encoder tower weights exist); the port runs "
