@@ -24,7 +24,8 @@ def test_upstream_tester_config_passes_check(member):
 
 def test_upstream_census_covers_both_model_types_seeds_and_tp():
     ids = {m.id for m in UPSTREAM_CASES}
-    assert {m.case.model_type for m in UPSTREAM_CASES} == {"gemma4_text", "gemma4_unified"}
+    assert {m.case.model_type for m in UPSTREAM_CASES} == {"gemma4_text", "gemma4_unified", "gemma4", "trained"}
+    assert any("vision2text" in i for i in ids) and any("audio2text" in i for i in ids)
     assert {m.run.tp for m in UPSTREAM_CASES} == {1, 2}
     assert len({m.case.seed for m in UPSTREAM_CASES}) >= 3
     assert any("k-eq-v" in i for i in ids) and any("window2" in i for i in ids)

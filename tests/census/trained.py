@@ -33,12 +33,13 @@ RECIPE = {"config": CONFIG, "modules": ["textwrap", "string", "shlex", "fnmatch"
 
 def corpus() -> bytes:
     """The standard library's own source of RECIPE's modules, and the Zen of Python."""
-    import importlib
-    import this  # noqa: F401  (prints the Zen once; its text is rot13 in this.s)
     import codecs
+    import importlib
+    import importlib.util
 
     parts = [inspect.getsource(importlib.import_module(m)) for m in RECIPE["modules"]]
-    parts.append(codecs.decode(this.s, "rot13"))
+    zen = Path(importlib.util.find_spec("this").origin).read_text()  # read, not imported: importing prints it
+    parts.append(codecs.decode(zen.split('"""')[1], "rot13"))
     return "\n".join(parts).encode("utf-8")
 
 

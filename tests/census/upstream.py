@@ -29,6 +29,7 @@ change that does (38, 100) is made; nothing else changes.
 from __future__ import annotations
 
 import functools
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,22 @@ UNIFIED_TEXT = {**CAUSAL_LM_TESTER, "num_hidden_layers": 4, "num_kv_shared_layer
 # test_use_cache_false_with_kv_sharing's edit: full layers with k = v
 K_EQ_V = {"attention_k_eq_v": True, "num_global_key_value_heads": 2}
 WINDOW_2 = {"sliding_window": 2}
+# Gemma4Vision2TextModelTester (test_modeling_gemma4.py, its __init__ defaults and get_config)
+VISION_TOWERS = {"vision_config": {"use_labels": True, "image_size": 20, "patch_size": 5, "num_channels": 3,
+                                   "is_training": True, "hidden_size": 32, "num_key_value_heads": 1,
+                                   "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 37,
+                                   "dropout": 0.1, "attention_dropout": 0.1, "initializer_range": 0.02},
+                 "image_token_id": 4, "video_token_id": 7, "audio_token_id": 8, "boi_token_id": 5, "eoi_token_id": 6,
+                 "mm_tokens_per_image": 2}
+# Gemma4Audio2TextModelTester (the same file): no vision tower, the text tester without bidirectional attention
+AUDIO_TOWERS = {"vision_config": None,
+                "audio_config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "hidden_act": "silu", "subsampling_conv_channels": [16, 8], "conv_kernel_size": 3,
+                                 "attention_chunk_size": 4, "attention_context_left": 5, "attention_context_right": 0,
+                                 "output_proj_dims": 32, "use_clipped_linears": False},
+                "image_token_id": 4, "boi_token_id": 5, "eoi_token_id": 6, "audio_token_id": 7, "boa_token_id": 8,
+                "eoa_token_index": 9, "video_token_id": 10}
+AUDIO_TEXT = {**GEMMA4_TEXT, "use_bidirectional_attention": None}
 # the smallest change that lets every size split over 2 ranks
 SPLIT_2 = {"intermediate_size": 38, "vocab_size": 100, "vocab_size_per_layer_input": 100}
 
@@ -64,25 +81,42 @@ CLASSES = {"gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM"),
 
 @dataclass(frozen=True)
 class Upstream:
-    """One tester configuration: its model type, config items (sorted), a seed."""
+    """One tester configuration: its model type, its config (canonical JSON), a seed."""
 
     name: str
     model_type: str
-    items: tuple
+    blob: str
     seed: int = 0
 
     @property
     def config(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.items}
+        return json.loads(self.blob)
+
+    @property
+    def text(self) -> dict:
+        return self.config.get("text_config", self.config)
+
+
+def _split(config: dict, tp: int) -> dict:
+    """At TP 2, the smallest change that lets every size split (only the keys the config has)."""
+    return {**config, **{k: v for k, v in SPLIT_2.items() if k in config}} if tp == 2 else dict(config)
 
 
 def upstream(name: str, model_type: str, base: dict, *edits: dict, seed: int = 0, tp: int = 1) -> Upstream:
-    """A tester configuration with the suite's edits, and at TP 2 the smallest change that splits."""
+    """A text tester configuration with the suite's edits, and at TP 2 the smallest change that splits."""
     config = dict(base)
-    for edit in edits + ((SPLIT_2,) if tp == 2 else ()):
-        config.update({k: v for k, v in edit.items() if k in base or k not in SPLIT_2})
-    items = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.items()))
-    return Upstream(name, model_type, items, seed)
+    for edit in edits:
+        config.update(edit)
+    return Upstream(name, model_type, json.dumps(_split(config, tp), sort_keys=True), seed)
+
+
+def multimodal(name: str, text: dict, towers: dict, seed: int = 0, tp: int = 1) -> Upstream:
+    """A Vision2Text / Audio2Text tester: Gemma4Config(text_config=..., towers and token ids), as its
+    get_config builds it, saved the way published checkpoints are (the conditional-generation class)."""
+    from transformers import Gemma4Config
+
+    config = Gemma4Config(text_config=_split(text, tp), **towers).to_dict()
+    return Upstream(name, "gemma4", json.dumps(config, sort_keys=True, default=str), seed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,10 +126,18 @@ def checkpoint(case: Upstream):
 
     from harness.inputs.checkpoint import Checkpoint
 
+    if case.model_type == "trained":  # tests/census/trained.py: trained once, then cached
+        from tests.census.trained import trained_checkpoint
+
+        return Checkpoint.open(trained_checkpoint())
+    out = _ROOT / f"{case.name}-{abs(hash(case.blob)) % 10**8}-{case.seed}"
+    if case.model_type == "gemma4":  # towers: the conditional-generation class, as published
+        from harness.inputs.tiny import build_checkpoint
+
+        return Checkpoint.open(build_checkpoint(out, case.config, seed=case.seed, weights="init"))
     config_cls, model_cls = CLASSES[case.model_type]
     torch.manual_seed(case.seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**case.config))
-    out = _ROOT / f"{case.name}-{abs(hash(case.items)) % 10**8}-{case.seed}"
     model.save_pretrained(out)
     return Checkpoint.open(out)
 
@@ -125,8 +167,10 @@ def run_check(case: Upstream, run: Run, local: bool = False):
 
 
 def prompts(vocab: int) -> tuple:
-    """Prompts of 40 and 5 tokens (past a window of 2 and of the default) inside the tester's vocabulary."""
-    return prompt_of(40, vocab=vocab), prompt_of(5, vocab=vocab)
+    """Prompts of 40 and 5 tokens (past a window of 2) inside the tester's vocabulary, clear of its
+    special and multimodal placeholder ids (0-10: pad, bos, eos, image, video, audio and their
+    delimiters)."""
+    return tuple(tuple(t if t > 10 else t + 11 for t in prompt_of(n, vocab=vocab)) for n in (40, 5))
 
 
 @dataclass(frozen=True)
@@ -142,18 +186,27 @@ def _cases() -> list[UpstreamCase]:
     for tp in (1, 2):
         for seed in (0, 1, 2):
             c = upstream("gemma4-text", "gemma4_text", GEMMA4_TEXT, seed=seed, tp=tp)
-            out.append(UpstreamCase(f"gemma4-text-seed{seed}-tp{tp}", c, Run(prompts(c.config["vocab_size"]), 8, tp=tp)))
+            out.append(UpstreamCase(f"gemma4-text-seed{seed}-tp{tp}", c, Run(prompts(c.text["vocab_size"]), 8, tp=tp)))
         for name, edit in (("k-eq-v", K_EQ_V), ("window2", WINDOW_2)):
             c = upstream(f"gemma4-text-{name}", "gemma4_text", GEMMA4_TEXT, edit, seed=0, tp=tp)
-            out.append(UpstreamCase(f"gemma4-text-{name}-seed0-tp{tp}", c, Run(prompts(c.config["vocab_size"]), 8, tp=tp)))
+            out.append(UpstreamCase(f"gemma4-text-{name}-seed0-tp{tp}", c, Run(prompts(c.text["vocab_size"]), 8, tp=tp)))
         for seed in (0, 1):
             c = upstream("gemma4-unified-text", "gemma4_unified", UNIFIED_TEXT, seed=seed, tp=tp)
             out.append(UpstreamCase(f"gemma4-unified-text-seed{seed}-tp{tp}", c,
-                                    Run(prompts(c.config["vocab_size"]), 8, tp=tp)))
+                                    Run(prompts(c.text["vocab_size"]), 8, tp=tp)))
+        for name, text, towers in (("vision", GEMMA4_TEXT, VISION_TOWERS), ("audio", AUDIO_TEXT, AUDIO_TOWERS)):
+            c = multimodal(f"gemma4-{name}2text", text, towers, seed=0, tp=tp)
+            out.append(UpstreamCase(f"gemma4-{name}2text-seed0-tp{tp}", c, Run(prompts(c.text["vocab_size"]), 8, tp=tp)))
+    # the trained member: peaked distributions and sharp attention (tests/census/trained.py)
+    from tests.census import trained
+
+    for tp in (1, 2):
+        c = Upstream("trained", "trained", json.dumps(trained.RECIPE, sort_keys=True))
+        out.append(UpstreamCase(f"trained-stdlib-bytes-tp{tp}", c, Run(trained.prompts(), 8, tp=tp)))
     # the default lane's sample: the MoE + per-layer-input + KV-sharing tester at TP 2, short prompts
     c = upstream("gemma4-text", "gemma4_text", GEMMA4_TEXT, seed=0, tp=2)
     out.append(UpstreamCase("gemma4-text-seed0-tp2-short", c,
-                            Run((prompt_of(8, vocab=100), prompt_of(3, vocab=100)), 4, tp=2), fast=True))
+                            Run(tuple(p[:n] for p, n in zip(prompts(100), (8, 3))), 4, tp=2), fast=True))
     return out
 
 
