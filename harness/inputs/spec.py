@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness.base.errors import ConfigError, not_a_file, read_json_file
-from harness.inputs.family import MoESpec, family_fields, kv_store_layers
+from harness.inputs.family import MoESpec, family_fields, kv_sharing_layers, kv_store_layers
 from harness.inputs.validation import (FULL, SLIDING, bad_value, refuse_heterogeneous_types, unsupported,
                                        validate_text_config)
 
@@ -99,6 +99,12 @@ class ModelSpec:
     def is_family(self) -> bool:
         """Read by transformers' modeling_gemma4 (not the unified 12B's module)."""
         return self.model_type in FAMILY_MODEL_TYPES
+
+    @property
+    def uses_family_blocks(self) -> bool:
+        """The port runs it with the family's decoder (per-layer inputs, KV-shared attention,
+        experts where the spec has them): a gemma4 model, or a unified one with KV sharing."""
+        return self.is_family or any(layer.kv_source is not None for layer in self.layers)
 
     def mlp_size(self, layer: LayerSpec) -> int:
         return layer.intermediate_size or self.intermediate_size
@@ -221,9 +227,8 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
     tc = _resolve_with_transformers(text, source, family)
     layers = [_layer_spec(tc, i, t, source) for i, t in enumerate(tc.layer_types)]
     refuse_heterogeneous_types(layers, source)
-    extra: dict = {}
-    if family:
-        layers, extra = family_fields(tc, layers, source)
+    layers = kv_sharing_layers(tc, layers, source)
+    extra = family_fields(tc, source) if family else {}
     eos = tc.eos_token_id
     eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return ModelSpec(

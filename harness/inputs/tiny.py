@@ -25,6 +25,9 @@ TINY_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-tiny.json"
 # Tiny transformers-built checkpoints of the family's variants (fixtures/configs/tiny/).
 TINY_FAMILY = {name: FIXTURES_DIR / "configs" / "tiny" / f"gemma-4-tiny-{name}.json"
                for name in ("31b", "e2b", "e4b", "26b-a4b")}
+# The tiny 12B with KV sharing (gemma4_unified has it too: layers 8-11 read layers 7 and 5's caches,
+# with the double-wide MLP on them): the unified variant of the family's KV-sharing faults and census.
+TINY_UNIFIED_KV = FIXTURES_DIR / "configs" / "tiny" / "gemma-4-tiny-unified-kv.json"
 TINY_CLASSES = TRANSFORMERS_CLASSES  # the classes per model type (harness/inputs/spec.py)
 
 

@@ -115,6 +115,15 @@ def saturation_tie(ref_capped_row: torch.Tensor, dev_token: int) -> bool:
     return float(ref_capped_row[dev_token]) == float(ref_capped_row.max())
 
 
+def _tie_evidence(ref_raw_row: torch.Tensor, dev_token: int) -> str:
+    """Why a tie among the reference's capped maxima is one: raw logits that tie exactly (always so
+    on a model without a softcap, whose capped logits are the raw ones), or distinct raw logits the
+    softcap rounds to one value."""
+    if float(ref_raw_row[dev_token]) == float(ref_raw_row.max()):
+        return "the device's token ties the reference's largest raw logit exactly"
+    return "the device's raw argmax is among the reference's capped maxima (softcap saturates)"
+
+
 def classify_departure(reference, free, band: float, forced=None, structural=frozenset(),
                        judge: StageJudge = BF16, alone=None) -> TokenVerdict | None:
     """Where a free-running sequence first departs from the reference, classified, or None: the
@@ -144,8 +153,7 @@ def classify_departure(reference, free, band: float, forced=None, structural=fro
     capped = reference.captures.get("step_capped_logits")
     if capped is not None and saturation_tie(capped[s], dev):
         return TokenVerdict(position=s, reference_token=ref[s], device_token=dev, margin=0.0, threshold=0.0,
-                            kind="saturation_tie", evidence="the device's raw argmax is among the reference's "
-                                                            "capped maxima (softcap saturates)")
+                            kind="saturation_tie", evidence=_tie_evidence(reference.step_logits[s], dev))
     return classify_mismatch(s, reference.step_logits[s], dev, band, ref_token=ref[s], structural=s in structural,
                              ulp_floor=judge.envelope_ties, alone=alone(s) if alone and judge.envelope_ties else None)
 

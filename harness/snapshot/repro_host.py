@@ -82,7 +82,7 @@ def rank_hosts(checkpoint, settings, index: int, parts: list[str]) -> list[RankH
     from harness.port.sharding import plan_model, shard_layer
 
     spec, dtype, tp = checkpoint.spec, settings.torch_dtype, settings.tp
-    decoder_cls = FamilyRankDecoder if spec.is_family else RankDecoder
+    decoder_cls = FamilyRankDecoder if spec.uses_family_blocks else RankDecoder
     plans = plan_model(spec, tp)
     source = port_source(spec, index)
     wanted = [index] if source is None else [source, index]
