@@ -13,7 +13,7 @@ import torch
 
 from harness.base.errors import CheckpointError, NumericsError
 from harness.inputs.qat import describe_quantization, refuse_packed_config, refuse_packed_tensors
-from harness.inputs.spec import LayerSpec, ModelSpec, load_spec
+from harness.inputs.spec import TRANSFORMERS_CLASSES, LayerSpec, ModelSpec, load_spec
 from harness.inputs.weight_files import key_map, open_safetensors, weight_files
 
 # The unified multimodal checkpoint keeps the text decoder under model.language_model; a bare
@@ -182,9 +182,8 @@ class Checkpoint:
         lines = [f"checkpoint {self.path}: text decoder under '{self.prefix}', "
                  f"{len(set(self.key_to_file.values()))} safetensors file(s)",
                  self.spec.describe_inert()]
-        if self.ignored_keys:
-            lines.append(f"{len(self.ignored_keys)} multimodal embedder tensors outside the text decoder "
-                         "ignored (vision/audio embedders; the checkpoint has no encoder towers)")
+        for part, count in inert_components(self.ignored_keys).items():
+            lines.append(f"{part}: {count} tensor{'s' if count != 1 else ''} present, unused by the text port")
         if self.ignored_files:
             lines.append(f"not loaded (transformers does not load them either): {', '.join(self.ignored_files)}")
         if self.quantization_note:
@@ -281,16 +280,40 @@ class Checkpoint:
 def _transformers_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape in transformers' class for the config, built on the meta device
     (no memory, no weights read)."""
-    from transformers import AutoConfig, Gemma4UnifiedForCausalLM, Gemma4UnifiedForConditionalGeneration
+    import transformers
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises several types for configs it cannot read
         raise CheckpointError(f"{path / 'config.json'}: transformers cannot read it ({exc})") from None
-    cls = Gemma4UnifiedForConditionalGeneration if config.model_type == "gemma4_unified" else Gemma4UnifiedForCausalLM
+    # The class the reference loads for this model type (a gemma4 config in a unified class has
+    # none of the attributes that class reads).
+    cls = getattr(transformers, TRANSFORMERS_CLASSES[config.model_type][1])
     with torch.device("meta"):
         model = cls(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+# The parts of a multimodal checkpoint beside the text decoder, by transformers' module name: the
+# family's encoder towers (31B, 26B-A4B: vision; E2B/E4B: vision and audio) and every model's
+# projections into the text embedding space.
+INERT_PART_NAMES = {"vision_tower": "vision tower", "audio_tower": "audio tower",
+                    "embed_vision": "vision embedder", "embed_audio": "audio embedder",
+                    "vision_embedder": "vision patch embedder"}
+
+
+def inert_components(keys: list[str]) -> dict[str, int]:
+    """How many tensors of each part outside the text decoder, named as a user knows them, in the
+    order of the names above (then any other part, sorted)."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        parts = key.split(".")
+        module = parts[1] if parts[0] == "model" and len(parts) > 2 else parts[0]
+        name = INERT_PART_NAMES.get(module, module.replace("_", " "))
+        counts[name] = counts.get(name, 0) + 1
+    order = list(INERT_PART_NAMES.values())
+    return dict(sorted(counts.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else len(order), kv[0])))
 
 
 def _read_config(path: Path) -> dict:

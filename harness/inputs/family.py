@@ -1,7 +1,9 @@
 """What the gemma4 model type adds over the unified 12B's decoder, read from its config:
-per-layer input embeddings (E2B/E4B), KV sharing and the double-wide MLP on shared layers, and the
-mixture-of-experts block (26B-A4B). The rules are transformers' modeling_gemma4 /
-configuration_gemma4 (Gemma4TextConfig.kv_sharing_modes, Gemma4TextMLP, Gemma4TextRouter)."""
+per-layer input embeddings (E2B/E4B) and the mixture-of-experts block (26B-A4B); and KV sharing
+with the double-wide MLP on shared layers, which both model types' configurations and modelings
+have (E2B/E4B use it; a unified config may). The rules are transformers' modeling_gemma4 /
+configuration_gemma4 (Gemma4TextConfig.kv_sharing_modes, Gemma4TextMLP, Gemma4TextRouter) and
+configuration_gemma4_unified's kv_sharing_modes, the same rule."""
 
 from __future__ import annotations
 
@@ -41,10 +43,9 @@ def _int_at_least(text: dict, key: str, source: str, low: int) -> int:
 
 
 def refuse_family_features(text: dict, source: str) -> None:
-    """The unified 12B's module has none of the family's extra parts."""
-    if text.get("num_kv_shared_layers") not in (None, 0):
-        raise _unsupported(source, "num_kv_shared_layers", text["num_kv_shared_layers"],
-                           "KV sharing is a gemma4 (E2B/E4B) feature; gemma4_unified has none")
+    """The unified 12B's module has none of the family's per-layer inputs and experts (its KV
+    sharing, num_kv_shared_layers and use_double_wide_mlp, it has: validate_kv_sharing)."""
+    validate_kv_sharing(text, source)
     for key in PLE_KEYS:
         if text.get(key):
             raise _unsupported(source, key, text[key], "per-layer embeddings are a gemma4 (E2B/E4B) "
@@ -55,13 +56,19 @@ def refuse_family_features(text: dict, source: str) -> None:
                                "feature; gemma4_unified has none")
 
 
-def validate_family_keys(text: dict, source: str) -> None:
-    """The family's own keys, as given: integers in range, each feature complete."""
+def validate_kv_sharing(text: dict, source: str) -> None:
+    """num_kv_shared_layers (both model types' configurations and modelings have it): an integer
+    below the layer count, so some layer computes the keys and values the shared layers read."""
     layers = text["num_hidden_layers"]
     shared = text.get("num_kv_shared_layers") or 0
     if shared and _int_at_least(text, "num_kv_shared_layers", source, 0) >= layers:
         raise _problem(source, "num_kv_shared_layers", shared, f"must be below num_hidden_layers={layers} "
                        "(some layer must compute the keys and values the shared layers read)")
+
+
+def validate_family_keys(text: dict, source: str) -> None:
+    """The family's own keys, as given: integers in range, each feature complete."""
+    validate_kv_sharing(text, source)
     if text.get("hidden_size_per_layer_input"):
         _int_at_least(text, "hidden_size_per_layer_input", source, 1)
         ple_vocab = text.get("vocab_size_per_layer_input", 262_144)
@@ -107,12 +114,17 @@ def kv_sources(tc, source: str) -> list[int | None]:
     return [stores[t] if mode == "reuse" else None for t, mode in zip(tc.layer_types, tc.kv_sharing_modes)]
 
 
-def family_fields(tc, layers: list, source: str) -> tuple[list, dict]:
-    """Layers with their KV source and MLP width, and the ModelSpec fields of PLE and MoE."""
+def kv_sharing_layers(tc, layers: list, source: str) -> list:
+    """Layers with their KV source and MLP width (the double-wide MLP is on shared layers only):
+    the same rule in both model types' modelings."""
     sources = kv_sources(tc, source)
     wide = 2 * int(tc.intermediate_size) if tc.use_double_wide_mlp else None
-    layers = [replace(layer, kv_source=src, intermediate_size=wide if src is not None else None)
-              for layer, src in zip(layers, sources)]
+    return [replace(layer, kv_source=src, intermediate_size=wide if src is not None else None)
+            for layer, src in zip(layers, sources)]
+
+
+def family_fields(tc, source: str) -> dict:
+    """The ModelSpec fields of PLE and MoE (gemma4 only)."""
     extra: dict = {}
     if tc.hidden_size_per_layer_input:
         extra["per_layer_input_size"] = int(tc.hidden_size_per_layer_input)
@@ -120,7 +132,7 @@ def family_fields(tc, layers: list, source: str) -> tuple[list, dict]:
     if tc.enable_moe_block:
         extra["moe"] = MoESpec(num_experts=int(tc.num_experts), top_k=int(tc.top_k_experts),
                                intermediate_size=int(tc.moe_intermediate_size))
-    return layers, extra
+    return extra
 
 
 def runs_alone(spec, index: int) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from harness.base.errors import ConfigError, not_a_file, read_json_file
-from harness.inputs.family import MoESpec, family_fields, kv_store_layers
+from harness.inputs.family import MoESpec, family_fields, kv_sharing_layers, kv_store_layers
 from harness.inputs.validation import (FULL, SLIDING, bad_value, refuse_heterogeneous_types, unsupported,
                                        validate_text_config)
 
@@ -18,6 +18,13 @@ SUPPORTED_MODEL_TYPES = ("gemma4_unified", "gemma4_unified_text", "gemma4", "gem
 # others are the unified 12B's modeling_gemma4_unified.
 FAMILY_MODEL_TYPES = ("gemma4", "gemma4_text")
 DRAFTER_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+# transformers' own (config class, model class) per model type: what a published checkpoint is saved
+# with (the conditional-generation classes carry the vision/audio parts) and what the reference, the
+# loader's shape check of the inert parts and the tiny builder instantiate.
+TRANSFORMERS_CLASSES = {"gemma4_unified": ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration"),
+                        "gemma4_unified_text": ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM"),
+                        "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
+                        "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM")}
 # The multimodal wrapper swaps these placeholder ids for the pad id before embedding
 # (docs/design.md#the-model-facts-and-traps, trap 7).
 DEFAULT_PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "audio_token_id")
@@ -93,6 +100,12 @@ class ModelSpec:
         """Read by transformers' modeling_gemma4 (not the unified 12B's module)."""
         return self.model_type in FAMILY_MODEL_TYPES
 
+    @property
+    def uses_family_blocks(self) -> bool:
+        """The port runs it with the family's decoder (per-layer inputs, KV-shared attention,
+        experts where the spec has them): a gemma4 model, or a unified one with KV sharing."""
+        return self.is_family or any(layer.kv_source is not None for layer in self.layers)
+
     def mlp_size(self, layer: LayerSpec) -> int:
         return layer.intermediate_size or self.intermediate_size
 
@@ -132,7 +145,8 @@ class ModelSpec:
             return "text-only config: no vision or audio parts"
         if self.is_family:
             return (f"{', '.join(self.inert_parts)} present but not run: the port runs the text decoder "
-                    "(model.language_model) only; vision/audio tower weights are ignored")
+                    "(model.language_model) only; the encoder towers' weights are loaded by the reference, "
+                    "never by the port")
         return (
             f"{', '.join(self.inert_parts)} present but inert: this is the encoder-free unified "
             "checkpoint (no vision or audio encoder tower weights exist); the port runs "
@@ -213,9 +227,8 @@ def spec_from_config_dict(config: dict, source: str = "<config>") -> ModelSpec:
     tc = _resolve_with_transformers(text, source, family)
     layers = [_layer_spec(tc, i, t, source) for i, t in enumerate(tc.layer_types)]
     refuse_heterogeneous_types(layers, source)
-    extra: dict = {}
-    if family:
-        layers, extra = family_fields(tc, layers, source)
+    layers = kv_sharing_layers(tc, layers, source)
+    extra = family_fields(tc, source) if family else {}
     eos = tc.eos_token_id
     eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return ModelSpec(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from harness import FIXTURES_DIR
 from harness.base.atomic import atomic_directory, clean_stale_temps
 from harness.base.errors import (CheckpointError, HarnessInputError, InputFileError, OutputError, not_a_file, os_problem,
                                  read_json_file, wrapped_os_error)
+from harness.inputs.spec import TRANSFORMERS_CLASSES
 
 ROW_NORM_SPREAD = 0.5
 POST_NORM_LOW, POST_NORM_SPAN = 2.0, 3.0
@@ -23,9 +25,10 @@ TINY_CONFIG = FIXTURES_DIR / "configs" / "gemma-4-tiny.json"
 # Tiny transformers-built checkpoints of the family's variants (fixtures/configs/tiny/).
 TINY_FAMILY = {name: FIXTURES_DIR / "configs" / "tiny" / f"gemma-4-tiny-{name}.json"
                for name in ("31b", "e2b", "e4b", "26b-a4b")}
-TINY_CLASSES = {"gemma4_unified": ("Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration"),
-                "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration"),
-                "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM")}
+# The tiny 12B with KV sharing (gemma4_unified has it too: layers 8-11 read layers 7 and 5's caches,
+# with the double-wide MLP on them): the unified variant of the family's KV-sharing faults and census.
+TINY_UNIFIED_KV = FIXTURES_DIR / "configs" / "tiny" / "gemma-4-tiny-unified-kv.json"
+TINY_CLASSES = TRANSFORMERS_CLASSES  # the classes per model type (harness/inputs/spec.py)
 
 
 def cache_dir() -> Path:
@@ -41,26 +44,40 @@ def cache_dir() -> Path:
 
 def build_tiny_checkpoint(out_dir: str | Path, seed: int = 0, config_path: str | Path = TINY_CONFIG,
                           logit_scale: float = 1.0, overwrite: bool = False) -> Path:
-    """Write a random Gemma-4 checkpoint through transformers' own class and save_pretrained (the
-    unified class for gemma4_unified configs, Gemma4ForConditionalGeneration for gemma4 ones).
+    """Write a random Gemma-4 checkpoint for the config file at `config_path` (build_checkpoint)."""
+    config = read_json_file(Path(config_path), "config", CheckpointError, "pass a Gemma-4 unified config.json")
+    return build_checkpoint(out_dir, config, seed, logit_scale=logit_scale, overwrite=overwrite)
 
-    Deterministic from `seed`. Weights are sized so greedy logits have clear top-1 margins
-    (embedding rows of unit scale; projections at 1/sqrt(fan_in)), and norm weights and
-    layer_scalar are drawn away from 1.0 so that `1 + weight` or a dropped scalar shows.
+
+WEIGHTS = ("margins", "init")
+
+
+def build_checkpoint(out_dir: str | Path, config: dict, seed: int = 0, weights: str = "margins",
+                     logit_scale: float = 1.0, overwrite: bool = False) -> Path:
+    """Write a random checkpoint for a Gemma-4 config dict (a config.json's content, or a
+    transformers config's to_dict()) the way a published one is saved: transformers' own class for
+    the model type (the conditional-generation class for gemma4 and gemma4_unified, with whatever
+    vision and audio towers the config has) and save_pretrained.
+
+    Deterministic from `seed`. weights="margins": sized so greedy logits have clear top-1 margins
+    (embedding rows of unit scale; projections at 1/sqrt(fan_in)), norm weights and layer_scalar
+    drawn away from 1.0 so that `1 + weight` or a dropped scalar shows. weights="init": the class's
+    own initialisation (what transformers' tests build), seeded.
     """
     import transformers
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: one of {WEIGHTS}")
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise CheckpointError(f"{out_dir}: already exists and is not empty; choose a new directory "
                               "(a checkpoint is never overwritten silently)")
-    config = read_json_file(Path(config_path), "config", CheckpointError, "pass a Gemma-4 unified config.json")
-    config.pop("architectures", None)
-    config.pop("transformers_version", None)
-    torch.manual_seed(seed)  # parts randomize_for_margins leaves alone (inert embedders) too
-    config_cls, model_cls = TINY_CLASSES[config.get("model_type", "gemma4_unified")]
+    config = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    torch.manual_seed(seed)  # parts randomize_for_margins leaves alone (the towers), and "init"
+    config_cls, model_cls = TRANSFORMERS_CLASSES[config.get("model_type", "gemma4_unified")]
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config))
-    randomize_for_margins(model, seed, logit_scale)
+    if weights == "margins":
+        randomize_for_margins(model, seed, logit_scale)
     _save_atomically(model, out_dir, overwrite)
     return out_dir
 
@@ -144,12 +161,23 @@ def _cache_problem(exc: OSError, where: Path) -> OutputError:
 
 def tiny_checkpoint(seed: int = 0, config_path: Path = TINY_CONFIG) -> Path:
     """The cached tiny checkpoint for `seed` (12B-shaped unless another tiny config is given),
-    built on first use.
+    built on first use."""
+    path = tiny_checkpoint_path(seed, config_path)
+    return _cached(path, lambda: build_tiny_checkpoint(path, seed=seed, config_path=config_path))
 
-    Safe under concurrent first use (pytest-xdist workers, parallel CI jobs): builders take an
+
+def cached_checkpoint(config: dict, seed: int = 0, weights: str = "margins", name: str = "config") -> Path:
+    """build_checkpoint's checkpoint for a config dict, cached beside the tiny ones (keyed by the
+    config's canonical JSON, the seed, the weights and the builder's version), built on first use."""
+    blob = json.dumps(config, sort_keys=True).encode() + f"builder-{TINY_BUILDER_VERSION}-{weights}".encode()
+    path = cache_dir() / f"{name}-{hashlib.sha256(blob).hexdigest()[:10]}-seed{seed}"
+    return _cached(path, lambda: build_checkpoint(path, config, seed=seed, weights=weights))
+
+
+def _cached(path: Path, build) -> Path:
+    """Safe under concurrent first use (pytest-xdist workers, parallel CI jobs): builders take an
     exclusive lock on a file beside the cache entry, and whoever comes second finds the entry
     complete and uses it. The entry appears by one rename, so `config.json` means complete."""
-    path = tiny_checkpoint_path(seed, config_path)
     if (path / "config.json").is_file():
         return path
     cache = path.parent
@@ -168,5 +196,5 @@ def tiny_checkpoint(seed: int = 0, config_path: Path = TINY_CONFIG) -> Path:
             if path.exists():
                 raise CheckpointError(f"{path}: an incomplete tiny-model cache entry (no config.json); "
                                       "delete it and run again")
-            build_tiny_checkpoint(path, seed=seed, config_path=config_path)
+            build()
     return path

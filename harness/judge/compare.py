@@ -47,30 +47,36 @@ ROW_NORM_FLOOR = 1e-2
 # an envelope of 0.05 at its worst row (the census, tiny E4B, prompts of 3 and 8 tokens).
 POOLED_PARTS = ("per_layer_input",)
 POOLED_MIN_LAYERS = 3
-# A token mismatch is a near-tie flip when the reference prefers its token over the device's by
-# no more than the noise of that margin. The noise is calibrated per check, from the data: over
-# every position and prompt (prefill rows and decode steps), how far the bf16 reference's margin
-# between the fp32 top-1 and each of its next NEAR_TIE_COMPETITORS moves against fp32. The band is
-# NEAR_TIE_FACTOR x the NEAR_TIE_QUANTILE of those moves. Where from: on the tiny seeds 0 and 1 and
-# on two transformers-default-init checkpoints (default prompts, 8 new tokens: 1660 margins each)
-# the largest margin the healthy bf16 port flipped is 1.0x, 0.8x, 1.2x and 0.9x that quantile
-# (3.39 vs 3.38, 1.38 vs 1.72, 0.22 vs 0.18, 0.15 vs 0.16): factor 2 keeps no false failure, and the
-# band is one number per check, from the noise of the quantity that decides a flip (the margin),
-# not the largest error anywhere in the vocabulary at each position. A flip the fp32 stage also
-# shows is never a near tie.
-NEAR_TIE_QUANTILE = 0.99
-NEAR_TIE_FACTOR = 2.0
+# A choice that departs from the reference (a token, an MoE router's experts) is decided on the
+# port's own path where the stage has it (tokens.own_path_choice): transformers' own head or router
+# alone, in fp32 and bf16, fed the very input the port had. The same choice passes; a different one
+# passes only while its fp32 margin there is within DECISION_HEADROOM x what bf16 moved that very
+# margin on that input (one draw of the noise of one decision: the port's own rounding is another
+# draw of the same size, as for ENVELOPE_FACTOR), at least NEAR_TIE_ULPS bf16 ULPs.
+DECISION_HEADROOM = 4.0
+# Where no own path is at hand (the served build, whose graph returns no layer outputs; a replayed
+# host step; the drafter's clusters; quality's corpus), a mismatch is a near tie when the
+# reference's margin is inside the tail band: NEAR_TIE_FACTOR x the largest (NEAR_TIE_QUANTILE 1)
+# move bf16 makes of the margin between the fp32 top-1 and each of its next NEAR_TIE_COMPETITORS, over
+# every position and prompt (prefill rows and decode steps), from the references alone. Where
+# from: a quantile misses the heavy tail sharp attention gives (issue 45: on transformers' own tester
+# configuration bf16 moved one margin by 0.472 where 2 x the 0.99 quantile was 0.198; a trained
+# model is sharper); the largest move, with 1.5x headroom for the port's own draw, holds on the tail. A flip
+# the fp32 stage also shows is never a near tie.
+NEAR_TIE_QUANTILE = 1.0
+NEAR_TIE_FACTOR = 1.5
 NEAR_TIE_COMPETITORS = 4
 # The band never drops below this many bf16 ULPs at the row's largest magnitude (a few ULPs: at
 # 18 a bf16 ULP is 0.125): two logits one rounding apart can always swap. One ULP basis for every
 # tie (tie_threshold: tokens, routers, served), the row's largest |value|: each is an output of
 # one bf16 matmul, whose rounding scales with the row (docs/design.md#one-home-for-each-decision).
 NEAR_TIE_ULPS = 4
-# MoE routing in the bf16 stage (harness/judge/routing.py): a router choice off the fp32 top-k is a near
-# tie within ROUTING_FACTOR x the ROUTING_QUANTILE of how far bf16 moves the top-k boundary margin
-# (the same rule as tokens', on the k-th expert against the next), never below NEAR_TIE_ULPS ULPs.
-ROUTING_QUANTILE = 0.99
-ROUTING_FACTOR = 2.0
+# MoE routing: decided on the port's own path in the bf16 stage and the local verdicts (transformers'
+# router alone on the port's router input, tokens.own_path_choice); where no own path is at hand, a
+# router choice off the fp32 top-k is a near tie within the tail band: ROUTING_FACTOR x the largest
+# (ROUTING_QUANTILE 1) move bf16 makes of the top-k boundary margin, never below NEAR_TIE_ULPS ULPs.
+ROUTING_QUANTILE = 1.0
+ROUTING_FACTOR = 1.5
 # PLE models (harness/parity/forced_path.py add_pins): a gated per-layer input row whose expected
 # bf16 error (the point's median relative error x its median row norm / the row's norm) is at least
 # PLE_PIN_NOISE of the row has no direction at bf16 precision, and the layer's post-norm scales that

@@ -147,14 +147,16 @@ def _shifted_envelope(golden: torch.Tensor, r32: torch.Tensor, r16: torch.Tensor
     return golden + (r16 - r32)
 
 
-def judge_local_routing(verdict: LayerVerdict, spec, runs: LayerRuns) -> None:
-    """An MoE layer alone: a router choice off the fp32 top-k beyond the routing band fails its
-    expert-weights point (harness/judge/routing.py judges it as the bf16 stage does)."""
+def judge_local_routing(verdict: LayerVerdict, spec, runs: LayerRuns, alone: tuple | None = None) -> None:
+    """An MoE layer alone: a router choice that departs fails its expert-weights point
+    (harness/judge/routing.py judges it as the bf16 stage does: on the port's own path, `alone`:
+    transformers' router alone on the port's router input, fp32 and bf16 logits; else against
+    transformers' layer on the same input by the tail band)."""
     i, name = verdict.index, f"layers.{verdict.index}.expert_weights"
     logits = f"layers.{i}.router_logits"
-    routing = judge_decisions([RouterDecisions(name, stack_prompts(runs.port, name), stack_prompts(runs.fp32, logits),
-                                               stack_prompts(runs.bf16, logits))],
-                              spec.moe.top_k, lambda n, row: f"row {row}")
+    pair = alone if alone is not None else (stack_prompts(runs.fp32, logits), stack_prompts(runs.bf16, logits))
+    routing = judge_decisions([RouterDecisions(name, stack_prompts(runs.port, name), *pair)],
+                              spec.moe.top_k, lambda n, row: f"row {row}", own_path=alone is not None)
     verdict.routing = routing
     if not routing.passed:  # the port's choice against this checkpoint's own logits: the port's error
         verdict.local = [replace(p, passed=False) if p.name == name else p for p in verdict.local]

@@ -11,14 +11,18 @@ the margin and then the references are teacher-forced on the fp32 tokens:
 2. where it differs from the references' routing, the references are computed again with their
    routers forced to the port's choices (harness.reference.run.rerun_reference), so every point
    compares the port with fp32 and bf16 along the same path;
-3. each of the port's choices is judged against the fp32 reference's router logits on that path:
-   a choice that differs from the fp32 top-k is a near tie when the fp32 margin of the swap (the
-   best expert it left out minus the worst it took) is within the routing band, ROUTING_FACTOR x
-   the ROUTING_QUANTILE of how far bf16 moves the fp32 top-k boundary margin (both references
-   along the same path), at least NEAR_TIE_ULPS bf16 ULPs of the largest router logit; else it is
-   a routing divergence, which fails the stage at `layers.{i}.expert_weights` (part: moe router).
-   The band and the tie are the judge's one calibration and tie helper (tokens.calibrate_band,
-   tokens.tie_threshold), as tokens' are.
+3. each of the port's choices is decided on the port's own path (tokens.own_path_choice, the one
+   rule tokens use too): transformers' own router alone, in fp32 and bf16, fed the very rows the
+   port's router had (its `layers.{i}.attn_residual`; harness/parity/own_path.py computes them).
+   The same choice as transformers' bf16 (or fp32) router there passes; another passes only while
+   its fp32 margin there (the best expert it left out minus the worst it took) is within
+   DECISION_HEADROOM x what bf16 moved that very margin, at least NEAR_TIE_ULPS bf16 ULPs of the
+   largest router logit; else it is a routing divergence, which fails the stage at
+   `layers.{i}.expert_weights` (part: moe router). A router that computes something else (skips
+   the best expert, scores with other weights) departs from transformers on the same input by more
+   than rounding: it cannot pass. Where no own path is at hand (quality's corpus, the drafter's
+   clusters) a choice off the fp32 top-k is judged by the tail band instead: ROUTING_FACTOR x the
+   largest (ROUTING_QUANTILE) move bf16 makes of the top-k boundary margin (tokens.calibrate_band).
 
 Steps 1 and 2 are harness/parity/observe.py's (observe_stage follows the port's path, by the rule of
 harness/parity/forced_path.py); step 3 is the stage judge's (harness/judge/stage.py calls judge_routing).
@@ -33,7 +37,7 @@ import torch
 
 from harness.base.points import Point
 from harness.judge.compare import ROUTING_FACTOR, ROUTING_QUANTILE
-from harness.judge.tokens import calibrate_band, margin_shifts, tie_threshold
+from harness.judge.tokens import calibrate_band, margin_shifts, own_path_choice, tie_threshold
 from harness.reference.forcing import chosen_experts
 
 
@@ -48,6 +52,7 @@ class RoutingChoice:
     margin: float
     threshold: float
     kind: str  # near_tie | divergence
+    evidence: str = ""
 
 
 @dataclass
@@ -58,6 +63,7 @@ class RoutingResult:
     shift_at_quantile: float
     rerouted: list[str] = field(default_factory=list)  # the references computed again on the port's routing
     flips: list[RoutingChoice] = field(default_factory=list)
+    own_path: bool = False  # decided on the port's own path (else by the tail band)
 
     @property
     def divergences(self) -> list[RoutingChoice]:
@@ -72,15 +78,17 @@ class RoutingResult:
 
     def describe(self) -> str:
         again = f"; references re-routed along the port's routing: {', '.join(self.rerouted)}" if self.rerouted else ""
-        return (f"routing: {self.decisions} router decisions, {len(self.flips)} differ from the fp32 reference's "
-                f"top-k ({len(self.flips) - len(self.divergences)} near ties, {len(self.divergences)} divergences); "
-                f"band {self.band:.4g} = {ROUTING_FACTOR:g} x the {ROUTING_QUANTILE:g} quantile ({self.shift_at_quantile:.4g}) "
-                f"of bf16's top-k boundary margin shifts over {self.samples} decisions{again}")
+        rule = ("decided on the port's own path (transformers' router alone on the port's input)" if self.own_path
+                else f"band {self.band:.4g} = {ROUTING_FACTOR:g} x the largest ({self.shift_at_quantile:.4g}) of bf16's "
+                     f"top-k boundary margin shifts over {self.samples} decisions")
+        return (f"routing: {self.decisions} router decisions, {len(self.flips)} differ from the fp32 top-k "
+                f"({len(self.flips) - len(self.divergences)} accounted, {len(self.divergences)} divergences); "
+                f"{rule}{again}")
 
     def failures(self, stage: str) -> list[dict]:
         return [{"stage": stage, "point": f.point, "where": f.where,
-                 "detail": f"routes to experts {f.port_experts} where the fp32 reference's top-k is "
-                           f"{f.reference_experts}: margin {f.margin:.4g} above the routing band {f.threshold:.4g}"}
+                 "detail": f"routes to experts {f.port_experts} where the fp32 top-k is {f.reference_experts}: "
+                           + (f.evidence or f"margin {f.margin:.4g} above the routing band {f.threshold:.4g}")}
                 for f in self.divergences]
 
     def to_json(self) -> dict:
@@ -136,30 +144,42 @@ class RouterDecisions(NamedTuple):
 
 
 def judge_routing(obs, spec) -> RoutingResult:
-    """Every router decision of a stage's observation (harness.parity.observe.StageObservation) judged
-    against the fp32 logits (obs.ref, on the port's routing), the band calibrated from obs.env."""
-    decisions = [RouterDecisions(w, obs.dev[w], obs.ref[lg], obs.env[lg]) for lg, w in _router_names(spec, obs)]
-    return judge_decisions(decisions, spec.moe.top_k, obs.label, obs.rerouted)
+    """Every router decision of a stage's observation (harness.parity.observe.StageObservation):
+    on the port's own path where obs.alone_routers holds transformers' router alone on the port's
+    input (fp32, bf16) per router point; else against the fp32 logits (obs.ref, on the port's
+    routing) by the tail band calibrated from obs.env."""
+    alone = getattr(obs, "alone_routers", None) or {}
+    names = _router_names(spec, obs)
+    own = bool(names) and all(lg in alone for lg, _ in names)
+    decisions = [RouterDecisions(w, obs.dev[w], *(alone[lg] if own else (obs.ref[lg], obs.env[lg])))
+                 for lg, w in names]
+    return judge_decisions(decisions, spec.moe.top_k, obs.label, obs.rerouted, own_path=own)
 
 
-def judge_decisions(decisions: list[RouterDecisions], top_k: int, label, rerouted: list[str] = ()) -> RoutingResult:
-    """Each router point's decisions judged; label(name, row) names a row. The band is the judge's
-    one calibration (tokens.calibrate_band) over every decision's boundary shift, the tie its one
-    tie helper (tokens.tie_threshold)."""
+def judge_decisions(decisions: list[RouterDecisions], top_k: int, label, rerouted: list[str] = (),
+                    own_path: bool = False) -> RoutingResult:
+    """Each router point's decisions judged; label(name, row) names a row. own_path: each
+    decision's logits are transformers' router alone on the port's input, and the one own-path rule
+    decides (tokens.own_path_choice); else the tail band, the judge's one calibration
+    (tokens.calibrate_band) over every decision's boundary shift, with its one tie helper
+    (tokens.tie_threshold)."""
     calibration = calibrate_band([boundary_shifts(d.ref_logits, d.env_logits, top_k) for d in decisions],
                                  ROUTING_QUANTILE, ROUTING_FACTOR)
     result = RoutingResult(decisions=sum(d.ref_logits.shape[0] for d in decisions), band=calibration.band,
                            samples=calibration.samples, shift_at_quantile=calibration.shift_at_quantile,
-                           rerouted=list(rerouted))
-    for name, weights, ref, _ in decisions:
+                           rerouted=list(rerouted), own_path=own_path)
+    for name, weights, ref, env in decisions:
         port, own = chosen_experts(weights, top_k), ref.topk(top_k, dim=-1).indices
         for row in range(ref.shape[0]):
             p, r = set(port[row].tolist()), set(own[row].tolist())
             if p == r:
                 continue
-            margin = _swap_margin(ref[row].double(), p, r)
-            threshold = tie_threshold(result.band, ref[row])
+            if own_path:
+                inside, margin, threshold, evidence = own_path_choice(p, ref[row], env[row], top_k)
+            else:
+                margin, threshold, evidence = _swap_margin(ref[row].double(), p, r), tie_threshold(result.band, ref[row]), ""
+                inside = margin <= threshold
             result.flips.append(RoutingChoice(
                 point=name, where=label(name, row), port_experts=sorted(p), reference_experts=sorted(r),
-                margin=margin, threshold=threshold, kind="near_tie" if margin <= threshold else "divergence"))
+                margin=margin, threshold=threshold, kind="near_tie" if inside else "divergence", evidence=evidence))
     return result

@@ -58,16 +58,18 @@ def judge_tokens(obs, k: int, cap, context) -> PromptOutcome:
     structural = context.structural
     run, r32 = obs.runs[k], obs.ref32[k]
     band = judge.tie_band(context.calibration.band, r32.captures["logits"])
+    own = getattr(obs, "own_path", None)  # the bf16 stage: transformers' head alone on the port's input
+    alone = {where: own.for_prompt(k, where) if own is not None else None for where in ("prefill", "decode")}
     prefill = compare_logits(run.forced.prefill.logits, r32.captures["logits"], None, cap, band=band,
                              structural=structural.get((k, "prefill"), set()),
                              ref_capped=r32.captures.get("capped_logits"), dev_probs=run.prefill_probs,
-                             ulp_floor=judge.envelope_ties)
+                             ulp_floor=judge.envelope_ties, alone=alone["prefill"])
     decode = compare_logits(run.forced.step_logits, r32.step_logits, None, cap, ref_tokens=r32.generated, band=band,
                             structural=structural.get((k, "decode"), set()),
                             ref_capped=r32.captures.get("step_capped_logits"), dev_probs=run.step_probs,
-                            ulp_floor=judge.envelope_ties)
+                            ulp_floor=judge.envelope_ties, alone=alone["decode"])
     departure = classify_departure(r32, run.free, band, forced=run.forced,
-                                   structural=structural.get((k, "decode"), set()), judge=judge)
+                                   structural=structural.get((k, "decode"), set()), judge=judge, alone=alone["decode"])
     return PromptOutcome(prompt=r32.prompt, reference_tokens=r32.generated, device_tokens=run.free.tokens,
                          prefill=prefill, decode=decode, departure=departure)
 

@@ -1,8 +1,9 @@
-"""The judge of tokens: the near-tie band calibrated from the references' margins (`calibrate_band`,
-tokens via `calibrate_near_ties`), the one tie helper (`tie_threshold`: tokens, routers and the
-served build), the one flip classifier (`classify_mismatch`), the one departure classifier
-(`classify_departure`) and the logits' verdict (`compare_logits`). The numbers they use are the
-tolerance policy's (harness/judge/compare.py)."""
+"""The judge of tokens: the one rule for a choice decided on the port's own path (`own_path_choice`:
+tokens and routers), the tail band calibrated from the references' margins where no own path is
+at hand (`calibrate_band`, tokens via `calibrate_near_ties`), the one tie helper (`tie_threshold`:
+tokens, routers and the served build), the one flip classifier (`classify_mismatch`), the one
+departure classifier (`classify_departure`) and the logits' verdict (`compare_logits`). The numbers
+they use are the tolerance policy's (harness/judge/compare.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import math
 import torch
 
 from harness.base.numerics import bf16_ulp, softcap
-from harness.judge.compare import (BF16, NEAR_TIE_COMPETITORS, NEAR_TIE_FACTOR, NEAR_TIE_QUANTILE, NEAR_TIE_ULPS, TOPK,
-                                   StageJudge)
+from harness.judge.compare import (BF16, DECISION_HEADROOM, NEAR_TIE_COMPETITORS, NEAR_TIE_FACTOR, NEAR_TIE_QUANTILE,
+                                   NEAR_TIE_ULPS, TOPK, StageJudge)
 from harness.judge.verdicts import LogitsResult, NearTieCalibration, TokenVerdict
 
 def margin_shifts(ref: torch.Tensor, env: torch.Tensor, competitors: int = NEAR_TIE_COMPETITORS,
@@ -32,7 +33,8 @@ def margin_shifts(ref: torch.Tensor, env: torch.Tensor, competitors: int = NEAR_
 def calibrate_band(shifts: list[torch.Tensor], quantile: float = NEAR_TIE_QUANTILE,
                    factor: float = NEAR_TIE_FACTOR) -> NearTieCalibration:
     """The one band calibration: `factor` x the `quantile` of the margin shifts (margin_shifts) of
-    every decision, from the references alone (0 without any)."""
+    every decision, from the references alone (0 without any). The policy's quantile is 1, the
+    largest shift: the band sits on the tail, which a quantile misses where attention is sharp."""
     shifts = torch.cat(list(shifts) or [torch.empty(0, dtype=torch.double)]).double()
     if shifts.numel() == 0:
         return NearTieCalibration(quantile=quantile, factor=factor, samples=0, shift_at_quantile=0.0,
@@ -58,17 +60,47 @@ def tie_threshold(band: float, row: torch.Tensor, ulp_floor: bool = True) -> flo
     return max(band, NEAR_TIE_ULPS * bf16_ulp(float(row.double().abs().max())))
 
 
+def own_path_choice(chosen: set, alone32: torch.Tensor, alone16: torch.Tensor, k: int = 1) -> tuple:
+    """The one rule for a choice decided on the port's own path: `alone32`/`alone16` are
+    transformers' fp32 and bf16 computation of that one decision (the head, a router) fed the very
+    input the port had; `chosen` the port's choice (a token, or k experts). The same choice as
+    transformers' bf16 (or fp32) there passes; otherwise the fp32 margin of the swap (the best it
+    left out minus the worst it took) must be inside DECISION_HEADROOM x what bf16 moved that very
+    margin on that input (at least NEAR_TIE_ULPS bf16 ULPs). A port that computes something else
+    differs from transformers on the same input, by more than rounding: it fails.
+    Returns (accounted, margin, threshold, evidence)."""
+    top32 = set(alone32.topk(k).indices.tolist())
+    top16 = set(alone16.topk(k).indices.tolist())
+    if chosen in (top16, top32):
+        which = "bf16" if chosen == top16 else "fp32"
+        return True, 0.0, 0.0, f"transformers' {which} computation on the port's own input makes the same choice"
+    best = max(top32 - chosen, key=lambda i: float(alone32[i]))
+    worst = min(chosen - top32, key=lambda i: float(alone32[i]))
+    margin = float(alone32[best].double() - alone32[worst].double())
+    moved = abs(float(alone16[best].double() - alone16[worst].double()) - margin)
+    threshold = tie_threshold(DECISION_HEADROOM * moved, alone32)
+    inside = margin <= threshold
+    return inside, margin, threshold, (
+        f"on the port's own input transformers chooses {sorted(top32)}: margin {margin:.4f} "
+        f"{'within' if inside else 'above'} {DECISION_HEADROOM:g} x what bf16 moves it ({moved:.4f}; "
+        f"threshold {threshold:.4f})")
+
+
 def classify_mismatch(position: int, ref_row: torch.Tensor, dev_token: int, band: float = 0.0,
                       ref_token: int | None = None, structural: bool = False,
-                      ulp_floor: bool = True) -> TokenVerdict:
-    """A flip is a near tie when the reference's margin over the device's token is within `band`
-    (the calibrated margin noise, at least NEAR_TIE_ULPS bf16 ULPs: tie_threshold); a flip that the
-    fp32 stage also shows (`structural`) is never a near tie."""
+                      ulp_floor: bool = True, alone: tuple | None = None) -> TokenVerdict:
+    """A flip that the fp32 stage also shows (`structural`) is never a near tie. Else, with `alone`
+    (transformers' fp32 and bf16 head on the port's own input to it, the bf16 stage): decided by
+    own_path_choice. Without it: a near tie when the reference's margin over the device's token is
+    within `band` (the tail band, at least NEAR_TIE_ULPS bf16 ULPs: tie_threshold)."""
     ref_token = int(ref_row.argmax()) if ref_token is None else ref_token
     margin = max(float(ref_row[ref_token].double() - ref_row[dev_token].double()), 0.0)
     threshold = tie_threshold(band, ref_row, ulp_floor)
     if structural:
         kind, evidence = "divergence", "the fp32 port flips here too: structural, not rounding"
+    elif alone is not None:
+        inside, margin, threshold, evidence = own_path_choice({int(dev_token)}, *alone)
+        kind = "near_tie" if inside else "divergence"
     elif margin <= threshold:
         kind, evidence = "near_tie", f"margin {margin:.4f} within the near-tie band {threshold:.4f}"
     else:
@@ -83,15 +115,25 @@ def saturation_tie(ref_capped_row: torch.Tensor, dev_token: int) -> bool:
     return float(ref_capped_row[dev_token]) == float(ref_capped_row.max())
 
 
+def _tie_evidence(ref_raw_row: torch.Tensor, dev_token: int) -> str:
+    """Why a tie among the reference's capped maxima is one: raw logits that tie exactly (always so
+    on a model without a softcap, whose capped logits are the raw ones), or distinct raw logits the
+    softcap rounds to one value."""
+    if float(ref_raw_row[dev_token]) == float(ref_raw_row.max()):
+        return "the device's token ties the reference's largest raw logit exactly"
+    return "the device's raw argmax is among the reference's capped maxima (softcap saturates)"
+
+
 def classify_departure(reference, free, band: float, forced=None, structural=frozenset(),
-                       judge: StageJudge = BF16) -> TokenVerdict | None:
+                       judge: StageJudge = BF16, alone=None) -> TokenVerdict | None:
     """Where a free-running sequence first departs from the reference, classified, or None: the
     one departure classifier (the check's free run, harness/judge/stage.py; the served build's,
     harness/parity/served.py). reference: .generated, .step_logits, .captures; free: .tokens and
     .step_logits of the free run; forced: .step_logits of the same prompt teacher-forced (None: not
     run). unexplained: a run of another length, or a token that is not what the run's own logits
     (or the same prefix teacher-forced) choose; saturation_tie: among the reference's capped maxima;
-    else the flip's class (a flip the fp32 stage also shows, `structural`, is never a near tie)."""
+    else the flip's class (a flip the fp32 stage also shows, `structural`, is never a near tie;
+    alone(step): transformers' head on the port's input at that step, as classify_mismatch takes it)."""
     tokens, ref = list(free.tokens), list(reference.generated)
     if tokens == ref:
         return None
@@ -111,22 +153,22 @@ def classify_departure(reference, free, band: float, forced=None, structural=fro
     capped = reference.captures.get("step_capped_logits")
     if capped is not None and saturation_tie(capped[s], dev):
         return TokenVerdict(position=s, reference_token=ref[s], device_token=dev, margin=0.0, threshold=0.0,
-                            kind="saturation_tie", evidence="the device's raw argmax is among the reference's "
-                                                            "capped maxima (softcap saturates)")
+                            kind="saturation_tie", evidence=_tie_evidence(reference.step_logits[s], dev))
     return classify_mismatch(s, reference.step_logits[s], dev, band, ref_token=ref[s], structural=s in structural,
-                             ulp_floor=judge.envelope_ties)
+                             ulp_floor=judge.envelope_ties, alone=alone(s) if alone and judge.envelope_ties else None)
 
 
 def compare_logits(device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tensor | None,
                    cap: float | None, ref_tokens: list[int] | None = None, k: int = TOPK,
                    band: float | None = None, structural=frozenset(), ref_capped: torch.Tensor | None = None,
-                   dev_probs: torch.Tensor | None = None, ulp_floor: bool = True) -> LogitsResult:
+                   dev_probs: torch.Tensor | None = None, ulp_floor: bool = True, alone=None) -> LogitsResult:
     """device/ref/envelope: [n, vocab] raw logits. The device's choice is the argmax of its raw
     logits; the reference's is `ref_tokens` (its greedy choice) or its capped argmax. Mismatches
     are classified by `band` (calibrated from `envelope` when not given); rows in `structural` are
     flips the fp32 stage shows too. KL(reference || device) is taken between the reference's own
     capped distribution (`ref_capped`, transformers') and the host's (`dev_probs`), each falling
-    back to the softcap of the raw logits."""
+    back to the softcap of the raw logits. alone(row): transformers' head on the port's own input
+    at that row (classify_mismatch), or None."""
     n = ref.shape[0]
     if n == 0:
         return LogitsResult(positions=0, top1_agreement=1.0, topk_overlap=1.0, kl_mean=0.0, kl_max=0.0)
@@ -143,7 +185,8 @@ def compare_logits(device: torch.Tensor, ref: torch.Tensor, envelope: torch.Tens
              else dev_probs.double().clamp_min(1e-300).log())
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)  # >= 0: a negative row is rounding
     mismatches = [classify_mismatch(i, ref[i], int(dev_top1[i]), band, ref_token=int(ref_top1[i]),
-                                    structural=i in structural, ulp_floor=ulp_floor)
+                                    structural=i in structural, ulp_floor=ulp_floor,
+                                    alone=alone(i) if alone and ulp_floor else None)
                   for i in range(n) if int(dev_top1[i]) != int(ref_top1[i])
                   and not saturation_tie(ref_capped[i], int(dev_top1[i]))]
     agree = 1.0 - len(mismatches) / n

@@ -74,8 +74,8 @@ class LayerResult:
 
 @dataclass
 class NearTieCalibration:
-    """The near-tie band of one check: NEAR_TIE_FACTOR x the NEAR_TIE_QUANTILE of how far bf16
-    moves the reference's top-1 margins against fp32, over every position and prompt."""
+    """The tail band of one check: NEAR_TIE_FACTOR x the NEAR_TIE_QUANTILE (1: the largest) of how
+    far bf16 moves the reference's top-1 margins against fp32, over every position and prompt."""
 
     quantile: float
     factor: float
@@ -85,10 +85,11 @@ class NearTieCalibration:
     band: float
 
     def describe(self) -> str:
-        return (f"near-tie band {self.band:.3f} logits = {self.factor:g} x the {self.quantile:g} quantile "
-                f"({self.shift_at_quantile:.3f}) of how far bf16 moves the reference's top-1 margins "
-                f"against fp32 ({self.samples} margins over every position and prompt; largest "
-                f"{self.shift_max:.3f})")
+        at = "the largest" if self.quantile >= 1.0 else f"the {self.quantile:g} quantile"
+        return (f"near-tie band {self.band:.3f} logits = {self.factor:g} x {at} ({self.shift_at_quantile:.3f}) of how "
+                f"far bf16 moves the reference's top-1 margins against fp32 ({self.samples} margins over every "
+                f"position and prompt; largest {self.shift_max:.3f}); the bf16 stage's departing tokens are decided "
+                "on the port's own path")
 
 
 @dataclass

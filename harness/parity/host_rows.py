@@ -48,8 +48,10 @@ class PerLayerRowsStage(StageResult):
 
 
 def reference_rows(checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """transformers' scaled per-layer embedding of `ids` in `dtype` (its own class, the checkpoint's table)."""
+    """transformers' scaled per-layer embedding of `ids` in `dtype` (its own class, the checkpoint's
+    table), after the reference's own placeholder-to-pad step (a placeholder id reads the pad row)."""
     from harness.reference.run import hf_decoder_parts
+    from harness.reference.stream import text_ids
 
     spec = checkpoint.spec
     table = checkpoint.per_layer_table(dtype)
@@ -57,7 +59,7 @@ def reference_rows(checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.T
                                                  embed_scale=spec.per_layer_input_size ** 0.5)
     embedding.weight = torch.nn.Parameter(table, requires_grad=False)
     with torch.no_grad():
-        return embedding(ids)
+        return embedding(text_ids(spec, ids))
 
 
 def per_layer_rows_stage() -> Stage:
@@ -74,8 +76,8 @@ def judge_per_layer_rows(checkpoint, engine, references) -> PerLayerRowsStage | 
     spec = checkpoint.spec
     if not spec.per_layer_input_size or getattr(engine, "per_layer_table", None) is None:
         return None
+    # Every id as given (placeholders too: the host and the reference each map them to pad).
     ids = torch.tensor(sorted({t for r in references for t in list(r.prompt) + list(r.generated)}), dtype=torch.long)
-    ids = ids[ids < engine.per_layer_table.shape[0]]
     host = engine.embed(ids)[0, :, spec.hidden_size:]
     expected = reference_rows(checkpoint, ids, engine.per_layer_table.dtype).to(host.dtype)
     differs = (host != expected).any(-1)

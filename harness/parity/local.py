@@ -21,6 +21,7 @@ from harness.judge.verdicts import LayerResult
 from harness.judge.layers import (LayerRuns, LayerVerdict, _shifted_envelope, judge_layer_alone, judge_local_routing,
                                   stack_prompts)
 from harness.port import engine as port_engine
+from harness.parity.own_path import router_alone
 from harness.reference.forcing import follow_routes
 from harness.reference.layers import ReferenceLayers
 
@@ -119,8 +120,9 @@ def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative:
     # layer on its routing (fp32 and bf16, as the bf16 stage is), and its choices by the routing band.
     runs = LayerRuns(port, r32 if moe else golden_caps, r32, r16)
     verdict = judge_layer_alone(spec, i, runs, cumulative, device_out)
-    if moe:
-        judge_local_routing(verdict, spec, runs)
+    if moe:  # the port's choices decided on its own path: transformers' router alone on its router input
+        rows = {n: stack_prompts(port, n) for n in (f"layers.{i}.attn_residual", f"layers.{i}.router_logits")}
+        judge_local_routing(verdict, spec, runs, router_alone(reference, rows, spec).get(f"layers.{i}.router_logits"))
     lengths = [caps["embeddings"].shape[0] for caps in golden_caps]
     return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i, spec=spec)}, lengths)
 

@@ -26,6 +26,7 @@ from harness.judge.compare import FORCING_PASSES
 from harness.judge.verdicts import NearTieCalibration
 from harness.parity.forced_path import add_pins, follow_routing, routes_differ, seed_pins
 from harness.parity.local import intra_op_threads_for
+from harness.parity.own_path import OwnPath, router_alone
 from harness.parity.port_failure import PortFailure, port_call  # noqa: F401  (re-exported: the stages' phases)
 from harness.reference.run import ReferenceResult, rerun_reference
 
@@ -182,6 +183,10 @@ class StageObservation:
     pinned: list[str] = field(default_factory=list)
     followed: bool = True
     forcing: list = field(default_factory=list)  # what the references were forced to (forced_path.Forced per prompt)
+    # the bf16 stage's own path (harness/parity/own_path.py): transformers' routers alone on the port's
+    # router inputs, per router point (fp32, bf16), and its head alone on demand (OwnPath)
+    alone_routers: dict = field(default_factory=dict)
+    own_path: object = None
 
     @property
     def references(self) -> StageReferences:
@@ -226,6 +231,9 @@ def observe_stage(engine, checkpoint, refs: StageReferences, context: StageConte
         obs.env = fp32_envelope(obs, checkpoint, context.progress)
     elif context.force_path:
         obs = follow_port_path(obs, checkpoint, context.pins)
+    if context.stage == "bf16":
+        obs.own_path = OwnPath(checkpoint, obs.runs)
+        obs.alone_routers = router_alone(obs.own_path.reference, obs.dev, spec) if spec.moe is not None else {}
     obs.seconds = seconds
     return obs
 

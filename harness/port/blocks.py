@@ -276,7 +276,7 @@ class FamilyRankDecoder(RankDecoder):
 
 def rank_decoder(spec: ModelSpec, **kwargs) -> RankDecoder:
     """The per-rank decoder for this spec: the 12B's, or the family's (same module code on every backend)."""
-    return (FamilyRankDecoder if spec.is_family else RankDecoder)(spec, **kwargs)
+    return (FamilyRankDecoder if spec.uses_family_blocks else RankDecoder)(spec, **kwargs)
 
 
 __all__ = ["FamilyRankDecoder", "MLP", "rank_decoder"]

@@ -146,8 +146,8 @@ class TracedFamilyBatchDecoder(TracedBatchDecoder, FamilyRankDecoder):
 def traced_class(spec, batched: bool = False) -> type:
     """The traced module class for a spec: the 12B's decoder or the family's (batched: taking seq_ids)."""
     if batched:
-        return TracedFamilyBatchDecoder if spec.is_family else TracedBatchDecoder
-    return TracedFamilyDecoder if spec.is_family else TracedDecoder
+        return TracedFamilyBatchDecoder if spec.uses_family_blocks else TracedBatchDecoder
+    return TracedFamilyDecoder if spec.uses_family_blocks else TracedDecoder
 
 
 def input_width(spec) -> int:

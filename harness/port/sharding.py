@@ -15,6 +15,7 @@ from harness.base.errors import ShardingError
 from harness.base.settings import DEFAULT_DTYPE, DEFAULT_KV_LEN
 from harness.inputs.quantize import port_layer_weights, scheme_of, weight_name
 from harness.inputs.spec import LayerSpec, ModelSpec, dtype_bytes
+from harness.port.tp_split import split_problems
 
 # Weights split by output rows (per head for attention), by input columns, or copied to every rank.
 Q_ROWS = ("self_attn.q_proj.weight",)
@@ -101,14 +102,9 @@ def plan_layer(layer: LayerSpec, tp: int) -> LayerPlan:
 
 def plan_model(spec: ModelSpec, tp: int) -> list[LayerPlan]:
     _check_tp(tp)
-    sizes = [("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size)]
-    sizes += [(f"layer {layer.index}'s double-wide intermediate_size", layer.intermediate_size)
-              for layer in spec.layers if layer.intermediate_size]
-    if spec.moe is not None:
-        sizes.append(("moe_intermediate_size", spec.moe.intermediate_size))
-    for name, size in sizes:
-        if size % tp:
-            raise ShardingError(f"{name}={size} does not split across tp={tp}")
+    problems = split_problems(spec, tp)
+    if problems:  # every size at once, so one run names all a config must change
+        raise ShardingError(f"{len(problems)} size(s) do not split across tp={tp}: {'; '.join(problems)}")
     return [plan_layer(layer, tp) for layer in spec.layers]
 
 

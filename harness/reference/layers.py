@@ -4,6 +4,8 @@ harness/reference/run.py it imports nothing of the port."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 
@@ -34,6 +36,36 @@ class ReferenceLayers:
         norm.weight.data = self.checkpoint.final_norm_weight(dtype)
         with torch.no_grad():
             return norm(x.to(dtype)).float()
+
+    def router_logits(self, index: int, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """transformers' own router of MoE layer `index` alone on x [n, hidden] (the residual after
+        attention, what the layer feeds it), in `dtype`: its expert scores [n, experts] fp32."""
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
+
+        with torch.device("meta"):
+            router = Gemma4TextRouter(self.config)
+        router.load_state_dict({k: self.checkpoint.get(self.checkpoint.layer_key(index, "router." + k), dtype)
+                                for k in router.state_dict()}, assign=True, strict=True)
+        found: dict = {}
+        hooks = _router_hooks(SimpleNamespace(router=router), found)
+        try:
+            with torch.no_grad():
+                router(x.to(dtype))
+        finally:
+            for h in hooks:
+                h.remove()
+        return found["router_logits"]
+
+    def head_logits(self, x: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 16,
+                    weight: torch.Tensor | None = None) -> torch.Tensor:
+        """transformers' head alone (its final norm, then lm_head) on the last layer's output x
+        [n, hidden], in `dtype`: raw logits [n, vocab] fp32. lm_head is applied in vocabulary
+        chunks of the stored weight (each logit is one whole dot product, as nn.Linear computes it),
+        so a 262144-word head never sits in fp32 at once. `weight`: the stored lm_head, if already read."""
+        h = self.final_norm(x, dtype).to(dtype)
+        weight = self.checkpoint.lm_head_weight() if weight is None else weight
+        with torch.no_grad():
+            return torch.cat([torch.nn.functional.linear(h, w.to(dtype)).float() for w in weight.split(chunk)], -1)
 
     def captures(self, layer, index: int, x: torch.Tensor, dtype: torch.dtype,
                  routes: torch.Tensor | None = None, per_layer_input: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ import torch
 
 # The dtype vocabulary is the run settings' (one parser for every command and library function).
 from harness.base.settings import DTYPES, dtype_name, torch_dtype  # noqa: F401
+from harness.inputs.spec import TRANSFORMERS_CLASSES
 from harness.reference.forcing import Forced, routes_of
 
 
@@ -56,19 +57,13 @@ def load_reference_model(checkpoint_dir, dtype=torch.float32):
 
     third_party_bars()
     config = AutoConfig.from_pretrained(checkpoint_dir)
-    name, kwargs = REFERENCE_CLASSES.get(config.model_type, REFERENCE_CLASSES["gemma4_unified_text"]), {}
+    name, kwargs = TRANSFORMERS_CLASSES.get(config.model_type, TRANSFORMERS_CLASSES["gemma4_unified_text"])[1], {}
     if config.model_type in ("gemma4", "gemma4_text"):
         kwargs["experts_implementation"] = "eager"  # the plain per-expert loop, not a fused kernel
     dtype = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)  # float64: harness/reference/float64.py
     model = getattr(transformers, name).from_pretrained(checkpoint_dir, dtype=dtype,
                                                         attn_implementation="eager", **kwargs)
     return model.eval()
-
-
-# transformers' own class for each model type: the unified 12B's, or modeling_gemma4's family.
-REFERENCE_CLASSES = {"gemma4_unified": "Gemma4UnifiedForConditionalGeneration",
-                     "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
-                     "gemma4": "Gemma4ForConditionalGeneration", "gemma4_text": "Gemma4ForCausalLM"}
 
 
 def hf_decoder_parts(spec):

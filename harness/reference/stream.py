@@ -20,6 +20,16 @@ def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,
     return stream_prefill_captures_many(checkpoint, [prompt], dtype, progress)[0]
 
 
+def text_ids(spec, ids: torch.Tensor) -> torch.Tensor:
+    """The ids transformers' multimodal wrapper hands its text model: the image, video and audio
+    placeholder ids become the pad id (Gemma4Model.forward's llm_input_ids, which both the word and
+    the per-layer embeddings read; the unified wrapper does the same). The reference side's one
+    home for that step; the port's is its engine's embed."""
+    if not spec.placeholder_token_ids:
+        return ids
+    return torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
+
+
 class _StreamedPrompt:
     """One prompt's hidden state on its way through the streamed layers, and its captures. A
     [batch, n] tensor of equal-length prompts runs as one batch (the corpus-quality pass); its
@@ -32,8 +42,7 @@ class _StreamedPrompt:
         ids = torch.as_tensor(prompt, dtype=torch.long)
         self.rows = slice(None) if ids.dim() == 2 else 0  # which rows of [batch, n, ...] are captured
         ids = ids if ids.dim() == 2 else ids[None]
-        if spec.placeholder_token_ids:
-            ids = torch.where(torch.isin(ids, torch.tensor(spec.placeholder_token_ids)), spec.pad_token_id, ids)
+        ids = text_ids(spec, ids)
         self.x = embedding(ids)
         # a PLE model's per-layer inputs [batch, n, layers, width], as transformers' text model makes them
         self.per_layer = per_layer.project_per_layer_inputs(self.x, per_layer.get_per_layer_inputs(ids, self.x)) \

@@ -86,7 +86,7 @@ def rank_hosts(checkpoint, settings, index: int, parts: list[str]) -> list[RankH
     spec, dtype, tp = checkpoint.spec, settings.torch_dtype, settings.tp
     quantize = getattr(settings, "quantize", None)  # the int8 port's own projections, traced as it runs them
     linears = RankLinears if quantize is None else QuantizedLinears
-    decoder_cls = FamilyRankDecoder if spec.is_family else RankDecoder
+    decoder_cls = FamilyRankDecoder if spec.uses_family_blocks else RankDecoder
     plans = plan_model(spec, tp)
     source = port_source(spec, index)
     wanted = [index] if source is None else [source, index]

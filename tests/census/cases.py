@@ -102,3 +102,11 @@ REAL_WIDTHS = (("hidden_size", 3840), ("intermediate_size", 15360), ("vocab_size
 REAL_WIDTH_CASE = Case("real-widths-12b-two-layers", Shape("w12b", "default", REAL_WIDTHS),
                        Run((prompt_of(40), prompt_of(5)), 4, fp32_stage=False, local=True))
 CASES += [REAL_WIDTH_CASE]
+
+# Issue 45: KV sharing in gemma4_unified (transformers 5.24's Gemma4UnifiedTextConfig has
+# num_kv_shared_layers and its modeling applies it): the tiny 12B's layers 8-11 read layers 7 and 5's
+# caches, with the double-wide MLP on them; both inits, TP 1 and 2 (TP 2 of the builder's in the default lane).
+UNIFIED_KV = {init: Shape(f"ukv{init}", init, (("num_kv_shared_layers", 4), ("use_double_wide_mlp", True)))
+              for init in ("builder", "default")}
+CASES += [Case(f"unified-kv-shared-{init}-tp{tp}", shape, Run(SHORT.prompts, 8, tp=tp), fast=(init, tp) == ("builder", 2))
+          for init, shape in UNIFIED_KV.items() for tp in (1, 2)]

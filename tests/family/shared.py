@@ -14,9 +14,9 @@ VARIANTS = ("31b", "e2b", "e4b", "26b-a4b")
 @functools.lru_cache(maxsize=None)
 def family_checkpoint(variant: str):
     from harness.inputs.checkpoint import Checkpoint
-    from harness.inputs.tiny import TINY_FAMILY, tiny_checkpoint
+    from harness.inputs.tiny import TINY_FAMILY, TINY_UNIFIED_KV, tiny_checkpoint
 
-    return Checkpoint.open(tiny_checkpoint(0, TINY_FAMILY[variant]))
+    return Checkpoint.open(tiny_checkpoint(0, TINY_UNIFIED_KV if variant == "unified-kv" else TINY_FAMILY[variant]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -686,6 +686,7 @@ BY_NAME = {fault.name: fault for fault in CATALOG}
 # ---- the Gemma-4 family's parts (issue 22): faults on tiny transformers-built variants ------------
 
 TINY_E2B, TINY_E4B, TINY_MOE = "tiny-e2b", "tiny-e4b", "tiny-26b-a4b"
+TINY_UNIFIED_KV = "tiny-unified-kv"  # the tiny 12B with KV sharing (harness/inputs/tiny.py TINY_UNIFIED_KV)
 # The default prompts of 7, 24, 40 and 64 tokens (past the sliding window of 16) with decode steps:
 # enough rows for the probability envelope's quantile, and still cheap on the tiny variants.
 def _family_prompts() -> list[list[int]]:
@@ -812,9 +813,19 @@ FAMILY_CATALOG: list[Fault] = [
     Fault("shared-layer-writes-cache", "family: KV sharing",
           "a KV-shared layer writes into the cache it reads (its source's): the source's cache point breaks",
           shared_layer_writes_cache, Expectation(_kv(5, "k"), 5, "attention", fp32_point=_kv(5, "k")), TINY_E4B),
-    Fault("router-softmax-bf16", "family: MoE", "the router's softmax in bf16, not fp32 (inside bf16 noise: "
-          "the fp32 stage's weights point shows it, the bf16 stage fails on the tokens the fp32 port flips too)",
-          router_softmax_bf16, Expectation(None, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
+    # The same two faults in gemma4_unified's KV sharing (issue 45): layers 8-10 read layer 7's cache,
+    # layer 11 layer 5's (a full layer), as on the E4B.
+    Fault("kv-shared-source-off-by-one-unified", "unified: KV sharing", "the shared layers read layer source - 1's "
+          "cache", kv_shared_source_off_by_one, Expectation(_attn(8), 8, "attention", fp32_point=_attn(8)),
+          TINY_UNIFIED_KV),
+    Fault("shared-layer-writes-cache-unified", "unified: KV sharing",
+          "a KV-shared layer writes into the cache it reads (its source's): the source's cache point breaks",
+          shared_layer_writes_cache, Expectation(_kv(5, "k"), 5, "attention", fp32_point=_kv(5, "k")), TINY_UNIFIED_KV),
+    Fault("router-softmax-bf16", "family: MoE", "the router's softmax in bf16, not fp32 (its weights' error is "
+          "bf16's own size: the fp32 stage's weights point shows it; since issue 45 the bf16 stage's routing "
+          "verdict too: on near-tied experts it chooses what transformers' bf16 router never does on the same "
+          "input, decided on the port's own path)",
+          router_softmax_bf16, Expectation(_ROUTER, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
     Fault("topk-not-renormalised", "family: MoE", "the top-k router weights not renormalised to sum 1",
           topk_not_renormalised, Expectation(_ROUTER, 0, "moe router", fp32_point=_ROUTER), TINY_MOE),
     Fault("per-expert-scale-missing", "family: MoE", "the router's per-expert scale not applied",

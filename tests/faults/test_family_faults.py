@@ -16,7 +16,7 @@ def _variant(key: str) -> str:
 
 
 @pytest.mark.slow  # the same clean ports pass check at TP 2 in tests/family/test_family_port.py
-@pytest.mark.parametrize("key", ["tiny-e2b", "tiny-e4b", TINY_MOE])
+@pytest.mark.parametrize("key", ["tiny-e2b", "tiny-e4b", TINY_MOE, "tiny-unified-kv"])
 def test_clean_family_port_passes(monkeypatch, key):
     ckpt, refs = family_checkpoint(_variant(key)), family_reference(_variant(key))
     result = run_family_check(None, monkeypatch, ckpt, refs)
@@ -27,10 +27,10 @@ def test_clean_family_port_passes(monkeypatch, key):
         assert result.routing.rerouted, result.routing.describe()
 
 
-# The default lane: check catches the per-layer-input and router faults, bisect names the
+# The default lane: check catches the per-layer-input, router and (gemma4_unified's) KV-sharing faults, bisect names the
 # KV-sharing fault; the other part of each, the MoE MLP fault (check and bisect) and the rest of the
 # catalog run in the slow lane, which CI runs too.
-DEFAULT_LANE = {"ple-combine-factor", "router-skips-best-expert"}
+DEFAULT_LANE = {"ple-combine-factor", "router-skips-best-expert", "kv-shared-source-off-by-one-unified"}
 DEFAULT_BISECT = {"shared-layer-writes-cache"}
 
 
@@ -52,7 +52,10 @@ def test_family_fault_is_caught_where_it_is(monkeypatch, fault):
 def test_family_catalog_covers_every_new_part():
     parts = {f.expect.component for f in FAMILY_CATALOG}
     assert {"attention", "mlp", "per-layer input", "moe router"} <= parts
-    assert len({f.name for f in FAMILY_CATALOG}) == len(FAMILY_CATALOG) == 10
+    # 10 family faults and, since issue 45, the two KV-sharing faults on gemma4_unified's KV sharing
+    assert len({f.name for f in FAMILY_CATALOG}) == len(FAMILY_CATALOG) == 12
+    assert {f.name for f in FAMILY_CATALOG if f.checkpoint == "tiny-unified-kv"} == {
+        "kv-shared-source-off-by-one-unified", "shared-layer-writes-cache-unified"}
 
 
 # What bisect (capture mode) must name for every family fault: the layer and part of docs/faults.md's
@@ -62,7 +65,8 @@ BISECTED = {"ple-combine-factor": (0, "per-layer input"), "ple-table-unscaled": 
             "ple-wrong-layer-slice": (0, "per-layer input"), "kv-shared-source-off-by-one": (8, "attention"),
             "shared-layer-writes-cache": (5, "attention"), "moe-sum-without-norms": (0, "mlp"),
             "router-softmax-bf16": (0, "moe router"), "topk-not-renormalised": (0, "moe router"),
-            "per-expert-scale-missing": (0, "moe router"), "router-skips-best-expert": (0, "moe router")}
+            "per-expert-scale-missing": (0, "moe router"), "router-skips-best-expert": (0, "moe router"),
+            "kv-shared-source-off-by-one-unified": (8, "attention"), "shared-layer-writes-cache-unified": (5, "attention")}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_lane(n, DEFAULT_BISECT)) for n in BISECTED])

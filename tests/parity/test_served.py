@@ -85,6 +85,18 @@ def test_a_flip_among_saturated_capped_maxima_is_a_saturation_tie():
     served = torch.tensor([[899.0, 900.0, 0.0]])
     prompts, _, _ = judge_served([_run([1], served)], [ref], [ref], [[0]], Ties(FP32, 0.0))
     assert prompts[0].departure.kind == "saturation_tie" and prompts[0].accounted
+    assert "softcap saturates" in prompts[0].departure.evidence
+
+
+def test_a_tie_on_a_model_without_softcap_does_not_blame_the_softcap():
+    """No softcap: the capped logits are the raw ones, so the only tie is an exact one; the
+    explanation says so and never mentions a softcap (issue 45)."""
+    rows = torch.tensor([[5.0, 5.0, 0.0]])
+    ref = ReferenceResult([1], "float32", {"step_capped_logits": rows.clone()}, [0], rows)
+    prompts, _, _ = judge_served([_run([1], torch.tensor([[4.0, 6.0, 0.0]]))], [ref], [ref], [[0]], Ties(FP32, 0.0))
+    departure = prompts[0].departure
+    assert departure.kind == "saturation_tie" and prompts[0].accounted
+    assert "softcap" not in departure.evidence and "exactly" in departure.evidence
 
 
 def test_skip_says_so():

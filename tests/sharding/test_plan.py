@@ -86,6 +86,28 @@ def test_12b_refuses_tp_degrees_that_do_not_split_it(spec_12b, tp):
         plan_model(spec_12b, tp)
 
 
+def test_refusal_names_every_size_that_does_not_split_once_in_a_fixed_order(spec_12b):
+    """transformers' tester sizes (intermediate 37, vocab 99) at tp=2 and odd head counts: one message
+    names each of them, the same on every run (issue 45: 37, then 99 the next run)."""
+    from dataclasses import replace
+
+    layers = tuple(replace(layer, q_heads=15, kv_heads=3) if layer.is_sliding else layer for layer in spec_12b.layers)
+    spec = replace(spec_12b, intermediate_size=37, vocab_size=99, layers=layers)
+    messages = set()
+    for _ in range(2):
+        with pytest.raises(ShardingError) as info:
+            plan_model(spec, 2)
+        messages.add(str(info.value))
+    (message,) = messages
+    sliding = [layer.index for layer in spec.layers if layer.is_sliding]
+    assert message.startswith("4 size(s) do not split across tp=2: intermediate_size=37; vocab_size=99; ")
+    assert "15 query heads (layers 0-4, 6-10," in message and "3 KV heads (layers 0-4," in message
+    assert message.index("37") < message.index("99") < message.index("query heads") < message.index("KV heads")
+    assert "16 query heads" not in message and "1 KV heads" not in message  # the full layers split
+    assert len(sliding) == 40
+    plan_model(replace(spec_12b, intermediate_size=38, vocab_size=98), 2)  # sizes that split pass
+
+
 @pytest.mark.parametrize("q_heads, kv_heads, tp", [
     (6, 3, 2),    # 3 KV heads neither shard nor replicate across 2 ranks
     (16, 8, 3),   # query heads do not split across 3 ranks

@@ -254,6 +254,10 @@ def _calls(name: str) -> set[str]:
     ("classify_mismatch", {"harness/judge/tokens.py"}),  # the drafter's cluster choices: judged as routing
     ("saturation_tie", {"harness/judge/tokens.py"}),
     ("calibrate_band", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
+    # issue 45: one rule decides a departing choice on the port's own path, for tokens and routers alike
+    ("own_path_choice", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
+    # transformers' router alone on the port's router input: the bf16 stage (observe) and the local verdicts
+    ("router_alone", {"harness/parity/observe.py", "harness/parity/local.py"}),
     ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py",
                        "harness/snapshot/host_repro.py"}),  # a tokens repro's per-step thresholds, as data
     # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
