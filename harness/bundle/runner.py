@@ -14,6 +14,7 @@ from pathlib import Path
 from harness.base.errors import HarnessInputError
 
 JAX_PATH_ENV = "GEMMA_PARITY_JAX_PATH"
+JAX_VERSION = "0.10.2"  # keep in step with fixtures/bundle/run_hlo.py and .ci/xla-lane
 
 
 def runner_env() -> dict[str, str]:

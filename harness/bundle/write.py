@@ -92,6 +92,9 @@ def bundle_manifest(*, text: str, proto: bytes | None, lowered_by: str, params, 
     files: dict[str, bytes] = {"module.hlo.txt": text.encode()}
     if proto is not None:
         files["module.hlo.pb"] = proto
+    from harness.bundle.runner import JAX_VERSION
+
+    toolchain = {"neuron": toolchain, "cpu_runner": {"jax": JAX_VERSION, "jaxlib": JAX_VERSION}}
     manifest = {"kind": KIND, "format": FORMAT, "failure": failure, "compile": compile, "toolchain": toolchain,
                 "module": {"text": "module.hlo.txt", "proto": "module.hlo.pb" if proto is not None else None, "lowered_by": lowered_by,
                            "instructions": instructions},

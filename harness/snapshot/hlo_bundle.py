@@ -1,5 +1,5 @@
 """The HLO bundle of a snapshot's or repro's failing layer call (harness/bundle; docs/snapshot.md): the
-repro's layer host of each rank (harness/snapshot/repro_host) run through the engine's calls of the
+repro's layer host of each rank (harness/snapshot/repro_host.py) run through the engine's calls of the
 prompt on the host (each rank's KV cache carried from call to call, each all-reduce given the ranks'
 true fp32 sum, as repro.py does), then the failing call of each rank lowered by torch-xla: one module
 per rank, its all-reduces cut at the rank's edge (the partial an output, the true sum an input), so each
