@@ -101,3 +101,15 @@ def test_with_jax_clean_agrees_planted_moves_and_reduces(kind, bundle, tmp_path)
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and re.search(r"reduce: \d+ -> \d+ instructions", out.stdout), out.stdout + out.stderr
     assert run_check(tmp_path / "reduced", tmp_path, "cpu").returncode == 1
+
+
+def test_the_issue_text_comes_from_the_bundle():
+    from harness.bundle.graph import issue_text
+
+    manifest = json.loads((SMALL / "bundle.json").read_text())
+    manifest["failure"]["observed"] = "neuronx-cc exits 70 (NCC_ISMP902)"
+    text = issue_text(manifest)
+    assert manifest["compile"]["command"] in text and "neuronx-cc exits 70 (NCC_ISMP902)" in text
+    assert f"neuronx-cc {manifest['toolchain']['neuron']['neuronx-cc']}" in text and "## What is expected" in text
+    del manifest["failure"]["observed"]
+    assert "NCC_ISMP902" not in issue_text(manifest)  # what happens is the bundle's, not a fixed string

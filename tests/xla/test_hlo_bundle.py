@@ -85,3 +85,23 @@ def test_clean_bundles_agree_and_planted_faults_are_named_and_reduced(name, tp, 
         assert after * 10 <= before, (fault, what, before, after)
         again = run_check(reduced, tmp_path, "cpu")
         assert again.returncode == 1, (fault, again.stdout + again.stderr)
+
+
+def test_the_sliding_window_decode_graph_bundle_and_its_upstream_issue(tmp_path):
+    """The first use (docs/snapshot.md#a-graph-the-compiler-crashes-on): the tiny 12B's decode graph (its
+    sliding-window layers) as a bundle for the neuronx-cc release that crashes on such graphs, built
+    off-chip: its CPU run agrees, and ISSUE.md names the versions, the command, what happens and what is
+    expected."""
+    done = subprocess.run([sys.executable, "-m", "harness.bundle.graph", str(tmp_path / "decode")],
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout + done.stderr
+    bundle = tmp_path / "decode"
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    assert manifest["toolchain"]["neuron"]["neuronx-cc"] == "2.27.5334" and manifest["compile"]["graph"] == "decode"
+    assert "-O2" in manifest["compile"]["flags"].split()  # token generation compiles at -O2
+    issue = (bundle / "ISSUE.md").read_text()
+    for needed in ("neuronx-cc 2.27.5334", "NCC_ISMP902", manifest["compile"]["command"], "## What is expected",
+                   "torch-neuronx", "## Versions"):
+        assert needed in issue, needed
+    clean = run_check(bundle, tmp_path, "cpu")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
