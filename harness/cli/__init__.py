@@ -29,13 +29,13 @@ import time
 import tempfile
 import traceback
 
-from harness.cli import bisect, check, doctor, graphs, info, merge, perf, perf_compare, quality, reference, replay
+from harness.cli import bisect, check, doctor, graphs, info, merge, perf, perf_compare, quality, reduce, reference, replay
 from harness.cli.common import (EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                                 EXIT_PIPE, EXIT_TERMINATED)
 from harness.base.atomic import release_claims
 from harness.base.errors import SHOW_BYTES, HarnessInputError, os_problem
 
-COMMANDS = (info, reference, check, bisect, perf, perf_compare, graphs, doctor, quality, merge, replay)
+COMMANDS = (info, reference, check, bisect, perf, perf_compare, graphs, doctor, quality, merge, replay, reduce)
 
 
 class Terminated(BaseException):

@@ -80,6 +80,9 @@ def _after_run(args, check_result, command: str) -> None:
 
     if snapshot is not None:
         snapshot_check(check_result, args.ckpt, args.settings, snapshot, source=command)
+        from harness.snapshot.repro import snapshot_bundles
+
+        snapshot_bundles(check_result, args.ckpt, args.settings, snapshot)  # hlo-rank{r}/ beside it
     if repro is not None:
         from harness.snapshot.repro import emit_repro
 

@@ -153,7 +153,8 @@ def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Pat
     tensors, calls, hosted = repro_inputs(checkpoint, run, target, observation)
     parts = [name.rsplit(".", 1)[1] for name in layer_points(target.layer, spec=checkpoint.spec)]
     modules, reductions, kv = [], None, []
-    for host in rank_hosts(checkpoint, run, target.layer, parts):
+    hosts = rank_hosts(checkpoint, run, target.layer, parts)
+    for host in hosts:
         traced, counts = trace_rank(host, calls)
         modules.append(traced_bytes(traced))
         reductions = counts
@@ -181,8 +182,12 @@ def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Pat
         from harness.port.demo_fault import banner
 
         meta["description"] = f"{banner(run.demo_fault)}\n{meta['description']}"
-    return save_repro(out_dir, tensors, meta, modules, what=f"layer {target.layer}, {len(calls)} calls, TP {run.tp}",
-                      say=say)
+    written = save_repro(out_dir, tensors, meta, modules, what=f"layer {target.layer}, {len(calls)} calls, TP {run.tp}",
+                         say=say)
+    from harness.snapshot.hlo_bundle import maybe_write, write_layer_bundles
+
+    maybe_write(lambda: write_layer_bundles(checkpoint, run, target, hosts, calls, out_dir, say=say), say)
+    return written
 
 
 def save_repro(out_dir, tensors: dict, meta: dict, modules: list[bytes], what: str, say=print,
@@ -248,3 +253,26 @@ def write_bits_repro(checkpoint, settings, target, observation, out_dir, say=pri
                            f"{target.ratio:.1%} of its elements when recorded"}
     return save_repro(out_dir, tensors, meta, [traced_bytes(traced)], what=f"layer {i} alone, bit-exact, TP 1",
                       say=say, how="bit for bit on this CPU")
+
+
+def snapshot_bundles(result, checkpoint, settings, out_dir, say=print) -> list:
+    """`check --snapshot DIR`'s HLO bundles (harness/snapshot/hlo_bundle.py) of the call it snapshotted:
+    the repro's layer hosts and the engine's calls, rebuilt; none for a host step or a bit-exact stage."""
+    from harness.snapshot.hlo_bundle import maybe_write, write_layer_bundles
+    from harness.snapshot.repro_host import rank_hosts
+    from harness.snapshot.target import BITS_STAGE, choose_target, stage_settings
+
+    target = choose_target(result, settings)
+    if target.host or target.stage == BITS_STAGE or target.point in LOGITS:
+        say("no HLO bundle: the failure is not a layer's device call")
+        return []
+    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+    run = stage_settings(settings, target.stage)
+
+    def write():
+        _, calls, _ = repro_inputs(checkpoint, run, target, stage.observation)
+        parts = [name.rsplit(".", 1)[1] for name in layer_points(target.layer, spec=checkpoint.spec)]
+        return write_layer_bundles(checkpoint, run, target, rank_hosts(checkpoint, run, target.layer, parts), calls,
+                                   out_dir, say=say)
+    return maybe_write(write, say)
+

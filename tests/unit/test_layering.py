@@ -35,6 +35,8 @@ PACKAGES = {
     "perf": (5, "benchmarks of the served build, their statistics, history, roofline floors"),
     "parity": (6, "check, the served check, bisect and truncate, and the observation they judge"),
     "quality": (6, "the corpus golden and its judged teacher-forced pass"),
+    "bundle": (6, "a failing graph as an HLO bundle (module, inputs, expected outputs, compile command, "
+                  "toolchain, check.sh), faults planted in its text, and its reducer"),
     "plan": (6, "what a run needs, counted before it starts: the device fit per NeuronCore (graphs' bytes held "
                 "to the traced graphs), batch and KV fits, the memory plan, compile budget, host plan"),
     "report": (7, "what the commands print and write: tables, Markdown, JSON, plots"),
