@@ -45,22 +45,22 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def time_batch(batch_engine, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
+def time_batch(engine, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
     """`runs` timed runs of one batch: prefill of every prompt in one batched call per chunk, then
     `new_tokens` decode steps of all of them. Medians of the prefill and the per-step latency,
     tokens per second (rows / step), and the tokens each row generated (pinned outputs)."""
     prefill, steps, tokens = [], [], None
     slots = list(range(len(prompts)))
     for _ in range(runs):
-        batch_engine.backend.reset()
+        engine.backend.reset()
         start = time.perf_counter()
-        pres = batch_engine.prefill(prompts, slots)
+        pres = engine.prefill_rows(prompts, slots)
         prefill.append(time.perf_counter() - start)
         fed = [int(p.logits[-1].argmax()) for p in pres]
         out = [[t] for t in fed]
         for step in range(new_tokens - 1):
             start = time.perf_counter()
-            results = batch_engine.decode(fed, [len(p) + step for p in prompts], slots)
+            results = engine.decode_rows(fed, [len(p) + step for p in prompts], slots)
             steps.append(time.perf_counter() - start)
             fed = [int(r.logits.argmax()) for r in results]
             for row, t in zip(out, fed):
@@ -91,15 +91,13 @@ def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, p
     that many prompts of `prompt_len` tokens, beside the floors on this backend's rates."""
     from harness.backends import build_engine
     from harness.perf.bench import bench_prompt, bench_rates
-    from harness.port.batching import BatchEngine
 
     batches = sorted(set(batches))
     # the batched perf build (every row's logits, no captures), on every backend
     engine = build_engine(checkpoint, settings.but(batch=batches[-1]))
-    be = BatchEngine(engine)
     spec = checkpoint.spec
     prompts = {b: [bench_prompt(spec.vocab_size, prompt_len, seed=k) for k in range(b)] for b in batches}
-    measured = [time_batch(be, prompts[b], new_tokens, runs) for b in batches]
+    measured = [time_batch(engine, prompts[b], new_tokens, runs) for b in batches]
     if settings.assistant:  # --speculate K: each batch decoded speculatively too (accepted drafts per verify)
         from harness.backends import build_drafter
         from harness.inputs.assistant_checkpoint import AssistantCheckpoint
