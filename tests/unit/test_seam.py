@@ -283,8 +283,9 @@ def test_quality_says_why_it_does_not_take_the_per_layer_input_pins():
 
 # The device steps a decode loop is made of: Engine.decode_rows / verify_rows and their one-row forms.
 STEP_CALLS = ("decode_step", "verify", "decode", "decode_rows", "verify_rows")
-# bench times single steps (its timing probes are not a decode loop of the check, bisect or quality)
-STEP_TIMERS = {"harness/perf/bench.py", "harness/perf/length.py", "harness/perf/speculative.py", "harness/perf/batch.py"}
+# the speculative bench's probes of one decode, one verify call (single calls, not a loop); bench,
+# its lengths and its batches time the one loop itself (harness/perf/timing.py)
+STEP_TIMERS = {"harness/perf/speculative.py"}
 # one recorded host step run again (a snapshot of the step that raised), not a loop over steps
 STEP_REPLAYS = {"harness/snapshot/host_raises.py"}
 
@@ -360,6 +361,42 @@ def test_the_engine_is_the_only_engine_and_a_second_is_found():
     for copy in ENGINE_COPIES:
         assert _engines({"a module of port": copy}) == {"a module of port:" + copy.split()[1].rstrip(":")}, copy
 
+
+# ---- bench times the one loop ------------------------------------------------------------------------------
+
+CLOCKS = ("perf_counter", "monotonic", "time", "perf_counter_ns", "process_time")
+
+
+def _clock_readers(files: dict[str, str]) -> set[str]:
+    """The modules (path -> source) reading a clock (time.perf_counter() and its kin), or defining
+    a `forward` (a stand-in for the backend, timing or not)."""
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CLOCKS \
+                    and ast.unparse(node.func.value) == "time":
+                found.add(path)
+            if isinstance(node, ast.FunctionDef) and node.name == "forward":
+                found.add(path)
+    return found
+
+
+BENCH_LOOP_COPIES = ["start = time.perf_counter()\nlogits = engine.decode_step(token, n).logits\n",
+                     "class _TimedBackend:\n    def forward(self, *args):\n        return self._backend.forward(*args)\n"]
+
+
+def test_bench_times_the_one_loop_through_the_tap_and_a_second_timing_loop_is_found():
+    """bench, its lengths and its batches keep no timing loop and no backend stand-in of their own
+    (issue 47): they run the one decode loop through harness/perf/timing.py `timed_generate`, which
+    reads the time at the loop's per-token callback and through the tap on the backend
+    (harness/backends/tap.py). In perf/ only timing.py, the speculative probes and machine.py (this
+    host's bandwidth and matmul rate, not the port) read a clock."""
+    perf = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in (PACKAGE / "perf").rglob("*.py")}
+    assert _clock_readers(perf) == {"harness/perf/timing.py", "harness/perf/speculative.py", "harness/perf/machine.py"}
+    assert {"harness/perf/bench.py", "harness/perf/length.py", "harness/perf/batch.py"} <= _calls("timed_generate")
+    assert _calls("tap") == {"harness/perf/timing.py"}
+    for copy in BENCH_LOOP_COPIES:
+        assert _clock_readers({"a module of perf": copy}) == {"a module of perf"}, copy
 
 # ---- one stage protocol ----------------------------------------------------------------------------------
 
