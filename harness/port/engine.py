@@ -7,15 +7,12 @@ slots, the slot of each row (`seq_ids`, as NxD Inference passes them); it return
 embeddings stay on the host; the softcap is applied here, only where probabilities are asked for
 (docs/design.md#the-port): greedy decode takes the argmax of the raw logits.
 
-One engine serves batch 1 and a batch alike: a call takes rows, positions and KV slots, and batch 1
-is one slot. Which graphs run is the build's detail, decided in `call` alone: a one-slot build runs
-its batch-1 graphs (no `seq_ids`; a perf build is told its last real row), a build of several slots
-runs the smallest batch bucket (graphs.batch_buckets) holding the rows, with filler rows (all
-positions -1, a slot no real row names: they write nothing). Every row is masked by its own
-positions only, so a row's results never depend on its companions
-(tests/parity/test_batch_isolation.py proves it bit for bit), and a slot a finished sequence leaves
-takes a new prompt with no reset: its old keys sit past the new sequence's positions or are
-overwritten before they are read.
+One engine serves batch 1 and a batch alike: a call takes rows, positions and KV slots; batch 1 is
+one slot. Which graphs run is decided in `call` alone: a one-slot build its batch-1 graphs (no
+`seq_ids`; a perf build told its last real row), else the smallest batch bucket
+(graphs.batch_buckets) holding the rows, filled with rows of padding in slots no real row names
+(they write nothing). Each row is masked by its own positions only (tests/parity/test_batch_isolation.py:
+bit for bit), so a slot a finished sequence leaves takes a new prompt with no reset.
 """
 
 from __future__ import annotations
@@ -250,8 +247,7 @@ class Engine:
         padded rows' slots after them are overwritten before any query reads them); returns per
         sequence n rows of raw fp32 logits [n, vocab] and captures name -> [n, ...]: every capture
         point on a parity build, always "final_norm" (a perf build's verify graph returns it).
-        Rollback needs no call: the cache is linear by absolute position and masks go by position,
-        so the entries of rejected tokens are never read (a later query sits before them) and the
+        Rollback needs no call: masks go by position, so rejected entries are never read and the
         next verify at the same positions overwrites them."""
         ids = [self.validate_ids(r) for r in rows]
         k = self.settings.speculate
