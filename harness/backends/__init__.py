@@ -36,7 +36,7 @@ class Backend(Protocol):
       host_ranks        the ranks are modules on this host (`ranks`, `on_ranks`): a layer can be
                         run alone on them (the local verdict of check and bisect)
       serves_batch      forward takes rows naming their KV slots (`seq_ids`) of a cache of
-                        settings.batch sequences (harness/port/batching.py, harness/port/kv_slots.py)
+                        settings.batch sequences (harness/port/engine.py, harness/port/kv_slots.py)
     `compiler_args` are the flags its graphs were compiled with (empty where nothing is compiled
     ahead of time); a bench result records them.
     """

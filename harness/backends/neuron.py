@@ -284,7 +284,7 @@ class NeuronBackend:
             return kv_tag(tag, kv)
         if rows not in self.batch_sizes:
             raise HarnessInputError(f"{rows} rows in one call: this build has batch buckets {list(self.batch_sizes)}; "
-                                    "pad the rows to one (harness.port.batching.BatchEngine does)")
+                                    "pad the rows to one (harness.port.engine.Engine.call does)")
         return batch_tag(kv_tag(tag, kv), rows)
 
     def kv_cache(self, layer: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

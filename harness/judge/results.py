@@ -1,6 +1,6 @@
 """The result of `check`: plain data per stage (its points, tokens, probabilities, local verdicts),
-with the decisions that read it (what failed, where, the first divergent layer). The JSON is built
-by harness.report.formats."""
+with the decisions that read it (what failed, where, the first divergent layer). Its JSON is
+`to_json` here; harness.report.formats renders that JSON as text and Markdown."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The check's prompts served as the sequences of a batch (issue 29, docs/batch.md), each judged
 against the reference run of its prompt alone.
 
-- `serve_batch`: the prompts through harness.port.batching.BatchEngine (continuous batching),
+- `serve_batch`: the prompts through the one decode loop, a KV slot each (continuous batching),
   admitted longest first (`admission_order`): the first call holds the longest rows side by side
   (every shorter row padded in the same call), and a prompt admitted later takes a slot a longer
   sequence left, whose old keys lie past the new sequence's positions (what a reused slot must hide).
@@ -63,15 +63,12 @@ def run_port_batch(engine, ref32: list, context: StageContext) -> list[PortPromp
     KV slot: free greedy decode with captures, which is also the teacher-forced run when every
     sequence chose the reference's tokens (it was fed exactly those); else the teacher-forced run
     as well. Then the host probabilities."""
-    from harness.port.batching import BatchEngine
-
     phase = f"{context.stage} stage, batch of {engine.settings.batch}"
     say = status(f"port {context.stage}", context.progress)
     say(f"{len(ref32)} prompts as a batch of {engine.settings.batch} sequences, longest first")
-    be = port_call(f"{phase}: batch engine", BatchEngine, engine)
     prompts, wants = [r.prompt for r in ref32], [len(r.generated) for r in ref32]
     snaps: list[list] = [[] for _ in ref32]
-    observe = ((lambda k, slot, written: snaps[k].append((written, be.read_cache(slot, written))))
+    observe = ((lambda k, slot, written: snaps[k].append((written, engine.read_cache(written, slot))))
                if engine.backend.reads_cache else None)
     free = port_call(f"{phase}: batched prefill and free greedy decode", serve_batch, engine, prompts, wants,
                      capture=True, observe=observe)

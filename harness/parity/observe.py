@@ -5,8 +5,9 @@ The whole observation is made here: `observe_stage` runs the port, sets it besid
 and computes the references again along the port's path where the judge's rules say bf16 decides a
 step legitimately otherwise (harness/parity/forced_path.py: MoE routing, PLE pins). `check`, `bisect` and
 the local per-layer verdicts judge what this module observed; none of them runs the port or the
-reference another way. Engines are built here only (`build_port`, `build_fp32_port`,
-`layer_backend`), so run settings reach the backends through one place, and the prompt-fit rule
+reference another way. The parity stages' engines are built here (`build_port`, `build_fp32_port`,
+`layer_backend`); the served, speculative, truncate, quality and perf runs build theirs through
+harness.backends.build_engine, so run settings reach the backends through one place; the prompt-fit rule
 (harness.inputs.prompts.validate_prompt_fit) is applied here for the library as the commands apply it.
 """
 

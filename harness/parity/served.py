@@ -197,23 +197,21 @@ def serve_prompts(checkpoint, settings, ref32: list, say) -> tuple:
     """Free greedy decode of every reference prompt on the perf build made as `bench` makes it ->
     (engine, DecodeResult per prompt, notes). With settings.batch > 1 the prompts are served as the
     sequences of a batch (harness/parity/batched.py serve_batch: continuous batching, longest first)
-    where the backend builds a batched perf build that serves one (harness.port.batching.BatchEngine
-    takes it); else, and said in the notes, one prompt at a time."""
+    where the backend builds a batched perf build (one engine of settings.batch KV slots); else,
+    and said in the notes, one prompt at a time."""
     from harness.base.errors import HarnessInputError
     from harness.perf.bench import perf_engine
-    from harness.port.batching import BatchEngine
     from harness.port.decode import generate
 
     wants = [len(r.generated) for r in ref32]
     try:
         engine = perf_engine(checkpoint, settings)
-        batch = BatchEngine(engine) if settings.batch > 1 else None
-        why = None
+        batch, why = settings.batch > 1, None
     except HarnessInputError as exc:  # the backend's own refusal of a batched perf build
         if settings.batch == 1:
             raise
-        engine, batch, why = perf_engine(checkpoint, settings.but(batch=1)), None, str(exc)
-    if batch is not None:
+        engine, batch, why = perf_engine(checkpoint, settings.but(batch=1)), False, str(exc)
+    if batch:
         say(f"{len(ref32)} prompts as a batch of {settings.batch} sequences: free greedy decode")
         return engine, serve_batch(engine, [r.prompt for r in ref32], wants), [
             f"the perf build served the prompts as a batch of {settings.batch} sequences (a KV slot each, "

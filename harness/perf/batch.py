@@ -10,11 +10,11 @@ bind.
 from __future__ import annotations
 
 import statistics
-import time
 
 from harness.base.errors import HarnessInputError
 from harness.inputs.spec import ModelSpec
 from harness.perf.roofline import Rates, floors, graph_costs, lm_head_params_per_rank
+from harness.perf.timing import timed_generate
 from harness.port.sharding import bytes_per_rank
 
 
@@ -45,26 +45,19 @@ def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
 
-def time_batch(batch_engine, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
-    """`runs` timed runs of one batch: prefill of every prompt in one batched call per chunk, then
-    `new_tokens` decode steps of all of them. Medians of the prefill and the per-step latency,
-    tokens per second (rows / step), and the tokens each row generated (pinned outputs)."""
+def time_batch(engine, prompts: list[list[int]], new_tokens: int, runs: int) -> dict:
+    """`runs` timed runs of one batch through the one decode loop (timing.py): every prompt
+    admitted at once (a KV slot each, prefilled in one batched call per chunk), then `new_tokens`
+    tokens of all of them. Medians of the prefill and the per-step latency (a step ends when its
+    last row's token is out), tokens per second (rows / step), and the tokens each row generated
+    (pinned outputs)."""
     prefill, steps, tokens = [], [], None
-    slots = list(range(len(prompts)))
     for _ in range(runs):
-        batch_engine.backend.reset()
-        start = time.perf_counter()
-        pres = batch_engine.prefill(prompts, slots)
-        prefill.append(time.perf_counter() - start)
-        fed = [int(p.logits[-1].argmax()) for p in pres]
-        out = [[t] for t in fed]
-        for step in range(new_tokens - 1):
-            start = time.perf_counter()
-            results = batch_engine.decode(fed, [len(p) + step for p in prompts], slots)
-            steps.append(time.perf_counter() - start)
-            fed = [int(r.logits.argmax()) for r in results]
-            for row, t in zip(out, fed):
-                row.append(t)
+        results, times = timed_generate(engine, prompts, new_tokens)
+        prefill.append(max(times.prefill_ms(k) for k in range(len(prompts))) / 1e3)
+        ends = times.last_ms()
+        steps += [(b - a) / 1e3 for a, b in zip(ends, ends[1:])]
+        out = [r.tokens for r in results]
         if tokens is not None and tokens != out:
             raise RuntimeError("a batch generated different tokens in two runs of the same inputs")
         tokens = out
@@ -89,17 +82,15 @@ def with_batch_efficiency(measured: list[dict], floor_rows: list[dict]) -> list[
 def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, prompt_len: int) -> dict:
     """`bench --batch`: one build with max(batches) KV slots; per batch size, `runs` timed runs of
     that many prompts of `prompt_len` tokens, beside the floors on this backend's rates."""
-    from harness.backends import build_engine
-    from harness.perf.bench import bench_prompt, bench_rates
-    from harness.port.batching import BatchEngine
+    from harness.perf.bench import bench_prompt, bench_rates, perf_engine
 
     batches = sorted(set(batches))
-    # the batched perf build (every row's logits, no captures), on every backend
-    engine = build_engine(checkpoint, settings.but(batch=batches[-1]))
-    be = BatchEngine(engine)
+    # the batched perf build (no captures), made as bench makes its own: the loop's opening reset
+    # zeroes no cache on neuron (a reused slot needs none), so it stays out of the timed prefill
+    engine = perf_engine(checkpoint, settings.but(batch=batches[-1]))
     spec = checkpoint.spec
     prompts = {b: [bench_prompt(spec.vocab_size, prompt_len, seed=k) for k in range(b)] for b in batches}
-    measured = [time_batch(be, prompts[b], new_tokens, runs) for b in batches]
+    measured = [time_batch(engine, prompts[b], new_tokens, runs) for b in batches]
     if settings.assistant:  # --speculate K: each batch decoded speculatively too (accepted drafts per verify)
         from harness.backends import build_drafter
         from harness.inputs.assistant_checkpoint import AssistantCheckpoint

@@ -6,15 +6,16 @@ vocabulary (TTFT, TPOT, end-to-end, throughput) and the roofline floors of every
   TPOT    one decode step: embed the fed-back token, the decode graph, argmax.
   E2E     the headline bucket's prompt to its last token: TTFT plus new_tokens decode steps
           (new_tokens + 1 tokens generated).
+
+Every figure is of the one decode loop (harness/port/decode.py), timed through its hooks
+(harness/perf/timing.py): bench keeps no prefill or decode loop of its own.
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import random
 import statistics
-import time
 from datetime import datetime, timezone
 
 from harness.base.errors import HarnessInputError
@@ -25,6 +26,7 @@ from harness.perf import length, machine, outputs
 from harness.perf.results import FORMAT, latency_samples, metric_samples
 from harness.perf.roofline import measured_rates, neuron_instance_rates, roofline_block
 from harness.perf.stats import summarize
+from harness.perf.timing import timed_generate
 
 DEFAULT_RUNS, DEFAULT_WARMUP, DEFAULT_NEW_TOKENS = 20, 3, 16
 # What bench runs unless told: the published port's prefill bucket (the one its figure was measured at).
@@ -37,66 +39,19 @@ def bench_prompt(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     return [rng.randrange(3, vocab_size) for _ in range(length)]
 
 
-def _ms_since(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
-
-
-class _TimedBackend:
-    """The engine's backend with the time inside its graph calls counted: what `forward` takes
-    (the device graph and its input and output transfers) apart from the engine's host-side work
-    around it (validation, padding, the host embedding, the cache reset, the argmax)."""
-
-    def __init__(self, backend):
-        self._backend = backend
-        self.graph_ms = 0.0
-
-    def forward(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return self._backend.forward(*args, **kwargs)
-        finally:
-            self.graph_ms += _ms_since(start)
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
-
-
-def _graph_ms(engine) -> float:
-    """Graph milliseconds counted since the last call (and reset the count)."""
-    ms, engine.backend.graph_ms = engine.backend.graph_ms, 0.0
-    return ms
-
-
 def _bench_run(engine, prompts: dict[int, list[int]], headline: int, new_tokens: int) -> dict:
-    """One run: a prefill per bucket (the headline bucket last), then decode steps continuing the
-    headline prompt. Greedy tokens are fed back, as in real decoding. The logits rows are kept (no
-    copy) and their argmax margins computed after the timed regions."""
-    run = {"prefill_ms": {}, "ttft_ms": {}, "prefill_graph_ms": {}, "steps": [], "step_graph_ms": [], "rows": {},
-           "tokens": {}}
-    gc.collect()
-    gc.disable()  # a collection pause inside a timed step is noise, not the port's speed
-    try:
-        for bucket in sorted(prompts, key=lambda b: b == headline):
-            _graph_ms(engine)
-            start = time.perf_counter()
-            result = engine.prefill(prompts[bucket])
-            run["prefill_ms"][bucket] = _ms_since(start)
-            token = int(result.logits[-1].argmax())
-            run["ttft_ms"][bucket] = _ms_since(start)
-            run["prefill_graph_ms"][bucket] = _graph_ms(engine)
-            run["rows"][bucket], run["tokens"][bucket] = [result.logits[-1]], [token]
-        for step in range(new_tokens):
-            step_start = time.perf_counter()
-            logits = engine.decode_step(token, headline + step).logits
-            token = int(logits.argmax())
-            run["steps"].append(_ms_since(step_start))
-            run["step_graph_ms"].append(_graph_ms(engine))
-            run["rows"][headline].append(logits)
-            run["tokens"][headline].append(token)
-        run["e2e_ms"] = _ms_since(start)  # `start` is the headline prefill's
-    finally:
-        gc.enable()
-    rows = run.pop("rows")
+    """One run of the one decode loop per bucket (the headline bucket last): each prompt's prefill,
+    and on the headline prompt `new_tokens` greedy decode steps after it, timed through the loop's
+    hooks (harness/perf/timing.py). The logits rows are kept and their argmax margins computed after
+    the timed regions."""
+    run = {"prefill_ms": {}, "ttft_ms": {}, "prefill_graph_ms": {}, "tokens": {}}
+    rows = {}
+    for bucket in sorted(prompts, key=lambda b: b == headline):
+        (result,), times = timed_generate(engine, [prompts[bucket]], 1 + (new_tokens if bucket == headline else 0))
+        run["prefill_ms"][bucket], run["ttft_ms"][bucket] = times.prefill_ms(), times.ttft_ms()
+        run["prefill_graph_ms"][bucket] = times.prefill_graph_ms()
+        rows[bucket], run["tokens"][bucket] = result.step_logits, result.tokens
+    run["steps"], run["step_graph_ms"], run["e2e_ms"] = times.step_ms(), times.step_graph_ms(), times.e2e_ms()
     run["outputs"] = [{"bucket": b, "tokens": run["tokens"][b], "margins": [outputs.argmax_margin(r) for r in rows[b]]}
                       for b in sorted(prompts)]
     return run
@@ -143,7 +98,6 @@ def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DE
     if backend == "neuron":
         bench_rates(backend, tp, dtype)  # an instance type without known rates fails here, before the build
     engine = perf_engine(checkpoint, settings)
-    engine.backend = _TimedBackend(engine.backend)
     headline = PUBLISHED_BUCKET if PUBLISHED_BUCKET in buckets else max(buckets)
     prompts = {b: bench_prompt(checkpoint.spec.vocab_size, b) for b in buckets}
     for k in range(warmup):

@@ -10,14 +10,13 @@ the bench prompts' (outputs.py), in their own block, so results without lengths 
 
 from __future__ import annotations
 
-import gc
 import statistics
-import time
 
 from harness.base.errors import HarnessInputError
 from harness.inputs.prompts import kv_positions_used
 from harness.perf import outputs
 from harness.perf.context import context_floors
+from harness.perf.timing import timed_generate
 
 from harness.perf.results import length_samples  # noqa: F401  (re-exported)
 
@@ -39,35 +38,14 @@ def check_lengths(lengths, new_tokens: int, kv_len: int) -> None:
                                 f"use --kv-len {max(lengths) + new_tokens}, shorter lengths or fewer --new-tokens")
 
 
-def _ms_since(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
-
-
-def _one_length(engine, prompt: list[int], new_tokens: int) -> dict:
-    """Prefill the prompt (chunked when it is longer than the largest bucket), then decode."""
-    start = time.perf_counter()
-    logits = engine.prefill(prompt).logits[-1]
-    token = int(logits.argmax())
-    ttft, rows, tokens, steps = _ms_since(start), [logits], [token], []
-    for step in range(new_tokens):
-        step_start = time.perf_counter()
-        logits = engine.decode_step(token, len(prompt) + step).logits
-        token = int(logits.argmax())
-        steps.append(_ms_since(step_start))
-        rows.append(logits)
-        tokens.append(token)
-    return {"ttft": ttft, "steps": steps, "tokens": tokens, "rows": rows}
-
-
 def _length_run(engine, prompts: dict[int, list[int]], new_tokens: int) -> dict[int, dict]:
-    gc.collect()
-    gc.disable()  # a collection pause inside a timed step is noise, not the port's speed
-    try:
-        run = {n: _one_length(engine, prompts[n], new_tokens) for n in sorted(prompts)}
-    finally:
-        gc.enable()
-    for r in run.values():
-        r["margins"] = [outputs.argmax_margin(row) for row in r.pop("rows")]
+    """Per length, one run of the one decode loop (the prompt, chunked when it is longer than the
+    largest bucket, then `new_tokens` decode steps), timed through its hooks (timing.py)."""
+    run = {}
+    for n in sorted(prompts):
+        (result,), times = timed_generate(engine, [prompts[n]], new_tokens + 1)
+        run[n] = {"ttft": times.ttft_ms(), "steps": times.step_ms(), "tokens": result.tokens,
+                  "margins": [outputs.argmax_margin(row) for row in result.step_logits]}
     return run
 
 

@@ -13,10 +13,10 @@ call feeds and how many tokens it emits:
   one verify call checks every live sequence's drafts, and each emits its accepted drafts plus
   the target's own token (harness/port/speculate.py holds the round's rules).
 
-How a call reaches the device is `Slots`: one slot runs the engine's batch-1 graphs (a perf
-build may return the last row only), several run harness.port.batching.BatchEngine's (`seq_ids`,
-batch buckets). That is a backend detail, not a second loop. Every run is first counted against
-the KV length by the one fit function (harness.inputs.prompts.kv_positions_used).
+Every call goes through the one engine (harness/port/engine.py): rows, positions and KV slots;
+which graphs a call runs (batch 1's, or a batch bucket's with `seq_ids`) is the build's detail,
+decided there, not a second loop. Every run is first counted against the KV length by the one fit
+function (harness.inputs.prompts.kv_positions_used).
 """
 
 from __future__ import annotations
@@ -61,39 +61,6 @@ def speculative(drafter, k: int) -> Speculative:
     return Speculative(drafter, k)
 
 
-class Slots:
-    """The device calls of a run over `count` KV slots: the engine's own (batch-1 graphs) for one
-    slot, BatchEngine's for several. Every method takes one entry per sequence of the call."""
-
-    def __init__(self, engine, count: int):
-        from harness.port.batching import BatchEngine
-
-        self.engine, self.count = engine, count
-        self.batch = BatchEngine(engine) if count > 1 else None
-
-    def reset(self) -> None:
-        if self.batch is not None:  # one slot: every prefill resets (Engine.prefill)
-            self.engine.backend.reset()
-
-    def prefill(self, prompts: list, slots: list, capture: bool) -> list[PrefillResult]:
-        if self.batch is None:
-            return [self.engine.prefill(prompts[0], capture=capture)]
-        return self.batch.prefill(prompts, slots, capture=capture)
-
-    def decode(self, tokens: list, positions: list, slots: list, capture: bool) -> list[Step]:
-        if self.batch is None:
-            return [self.engine.decode_step(tokens[0], positions[0], capture=capture)]
-        return self.batch.decode(tokens, positions, slots, capture=capture)
-
-    def verify(self, rows: list, positions: list, slots: list, capture: bool) -> list[Step]:
-        if self.batch is None:
-            return [self.engine.verify(rows[0], positions[0], capture=capture)]
-        return self.batch.verify(rows, positions, slots, capture=capture)
-
-    def read_cache(self, slot: int, written: int) -> list:
-        return self.engine.read_cache(written) if self.batch is None else self.batch.read_cache(slot, written)
-
-
 @dataclass
 class Sequence:
     """A prompt being served: its slot, what it has emitted, and the logits that choose its next token."""
@@ -132,46 +99,45 @@ def generate(engine, prompts: list, new_tokens, step=Greedy(), *, capture: bool 
         check_kv_fit(p.numel(), want, engine.kv_len, draft)
     if isinstance(step, Forced) and len(step.tokens) != len(ids):
         raise PromptError(f"{len(step.tokens)} forced token lists for {len(ids)} prompts: give one per prompt")
-    slots = Slots(engine, engine.settings.batch)
     if isinstance(step, Speculative):
-        _check_speculative(engine, step, slots)
-    slots.reset()
+        _check_speculative(engine, step)
+    engine.start()
     queue, live, done = list(range(len(ids))), [], {}
     while queue or live:
         taken = {q.slot for q in live}
-        free = [s for s in range(slots.count) if s not in taken]
+        free = [s for s in range(engine.slots) if s not in taken]
         admit, queue = queue[:len(free)], queue[len(free):]
         if admit:
-            live += _admit(engine, slots, [ids[i] for i in admit], admit, free, wants=wants, step=step, capture=capture,
+            live += _admit(engine, [ids[i] for i in admit], admit, free, wants=wants, step=step, capture=capture,
                            observe=observe)
         for q in [q for q in live if q.finished]:
             done[q.index] = _result(q)
         live = [q for q in live if not q.finished]
         if live:
             advance = _speculate if isinstance(step, Speculative) else _decode
-            advance(engine, slots, live, step, capture=capture, observe=observe)
+            advance(engine, live, step, capture=capture, observe=observe)
     return [done[i] for i in range(len(ids))]
 
 
-def _check_speculative(engine, step: Speculative, slots: Slots) -> None:
+def _check_speculative(engine, step: Speculative) -> None:
     if engine.settings.speculate and step.k > engine.settings.speculate:
         raise OptionError(f"--speculate {step.k}: this build's verify graph takes {engine.settings.speculate} drafts "
                           "at most (RunSettings.speculate)")
-    if slots.count > 1 and not getattr(step.drafter, "serves_slots", False):
-        raise HarnessInputError(f"--assistant with --batch {slots.count} on the {engine.backend.name} backend: its drafter "
+    if engine.slots > 1 and not getattr(step.drafter, "serves_slots", False):
+        raise HarnessInputError(f"--assistant with --batch {engine.slots} on the {engine.backend.name} backend: its drafter "
                                 "reads one sequence's cache; drop --batch, or use a drafter that serves slots "
                                 "(the cpu, xla and neuron backends' do)")
 
 
-def _admit(engine, slots: Slots, prompts: list, indices: list, free: list, *, wants: list, step, capture: bool,
+def _admit(engine, prompts: list, indices: list, free: list, *, wants: list, step, capture: bool,
            observe) -> list[Sequence]:
     """Prefill the admitted prompts into free slots; each emits its first token."""
     at = free[:len(prompts)]
     spec = isinstance(step, Speculative)
     if spec and not engine.backend.returns_captures:
-        pres, states = _prefill_by_verify(slots, prompts, at)
+        pres, states = _prefill_by_verify(engine, prompts, at)
     else:
-        pres = slots.prefill(prompts, at, capture or spec)
+        pres = engine.prefill_rows(prompts, at, capture or spec)
         states = [pre.captures["final_norm"][-1:][None] if spec else None for pre in pres]
     admitted = []
     for i, ids, slot, pre, state in zip(indices, prompts, at, pres, states):
@@ -184,26 +150,26 @@ def _admit(engine, slots: Slots, prompts: list, indices: list, free: list, *, wa
     return admitted
 
 
-def _prefill_by_verify(slots: Slots, prompts: list, at: list) -> tuple[list, list]:
+def _prefill_by_verify(engine, prompts: list, at: list) -> tuple[list, list]:
     """A perf build's prefill graphs return no final-norm state: every prompt token but the last is
     prefilled, the last runs through the verify graph, which returns every row's state."""
     heads = [p[:-1] for p in prompts]
     if any(h.numel() for h in heads):
         ready = [(h, s) for h, s in zip(heads, at) if h.numel()]
-        slots.prefill([h for h, _ in ready], [s for _, s in ready], capture=False)
-    elif slots.batch is None:
-        slots.engine.backend.reset()
-    steps = slots.verify([p[-1:] for p in prompts], [p.numel() - 1 for p in prompts], at, capture=False)
+        engine.prefill_rows([h for h, _ in ready], [s for _, s in ready], capture=False)
+    elif engine.slots == 1:  # nothing prefilled: a one-slot cache starts afresh all the same
+        engine.backend.reset()
+    steps = engine.verify_rows([p[-1:] for p in prompts], [p.numel() - 1 for p in prompts], at, capture=False)
     pres = [PrefillResult(logits=s.logits[:1]) for s in steps]
     return pres, [s.captures["final_norm"][:1][None] for s in steps]
 
 
-def _decode(engine, slots: Slots, live: list, step, *, capture: bool, observe) -> None:
+def _decode(engine, live: list, step, *, capture: bool, observe) -> None:
     """One greedy or forced step of every live sequence: one decode call."""
     fed = [step.tokens[q.index][len(q.result.tokens) - 1] if isinstance(step, Forced) else q.result.tokens[-1]
            for q in live]
     positions = [q.position for q in live]
-    for q, out, position in zip(live, slots.decode(fed, positions, [q.slot for q in live], capture), positions):
+    for q, out, position in zip(live, engine.decode_rows(fed, positions, [q.slot for q in live], capture), positions):
         q.emit(out.logits[None])
         q.position += 1
         if capture:  # the capture points of the step that chose its latest token
@@ -212,7 +178,7 @@ def _decode(engine, slots: Slots, live: list, step, *, capture: bool, observe) -
             observe(q.index, q.slot, position + 1)
 
 
-def _speculate(engine, slots: Slots, live: list, step: Speculative, *, capture: bool, observe) -> None:
+def _speculate(engine, live: list, step: Speculative, *, capture: bool, observe) -> None:
     """One round of every live sequence: its drafts (the drafter on its slot), then one verify call
     of all of them; each emits its accepted drafts and the target's own token (speculate.py)."""
     rows, positions = [], []
@@ -220,13 +186,13 @@ def _speculate(engine, slots: Slots, live: list, step: Speculative, *, capture: 
         r = q.result
         room = min(step.k, q.want - len(r.tokens) - 1, engine.kv_len - q.position - 1)
         if capture:  # what the drafter reads this round: the target's cache of its slot, [0, position)
-            r.round_caches.append(slots.read_cache(q.slot, q.position))
+            r.round_caches.append(engine.read_cache(q.position, q.slot))
         drafts = rounds.draft_round(engine, step.drafter, r.tokens[-1], q.hidden, position=q.position, k=room, out=r,
                              capture=capture, slot=q.slot) if room > 0 else []
         r.drafted.append(drafts)
         rows.append([r.tokens[-1]] + drafts)
         positions.append(q.position)
-    for q, out, row in zip(live, slots.verify(rows, positions, [q.slot for q in live], False), rows):
+    for q, out, row in zip(live, engine.verify_rows(rows, positions, [q.slot for q in live], False), rows):
         m = rounds.accepted_prefix(row[1:], [int(g) for g in out.logits.argmax(-1)])
         q.result.accepted.append(m)
         q.emit(out.logits[:m + 1])  # d1..dm equal g0..g(m-1); g(m) is the target's own next token

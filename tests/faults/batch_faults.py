@@ -1,6 +1,6 @@
 """Faults only a batch has (issue 29), each injected into the port: `check --batch` must fail on
 each and name the sequence it broke. They patch the port (harness.port.model, harness.port.kv_slots,
-harness.port.batching, harness.port.blocks) through a pytest MonkeyPatch, like tests/faults/catalog.py.
+harness.port.engine, harness.port.blocks) through a pytest MonkeyPatch, like tests/faults/catalog.py.
 
 The 12B's faults run on the tiny fixture with the prompts of BATCH_PROMPTS served by BATCH_SLOTS
 slots: the 64-token prompt first, so the 7-token one starts in the slot it leaves (a reused slot
@@ -15,9 +15,8 @@ from typing import Callable
 
 import torch
 
-from harness.port import batching as port_batching
+from harness.port import engine as port_engine
 from harness.port import blocks as port_blocks
-from harness.port import decode as port_decode
 from harness.port import kv_cache as port_kv
 from harness.port import model as port_model
 
@@ -72,14 +71,14 @@ def pad_keys_visible(monkeypatch):
 
 def one_row_positions_for_all(monkeypatch):
     """The host feeds the first row's positions to every real row of a call (rope, mask, KV slots)."""
-    original = port_batching.BatchEngine.forward
+    original = port_engine.Engine.call
 
-    def forward(self, chunks, positions, seq_ids, capture):
+    def forward(self, chunks, positions, seq_ids, capture, verify=False):
         real = [p for p in positions if int(p[0]) >= 0]
         shared = [real[0] if int(p[0]) >= 0 else p for p in positions] if real else positions
-        return original(self, chunks, shared, seq_ids, capture)
+        return original(self, chunks, shared, seq_ids, capture, verify)
 
-    monkeypatch.setattr(port_batching.BatchEngine, "forward", forward)
+    monkeypatch.setattr(port_engine.Engine, "call", forward)
 
 
 def window_from_longest(monkeypatch):
@@ -127,16 +126,18 @@ def reused_slot_stale_keys(monkeypatch):
     """Decode masks a row by its slot's length (the most positions the slot ever held), not by the
     sequence's own: a sequence in a reused slot sees what the previous occupant left past it."""
     held: dict[int, int] = {}
-    original_forward, original_reset = port_batching.BatchEngine.forward, port_decode.Slots.reset
+    original_forward, original_reset = port_engine.Engine.call, port_engine.Engine.start
     state = {"bound": None}
 
-    def forward(self, chunks, positions, seq_ids, capture):
+    def forward(self, chunks, positions, seq_ids, capture, verify=False):
+        if self.slots == 1:  # a batch's fault: a one-slot build's calls stay healthy
+            return original_forward(self, chunks, positions, seq_ids, capture, verify)
         seq = [int(s) for s in seq_ids]
         for s, p in zip(seq, positions):
             held[s] = max(held.get(s, -1), int(p.max()))
         state["bound"] = torch.tensor([held[s] for s in seq])
         try:
-            return original_forward(self, chunks, positions, seq_ids, capture)
+            return original_forward(self, chunks, positions, seq_ids, capture, verify)
         finally:
             state["bound"] = None
 
@@ -152,8 +153,8 @@ def reused_slot_stale_keys(monkeypatch):
         bound = torch.cat([state["bound"], positions[len(state["bound"]):, 0]])  # filler rows: their own
         return _mask(positions, keys, window, dtype, bound=torch.maximum(bound, positions[:, 0])[:, None, None, None])
 
-    monkeypatch.setattr(port_batching.BatchEngine, "forward", forward)
-    monkeypatch.setattr(port_decode.Slots, "reset", reset)
+    monkeypatch.setattr(port_engine.Engine, "call", forward)
+    monkeypatch.setattr(port_engine.Engine, "start", reset)
     monkeypatch.setattr(port_model, "attention_mask", mask)
 
 

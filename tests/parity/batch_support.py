@@ -1,4 +1,4 @@
-"""Runs of a BatchEngine recorded row by row, for the exact isolation tests (no tolerances)."""
+"""Runs of an engine of several KV slots recorded row by row, for the exact isolation tests (no tolerances)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import torch
 
 from harness.backends import build_engine
 from harness.base.settings import RunSettings
-from harness.port.batching import BatchEngine
+from harness.port.engine import Engine
 
 
-def batch_engine(ckpt, batch: int, backend: str = "cpu", **settings) -> BatchEngine:
+def batch_engine(ckpt, batch: int, backend: str = "cpu", **settings) -> Engine:
     options = {"buckets": (16, 64), "kv_len": 128, **settings}
-    return BatchEngine(build_engine(ckpt, RunSettings(backend=backend, batch=batch, **options), capture=True))
+    return build_engine(ckpt, RunSettings(backend=backend, batch=batch, **options), capture=True)
 
 
 def random_prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
@@ -19,23 +19,23 @@ def random_prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_rows(be: BatchEngine, prompts, slots, steps: int, fresh: bool = True, capture: bool = True) -> list[dict]:
+def run_rows(be: Engine, prompts, slots, steps: int, fresh: bool = True, capture: bool = True) -> list[dict]:
     """Prefill `prompts` into `slots` in one batch, then `steps` greedy decode steps of all of them
     together: per row its prefill logits and captures (none without `capture`: a perf build),
     each step's logits and captures, and its KV slot read back (every position written)."""
     if fresh:
         be.backend.reset()
-    pres = be.prefill(prompts, slots, capture=capture)
+    pres = be.prefill_rows(prompts, slots, capture=capture)
     rows = [{"prefill": p.logits, "captures": p.captures, "steps": [], "step_caps": []} for p in pres]
     tokens = [int(p.logits[-1].argmax()) for p in pres]
     for step in range(steps):
-        out = be.decode(tokens, [len(p) + step for p in prompts], slots, capture=capture)
+        out = be.decode_rows(tokens, [len(p) + step for p in prompts], slots, capture=capture)
         for row, s in zip(rows, out):
             row["steps"].append(s.logits)
             row["step_caps"].append(s.captures)
         tokens = [int(s.logits.argmax()) for s in out]
     for row, prompt, slot in zip(rows, prompts, slots):
-        row["kv"] = be.read_cache(slot, len(prompt) + steps)
+        row["kv"] = be.read_cache(len(prompt) + steps, slot)
     return rows
 
 

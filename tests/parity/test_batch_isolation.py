@@ -26,7 +26,7 @@ def target(tiny0_ckpt):
 
 
 def companions(be, lengths, seed):
-    return random_prompts(be.engine.spec.vocab_size, lengths, seed)
+    return random_prompts(be.spec.vocab_size, lengths, seed)
 
 
 def test_a_row_is_the_same_whatever_its_companions_and_row(be, target):
@@ -92,7 +92,7 @@ def ring_be(long_ckpt):
 def test_ring_cache_rows_are_isolated_and_a_reused_ring_slot_shows_nothing_old(ring_be):
     """Window 8, a ring per slot: a 20-token target prefilled in chunks of 12 and decoded past the
     window beside companions of other lengths, in another row and slot, and in a reused slot."""
-    vocab = ring_be.engine.spec.vocab_size
+    vocab = ring_be.spec.vocab_size
     target = random_prompts(vocab, [20], seed=11)[0]
     base = run_rows(ring_be, [target, *random_prompts(vocab, (30, 1), seed=12)], [0, 1, 2], STEPS + 6)[0]
     moved = run_rows(ring_be, [*random_prompts(vocab, (17,), seed=13), target], [0, 2], STEPS + 6)[1]
@@ -110,7 +110,7 @@ def test_family_rows_are_isolated_per_layer_inputs_routing_and_shared_kv(variant
     from tests.family.shared import family_checkpoint
 
     be = batch_engine(family_checkpoint(variant), batch=3, buckets=(64,), kv_len=128)
-    vocab = be.engine.spec.vocab_size
+    vocab = be.spec.vocab_size
     target = random_prompts(vocab, [15], seed=21)[0]
     base = run_rows(be, [target, *random_prompts(vocab, (40, 1), seed=22)], [0, 1, 2], STEPS)[0]
     moved = run_rows(be, [*random_prompts(vocab, (64, 3), seed=23), target], [2, 0, 1], STEPS)[2]

@@ -14,11 +14,11 @@ from tests.parity.batch_support import batch_engine, random_prompts
 
 def test_a_layer_alone_after_a_full_batch_equals_the_batch_1_build(tiny0_ckpt):
     be = batch_engine(tiny0_ckpt, batch=4, buckets=(32,), kv_len=64)
-    one = batch_engine(tiny0_ckpt, batch=1, buckets=(32,), kv_len=64).engine.backend
+    one = batch_engine(tiny0_ckpt, batch=1, buckets=(32,), kv_len=64).backend
     prompts = random_prompts(tiny0_ckpt.spec.vocab_size, (5, 9, 14, 20), seed=3)  # every row in one bucket
-    generate(be.engine, prompts, 2, capture=True)  # its last call names all four slots
+    generate(be, prompts, 2, capture=True)  # its last call names all four slots
     x = torch.randn(14, tiny0_ckpt.spec.hidden_size, generator=torch.Generator().manual_seed(0))
-    alone = port_layer_captures(be.engine.backend, 0, x)
+    alone = port_layer_captures(be.backend, 0, x)
     expected = port_layer_captures(one, 0, x)
     assert alone.keys() == expected.keys()
     for name, value in expected.items():

@@ -88,10 +88,8 @@ def test_the_batched_perf_build_returns_each_rows_last_real_row_as_the_cpu(nxd, 
     row's last real position (ragged rows of 5 and 12 tokens), bit for bit the CPU backend's row
     there; decode steps and KV slots equal too."""
     from harness.backends import build_engine
-    from harness.port.batching import BatchEngine
-
     settings = RunSettings(backend="neuron", batch=2, **SMALL)
-    perf = BatchEngine(build_engine(tiny0_ckpt, settings))
+    perf = build_engine(tiny0_ckpt, settings)
     prompts = random_prompts(tiny0_ckpt.spec.vocab_size, (5, 12), seed=3)
     width = graphs.input_width(perf.backend.spec)
     positions = neuron.torch.stack([neuron.torch.arange(16), neuron.torch.full((16,), -1)])

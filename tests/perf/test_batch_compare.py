@@ -87,7 +87,7 @@ def test_each_batch_size_has_its_own_budget_from_its_floor():
 @pytest.mark.slow  # two real `bench --batch 1,2,4` runs on cpu and `perf compare`, through the CLI
 def test_bench_batch_compare_names_a_planted_slowdown_at_one_batch_size(tmp_path, monkeypatch, capsys):
     from harness.cli import main
-    from harness.port import batching
+    from harness.port import engine as port_engine
 
     def bench(name):
         out = tmp_path / f"{name}.json"
@@ -96,14 +96,14 @@ def test_bench_batch_compare_names_a_planted_slowdown_at_one_batch_size(tmp_path
         return out
 
     base = bench("base")
-    decode = batching.BatchEngine.decode
+    decode = port_engine.Engine.decode_rows
 
     def slow_at_two(self, tokens, positions, seq_ids, capture=False):
         if len(tokens) == 2:
             time.sleep(0.25)  # well above what load moves a tiny step (1.5x seen under load)
         return decode(self, tokens, positions, seq_ids, capture)
 
-    monkeypatch.setattr(batching.BatchEngine, "decode", slow_at_two)
+    monkeypatch.setattr(port_engine.Engine, "decode_rows", slow_at_two)
     cur = bench("cur")
     capsys.readouterr()
     rc = main(["perf", "compare", "--baseline", str(base), "--current", str(cur)])

@@ -47,6 +47,6 @@ def test_time_batch_pins_each_rows_tokens(tiny0_ckpt):
     be = batch_engine(tiny0_ckpt, batch=2)
     prompts = [[5, 6, 7], list(range(10, 30))]
     out = time_batch(be, prompts, new_tokens=3, runs=2)
-    alone = [generate(be.engine, [p], 3)[0].tokens for p in prompts]
+    alone = [generate(be, [p], 3)[0].tokens for p in prompts]
     assert out["tokens"] == alone and out["batch"] == 2
     assert len(out["step_samples_ms"]) == 2 * 2 and out["tokens_per_s"] > 0

@@ -85,7 +85,7 @@ def test_every_guard_counts_kv_positions_with_the_one_fit_function():
     assert copies == {}
     assert {"harness/cli/perf.py", "harness/perf/bench.py", "harness/perf/length.py", "harness/port/speculate.py"
             } <= _calls("kv_positions_used")
-    assert {"harness/port/engine.py", "harness/port/batching.py", "harness/port/decode.py"} <= _calls("check_kv_fit")
+    assert {"harness/port/engine.py", "harness/port/decode.py"} <= _calls("check_kv_fit")
 
 
 def test_the_fit_rule_checks_buckets_and_max_positions():
@@ -285,10 +285,11 @@ def test_quality_says_why_it_does_not_take_the_per_layer_input_pins():
 
 # ---- one decode loop ------------------------------------------------------------------------------------
 
-# The device steps a decode loop is made of: Engine.decode_step / verify, BatchEngine.decode / verify.
-STEP_CALLS = ("decode_step", "verify", "decode")
-# bench times single steps (its timing probes are not a decode loop of the check, bisect or quality)
-STEP_TIMERS = {"harness/perf/bench.py", "harness/perf/length.py", "harness/perf/speculative.py", "harness/perf/batch.py"}
+# The device steps a decode loop is made of: Engine.decode_rows / verify_rows and their one-row forms.
+STEP_CALLS = ("decode_step", "verify", "decode", "decode_rows", "verify_rows")
+# the speculative bench's probes of one decode, one verify call (single calls, not a loop); bench,
+# its lengths and its batches time the one loop itself (harness/perf/timing.py)
+STEP_TIMERS = {"harness/perf/speculative.py"}
 # one recorded host step run again (a snapshot of the step that raised), not a loop over steps
 STEP_REPLAYS = {"harness/snapshot/host_raises.py"}
 
@@ -300,7 +301,9 @@ def _step_callers(files: dict[str, str]) -> set[str]:
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STEP_CALLS:
                 receiver = ast.unparse(node.func.value)
-                if node.func.attr != "decode" or "engine" in receiver or receiver in ("self.batch", "be", "batch"):
+                if receiver == "self":  # the engine's one-row forms of its own calls, not a loop
+                    continue
+                if node.func.attr != "decode" or "engine" in receiver or receiver in ("be", "batch"):
                     found.add(path)
     return found
 
@@ -310,22 +313,94 @@ def test_a_second_decode_loop_is_found():
     assert _step_callers({"a module of quality": copy}) == {"a module of quality"}
     batched = "out = be.decode(tokens, positions, slots)\n"
     assert _step_callers({"a module of parity": batched}) == {"a module of parity"}
+    rows = "out = engine.decode_rows(tokens, positions, slots)\n"
+    assert _step_callers({"a module of perf": rows}) == {"a module of perf"}
 
 
 def test_one_decode_loop_serves_single_batched_and_speculative_runs():
-    """harness/port/decode.py `generate` is the only decode loop: the engine, the batch engine and
-    speculation keep their one-call steps, and nothing else in the package steps a decode."""
+    """harness/port/decode.py `generate` is the only decode loop: the engine and speculation keep
+    their one-call steps, and nothing else in the package steps a decode."""
     from harness.port import speculate
-    from harness.port.batching import BatchEngine
     from harness.port.engine import Engine
 
     files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
     assert _step_callers(files) - STEP_TIMERS - STEP_REPLAYS == {"harness/port/decode.py"}
-    assert not hasattr(Engine, "generate") and not hasattr(BatchEngine, "generate")
+    assert not hasattr(Engine, "generate")
     assert not hasattr(speculate, "speculative_generate")
     assert {"harness/parity/batched.py", "harness/parity/served.py",
             "harness/parity/speculative.py", "harness/quality/moe.py"} <= _calls("generate")
 
+
+
+# ---- one engine ------------------------------------------------------------------------------------------
+
+def _engines(files: dict[str, str]) -> set[str]:
+    """(module, class) of every class in `files` (path -> source) that drives a backend: one calling
+    `backend.forward` (other than a stand-in for the backend, which defines `forward` itself) or
+    holding prefill, decode or verify steps of its own."""
+    steps = {"prefill", "prefill_rows", "decode", "decode_rows", "decode_step", "verify", "verify_rows"}
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+            forwards = any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "forward"
+                           and ast.unparse(c.func.value).endswith("backend") for c in ast.walk(node))
+            if (forwards and "forward" not in methods) or len(methods & steps) >= 2:
+                found.add(f"{path}:{node.name}")
+    return found
+
+
+ENGINE_COPIES = ["class BatchEngine:\n    def prefill(self, prompts, seq_ids): ...\n    def decode(self, tokens, positions, seq_ids): ...\n",
+                 "class Slots:\n    def go(self, x):\n        return self.engine.backend.forward(x, None)\n"]
+
+
+def test_the_engine_is_the_only_engine_and_a_second_is_found():
+    """harness/port/engine.py `Engine` is the one engine: batch 1 is one KV slot of it (issue 47),
+    so no second class drives a backend's calls or keeps prefill/decode/verify steps of its own
+    (a batch engine, a slots wrapper); a planted one fails."""
+    files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
+    assert _engines(files) == {"harness/port/engine.py:Engine"}
+    for copy in ENGINE_COPIES:
+        assert _engines({"a module of port": copy}) == {"a module of port:" + copy.split()[1].rstrip(":")}, copy
+
+
+# ---- bench times the one loop ------------------------------------------------------------------------------
+
+CLOCKS = ("perf_counter", "monotonic", "time", "perf_counter_ns", "process_time")
+
+
+def _clock_readers(files: dict[str, str]) -> set[str]:
+    """The modules (path -> source) reading a clock (time.perf_counter() and its kin), or defining
+    a `forward` (a stand-in for the backend, timing or not)."""
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in CLOCKS \
+                    and ast.unparse(node.func.value) == "time":
+                found.add(path)
+            if isinstance(node, ast.FunctionDef) and node.name == "forward":
+                found.add(path)
+    return found
+
+
+BENCH_LOOP_COPIES = ["start = time.perf_counter()\nlogits = engine.decode_step(token, n).logits\n",
+                     "class _TimedBackend:\n    def forward(self, *args):\n        return self._backend.forward(*args)\n"]
+
+
+def test_bench_times_the_one_loop_through_the_tap_and_a_second_timing_loop_is_found():
+    """bench, its lengths and its batches keep no timing loop and no backend stand-in of their own
+    (issue 47): they run the one decode loop through harness/perf/timing.py `timed_generate`, which
+    reads the time at the loop's per-token callback and through the tap on the backend
+    (harness/backends/tap.py). In perf/ only timing.py, the speculative probes and machine.py (this
+    host's bandwidth and matmul rate, not the port) read a clock."""
+    perf = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in (PACKAGE / "perf").rglob("*.py")}
+    assert _clock_readers(perf) == {"harness/perf/timing.py", "harness/perf/speculative.py", "harness/perf/machine.py"}
+    assert {"harness/perf/bench.py", "harness/perf/length.py", "harness/perf/batch.py"} <= _calls("timed_generate")
+    assert _calls("tap") == {"harness/perf/timing.py"}
+    for copy in BENCH_LOOP_COPIES:
+        assert _clock_readers({"a module of perf": copy}) == {"a module of perf"}, copy
 
 # ---- one stage protocol ----------------------------------------------------------------------------------
 

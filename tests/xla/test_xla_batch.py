@@ -10,7 +10,6 @@ import torch
 from harness.backends import build_engine
 from harness.base.errors import HarnessInputError
 from harness.base.settings import RunSettings
-from harness.port.batching import BatchEngine
 from tests.parity.batch_support import assert_same_row, batch_engine, random_prompts, run_rows
 
 pytestmark = pytest.mark.xla
@@ -25,7 +24,7 @@ def xla_be(tiny0_ckpt):
 
 
 def test_xla_rows_are_isolated_and_a_reused_slot_shows_nothing_old(xla_be):
-    vocab = xla_be.engine.spec.vocab_size
+    vocab = xla_be.spec.vocab_size
     target = random_prompts(vocab, [10], seed=7)[0]
     base = run_rows(xla_be, [target, *random_prompts(vocab, (16,), seed=1)], [0, 1], STEPS)[0]
     moved = run_rows(xla_be, [*random_prompts(vocab, (16,), seed=2), target], [0, 1], STEPS)[1]
@@ -52,9 +51,9 @@ def test_xla_batched_perf_build_returns_each_rows_last_row_as_the_parity_build(x
     returns each row's last real row only (lm_head on one row per sequence), as the Neuron backend's
     batched perf build: ragged rows (10 and 20 tokens: two prefill calls) give the batched parity
     build's last prefill row, decode steps and KV slots bit for bit."""
-    perf = BatchEngine(build_engine(tiny0_ckpt, RunSettings(backend="xla", batch=2, buckets=(16,), kv_len=32)))
+    perf = build_engine(tiny0_ckpt, RunSettings(backend="xla", batch=2, buckets=(16,), kv_len=32))
     assert not perf.backend.capture and perf.backend.last_row_only
-    prompts = random_prompts(xla_be.engine.spec.vocab_size, (10, 20), seed=5)
+    prompts = random_prompts(xla_be.spec.vocab_size, (10, 20), seed=5)
     fast, judged = (run_rows(be, prompts, [1, 0], STEPS, capture=be is xla_be) for be in (perf, xla_be))
     for row, (x, y) in enumerate(zip(fast, judged, strict=True)):
         assert x["prefill"].shape[0] == 1 and torch.equal(x["prefill"], y["prefill"][-1:])
