@@ -394,9 +394,11 @@ def test_bench_times_the_one_loop_through_the_tap_and_a_second_timing_loop_is_fo
     (issue 47): they run the one decode loop through harness/perf/timing.py `timed_generate`, which
     reads the time at the loop's per-token callback and through the tap on the backend
     (harness/backends/tap.py). In perf/ only timing.py, the speculative probes and machine.py (this
-    host's bandwidth and matmul rate, not the port) read a clock."""
+    host's bandwidth and matmul rate, not the port) and environment.py (the wall time beside the CPU
+    the machine spent on other work, which says whether two runs compare; not the port) read a clock."""
     perf = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in (PACKAGE / "perf").rglob("*.py")}
-    assert _clock_readers(perf) == {"harness/perf/timing.py", "harness/perf/speculative.py", "harness/perf/machine.py"}
+    assert _clock_readers(perf) == {"harness/perf/timing.py", "harness/perf/speculative.py", "harness/perf/machine.py",
+                                    "harness/perf/environment.py"}
     assert {"harness/perf/bench.py", "harness/perf/length.py", "harness/perf/batch.py"} <= _calls("timed_generate")
     assert _calls("tap") == {"harness/perf/timing.py"}
     for copy in BENCH_LOOP_COPIES:
