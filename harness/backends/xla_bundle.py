@@ -62,8 +62,8 @@ def lower_call(module: nn.Module, call, inputs: dict[str, torch.Tensor], output_
         if tensors is None:
             module.to("cpu")
     expected = run_proto(proto, [t for _, t in params])
-    return LoweredCall(text, proto, params, list(output_names), expected,
-                       LOWERED_BY.format(version=rt.torch_xla.__version__))
+    return LoweredCall(text, proto, params, list(output_names), expected=expected,
+                       lowered_by=LOWERED_BY.format(version=rt.torch_xla.__version__))
 
 
 def run_proto(proto: bytes, values: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -46,7 +46,7 @@ def bundles(name, tp, layer, request, tmp_path):
     parts = [n.rsplit(".", 1)[1] for n in target_points(ckpt, layer)]
     lines = []
     written = write_layer_bundles(ckpt, settings, target, rank_hosts(ckpt, settings, layer, parts), calls,
-                                  tmp_path / "out", say=lines.append)
+                                  out_dir=tmp_path / "out", say=lines.append)
     return written, lines
 
 
