@@ -27,18 +27,28 @@ class LoweredCall:
     lowered_by: str
 
 
-def lower_call(module: nn.Module, call, inputs: dict[str, torch.Tensor], output_names: list[str]) -> LoweredCall:
+def lower_call(module: nn.Module, call, inputs: dict[str, torch.Tensor], output_names: list[str],
+               tensors: dict[str, torch.Tensor] | None = None) -> LoweredCall:
     """`call(*inputs)` (a bound method of `module`) traced on the XLA device, nothing executed, then the
-    lowered module run once on the CPU backend with the parameters' recorded values."""
+    lowered module run once on the CPU backend with the parameters' recorded values. `tensors`: the
+    module's weights and buffers by name, bound on the device as xla_lower does (a device graph);
+    else the module itself is moved to the device."""
+    from harness.backends.xla_lower import bound
+
     rt = xla_runtime()
     xlac, device = rt.torch_xla._XLAC, rt.device
-    module.to(device)
+    local = {n: t.to(device) for n, t in (tensors or {}).items()}
+    if tensors is None:
+        module.to(device)
     try:
         args = {n: t.to(device) for n, t in inputs.items()}
-        named = {**{f"w.{n}": t for n, t in module.named_parameters()},
-                 **{f"b.{n}": t for n, t in module.named_buffers()}, **args}
+        named = ({f"w.{n}": t for n, t in local.items()} if tensors is not None else
+                 {**{f"w.{n}": t for n, t in module.named_parameters()},
+                  **{f"b.{n}": t for n, t in module.named_buffers()}})
+        named.update(args)
         handles = dict(zip(xlac._get_tensors_handle(list(named.values())), named))
-        with torch.no_grad():
+        xlac._set_all_reduce_token(str(device), None)  # an earlier trace's collectives must not chain in
+        with torch.no_grad(), bound(module, local):
             out = call(*args.values())
         results = [t for t in out]
         if len(results) != len(output_names):
@@ -49,10 +59,11 @@ def lower_call(module: nn.Module, call, inputs: dict[str, torch.Tensor], output_
         names = [handles.get(h, f"literal{k}") for k, h in enumerate(xlac._get_tensors_handle(data))]
         params = [(n, t.cpu()) for n, t in zip(names, data)]
     finally:
-        module.to("cpu")
+        if tensors is None:
+            module.to("cpu")
     expected = run_proto(proto, [t for _, t in params])
-    return LoweredCall(text, proto, params, list(output_names), expected,
-                       LOWERED_BY.format(version=rt.torch_xla.__version__))
+    return LoweredCall(text, proto, params, list(output_names), expected=expected,
+                       lowered_by=LOWERED_BY.format(version=rt.torch_xla.__version__))
 
 
 def run_proto(proto: bytes, values: list[torch.Tensor]) -> list[torch.Tensor]:

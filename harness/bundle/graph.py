@@ -22,7 +22,7 @@ def graph_bundle(spec, out_dir, *, tag: str = "decode", tp: int = 1, kv_len: int
     """Rank 0's `tag` graph (decode, or prefill_<bucket>) of `spec` at TP `tp` as a bundle in `out_dir`."""
     from harness.backends.neuron_bundle import compile_record, toolchain
     from harness.backends.xla_bundle import lower_call
-    from harness.backends.xla_lower import build_graph_module
+    from harness.backends.xla_lower import build_graph_module, graph_tensors
     from harness.port.graphs import example_inputs, input_width, kv_buffer_names
 
     module = build_graph_module(spec, tp, kv_len, torch.bfloat16)
@@ -43,7 +43,7 @@ def graph_bundle(spec, out_dir, *, tag: str = "decode", tp: int = 1, kv_len: int
     for name in kv:
         module.get_buffer(name).zero_()
     names = ["logits"] + [f"output{k}" for k in range(1, n_out)] + [f"state.{n}" for n in kv]
-    lowered = lower_call(module, call, inputs, names)
+    lowered = lower_call(module, call, inputs, names, tensors=graph_tensors(module)[0])
     with tempfile.TemporaryDirectory() as tmp:
         text = full_text(lowered.proto, Path(tmp))
     sliding = sum(layer.window is not None for layer in spec.layers)

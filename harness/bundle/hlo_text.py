@@ -156,7 +156,7 @@ def to_constant(m: HloText, name: str, value: np.ndarray) -> None:
 def all_values_text(m: HloText) -> tuple[str, list[str]]:
     """The module with every array-shaped entry instruction an output (its values, once)."""
     names = [i.name for i in m.entry if not i.shape.startswith("(") and not i.shape.startswith("token")]
-    probe = HloText(m.name, m.computations, m.entry_name, list(m.entry), m.root, m.origin)
+    probe = HloText(m.name, m.computations, m.entry_name, list(m.entry), root=m.root, origin=m.origin)
     shapes = ", ".join(probe.inst(n).shape for n in names)
     probe.entry = probe.entry + [Inst("all.values", f"({shapes})", "tuple", names,
                                       f"%all.values = ({shapes}) tuple({', '.join('%' + n for n in names)})")]

@@ -186,7 +186,7 @@ def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Pat
                          say=say)
     from harness.snapshot.hlo_bundle import maybe_write, write_layer_bundles
 
-    maybe_write(lambda: write_layer_bundles(checkpoint, run, target, hosts, calls, out_dir, say=say), say)
+    maybe_write(lambda: write_layer_bundles(checkpoint, run, target, hosts, calls, out_dir=out_dir, say=say), say)
     return written
 
 
@@ -273,6 +273,6 @@ def snapshot_bundles(result, checkpoint, settings, out_dir, say=print) -> list:
         _, calls, _ = repro_inputs(checkpoint, run, target, stage.observation)
         parts = [name.rsplit(".", 1)[1] for name in layer_points(target.layer, spec=checkpoint.spec)]
         return write_layer_bundles(checkpoint, run, target, rank_hosts(checkpoint, run, target.layer, parts), calls,
-                                   out_dir, say=say)
+                                   out_dir=out_dir, say=say)
     return maybe_write(write, say)
 

@@ -46,7 +46,7 @@ def bundles(name, tp, layer, request, tmp_path):
     parts = [n.rsplit(".", 1)[1] for n in target_points(ckpt, layer)]
     lines = []
     written = write_layer_bundles(ckpt, settings, target, rank_hosts(ckpt, settings, layer, parts), calls,
-                                  tmp_path / "out", say=lines.append)
+                                  out_dir=tmp_path / "out", say=lines.append)
     return written, lines
 
 
@@ -87,8 +87,8 @@ def test_clean_bundles_agree_and_planted_faults_are_named_and_reduced(name, tp, 
         assert again.returncode == 1, (fault, again.stdout + again.stderr)
 
 
-@pytest.mark.skip(reason="open: lowering the whole decode graph through xla_bundle.lower_call made torch-xla compile "
-                         "and run ever larger graphs (30+ in 10 minutes here) instead of tracing once; not yet built")
+@pytest.mark.skip(reason="not yet verified: the decode graph's bundle (weights bound on the device as xla_lower does) "
+                         "did not finish within 10 minutes on a machine at load 15; run it alone to verify, then unskip")
 def test_the_sliding_window_decode_graph_bundle_and_its_upstream_issue(tmp_path):
     """The first use (docs/snapshot.md#a-graph-the-compiler-crashes-on): the tiny 12B's decode graph (its
     sliding-window layers) as a bundle for the neuronx-cc release that crashes on such graphs, built
