@@ -104,7 +104,7 @@ def plan_model(spec: ModelSpec, tp: int) -> list[LayerPlan]:
     _check_tp(tp)
     problems = split_problems(spec, tp)
     if problems:  # every size at once, so one run names all a config must change
-        raise ShardingError(f"{len(problems)} size(s) do not split across tp={tp}: {'; '.join(problems)}")
+        raise ShardingError(f"tp={tp} does not split {len(problems)} of the model's sizes: {'; '.join(problems)}")
     return [plan_layer(layer, tp) for layer in spec.layers]
 
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 from harness.judge.compare import ENVELOPE_FACTOR, FP32_FACTOR
 
 
+def _share(choice) -> float:
+    """A choice's margin over its threshold; 0 where it is the same choice on the port's own path
+    (margin and threshold 0: nothing departed)."""
+    return choice.margin / choice.threshold if choice.threshold > 0 else 0.0
+
+
 def _points(stage, factor: float, label: str) -> dict:
     points = stage.all_points()
     if not points:
@@ -19,7 +25,7 @@ def _points(stage, factor: float, label: str) -> dict:
 def _tokens(stage, label: str) -> dict:
     ties = [m for p in stage.prompts for m in p.prefill.mismatches + p.decode.mismatches
             + ([p.departure] if p.departure is not None else []) if m.kind == "near_tie"]
-    return {f"{label} token near ties (margin / band)": max((m.margin / m.threshold for m in ties), default=0.0)}
+    return {f"{label} token near ties (margin / band)": max((_share(m) for m in ties), default=0.0)}
 
 
 def margins(result) -> dict:
@@ -34,7 +40,7 @@ def margins(result) -> dict:
             out[f"{stage.stage} host {prob.name}"] = prob.ratio
     if result.routing is not None:
         flips = [f for f in result.routing.flips if f.kind == "near_tie"]
-        out["bf16 routing near ties (margin / band)"] = max((f.margin / f.threshold for f in flips), default=0.0)
+        out["bf16 routing near ties (margin / band)"] = max((_share(f) for f in flips), default=0.0)
     if result.local:
         out["bf16 local layers"] = max(v.ratio for v in result.local) / ENVELOPE_FACTOR
     return out

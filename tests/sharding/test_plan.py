@@ -100,7 +100,7 @@ def test_refusal_names_every_size_that_does_not_split_once_in_a_fixed_order(spec
         messages.add(str(info.value))
     (message,) = messages
     sliding = [layer.index for layer in spec.layers if layer.is_sliding]
-    assert message.startswith("4 size(s) do not split across tp=2: intermediate_size=37; vocab_size=99; ")
+    assert message.startswith("tp=2 does not split 4 of the model's sizes: intermediate_size=37; vocab_size=99; ")
     assert "15 query heads (layers 0-4, 6-10," in message and "3 KV heads (layers 0-4," in message
     assert message.index("37") < message.index("99") < message.index("query heads") < message.index("KV heads")
     assert "16 query heads" not in message and "1 KV heads" not in message  # the full layers split

@@ -224,7 +224,7 @@ def test_shape_that_disagrees_with_config_is_refused(ckpt_copy, tmp_path, capsys
              "(128, 64)", "(96, 64)", "use the config the weights were saved with")
 
 
-@pytest.mark.parametrize("key,value", [("num_kv_shared_layers", 2), ("hidden_size_per_layer_input", 16),
+@pytest.mark.parametrize("key,value", [("hidden_size_per_layer_input", 16),
                                        ("use_bidirectional_attention", "all"), ("enable_moe_block", True)])
 def test_unsupported_feature_is_refused_by_key(tmp_path, capsys, key, value):
     """Each feature the port lacks is named by its config key, with what to do instead."""
@@ -234,6 +234,22 @@ def test_unsupported_feature_is_refused_by_key(tmp_path, capsys, key, value):
     path.write_text(json.dumps(config))
     _refused(["info", "--config", str(path), "--json", str(tmp_path / "info.json")], capsys, tmp_path,
              str(path), f"unsupported config key {key}", "use a checkpoint without this feature")
+
+
+def test_unified_kv_sharing_runs_and_its_bound_is_checked(tmp_path, capsys):
+    """gemma4_unified has KV sharing (transformers 5.24 applies num_kv_shared_layers; issue 45 moved
+    it out of the refused features): info plans the shared layers; a count that leaves no layer
+    to compute keys and values is refused by its key."""
+    config = json.loads(TINY_CONFIG.read_text())
+    config["text_config"]["num_kv_shared_layers"] = 2
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["info", "--config", str(path)]) == EXIT_OK
+    assert "KV sharing: layers 10-11 read the cache of layer(s)" in capsys.readouterr().out
+    config["text_config"]["num_kv_shared_layers"] = 12
+    path.write_text(json.dumps(config))
+    _refused(["info", "--config", str(path), "--json", str(tmp_path / "info.json")], capsys, tmp_path,
+             str(path), "num_kv_shared_layers=12", "must be below num_hidden_layers=12")
 
 
 def test_pickle_checkpoint_is_refused_unread(tmp_path, tiny0_dir, capsys):
