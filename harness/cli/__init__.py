@@ -189,7 +189,10 @@ def main(argv=None) -> int:
     try:
         return _run(args, _command_name(args), argv)
     finally:
+        from harness.backends.neuron_gate import LEDGER
         from harness.base.signal_guard import _exit_now
+
+        LEDGER.state(None, "")  # the command's build budget ends with it (a library caller runs on)
 
         for signum, handler in previous.items():
             if handler is _exit_now:  # the console script, about to exit with the command's status:
