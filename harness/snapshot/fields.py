@@ -128,8 +128,10 @@ def check_tensors(manifest: dict, tensors: dict) -> None:
     for name, t in tensors.items():
         if t.dim() == 0 and not name.startswith("pooled."):
             raise FieldProblem(f"tensor {name} is 0-dimensional")
+    from harness.snapshot.target import BITS_STAGE
+
     target = manifest["target"]
-    if target.get("host") is not None or target["stage"] == "bits":
+    if target.get("host") is not None or target["stage"] == BITS_STAGE:
         return  # their own tensors are checked by their kind (harness.snapshot.host, .bits)
     embeds = _tensor(tensors, "call.inputs_embeds", 3, floating=True)
     positions = _tensor(tensors, "call.positions", 2, floating=False)

@@ -201,7 +201,7 @@ def check_checkpoint(snap: Snapshot, checkpoint) -> None:
     for rank, expected in enumerate(rank_layer_weights(checkpoint, snap.tp, layer, dtype, quantize)):
         stored = snap.weights(rank)
         if set(stored) != set(expected) or any(not torch.equal(stored[k], expected[k]) for k in expected):
-            other = _whose_weights(checkpoint, snap, stored, rank, dtype, quantize)
+            other = _whose_weights(checkpoint, snap, stored, rank, dtype, quantize=quantize)
             raise SnapshotError(f"{snap.path}: the stored weights (rank {rank}) are not layer {layer}'s of "
                                 f"{checkpoint.path}{other}: the snapshot was assembled from another layer's "
                                 f"weights; {FIX}")
