@@ -2,7 +2,7 @@
 code. The check's stage that raised keeps no observation, only its references
 (CheckResult.references); the recorder runs the port again as the stage ran each prompt (the
 teacher-forced run, then the free one: harness.parity.observe.run_port_prompt's order) with the
-engine's two host steps watched (Engine.prefill, Engine.decode_step) until one raises, and keeps
+engine's two host steps watched (Engine.prefill_rows, Engine.decode_rows: one sequence's prefill or decode step) until one raises, and keeps
 that step's arguments as the decode loop passed them.
 
 Tensors: host.ids (the prompt's ids for a prefill; the one fed token for a decode step),
@@ -40,8 +40,8 @@ def _watch(engine):
         state["device"] = False
         return out
 
-    def watched(name):
-        method = getattr(engine, name)
+    def watched(name, rows):
+        method = getattr(engine, rows)
 
         def run(*args, **kwargs):
             state["device"] = False
@@ -49,13 +49,14 @@ def _watch(engine):
                 return method(*args, **kwargs)
             except _Raised:
                 raise
-            except Exception as exc:  # the port's failure, recorded with the step's own arguments
-                raise _Raised(name, args, exc, state["device"]) from exc
+            except Exception as exc:  # the port's failure, recorded as its one-row step (`name`) of one sequence
+                raise _Raised(name, tuple(a[0] for a in args[:2 if name == "decode_step" else 1]), exc,
+                              state["device"]) from exc
 
         return run
 
     engine.backend.forward = device_call
-    engine.prefill, engine.decode_step = watched("prefill"), watched("decode_step")
+    engine.prefill_rows, engine.decode_rows = watched("prefill", "prefill_rows"), watched("decode_step", "decode_rows")
 
 
 def find_raise(checkpoint, settings, references) -> tuple[int, _Raised]:

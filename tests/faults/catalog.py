@@ -286,18 +286,18 @@ def embed_scale_not_cast(monkeypatch):
 def decode_from_bucket_length(monkeypatch):
     """Decode continues at the padded length (the bucket) instead of the prompt length: the pad
     tokens' keys, written by prefill, sit in the cache before the new tokens and are attended."""
-    prefill, decode_step = port_engine.Engine.prefill, port_engine.Engine.decode_step
+    prefill, decode = port_engine.Engine.prefill_rows, port_engine.Engine.decode_rows
 
-    def padded_prefill(self, ids, capture=False):
-        result = prefill(self, ids, capture)
-        self.padding = result.bucket - result.logits.shape[0]
-        return result
+    def padded_prefill(self, prompts, seq_ids, capture=False):
+        results = prefill(self, prompts, seq_ids, capture)
+        self.padding = {int(s): r.bucket - r.logits.shape[0] for s, r in zip(seq_ids, results)}
+        return results
 
-    def late_decode_step(self, token, position, capture=False):
-        return decode_step(self, token, position + self.padding, capture)
+    def late_decode(self, tokens, positions, seq_ids, capture=False):
+        return decode(self, tokens, [p + self.padding[int(s)] for p, s in zip(positions, seq_ids)], seq_ids, capture)
 
-    monkeypatch.setattr(port_engine.Engine, "prefill", padded_prefill)
-    monkeypatch.setattr(port_engine.Engine, "decode_step", late_decode_step)
+    monkeypatch.setattr(port_engine.Engine, "prefill_rows", padded_prefill)
+    monkeypatch.setattr(port_engine.Engine, "decode_rows", late_decode)
 
 
 def exact_gelu(monkeypatch):
@@ -432,14 +432,14 @@ def decode_token_off_by_one(monkeypatch):
 
 def decode_raises_past_window(monkeypatch):
     """A port bug that raises (an index error) in a decode step past the sliding window."""
-    original = port_engine.Engine.decode_step
+    original = port_engine.Engine.decode_rows
 
-    def decode_step(self, token, position, capture=False):
-        if position >= 2 * WINDOW:
-            raise IndexError(f"cache slot {position} out of range")
-        return original(self, token, position, capture)
+    def decode_rows(self, tokens, positions, seq_ids, capture=False):
+        if max(positions) >= 2 * WINDOW:
+            raise IndexError(f"cache slot {max(positions)} out of range")
+        return original(self, tokens, positions, seq_ids, capture)
 
-    monkeypatch.setattr(port_engine.Engine, "decode_step", decode_step)
+    monkeypatch.setattr(port_engine.Engine, "decode_rows", decode_rows)
 
 
 # ---- long-context faults: the ring cache and chunked prefill (run on LONG) -----------------------

@@ -101,9 +101,9 @@ def _no_token_ordering(mp):
 
 
 def _verify_one_off(mp):
-    original = port_engine.Engine.verify
-    mp.setattr(port_engine.Engine, "verify", lambda self, tokens, position, capture=False:
-               original(self, tokens, position + 1, capture))
+    original = port_engine.Engine.verify_rows
+    mp.setattr(port_engine.Engine, "verify_rows", lambda self, rows, positions, seq_ids, capture=False:
+               original(self, rows, [p + 1 for p in positions], seq_ids, capture))
 
 
 def _rejected_visible(mp):

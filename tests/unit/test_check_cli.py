@@ -166,17 +166,17 @@ def test_an_exception_inside_the_port_is_a_parity_failure(tiny0_dir, golden, tmp
     """A port bug that raises in decode is exit 1 (not 2, bad input), naming where it was raised."""
     from harness.port import engine as port_engine
 
-    def decode_step(self, token, position, capture=False):
-        raise IndexError(f"cache slot {position} out of range")
+    def decode_rows(self, tokens, positions, seq_ids, capture=False):  # the decode call the loop makes
+        raise IndexError(f"cache slot {positions[0]} out of range")
 
-    monkeypatch.setattr(port_engine.Engine, "decode_step", decode_step)
+    monkeypatch.setattr(port_engine.Engine, "decode_rows", decode_rows)
     assert _check(tiny0_dir, golden, tmp_path) == 1
     out = capsys.readouterr().out
     assert "exception inside the port" in out and "IndexError" in out
     payload = json.loads((tmp_path / "check.json").read_text())
     error = payload["port_error"]
     assert error["type"] == "IndexError" and "test_check_cli.py" in error["where"]
-    assert "in decode_step" in error["where"] and "harness/port/decode.py" in error["where"]  # the one decode loop
+    assert "in decode_rows" in error["where"] and "harness/port/decode.py" in error["where"]  # the one decode loop
     assert payload["failed_stages"] == ["fp32", "bf16"]
 
 
