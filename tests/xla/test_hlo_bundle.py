@@ -24,9 +24,17 @@ pytestmark = [pytest.mark.xla,
               pytest.mark.skipif(not jax_available(), reason="the bundle's CPU runner needs jax (.ci/xla-lane sets "
                                                              "GEMMA_PARITY_JAX_PATH)")]
 # model, TP, layer, what the layer is
-CASES = [("tiny", 1, 3, "sliding"), ("tiny", 2, 3, "sliding"), ("tiny", 1, 5, "full, k=v"), ("tiny", 2, 5, "full, k=v"),
-         ("e2b", 1, 4, "full"), ("e2b", 2, 2, "per-layer inputs"), ("e2b", 1, 6, "KV-shared"),
-         ("26b-a4b", 1, 1, "MoE"), ("26b-a4b", 2, 1, "MoE")]
+# One case runs in the XLA lane (each case lowers a layer, runs it on jax's CPU backend and reduces three
+# planted faults: about 15 minutes of CPU on a loaded 2-core machine); the others are the `matrix` lane,
+# run by hand (`bash .ci/xla-lane tests/xla/test_hlo_bundle.py -m matrix`). Verified so far: the 12B's
+# sliding layer at TP 1 and TP 2 (docs/snapshot.md#the-hlo-bundle says what is not yet).
+_MATRIX = pytest.mark.matrix
+CASES = [("tiny", 1, 3, "sliding"),
+         pytest.param("tiny", 2, 3, "sliding", marks=_MATRIX),
+         pytest.param("tiny", 1, 5, "full, k=v", marks=_MATRIX), pytest.param("tiny", 2, 5, "full, k=v", marks=_MATRIX),
+         pytest.param("e2b", 1, 4, "full", marks=_MATRIX), pytest.param("e2b", 2, 2, "per-layer inputs", marks=_MATRIX),
+         pytest.param("e2b", 1, 6, "KV-shared", marks=_MATRIX),
+         pytest.param("26b-a4b", 1, 1, "MoE", marks=_MATRIX), pytest.param("26b-a4b", 2, 1, "MoE", marks=_MATRIX)]
 FAULTS = ("swap", "constant", "narrow")
 
 
