@@ -176,10 +176,11 @@ def format_check(result, verbose: bool = False, extra: tuple[str, ...] = ()) -> 
     lines += _prompt_lines(payload)
     calibration = payload.get("near_tie_calibration")
     if calibration:
-        lines.append(f"near-tie band {calibration['band']:.3f} logits = {calibration['factor']:g} x the "
-                     f"{calibration['quantile']:g} quantile ({calibration['shift_at_quantile']:.3f}) of how far bf16 "
-                     f"moves the reference's top-1 margins against fp32 ({calibration['samples']} margins; largest "
-                     f"{calibration['shift_max']:.3f}); a flip the fp32 stage also shows is never a near tie")
+        basis = ("the largest" if calibration["quantile"] >= 1 else f"the {calibration['quantile']:g} quantile")
+        lines.append(f"near-tie band {calibration['band']:.3f} logits = {calibration['factor']:g} x {basis} "
+                     f"({calibration['shift_at_quantile']:.3f}) of how far bf16 moves the reference's top-1 margins "
+                     f"against fp32 ({calibration['samples']} margins), for flips not decided on the port's own path; "
+                     "a flip the fp32 stage also shows is never a near tie")
     if payload.get("routing"):
         lines.append(payload["routing"]["summary"])
     for name in ("fp32", "bf16"):
