@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.base.errors import ShardingError
+from harness.base.errors import HarnessInputError, ShardingError
 from harness.base.settings import DEFAULT_BUCKETS
 from harness.inputs.spec import ModelSpec
 from harness.port.core_fit import CORE_HBM, core_bytes
@@ -76,10 +76,21 @@ def placement(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 2
 
 def smallest_fitting_tp(spec: ModelSpec, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
                         **build) -> int | None:
-    """The smallest TP degree the heads allow whose per-core plan fits a NeuronCore (None: none up to
-    the largest instance); `build`: core_bytes' keywords."""
+    """The smallest TP degree the heads allow whose per-core plan fits a NeuronCore and whose chip's
+    memory plan holds `kv_len` (the --kv-len check every command makes: a TP this names is one the
+    commands then accept), None: none up to the largest instance; `build`: core_bytes' keywords."""
+    from harness.plan.kv_fit import refuse_kv_over_chip
+
+    def holds_kv(t: int) -> bool:
+        try:
+            refuse_kv_over_chip(spec, t, dtype, kv_len, sliding_cache)
+        except HarnessInputError:
+            return False
+        return True
+
     return next((t for t in allowed_tps(spec)
-                 if core_bytes(spec, t, dtype, kv_len, sliding_cache, **build)["total"] <= CORE_HBM), None)
+                 if core_bytes(spec, t, dtype, kv_len, sliding_cache, **build)["total"] <= CORE_HBM and holds_kv(t)),
+                None)
 
 
 def check_fits(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256,

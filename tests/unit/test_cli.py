@@ -132,16 +132,28 @@ def test_info_31b_tp8_replicates_full_layer_kv(tmp_path, capsys):
 @pytest.mark.parametrize("config", [CONFIG_31B, FIXTURES_DIR / "configs" / "gemma-4-26b-a4b-it.json"])
 def test_info_without_tp_plans_at_the_smallest_tp_that_fits(tmp_path, capsys, config):
     """Neither fits a NeuronCore per rank at the default tp=2: without --tp, info plans at the
-    smallest TP that fits (4) and says so first; with --tp 2 it is still refused with the numbers."""
+    smallest TP whose core fit and chip memory plan both hold (a TP the commands then accept: 4 for the
+    MoE, 8 for the 31B once the runtime's reserve is counted) and says so first; with --tp 2 it is still
+    refused with the numbers and that TP."""
+    from harness.inputs.spec import load_spec
+    from harness.plan.instances import smallest_fitting_tp
+
+    spec = load_spec(config)
+    smallest = smallest_fitting_tp(spec)
+    assert smallest in (4, 8)
     out = tmp_path / "info.json"
     assert main(["info", "--config", str(config), "--json", str(out)]) == EXIT_OK
     text = capsys.readouterr().out
     payload = json.loads(out.read_text())
-    assert payload["tp"] == 4 and payload["placement"]["fits"] and payload["placement"]["smallest_fitting_tp"] == 4
+    assert payload["tp"] == smallest and payload["placement"]["fits"]
+    assert payload["placement"]["smallest_fitting_tp"] == smallest
     assert text.splitlines()[0] == ("--tp not given: tp=2 (the default) does not fit one NeuronCore per rank; "
-                                    "planning at tp=4, the smallest TP that fits")
+                                    f"planning at tp={smallest}, the smallest TP that fits")
+    for below in (t for t in (4,) if t < smallest):  # a TP under it is refused by the commands' own check
+        assert main(["info", "--config", str(config), "--tp", str(below)]) == EXIT_BAD_INPUT
+        capsys.readouterr()
     assert main(["info", "--config", str(config), "--tp", "2"]) == EXIT_BAD_INPUT
-    assert "Use --tp 4 or more" in capsys.readouterr().err
+    assert f"Use --tp {smallest} or more" in capsys.readouterr().err
     assert main(["info", "--config", str(CONFIG_12B)]) == EXIT_OK  # the 12B fits the default: no note
     assert "--tp not given" not in capsys.readouterr().out
 
