@@ -26,6 +26,7 @@ class _Check:
 
     def __init__(self, points, local=(), stage_passed=True):
         self.points, self.stage_passed, self.fp32 = points, stage_passed, None
+        self.local = None  # CheckResult.local: None when the local verdicts did not run, [] when no layer can
         self.local_verdicts = [type("V", (), {"local": list(local)})()] if local else []
 
     def all_points(self):
