@@ -234,7 +234,9 @@ def test_a_draft_graph_not_carrying_the_cache_is_refused_and_would_read_zeros(nx
     stage = speculative_stage()
     points = {f["point"] for f in stage.failures()}
     assert not stage.passed and any(p.startswith(("bf16.drafter", "fp32.drafter")) for p in points), points
-    assert stage.error is None and sum(a["port"] for a in stage.acceptance) < sum(a["reference"] for a in stage.acceptance)
+    # the acceptance gate reads the fp32 run, which runs on the host like the fp32 stage (issue 46: an fp32
+    # device build is over a NeuronCore for the 12B): the device's fault shows at the drafter points above
+    assert stage.error is None and stage.acceptance and all(a["passed"] for a in stage.acceptance)
 
 
 @pytest.mark.slow  # a perf build through the double and the mirror pair's bench
