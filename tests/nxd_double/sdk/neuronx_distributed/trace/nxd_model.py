@@ -147,8 +147,9 @@ class NxDModel(torch.nn.Module):
             if missing or extra or wrong:
                 raise ValueError(f"rank {rank}: weights do not match the graphs: missing {missing[:6]}, not read "
                                  f"by any graph {extra[:6]}, wrong shape/dtype {wrong[:6]}")
-        if self.layout_transformer:  # both layouts on the core while the transformer runs, beside the runtime
-            need = 2 * sum(t.numel() * t.element_size() for t in sharded_checkpoint[0].values()) + RUNTIME_RESERVE_BYTES
+        if self.layout_transformer:  # both layouts on the core while the transformer runs, beside the graphs' binaries and the runtime
+            need = (2 * sum(t.numel() * t.element_size() for t in sharded_checkpoint[0].values())
+                    + len(self.graphs) * NEFF_BYTES + RUNTIME_RESERVE_BYTES)
             if need > core_bytes():
                 raise RuntimeError(f"NRT: out of device memory: the layout transformation needs {need} bytes "
                                    f"on a core of {core_bytes()}")
