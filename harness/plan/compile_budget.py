@@ -48,8 +48,8 @@ def graphs_by_stage(command: str, buckets, kv_len: int, *, batch: int | None = N
 
     slots = batch or 1
     main = batched(slots, speculating=True) if slots > 1 else one  # the batch stage neither verifies nor drafts
-    if command == "bench":
-        return {"perf build": main}
+    if command == "bench":  # with an assistant and --batch N > 1, the speculative block times a batch-1 build first
+        return {"perf build": main, **({"speculative perf build": one} if drafts and speculate and slots > 1 else {})}
     stages = {"parity build": main}
     if command != "check":
         return stages
