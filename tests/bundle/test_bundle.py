@@ -26,7 +26,11 @@ DOUBLE_SDK = Path(__file__).parents[1] / "nxd_double" / "sdk"
 
 @pytest.fixture
 def bundle(tmp_path):
-    return Path(shutil.copytree(SMALL, tmp_path / "small"))
+    out = Path(shutil.copytree(SMALL, tmp_path / "small"))
+    # the runner every bundle carries is the project's fixture, copied in as the writer does (its sha256
+    # is recorded in bundle.json, so a runner that drifts from the fixture is refused, exit 2)
+    shutil.copy(Path(__file__).resolve().parents[2] / "fixtures" / "bundle" / "run_hlo.py", out / "run_hlo.py")
+    return out
 
 
 def test_each_planted_fault_edits_the_text_as_it_says():
