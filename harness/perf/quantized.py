@@ -35,7 +35,8 @@ def quantized_comparison(spec: ModelSpec, tp: int, dtype: str, kv_len: int, rate
         rows[name] = {"weights_bytes_per_rank": weights, "kv_bytes_per_rank": base["kv_cache"],
                       "total_bytes_per_rank": weights + base["kv_cache"], "core_bytes": core["total"],
                       "fits": core["total"] <= capacity,
-                      "decode_floor_ms": floor["floor_ms"], "decode_bound": floor["bound"]}
+                      "decode_floor_ms": floor["floor_ms"], "decode_bound": floor["bound"],
+                      "decode_memory_ms": floor["memory_ms"]}
     return {"dtype": dtype, "tp": tp, "kv_len": kv_len, "rates": rates.name, "capacity_bytes": capacity,
             "scale_bytes_per_rank": saved["scale_bytes"], **rows,
             "weights_ratio": rows["int8"]["weights_bytes_per_rank"] / rows["unquantized"]["weights_bytes_per_rank"],

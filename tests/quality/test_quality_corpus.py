@@ -56,9 +56,11 @@ def _check_the_documented_calibration(result: dict, judged: list[dict]) -> None:
     doc = DOC.read_text()
     block = re.search(r"```text\n(  corpus: .*?)```", doc, re.S)
     assert block, "docs/quality.md: no calibration block"
-    printed = {" ".join(line.split()) for line in format_quality(result).splitlines()}
+    output = format_quality(result)
+    printed = {" ".join(line.split()) for line in output.splitlines()}
     for line in filter(str.strip, block.group(1).splitlines()):
-        assert " ".join(line.split()) in printed, f"docs/quality.md says {line.strip()!r}; the run prints otherwise"
+        assert " ".join(line.split()) in printed, (
+            f"docs/quality.md says {line.strip()!r}; the run prints otherwise:\n{output}")
     worst = max(judged, key=lambda c: c["ratio"])
     stat = "KL" if worst["metric"] == "kl" else "|dp|"
     assert f"**{worst['ratio']:.2f} ({stat} {worst['statistic']})**" in doc, (worst, "docs/quality.md's largest ratio")

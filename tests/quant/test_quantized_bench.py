@@ -37,7 +37,12 @@ def test_bench_quantize_times_both_builds_with_their_floors(tmp_path, capsys):
     result = json.loads(out.read_text())
     beside = result["unquantized"]
     assert result["quantize"] == "int8" and "--quantize int8 beside the unquantized build" in printed
-    assert beside["floors"]["int8"]["decode_floor_ms"] < beside["floors"]["unquantized"]["decode_floor_ms"]
+    int8, unquantized = beside["floors"]["int8"], beside["floors"]["unquantized"]
+    # int8 moves fewer weight bytes; the floor drops only when the step is memory-bound on the measured
+    # rates (a slow host's matmul rate can make the tiny decode compute-bound: the same floor)
+    assert int8["decode_memory_ms"] < unquantized["decode_memory_ms"]
+    assert int8["decode_floor_ms"] <= unquantized["decode_floor_ms"]
+    assert int8["decode_bound"] != "memory" or int8["decode_floor_ms"] < unquantized["decode_floor_ms"]
     assert beside["latency_summary"]["tpot_ms"]["p50"] > 0
     assert main(["bench", *common, "--out", str(plain)]) == 0
     assert "unquantized" not in json.loads(plain.read_text())  # an unquantized bench is as before

@@ -3,6 +3,8 @@ the compile-cache key covers the import closure of the graph code; ..."""
 
 from __future__ import annotations
 
+import re
+
 import subprocess
 import sys
 from pathlib import Path
@@ -220,11 +222,17 @@ def test_a_device_run_over_its_compile_budget_is_refused_before_compiling(capsys
     from harness.cli import main
 
     monkeypatch.setenv("GEMMA_PARITY_NEURON_CACHE", str(tmp_path / "cache"))
-    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", "10"]) == 2
+    # the limit: what the parity build alone takes (its rounds on the planned compile pool), so the
+    # default check (a served build too) is over it and --skip-served-build is within it
+    main(["check", "--model", "tiny", "--backend", "neuron", "--skip-served-build", "--compile-budget", "0.001"])
+    alone = re.search(r"takes about (\d+) min", capsys.readouterr().err)
+    assert alone, "a check over --compile-budget 0.001 names its minutes"
+    limit = alone.group(1)
+    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", limit]) == 2
     err = capsys.readouterr().err
-    assert "14 graphs (parity build 7, served build 7)" in err and "--compile-budget 10" in err
+    assert "14 graphs (parity build 7, served build 7)" in err and f"--compile-budget {limit}" in err
     assert not (tmp_path / "cache").exists()
-    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", "10",
+    assert main(["check", "--model", "tiny", "--backend", "neuron", "--compile-budget", limit,
                  "--skip-served-build"]) == 2
     assert "compile-budget" not in capsys.readouterr().err  # within budget: refused later, by the SDK check
 
