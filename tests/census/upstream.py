@@ -19,8 +19,10 @@ the commit is the stored version read):
   layers, no MoE, no per-layer inputs.
 - Per-test edits: `test_use_cache_false_with_kv_sharing` (test_modeling_gemma4.py, the stored
   version with that test) sets `attention_k_eq_v = True` and
-  `num_global_key_value_heads = num_key_value_heads` (k=v full layers); a sliding window of 2
-  (the smallest window that still masks, the edit issue 45 names).
+  `num_global_key_value_heads = num_key_value_heads` (k=v full layers).
+- A sliding window of 2 is this project's edit, not upstream's: none of the Gemma-4 testers or
+  their per-test edits sets `sliding_window` (the files above, read whole); issue 45 names it as
+  the smallest window that still masks, so it stays, labelled as ours.
 
 TP 2: where a size does not split over 2 ranks (intermediate 37, vocabularies of 99), the smallest
 change that does (38, 100) is made; nothing else changes.
