@@ -46,7 +46,7 @@ def test_clean_port_passes(request, monkeypatch, key):
 # the single-KV-head split, located by bisect below, and the port bug of test_check_cli; the sliding
 # window, by bisect in tests/parity/test_bisect_faults.py test_window_off_by_one_past_the_edge_is_named;
 # chunked prefill, decode, host probabilities); the whole catalog, about 6 CPU-seconds a fault, runs
-# in the slow lane (`pytest -m slow`, run by .ci/run).
+# in the slow lane (`pytest -m slow`, run nightly and by hand before a change lands).
 DEFAULT_LANE = ("rope-angles-activation-dtype", "decode-token-off-by-one", "host-probabilities-uncapped",
                 "chunk-reads-overwritten-keys")
 

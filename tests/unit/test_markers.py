@@ -50,13 +50,15 @@ def readme_commands() -> list[str]:
     return re.findall(r"```bash\n(pip install [^\n]*)\n```", (ROOT / "README.md").read_text())
 
 
-def test_ci_runs_the_readme_command_first_then_the_slow_lane():
+def test_ci_runs_the_readme_command_first_then_the_xla_lanes_parallel_part():
     run, test = readme_commands()
     assert run.endswith(" && gemma-parity check") and test.endswith(" && pytest -n 2")
     assert run.split(" -e ")[0] == test.split(" -e ")[0]  # the same install, the test extras beside
     steps = [line.split(" || ")[0] for line in (ROOT / ".ci" / "run").read_text().splitlines()
              if " || status=1" in line]
-    assert steps == [test, "pytest -n 2 -m slow", "bash .ci/xla-lane"]
+    assert steps == [test, "XLA_LANE_PART=parallel bash .ci/xla-lane"]
+    lane = (ROOT / ".ci" / "xla-lane").read_text()
+    assert '"${XLA_LANE_PART:-all}" != parallel' in lane  # the part CI leaves out is still the lane's default
 
 
 def test_the_install_fails_fast_where_pytorchs_index_is_unreachable():
