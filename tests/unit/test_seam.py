@@ -250,7 +250,7 @@ def _calls(name: str) -> set[str]:
     ("judge_routing", {"harness/judge/stage.py"}),  # the stage judge judges routing; parity does not
     ("compare_layers", {"harness/judge/stage.py"}),  # local reads the stage's judged layers
     ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py",
-                            "harness/snapshot/host.py"}),  # a tokens host step's replay judges as the check
+                            "harness/snapshot/host_replay.py"}),  # a tokens host step's replay judges as the check
     ("classify_mismatch", {"harness/judge/tokens.py"}),  # the drafter's cluster choices: judged as routing
     ("saturation_tie", {"harness/judge/tokens.py"}),
     ("calibrate_band", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
