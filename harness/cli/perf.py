@@ -141,7 +141,7 @@ def _auto_runs(args) -> int:
     import time
 
     from harness.perf.resolution import STATED_CHANGE, runs_for
-    from harness.perf.results import metric_samples
+    from harness.perf.samples import metric_samples
 
     start = time.monotonic()
     pilot = run_bench(args.ckpt, args.settings, runs=AUTO_PILOT_RUNS, warmup=args.warmup,
