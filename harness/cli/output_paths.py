@@ -9,8 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.base.atomic import clean_stale_temps, temp_prefix
+from harness.base.atomic import temp_prefix
 from harness.base.errors import HarnessInputError, OptionError, OutputError, os_problem, read_json_file
+from harness.base.leftovers import clean_stale_temps
 
 GENERATOR = "gemma-parity"  # the "generator" key of every JSON result the commands write
 MARKDOWN_MARK = "<!-- written by gemma-parity -->"

@@ -22,7 +22,8 @@ import torch
 import harness.base.atomic
 import harness.inputs.checkpoint
 import harness.inputs.weight_files
-from harness.base.atomic import TEMP_MARK, atomic_directory, clean_stale_temps, temp_prefix
+from harness.base.atomic import TEMP_MARK, atomic_directory, temp_prefix
+from harness.base.leftovers import clean_stale_temps
 from tests.inputs.scenarios import (REPO, TEXT, WEIGHTS, cli_env, copy_checkpoint, rewrite_weights,
                                     run_inprocess, small_golden, snapshot, split_weights)
 
