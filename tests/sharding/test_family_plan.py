@@ -85,7 +85,7 @@ def test_family_shards_merge_back(drawn, seed):
     """Every layer's tensors (experts, per-layer gate, shared layers without k/v) split over the
     ranks and concatenate back exactly; each rank holds a 1/tp slice of every expert; the per-rank
     bytes shrink with tp by no more than the split share."""
-    from harness.inputs.checkpoint import expected_layer_shapes
+    from harness.inputs.shapes import expected_layer_shapes
 
     spec, tp = drawn
     gen = torch.Generator().manual_seed(seed)
