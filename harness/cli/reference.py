@@ -37,7 +37,8 @@ def add_command(sub) -> None:
 
 def validate(args) -> None:
     from harness.inputs.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
-    from harness.reference.golden import check_replaceable, is_golden_dir
+    from harness.reference.golden import is_golden_dir
+    from harness.reference.golden_write import check_replaceable
     from harness.reference.selfcheck import refuse_unsound_reference
 
     if args.stream and args.new_tokens is not None:
@@ -75,7 +76,7 @@ def validate(args) -> None:
 
 def run(args) -> int:
     from harness.cli.common import run_provenance
-    from harness.reference.golden import make_golden
+    from harness.reference.golden_write import make_golden
 
     if getattr(args, "self_check", None) is not None:
         args.self_check()  # the reference checked against itself: exit 2

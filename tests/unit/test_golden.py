@@ -14,7 +14,8 @@ import harness.reference.golden
 from harness.base.errors import GoldenError, OutputError
 from harness.inputs.spec import spec_from_config_dict
 from harness.inputs.tiny import TINY_CONFIG
-from harness.reference.golden import MANIFEST, TENSORS, read_golden, write_golden
+from harness.reference.golden import MANIFEST, TENSORS, read_golden
+from harness.reference.golden_write import write_golden
 
 NEW_TOKENS = 8  # what the tiny0_reference fixture decodes
 

@@ -266,7 +266,7 @@ def _calls(name: str) -> set[str]:
                        "harness/snapshot/bits.py"}),  # a bit-exact snapshot records the stage's run again
     ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py",  # routing.py: judging only
                         "harness/snapshot/record.py"}),  # a snapshot's recorded routes, to name a replay's other routing
-    ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
+    ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden_write.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
 ])
 def test_each_decision_has_one_home(name, homes):
