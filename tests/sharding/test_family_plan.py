@@ -13,7 +13,8 @@ from harness import FIXTURES_DIR
 from harness.base.errors import ShardingError
 from harness.inputs.spec import load_spec, spec_from_config_dict
 from harness.plan.instances import CORE_HBM, allowed_tps, check_fits
-from harness.port.sharding import bytes_per_rank, merge_layer_shards, plan_model, shard_layer
+from harness.port.rank_merge import merge_layer_shards
+from harness.port.sharding import bytes_per_rank, plan_model, shard_layer
 
 CONFIGS = FIXTURES_DIR / "configs"
 
