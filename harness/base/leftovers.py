@@ -35,8 +35,6 @@ def _stale_claim(entry: Path) -> bool:
     return True
 
 
-# ---- leftovers of killed runs ------------------------------------------------------------------
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
