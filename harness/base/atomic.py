@@ -9,7 +9,8 @@ one is; elsewhere the old one is moved aside first and put back by the next run 
 in between.
 
 Temp names start with TEMP_MARK and carry the writer's pid and host, so the leftovers of a killed
-run are recognisable and `clean_stale_temps` removes them on a later run (never a live run's).
+run are recognisable and `clean_stale_temps` (harness/base/leftovers.py) removes them on a later
+run (never a live run's).
 OSErrors become OutputError naming the user's path, never the temp name.
 """
 
@@ -20,11 +21,9 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import socket
 import tempfile
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,10 +32,7 @@ from harness.base.errors import SHOW_BYTES, HarnessInputError, OutputError, os_p
 TEMP_MARK = ".partial-"  # temp names start with this, so leftovers of a killed run are recognisable
 FILE_MODE = 0o644  # what a user's umask normally gives; mkstemp alone would leave 0600
 DIR_MODE = 0o755
-STALE_AFTER_S = 24 * 3600  # a temp whose writer cannot be checked (another host) is stale after this
-PID_REUSED_AFTER_S = 7 * 24 * 3600
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
-_OWNER = re.compile(r"\.(?P<pid>\d+)@(?P<host>[0-9a-f]{8})\.")
 _OLD_TARGET = "TARGET"  # inside a moved-aside old directory: the name it came from
 
 
@@ -255,90 +251,3 @@ def release_claims() -> None:
         except OSError:
             pass
         os.close(fd)
-
-
-def _stale_claim(entry: Path) -> bool:
-    """A claim file nobody holds (its run was killed): taking the lock without waiting proves it."""
-    import fcntl
-
-    try:
-        fd = os.open(entry, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
-# ---- leftovers of killed runs ------------------------------------------------------------------
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, someone else's
-        return True
-    return True
-
-
-def is_stale(entry: Path, now: float | None = None, max_age_s: float = STALE_AFTER_S) -> bool:
-    """A temp of this tool (its name carries the writer's pid and host) whose writer is gone: a dead
-    pid on this host, or older than max_age_s from another host (which cannot be asked). A live
-    run's temp is never stale, and a name without the writer's tag is never this tool's."""
-    if not entry.name.startswith(TEMP_MARK):
-        return False
-    try:
-        age = (now or time.time()) - entry.lstat().st_mtime
-    except OSError:
-        return False
-    owner = _OWNER.search(entry.name[len(TEMP_MARK):])
-    if owner is None:
-        return False  # not named by this tool (a user's file that happens to start the same way)
-    if owner["host"] == _HOST:
-        pid = int(owner["pid"])
-        # a week-old temp of a "live" pid is a reused pid, not a run
-        return pid != os.getpid() and (not _pid_alive(pid) or age > PID_REUSED_AFTER_S)
-    return age > max_age_s
-
-
-def _restore_or_remove(entry: Path) -> str:
-    """A moved-aside old directory whose target is missing (a kill between the two renames) is
-    put back; anything else stale is removed."""
-    target_file, previous = entry / _OLD_TARGET, entry / "previous"
-    if entry.is_dir() and target_file.is_file() and previous.is_dir():
-        target = entry.parent / target_file.read_text().strip()
-        if target.parent == entry.parent and not target.exists():
-            os.replace(previous, target)
-            shutil.rmtree(entry, ignore_errors=True)
-            return f"restored {target} (a run was killed while replacing it)"
-    if entry.is_dir() and not entry.is_symlink():
-        shutil.rmtree(entry, ignore_errors=True)
-    else:
-        entry.unlink(missing_ok=True)
-    return f"removed {entry} (left by a killed run)"
-
-
-def clean_stale_temps(directory) -> list[str]:
-    """Remove (or restore) the stale temps of killed runs in `directory`; what was done, per entry.
-    Best effort: a directory that cannot be listed or an entry that cannot be removed is skipped."""
-    directory = Path(directory)
-    try:
-        entries = [e for e in directory.iterdir() if e.name.startswith(TEMP_MARK)]
-    except OSError:
-        return []
-    done = []
-    for entry in entries:
-        if entry.name.endswith(CLAIM_SUFFIX) and entry.is_file() and _stale_claim(entry):
-            entry.unlink(missing_ok=True)
-            continue
-        if is_stale(entry):
-            try:
-                done.append(_restore_or_remove(entry))
-            except OSError:
-                continue
-    return done

@@ -6,6 +6,7 @@ from harness.base.atomic import write_json_atomic
 from harness.base.settings import PUBLISHED_BUCKET, RunSettings
 from harness.cli import validate as v
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_run_args, run_settings, with_generator
+from harness.cli.output_paths import _json_is_ours, clean_leftovers, output_location, replaceable_file
 
 # What graphs lowers unless told: the published port's prefill bucket.
 GRAPHS_SETTINGS = RunSettings(backend="xla", buckets=(PUBLISHED_BUCKET,))
@@ -33,8 +34,8 @@ def validate(args) -> None:
     inputs = {"--config": v.input_path(args.config, "--config", want_dir=False)}
     outputs: dict = {}
     if args.json is not None:
-        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
-    v.clean_leftovers(outputs.values())
+        replaceable_file(output_location(args.json, "--json", False, inputs, outputs), "--json", _json_is_ours)
+    clean_leftovers(outputs.values())
     args.spec = load_spec(args.config)
     v.check_tp(args.spec, args.tp)
     v.check_kv_len(args.spec, args.kv_len)

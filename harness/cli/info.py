@@ -7,6 +7,7 @@ from harness.base.errors import HarnessInputError, OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK, add_model_args, add_run_args, run_settings, with_generator
 from harness.cli.host_gate import add_host_memory_arg, budget
+from harness.cli.output_paths import _json_is_ours, clean_leftovers, output_location, replaceable_file
 from harness.report.fit import render_fit_table
 from harness.report.perf_text import render_roofline
 
@@ -62,8 +63,8 @@ def validate(args) -> None:
     inputs = v.model_inputs(args)
     outputs: dict = {}
     if args.json is not None:
-        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
-    v.clean_leftovers(outputs.values())
+        replaceable_file(output_location(args.json, "--json", False, inputs, outputs), "--json", _json_is_ours)
+    clean_leftovers(outputs.values())
     if args.config is not None:
         args.spec, args.ckpt = load_spec(args.config), None
     else:

@@ -8,6 +8,7 @@ from pathlib import Path
 from harness.base.errors import OptionError
 from harness.cli import validate as v
 from harness.cli.common import EXIT_OK
+from harness.cli.output_paths import output_location
 
 
 def add_command(sub) -> None:
@@ -28,7 +29,7 @@ def validate(args) -> None:
     inputs = {f"source {k}": v.input_path(s, "GOLDEN_DIR", want_dir=True) for k, s in enumerate(args.sources)}
     if len({p.resolve() for p in inputs.values()}) < len(inputs):
         raise OptionError("GOLDEN_DIR: the same directory is given twice; give each shard run's directory once")
-    out = v.output_location(args.out, "--out", True, inputs, {})
+    out = output_location(args.out, "--out", True, inputs, {})
     check_destination(out)
     args.plan = plan_merge([Path(s) for s in args.sources])
 

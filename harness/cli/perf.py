@@ -13,6 +13,7 @@ from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate
 from harness.cli.check import add_speculate_args, validate_speculate
 from harness.cli.common import EXIT_OK, add_run_args, run_settings
+from harness.cli.output_paths import clean_leftovers, output_location, replaceable_file
 from harness.inputs.prompts import kv_positions_used
 from harness.perf import DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, append_history, run_bench, write_json
 from harness.report.perf_text import render_bench_summary
@@ -110,14 +111,14 @@ def validate_bench(args) -> None:
                           "new tokens")
     inputs = v.model_inputs(args)
     outputs: dict = {}
-    out = v.output_location(args.out, "--out", False, inputs, outputs)
+    out = output_location(args.out, "--out", False, inputs, outputs)
     if out.exists() and not args.force:  # refuse before spending minutes benchmarking
         raise OutputError(f"--out {out}: already exists; pass --force to overwrite it or choose another --out")
     if out.exists():
-        v.replaceable_file(out, "--out", _is_bench_result)
+        replaceable_file(out, "--out", _is_bench_result)
     if args.history is not None:
-        v.output_location(args.history, "--history", True, inputs, outputs)
-    v.clean_leftovers(outputs.values())
+        output_location(args.history, "--history", True, inputs, outputs)
+    clean_leftovers(outputs.values())
     claim_output(out, "--out")  # a second bench for the same --out is refused now, not after its runs
     ckpt = v.open_checkpoint(args)
     v.check_tp(ckpt.spec, args.tp)
@@ -141,7 +142,7 @@ def _auto_runs(args) -> int:
     import time
 
     from harness.perf.resolution import STATED_CHANGE, runs_for
-    from harness.perf.results import metric_samples
+    from harness.perf.samples import metric_samples
 
     start = time.monotonic()
     pilot = run_bench(args.ckpt, args.settings, runs=AUTO_PILOT_RUNS, warmup=args.warmup,

@@ -10,6 +10,8 @@ from pathlib import Path
 from harness.base.errors import HarnessInputError, InputFileError, OptionError, read_json_file
 from harness.cli import validate as v
 from harness.cli.common import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_OK, with_generator
+from harness.cli.output_paths import (MARKDOWN_MARK, _json_is_ours, _markdown_is_ours, clean_leftovers, output_location,
+                                      replaceable_file)
 from harness.perf import (DEFAULT_ALPHA, DEFAULT_FACTOR, MAX_ALPHA, compare_files, compare_history, parse_budgets,
                           write_json, write_text)
 from harness.perf.results import history_files, sample_problem, skipped_history_entries, validate_result
@@ -88,19 +90,19 @@ def validate_compare(args) -> None:
         _check_result_file(file)
     outputs: dict = {}
     if args.markdown is not None:
-        v.replaceable_file(v.output_location(args.markdown, "--markdown", False, inputs, outputs), "--markdown",
-                           v._markdown_is_ours)
+        replaceable_file(output_location(args.markdown, "--markdown", False, inputs, outputs), "--markdown",
+                         _markdown_is_ours)
     if args.markdown is not None:  # the plots beside it: only ones an earlier run drew are replaced
         for png, what in ((_length_png(args.markdown), "length plot"), (_trend_png(args.markdown), "trend plot")):
             if png.exists() and (what == "length plot" or not args.plot):
-                v.replaceable_file(png, f"--markdown's {what}", _png_is_ours)
+                replaceable_file(png, f"--markdown's {what}", _png_is_ours)
     if args.json is not None:
-        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
+        replaceable_file(output_location(args.json, "--json", False, inputs, outputs), "--json", _json_is_ours)
     if args.plot is not None:
-        plot = v.output_location(args.plot, "--plot", False, inputs, outputs)
+        plot = output_location(args.plot, "--plot", False, inputs, outputs)
         if plot.exists():  # only a PNG (a trend plot of an earlier run) is replaced
-            v.replaceable_file(plot, "--plot", _png_is_ours)
-    v.clean_leftovers(outputs.values())
+            replaceable_file(plot, "--plot", _png_is_ours)
+    clean_leftovers(outputs.values())
 
 
 # ---- running -------------------------------------------------------------------------------------
@@ -119,7 +121,7 @@ def run_compare_command(args) -> int:
     print(render_text(comp), end="")
     if args.markdown:  # a report, rewritten each run
         link = None if plot is None else _relative(plot, Path(args.markdown).parent)
-        write_text(args.markdown, render_markdown(comp, link) + f"\n{v.MARKDOWN_MARK}\n", overwrite=True)
+        write_text(args.markdown, render_markdown(comp, link) + f"\n{MARKDOWN_MARK}\n", overwrite=True)
     if args.json is not None:
         write_json(args.json, with_generator(comp.to_dict(), "perf compare"), overwrite=True)
     if comp.failed:

@@ -10,6 +10,8 @@ from harness.base.errors import InputFileError, OptionError
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate
 from harness.cli.common import EXIT_FAIL, EXIT_OK, add_model_args, add_port_args, run_settings, with_generator
+from harness.cli.output_paths import (_json_is_ours, clean_leftovers, output_location, replaceable_file,
+                                      replaceable_report)
 
 
 def add_command(sub) -> None:
@@ -77,12 +79,12 @@ def _refuse_model(spec, backend: str) -> None:
 def _outputs(args, inputs) -> None:
     outputs: dict = {}
     if args.json is not None:
-        v.replaceable_file(v.output_location(args.json, "--json", False, inputs, outputs), "--json", v._json_is_ours)
+        replaceable_file(output_location(args.json, "--json", False, inputs, outputs), "--json", _json_is_ours)
     if args.report is not None:
-        v.replaceable_report(v.output_location(args.report, "--report", True, inputs, outputs), "--report", "quality")
-    golden = v.output_location(args.golden, "--golden", True, inputs, outputs)
+        replaceable_report(output_location(args.report, "--report", True, inputs, outputs), "--report", "quality")
+    golden = output_location(args.golden, "--golden", True, inputs, outputs)
     shards = sorted(p for p in golden.glob("shard-*-of-*") if p.is_dir() and not p.is_symlink()) if golden.is_dir() else []
-    v.clean_leftovers([*outputs.values(), *shards])  # a killed part write leaves its temp in the shard's directory
+    clean_leftovers([*outputs.values(), *shards])  # a killed part write leaves its temp in the shard's directory
 
 
 def validate(args) -> None:

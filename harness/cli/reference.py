@@ -9,6 +9,7 @@ from harness.base.errors import OptionError, OutputError
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate, rows_of
 from harness.cli.common import EXIT_OK, add_model_args
+from harness.cli.output_paths import clean_leftovers, output_location
 from harness.inputs.prompts import DEFAULT_NEW_TOKENS
 
 
@@ -36,7 +37,8 @@ def add_command(sub) -> None:
 
 def validate(args) -> None:
     from harness.inputs.prompts import load_prompts, validate_prompt_fit, validate_prompt_ids
-    from harness.reference.golden import check_replaceable, is_golden_dir
+    from harness.reference.golden import is_golden_dir
+    from harness.reference.golden_write import check_replaceable
     from harness.reference.selfcheck import refuse_unsound_reference
 
     if args.stream and args.new_tokens is not None:
@@ -49,13 +51,13 @@ def validate(args) -> None:
     inputs = v.model_inputs(args)
     if args.prompts is not None:
         inputs["--prompts"] = v.input_path(args.prompts, "--prompts", want_dir=False)
-    out = v.output_location(args.out, "--out", True, inputs, {})
+    out = output_location(args.out, "--out", True, inputs, {})
     inside = next((d for d in out.resolve().parents if is_golden_dir(d)), None)
     if inside is not None:
         raise OutputError(f"--out {out}: is inside the golden {inside}; a golden holds only its own two "
                           "files. Choose a location outside it.")
     check_replaceable(out, args.overwrite)
-    v.clean_leftovers([out])
+    clean_leftovers([out])
     claim_output(out, "--out")  # a second run for the same --out is refused now, not after its work
     ckpt = v.open_checkpoint(args)
     if args.quantize:  # the quantized model's own checkpoint (harness/inputs/quantized_checkpoint.py)
@@ -74,7 +76,7 @@ def validate(args) -> None:
 
 def run(args) -> int:
     from harness.cli.common import run_provenance
-    from harness.reference.golden import make_golden
+    from harness.reference.golden_write import make_golden
 
     if getattr(args, "self_check", None) is not None:
         args.self_check()  # the reference checked against itself: exit 2

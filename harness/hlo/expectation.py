@@ -43,7 +43,7 @@ class Expectation:
 
 def plan_weight_shapes(spec, tp: int, rank: int = 0) -> dict[str, tuple[int, ...]]:
     """One rank's weight names and shapes, by the sharding plan's own functions on meta tensors."""
-    from harness.inputs.checkpoint import expected_layer_shapes
+    from harness.inputs.shapes import expected_layer_shapes
 
     shapes = {}
     for layer, plan in zip(spec.layers, plan_model(spec, tp)):

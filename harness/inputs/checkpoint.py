@@ -1,6 +1,7 @@
 """Local safetensors checkpoints: index, key mapping to the text decoder, shape checks, per-layer
 memory-mapped reads (a 12B never resident at once) and pickle refusal
-(the tiny fixture builder is harness/inputs/tiny.py)."""
+(the shapes it checks against: harness/inputs/shapes.py; the tiny fixture builder:
+harness/inputs/tiny.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from harness.base.errors import CheckpointError, NumericsError
 from harness.inputs.qat import describe_quantization, refuse_packed_config, refuse_packed_tensors
-from harness.inputs.spec import TRANSFORMERS_CLASSES, LayerSpec, ModelSpec, load_spec
+from harness.inputs.shapes import DEVICE_MODEL_LEVEL, expected_layer_shapes, model_level_shapes, transformers_shapes
+from harness.inputs.spec import ModelSpec, load_spec
 from harness.inputs.weight_files import key_map, open_safetensors, weight_files
 
 # The unified multimodal checkpoint keeps the text decoder under model.language_model; a bare
@@ -22,63 +24,6 @@ TEXT_PREFIXES = ("model.language_model.", "model.")
 # Weights the port and the reference cast to the run's dtype: integer or boolean tensors are not
 # weights of this model, and casting them would make up numbers.
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-
-
-def expected_layer_shapes(spec: ModelSpec, layer: LayerSpec) -> dict[str, tuple[int, ...]]:
-    """Names (relative to the layer) and shapes of one decoder layer's tensors."""
-    h, d, i = spec.hidden_size, layer.head_dim, spec.mlp_size(layer)
-    shapes = {
-        "self_attn.q_proj.weight": (layer.q_heads * d, h),
-        "self_attn.k_proj.weight": (layer.kv_heads * d, h),
-        "self_attn.o_proj.weight": (h, layer.q_heads * d),
-        "self_attn.q_norm.weight": (d,),
-        "self_attn.k_norm.weight": (d,),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "pre_feedforward_layernorm.weight": (h,),
-        "post_feedforward_layernorm.weight": (h,),
-        "layer_scalar": (1,),
-    }
-    if not layer.k_eq_v:
-        shapes["self_attn.v_proj.weight"] = (layer.kv_heads * d, h)
-    if layer.kv_source is not None:  # a KV-shared layer reads another layer's cache: no k/v of its own
-        for name in ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight"):
-            shapes.pop(name, None)
-    shapes.update(family_layer_shapes(spec))
-    return shapes
-
-
-def family_layer_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """The per-layer input's gate (E2B/E4B) and the MoE block (26B-A4B), as modeling_gemma4 names them."""
-    h, p, shapes = spec.hidden_size, spec.per_layer_input_size, {}
-    if p:
-        shapes.update({"per_layer_input_gate.weight": (p, h), "per_layer_projection.weight": (h, p),
-                       "post_per_layer_input_norm.weight": (h,)})
-    if spec.moe is not None:
-        e, mi = spec.moe.num_experts, spec.moe.intermediate_size
-        shapes.update({"router.proj.weight": (e, h), "router.scale": (h,), "router.per_expert_scale": (e,),
-                       "experts.gate_up_proj": (e, 2 * mi, h), "experts.down_proj": (e, h, mi),
-                       "post_feedforward_layernorm_1.weight": (h,), "post_feedforward_layernorm_2.weight": (h,),
-                       "pre_feedforward_layernorm_2.weight": (h,)})
-    return shapes
-
-
-def model_level_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Decoder tensors outside the layers (names relative to the decoder prefix)."""
-    h, p = spec.hidden_size, spec.per_layer_input_size
-    shapes = {"embed_tokens.weight": (spec.vocab_size, h), "norm.weight": (h,)}
-    if p:
-        shapes.update({"embed_tokens_per_layer.weight": (spec.per_layer_vocab_size, spec.num_layers * p),
-                       "per_layer_model_projection.weight": (spec.num_layers * p, h),
-                       "per_layer_projection_norm.weight": (p,)})
-    return shapes
-
-
-# Model-level tensors the device holds (replicated on every rank); the per-layer table stays on the host.
-DEVICE_MODEL_LEVEL = ("per_layer_model_projection.weight", "per_layer_projection_norm.weight")
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -250,7 +195,7 @@ class Checkpoint:
         model work, rather than by transformers after the port has run."""
         if not self.ignored_keys:
             return
-        expected = _transformers_shapes(self.path)
+        expected = transformers_shapes(self.path)
         by_file: dict[Path, list[str]] = {}
         for key in self.ignored_keys:
             if key in expected:
@@ -275,24 +220,6 @@ class Checkpoint:
             files = sorted(set(self.weight_files()) | {self.path / "config.json"})
             self._hashes = {p.name: sha256_file(p) for p in files}
         return dict(self._hashes)
-
-
-def _transformers_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Every parameter's shape in transformers' class for the config, built on the meta device
-    (no memory, no weights read)."""
-    import transformers
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as exc:  # transformers raises several types for configs it cannot read
-        raise CheckpointError(f"{path / 'config.json'}: transformers cannot read it ({exc})") from None
-    # The class the reference loads for this model type (a gemma4 config in a unified class has
-    # none of the attributes that class reads).
-    cls = getattr(transformers, TRANSFORMERS_CLASSES[config.model_type][1])
-    with torch.device("meta"):
-        model = cls(config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 # The parts of a multimodal checkpoint beside the text decoder, by transformers' module name: the

@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from harness import FIXTURES_DIR
-from harness.base.atomic import atomic_directory, clean_stale_temps
+from harness.base.atomic import atomic_directory
 from harness.base.errors import (CheckpointError, HarnessInputError, InputFileError, OutputError, not_a_file, os_problem,
                                  read_json_file, wrapped_os_error)
+from harness.base.leftovers import clean_stale_temps
 from harness.inputs.spec import TRANSFORMERS_CLASSES
 
 ROW_NORM_SPREAD = 0.5

@@ -100,7 +100,7 @@ class RoutingResult:
 # ---- the port's routing -------------------------------------------------------------------------
 
 def port_rows(run, name: str) -> torch.Tensor | None:
-    """A layer point of the port's teacher-forced run (harness.parity.observe.PortPrompt) at every
+    """A layer point of the port's teacher-forced run (harness.parity.observation.PortPrompt) at every
     position: the prefill rows, then each decode step's; None when the run has no such point."""
     rows = run.forced.prefill.captures.get(name)
     if rows is None:
@@ -144,7 +144,7 @@ class RouterDecisions(NamedTuple):
 
 
 def judge_routing(obs, spec) -> RoutingResult:
-    """Every router decision of a stage's observation (harness.parity.observe.StageObservation):
+    """Every router decision of a stage's observation (harness.parity.observation.StageObservation):
     on the port's own path where obs.alone_routers holds transformers' router alone on the port's
     input (fp32, bf16) per router point; else against the fp32 logits (obs.ref, on the port's
     routing) by the tail band calibrated from obs.env."""

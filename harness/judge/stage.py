@@ -26,7 +26,7 @@ def near_tie_calibration(ref32: list, ref16: list) -> NearTieCalibration:
 def compare_layers(spec, observed, judge: StageJudge = BF16, decode: bool = False) -> list[LayerResult]:
     """Every layer whose points were observed, judged point by point (compare.compare_point):
     `observed` holds per point name the device's (.dev), the fp32 reference's (.ref) and the stage's
-    envelope reference's (.env) rows (a harness.parity.observe.StageObservation). POOLED_PARTS are judged
+    envelope reference's (.env) rows (a harness.parity.observation.StageObservation). POOLED_PARTS are judged
     by at least their part's pooled envelope (compare.pooled_floors)."""
     dev, ref, env = observed.dev, observed.ref, observed.env
     judged = [(layer, layer_points(layer.index, decode, spec)) for layer in spec.layers]
@@ -106,7 +106,7 @@ def _notes(obs, spec, backend: str) -> list[str]:
 
 
 def judge_stage(obs, spec, context) -> CheckResult:
-    """A stage's observation (harness.parity.observe.StageObservation) judged by its StageJudge
+    """A stage's observation (harness.parity.observation.StageObservation) judged by its StageJudge
     (obs.stage), in its context (harness.parity.observe.StageContext: the labels, the near-tie
     calibration, the fp32 stage's structural flips); on MoE models the bf16 stage also judges
     every router decision (harness/judge/routing.py)."""

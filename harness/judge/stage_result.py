@@ -114,7 +114,7 @@ class Stage:
 
 # The named inputs a stage may read: the bf16 stage's finished result (harness.judge.results.CheckResult),
 # the checkpoint, the parity build's engine (held until the last stage reading it has run) and the
-# references the check observed (harness.parity.observe.StageReferences).
+# references the check observed (harness.parity.observation.StageReferences).
 INPUTS = ("result", "checkpoint", "engine", "references")
 
 

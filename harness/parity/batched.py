@@ -25,7 +25,8 @@ from harness.base.progress import status
 from harness.judge.results import CheckResult
 from harness.judge.stage import judge_stage, structural_flips
 from harness.judge.stage_result import Gate, Stage, StageResult
-from harness.parity.observe import PortFailure, PortPrompt, StageContext, build_port, observe_stage, port_call
+from harness.parity.observation import PortPrompt
+from harness.parity.observe import PortFailure, StageContext, build_port, observe_stage, port_call
 
 # The batch stage's KV slots: one fewer than the prompts (so the last, shortest prompt starts in the
 # slot the longest left), at least 2, at most 4 (the batch buckets a device compiles: 1, 2, 4).

@@ -29,7 +29,7 @@ MODES = ("capture", "truncate")
 
 def bisect_capture(checkpoint, engine, refs, layer_backend=None, run: dict | None = None) -> BisectResult:
     """Capture mode: `check_port` on `engine` (any backend) against the golden's references
-    (harness.parity.observe.StageReferences: fp32, bf16), with the local verdicts run by `layer_backend` (a CPU backend; the engine's own on
+    (harness.parity.observation.StageReferences: fp32, bf16), with the local verdicts run by `layer_backend` (a CPU backend; the engine's own on
     cpu); run = check_port's keyword options (progress, fp32_engine). Every
     count and the first divergent layer are the check's."""
     from harness.parity.check import check_port
@@ -73,7 +73,8 @@ def run_bisect(checkpoint, golden, settings: RunSettings = RunSettings(), mode: 
     """Bisect `checkpoint` (run as `settings` say) against a golden read for the checkpoint's spec.
     The golden may come from other weights (yesterday's): only the architecture must match. Capture
     mode runs the check's stages (the fp32 one when `fp32_stage`)."""
-    from harness.parity.observe import StageReferences, build_port, layer_backend as cpu_layers
+    from harness.parity.observation import StageReferences
+    from harness.parity.observe import build_port, layer_backend as cpu_layers
 
     backend, buckets = settings.backend, settings.buckets
     mode = mode or ("capture" if backend == "cpu" else "truncate")

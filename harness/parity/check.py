@@ -31,7 +31,8 @@ from harness.parity.host_rows import per_layer_rows_stage
 from harness.parity.layer_bits import bitwise_layers_stage
 from harness.parity.local import intra_op_threads_for, local_verdicts
 from harness.reference.golden import Golden, same_weights
-from harness.parity.observe import (PortFailure, StageContext, StageReferences, build_fp32_port, build_port, check_fit,
+from harness.parity.observation import StageReferences
+from harness.parity.observe import (PortFailure, StageContext, build_fp32_port, build_port, check_fit,
                                     load_reference_source, load_references, observe_stage, port_call)
 from harness.base.settings import RunSettings
 from harness.judge.distribution import distribution_stage

@@ -59,7 +59,7 @@ def add_pins(obs, checkpoint, forcing: list[Forced]) -> list[str]:
     layer's post-norm scales that direction up to full size. The rule reads the fp32 reference and
     the typical noise of the point only, never one row's error sample: pinning where the bf16
     reference happened to err would leave the port's unlucky rows beside an envelope cut short.
-    obs: a harness.parity.observe.StageObservation. Returns the new pins' labels."""
+    obs: a harness.parity.observation.StageObservation. Returns the new pins' labels."""
     added, spec = [], checkpoint.spec
     for layer in spec.layers:
         name = Point("layer", layer.index, "per_layer_input").name
@@ -100,7 +100,7 @@ def seed_pins(forcing: list[Forced], pins: list | None, runs: list) -> list[str]
 
 def follow_routing(runs: list, spec, stage: str) -> list[Forced]:
     """The routing rule: per prompt, what its references are forced to before any pin: in the bf16
-    stage of an MoE model the port's experts at every position it computed (harness.parity.observe.PortPrompt
+    stage of an MoE model the port's experts at every position it computed (harness.parity.observation.PortPrompt
     runs); nothing in the fp32 stage, where the port must route as the fp32 reference does."""
     if spec.moe is None or stage != "bf16":
         return [Forced() for _ in runs]

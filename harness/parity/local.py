@@ -130,7 +130,7 @@ def local_verdicts(checkpoint, layer_backend, obs, cumulative: list[LayerResult]
                    progress: bool = False) -> tuple[list[LayerVerdict], dict | None]:
     """Every layer of the port alone on the reference's (golden's) input to it, judged by the
     policy, next to its cumulative points as the stage judged them. obs: the stage's observation
-    (harness.parity.observe.StageObservation: the references it was judged against, the port's captures);
+    (harness.parity.observation.StageObservation: the references it was judged against, the port's captures);
     cumulative: the stage's judged layers (CheckResult.layers), read, never judged again here.
     The verdicts and the first non-finite local capture (or None)."""
     spec = checkpoint.spec

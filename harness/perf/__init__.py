@@ -24,10 +24,10 @@ from harness.perf.compare import (BUDGETS, DEFAULT_ALPHA, DEFAULT_FACTOR, MAX_AL
                                   compare_samples, decide, parse_budgets, pin_outputs, software_notes)
 from harness.perf.history import HISTORY_WINDOW, compare_files, compare_history, median_run_samples
 from harness.perf.machine import git_commit, machine_info, package_versions
-from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, FORMAT, append_history, budget_samples,
-                                  dtype_name, latency_samples, load_history, load_result, metric_samples,
-                                  mismatches, validate_result, write_json, write_text)
+from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, FORMAT, append_history, dtype_name,
+                                  load_history, load_result, mismatches, validate_result, write_json, write_text)
 from harness.perf.roofline import DEFAULT_INSTANCE, info_floors, instance_rates, measured_rates, roofline_block
+from harness.perf.samples import budget_samples, latency_samples, metric_samples
 from harness.perf.stats import (mann_whitney_greater, mann_whitney_less, percentile, ratio_interval, runs_needed,
                                 smallest_p, summarize)
 

@@ -116,7 +116,7 @@ BATCH_BUDGET_FACTOR = 2.0
 def batch_budgets(result: dict, factor: float = BATCH_BUDGET_FACTOR) -> dict[str, float]:
     """`step_ms@b{B}` -> an absolute ceiling in ms per batch size of a `bench --batch` result:
     `factor` x that batch's decode floor on the rates the bench recorded (the instance's, on inf2).
-    Checked with compare.check_budgets on results.budget_samples (tests/perf/test_device_budgets.py)."""
+    Checked with compare.check_budgets on samples.budget_samples (tests/perf/test_device_budgets.py)."""
     rows = (result.get("batch") or {}).get("rows") or []
     if not rows:
         raise HarnessInputError("this bench result has no batch block: run `gemma-parity bench --batch 1,2,4,8`")

@@ -23,7 +23,8 @@ from harness.base.progress import status
 from harness.base.settings import PUBLISHED_BUCKET, RunSettings
 from harness.inputs.prompts import kv_positions_used
 from harness.perf import length, machine, outputs
-from harness.perf.results import FORMAT, latency_samples, metric_samples
+from harness.perf.results import FORMAT
+from harness.perf.samples import latency_samples, metric_samples
 from harness.perf.roofline import measured_rates, neuron_instance_rates, roofline_block
 from harness.perf.stats import summarize
 from harness.perf.timing import timed_generate

@@ -24,7 +24,8 @@ from harness.perf import outputs, stats
 from harness.perf.batch import pin_batch_outputs
 from harness.perf.environment import judge_environment
 from harness.perf.length import pin_length_outputs
-from harness.perf.results import CONFIGURATION_FIELDS, metric_samples, mismatches, budget_samples
+from harness.perf.results import CONFIGURATION_FIELDS, mismatches
+from harness.perf.samples import budget_samples, metric_samples
 
 # Absolute ceilings on the median, in ms, for the real 12B on one inf2 chip at TP=2, bf16, bucket 64.
 BUDGETS = {

@@ -22,8 +22,8 @@ from harness.perf import environment, stats
 from harness.perf.changepoints import find_family, runs_needed
 from harness.perf.compare import (DEFAULT_ALPHA, DEFAULT_FACTOR, Comparison, check_comparable, compare_results,
                                   compare_samples, pin_outputs, software_notes)
-from harness.perf.results import (BASELINE_FILE, COMPARABLE_FIELDS, budget_samples, load_history, load_result,
-                                  metric_samples, mismatches)
+from harness.perf.results import BASELINE_FILE, COMPARABLE_FIELDS, load_history, load_result, mismatches
+from harness.perf.samples import budget_samples, metric_samples
 
 HISTORY_WINDOW = 5
 

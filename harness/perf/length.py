@@ -18,7 +18,7 @@ from harness.perf import outputs
 from harness.perf.context import context_floors
 from harness.perf.timing import timed_generate
 
-from harness.perf.results import length_samples  # noqa: F401  (re-exported)
+from harness.perf.samples import length_samples  # noqa: F401  (re-exported)
 
 
 def parse_lengths(text: str) -> tuple[int, ...]:

@@ -29,7 +29,8 @@ from harness.inputs.prompts import check_kv_fit
 from harness.port.blocks import per_layer_rows
 from harness.port.graphs import batch_buckets
 from harness.port.kv_slots import check_seq_ids
-from harness.port.sharding import merge_rank_caches, ring_windows
+from harness.port.rank_merge import merge_rank_caches
+from harness.port.sharding import ring_windows
 
 
 def choose_bucket(length: int, buckets) -> int:

@@ -1,4 +1,5 @@
-"""Tensor-parallel plan from the spec, and per-rank weight shards: the one place that knows ranks.
+"""Tensor-parallel plan from the spec, and per-rank weight shards: the one place that knows ranks
+(gathering them back: harness/port/rank_merge.py).
 
 Query heads are split across ranks. KV heads are sharded when nkv % tp == 0 and replicated when
 tp % nkv == 0 (the 12B's full layers: one KV head, copied whole to both ranks); anything else is an
@@ -148,36 +149,6 @@ def shard_lm_head(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return weight.chunk(tp, 0)[rank].contiguous()
 
 
-def merge_layer_shards(shards: list[dict[str, torch.Tensor]], plan: LayerPlan) -> dict[str, torch.Tensor]:
-    """Inverse of shard_layer: concatenate the ranks' pieces (one copy of each replicated head)."""
-    d = plan.head_dim
-    merged = {}
-    for name in shards[0]:
-        rows_of = weight_name(name) or name  # a scale merges as its weight's rows (shard_layer)
-        if rows_of in Q_ROWS:
-            merged[name] = torch.cat([s[name] for s in shards], 0)
-        elif name in Q_COLS:
-            merged[name] = torch.cat([s[name] for s in shards], 1)
-        elif rows_of in KV_ROWS:
-            by_head = {}
-            for rank, s in enumerate(shards):
-                for j, h in enumerate(kv_heads_for_rank(plan, rank)):
-                    by_head.setdefault(h, s[name][j * d:(j + 1) * d])
-            merged[name] = torch.cat([by_head[h] for h in sorted(by_head)], 0)
-        elif rows_of in MLP_ROWS:
-            merged[name] = torch.cat([s[name] for s in shards], 0)
-        elif name in MLP_COLS:
-            merged[name] = torch.cat([s[name] for s in shards], 1)
-        elif name == EXPERT_GATE_UP:
-            halves = [s[name].chunk(2, 1) for s in shards]
-            merged[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 1)
-        elif name == EXPERT_DOWN:
-            merged[name] = torch.cat([s[name] for s in shards], 2)
-        else:
-            merged[name] = shards[0][name]
-    return merged
-
-
 def rank_state_dicts(checkpoint, tp: int, dtype: torch.dtype | None = None,
                      quantize: str | None = None) -> list[dict[str, torch.Tensor]]:
     """Per-rank state dicts for model.RankDecoder, streamed one layer at a time from `checkpoint`;
@@ -209,39 +180,6 @@ def ring_windows(spec: ModelSpec, sliding_cache: str, max_len: int) -> dict[int,
     if sliding_cache != "ring":
         return {}
     return {layer.index: layer.window for layer in spec.layers if layer.is_sliding and layer.window < max_len}
-
-
-def cache_slots(written: int, window: int | None) -> torch.Tensor:
-    """Cache slots holding the positions a cache still has after `written` writes, oldest first:
-    [0, written) of a linear cache; the last `window` positions of a ring (position p in slot
-    p % window), so a ring reads back in absolute-position order."""
-    if window is None:
-        return torch.arange(written)
-    return torch.arange(max(written - window, 0), written) % window
-
-
-def merge_rank_caches(spec: ModelSpec, tp: int, kv_cache, written: int,
-                      rings: dict[int, int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's KV cache at the positions it holds after `written` writes ([0, written) for a
-    linear cache, the last window positions of a ring layer in `rings`: layer -> window), merged
-    over ranks by the plan into the model's KV head order (one copy of a replicated head): per
-    layer (k, v), each [kv_heads, held, head_dim] fp32, oldest position first. `kv_cache(layer,
-    rank)` gives one rank's (k, v), [1, heads, slots, d]."""
-    merged = []
-    for i, plan in enumerate(plan_model(spec, tp)):
-        if spec.layers[i].kv_source is not None:  # a KV-shared layer (model_blocks) holds none: None
-            merged.append(None)
-            continue
-        slots = cache_slots(written, (rings or {}).get(i))
-        parts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for rank in range(tp):
-            k, v = kv_cache(i, rank)
-            for slot, head in enumerate(kv_heads_for_rank(plan, rank)):
-                parts.setdefault(head, (k[0, slot, slots], v[0, slot, slots]))
-        heads = sorted(parts)
-        merged.append((torch.stack([parts[h][0] for h in heads]).float(),
-                       torch.stack([parts[h][1] for h in heads]).float()))
-    return merged
 
 
 # ---- device memory per rank ------------------------------------------------------------------------

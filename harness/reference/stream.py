@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from harness.base.settings import torch_dtype
-from harness.reference.run import Recorder, kv_rows, record_cache_writes, hf_decoder_parts, transformers_capped
+from harness.reference.capture import Recorder, kv_rows, record_cache_writes
+from harness.reference.run import hf_decoder_parts, transformers_capped
 
 
 def stream_prefill_captures(checkpoint, prompt: list[int], dtype=torch.float32,

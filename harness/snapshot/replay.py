@@ -195,7 +195,7 @@ def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str
 
         return replay_bits(snap, checkpoint)
     if snap.target.get("host"):  # no device call: the port's host code on the recorded inputs
-        from harness.snapshot.host import replay_host
+        from harness.snapshot.host_replay import replay_host
 
         return replay_host(snap, checkpoint, backend_name, tp or snap.tp)
     tp = tp or snap.tp

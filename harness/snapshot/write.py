@@ -127,7 +127,7 @@ def write_snapshot(out_dir, checkpoint, settings, target, tensors: dict[str, tor
     """Plan (printed through `say`), write, verify: the manifest as written (with `extra`'s keys)."""
     from safetensors.torch import save_file
 
-    from harness.reference.golden import _verify_written
+    from harness.reference.golden_write import _verify_written
 
     out_dir = Path(out_dir)
     refuse_existing(out_dir, "--snapshot")

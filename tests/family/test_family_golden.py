@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from harness.base.errors import GoldenError
-from harness.reference.golden import make_golden, read_golden
+from harness.reference.golden import read_golden
+from harness.reference.golden_write import make_golden
 from tests.family.shared import family_checkpoint
 from tests.inputs.scenarios import rehash_golden
 

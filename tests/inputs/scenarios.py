@@ -120,7 +120,7 @@ def write_json(path: Path, payload) -> Path:
 
 def small_golden(out: Path, ckpt, prompts=((5, 6, 7),), new_tokens: int = 2) -> Path:
     """A real golden of `ckpt` (fp32 and bf16 references) for short prompts."""
-    from harness.reference.golden import write_golden
+    from harness.reference.golden_write import write_golden
     from harness.reference.run import run_reference
 
     results = run_reference(ckpt.path, [list(p) for p in prompts], new_tokens)

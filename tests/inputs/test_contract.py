@@ -22,7 +22,8 @@ import torch
 import harness.base.atomic
 import harness.inputs.checkpoint
 import harness.inputs.weight_files
-from harness.base.atomic import TEMP_MARK, atomic_directory, clean_stale_temps, temp_prefix
+from harness.base.atomic import TEMP_MARK, atomic_directory, temp_prefix
+from harness.base.leftovers import clean_stale_temps
 from tests.inputs.scenarios import (REPO, TEXT, WEIGHTS, cli_env, copy_checkpoint, rewrite_weights,
                                     run_inprocess, small_golden, snapshot, split_weights)
 
@@ -87,16 +88,16 @@ def test_a_full_disk_while_writing_a_golden_or_the_cache_is_exit_2_with_nothing_
     """ENOSPC in each writer of big files (safetensors' own error type included): exit 2 naming
     the user's location and that the disk is full, no traceback, and no partial file or temp
     directory left behind."""
-    import harness.reference.golden
+    import harness.reference.golden_write
 
     prompts = tmp_path / "p.json"
     prompts.write_text("[[5, 6, 7]]")
     out = tmp_path / "golden"
     argv = ["reference", "--model", "tiny", "--prompts", prompts, "--new-tokens", 1, "--out", out]
     if where == "golden-tensors":
-        monkeypatch.setattr(harness.reference.golden, "save_file", _tensors_disk_full)
+        monkeypatch.setattr(harness.reference.golden_write, "save_file", _tensors_disk_full)
     elif where == "golden-manifest":
-        monkeypatch.setattr(harness.reference.golden.os, "fsync", _manifest_disk_full)
+        monkeypatch.setattr(harness.reference.golden_write.os, "fsync", _manifest_disk_full)
     else:
         monkeypatch.setenv("GEMMA_PARITY_CACHE", str(tmp_path / "cache"))
         monkeypatch.setattr("transformers.modeling_utils.safe_save_file", _tensors_disk_full)

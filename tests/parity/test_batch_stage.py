@@ -20,7 +20,7 @@ from harness.cli import main
 from harness.judge.results import CheckResult
 from harness.judge.stage import near_tie_calibration
 from harness.parity.batched import BatchStage, admission_order, run_batch_stage, stage_slots
-from harness.parity.observe import StageReferences
+from harness.parity.observation import StageReferences
 from tests.faults.batch_faults import BATCH_BUCKETS, BATCH_CATALOG, BATCH_KV_LEN, batch_reference
 
 # The default prompts (7, 24, 40, 64, 240 ids) are admitted longest first into 4 slots: 240, 64, 40

@@ -19,7 +19,8 @@ from harness.inputs.checkpoint import Checkpoint
 from harness.parity.bisect import run_bisect
 from harness.parity.local import intra_op_threads_for
 from harness.port import model as port_model
-from harness.reference.golden import golden_hash, read_golden, write_golden
+from harness.reference.golden import golden_hash, read_golden
+from harness.reference.golden_write import write_golden
 from harness.reference.run import run_reference
 from harness.report.formats import format_bisect
 from tests.plot_extra import require_plot_extra

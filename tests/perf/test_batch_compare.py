@@ -17,7 +17,7 @@ import pytest
 from harness import perf
 from harness.base.errors import HarnessInputError
 from harness.perf.batch import BATCH_BUDGET_FACTOR, batch_budgets
-from harness.perf.results import batch_samples
+from harness.perf.samples import batch_samples
 from tests.perf.test_device_budgets import batch_budget_checks
 from tests.perf.test_perf_regression import samples, synthetic_result
 

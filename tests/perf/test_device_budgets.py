@@ -81,7 +81,7 @@ def device_batch_bench(checkpoint, settings, batches=DEVICE_BATCHES, runs: int =
 def batch_budget_checks(result: dict) -> dict[int, perf.BudgetCheck]:
     """batch size -> its decode step's median against BATCH_BUDGET_FACTOR x its floor."""
     from harness.perf.batch import batch_budgets
-    from harness.perf.results import batch_samples
+    from harness.perf.samples import batch_samples
 
     checks = perf.check_budgets(batch_samples(result), batch_budgets(result))
     return {int(c.metric.rsplit("@b", 1)[1]): c for c in checks}

@@ -10,7 +10,8 @@ from harness.backends import build_engine
 from harness.base.settings import RunSettings
 from harness.inputs.quantize import INT8, QUANTIZED, Scheme, dequantize, quantize_weight, scale_name
 from harness.parity.check import check_port
-from harness.port.sharding import merge_layer_shards, plan_model, rank_state_dicts, shard_layer
+from harness.port.rank_merge import merge_layer_shards
+from harness.port.sharding import plan_model, rank_state_dicts, shard_layer
 from tests.quant.conftest import QUICK
 
 

@@ -13,7 +13,8 @@ from harness import FIXTURES_DIR
 from harness.base.errors import ShardingError
 from harness.inputs.spec import load_spec, spec_from_config_dict
 from harness.plan.instances import CORE_HBM, allowed_tps, check_fits
-from harness.port.sharding import bytes_per_rank, merge_layer_shards, plan_model, shard_layer
+from harness.port.rank_merge import merge_layer_shards
+from harness.port.sharding import bytes_per_rank, plan_model, shard_layer
 
 CONFIGS = FIXTURES_DIR / "configs"
 
@@ -85,7 +86,7 @@ def test_family_shards_merge_back(drawn, seed):
     """Every layer's tensors (experts, per-layer gate, shared layers without k/v) split over the
     ranks and concatenate back exactly; each rank holds a 1/tp slice of every expert; the per-rank
     bytes shrink with tp by no more than the split share."""
-    from harness.inputs.checkpoint import expected_layer_shapes
+    from harness.inputs.shapes import expected_layer_shapes
 
     spec, tp = drawn
     gen = torch.Generator().manual_seed(seed)

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from harness import FIXTURES_DIR
 from harness.base.errors import ShardingError
-from harness.port.sharding import (kv_heads_for_rank, merge_layer_shards, plan_layer, plan_model, shard_layer,
-                                   shard_lm_head)
+from harness.port.rank_merge import merge_layer_shards
+from harness.port.sharding import kv_heads_for_rank, plan_layer, plan_model, shard_layer, shard_lm_head
 from harness.inputs.spec import LayerSpec, load_spec
 from tests.strategies import any_head_counts, head_layouts
 

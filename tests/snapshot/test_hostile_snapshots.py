@@ -112,10 +112,10 @@ def test_ctrl_c_while_a_snapshot_is_put_in_place(when, snapshot, tmp_path, monke
     """SIGINT just before the rename: KeyboardInterrupt, nothing left, a rerun may write it. Just after
     it (the window issue 49 found 1 in 5 times): the signal is held, the snapshot is whole and the
     run goes on (the command then says the signal came after the output was written)."""
-    from harness.reference import golden
+    from harness.reference import golden_write
 
     write = _rewrite_via(snapshot, tmp_path)
-    real, real_verify = atomic._rename_into_place, golden._verify_written
+    real, real_verify = atomic._rename_into_place, golden_write._verify_written
 
     def rename(tmp, out_dir, replace):
         real(tmp, out_dir, replace)
@@ -126,7 +126,7 @@ def test_ctrl_c_while_a_snapshot_is_put_in_place(when, snapshot, tmp_path, monke
         return real_verify(*args)
 
     if when == "before-rename":
-        monkeypatch.setattr(golden, "_verify_written", verify)
+        monkeypatch.setattr(golden_write, "_verify_written", verify)
     else:
         monkeypatch.setattr(atomic, "_rename_into_place", rename)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -138,7 +138,7 @@ def test_ctrl_c_while_a_snapshot_is_put_in_place(when, snapshot, tmp_path, monke
                 write(out)
             assert commit_point.finish() == []
             assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".partial-")]
-            monkeypatch.setattr(golden, "_verify_written", real_verify)
+            monkeypatch.setattr(golden_write, "_verify_written", real_verify)
             write(out)  # the rerun is not refused as "already exists"
         else:
             write(out)  # no KeyboardInterrupt: the signal waits for the command's end

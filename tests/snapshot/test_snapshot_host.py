@@ -104,7 +104,7 @@ def test_a_bad_host_snapshot_exits_2_before_any_work(case, embed_snapshot, tmp_p
     import shutil
 
     from harness.cli import main
-    from harness.snapshot import host
+    from harness.snapshot import host_replay
 
     spoil, fragment = HOST_CASES[case]
     path = shutil.copytree(embed_snapshot, tmp_path / "copy")
@@ -113,7 +113,7 @@ def test_a_bad_host_snapshot_exits_2_before_any_work(case, embed_snapshot, tmp_p
     def no_work(*args, **kwargs):
         raise AssertionError("the host step ran on a bad snapshot")
 
-    monkeypatch.setattr(host, "replay_host", no_work)
+    monkeypatch.setattr(host_replay, "replay_host", no_work)
     assert main(["replay", str(path)]) == 2
     assert fragment in capsys.readouterr().err
 

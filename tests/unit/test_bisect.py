@@ -24,7 +24,8 @@ from harness.base.settings import RunSettings
 from harness.inputs.checkpoint import Checkpoint
 from harness.parity.local import intra_op_threads_for
 from harness.port.model import rms_norm
-from harness.reference.golden import read_golden, write_golden
+from harness.reference.golden import read_golden
+from harness.reference.golden_write import write_golden
 from harness.reference.run import ReferenceResult, run_reference
 
 HIDDEN = 8

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.inputs.checkpoint import Checkpoint, expected_layer_shapes
+from harness.inputs.checkpoint import Checkpoint
+from harness.inputs.shapes import expected_layer_shapes
 
 from harness.base.errors import CheckpointError
 from harness.inputs.spec import spec_from_config_dict

@@ -20,7 +20,7 @@ from harness import FIXTURES_DIR
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK, main
 from harness.inputs.spec import spec_from_config_dict
 from harness.inputs.tiny import TINY_CONFIG
-from harness.reference.golden import write_golden
+from harness.reference.golden_write import write_golden
 from harness.reference.run import ReferenceResult
 
 CONFIG_12B = FIXTURES_DIR / "configs" / "gemma-4-12b-it.json"

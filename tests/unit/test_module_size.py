@@ -10,7 +10,7 @@ from pathlib import Path
 import harness
 
 PACKAGE = Path(harness.__file__).parent
-MAX_MODULE_LINES = 380
+MAX_MODULE_LINES = 300
 MAX_FUNCTION_LINES = 60
 # module path (relative to harness/) -> why it may be longer
 LONG_MODULES: dict[str, str] = {}

@@ -250,7 +250,7 @@ def _calls(name: str) -> set[str]:
     ("judge_routing", {"harness/judge/stage.py"}),  # the stage judge judges routing; parity does not
     ("compare_layers", {"harness/judge/stage.py"}),  # local reads the stage's judged layers
     ("classify_departure", {"harness/judge/stage.py", "harness/parity/served.py",
-                            "harness/snapshot/host.py"}),  # a tokens host step's replay judges as the check
+                            "harness/snapshot/host_replay.py"}),  # a tokens host step's replay judges as the check
     ("classify_mismatch", {"harness/judge/tokens.py"}),  # the drafter's cluster choices: judged as routing
     ("saturation_tie", {"harness/judge/tokens.py"}),
     ("calibrate_band", {"harness/judge/tokens.py", "harness/judge/routing.py"}),
@@ -266,7 +266,7 @@ def _calls(name: str) -> set[str]:
                        "harness/snapshot/bits.py"}),  # a bit-exact snapshot records the stage's run again
     ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py",  # routing.py: judging only
                         "harness/snapshot/record.py"}),  # a snapshot's recorded routes, to name a replay's other routing
-    ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden.py", "harness/cli/check.py",
+    ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden_write.py", "harness/cli/check.py",
                              "harness/cli/bisect.py", "harness/cli/reference.py"}),
 ])
 def test_each_decision_has_one_home(name, homes):

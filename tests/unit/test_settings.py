@@ -129,7 +129,7 @@ def test_cpu_backend_implements_the_interface(tiny0_ckpt):
 
 def test_engine_reads_the_cache_through_the_one_merge(tiny0_ckpt, monkeypatch):
     """Engine.read_cache is the one path: it merges the backend's per-rank caches with
-    sharding.merge_rank_caches, and a backend that says it cannot read its cache is refused."""
+    rank_merge.merge_rank_caches, and a backend that says it cannot read its cache is refused."""
     from harness.port import engine as port_engine
 
     engine = build_engine(tiny0_ckpt, RunSettings(buckets=(16,), kv_len=32))
