@@ -17,7 +17,7 @@ from torch import nn
 from harness.base.errors import HarnessInputError
 from harness.port.blocks import FamilyRankDecoder
 from harness.port.device_plan import kv_buckets  # noqa: F401  (re-exported: the KV buckets, capped)
-from harness.port.kv_slots import call_seq_ids
+from harness.port.kv_slots import call_seq_ids, check_positions
 from harness.port.kv_cache import KVCache
 from harness.port.model import RankDecoder, RankLinears
 
@@ -201,11 +201,9 @@ def is_verify_tag(tag: str) -> bool:
 def kv_read_length(positions: torch.Tensor, kv_lengths) -> int:
     """The KV bucket a call reads: the smallest that holds, in every row, its first position plus
     its real rows."""
+    check_positions(positions, max(kv_lengths))  # refused here, before any backend's device call
     needed = int((positions[:, 0] + (positions >= 0).sum(dim=1)).max())
-    for size in sorted(kv_lengths):
-        if size >= needed:
-            return size
-    raise HarnessInputError(f"positions up to {needed - 1} are past the KV length {max(kv_lengths)}")
+    return min(size for size in kv_lengths if size >= needed)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:

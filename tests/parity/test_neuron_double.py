@@ -101,6 +101,28 @@ def test_embeddings_capture_is_the_input_the_device_was_fed(parity, cpu16):
     assert torch.equal(dev.captures["embeddings"], ref.captures["embeddings"])
 
 
+def test_a_row_past_the_cache_is_refused_before_the_device_call(perf, monkeypatch):
+    """A chunk whose padded rows would be written past the KV cache (rows 120..135 of 128), or a
+    real position past it behind padding, is refused on the host (kv_slots.check_positions): no
+    graph runs, so nothing lands in the next head's rows of the device's cache. Padded rows inside
+    the cache still run."""
+    be, width = perf.backend, graphs.input_width(perf.backend.spec)
+    runs = []
+    model = be.nxd_model
+    monkeypatch.setattr(be, "nxd_model", lambda *a, **k: runs.append(k["model_name"]) or model(*a, **k))
+    embeds = torch.zeros(1, 16, width, dtype=torch.bfloat16)
+    row = list(range(device.KV_LEN - 8, device.KV_LEN))
+    for positions, says in (([row + [-1] * 8], f"up to {device.KV_LEN + 7}, past the KV cache length {device.KV_LEN}"),
+                            ([[-1] * 15 + [device.KV_LEN + 1]], f"position {device.KV_LEN + 1} is past the KV cache")):
+        with pytest.raises(HarnessInputError, match=says):
+            be.forward(embeds, torch.tensor(positions), last=7)
+    assert runs == []
+    be.forward(embeds, torch.tensor([list(range(device.KV_LEN - 16, device.KV_LEN - 8)) + [-1] * 8]), last=7)
+    assert runs == ["prefill_16_kv128"]
+    monkeypatch.undo()
+    be.reset()
+
+
 # ---- the CLI with --backend neuron -----------------------------------------------------------------
 
 @pytest.mark.slow  # a whole `check` (both references, both stages) through the double
