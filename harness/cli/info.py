@@ -165,6 +165,7 @@ def run(args) -> int:
     from harness.perf.roofline import hbm_fit, render_hbm_fit
     from harness.plan.instances import plan_notes
     from harness.plan.memory import instance_memory_plan, render_memory_plan
+    from harness.port.core_fit import rank_bytes
     from harness.port.sharding import plan_summary
     from harness.report.formats import format_info
 
@@ -174,6 +175,8 @@ def run(args) -> int:
         print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
     s = args.settings
     payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
+    payload["memory"] = rank_bytes(args.spec, s.tp, s.dtype, s.kv_len, quantize=s.quantize)  # int8 under --quantize
+    payload["bytes_per_rank"] = payload["memory"]["total"]
 
     payload["placement"], payload["parity_core"] = args.placement, parity_core(args)
     payload["notes"] = plan_notes(args.spec, args.placement, payload["parity_core"])
@@ -181,7 +184,8 @@ def run(args) -> int:
     payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len, quantize=s.quantize)
     payload["memory_plan"]["sliding_cache"] = args.sliding_cache
     print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
-    payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache)
+    payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache,
+                             quantize=s.quantize)
     print(render_hbm_fit(payload["hbm"]))
     if s.quantize:  # the int8 build beside the unquantized one (docs/quantization.md#bytes-and-floors)
         from harness.perf.quantized import quantized_comparison, render_quantized_comparison
@@ -203,7 +207,7 @@ def run(args) -> int:
         from harness.perf import info_floors
 
         payload["roofline"] = info_floors(args.spec, s.tp, s.dtype, s.kv_len, instance=args.instance, chip=args.chip,
-                                        sliding_cache=s.sliding_cache)
+                                        sliding_cache=s.sliding_cache, quantize=s.quantize)
         if not _is_published_model(args.spec):
             payload["roofline"].pop("published_ms", None)  # the published latency is the 12B's, not this model's
         print(render_roofline(payload["roofline"]), end="")
