@@ -161,12 +161,20 @@ def _is_published_model(spec) -> bool:
     return spec.spec_hash() == load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json").spec_hash()
 
 
+def _summary(args) -> dict:
+    """The spec, TP plan and bytes per rank, the weights as they load (int8 under --quantize: core_fit.rank_bytes)."""
+    from harness.port.core_fit import rank_bytes
+    from harness.port.sharding import plan_summary
+
+    s = args.settings
+    memory = rank_bytes(args.spec, s.tp, s.dtype, s.kv_len, quantize=s.quantize)
+    return {**plan_summary(args.spec, s.tp, s.dtype, s.kv_len), "memory": memory, "bytes_per_rank": memory["total"]}
+
+
 def run(args) -> int:
     from harness.perf.roofline import hbm_fit, render_hbm_fit
     from harness.plan.instances import plan_notes
     from harness.plan.memory import instance_memory_plan, render_memory_plan
-    from harness.port.core_fit import rank_bytes
-    from harness.port.sharding import plan_summary
     from harness.report.formats import format_info
 
     if args.tp_note:
@@ -174,9 +182,7 @@ def run(args) -> int:
     if args.ckpt is not None:
         print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
     s = args.settings
-    payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
-    payload["memory"] = rank_bytes(args.spec, s.tp, s.dtype, s.kv_len, quantize=s.quantize)  # int8 under --quantize
-    payload["bytes_per_rank"] = payload["memory"]["total"]
+    payload = _summary(args)
 
     payload["placement"], payload["parity_core"] = args.placement, parity_core(args)
     payload["notes"] = plan_notes(args.spec, args.placement, payload["parity_core"])
