@@ -136,12 +136,11 @@ def check_positions(positions: torch.Tensor, kv_len: int) -> None:
     """Refuse, before any device call, a call whose rows would write past the linear cache: the
     cache writes row r's chunk at cache rows first..first+s-1 (its first position onwards) and
     slot_rows addresses [slots * kv_heads * len] rows, so a row past `kv_len` lands in the next
-    head's or slot's rows (the device neither clamps it nor says a word). A row's real positions
+    head's or slot's rows (one index op over the flattened buffer: nothing on the device refuses it). A row's real positions
     must be its first ones, running on from the first; padding (-1) after them. A row of padding
     only writes nothing and is always allowed; padded rows inside the cache are hidden by causality."""
-    pos = torch.as_tensor(positions).reshape(-1, torch.as_tensor(positions).shape[-1]).to(torch.long)
-    length = pos.shape[1]
-    for r, row in enumerate(pos):
+    length = positions.shape[-1]
+    for r, row in enumerate(positions.reshape(-1, length).to(torch.long)):
         real = int((row >= 0).sum())
         if not real:
             continue
