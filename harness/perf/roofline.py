@@ -118,7 +118,7 @@ def hbm_fit(spec: ModelSpec, tp: int, dtype: str, kv_len: int, chip: dict | None
     from harness.port.core_fit import rank_bytes
 
     chip = chip or CHIP
-    memory = rank_bytes(spec, tp, dtype, kv_len, sliding_cache, quantize)
+    memory = rank_bytes(spec, tp, dtype, kv_len, sliding_cache=sliding_cache, quantize=quantize)
     needed = tp * memory["total"]
     capacity = tp * chip["hbm_bytes"] / chip["cores"]
     return {"weights_bytes": tp * memory["weights"], "kv_bytes": tp * memory["kv_cache"], "needed_bytes": needed,
@@ -216,7 +216,7 @@ def graph_floors(spec: ModelSpec, tp: int, dtype: str, buckets, kv_len: int, rat
     graphs = [(f"prefill[{b}]", b) for b in sorted(buckets)] + [("decode", 1)]
     rows = []
     for name, tokens in graphs:
-        costs = graph_costs(spec, tp, dtype, tokens, kv_len, quantize)
+        costs = graph_costs(spec, tp, dtype, tokens, kv_len, quantize=quantize)
         rows.append({"graph": name, **costs, **floors(costs, rates)})
     return rows
 

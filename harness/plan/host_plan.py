@@ -173,7 +173,7 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
                 fits[key] = str(exc)
         return core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build, batch=key[0], perf=key[1])
 
-    parts = host_parts(spec, tp, dtype, backend, rows, assistant)
+    parts = host_parts(spec, tp, dtype, backend, rows=rows, assistant=assistant)
     weights = core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build)["weights"]
     commands = {}
     for name in COMMANDS:
