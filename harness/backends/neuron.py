@@ -55,7 +55,7 @@ from harness.backends.neuron_packages import (  # noqa: F401  (re-exported: the 
     version_matches)
 from harness.backends.neuron_build import (  # noqa: F401  (re-exported: a build's graph tags)
     Built, compile_build, kv_graphs_json, kv_tag, kv_tags)
-from harness.backends.neuron_calibration import record_build
+from harness.backends.neuron_calibration import device_bytes_in_use, record_build
 from harness.backends.neuron_gate import admit_build, default_compile_workers
 from harness.backends.neuron_drafter import NeuronDrafter, draft_tags, drafter_key, drafter_rank_weights, open_assistant
 from harness.base.errors import HarnessInputError
@@ -69,7 +69,6 @@ from harness.port.sharding import bytes_per_rank, plan_model, rank_state_dicts
 # Tracing or compiling a graph failed (not bad input: the compiler or the model code); one error
 # type whatever lowers the graph (harness/port/graphs.py).
 NeuronBuildError = GraphBuildError
-
 
 from harness.backends.neuron_layers import (  # noqa: E402,F401  (re-exported: the NxD layers)
     DEFAULT_LAYOUT_PRIORITY, NeuronLinears, NxDCollectives, QuantizedNeuronLinears, quantize_key, quantized, _checkpoint_key,
@@ -144,7 +143,8 @@ class NeuronBackend:
         self.compiled, self.timings = False, {}  # compiled: this process compiled the graphs (a cache miss)
         self.build = admit_build(self, self.quantize)  # the one gate, before any trace (neuron_gate.py)
 
-        start = time.perf_counter()
+        calibrate, start = os.environ.get("GEMMA_PARITY_CALIBRATE"), time.perf_counter()
+        held = device_bytes_in_use(tp) if calibrate else None  # before this build's load (calibration)
         built = self._load_or_compile()
         self.nxd_model, self.capture_names = built.model, built.capture_names
         self.kv_names, self.original_weights = built.kv_names, built.weight_shapes
@@ -154,8 +154,8 @@ class NeuronBackend:
         start = time.perf_counter()
         self._load_weights(checkpoint)
         self.timings["weights_s"] = time.perf_counter() - start
-        if os.environ.get("GEMMA_PARITY_CALIBRATE"):  # the device job: what this build cost, for the next plan
-            record_build(self, self.timings.get("build_s"), None)
+        if calibrate:  # the device job: what this build cost, for the next plan
+            record_build(self, self.timings.get("build_s"), held, device_bytes_in_use(tp))
         self._zeros = {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in self.state_specs.items()
                        if key in self.kv_names}
 

@@ -2,8 +2,9 @@
 reads it (harness/plan/calibration.py): per build, its kind (parity or served/perf), its graphs by
 kind (context encoding, decode, verify, draft), the cold compile's wall time and workers (so minutes
 per graph), its binaries' bytes, the compiler's peak host memory (the process's peak RSS while it
-compiled, children included), and the device memory the runtime reports after the load; per run,
-the measured decode and prefill times (`record_latency`, from bench).
+compiled, children included), and the device memory its load took on each NeuronCore (the Neuron
+driver's sysfs counters, read before and after: `device_bytes_in_use`); per run, the measured
+decode and prefill times (`record_latency`, from bench).
 
 One JSON file, `calibration.json` in the compile cache directory (the inf2 workflow keeps that
 directory between runs). Each record says where it came from (`source`); a file marked `"fixture":
@@ -24,6 +25,9 @@ from harness.base.errors import HarnessInputError
 FORMAT = 1
 FILE = "calibration.json"
 GRAPH_KINDS = ("context_encoding", "decode", "verify", "draft")
+# The Neuron driver's per-core counters (docs/neuron.md, the first run): neuron{D}/core_count, and per
+# core neuron{D}/neuron_core{C}/stats/memory_usage/device_mem/<category>/total, each the bytes in use now.
+SYSFS_ROOT = Path("/sys/devices/virtual/neuron_device")
 
 
 def calibration_path(cache_dir: Path | None = None) -> Path:
@@ -60,10 +64,42 @@ def _save(path: Path, data: dict) -> None:
     write_json_atomic(path, data)
 
 
-def record_build(be, compile_seconds: float | None, device_bytes: int | None) -> None:
+def _counter(path: Path) -> int:
+    return int(path.read_text().split()[0])
+
+
+def _device_mem(path: Path) -> int:
+    """A core's device_mem counter: its own `total` where the driver keeps one, else its categories' sum."""
+    if (path / "total").is_file():
+        return _counter(path / "total")
+    totals = [_counter(d / "total") for d in sorted(path.iterdir()) if (d / "total").is_file()]
+    if not totals:
+        raise ValueError(f"{path}: no memory counters")
+    return sum(totals)
+
+
+def device_bytes_in_use(tp: int, environ=None) -> dict[int, int] | None:
+    """{core: bytes of device memory in use now} for the build's NeuronCores (the first `tp` of
+    NEURON_RT_VISIBLE_CORES, else 0..tp-1), from the driver's counters (SYSFS_ROOT, cores numbered
+    device by device); None when they cannot be read (no Neuron driver here, or a driver whose tree
+    is laid out otherwise): nothing is recorded rather than a guess."""
+    from harness.backends.neuron_env import parse_visible_cores
+
+    visible = (os.environ if environ is None else environ).get("NEURON_RT_VISIBLE_CORES")
+    try:
+        devices = sorted((d for d in SYSFS_ROOT.glob("neuron*") if d.name[6:].isdigit()), key=lambda d: int(d.name[6:]))
+        cores = [d / f"neuron_core{c}" for d in devices for c in range(_counter(d / "core_count"))]
+        ids = (parse_visible_cores(visible) if visible else list(range(tp)))[:tp]
+        return {c: _device_mem(cores[c] / "stats" / "memory_usage" / "device_mem") for c in ids}
+    except (OSError, ValueError, IndexError, HarnessInputError):
+        return None
+
+
+def record_build(be, compile_seconds: float | None, before: dict | None, after: dict | None) -> None:
     """Append backend `be`'s build: its graphs by kind, and when it compiled here its wall time,
     workers and binaries' bytes (the entry's model file) and this process's peak host memory; the
-    device bytes after load when the runtime reported them."""
+    device bytes its load took on its fullest core (device_bytes_in_use `after` less `before`: what
+    the process already held on that core is not this build's), with both readings."""
     path = calibration_path(be.cache_dir)
     data = load(path) or {"format": FORMAT, "source": f"inf2 run of {time.strftime('%Y-%m-%d')}", "builds": []}
     kinds: dict[str, int] = {}
@@ -77,7 +113,8 @@ def record_build(be, compile_seconds: float | None, device_bytes: int | None) ->
         "compile_seconds": compile_seconds, "workers": be.compile_workers,
         "binary_bytes": model.stat().st_size if compile_seconds is not None and model.is_file() else None,
         "peak_host_bytes": peak if compile_seconds is not None else None,
-        "device_bytes_after_load": device_bytes, "planned_core_bytes": be.build.core["total"]})
+        "device_bytes_after_load": max(n - (before or {}).get(c, 0) for c, n in after.items()) if after else None,
+        "device_bytes_by_core": {"before": before, "after": after}, "planned_core_bytes": be.build.core["total"]})
     _save(path, data)
 
 
@@ -89,4 +126,5 @@ def record_latency(cache_dir: Path | None, decode_ms: float, prefill_ms: dict) -
     _save(path, data)
 
 
-__all__ = ["FILE", "FORMAT", "GRAPH_KINDS", "calibration_path", "graph_kind", "load", "record_build", "record_latency"]
+__all__ = ["FILE", "FORMAT", "GRAPH_KINDS", "SYSFS_ROOT", "calibration_path", "device_bytes_in_use", "graph_kind", "load",
+           "record_build", "record_latency"]

@@ -162,11 +162,20 @@ def _is_published_model(spec) -> bool:
     return spec.spec_hash() == load_spec(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json").spec_hash()
 
 
+def _summary(args) -> dict:
+    """The spec, TP plan and bytes per rank, the weights as they load (int8 under --quantize: core_fit.rank_bytes)."""
+    from harness.port.core_fit import rank_bytes
+    from harness.port.sharding import plan_summary
+
+    s = args.settings
+    memory = rank_bytes(args.spec, s.tp, s.dtype, s.kv_len, quantize=s.quantize)
+    return {**plan_summary(args.spec, s.tp, s.dtype, s.kv_len), "memory": memory, "bytes_per_rank": memory["total"]}
+
+
 def run(args) -> int:
     from harness.perf.roofline import hbm_fit, render_hbm_fit
     from harness.plan.instances import plan_notes
     from harness.plan.memory import instance_memory_plan, render_memory_plan
-    from harness.port.sharding import plan_summary
     from harness.report.formats import format_info
 
     if args.tp_note:
@@ -174,7 +183,7 @@ def run(args) -> int:
     if args.ckpt is not None:
         print(args.ckpt.describe())  # it says what is inert; the plan below does not repeat it
     s = args.settings
-    payload = plan_summary(args.spec, s.tp, s.dtype, s.kv_len)
+    payload = _summary(args)
 
     payload["placement"], payload["parity_core"] = args.placement, parity_core(args)
     payload["notes"] = plan_notes(args.spec, args.placement, payload["parity_core"])
@@ -182,7 +191,8 @@ def run(args) -> int:
     payload["memory_plan"] = instance_memory_plan(args.spec, args.tp, args.dtype, args.kv_len, quantize=s.quantize)
     payload["memory_plan"]["sliding_cache"] = args.sliding_cache
     print(render_memory_plan(payload["memory_plan"], args.sliding_cache))
-    payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache)
+    payload["hbm"] = hbm_fit(args.spec, s.tp, s.dtype, s.kv_len, chip=args.chip, sliding_cache=s.sliding_cache,
+                             quantize=s.quantize)
     print(render_hbm_fit(payload["hbm"]))
     if s.quantize:  # the int8 build beside the unquantized one (docs/quantization.md#bytes-and-floors)
         from harness.perf.quantized import quantized_comparison, render_quantized_comparison
@@ -204,7 +214,7 @@ def run(args) -> int:
         from harness.perf import info_floors
 
         payload["roofline"] = info_floors(args.spec, s.tp, s.dtype, s.kv_len, instance=args.instance, chip=args.chip,
-                                        sliding_cache=s.sliding_cache)
+                                        sliding_cache=s.sliding_cache, quantize=s.quantize)
         if not _is_published_model(args.spec):
             payload["roofline"].pop("published_ms", None)  # the published latency is the 12B's, not this model's
         print(render_roofline(payload["roofline"]), end="")

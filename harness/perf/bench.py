@@ -116,7 +116,7 @@ def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DE
     result = _result_record(checkpoint, engine, headline, timings, settings)
     if backend != "neuron":
         show("measuring this machine's memory bandwidth and matmul throughput for the floors")
-    result["roofline"] = bench_roofline(result, checkpoint.spec)
+    result["roofline"] = bench_roofline(result, checkpoint.spec, quantize=engine.settings.quantize)
     if lengths:
         result["at_length"] = bench_at_length(engine, checkpoint.spec, result, lengths, show)
     show(f"done: TTFT[{headline}] p50 {result['latency_summary']['ttft_ms']['p50']:.2f} ms, TPOT p50 "
@@ -237,14 +237,14 @@ def bench_rates(backend: str, tp: int, dtype: str):
     return measured_rates(bandwidth, matmul), spread
 
 
-def bench_roofline(result: dict, spec) -> dict:
+def bench_roofline(result: dict, spec, quantize: str | None = None) -> dict:
     """Floors and efficiencies; efficiency is the floor over the graph call's median (the host-side
-    part of each call is reported beside it, not counted)."""
+    part of each call is reported beside it, not counted); the weights int8 under `quantize`."""
     settings = result["settings"]
     rates, spread = bench_rates(result["backend"], result["tp"], result["dtype"])
     split = graph_split(result)
     block = roofline_block(spec, result["tp"], result["dtype"], settings["buckets"], settings["kv_len"], rates=rates,
-                           measured_ms=split[0] if split else graph_medians(result))
+                           measured_ms=split[0] if split else graph_medians(result), quantize=quantize)
     if split:
         for row in block["graphs"]:
             row["host_side_ms"] = split[1].get(row["graph"])

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from harness.base.errors import HarnessInputError
 from harness.base.settings import DEFAULT_KV_LEN, PUBLISHED_BUCKET
 from harness.inputs.spec import ModelSpec, dtype_bytes
-from harness.port.sharding import bytes_per_rank, plan_layer, plan_model
+from harness.port.sharding import plan_layer, plan_model
 
 GiB = 2**30
 # Per Inferentia2 chip. Source: AWS Neuron documentation, "Inferentia2 Architecture" and "Amazon EC2
@@ -110,23 +110,27 @@ def load_instance_rates(path) -> dict:
 
 
 def hbm_fit(spec: ModelSpec, tp: int, dtype: str, kv_len: int, chip: dict | None = None,
-            sliding_cache: str = "linear") -> dict:
-    """Whether every rank's weights and KV cache fit the HBM of the cores that hold them: the TP
-    group's cores' share of the chips' HBM (tp=2 on inf2: one chip's 32 GiB). Activations, the
-    runtime's scratchpad and the compiled code need room too: a fit with little headroom may still
-    fail to load."""
+            sliding_cache: str = "linear", quantize: str | None = None) -> dict:
+    """Whether every rank's weights (int8 under `quantize`: core_fit.rank_bytes) and KV cache fit
+    the HBM of the cores that hold them: the TP group's cores' share of the chips' HBM (tp=2 on
+    inf2: one chip's 32 GiB). Activations, the runtime's scratchpad and the compiled code need room
+    too: a fit with little headroom may still fail to load (core_fit.core_bytes counts them)."""
+    from harness.port.core_fit import rank_bytes
+
     chip = chip or CHIP
-    memory = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
+    memory = rank_bytes(spec, tp, dtype, kv_len, sliding_cache=sliding_cache, quantize=quantize)
     needed = tp * memory["total"]
     capacity = tp * chip["hbm_bytes"] / chip["cores"]
     return {"weights_bytes": tp * memory["weights"], "kv_bytes": tp * memory["kv_cache"], "needed_bytes": needed,
-            "capacity_bytes": capacity, "fits": needed <= capacity, "kv_len": kv_len, "sliding_cache": sliding_cache}
+            "capacity_bytes": capacity, "fits": needed <= capacity, "kv_len": kv_len, "sliding_cache": sliding_cache,
+            "quantize": quantize}
 
 
 def render_hbm_fit(fit: dict) -> str:
     """One line: weights + KV against the HBM they must fit."""
     verdict = "fits" if fit["fits"] else "DOES NOT FIT"
-    return (f"HBM: weights {fit['weights_bytes'] / GiB:.2f} GiB + KV cache {fit['kv_bytes'] / GiB:.2f} GiB "
+    weights = f"{fit['quantize']} weights" if fit.get("quantize") else "weights"
+    return (f"HBM: {weights} {fit['weights_bytes'] / GiB:.2f} GiB + KV cache {fit['kv_bytes'] / GiB:.2f} GiB "
             f"(kv-len {fit['kv_len']}, {fit.get('sliding_cache', 'linear')} sliding cache) = {fit['needed_bytes'] / GiB:.2f} GiB of {fit['capacity_bytes'] / GiB:.0f} GiB: "
             f"{verdict}")
 
@@ -171,11 +175,13 @@ def unread_expert_bytes(spec: ModelSpec, tp: int, dtype: str, tokens: int) -> fl
     return spec.num_layers * (spec.moe.num_experts - experts_read(spec, tokens)) * per_expert
 
 
-def graph_costs(spec: ModelSpec, tp: int, dtype: str, tokens: int, kv_len: int) -> dict:
+def graph_costs(spec: ModelSpec, tp: int, dtype: str, tokens: int, kv_len: int, quantize: str | None = None) -> dict:
     """Bytes and FLOPs of one call of the graph that runs `tokens` tokens against a KV cache of
-    `kv_len` slots, summed over the `tp` ranks."""
+    `kv_len` slots, summed over the `tp` ranks (the weights int8 under `quantize`: core_fit.rank_bytes)."""
+    from harness.port.core_fit import rank_bytes
+
     nbytes = dtype_bytes(dtype)
-    memory = bytes_per_rank(spec, tp, dtype, kv_len)
+    memory = rank_bytes(spec, tp, dtype, kv_len, quantize=quantize)
     kv_write = sum(2 * plan_layer(layer, tp).kv_heads_per_rank * tokens * layer.head_dim * nbytes
                    for layer in spec.layers if layer.kv_source is None)
     attention = sum(2 * 2 * plan_layer(layer, tp).q_heads_per_rank * layer.head_dim * tokens * kv_len
@@ -204,12 +210,13 @@ def floors(costs: dict, rates: Rates) -> dict:
     return out
 
 
-def graph_floors(spec: ModelSpec, tp: int, dtype: str, buckets, kv_len: int, rates: Rates) -> list[dict]:
+def graph_floors(spec: ModelSpec, tp: int, dtype: str, buckets, kv_len: int, rates: Rates,
+                 quantize: str | None = None) -> list[dict]:
     """One row per graph: prefill at each bucket, then one decode step."""
     graphs = [(f"prefill[{b}]", b) for b in sorted(buckets)] + [("decode", 1)]
     rows = []
     for name, tokens in graphs:
-        costs = graph_costs(spec, tp, dtype, tokens, kv_len)
+        costs = graph_costs(spec, tp, dtype, tokens, kv_len, quantize=quantize)
         rows.append({"graph": name, **costs, **floors(costs, rates)})
     return rows
 
@@ -225,9 +232,9 @@ def with_efficiency(rows: list[dict], measured_ms: dict[str, float]) -> list[dic
 
 
 def roofline_block(spec: ModelSpec, tp: int, dtype: str, buckets, kv_len: int, rates: Rates,
-             measured_ms: dict[str, float] | None = None) -> dict:
+             measured_ms: dict[str, float] | None = None, quantize: str | None = None) -> dict:
     """The roofline block of a bench result (and of `info --perf`)."""
-    rows = graph_floors(spec, tp, dtype, buckets, kv_len, rates=rates)
+    rows = graph_floors(spec, tp, dtype, buckets, kv_len, rates=rates, quantize=quantize)
     return {"rates": rates.to_dict(), "tp": tp, "dtype": dtype,
             "graphs": with_efficiency(rows, measured_ms or {})}
 
@@ -253,11 +260,12 @@ def neuron_instance_rates(instance: str | None, tp: int, dtype: str, environ=Non
 
 def info_floors(spec: ModelSpec, tp: int, dtype: str = "bf16", kv_len: int = DEFAULT_KV_LEN,
                 buckets=(PUBLISHED_BUCKET,), instance: str = DEFAULT_INSTANCE, chip: dict | None = None,
-                sliding_cache: str = "linear") -> dict:
+                sliding_cache: str = "linear", quantize: str | None = None) -> dict:
     """`gemma-parity info --perf`: the instance's floors and HBM fit, nothing run or measured, beside
     the published port's prefill (docs/design.md#performance-facts: about 101 ms at bucket 64)."""
-    out = roofline_block(spec, tp, dtype, buckets, kv_len, rates=instance_rates(instance, tp, dtype, chip))
+    out = roofline_block(spec, tp, dtype, buckets, kv_len, rates=instance_rates(instance, tp, dtype, chip),
+                         quantize=quantize)
     if not spec.is_family:  # the published figure is the 12B's
         out["published_ms"] = {f"prefill[{PUBLISHED_PREFILL_BUCKET}]": PUBLISHED_PREFILL_MS}
-    out["hbm"] = hbm_fit(spec, tp, dtype, kv_len, chip=chip, sliding_cache=sliding_cache)
+    out["hbm"] = hbm_fit(spec, tp, dtype, kv_len, chip=chip, sliding_cache=sliding_cache, quantize=quantize)
     return out

@@ -52,12 +52,14 @@ def _default_rows() -> int:
     return sum(len(p) + 8 for p in prompts)
 
 
-def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", rows: int | None = None) -> dict:
+def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", rows: int | None = None,
+               assistant=None) -> dict:
     """The pieces a command holds on the host, in bytes: `model` (fp32, one transformers reference),
     `port` (the port's host part: its ranks on cpu/xla, the embedding table on neuron), `load` (the
     per-rank state dicts while a build loads: on neuron they leave for the device), `fp32_port`
     (the fp32 stage's build on cpu), `float64` (the envelope's model: whole, or its embedding plus
-    one layer when streamed), `captures` (the captured rows of every copy)."""
+    one layer when streamed), `captures` (the captured rows of every copy), `drafters` (with the
+    `assistant`: the speculative stage's fp32 drafter on the host and its fp32 and bf16 references)."""
     from harness.reference import float64 as f64  # whole up to its FLOAT64_RESIDENT_BYTES, read now
 
     model = fp32_model_bytes(spec)
@@ -76,7 +78,9 @@ def host_parts(spec: ModelSpec, tp: int, dtype: str, backend: str = "neuron", ro
             "captures": CAPTURE_COPIES * rows * per_row,
             # MoE and PLE: the bf16 stage computes the references again along the port's path
             # (harness/parity/observe.py follow_port_path), one transformers model at a time
-            "rerun": model if spec.moe is not None or spec.per_layer_input_size else 0}
+            "rerun": model if spec.moe is not None or spec.per_layer_input_size else 0,
+            "drafters": 0 if assistant is None else (tp * assistant.bytes_per_rank(tp, 4)  # its ranks, then references
+                                                     + assistant.bytes_per_rank(1, 4) + assistant.bytes_per_rank(1, 2))}
 
 
 def streamed_bytes(spec: ModelSpec, nbytes: int, rows: int) -> int:
@@ -100,7 +104,8 @@ def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: 
     at a time, none with a golden), the fp32 stage (its cpu build beside the port, then the float64
     envelope), the bf16 stage and local verdicts, the batch stage (a batched parity build, the bf16
     stage's released first; its references are the bf16 stage's), the served build (the parity
-    build released). `quantized_copy`: what writing the `--quantize` model's copy holds, before all
+    build released), the speculative stage (parity/speculative.py: its fp32 run on cpu, with the
+    fp32 target acceptance loads while that build is held). `quantized_copy`: what writing the `--quantize` model's copy holds, before all
     of them (harness/inputs/quantized_checkpoint.py copy_host_bytes; 0 when none is written)."""
     p, m, cap = parts["port"], parts["model"], parts["captures"]
     phases = {"build port": p + parts["load"]}
@@ -110,6 +115,8 @@ def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: 
         phases["fp32 stage"] = p + parts["fp32_port"] + parts["float64"] + cap
     if command in ("check", "bisect"):
         phases["bf16 stage"] = p + cap + parts["rerun"]
+    if command in ("check", "bisect") and parts.get("drafters"):  # speculative stage's fp32 run, on the host
+        phases["speculative stage"] = p + parts["fp32_port"] + parts["drafters"] + m + cap  # m: acceptance's target
     if command == "quality":
         phases["port"] = p + cap
     if command == "check" and batch_stage:  # built (p + load), then run as the bf16 stage is
@@ -166,7 +173,7 @@ def resource_plan(spec: ModelSpec, tp: int, dtype: str, kv_len: int, buckets, *,
                 fits[key] = str(exc)
         return core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build, batch=key[0], perf=key[1])
 
-    parts = host_parts(spec, tp, dtype, backend, rows)
+    parts = host_parts(spec, tp, dtype, backend, rows=rows, assistant=assistant)
     weights = core_bytes(spec, tp, dtype, kv_len, sliding_cache, **build)["weights"]
     commands = {}
     for name in COMMANDS:

@@ -135,6 +135,15 @@ def weight_bytes(spec: ModelSpec, tp: int, dtype: str, quantize: str | None = No
     return weights - saved["unquantized_bytes"] + saved["codes_bytes"] + saved["scale_bytes"]
 
 
+def rank_bytes(spec: ModelSpec, tp: int, dtype: str, kv_len: int, sliding_cache: str = "linear",
+               quantize: str | None = None) -> dict:
+    """sharding.bytes_per_rank with the weights as they load (weight_bytes: int8 codes and scales
+    under `quantize`): what every bytes-per-rank and HBM line counts (info, the roofline's HBM fit)."""
+    memory = bytes_per_rank(spec, tp, dtype, kv_len, sliding_cache)
+    weights = weight_bytes(spec, tp, dtype, quantize)
+    return {**memory, "weights": weights, "total": weights + memory["kv_cache"], "quantize": quantize}
+
+
 def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 256, sliding_cache: str = "linear",
                *, buckets=DEFAULT_BUCKETS, layout: bool = False, speculate: int = 0, assistant=None,
                batch: int = 1, perf: bool = False, quantize: str | None = None) -> dict:
@@ -179,4 +188,4 @@ def core_bytes(spec: ModelSpec, tp: int, dtype: str = "bfloat16", kv_len: int = 
 
 __all__ = ["CORE_HBM", "GRAPH_OVERHEAD_BYTES", "RUNTIME_RESERVE_BYTES", "capture_bytes_per_row", "core_bytes",
            "draft_capture_bytes", "graph_io_bytes", "graph_reserve_bytes", "graphs_bytes", "input_width",
-           "quantized_shapes", "weight_bytes", "weight_savings"]
+           "quantized_shapes", "rank_bytes", "weight_bytes", "weight_savings"]

@@ -9,6 +9,7 @@ import torch
 
 from harness.base.errors import HarnessInputError
 from harness.port.device_plan import kv_buckets
+from harness.port.kv_slots import check_positions
 
 DECODE_TAG = "decode"
 PREFILL_TAG = "prefill_{}"
@@ -48,11 +49,9 @@ def is_verify_tag(tag: str) -> bool:
 def kv_read_length(positions: torch.Tensor, kv_lengths) -> int:
     """The KV bucket a call reads: the smallest that holds, in every row, its first position plus
     its real rows."""
+    check_positions(positions, max(kv_lengths))  # refused here, before any backend's device call
     needed = int((positions[:, 0] + (positions >= 0).sum(dim=1)).max())
-    for size in sorted(kv_lengths):
-        if size >= needed:
-            return size
-    raise HarnessInputError(f"positions up to {needed - 1} are past the KV length {max(kv_lengths)}")
+    return min(size for size in kv_lengths if size >= needed)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:

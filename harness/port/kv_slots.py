@@ -132,6 +132,34 @@ def ring_slot_update(cache, positions: torch.Tensor, k: torch.Tensor, v: torch.T
     return cache.last_read
 
 
+def check_positions(positions: torch.Tensor, kv_len: int) -> None:
+    """Refuse, before any device call, a call whose rows would write past the linear cache: the
+    cache writes row r's chunk at cache rows first..first+s-1 (its first position onwards) and
+    slot_rows addresses [slots * kv_heads * len] rows, so a row past `kv_len` lands in the next
+    head's or slot's rows (one index op over the flattened buffer: nothing on the device refuses it). A row's real positions
+    must be its first ones, running on from the first; padding (-1) after them. A row of padding
+    only writes nothing and is always allowed; padded rows inside the cache are hidden by causality."""
+    length = positions.shape[-1]
+    for r, row in enumerate(positions.reshape(-1, length).to(torch.long)):
+        real = int((row >= 0).sum())
+        if not real:
+            continue
+        first, last = int(row[0]), int(row.max())
+        if last >= kv_len:
+            raise HarnessInputError(f"row {r}: position {last} is past the KV cache length {kv_len} (cache rows "
+                                    f"0..{kv_len - 1}); its keys would land in the next head's or slot's rows: "
+                                    "ask for fewer tokens or raise --kv-len")
+        if first < 0 or row[:real].tolist() != list(range(first, first + real)):
+            raise HarnessInputError(f"row {r}: positions {row.tolist()} are not one run from the row's first "
+                                    "position with padding (-1) after it; the cache writes a row's chunk "
+                                    "from its first position on")
+        if first + length > kv_len:
+            raise HarnessInputError(f"row {r}: a chunk of {length} rows from position {first} writes cache rows "
+                                    f"up to {first + length - 1}, past the KV cache length {kv_len}; its padded "
+                                    "rows would land in the next head's or slot's rows: call a shorter bucket "
+                                    "(the engine's chunk_bucket does) or raise --kv-len")
+
+
 def check_seq_ids(seq_ids, rows: int, slots: int) -> torch.Tensor:
     """seq_ids as a [rows] long tensor, or a ValueError naming what is wrong: one distinct slot in
     [0, slots) per row."""

@@ -26,7 +26,7 @@ def format_info(payload: dict) -> str:
         f"softcap {payload['final_logit_softcapping']}; sharding plan at tp={payload['tp']}:",
         table(["layer", "type", "head_dim", "q", "kv", "k=v", "window", "rope/rotated", "q/rank",
                 "kv/rank", "groups", "kv"], rows),
-        f"bytes per rank ({payload['dtype']}): {size_text(mem['total'])} = weights {size_text(mem['weights'])} "
+        f"bytes per rank ({payload['dtype']}{', ' + mem['quantize'] + ' weights' if mem.get('quantize') else ''}): {size_text(mem['total'])} = weights {size_text(mem['weights'])} "
         f"+ KV cache {size_text(mem['kv_cache'])}; host-side embeddings {size_text(mem['host_embeddings'])}",
         *payload.get("notes", []),
     ])

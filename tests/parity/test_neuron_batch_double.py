@@ -75,6 +75,16 @@ def test_a_call_of_rows_no_bucket_holds_is_refused(nxd, tiny0_ckpt):
         be.forward(neuron.torch.zeros(3, 16, width), neuron.torch.arange(16).expand(3, -1), seq_ids=[0, 1, 0])
     with pytest.raises(HarnessInputError, match=r"seq_ids \[0, 2\]: a slot outside \[0, 2\)"):
         be.forward(neuron.torch.zeros(2, 16, width), neuron.torch.arange(16).expand(2, -1), seq_ids=[0, 2])
+    # padded rows written past the 16-row cache (from slot 0's head 0 into its head 1's rows), and a real
+    # position past it behind padding: refused on the host, the device cache untouched
+    before = [be.kv_cache(layer, rank) for layer in range(be.spec.num_layers) for rank in range(be.tp)]
+    tail, filler = list(range(8, 16)) + [-1] * 8, [-1] * 16
+    for positions, says in (([tail, filler], "writes cache rows up to 23, past the KV cache length 16"),
+                            ([filler, filler[1:] + [20]], "row 1: position 20 is past the KV cache length 16")):
+        with pytest.raises(HarnessInputError, match=says):
+            be.forward(neuron.torch.ones(2, 16, width), neuron.torch.tensor(positions), seq_ids=[0, 1])
+    after = [be.kv_cache(layer, rank) for layer in range(be.spec.num_layers) for rank in range(be.tp)]
+    assert all(torch.equal(x, y) for a, b in zip(before, after) for x, y in zip(a, b))
     perf = neuron.NeuronBackend(tiny0_ckpt, RunSettings(backend="neuron", batch=2, buckets=(16,), kv_len=16))
     assert perf.last_row_only  # a batched perf build returns each row's last real row
     with pytest.raises(HarnessInputError, match="perf build"):

@@ -101,6 +101,28 @@ def test_embeddings_capture_is_the_input_the_device_was_fed(parity, cpu16):
     assert torch.equal(dev.captures["embeddings"], ref.captures["embeddings"])
 
 
+def test_a_row_past_the_cache_is_refused_before_the_device_call(perf, monkeypatch):
+    """A chunk whose padded rows would be written past the KV cache (rows 120..135 of 128), or a
+    real position past it behind padding, is refused on the host (kv_slots.check_positions): no
+    graph runs, so nothing lands in the next head's rows of the device's cache. Padded rows inside
+    the cache still run."""
+    be, width = perf.backend, graphs.input_width(perf.backend.spec)
+    runs = []
+    model = be.nxd_model
+    monkeypatch.setattr(be, "nxd_model", lambda *a, **k: runs.append(k["model_name"]) or model(*a, **k))
+    embeds = torch.zeros(1, 16, width, dtype=torch.bfloat16)
+    row = list(range(device.KV_LEN - 8, device.KV_LEN))
+    for positions, says in (([row + [-1] * 8], f"up to {device.KV_LEN + 7}, past the KV cache length {device.KV_LEN}"),
+                            ([[-1] * 15 + [device.KV_LEN + 1]], f"position {device.KV_LEN + 1} is past the KV cache")):
+        with pytest.raises(HarnessInputError, match=says):
+            be.forward(embeds, torch.tensor(positions), last=7)
+    assert runs == []
+    be.forward(embeds, torch.tensor([list(range(device.KV_LEN - 16, device.KV_LEN - 8)) + [-1] * 8]), last=7)
+    assert runs == ["prefill_16_kv128"]
+    monkeypatch.undo()
+    be.reset()
+
+
 # ---- the CLI with --backend neuron -----------------------------------------------------------------
 
 @pytest.mark.slow  # a whole `check` (both references, both stages) through the double
@@ -431,3 +453,50 @@ def test_the_cache_key_holds_which_graph_gets_which_flags(nxd, tiny0_ckpt, tmp_p
 
     monkeypatch.setattr(neuron, "per_graph_flags", swap)
     assert _build(tiny0_ckpt, tmp_path).cache_key != base.cache_key
+
+
+def test_a_calibrating_build_records_the_device_memory_its_load_took(nxd, tiny0_ckpt, tmp_path, monkeypatch):
+    """GEMMA_PARITY_CALIBRATE: each build records the device memory its load took on its fullest core,
+    read from the driver's per-core counters before and after the load (the double counts every load
+    on them as the driver does): a first build its whole load, a second build in the same process only
+    its own (the first's bytes are still on the core), beside the plan's figure; `info --plan`'s
+    calibration lines then say what was measured."""
+    from harness.backends import neuron_calibration
+    from harness.plan.calibration import describe, read_calibration
+
+    sysfs, record = tmp_path / "sysfs", tmp_path / "calibration.json"
+    monkeypatch.setattr(neuron_calibration, "SYSFS_ROOT", sysfs)
+    monkeypatch.setenv("NXD_DOUBLE_SYSFS", str(sysfs))
+    monkeypatch.setenv("GEMMA_PARITY_CALIBRATE", "1")
+    monkeypatch.setenv("GEMMA_PARITY_CALIBRATION", str(record))
+    first = _build(tiny0_ckpt, tmp_path / "cache")
+    again = _build(tiny0_ckpt, tmp_path / "cache")  # the cached entry, loaded a second time beside the first
+    builds = json.loads(record.read_text())["builds"]
+    assert [b["device_bytes_after_load"] for b in builds] == [first.nxd_model.device_memory["total"],
+                                                             again.nxd_model.device_memory["total"]]
+    assert builds[0]["device_bytes_by_core"]["before"] is None  # no counters before the first load
+    assert builds[1]["device_bytes_by_core"]["before"] == builds[0]["device_bytes_by_core"]["after"]
+    assert set(builds[1]["device_bytes_by_core"]["after"]) == {"0", "1"}  # tp 2: both cores of NEURON_RT_VISIBLE_CORES
+    assert builds[1]["planned_core_bytes"] == again.build.core["total"]
+    calibration = read_calibration(record)
+    assert [d["after_load"] for d in calibration["device"]] == [b["device_bytes_after_load"] for b in builds]
+    assert any("measured" in line and "after load" in line for line in describe(calibration))
+
+
+def test_device_memory_is_read_from_the_drivers_counters_or_not_at_all(tmp_path, monkeypatch):
+    """The driver's own device_mem counter when it keeps one, else its categories' sum; cores numbered
+    device by device; no tree, or a tree laid out otherwise: None (nothing recorded, not a guess)."""
+    from harness.backends import neuron_calibration as nc
+
+    monkeypatch.setattr(nc, "SYSFS_ROOT", tmp_path)
+    assert nc.device_bytes_in_use(2, environ={}) is None
+    for device, cores in ((0, 2), (1, 2)):
+        (tmp_path / f"neuron{device}").mkdir()
+        (tmp_path / f"neuron{device}" / "core_count").write_text(f"{cores}\n")
+    for core, parts in ((2, {"constants": 1000, "tensors": 24}), (3, {"total": 5000, "constants": 7})):
+        mem = tmp_path / "neuron1" / f"neuron_core{core - 2}" / "stats" / "memory_usage" / "device_mem"
+        for name, value in parts.items():
+            (mem / name if name != "total" else mem).mkdir(parents=True, exist_ok=True)
+            ((mem / name / "total") if name != "total" else mem / "total").write_text(f"{value}\n")
+    assert nc.device_bytes_in_use(2, environ={"NEURON_RT_VISIBLE_CORES": "2-3"}) == {2: 1024, 3: 5000}
+    assert nc.device_bytes_in_use(2, environ={}) is None  # cores 0 and 1 hold no counters: not a guess

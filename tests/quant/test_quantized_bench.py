@@ -44,6 +44,10 @@ def test_bench_quantize_times_both_builds_with_their_floors(tmp_path, capsys):
     assert int8["decode_floor_ms"] <= unquantized["decode_floor_ms"]
     assert int8["decode_bound"] != "memory" or int8["decode_floor_ms"] < unquantized["decode_floor_ms"]
     assert beside["latency_summary"]["tpot_ms"]["p50"] > 0
+    # the run's own roofline counts the int8 weights, the build beside it the unquantized ones
+    decode = {name: next(r for r in block["graphs"] if r["graph"] == "decode")
+              for name, block in (("int8", result["roofline"]), ("unquantized", beside["roofline"]))}
+    assert decode["int8"]["weight_bytes"] < 0.75 * decode["unquantized"]["weight_bytes"]
     assert main(["bench", *common, "--out", str(plain)]) == 0
     assert "unquantized" not in json.loads(plain.read_text())  # an unquantized bench is as before
     assert main(["perf", "compare", "--baseline", str(plain), "--current", str(out), "--allow-mismatch"]) == 2

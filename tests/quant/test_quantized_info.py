@@ -39,3 +39,33 @@ def test_info_quantize_int8_for_the_12b(tmp_path, capsys):
     assert q["scale_bytes_per_rank"] > 0 and "the fp32 scales counted" in printed
     assert main(["info", "--config", str(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")]) == 0
     assert "--quantize int8 beside" not in capsys.readouterr().out  # only when asked
+
+
+def test_every_fit_line_of_info_counts_the_int8_weights(tmp_path, capsys):
+    """Under --quantize int8 the bytes-per-rank line, the HBM line and the roofline's weight bytes
+    count the int8 weights (core_fit.rank_bytes), the figures the comparison block computes from
+    the unquantized build less the savings; without --quantize they stay the unquantized ones."""
+    from harness import FIXTURES_DIR
+    from harness.cli import main
+
+    config = str(FIXTURES_DIR / "configs" / "gemma-4-12b-it.json")
+    runs = {}
+    for name, extra in (("int8", ["--quantize", "int8"]), ("unquantized", [])):
+        out = tmp_path / f"{name}.json"
+        assert main(["info", "--config", config, "--perf", "--json", str(out), *extra]) == 0
+        runs[name] = json.loads(out.read_text()), capsys.readouterr().out
+    payload, printed = runs["int8"]
+    q, tp, gib = payload["quantization"], payload["tp"], 2**30
+    weights = q["int8"]["weights_bytes_per_rank"]
+    assert weights < 0.6 * q["unquantized"]["weights_bytes_per_rank"]
+    assert payload["memory"]["weights"] == weights and payload["bytes_per_rank"] == weights + payload["memory"]["kv_cache"]
+    assert f"bytes per rank (bfloat16, int8 weights): {(weights + payload['memory']['kv_cache']) / gib:.2f} GiB" in printed
+    for hbm in (payload["hbm"], payload["roofline"]["hbm"]):
+        assert hbm["weights_bytes"] == tp * weights
+    assert f"HBM: int8 weights {tp * weights / gib:.2f} GiB" in printed
+    decode = next(row for row in payload["roofline"]["graphs"] if row["graph"] == "decode")
+    assert abs(decode["memory_ms"] - q["int8"]["decode_memory_ms"]) < 1e-9
+    plain, printed = runs["unquantized"]
+    assert plain["memory"]["weights"] == q["unquantized"]["weights_bytes_per_rank"]
+    assert plain["hbm"]["weights_bytes"] == tp * q["unquantized"]["weights_bytes_per_rank"]
+    assert "int8 weights" not in printed

@@ -155,3 +155,34 @@ def test_an_fp32_port_on_the_host_is_its_own_fp32_stage():
     spec = load_spec(CONFIGS / "gemma-4-12b-it.json")
     assert host_parts(spec, 2, "float32", "cpu")["fp32_port"] == 0
     assert host_parts(spec, 2, "float32", "neuron")["fp32_port"] > fp32_model_bytes(spec)  # built on cpu beside it
+
+
+def test_the_speculative_stage_s_fp32_run_on_the_host_is_a_phase_of_check_and_bisect(tmp_path, capsys):
+    """check --assistant --speculate K runs its speculative stage's fp32 build on the host (cpu, as the
+    fp32 stage's: parity/speculative.speculative_settings) with its fp32 drafter, the assistant's fp32
+    and bf16 references, and the fp32 target acceptance loads while that build is held: the host plan
+    counts it as a phase of check and bisect, and info --plan prints it; without --assistant no such phase."""
+    from harness.inputs.assistant_spec import load_assistant_spec
+
+    spec = load_spec(CONFIGS / "gemma-4-tiny.json")
+    assistant = load_assistant_spec(CONFIGS / "tiny" / "gemma-4-tiny-assistant.json", spec)
+    parts = host_parts(spec, 2, "bfloat16", "neuron", assistant=assistant)
+    drafters = 2 * assistant.bytes_per_rank(2, 4) + assistant.bytes_per_rank(1, 4) + assistant.bytes_per_rank(1, 2)
+    assert parts["drafters"] == drafters > 0 and parts["fp32_port"] > 0
+    plan = resource_plan(spec, 2, "bfloat16", 256, (16,), speculate=3, assistant=assistant)
+    for cmd in ("check", "bisect"):
+        phases = plan["commands"][cmd]["host_phases"]
+        assert phases["speculative stage"] == (parts["port"] + parts["fp32_port"] + drafters + parts["model"]
+                                               + parts["captures"])
+    assert all("speculative stage" not in plan["commands"][c]["host_phases"] for c in ("reference", "quality", "bench"))
+    plain = resource_plan(spec, 2, "bfloat16", 256, (16,), speculate=3)
+    assert "speculative stage" not in plain["commands"]["check"]["host_phases"]
+    out, assistant_dir = tmp_path / "info.json", tmp_path / "assistant"
+    assistant_dir.mkdir()  # info reads the assistant's config.json only
+    (assistant_dir / "config.json").write_text((CONFIGS / "tiny" / "gemma-4-tiny-assistant.json").read_text())
+    assert main(["info", "--model", "tiny", "--assistant", str(assistant_dir), "--speculate", "3", "--plan",
+                 "--json", str(out)]) == EXIT_OK
+    printed = capsys.readouterr().out
+    check = json.loads(out.read_text())["resource_plan"]["commands"]["check"]
+    assert "speculative stage" in check["host_phases"]
+    assert f"speculative stage {check['host_phases']['speculative stage'] / GIB:.1f} GiB" in printed

@@ -56,6 +56,42 @@ def core_bytes() -> int:
     return int(os.environ.get("NXD_DOUBLE_CORE_BYTES", 16 << 30))
 
 
+# The Neuron driver's per-core memory counters, as the Neuron sysfs user guide lays them out: with
+# $NXD_DOUBLE_SYSFS a directory, each load adds its bytes to <root>/neuron{D}/neuron_core{C}/stats/
+# memory_usage/device_mem/<category>/{total,present,peak} (total: in use now), two cores a device (inf2),
+# for the cores NEURON_RT_VISIBLE_CORES names, rank r on its r-th core.
+DRIVER_CATEGORIES = {"constants": ("weights",), "tensors": ("states", "io"), "model_code": ("binaries",),
+                     "runtime_memory": ("reserve",)}
+
+
+def _visible_cores(world_size: int) -> list[int]:
+    cores = []
+    for part in filter(None, os.environ.get("NEURON_RT_VISIBLE_CORES", "").split(",")):
+        first, _, last = part.partition("-")
+        cores += range(int(first), int(last or first) + 1)
+    return (cores or list(range(world_size)))[:world_size]
+
+
+def count_on_driver(used: dict, world_size: int) -> None:
+    from pathlib import Path
+
+    root = os.environ.get("NXD_DOUBLE_SYSFS")
+    if not root:
+        return
+    for core in _visible_cores(world_size):
+        for device in range(core // 2 + 1):
+            (Path(root) / f"neuron{device}").mkdir(parents=True, exist_ok=True)
+            (Path(root) / f"neuron{device}" / "core_count").write_text("2\n")
+        for category, parts in DRIVER_CATEGORIES.items():
+            counter = Path(root) / f"neuron{core // 2}" / f"neuron_core{core % 2}" / "stats" / "memory_usage" / "device_mem" / category
+            counter.mkdir(parents=True, exist_ok=True)
+            added = sum(used[p] for p in parts)
+            total = added + (int((counter / "total").read_text()) if (counter / "total").is_file() else 0)
+            peak = max(total, int((counter / "peak").read_text()) if (counter / "peak").is_file() else 0)
+            for name, value in (("total", total), ("present", added), ("peak", peak)):
+                (counter / name).write_text(f"{value}\n")
+
+
 def _get(module, name):
     owner, _, attr = name.rpartition(".")
     mod = module.get_submodule(owner) if owner else module
@@ -163,6 +199,7 @@ class NxDModel(torch.nn.Module):
             raise RuntimeError("to_neuron() before set_weights(): the graphs have no weights to load")
         states = self._state_specs()
         self.device_memory = self._load_bytes(states)  # what each core holds once loaded, or the load fails
+        count_on_driver(self.device_memory, self.world_size)  # the driver's counters see the load
         self.states = [{k: torch.zeros(shape, dtype=dtype) for k, (shape, dtype) in states.items()}
                        for _ in range(self.world_size)]
         self._ranks = [{tag: self._rank_module(rank, module, self.graphs[tag]) for tag, module in self.traced_modules.items()}
