@@ -237,6 +237,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, sett
             stage.notes.append(f"speculative decoding ran as a batch of {settings.batch} sequences (a KV slot each, "
                                "continuous batching, each drafting from its own slot, one verify call a round); "
                                "each judged against its prompt alone")
+        engine = drafter = None  # the fp32 build goes before acceptance loads the fp32 target (the host plan's phase)
         stage.acceptance = judge_acceptance(fp32_runs, ref32, load_target(checkpoint.path), references[torch.float32].model, k)
         for a, run in zip(stage.acceptance, judged):
             a["port_" + settings.dtype] = run.acceptance  # reported, not judged: bf16 drafts flip near ties

@@ -104,8 +104,8 @@ def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: 
     at a time, none with a golden), the fp32 stage (its cpu build beside the port, then the float64
     envelope), the bf16 stage and local verdicts, the batch stage (a batched parity build, the bf16
     stage's released first; its references are the bf16 stage's), the served build (the parity
-    build released), the speculative stage (parity/speculative.py: its fp32 run on cpu, with the
-    fp32 target acceptance loads while that build is held). `quantized_copy`: what writing the `--quantize` model's copy holds, before all
+    build released), the speculative stage (parity/speculative.py: its fp32 run on cpu, then the
+    fp32 target acceptance loads once that build is released). `quantized_copy`: what writing the `--quantize` model's copy holds, before all
     of them (harness/inputs/quantized_checkpoint.py copy_host_bytes; 0 when none is written)."""
     p, m, cap = parts["port"], parts["model"], parts["captures"]
     phases = {"build port": p + parts["load"]}
@@ -116,7 +116,8 @@ def host_phases(command: str, parts: dict, *, golden: bool = False, fp32_stage: 
     if command in ("check", "bisect"):
         phases["bf16 stage"] = p + cap + parts["rerun"]
     if command in ("check", "bisect") and parts.get("drafters"):  # speculative stage's fp32 run, on the host
-        phases["speculative stage"] = p + parts["fp32_port"] + parts["drafters"] + m + cap  # m: acceptance's target
+        # the fp32 build and drafter run, then go; acceptance loads the fp32 target (m) in their place
+        phases["speculative stage"] = p + parts["drafters"] + max(parts["fp32_port"], m) + cap
     if command == "quality":
         phases["port"] = p + cap
     if command == "check" and batch_stage:  # built (p + load), then run as the bf16 stage is
