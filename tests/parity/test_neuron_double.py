@@ -11,6 +11,7 @@ through the CLI with the backend `neuron`, and one failing build per rule the do
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -476,7 +477,9 @@ def test_a_calibrating_build_records_the_device_memory_its_load_took(nxd, tiny0_
                                                              again.nxd_model.device_memory["total"]]
     assert builds[0]["device_bytes_by_core"]["before"] is None  # no counters before the first load
     assert builds[1]["device_bytes_by_core"]["before"] == builds[0]["device_bytes_by_core"]["after"]
-    assert set(builds[1]["device_bytes_by_core"]["after"]) == {"0", "1"}  # tp 2: both cores of NEURON_RT_VISIBLE_CORES
+    # tp 2: both cores the build was given (NEURON_RT_VISIBLE_CORES: under xdist, this worker's pair)
+    given = neuron_env.parse_visible_cores(os.environ["NEURON_RT_VISIBLE_CORES"])
+    assert len(given) == 2 and set(builds[1]["device_bytes_by_core"]["after"]) == {str(c) for c in given}
     assert builds[1]["planned_core_bytes"] == again.build.core["total"]
     calibration = read_calibration(record)
     assert [d["after_load"] for d in calibration["device"]] == [b["device_bytes_after_load"] for b in builds]
