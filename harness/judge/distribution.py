@@ -125,14 +125,13 @@ class Distribution(StageResult):
     ran: bool = True
     served: object = field(default=None, repr=False)  # the served stage this reads (its over-precision)
     bitwise: object = field(default=None, repr=False)  # the bit-exact layers stage this reads (likewise)
-    # The check this reads (its bf16 stage, the fp32 stage once attached): a gate beside the point
-    # limits, so where a stage already fails at its points the distribution reports, not fails again.
-    check: object = field(default=None, repr=False, compare=False)
+    # The check's fp32 and bf16 stages this reads: a gate beside the point limits, so where a stage
+    # already fails at its points the distribution reports, not fails again.
+    parity: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def superseded(self) -> bool:
-        c = self.check
-        return c is not None and (not c.stage_passed or (c.fp32 is not None and not c.fp32.stage_passed))
+        return any(not s.passed for s in self.parity)
 
     @property
     def flagged(self) -> list:
@@ -203,11 +202,11 @@ def scope_stats(points, scope: str, kind_of=None) -> tuple[list[KindStats], list
     return stats, breaches
 
 
-def judge_distribution(result, strict: bool = False, served=None, bitwise=None) -> Distribution:
-    """The bf16 stage of a check (harness.judge.results.CheckResult, its local verdicts when they
+def judge_distribution(result, strict: bool = False, served=None, bitwise=None, fp32=None) -> Distribution:
+    """The bf16 stage of a check (harness.judge.results.ParityStage, its local verdicts when they
     ran) read as distributions of R, gated, with its over-precision (precision.find_over_precision)
     and the bit-exact layers' and the `served` stage's; `strict` (--strict-precision): over-precision fails
-    instead of warning."""
+    instead of warning. Where the bf16 or the `fp32` stage already fails, it reports, not fails again."""
     cumulative = [p for p in result.all_points() if getattr(p, "position_r", None) is not None]
     local = [p for v in (result.local_verdicts or []) for p in v.local]
     kinds, breaches = scope_stats(cumulative, "cumulative")
@@ -222,12 +221,12 @@ def judge_distribution(result, strict: bool = False, served=None, bitwise=None) 
                               "over-precision is not judged" + ("" if result.local == [] else " (run bisect, capture mode)")]
     return Distribution(kinds=kinds + local_kinds, overall=overall, breaches=breaches + local_breaches + overall_breaches,
                         over_precision=find_over_precision(cumulative, local), strict=strict, notes=notes,
-                        check=result, served=served, bitwise=bitwise)
+                        parity=tuple(s for s in (fp32, result) if s is not None), served=served, bitwise=bitwise)
 
 
 def distribution_stage(strict: bool = False) -> Stage:
-    """The distribution as a stage of the parity run: it reads the bf16 stage's result and the served
-    stage (after it); none where the bf16 stage raised (nothing observed)."""
-    def run(result, served=None, bitwise_layers=None):
-        return None if result.port_error else judge_distribution(result, strict, served, bitwise_layers)
-    return Stage("distribution", run, reads=("result",), after=("served", "bitwise_layers"))
+    """The distribution as a stage of the parity run: it reads the fp32 and bf16 stages' results and the
+    served and bit-exact stages (after them); none where the bf16 stage raised (nothing observed)."""
+    def run(fp32=None, bf16=None, served=None, bitwise_layers=None):
+        return None if bf16.port_error else judge_distribution(bf16, strict, served, bitwise_layers, fp32)
+    return Stage("distribution", run, reads=(), after=("fp32", "bf16", "served", "bitwise_layers"))

@@ -1,13 +1,14 @@
-"""The result of `check`: plain data per stage (its points, tokens, probabilities, local verdicts),
-with the decisions that read it (what failed, where, the first divergent layer). Its JSON is
-`to_json` here; harness.report.formats renders that JSON as text and Markdown."""
+"""The fp32 and bf16 stages' results (`ParityStage`, a harness.judge.stage_result.StageResult like every
+stage of `check`): plain data per stage (its points, tokens, probabilities, local verdicts), with the
+decisions that read it (what failed, where, its first failing layer). harness.judge.check_result holds
+the check's result (its run's settings and its sealed stages)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 from harness.base.points import Point
-from harness.judge.stage_result import blame, divergent, overall_verdict
+from harness.judge.stage_result import Gate, StageResult, blame, divergent
 from harness.judge.verdicts import LayerResult, LogitsResult, NearTieCalibration, PointResult, ProbabilityResult, TokenVerdict
 
 
@@ -68,8 +69,12 @@ class LocalLayer:
         return {"index": self.index, "pass": self.passed, "component": self.component, "ratio": self.ratio}
 
 
-@dataclass
-class CheckResult:
+@dataclass(eq=False)
+class ParityStage(StageResult):
+    """The fp32 (structural) or bf16 (envelope) stage of a check: the port observed whole and judged
+    point by point and token by token (harness.judge.stage.judge_stage). Its one gate holds every
+    failure of the stage in run order; it is sealed once its local verdicts are in."""
+
     backend: str
     tp: int
     dtype: str
@@ -93,7 +98,6 @@ class CheckResult:
     probabilities: list[ProbabilityResult] = field(default_factory=list)
     calibration: NearTieCalibration | None = None
     port_error: dict | None = None  # an exception raised inside the port: a parity failure
-    fp32: "CheckResult | None" = None  # the structural stage, on the bf16 stage's result
     row_labels: dict[str, list[str]] = field(default_factory=dict, repr=False)
     judge: str = "bf16 envelope"
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase of this stage
@@ -104,13 +108,9 @@ class CheckResult:
     references: object = field(default=None, repr=False, compare=False)
     local_verdicts: list = field(default_factory=list, repr=False, compare=False)  # local.LayerVerdict
     local_nonfinite: dict | None = field(default=None, repr=False, compare=False)
-    run_seconds: dict[str, float] = field(default_factory=dict)  # the whole run: build, reference, total
-    stage_seconds: dict[str, float] = field(default_factory=dict)  # wall time of each extra stage (run_stages)
-    # The extra stages the parity run executed (served, batch, speculative, ...): each a sealed
-    # harness.judge.stage_result.StageResult, counted in the verdict like the two stages.
-    extra_stages: list = field(default_factory=list, compare=False)
     # MoE models, bf16 stage: the port's router choices judged (harness.judge.routing.RoutingResult)
     routing: object = None
+    ran = True
 
     @property
     def seq_match(self) -> bool:
@@ -124,23 +124,14 @@ class CheckResult:
                 return point.layer, point.component
         return None
 
+    def divergent(self) -> tuple[int, str] | None:
+        """This stage's first divergent (layer, component) alone (stage_result.divergent holds the rule;
+        the check's reads the fp32 stage beside the bf16 one: check_result.CheckResult.divergent)."""
+        return divergent(self)
+
     def point_failed(self, p) -> bool:
         """A point broke its judge, or (MoE, bf16 stage) the port's routing there diverged."""
         return not p.passed or (self.routing is not None and self.routing.diverges_at(p.name))
-
-    def divergent(self) -> tuple[int, str] | None:
-        """(first divergent layer, component): stage_result.divergent holds the rule."""
-        return divergent(self)
-
-    @property
-    def first_divergent_layer(self) -> int | None:
-        found = self.divergent()
-        return found[0] if found else None
-
-    @property
-    def first_divergent_component(self) -> str | None:
-        found = self.divergent()
-        return found[1] if found else None
 
     @property
     def near_ties(self) -> int:
@@ -168,7 +159,11 @@ class CheckResult:
         decode += self.decode_points[1:] + ([self.decode_logits] if self.decode_logits else [])
         return prefill + decode
 
-    def failures(self) -> list[dict]:
+    def gates(self) -> list[Gate]:
+        """One gate, the stage's own name: every failure of the stage, in run order."""
+        return [Gate(self.stage, self._judged_failures())]
+
+    def _judged_failures(self) -> list[dict]:
         """What fails in this stage, in run order: each with the stage, the point and where."""
         if self.port_error:
             return [dict(self.port_error, stage=self.stage, point="exception inside the port")]
@@ -200,22 +195,7 @@ class CheckResult:
         labels = self.row_labels.get(name) or self.row_labels.get(Point.parse(name).rows, [])
         return labels[row] if 0 <= row < len(labels) else f"row {row}"
 
-    @property
-    def stage_passed(self) -> bool:
-        return not self.failures()
-
-    @property
-    def passed(self) -> bool:
-        """Every capture point of both stages within its judge, every token mismatch accounted for
-        (a near tie or a saturation tie), no exception inside the port, every extra stage's gates
-        (the overall verdict: stage_result.overall_verdict)."""
-        return overall_verdict(self).passed
-
-    @property
-    def failed_stages(self) -> list[str]:
-        return overall_verdict(self).failed_stages
-
-    def _layer_json(self, layer: LayerResult) -> dict:
+    def layer_json(self, layer: LayerResult, fp32: "ParityStage | None" = None) -> dict:
         """A layer's row: its points in the port's run, its local verdict beside them. A layer that
         fails only cumulatively while passing alone carries upstream error: it is not blamed
         ("pass" stays its local verdict's, "component" None, "carries_upstream_error" true)."""
@@ -226,8 +206,8 @@ class CheckResult:
             out["local_ratio"], out["local_pass"] = local.ratio, local.passed
             out["local_rel_l2"], out["local_envelope_rel_l2"] = local.rel_l2, local.envelope_rel_l2
         out.update(blame(out["pass"], local))
-        if self.fp32 is not None:
-            out.update(self.fp32.layer_verdict(layer.index))
+        if fp32 is not None:
+            out.update(fp32.layer_verdict(layer.index))
         return out
 
     def layer_verdict(self, index: int) -> dict:
@@ -241,7 +221,7 @@ class CheckResult:
                 f"{self.stage}_point": failed[0] if failed else None}
 
     def stage_json(self) -> dict:
-        return {"stage": self.stage, "dtype": self.dtype, "passed": self.stage_passed, "judge": self.judge,
+        return {"stage": self.stage, "dtype": self.dtype, "passed": self.passed, "judge": self.judge,
                 "failures": self.failures(), "points": len(self.all_points()) + len(self.probabilities),
                 "port_error": self.port_error, "notes": self.notes, "seconds": self.seconds,
                 "kv_points": [asdict(p) for p in self.kv],
@@ -251,33 +231,6 @@ class CheckResult:
                 "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
                 "routing": self.routing.to_json() if self.routing is not None else None,
                 "seq_match": self.seq_match, "prompts": [p.to_json() for p in self.prompts]}
-
-    def to_json(self) -> dict:
-        def d(p):
-            return p.__dict__ if p is not None else None
-
-        stages = {s.stage: s.stage_json() for s in (self.fp32, self) if s is not None}
-        verdict = overall_verdict(self)  # built once: the JSON writes it
-        layer, component = verdict.divergent or (None, None)
-        return {"passed": verdict.passed, "seq_match": self.seq_match, "backend": self.backend,
-                "tp": self.tp, "dtype": self.dtype, "first_divergent_layer": layer,
-                "first_divergent_component": component,
-                "local_layers": [v.to_json() for v in self.local] if self.local is not None else None,
-                "near_tie_flips": self.near_ties, "real_divergences": self.divergences,
-                "embeddings": d(self.embeddings), "embeddings_exact": self.embeddings_exact,
-                "final_norm": d(self.final_norm), "logits": d(self.logits), "decode_logits": d(self.decode_logits),
-                "layers": [self._layer_json(layer) for layer in self.layers],
-                "prompts": [p.to_json() for p in self.prompts],
-                "notes": self.notes + (self.fp32.notes if self.fp32 else []), "stages": stages,
-                "failed_stages": verdict.failed_stages,
-                "failed_stage": verdict.failed_stages[0] if verdict.failed_stages else None,
-                "first_failure": verdict.failures[0] if verdict.failures else None,
-                "seconds": dict({s.stage: s.seconds for s in (self.fp32, self) if s is not None},
-                                run=self.run_seconds, stages=self.stage_seconds),
-                "near_tie_calibration": asdict(self.calibration) if self.calibration else None,
-                "port_error": self.port_error or (self.fp32.port_error if self.fp32 else None),
-                "routing": self.routing.to_json() if self.routing is not None else None,
-                "extra_stages": {s.stage: s.to_json() for s in self.extra_stages}}
 
 
 def _finite(x: float) -> float | None:

@@ -10,7 +10,7 @@ from harness.judge.compare import (BF16, JUDGES, PLE_PIN_NOISE, POOLED_PARTS, St
                                    compare_probabilities, pooled_floors)
 from harness.judge.tokens import calibrate_near_ties, classify_departure, compare_logits
 from harness.base.points import Point, layer_points
-from harness.judge.results import CheckResult, PromptOutcome
+from harness.judge.results import ParityStage, PromptOutcome
 from harness.judge.routing import judge_routing
 from harness.judge.verdicts import LayerResult, NearTieCalibration, ProbabilityResult
 
@@ -39,7 +39,7 @@ def compare_layers(spec, observed, judge: StageJudge = BF16, decode: bool = Fals
             for layer, names in judged]
 
 
-def structural_flips(fp32: CheckResult | None) -> dict:
+def structural_flips(fp32: ParityStage | None) -> dict:
     """(prompt, "prefill"|"decode") -> rows where the fp32 port's token differs from the reference."""
     flips: dict = {}
     for k, pr in enumerate(fp32.prompts if fp32 else []):
@@ -105,7 +105,7 @@ def _notes(obs, spec, backend: str) -> list[str]:
     return notes
 
 
-def judge_stage(obs, spec, context) -> CheckResult:
+def judge_stage(obs, spec, context) -> ParityStage:
     """A stage's observation (harness.parity.observation.StageObservation) judged by its StageJudge
     (obs.stage), in its context (harness.parity.observe.StageContext: the labels, the near-tie
     calibration, the fp32 stage's structural flips); on MoE models the bf16 stage also judges
@@ -119,7 +119,7 @@ def judge_stage(obs, spec, context) -> CheckResult:
              ("embeddings", "final_norm", "logits", "decode_logits", "decode.embeddings", "decode.final_norm")
              if n in dev}
     cap = spec.final_logit_softcapping
-    return CheckResult(
+    return ParityStage(
         backend=context.backend, tp=context.tp, dtype=context.dtype, stage=obs.stage, judge=judge.describe(),
         embeddings_exact=exact, embeddings=point["embeddings"], layers=compare_layers(spec, obs, judge),
         final_norm=point["final_norm"], logits=point["logits"], decode_logits=point.get("decode_logits"),

@@ -1,16 +1,16 @@
 """The stage protocol: what every extra stage of `check` (served, batch, speculative, and any later
 one) returns, and the one function that builds the overall verdict.
 
-A stage (`Stage`) is a function of named inputs (INPUTS, and the results of the stages it reads)
-returning a `StageResult`: its `stage` name, whether it `ran`, its notes, and its named gates (`Gate`: one verdict each, with the failures it found). The
-failures are computed once, when the stage is sealed (`seal`, by the parity run that executed it);
-`to_json` only writes what was computed. The parity run executes the stages, `run_stages` only,
-in the one order `stage_order` holds (the stages on the parity build, then the others, each after
-the stages it reads: the distribution reads the served build's). A later gate (e.g. a distributional gate) joins a stage
-with `add_gate` before the seal, and counts in the verdict and the JSON like the stage's own.
+A stage (`Stage`) is a function of named inputs (harness.parity.stages.INPUTS, and the results of
+the stages it reads) returning a `StageResult`: its `stage` name, whether it `ran`, its notes, and
+its named gates (`Gate`: one verdict each, with the failures it found). The failures are computed
+once, when the stage is sealed (`seal`, by the parity run that executed it); `to_json` only writes
+what was computed. The fp32 and bf16 stages are stages like the others (harness.judge.results.
+ParityStage); harness.parity.stages.run_stages, the one runner, executes them all in the one order
+its stage_order holds. A later gate (e.g. a distributional gate) joins a stage with `add_gate`
+before the seal, and counts in the verdict and the JSON like the stage's own.
 
-`overall_verdict` builds the check's verdict from its stages (the fp32 and bf16 stages and the
-extra ones) and holds the local-versus-cumulative rule (`blame`): a layer's local verdict (the
+`overall_verdict` builds the check's verdict from its one list of stages and holds the local-versus-cumulative rule (`blame`): a layer's local verdict (the
 layer alone on the reference's input) decides over its cumulative points, a layer failing only
 cumulatively while passing alone carries upstream error, and the fp32 stage names an earlier
 layer than the bf16 stage when bf16 noise hides a structural error there.
@@ -21,8 +21,6 @@ A tie band travels with its judge (`Ties`): a stage classifying token departures
 
 from __future__ import annotations
 
-import gc
-import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -101,65 +99,16 @@ class StageResult:
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage as the parity run executes it: its `name`, the function `run`, the named inputs it
-    `reads` (INPUTS: passed by name) and the stages it reads `after` (their StageResults, by name;
-    None where the run has no such stage). `run` returns a StageResult, or None where the stage does
-    not apply to the model (nothing is recorded)."""
+    """One stage as the parity run executes it (harness.parity.stages.run_stages): its `name`, the
+    function `run`, the named inputs it `reads` (harness.parity.stages.INPUTS: passed by name) and
+    the stages it reads `after` (their StageResults, by name: "bf16" for the bf16 stage's finished
+    result; None where the run has no such stage). `run` returns a StageResult, or None where the
+    stage does not apply to the model (nothing is recorded)."""
 
     name: str
     run: Callable[..., "StageResult | None"]
-    reads: tuple[str, ...] = ("result", "checkpoint")
+    reads: tuple[str, ...] = ("checkpoint",)
     after: tuple[str, ...] = ()
-
-
-# The named inputs a stage may read: the bf16 stage's finished result (harness.judge.results.CheckResult),
-# the checkpoint, the parity build's engine (held until the last stage reading it has run) and the
-# references the check observed (harness.parity.observation.StageReferences).
-INPUTS = ("result", "checkpoint", "engine", "references")
-
-
-def stage_order(stages) -> list[Stage]:
-    """The run order, the one rule: the stages reading the parity build ("engine") first, so that it
-    is released before a stage builds its own (a device never holds two builds of the model); then
-    the others in the order given, each stage after the stages it reads (`after`)."""
-    stages = list(stages)
-    names = [s.name for s in stages]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two stages of one name in {names}")
-    pending = sorted(stages, key=lambda s: "engine" not in s.reads)  # stable
-    ordered: list[Stage] = []
-    while pending:
-        ready = next((s for s in pending if not set(s.after) & {p.name for p in pending}), None)
-        if ready is None:
-            raise ValueError(f"the stages {[s.name for s in pending]} read each other (after): no order runs them")
-        if "engine" in ready.reads and any("engine" not in s.reads for s in ordered):
-            raise ValueError(f"the {ready.name} stage reads the parity build after it was released (it reads "
-                             f"{list(ready.after)})")
-        ordered.append(ready)
-        pending.remove(ready)
-    return ordered
-
-
-def run_stages(stages, inputs: dict) -> None:
-    """The parity run executes its stages, in stage_order: each called with the named inputs it
-    reads and the results of the stages it reads, its StageResult sealed and added to the result
-    (inputs["result"].extra_stages). The parity build (inputs["engine"]) is dropped from `inputs`
-    once the last stage reading it has run: a caller holding it nowhere else releases it there."""
-    result, done = inputs["result"], {}
-    ordered = stage_order(stages)
-    for i, stage in enumerate(ordered):
-        missing = [name for name in stage.reads if name not in inputs]
-        if missing:
-            raise ValueError(f"the {stage.name} stage reads {missing}, not among the run's inputs {sorted(inputs)}")
-        start = time.perf_counter()
-        out = stage.run(**{name: inputs[name] for name in stage.reads}, **{name: done.get(name) for name in stage.after})
-        if out is not None:
-            result.extra_stages.append(out.seal())
-            done[stage.name] = out
-        if "engine" in inputs and not any("engine" in later.reads for later in ordered[i + 1:]):
-            del inputs["engine"]
-            gc.collect()
-        result.stage_seconds[stage.name] = round(time.perf_counter() - start, 2)  # check --verbose prints it
 
 
 class Verdict(NamedTuple):
@@ -177,23 +126,26 @@ def blame(cumulative_pass: bool, local) -> dict:
     return {"pass": local.passed, "component": local.component, "carries_upstream_error": local.passed and not cumulative_pass}
 
 
-def divergent(stage) -> tuple[int, str] | None:
-    """The first divergent (layer, component) of a bf16 or fp32 stage result: the first failing
-    local verdict where there are any, else the stage's first failing layer point; the fp32
-    stage's when it names an earlier layer (a structural error bf16 noise hides until later) or
-    the stage names none."""
-    local = next((v for v in stage.local or [] if not v.passed), None)
-    own = (local.index, local.component) if local is not None else stage.first_layer_failure()
-    structural = divergent(stage.fp32) if getattr(stage, "fp32", None) is not None else None
+def divergent(stage, fp32=None) -> tuple[int, str] | None:
+    """The first divergent (layer, component) of a bf16 or fp32 stage result (harness.judge.results.
+    ParityStage): the first failing local verdict where there are any, else the stage's first failing
+    layer point; the `fp32` stage's when it names an earlier layer (a structural error bf16 noise
+    hides until later) or the stage names none."""
+    own = None
+    if stage is not None:
+        local = next((v for v in stage.local or [] if not v.passed), None)
+        own = (local.index, local.component) if local is not None else stage.first_layer_failure()
+    structural = divergent(fp32) if fp32 is not None else None
     if own is None or (structural is not None and structural[0] < own[0]):
         return structural
     return own
 
 
-def overall_verdict(result) -> Verdict:
-    """The check's verdict: every stage passes (the fp32 stage, the bf16 stage, each extra stage's
-    gates), with the failures in run order and the first divergent layer."""
-    stages = [s for s in (result.fp32, result) if s is not None]
-    failed = [s.stage for s in stages if not s.stage_passed] + [s.stage for s in result.extra_stages if not s.passed]
-    failures = [f for s in stages for f in s.failures()] + [f for s in result.extra_stages for f in s.failures()]
-    return Verdict(not failed, failed, failures, divergent(result))
+def overall_verdict(stages: list[StageResult]) -> Verdict:
+    """The check's verdict from its one list of sealed stages (run order: the fp32 stage, the bf16
+    stage, the extra ones): every stage passes, with the failures in run order and the first
+    divergent layer (the fp32 and bf16 stages', `divergent`)."""
+    failed = [s.stage for s in stages if not s.passed]
+    failures = [f for s in stages for f in s.failures()]
+    named = {s.stage: s for s in stages}
+    return Verdict(not failed, failed, failures, divergent(named.get("bf16"), named.get("fp32")))

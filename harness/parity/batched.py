@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from harness.base.progress import status
-from harness.judge.results import CheckResult
+from harness.judge.results import ParityStage
 from harness.judge.stage import judge_stage, structural_flips
 from harness.judge.stage_result import Gate, Stage, StageResult
 from harness.parity.observation import PortPrompt
@@ -92,7 +92,7 @@ class BatchStage(StageResult):
     ran: bool
     slots: int = 0
     order: list[int] = field(default_factory=list)  # the prompts' admission order
-    result: CheckResult | None = None  # the batch judged as the bf16 stage judges (stage "batch")
+    result: ParityStage | None = None  # the batch judged as the bf16 stage judges (stage "batch")
     notes: list[str] = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
 
@@ -130,12 +130,13 @@ class BatchStage(StageResult):
 def batch_stage(settings, progress: bool = False, skip: str | None = None) -> Stage:
     """The batch stage for the parity run (stage_result.run_stages): a function of the finished
     result and the checkpoint returning the BatchStage; `skip`: why it does not run (said in it)."""
-    def stage(result, checkpoint) -> BatchStage:
-        return BatchStage(ran=False, notes=[skip]) if skip else run_batch_stage(result, checkpoint, settings, progress)
-    return Stage("batch", stage)
+    def stage(checkpoint, fp32=None, bf16=None) -> BatchStage:
+        return BatchStage(ran=False, notes=[skip]) if skip else run_batch_stage(bf16, checkpoint, settings, progress, fp32)
+    return Stage("batch", stage, after=("fp32", "bf16"))
 
 
-def run_batch_stage(result: CheckResult, checkpoint, settings, progress: bool = False) -> BatchStage:
+def run_batch_stage(result: ParityStage, checkpoint, settings, progress: bool = False,
+                    fp32: ParityStage | None = None) -> BatchStage:
     """The bf16 stage's prompts and references (as it observed them) through a batched parity build of
     `settings` with stage_slots(prompts) slots, judged in the bf16 stage's context."""
     from harness.backends import backend_class
@@ -150,14 +151,14 @@ def run_batch_stage(result: CheckResult, checkpoint, settings, progress: bool = 
         return BatchStage(ran=False, notes=[f"the {settings.backend} backend does not serve batches"])
     slots, order = stage_slots(len(refs.fp32)), admission_order([r.prompt for r in refs.fp32])
     context = StageContext("bf16", settings.backend, settings.tp, settings.dtype, calibration=result.calibration,
-                           structural=structural_flips(result.fp32), progress=progress, force_path=observed.followed,
+                           structural=structural_flips(fp32), progress=progress, force_path=observed.followed,
                            pins=[f.inputs for f in observed.forcing])
     start = time.perf_counter()
     try:
         batched = settings.but(batch=slots, assistant=None, speculate=0)  # the stage serves, it does not speculate
         judged = judge_stage(_observe(checkpoint, batched, refs, context), checkpoint.spec, context)
     except PortFailure as failure:
-        judged = CheckResult(backend=settings.backend, tp=settings.tp, dtype=settings.dtype,
+        judged = ParityStage(backend=settings.backend, tp=settings.tp, dtype=settings.dtype,
                              port_error=failure.describe(), calibration=result.calibration)
     if not backend_class(settings.backend).host_ranks:
         gc.collect()  # a device holds one build at a time: this one is gone before the next stage builds

@@ -39,18 +39,19 @@ def bisect_capture(checkpoint, engine, refs, layer_backend=None, run: dict | Non
         check = check_port(checkpoint, engine, *refs, local=True, layer_backend=layer_backend, **run)
         reference = ReferenceLayers(checkpoint)
         golden_caps = [r.captures for r in refs[0]]
-        final = [check.final_norm, final_norm_alone(layer_backend or engine.backend, reference, golden_caps)]
+        final = [check.bf16.final_norm, final_norm_alone(layer_backend or engine.backend, reference, golden_caps)]
     return _capture_result(checkpoint.spec, check, refs, final)
 
 
 def _capture_result(spec, check, refs: tuple, final_norm: list) -> BisectResult:
     lengths = [len(r.prompt) for r in refs[0]]
-    captures = check.observation.dev if check.observation is not None else {}
+    bf16 = check.bf16
+    captures = bf16.observation.dev if bf16.observation is not None else {}
     nonfinite = first_nonfinite(spec, captures, lengths) if captures else None
     if nonfinite:
         nonfinite["where"] = "port run"
-    elif check.local_nonfinite:
-        nonfinite = dict(check.local_nonfinite, where="layer alone on the golden's input")
+    elif bf16.local_nonfinite:
+        nonfinite = dict(bf16.local_nonfinite, where="layer alone on the golden's input")
     notes = []
     if check.backend != "cpu":
         notes.append(f"cumulative errors come from the {check.backend} parity build; local runs use the port's "
@@ -58,10 +59,10 @@ def _capture_result(spec, check, refs: tuple, final_norm: list) -> BisectResult:
                      "error: use --mode truncate to pin it on the device")
     stage = None if check.fp32 is None else fp32_summary(check.fp32)
     return BisectResult(mode="capture", backend=check.backend, tp=check.tp, dtype=check.dtype,
-                        num_layers=spec.num_layers, layers=check.local_verdicts, builds=1, nonfinite=nonfinite,
+                        num_layers=spec.num_layers, layers=bf16.local_verdicts, builds=1, nonfinite=nonfinite,
                         seq_match=check.seq_match if any(r.generated for r in refs[0]) else None,
-                        near_tie_flips=check.near_ties, real_divergences=check.divergences, notes=notes,
-                        prompt_lengths=lengths, embeddings=check.embeddings,
+                        near_tie_flips=bf16.near_ties, real_divergences=bf16.divergences, notes=notes,
+                        prompt_lengths=lengths, embeddings=bf16.embeddings,
                         final_norm=[p for p in final_norm if p is not None], fp32_stage=stage, check=check)
 
 

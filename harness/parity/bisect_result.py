@@ -147,10 +147,11 @@ class BisectResult:
         def layer_kv(stage) -> list:
             return [p for p in (stage.kv if stage is not None else []) if Point.parse(p.name).layer == bad.index]
 
-        stage = self.check  # the bf16 stage's KV, or the fp32 stage's where only that one fails there
-        if stage is not None and stage.fp32 is not None and all(p.passed for p in layer_kv(stage)) and not all(
-                p.passed for p in layer_kv(stage.fp32)):
-            stage = stage.fp32
+        # the bf16 stage's KV, or the fp32 stage's where only that one fails there
+        stage, fp32 = (self.check.bf16, self.check.fp32) if self.check is not None else (None, None)
+        if stage is not None and fp32 is not None and all(p.passed for p in layer_kv(stage)) and not all(
+                p.passed for p in layer_kv(fp32)):
+            stage = fp32
         kv = layer_kv(stage)
         parts: dict[str, list] = {}
         for p in kv + bad.judged:
@@ -177,8 +178,9 @@ class BisectResult:
 
 def fp32_summary(fp32) -> dict:
     """The fp32 structural stage (a check result) as bisect reports it."""
-    return {"passed": fp32.stage_passed, "failures": fp32.failures()[:20],
-            "first_divergent_layer": fp32.first_divergent_layer,
-            "first_divergent_component": fp32.first_divergent_component}
+    found = fp32.divergent()
+    return {"passed": fp32.passed, "failures": fp32.failures()[:20],
+            "first_divergent_layer": found[0] if found else None,
+            "first_divergent_component": found[1] if found else None}
 
 

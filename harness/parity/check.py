@@ -12,14 +12,15 @@ by compare.py's policy in two stages. What `gemma-parity check` and the parity s
 - **local verdicts** (where the backend's ranks run on CPU): each layer alone on the reference's
   input to it, so a failure is attributed to the layer that is itself wrong.
 
-This module only orders the steps: harness.parity.observe observes each stage whole (the port, the
-references, and the references along the port's path), harness.judge.stage and harness.judge.compare judge it
-(routing included), harness.parity.local judges each layer alone beside the stage's observation, and
-harness.judge.results holds the result. The further stages (the check's own: the per-layer table
-rows on the parity build and the distribution of R; the parity run's `stages`: served, batch,
-speculative) are executed here only, through harness.judge.stage_result.run_stages, each a
-stage_result.Stage (a function of named inputs returning a sealed StageResult) in the one order
-stage_result.stage_order holds; stage_result.overall_verdict builds the verdict.
+This module declares the fp32 and bf16 stages and lists a check's stages: harness.parity.observe
+observes each stage whole (the port, the references, and the references along the port's path),
+harness.judge.stage and harness.judge.compare judge it (routing included), harness.parity.local judges
+each layer alone beside the stage's observation, and harness.judge.results.ParityStage holds the
+stage's result. Every stage (fp32, bf16, the check's own: the per-layer table rows on the parity build,
+the bit-exact layers and the distribution of R; the parity run's `stages`: served, batch, speculative)
+is a stage_result.Stage (a function of named inputs returning a StageResult) executed by
+harness.parity.stages.run_stages, the one runner, in the one order its stage_order holds, into the
+check's result (harness.judge.check_result.CheckResult); stage_result.overall_verdict builds the verdict.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from harness.parity.observe import (PortFailure, StageContext, build_fp32_port, 
                                     load_reference_source, load_references, observe_stage, port_call)
 from harness.base.settings import RunSettings
 from harness.judge.distribution import distribution_stage
-from harness.judge.results import CheckResult, LocalLayer
-from harness.judge.stage_result import Stage, run_stages
+from harness.judge.check_result import CheckResult
+from harness.judge.results import LocalLayer, ParityStage
+from harness.judge.stage_result import Stage
+from harness.parity.stages import run_stages
 from harness.judge.stage import judge_stage, near_tie_calibration, structural_flips
 from harness.reference.run import ReferenceResult
 
@@ -73,13 +76,13 @@ class PortRun:
                             structural=structural or {}, progress=self.progress, force_path=self.force_path)
 
 
-def _failed_stage(context: StageContext, failure: PortFailure, refs: StageReferences | None = None) -> CheckResult:
+def _failed_stage(context: StageContext, failure: PortFailure, refs: StageReferences | None = None) -> ParityStage:
     calibration = context.calibration if context.stage == "bf16" else None
-    return CheckResult(backend=context.backend, tp=context.tp, dtype=context.dtype, stage=context.stage,
+    return ParityStage(backend=context.backend, tp=context.tp, dtype=context.dtype, stage=context.stage,
                        port_error=failure.describe(), calibration=calibration, references=refs)
 
 
-def run_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> CheckResult:
+def run_stage(engine, checkpoint, refs: StageReferences, context: StageContext) -> ParityStage:
     """Observe the port for one stage (the prompts as a batch on a batched engine) and judge it."""
     obs = observe_stage(engine, checkpoint, refs, context, run_port_batch if engine.settings.batch > 1 else None)
     start = time.perf_counter()
@@ -92,7 +95,7 @@ def run_stage(engine, checkpoint, refs: StageReferences, context: StageContext) 
     return result
 
 
-def _fp32_stage(checkpoint, engine, fp32_engine, refs: StageReferences, context: StageContext) -> CheckResult:
+def _fp32_stage(checkpoint, engine, fp32_engine, refs: StageReferences, context: StageContext) -> ParityStage:
     """fp32_engine: the fp32 engine, or "auto" to build it beside the port's `engine`."""
     try:
         if fp32_engine == "auto":
@@ -109,7 +112,7 @@ def _fp32_stage(checkpoint, engine, fp32_engine, refs: StageReferences, context:
 
 
 def structural_stage(checkpoint, refs: StageReferences | tuple, settings: RunSettings,
-                     progress: bool = False) -> CheckResult:
+                     progress: bool = False) -> ParityStage:
     """The fp32 stage alone (what truncate-mode bisect adds): the port in fp32 on the host backend
     against the fp32 reference."""
     refs = StageReferences(*refs)
@@ -119,10 +122,10 @@ def structural_stage(checkpoint, refs: StageReferences | tuple, settings: RunSet
         engine = build_fp32_port(checkpoint, settings)
     except PortFailure as failure:
         return _failed_stage(context, failure)
-    return _fp32_stage(checkpoint, engine, engine, refs, context)
+    return _fp32_stage(checkpoint, engine, engine, refs, context).seal()
 
 
-def _local(result: CheckResult, checkpoint, layer_backend, progress: bool) -> None:
+def _local(result: ParityStage, checkpoint, layer_backend, progress: bool) -> None:
     """Each layer alone on the reference's input, beside the stage's observation and its judged
     cumulative layers (the references the stage was judged against: on MoE models, on the port's
     routing)."""
@@ -158,35 +161,49 @@ def _check_port(checkpoint, held: dict, refs: StageReferences, run: PortRun, *, 
                 stages: tuple[Stage, ...]) -> CheckResult:
     """`held`: {"engine": the parity build}, its only holder, so that run_stages releases it before a
     stage builds its own."""
-    with intra_op_threads_for(checkpoint.spec):  # the whole check: small models run faster on one thread
-        result = _observed(checkpoint, held["engine"], refs, run, options)
-    held.update(result=result, checkpoint=checkpoint, references=refs)
-    run_stages(stages, held)
+    check_fit(checkpoint.spec, held["engine"].settings, refs.fp32)  # no local name: held stays the only holder
+    result = CheckResult(backend=run.backend, tp=run.tp, dtype=run.dtype)
+    held.update(run=run, checkpoint=checkpoint, references=refs)
+    calibration = near_tie_calibration(*refs)  # the token band of both stages, from the references alone
+    run_stages(parity_stages(calibration, **options) + tuple(stages), held, into=result)
     held.clear()
     return result
 
 
-def _observed(checkpoint, engine, refs: StageReferences, run: PortRun, options: dict) -> CheckResult:
-    """The fp32 and bf16 stages observed and judged, with the local verdicts."""
-    local, fp32_engine, layer_backend = options["local"], options["fp32_engine"], options["layer_backend"]
-    check_fit(checkpoint.spec, engine.settings, refs.fp32)
-    calibration = near_tie_calibration(*refs)
-    fp32 = None if fp32_engine is None else _fp32_stage(checkpoint, engine, fp32_engine, refs,
-                                                        run.context("fp32", calibration))
-    context = run.context("bf16", calibration, structural_flips(fp32))
+def parity_stages(calibration, local: bool | None, fp32_engine, layer_backend) -> tuple[Stage, ...]:
+    """The fp32 stage (`fp32_engine`: "auto" builds it beside the parity build, None skips the stage)
+    and the bf16 stage on the parity build, with the local verdicts (`local` None: wherever the
+    backend's ranks run on CPU; `layer_backend` runs them elsewhere)."""
+    def fp32(run, checkpoint, engine, references):
+        with intra_op_threads_for(checkpoint.spec):  # small models run faster on one thread
+            return _fp32_stage(checkpoint, engine, fp32_engine, references, run.context("fp32", calibration))
+
+    def bf16(run, checkpoint, engine, references, fp32=None):
+        with intra_op_threads_for(checkpoint.spec):
+            context = run.context("bf16", calibration, structural_flips(fp32))
+            return _bf16_stage(checkpoint, engine, references, context, fp32, dict(local=local, layer_backend=layer_backend))
+
+    reads = ("run", "checkpoint", "engine", "references")
+    return (() if fp32_engine is None else (Stage("fp32", fp32, reads),)) + (Stage("bf16", bf16, reads, after=("fp32",)),)
+
+
+def _bf16_stage(checkpoint, engine, refs: StageReferences, context: StageContext, fp32: ParityStage | None,
+                options: dict) -> ParityStage:
+    """The bf16 stage observed and judged (flips the fp32 stage shows are structural: `context`), with
+    the local verdicts."""
+    local, layer_backend = options["local"], options["layer_backend"]
     try:
         result = run_stage(engine, checkpoint, refs, context)
         layer_backend = layer_backend or (engine.backend if engine.backend.host_ranks else None)
         if local is None:
             local = layer_backend is not None
         if local:
-            _local(result, checkpoint, layer_backend or engine.backend, run.progress)
+            _local(result, checkpoint, layer_backend or engine.backend, context.progress)
         else:
             result.notes.append("local (reference-fed) layer verdicts need the CPU backend's ranks; "
                                 "run `gemma-parity bisect` to pin a layer on this backend")
     except PortFailure as failure:
         result = _failed_stage(context, failure, refs)
-    result.fp32 = fp32
     if fp32 is None:
         result.notes.append("fp32 structural stage skipped")
     return result

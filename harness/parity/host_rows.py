@@ -65,9 +65,9 @@ def reference_rows(checkpoint, ids: torch.Tensor, dtype: torch.dtype) -> torch.T
 def per_layer_rows_stage() -> Stage:
     """The per-layer rows as a stage of the parity run: it reads the parity build (its host lookup)
     and the fp32 references' tokens; none where the bf16 stage raised or the model has no per-layer inputs."""
-    def run(result, checkpoint, engine, references):
-        return None if result.port_error else judge_per_layer_rows(checkpoint, engine, references.fp32)
-    return Stage("per_layer_rows", run, reads=("result", "checkpoint", "engine", "references"))
+    def run(checkpoint, engine, references, bf16):
+        return None if bf16.port_error else judge_per_layer_rows(checkpoint, engine, references.fp32)
+    return Stage("per_layer_rows", run, reads=("checkpoint", "engine", "references"), after=("bf16",))
 
 
 def judge_per_layer_rows(checkpoint, engine, references) -> PerLayerRowsStage | None:

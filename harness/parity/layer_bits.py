@@ -134,11 +134,11 @@ def bitwise_layers_stage() -> Stage:
     """The bit-exact layers as a stage of the parity run, where the local verdicts ran (the backend's
     ranks on CPU): it reads the bf16 stage's observation (the fp32 references' layer inputs) and the
     parity build's settings; an exception inside the port's layers alone is the stage's failure."""
-    def run(result, checkpoint, engine):
-        if result.port_error or result.local is None:  # the local verdicts did not run (not the CPU's ranks)
+    def run(checkpoint, engine, bf16):
+        if bf16.port_error or bf16.local is None:  # the local verdicts did not run (not the CPU's ranks)
             return None
         try:
-            return port_call("bit-exact layers", lambda: bitwise_layers(checkpoint, engine, result.observation.ref32))
+            return port_call("bit-exact layers", lambda: bitwise_layers(checkpoint, engine, bf16.observation.ref32))
         except PortFailure as failure:
             return BitwiseStage(error=failure.describe())
-    return Stage("bitwise_layers", run, reads=("result", "checkpoint", "engine"))
+    return Stage("bitwise_layers", run, reads=("checkpoint", "engine"), after=("bf16",))

@@ -33,6 +33,7 @@ from harness.judge.verdicts import TokenVerdict
 from harness.judge.stage import near_tie_calibration
 from harness.judge.stage_result import Gate, Stage, StageResult, Ties, ties
 from harness.parity.batched import serve_batch
+from harness.parity.stages import observed_by
 
 SKIPPED_NOTE = "served build not judged (--skip-served-build): the perf build bench times was not run"
 SAME_CODE_NOTE = ("on the {backend} backend the perf build is the same code as the parity build (the backend "
@@ -226,11 +227,11 @@ def served_stage(settings, progress: bool = False, skip: bool = False) -> Stage:
     """The served-build stage for the parity run (harness.judge.stage_result.run_stages): a
     function of the finished result and the checkpoint returning the ServedResult, the perf build
     judged on the references the check observed."""
-    def stage(result, checkpoint) -> ServedResult:
-        observed = result.observation or getattr(result.fp32, "observation", None)
+    def stage(checkpoint, fp32=None, bf16=None) -> ServedResult:
+        observed = observed_by(bf16, fp32)
         if observed is None and not skip:  # the port raised before any stage observed it: already failed
             return ServedResult(backend=settings.backend, ran=False, notes=[
                 "served build not judged: no stage of the check observed the port (it raised first)"])
         refs = observed.references if observed is not None else ([], [])
-        return check_served_build(checkpoint, *refs, result, settings=settings, progress=progress, skip=skip)
-    return Stage("served", stage)
+        return check_served_build(checkpoint, *refs, bf16, settings=settings, progress=progress, skip=skip)
+    return Stage("served", stage, after=("fp32", "bf16"))

@@ -27,6 +27,7 @@ from harness.judge.compare import BF16, FP32, compare_point
 from harness.judge.routing import RouterDecisions, judge_decisions
 from harness.judge.stage_result import Gate, Stage, StageResult, ties
 from harness.parity.served import _error, judge_served
+from harness.parity.stages import observed_by
 from harness.reference.assistant import DRAFTER
 
 # The port's acceptance may fall below the like-for-like reference's (judge_acceptance) by at most
@@ -248,14 +249,14 @@ def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, sett
 
 def speculative_stage(settings, assistant_dir, k: int) -> Stage:
     """The speculative stage for the parity run (stage_result.run_stages, like served.served_stage)."""
-    def stage(result, checkpoint) -> SpeculativeStage:
-        observed = result.observation or getattr(result.fp32, "observation", None)
+    def stage(checkpoint, fp32=None, bf16=None) -> SpeculativeStage:
+        observed = observed_by(bf16, fp32)
         if observed is None:
             return SpeculativeStage(k, ran=False, notes=[
                 "speculative decoding not judged: no stage of the check observed the port (it raised first)"])
-        return check_speculative(checkpoint, observed.ref32, observed.ref16, getattr(result, "calibration", None),
+        return check_speculative(checkpoint, observed.ref32, observed.ref16, bf16.calibration,
                                  settings=settings, assistant_dir=assistant_dir, k=k)
-    return Stage("speculative", stage)
+    return Stage("speculative", stage, after=("fp32", "bf16"))
 
 
 def first_drafter_point(stage: SpeculativeStage) -> dict | None:

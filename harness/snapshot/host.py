@@ -39,9 +39,9 @@ def host_failure(result):
     """(kind, stage, detail) of the first host-side failure of the check's stages, bf16 first:
     detail is the prompt (embed, tokens) or the failing ProbabilityResult. An exception inside the
     port comes first (the check's failures list it first). None: there is none."""
-    for stage in (s for s in (result, result.fp32) if s is not None and s.port_error and s.references is not None):
+    for stage in (s for s in (result.bf16, result.fp32) if s is not None and s.port_error and s.references is not None):
         return "raises", stage, None
-    for stage in (s for s in (result, result.fp32) if s is not None and s.observation is not None):
+    for stage in (s for s in (result.bf16, result.fp32) if s is not None and s.observation is not None):
         if not stage.embeddings_exact:
             return "embed", stage, _first_inexact_prompt(stage)
         bad = [p for p in stage.probabilities if not p.passed]
@@ -103,7 +103,7 @@ def host_target_fields(result, settings) -> dict | None:
 
 
 def find_stage(result, target):
-    return result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+    return result.judged(target.stage)
 
 
 def record_host(checkpoint, settings, target, stage) -> tuple[object, dict[str, torch.Tensor]]:

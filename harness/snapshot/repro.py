@@ -140,8 +140,8 @@ def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
         return save_repro(out_dir, tensors, meta, [], what=f"the {meta['kind']} step", say=say,
                           script="host_repro.py", how="a plain reading beside the port's recorded output")
     if target.stage == BITS_STAGE:
-        return write_bits_repro(checkpoint, settings, target, result.observation, out_dir, say=say)
-    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+        return write_bits_repro(checkpoint, settings, target, result.bf16.observation, out_dir, say=say)
+    stage = result.judged(target.stage)
     return write_repro(checkpoint, stage_settings(settings, target.stage), target, stage.observation, out_dir, say=say)
 
 
@@ -266,7 +266,7 @@ def snapshot_bundles(result, checkpoint, settings, out_dir, say=print) -> list:
     if target.host or target.stage == BITS_STAGE or target.point in LOGITS:
         say("no HLO bundle: the failure is not a layer's device call")
         return []
-    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+    stage = result.judged(target.stage)
     run = stage_settings(settings, target.stage)
 
     def write():

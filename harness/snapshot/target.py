@@ -107,16 +107,16 @@ def _order(stage, point, fp32) -> tuple:
 
 
 def choose_target(result, settings) -> Target:
-    """The call to snapshot from a check's result (its bf16 stage, with `result.fp32` beside it):
+    """The call to snapshot from a check's result (harness.judge.check_result.CheckResult: its bf16 stage, the fp32 stage beside it):
     the first failing layer point's; with none, the first failing head point's (final norm, logits:
     the same call's outputs, beside its last layer); with none, the host step behind the failure
     (harness.snapshot.host: the embedding lookup, the served probabilities, the reported tokens). An
     exception inside the port has neither: refused, naming where it was raised."""
-    stages = [s for s in (result.fp32, result) if s is not None and s.observation is not None]
+    stages = [s for s in (result.fp32, result.bf16) if s is not None and s.observation is not None]
     failing = [(s, p) for s in stages for p in [_first_failing(s)] if p is not None]
     bits = _bits_failure(result)
     if bits is not None and all(Point.parse(p.name).layer > bits[1] for _, p in failing):
-        rows = result.observation.ref32[0].captures["embeddings"].shape[0]  # bits.record_bits picks the prompt
+        rows = result.bf16.observation.ref32[0].captures["embeddings"].shape[0]  # bits.record_bits picks the prompt
         return Target(stage=BITS_STAGE, point=bits[0], layer=bits[1], ratio=1.0, failing=True, prompt=0, position=0,
                       start=0, length=rows, bucket=rows)
     if failing:
@@ -167,7 +167,7 @@ def _host_or_refuse(result, settings, stages) -> Target:
     found = host_target_fields(result, settings)
     if found is not None:
         return Target(**found)
-    errors = [s.port_error for s in (result, result.fp32) if s is not None and s.port_error]
+    errors = [s.port_error for s in (result.bf16, result.fp32) if s is not None and s.port_error]
     if errors:
         raise OptionError(f"--snapshot: an exception inside the port ({errors[0]['type']} at {errors[0]['where']}) "
                           "in a stage that kept no references: nothing to replay it against; rerun the check "

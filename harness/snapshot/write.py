@@ -158,13 +158,13 @@ def snapshot_check(result, checkpoint, settings, out_dir, source: str, say=print
     from harness.snapshot.target import BITS_STAGE, choose_target, stage_settings
 
     target = choose_target(result, settings)
-    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+    stage = result.judged(target.stage)
     run, extra = stage_settings(settings, target.stage), None
     if target.stage == BITS_STAGE:  # the port's layer alone, bit for bit (harness.snapshot.bits)
         from harness.snapshot.bits import bits_manifest, bits_settings, record_bits
 
         run, extra = bits_settings(settings), bits_manifest()
-        target, tensors = record_bits(checkpoint, target, result.observation)
+        target, tensors = record_bits(checkpoint, target, result.bf16.observation)
     elif target.host:  # no device call: the host step behind the failure (harness.snapshot.host)
         from harness.snapshot.host import record_host
 

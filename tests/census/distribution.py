@@ -25,8 +25,9 @@ def extremes(result) -> dict:
             out[(s.kind, s.scope, "p95")] = s.p95
     from harness.judge.precision import judged_points
 
-    points = judged_points([p for p in result.all_points() if getattr(p, "position_r", None) is not None],
-                           [p for v in result.local_verdicts or [] for p in v.local])
+    bf16 = result.bf16
+    points = judged_points([p for p in bf16.all_points() if getattr(p, "position_r", None) is not None],
+                           [p for v in bf16.local_verdicts or [] for p in v.local])
     medians = [float(finite_r([p]).median()) for _, p in points if finite_r([p]).numel() >= MIN_POSITIONS]
     if medians:
         out[("point", "any", "lowest median")] = min(medians)

@@ -31,18 +31,19 @@ def _tokens(stage, label: str) -> dict:
 def margins(result) -> dict:
     """{quantity: largest healthy ratio / its limit} of one check (both stages)."""
     out = {}
-    for stage, factor in ((result, ENVELOPE_FACTOR), (result.fp32, FP32_FACTOR)):
+    for stage, factor in ((result.bf16, ENVELOPE_FACTOR), (result.fp32, FP32_FACTOR)):
         if stage is None:
             continue
         out.update(_points(stage, factor, stage.stage))
         out.update(_tokens(stage, stage.stage))
         for prob in stage.probabilities:
             out[f"{stage.stage} host {prob.name}"] = prob.ratio
-    if result.routing is not None:
-        flips = [f for f in result.routing.flips if f.kind == "near_tie"]
+    bf16 = result.bf16
+    if bf16.routing is not None:
+        flips = [f for f in bf16.routing.flips if f.kind == "near_tie"]
         out["bf16 routing near ties (margin / band)"] = max((_share(f) for f in flips), default=0.0)
-    if result.local:
-        out["bf16 local layers"] = max(v.ratio for v in result.local) / ENVELOPE_FACTOR
+    if bf16.local:
+        out["bf16 local layers"] = max(v.ratio for v in bf16.local) / ENVELOPE_FACTOR
     return out
 
 

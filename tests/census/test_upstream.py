@@ -16,10 +16,10 @@ def test_upstream_tester_config_passes_check(member):
     result = run_check(member.case, member.run)
     assert result.fp32 is not None and result.fp32.passed, result.fp32.failures()[:3]
     assert result.passed, result.failures()[:3]
-    if result.routing is not None:  # MoE testers: every router choice decided on the port's own path
-        print(result.routing.describe())
-        assert result.routing.own_path and result.routing.passed
-    print(result.calibration.describe())
+    if result.bf16.routing is not None:  # MoE testers: every router choice decided on the port's own path
+        print(result.bf16.routing.describe())
+        assert result.bf16.routing.own_path and result.bf16.routing.passed
+    print(result.bf16.calibration.describe())
 
 
 def test_upstream_census_covers_both_model_types_seeds_and_tp():

@@ -57,7 +57,7 @@ def test_golden_of_other_weights_is_not_re_run(tmp_path):
     written = make_golden(family_checkpoint("26b-a4b").path, tmp_path / "golden", prompts, new_tokens=3)
     result = run_parity_check(other, other.path, RunSettings(buckets=(16,), kv_len=32), golden=written.path)
     assert not result.passed
-    assert any("other weights" in n for n in result.notes) and not result.routing.rerouted
+    assert any("other weights" in n for n in result.notes) and not result.bf16.routing.rerouted
 
 
 @pytest.mark.parametrize("variant", ["e2b", pytest.param("e4b", marks=pytest.mark.slow)])

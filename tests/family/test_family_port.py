@@ -58,7 +58,7 @@ def test_check_passes_both_stages(variant, tp):
     (the MoE variant's with routing teacher-forced)."""
     result = family_check(variant, "cpu", tp)
     assert_family_check_passes(result, variant, "cpu", tp)
-    points = {p.name for p in result.all_points()}
+    points = {p.name for p in result.bf16.all_points()}
     shared = family_checkpoint(variant).spec.shared_layers
     assert not any(n.startswith(tuple(f"kv.{i}." for i in shared)) for n in points)  # they write nothing
 

@@ -64,12 +64,12 @@ def test_local_verdicts_follow_each_layers_own_routing(monkeypatch):
     settings = RunSettings(tp=2, buckets=FAMILY_BUCKETS, kv_len=FAMILY_KV_LEN)
     clean = check_port(ckpt, build_engine(ckpt, settings, capture=True), refs["float32"], refs["bfloat16"],
                        local=True, fp32_engine=None)
-    assert clean.passed and all(v.passed for v in clean.local_verdicts), clean.failures()
-    assert all(v.routing is not None and v.routing.passed for v in clean.local_verdicts)
+    assert clean.passed and all(v.passed for v in clean.bf16.local_verdicts), clean.failures()
+    assert all(v.routing is not None and v.routing.passed for v in clean.bf16.local_verdicts)
     fault = next(f for f in FAMILY_CATALOG if f.name == "router-skips-best-expert")
     fault.inject(monkeypatch)
     bad = check_port(ckpt, build_engine(ckpt, settings, capture=True), refs["float32"], refs["bfloat16"],
                      local=True, fp32_engine=None)
-    first = next(v for v in bad.local_verdicts if not v.passed)
+    first = next(v for v in bad.bf16.local_verdicts if not v.passed)
     assert (first.index, first.component) == (0, "moe router") and not first.routing.passed
     assert bad.divergent() == (0, "moe router")

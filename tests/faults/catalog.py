@@ -945,19 +945,20 @@ class Caught:
 
     @classmethod
     def of(cls, result) -> "Caught":
-        failing = failing_points(result) if result.port_error is None else []
+        bf16 = result.bf16
+        failing = failing_points(bf16) if bf16.port_error is None else []
         first = failing[0] if failing else None
-        lengths = [len(p.prompt) for p in result.prompts]
+        lengths = [len(p.prompt) for p in bf16.prompts]
         layer = result.first_divergent_layer
-        f32, f16 = first_failure(result.fp32), first_failure(result)
+        f32, f16 = first_failure(result.fp32), first_failure(bf16)
         return cls(
             passed=result.passed, first_point=first.name if first else None,
             first_point_factor=getattr(first, "required_factor", getattr(first, "ratio", None)) if first else None,
             first_layer=layer, component=result.first_divergent_component,
-            worst_position=(_worst_position(result, first, lengths)
+            worst_position=(_worst_position(bf16, first, lengths)
                             if first is not None and not first.name.startswith("decode") else None),
-            divergences=result.divergences, near_ties=result.near_ties, seq_match=result.seq_match,
-            kl_max=max((max(p.prefill.kl_max, p.decode.kl_max) for p in result.prompts), default=0.0),
+            divergences=bf16.divergences, near_ties=bf16.near_ties, seq_match=result.seq_match,
+            kl_max=max((max(p.prefill.kl_max, p.decode.kl_max) for p in bf16.prompts), default=0.0),
             stages=tuple(result.failed_stages), fp32_point=f32["point"] if f32 else None,
             fp32_where=f32.get("where") if f32 else None, bf16_failure=f16["point"] if f16 else None,
             bf16_where=f16.get("where") if f16 else None,

@@ -37,8 +37,8 @@ def test_clean_port_passes(request, monkeypatch, key):
     capture point and no real token divergence, so each fault's failure is the fault's doing."""
     ckpt, refs = _checkpoint_and_reference(request, key)
     result = run_faulty_check(None, monkeypatch, ckpt, refs, key=key)
-    assert result.passed, [p.explain() for p in failing_points(result)]
-    assert result.divergences == 0
+    assert result.passed, [p.explain() for p in failing_points(result.bf16)]
+    assert result.bf16.divergences == 0
 
 
 # The default lane checks one fault of each kind (a fault only the fp32 stage sees: the exact GELU,

@@ -17,7 +17,7 @@ import pytest
 
 from harness.base.settings import RunSettings
 from harness.cli import main
-from harness.judge.results import CheckResult
+from harness.judge.results import ParityStage
 from harness.judge.stage import near_tie_calibration
 from harness.parity.batched import BatchStage, admission_order, run_batch_stage, stage_slots
 from harness.parity.observation import StageReferences
@@ -39,12 +39,12 @@ DEFAULT_CHECK_SEQUENCES = {
 }
 
 
-def _after_bf16_stage(refs: dict) -> CheckResult:
+def _after_bf16_stage(refs: dict) -> ParityStage:
     """What the batch stage reads of a finished check: the references its bf16 stage observed (here
     the references themselves: the tiny 12B follows no port path), the near-tie band, no fp32 stage."""
     ref32, ref16 = refs["float32"], refs["bfloat16"]
     observed = SimpleNamespace(references=StageReferences(ref32, ref16), followed=True, forcing=[], pinned=[])
-    return CheckResult(backend="cpu", tp=2, dtype="bfloat16", calibration=near_tie_calibration(ref32, ref16),
+    return ParityStage(backend="cpu", tp=2, dtype="bfloat16", calibration=near_tie_calibration(ref32, ref16),
                        observation=observed)
 
 
@@ -99,8 +99,8 @@ def test_the_default_check_adds_the_batch_stage_and_batch_1_says_it_ran_none(tmp
     assert settings.batch == 1 and len(extra) == 2  # the batch stage, the served build
     one, extra_one = _check_args(tmp_path, monkeypatch, "--batch", "1")
     assert one.batch == 1 and len(extra_one) == 2
-    result = CheckResult(backend="cpu", tp=2, dtype="bfloat16")
-    skipped = extra_one[0].run(result, None)  # --batch 1: no model work, a stage that says why it did not run
+    bf16 = ParityStage(backend="cpu", tp=2, dtype="bfloat16")
+    skipped = extra_one[0].run(checkpoint=None, fp32=None, bf16=bf16)  # --batch 1: no model work, a stage that says why it did not run
     assert skipped.stage == "batch" and not skipped.ran and skipped.passed
     assert "--batch 1" in skipped.describe() and skipped.to_json()["ran"] is False
     four, extra_four = _check_args(tmp_path, monkeypatch, "--batch", "4")

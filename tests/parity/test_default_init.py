@@ -45,10 +45,10 @@ def test_default_init_checkpoint_passes_with_every_flip_a_near_tie(default_init)
     ckpt, refs = default_init
     engine = build_engine(ckpt, RunSettings(buckets=(64, 256), kv_len=256))
     result = check_port(ckpt, engine, refs["float32"], refs["bfloat16"], local=False)
-    print(result.calibration.describe())
+    print(result.bf16.calibration.describe())
     assert result.passed, (result.fp32.failures()[:3], result.failures()[:3])
-    flips = [m for p in result.prompts for m in p.prefill.mismatches + p.decode.mismatches]
+    flips = [m for p in result.bf16.prompts for m in p.prefill.mismatches + p.decode.mismatches]
     assert len(flips) > 20 and all(m.kind == "near_tie" for m in flips)
-    assert max(m.margin for m in flips) <= result.calibration.band
-    assert all(p.accounted for p in result.prompts)
-    assert result.calibration.band < 1.0  # flat logits, small noise: the band shrinks with it
+    assert max(m.margin for m in flips) <= result.bf16.calibration.band
+    assert all(p.accounted for p in result.bf16.prompts)
+    assert result.bf16.calibration.band < 1.0  # flat logits, small noise: the band shrinks with it

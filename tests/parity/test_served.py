@@ -167,14 +167,20 @@ def test_the_parity_build_is_released_before_an_extra_stage_builds_its_own(tiny0
     monkeypatch.setattr(parity, "build_port", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
     seen = []
 
-    def extra(result, checkpoint):
+    def extra(checkpoint):
         gc.collect()
         seen.append(refs[0]() is None)
         return BatchStage(ran=False, notes=["a stand-in stage"])
 
     refs = []
-    monkeypatch.setattr(parity, "_observed", lambda ck, engine, *a, **k: refs.append(weakref.ref(engine))
-                        or built.clear() or parity.CheckResult("cpu", 1, "bfloat16"))
+
+    def bf16(run, checkpoint, engine, references, fp32=None):  # a stand-in bf16 stage on the parity build
+        refs.append(weakref.ref(engine))
+        built.clear()
+        return parity.ParityStage("cpu", 1, "bfloat16")
+
+    monkeypatch.setattr(parity, "parity_stages", lambda *a, **k: (
+        Stage("bf16", bf16, ("run", "checkpoint", "engine", "references"), after=("fp32",)),))
     parity.run_parity_check(tiny0_ckpt, tiny0_ckpt.path, CPU, prompts=[[2, 17, 93]], new_tokens=1,
                             fp32_stage=False, stages=(Stage("batch", extra),))
     assert seen == [True], "the parity engine was still alive when the extra stage ran"

@@ -50,7 +50,7 @@ def test_a_bit_exact_failure_replays_and_its_repro_exits_1_and_a_clean_port_agre
     done = run_repro(tmp_path / "repro", tmp_path)
     assert done.returncode == 1 and "attn_residual" in done.stdout and "FAILS" in done.stdout, done.stdout + done.stderr
     control = Target(**{k: v for k, v in target.items() if k != "graph_tag"})
-    write_bits_repro(tiny0_ckpt, SETTINGS, control, flow.result.observation, tmp_path / "control", say=lambda _: None,
+    write_bits_repro(tiny0_ckpt, SETTINGS, control, flow.result.bf16.observation, tmp_path / "control", say=lambda _: None,
                      prompt=target["prompt"])
     done = run_repro(tmp_path / "control", tmp_path)
     assert done.returncode == 0 and "agrees" in done.stdout, done.stdout + done.stderr

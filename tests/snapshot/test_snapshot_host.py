@@ -26,7 +26,7 @@ def test_a_host_probability_fault_snapshots_replays_and_its_repro_exits_1(tiny0_
                          tmp_path / "snap", tmp_path / "repro", fp32=False)
     target = flow.manifest["target"]
     assert target["host"] == "probabilities" and target["failing"] and target["graph_tag"] == "host_probabilities"
-    failing = next(p for p in flow.result.probabilities if not p.passed)
+    failing = next(p for p in flow.result.bf16.probabilities if not p.passed)
     planted, clean = flow.replays[("cpu", "whole", True)], flow.replays[("cpu", "whole", False)]
     assert planted.reproduces and f"ratio {failing.ratio:.3g}" in planted.failure, planted.describe()
     assert not clean.reproduces, clean.describe()

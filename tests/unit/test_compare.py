@@ -186,12 +186,12 @@ def test_departure_classes():
 
 
 def test_unclassified_sequence_mismatch_fails_the_check():
-    from harness.judge.results import CheckResult, PromptOutcome
+    from harness.judge.results import ParityStage, PromptOutcome
     from harness.judge.verdicts import LogitsResult, TokenVerdict
 
     clean = LogitsResult(2, 1.0, 1.0, 0.0, 0.0)
     outcome = PromptOutcome([1, 2], [5, 6], [5, 7], clean, clean, departure=None)
-    assert not CheckResult("cpu", 2, "bfloat16", prompts=[outcome]).passed
+    assert not ParityStage("cpu", 2, "bfloat16", prompts=[outcome]).passed
     tie = TokenVerdict(1, 6, 7, 0.1, 0.5, "near_tie", "margin 0.1 within the near-tie band 0.5")
     outcome = PromptOutcome([1, 2], [5, 6], [5, 7], clean, clean, departure=tie)
-    assert CheckResult("cpu", 2, "bfloat16", prompts=[outcome]).passed
+    assert ParityStage("cpu", 2, "bfloat16", prompts=[outcome]).passed

@@ -24,9 +24,9 @@ def _point(name: str, r: torch.Tensor, lanes: int = 64) -> PointResult:
 class _Check:
     """What judge_distribution reads of a check: its points, its local verdicts, whether a stage fails."""
 
-    def __init__(self, points, local=(), stage_passed=True):
-        self.points, self.stage_passed, self.fp32 = points, stage_passed, None
-        self.local = None  # CheckResult.local: None when the local verdicts did not run, [] when no layer can
+    def __init__(self, points, local=(), passed=True):
+        self.points, self.passed = points, passed
+        self.local = None  # ParityStage.local: None when the local verdicts did not run, [] when no layer can
         self.local_verdicts = [type("V", (), {"local": list(local)})()] if local else []
 
     def all_points(self):
@@ -75,7 +75,7 @@ def test_over_precision_warns_names_its_start_and_its_cost_and_fails_under_stric
     assert dist.passed and [o.point for o in dist.over_precision] == ["embeddings"]
     assert "144 more bytes a token" in dist.over_precision[0].describe() and "WARNING" in dist.describe()
     check.port_error = None
-    strict = distribution_stage(strict=True).run(check, None)  # --strict-precision: a parameter of the stage
+    strict = distribution_stage(strict=True).run(bf16=check)  # --strict-precision: a parameter of the stage
     assert not strict.passed and strict.failures()[0]["point"] == "embeddings" and strict.to_json()["strict_precision"]
     assert "FAIL over-precision" in strict.describe()
 
@@ -90,7 +90,7 @@ def test_over_precision_inside_a_layer_is_read_alone():
 
 
 def test_a_stage_that_already_fails_is_not_failed_again():
-    dist = judge_distribution(_Check(_layers([1.0] * 2), local=_layers([1.3] * 2), stage_passed=False))
+    dist = judge_distribution(_Check(_layers([1.0] * 2), local=_layers([1.3] * 2), passed=False))
     assert dist.breaches and dist.passed and dist.superseded and "not counted" in dist.describe()
 
 

@@ -12,7 +12,7 @@ import torch
 from harness.cli import main
 from harness.judge.compare import compare_point
 from harness.judge.layers import LayerVerdict
-from harness.judge.results import CheckResult
+from harness.judge.results import ParityStage
 from harness.report.formats import seq_match_line
 from harness.report.seconds import seconds_lines
 
@@ -59,11 +59,11 @@ def test_a_layer_that_never_ran_alone_has_no_local_ratio(monkeypatch):
     alone = LayerVerdict(1, "sliding_attention", [_point("layers.1.output", 0.01)],
                          local=[_point("layers.1.output", 0.02)])
     monkeypatch.setattr(check, "local_verdicts", lambda *a, **k: ([shared, alone], None))
-    result = CheckResult(backend="cpu", tp=2, dtype="bfloat16", stage="bf16")
+    result = ParityStage(backend="cpu", tp=2, dtype="bfloat16", stage="bf16")
     check._local(result, checkpoint=None, layer_backend=None, progress=False)
     assert [v.index for v in result.local] == [1]
     assert result.local[0].ratio == max(p.required_factor for p in alone.local)
-    none_alone = CheckResult(backend="cpu", tp=2, dtype="bfloat16", stage="bf16")
+    none_alone = ParityStage(backend="cpu", tp=2, dtype="bfloat16", stage="bf16")
     monkeypatch.setattr(check, "local_verdicts", lambda *a, **k: ([shared], None))
     check._local(none_alone, checkpoint=None, layer_backend=None, progress=False)
     assert none_alone.local == []  # the local verdicts ran (not None: the bit-exact layers still run)

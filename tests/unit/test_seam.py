@@ -131,8 +131,8 @@ def test_the_library_accepts_a_prompt_of_kv_len_tokens_at_0_new_tokens(tiny0_ckp
     result = check_port(tiny0_ckpt, _engine(tiny0_ckpt), *edge_references[16], local=False)
     # the port ran and was judged: the fp32 stage passes and the bf16 stage judged every layer (its
     # host-probability verdict at one 16-row prompt is issue 26's item 1, not the fit rule's)
-    assert result.port_error is None and result.fp32.passed, result.fp32.failures()
-    assert len(result.layers) == tiny0_ckpt.spec.num_layers and all(layer.passed for layer in result.layers)
+    assert result.bf16.port_error is None and result.fp32.passed, result.fp32.failures()
+    assert len(result.bf16.layers) == tiny0_ckpt.spec.num_layers and all(layer.passed for layer in result.bf16.layers)
 
 
 def test_the_command_refuses_a_prompt_of_kv_len_plus_one_at_0_new_tokens(tiny0_dir, tmp_path, capsys):
@@ -406,9 +406,10 @@ def test_bench_times_the_one_loop_through_the_tap_and_a_second_timing_loop_is_fo
 
 # ---- one stage protocol ----------------------------------------------------------------------------------
 
-def test_every_extra_stage_returns_a_stage_result_whose_failures_its_gates_compute_once():
-    """served, batch and speculative stages are StageResults: their own failures()/to_json/passed
-    rules are gone (the protocol computes the failures from the gates once and writes them)."""
+def test_every_stage_returns_a_stage_result_whose_failures_its_gates_compute_once():
+    """Every stage of a check (fp32 and bf16 included) is a StageResult: their own failures()/to_json/
+    passed rules are gone (the protocol computes the failures from the gates once and writes them)."""
+    from harness.judge.results import ParityStage
     from harness.judge.stage_result import StageResult
     from harness.parity.batched import BatchStage
     from harness.parity.served import ServedResult
@@ -417,39 +418,78 @@ def test_every_extra_stage_returns_a_stage_result_whose_failures_its_gates_compu
     from harness.judge.distribution import Distribution
     from harness.parity.host_rows import PerLayerRowsStage
 
-    for cls in (ServedResult, BatchStage, SpeculativeStage, Distribution, PerLayerRowsStage):
+    for cls in (ParityStage, ServedResult, BatchStage, SpeculativeStage, Distribution, PerLayerRowsStage):
         assert issubclass(cls, StageResult)
         assert not {"failures", "to_json", "passed"} & set(vars(cls)), cls.__name__
     assert _calls("run_stages") == {"harness/parity/check.py"}  # only the parity run executes stages
-    assert _calls("overall_verdict") == {"harness/judge/results.py"}  # one function builds the verdict
+    assert _calls("overall_verdict") == {"harness/judge/check_result.py"}  # one function builds the verdict
     assert _calls("divergent") >= {"harness/judge/stage_result.py"}
 
 
+def _stage_protocols(files: dict[str, str]) -> set[str]:
+    """The classes (module:class) writing a stage's verdict their own way: a `failures` method taking
+    no argument beyond self, or a `stage_passed` property, other than StageResult's (and the check's
+    result, which reads its stages' failures)."""
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and (
+                            item.name == "stage_passed" or item.name == "failures" and len(item.args.args) == 1):
+                        found.add(f"{path}:{node.name}")
+    return found
+
+
+PROTOCOL_COPIES = ["class CheckStage:\n    def failures(self):\n        return []",
+                   "class Stage32:\n    @property\n    def stage_passed(self):\n        return True"]
+
+
+def test_fp32_and_bf16_are_stages_run_by_the_one_runner_and_the_verdict_reads_one_list():
+    """The fp32 and bf16 stages are Stages like the others (parity_stages), executed by run_stages into
+    the check's one list of sealed stages; overall_verdict takes that list and nothing else; a second
+    verdict protocol (a class with its own failures() or stage_passed) is found."""
+    import inspect
+
+    from harness.judge.stage_result import overall_verdict
+    from harness.parity.check import parity_stages
+
+    assert [s.name for s in parity_stages(None, local=None, fp32_engine="auto", layer_backend=None)] == ["fp32", "bf16"]
+    assert [s.name for s in parity_stages(None, local=None, fp32_engine=None, layer_backend=None)] == ["bf16"]
+    assert list(inspect.signature(overall_verdict).parameters) == ["stages"]
+    files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
+    assert _stage_protocols(files) == {"harness/judge/stage_result.py:StageResult",
+                                       "harness/judge/check_result.py:CheckResult"}
+    for copy in PROTOCOL_COPIES:
+        assert _stage_protocols({"a module": copy}) == {"a module:" + copy.split()[1].rstrip(":")}, copy
+
+
 def _stage_adders(files: dict[str, str]) -> set[str]:
-    """The modules (path -> source) adding a stage to a result's extra_stages (append, extend, insert,
+    """The modules (path -> source) adding a stage to a check result's stages (append, extend, insert,
     +=, or assigning the list), or deciding a stage's strictness after it ran (`.strict = `)."""
     found = set()
     for path, source in files.items():
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr in ("append", "extend", "insert") and ast.unparse(node.func.value).endswith("extra_stages"):
+                    node.func.attr in ("append", "extend", "insert") and ast.unparse(node.func.value).endswith(".stages"):
                 found.add(path)
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
-            if any(isinstance(t, ast.Attribute) and t.attr in ("extra_stages", "strict") for t in targets):
+            if any(isinstance(t, ast.Attribute) and t.attr in ("stages", "extra_stages", "strict") for t in targets):
                 found.add(path)
     return found
 
 
 # a stage added by hand beside run_stages, or strictness decided after the run: what a second copy looks like
-STAGE_COPIES = ["result.extra_stages.append(judge_distribution(result))",
-                "result.extra_stages += judge_per_layer_rows(checkpoint, engine, refs)",
+STAGE_COPIES = ["result.stages.append(judge_distribution(result))",
+                "result.stages += judge_per_layer_rows(checkpoint, engine, refs)",
+                "check.stages = [fp32, bf16, dist, served]",
                 "check.extra_stages = [dist, served]",
                 "found.strict = strict"]
 
 
 def test_only_run_stages_adds_a_stage_and_a_second_copy_is_found():
     files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
-    assert _stage_adders(files) == {"harness/judge/stage_result.py"}
+    assert _stage_adders(files) == {"harness/parity/stages.py"}
     for copy in STAGE_COPIES:
         assert _stage_adders({"a module of parity": copy}) == {"a module of parity"}, copy
 
@@ -457,9 +497,10 @@ def test_only_run_stages_adds_a_stage_and_a_second_copy_is_found():
 def test_the_stage_order_is_declared_and_held_by_run_stages():
     """The stages on the parity build run first and it is released after the last of them; a stage
     reading another runs after it and is given its result (the distribution reads the served build's)."""
-    from harness.judge.results import CheckResult
-    from harness.judge.stage_result import Stage, run_stages, stage_order
+    from harness.judge.check_result import CheckResult
+    from harness.judge.stage_result import Stage
     from harness.parity.batched import BatchStage
+    from harness.parity.stages import run_stages, stage_order
 
     ran = []
 
@@ -469,19 +510,19 @@ def test_the_stage_order_is_declared_and_held_by_run_stages():
             return BatchStage(ran=False, notes=[name]) if name != "none" else None
         return Stage(name, run, **kw)
 
-    stages = [stage("distribution", reads=("result",), after=("served",)), stage("served"), stage("none"),
-              stage("rows", reads=("result", "engine"))]
-    inputs = {"result": CheckResult("cpu", 1, "bfloat16"), "checkpoint": None, "engine": object()}
-    run_stages(stages, inputs)
+    stages = [stage("distribution", reads=("run",), after=("served",)), stage("served"), stage("none"),
+              stage("rows", reads=("run", "engine"))]
+    inputs, result = {"run": None, "checkpoint": None, "engine": object()}, CheckResult("cpu", 1, "bfloat16")
+    run_stages(stages, inputs, into=result)
     assert [r[0] for r in ran] == ["rows", "served", "distribution", "none"]  # each as soon as its reads ran
-    assert ran[2] == ("distribution", ["result", "served"], True) and "engine" not in inputs
-    assert [s.notes[0] for s in inputs["result"].extra_stages] == ["rows", "served", "distribution"]  # None: none
+    assert ran[2] == ("distribution", ["run", "served"], True) and "engine" not in inputs
+    assert [s.notes[0] for s in result.stages] == ["rows", "served", "distribution"]  # None: none
     with pytest.raises(ValueError, match="read each other"):
         stage_order([stage("a", after=("b",)), stage("b", after=("a",))])
     with pytest.raises(ValueError, match="after it was released"):
         stage_order([stage("served"), stage("rows", reads=("engine",), after=("served",))])
     with pytest.raises(ValueError, match="reads \\['references'\\]"):
-        run_stages([stage("x", reads=("references",))], {"result": CheckResult("cpu", 1, "bfloat16")})
+        run_stages([stage("x", reads=("references",))], {"run": None}, into=CheckResult("cpu", 1, "bfloat16"))
 
 
 def test_strict_precision_is_a_parameter_of_the_distribution_stage():
@@ -489,13 +530,13 @@ def test_strict_precision_is_a_parameter_of_the_distribution_stage():
 
     names = [s.name for s in check_stages()]
     assert names == ["per_layer_rows", "bitwise_layers", "distribution"]
-    assert next(s for s in check_stages() if s.name == "distribution").after == ("served", "bitwise_layers")
+    assert next(s for s in check_stages() if s.name == "distribution").after == ("fp32", "bf16", "served", "bitwise_layers")
     assert "strict_precision" not in _callers()  # no function decides it after the run
 
 
 def test_a_gate_added_to_a_stage_counts_in_its_verdict_and_json():
     """The extension point (a later gate, e.g. a distributional one): add_gate before the seal."""
-    from harness.judge.results import CheckResult
+    from harness.judge.check_result import CheckResult
     from harness.judge.stage_result import Gate, overall_verdict
     from harness.parity.batched import BatchStage
 
@@ -507,8 +548,8 @@ def test_a_gate_added_to_a_stage_counts_in_its_verdict_and_json():
         stage.add_gate(Gate("late"))
     payload = stage.to_json()
     assert not stage.passed and payload["passed"] is False and payload["gates"][0]["statistic"] == 0.5
-    result = CheckResult(backend="cpu", tp=1, dtype="bfloat16", extra_stages=[stage])
-    verdict = overall_verdict(result)
+    result = CheckResult(backend="cpu", tp=1, dtype="bfloat16", stages=[stage])
+    verdict = overall_verdict(result.stages)
     assert not verdict.passed and verdict.failed_stages == ["batch"] and verdict.failures[0]["point"] == "distribution"
     assert result.to_json()["first_failure"]["point"] == "distribution"
 
