@@ -128,8 +128,8 @@ class BatchStage(StageResult):
 
 
 def batch_stage(settings, progress: bool = False, skip: str | None = None) -> Stage:
-    """The batch stage for the parity run (stage_result.run_stages): a function of the finished
-    result and the checkpoint returning the BatchStage; `skip`: why it does not run (said in it)."""
+    """The batch stage for the parity run (parity.stages.run_stages): a function of the fp32 and
+    bf16 stages' results and the checkpoint returning the BatchStage; `skip`: why it does not run (said in it)."""
     def stage(checkpoint, fp32=None, bf16=None) -> BatchStage:
         return BatchStage(ran=False, notes=[skip]) if skip else run_batch_stage(bf16, checkpoint, settings, progress, fp32)
     return Stage("batch", stage, after=("fp32", "bf16"))

@@ -224,8 +224,8 @@ def serve_prompts(checkpoint, settings, ref32: list, say) -> tuple:
 
 
 def served_stage(settings, progress: bool = False, skip: bool = False) -> Stage:
-    """The served-build stage for the parity run (harness.judge.stage_result.run_stages): a
-    function of the finished result and the checkpoint returning the ServedResult, the perf build
+    """The served-build stage for the parity run (harness.parity.stages.run_stages): a
+    function of the fp32 and bf16 stages' results and the checkpoint returning the ServedResult, the perf build
     judged on the references the check observed."""
     def stage(checkpoint, fp32=None, bf16=None) -> ServedResult:
         observed = observed_by(bf16, fp32)

@@ -248,7 +248,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, sett
 
 
 def speculative_stage(settings, assistant_dir, k: int) -> Stage:
-    """The speculative stage for the parity run (stage_result.run_stages, like served.served_stage)."""
+    """The speculative stage for the parity run (parity.stages.run_stages, like served.served_stage)."""
     def stage(checkpoint, fp32=None, bf16=None) -> SpeculativeStage:
         observed = observed_by(bf16, fp32)
         if observed is None:

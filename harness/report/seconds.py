@@ -10,7 +10,7 @@ def _parts(name: str, parts: dict) -> str:
 
 def seconds_lines(seconds: dict) -> list[str]:
     """run: build, reference, total (and the command's before/command); fp32 and bf16: their phases;
-    stages: each extra stage (harness/judge/stage_result.py run_stages)."""
+    stages: each extra stage (harness/parity/stages.py run_stages)."""
     run, stages = dict(seconds.get("run") or {}), seconds.get("stages") or {}
     before, command = run.pop("before", None), run.pop("command", None)
     lines = [_parts("run", run)] if run else []
