@@ -37,6 +37,9 @@ class Backend(Protocol):
                         run alone on them (the local verdict of check and bisect)
       serves_batch      forward takes rows naming their KV slots (`seq_ids`) of a cache of
                         settings.batch sequences (harness/port/engine.py, harness/port/kv_slots.py)
+      drafts_on_device  the build holds the assistant's draft graphs (settings.assistant): it is
+                        built with `assistant=`, the AssistantCheckpoint the command opened; the
+                        others' drafter is built on the host (build_drafter)
     `compiler_args` are the flags its graphs were compiled with (empty where nothing is compiled
     ahead of time); a bench result records them.
     """
@@ -50,6 +53,7 @@ class Backend(Protocol):
     reads_cache: bool
     host_ranks: bool
     serves_batch: bool
+    drafts_on_device: bool
     compiler_args: tuple | list
 
     def reset(self) -> None:
@@ -102,15 +106,20 @@ def backend_options(name: str, options: Mapping[str, object]) -> dict[str, objec
     return converted
 
 
-def make_backend(checkpoint, settings: RunSettings, capture: bool = False):
-    """A backend built for this checkpoint from `settings` (a parity build when `capture`)."""
+def make_backend(checkpoint, settings: RunSettings, capture: bool = False, assistant=None):
+    """A backend built for this checkpoint from `settings` (a parity build when `capture`); a backend
+    that drafts on its device takes `assistant` (the opened settings.assistant; None: it opens it)."""
     options = backend_options(settings.backend, settings.backend_options)
-    return backend_class(settings.backend)(checkpoint, settings, capture=capture, **options)
+    cls = backend_class(settings.backend)
+    if cls.drafts_on_device and settings.assistant is not None:
+        options["assistant"] = assistant
+    return cls(checkpoint, settings, capture=capture, **options)
 
 
-def build_engine(checkpoint, settings: RunSettings, capture: bool = False) -> Engine:
-    """The host engine over a backend built from `settings` for this checkpoint."""
-    be = make_backend(checkpoint, settings, capture=capture)
+def build_engine(checkpoint, settings: RunSettings, capture: bool = False, assistant=None) -> Engine:
+    """The host engine over a backend built from `settings` for this checkpoint; `assistant`: the
+    AssistantCheckpoint of settings.assistant the command already opened (make_backend)."""
+    be = make_backend(checkpoint, settings, capture=capture, assistant=assistant)
     table = checkpoint.per_layer_table(settings.torch_dtype) if checkpoint.spec.per_layer_input_size else None
     return Engine(checkpoint.spec, be, checkpoint.embed_weight(settings.torch_dtype), settings, per_layer_table=table)
 

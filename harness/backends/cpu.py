@@ -62,6 +62,7 @@ class CpuBackend:
     name = "cpu"
     OPTIONS: dict = {}  # no backend options
     returns_captures, last_row_only, reads_cache, host_ranks, serves_batch = True, False, True, True, True
+    drafts_on_device = False  # its drafter runs on the host (build_drafter)
     compiler_args = ()  # nothing is compiled ahead of time
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):

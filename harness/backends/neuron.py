@@ -96,12 +96,12 @@ class NeuronBackend:
     # The backend options (harness.backends.Backend): name -> converter of a --backend-option value.
     OPTIONS = {"compiler_args": str, "decode_compiler_args": str, "cache_dir": directory, "compile_workers": positive_int,
                "zero_on_reset": flag, "layout_priority": _layout_priority, "reduce_dtype": torch_dtype}
-    reads_cache, host_ranks, serves_batch = True, False, True
+    reads_cache, host_ranks, serves_batch, drafts_on_device = True, False, True, True
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False, *, compiler_args=None,
                  cache_dir=None, compile_workers: int | None = None, zero_on_reset: bool = True,
                  layout_priority: str | None = DEFAULT_LAYOUT_PRIORITY, reduce_dtype: torch.dtype = torch.float32,
-                 decode_compiler_args=None):
+                 decode_compiler_args=None, assistant=None):
         tp, dtype, max_len, buckets = settings.tp, settings.torch_dtype, settings.kv_len, settings.buckets
         self.sliding_cache, self.quantize = settings.sliding_cache, getattr(settings, "quantize", None)
         self.versions = check_neuron_packages()  # before anything imports the SDK
@@ -116,7 +116,7 @@ class NeuronBackend:
         self.slots, self.batch_sizes = settings.batch, batch_buckets(settings.batch)
         self.kv_graphs = kv_tags(self.buckets, max_len, self.slots, settings.speculate)  # the ModelBuilder tags: (length, KV bucket) each
         # with an assistant, its draft graphs in the same model (neuron_drafter.py): one per KV bucket
-        self.assistant = open_assistant(settings, self.spec)
+        self.assistant = assistant if assistant is not None else open_assistant(settings, self.spec)
         self.draft_graphs = draft_tags(self.kv_lengths) if self.assistant is not None else {}
         self.last_tag: str | None = None  # the tag the last forward ran
         self.capture = self.returns_captures = bool(capture)

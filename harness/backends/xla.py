@@ -43,7 +43,7 @@ class XlaBackend:
     name = "xla"
 
     OPTIONS: dict = {}  # no backend options
-    reads_cache, host_ranks, serves_batch = True, False, True
+    reads_cache, host_ranks, serves_batch, drafts_on_device = True, False, True, False
     compiler_args = ()  # XLA's CPU compiler runs with its defaults
 
     def __init__(self, checkpoint, settings: RunSettings, capture: bool = False):

@@ -65,7 +65,7 @@ def run(args) -> int:
     print(ckpt.describe())
     result, payload = bisect_golden(ckpt, args.golden_read, args.settings, mode=args.mode, progress=True,
                                     strict_precision=args.strict_precision)
-    distribution = next((s for s in getattr(result.check, "extra_stages", ()) if s.stage == "distribution"), None)
+    distribution = result.check.stage("distribution") if result.check is not None else None
     if distribution is not None:  # the check's R distribution and over-precision (its verdict is in "passed")
         payload["distribution"] = distribution.to_json()
     text = format_bisect(payload) + _drafter(args, result, payload)
@@ -90,9 +90,9 @@ def _drafter(args, result, payload: dict) -> str:
         return ""
     from harness.parity.speculative import check_speculative, first_drafter_point
 
-    calibration = getattr(result.check, "calibration", None)
+    calibration = result.check.bf16.calibration if result.check is not None else None  # capture mode's check
     stage = check_speculative(args.ckpt, args.golden_read.results("float32"), args.golden_read.results("bfloat16"),
-                              calibration, settings=args.settings, assistant_dir=args.assistant, k=args.speculate).seal()
+                              calibration, settings=args.settings, assistant=args.assistant_ckpt, k=args.speculate).seal()
     first = first_drafter_point(stage)
     payload["speculative"] = dict(stage.to_json(), first_drafter_point=first)
     where = f"first divergent drafter point: {first['point']} ({first['ratio']:.3g}x)" if first else "drafter: every point passes"

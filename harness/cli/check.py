@@ -153,7 +153,7 @@ def run(args) -> int:
     before_run = time.perf_counter()
     extra = batch_checks(args) + (served_stage(args.settings, progress=True, skip=args.skip_served_build),)
     if args.assistant_ckpt is not None:
-        extra += (speculative_stage(args.settings, args.assistant, args.speculate),)
+        extra += (speculative_stage(args.settings, args.assistant_ckpt, args.speculate),)
     result = run_parity_check(ckpt, args.ckpt_dir, args.settings, golden=args.reference_source,
                               prompts=args.prompt_ids, new_tokens=args.new_tokens, progress=True,
                               fp32_stage=not args.skip_fp32_stage, stages=extra,

@@ -173,7 +173,8 @@ def run_bench_command(args) -> int:
         from harness.report.bench import render_batch_bench
 
         result["batch"] = run_batch_bench(args.ckpt, args.settings, args.batch, runs=args.runs,
-                                          new_tokens=args.new_tokens, prompt_len=min(args.settings.buckets))
+                                          new_tokens=args.new_tokens, prompt_len=min(args.settings.buckets),
+                                          assistant=args.assistant_ckpt)
     from harness.perf.speculative import speculative_block
     from harness.report.bench import render_speculative
 

@@ -202,21 +202,20 @@ def speculative_settings(settings, k: int, assistant: str) -> list:
             for dtype in dict.fromkeys((settings.dtype, "float32"))]
 
 
-def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, settings, assistant_dir, k: int) -> SpeculativeStage:
+def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, settings, assistant, k: int) -> SpeculativeStage:
     """Run speculative greedy decode of every reference prompt in the run's dtype and in fp32 and
-    judge it (tokens, drafter points, acceptance)."""
+    judge it (tokens, drafter points, acceptance); `assistant`: the AssistantCheckpoint the command
+    opened (harness.inputs.assistant_checkpoint), given to every build that drafts."""
     from harness.backends import build_drafter, build_engine
-    from harness.inputs.assistant_checkpoint import AssistantCheckpoint
     from harness.port.decode import generate, speculative
     from harness.reference.assistant import AssistantReference, load_target
 
     stage = SpeculativeStage(k)
     try:
-        assistant = AssistantCheckpoint.open(assistant_dir, checkpoint.spec)
-        references = {dt: AssistantReference(assistant_dir, dt) for dt in (torch.float32, torch.bfloat16)}
+        references = {dt: AssistantReference(assistant.path, dt) for dt in (torch.float32, torch.bfloat16)}
         for run_settings in speculative_settings(settings, k, str(assistant.path)):
             dtype = run_settings.dtype
-            engine = build_engine(checkpoint, run_settings, capture=True)  # its verify graph, on neuron its draft graphs
+            engine = build_engine(checkpoint, run_settings, capture=True, assistant=assistant)  # verify (neuron: draft) graphs
             drafter = build_drafter(engine, assistant)
             runs = generate(engine, [r.prompt for r in ref32], [len(r.generated) for r in ref32], speculative(drafter, k),
                             capture=True)  # a sequence per KV slot of the build (--batch N: continuous batching)
@@ -247,7 +246,7 @@ def check_speculative(checkpoint, ref32: list, ref16: list, calibration, *, sett
     return stage
 
 
-def speculative_stage(settings, assistant_dir, k: int) -> Stage:
+def speculative_stage(settings, assistant, k: int) -> Stage:
     """The speculative stage for the parity run (parity.stages.run_stages, like served.served_stage)."""
     def stage(checkpoint, fp32=None, bf16=None) -> SpeculativeStage:
         observed = observed_by(bf16, fp32)
@@ -255,7 +254,7 @@ def speculative_stage(settings, assistant_dir, k: int) -> Stage:
             return SpeculativeStage(k, ran=False, notes=[
                 "speculative decoding not judged: no stage of the check observed the port (it raised first)"])
         return check_speculative(checkpoint, observed.ref32, observed.ref16, bf16.calibration,
-                                 settings=settings, assistant_dir=assistant_dir, k=k)
+                                 settings=settings, assistant=assistant, k=k)
     return Stage("speculative", stage, after=("fp32", "bf16"))
 
 

@@ -79,24 +79,25 @@ def with_batch_efficiency(measured: list[dict], floor_rows: list[dict]) -> list[
     return out
 
 
-def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, prompt_len: int) -> dict:
+def run_batch_bench(checkpoint, settings, batches, runs: int, new_tokens: int, prompt_len: int,
+                    assistant=None) -> dict:
     """`bench --batch`: one build with max(batches) KV slots; per batch size, `runs` timed runs of
-    that many prompts of `prompt_len` tokens, beside the floors on this backend's rates."""
+    that many prompts of `prompt_len` tokens, beside the floors on this backend's rates; with
+    `assistant` (the opened settings.assistant), each batch decoded speculatively too."""
     from harness.perf.bench import bench_prompt, bench_rates, perf_engine
 
     batches = sorted(set(batches))
     # the batched perf build (no captures), made as bench makes its own: the loop's opening reset
     # zeroes no cache on neuron (a reused slot needs none), so it stays out of the timed prefill
-    engine = perf_engine(checkpoint, settings.but(batch=batches[-1]))
+    engine = perf_engine(checkpoint, settings.but(batch=batches[-1]), assistant=assistant)
     spec = checkpoint.spec
     prompts = {b: [bench_prompt(spec.vocab_size, prompt_len, seed=k) for k in range(b)] for b in batches}
     measured = [time_batch(engine, prompts[b], new_tokens, runs) for b in batches]
-    if settings.assistant:  # --speculate K: each batch decoded speculatively too (accepted drafts per verify)
+    if assistant is not None:  # --speculate K: each batch decoded speculatively too (accepted drafts per verify)
         from harness.backends import build_drafter
-        from harness.inputs.assistant_checkpoint import AssistantCheckpoint
         from harness.perf.speculative import time_speculative_batch
 
-        drafter = build_drafter(engine, AssistantCheckpoint.open(settings.assistant, spec))
+        drafter = build_drafter(engine, assistant)
         for row, b in zip(measured, batches):
             row["speculative"] = time_speculative_batch(engine, drafter, prompts[b], new_tokens, k=settings.speculate,
                                                        runs=runs)

@@ -69,17 +69,18 @@ def _check_bench_options(runs, warmup, buckets, new_tokens, kv_len) -> None:
                                 f"{kv_len}; use fewer --new-tokens or a smaller bucket")
 
 
-def perf_engine(checkpoint, settings: RunSettings):
+def perf_engine(checkpoint, settings: RunSettings, assistant=None):
     """The perf build `bench` times and serving runs: no capture outputs (on a compiled backend its
     prefill graphs return only the last real row). `check` judges this same build
-    (harness/parity/served.py), so what is timed is what is judged."""
+    (harness/parity/served.py), so what is timed is what is judged. `assistant`: the opened
+    settings.assistant (harness.backends.build_engine)."""
     from harness.backends import build_engine
 
     if settings.backend == "neuron":
         # Stale cache slots are never read (causal mask): keep the 44 MB/rank zeroing of the KV
         # cache out of the timed prefill, as a serving loop would.
         settings = settings.but(backend_options={"zero_on_reset": False, **settings.backend_options})
-    return build_engine(checkpoint, settings)
+    return build_engine(checkpoint, settings, assistant=assistant)
 
 
 def run_bench(checkpoint, settings: RunSettings = BENCH_SETTINGS, runs: int = DEFAULT_RUNS,

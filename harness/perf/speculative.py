@@ -74,7 +74,8 @@ def bench_speculative(checkpoint, settings, assistant, k: int, *, runs: int, new
     from harness.perf.bench import perf_engine
     from harness.port.sharding import bytes_per_rank
 
-    engine = perf_engine(checkpoint, settings.but(speculate=k, assistant=str(assistant.path)))  # verify (and neuron's draft) graphs
+    engine = perf_engine(checkpoint, settings.but(speculate=k, assistant=str(assistant.path)),  # verify (neuron: draft) graphs
+                         assistant=assistant)
     drafter = build_drafter(engine, assistant)
     _one_run(engine, drafter, prompt, new_tokens, k)  # warm-up
     samples = [_one_run(engine, drafter, prompt, new_tokens, k) for _ in range(runs)]

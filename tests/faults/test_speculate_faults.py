@@ -48,8 +48,10 @@ def run_stage(name: str, tp: int = 2):
 
     ckpt, assistant, refs = pair(name)
     settings = RunSettings(tp=tp, dtype="bfloat16", buckets=(16, 64), kv_len=64)
+    from harness.inputs.assistant_checkpoint import AssistantCheckpoint
+
     return check_speculative(ckpt, refs["float32"], refs["bfloat16"], SimpleNamespace(band=4.0), settings=settings,
-                             assistant_dir=assistant, k=K)
+                             assistant=AssistantCheckpoint.open(assistant, ckpt.spec), k=K)
 
 
 @pytest.mark.parametrize("name", ["12b", "31b"])

@@ -186,8 +186,10 @@ def speculative_stage(name: str = "12b", tp: int = 2):
 
     ckpt, assistant_dir, refs = fitted(name)
     settings = RunSettings(backend="neuron", tp=tp, dtype="bfloat16", buckets=(16, 64), kv_len=64)
+    from harness.inputs.assistant_checkpoint import AssistantCheckpoint
+
     return check_speculative(ckpt, refs["float32"], refs["bfloat16"], SimpleNamespace(band=4.0), settings=settings,
-                             assistant_dir=assistant_dir, k=K)
+                             assistant=AssistantCheckpoint.open(assistant_dir, ckpt.spec), k=K)
 
 
 @pytest.mark.slow

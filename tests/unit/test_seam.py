@@ -404,6 +404,28 @@ def test_bench_times_the_one_loop_through_the_tap_and_a_second_timing_loop_is_fo
     for copy in BENCH_LOOP_COPIES:
         assert _clock_readers({"a module of perf": copy}) == {"a module of perf"}, copy
 
+# ---- builds: one home, the assistant opened once ----------------------------------------------------------
+
+def _opens(files: dict[str, str], cls: str) -> set[str]:
+    """The modules (path -> source) calling `cls.open(...)`."""
+    return {path for path, source in files.items() for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "open"
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == cls}
+
+
+def test_the_assistant_is_opened_once_and_every_engine_is_built_by_the_backends():
+    """The command opens --assistant once (cli/check.py's validation, for check and bench) and hands the
+    AssistantCheckpoint to the speculative stage, the perf builds and a backend drafting on its device;
+    only a library caller's neuron build without it opens it there. Every Engine is made in
+    harness/backends (build_engine) or over a recorded backend (a host step's replay)."""
+    files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
+    assert _opens(files, "AssistantCheckpoint") == {"harness/cli/check.py", "harness/backends/neuron_drafter.py"}
+    assert _opens({"a module of perf": "drafter = build_drafter(engine, AssistantCheckpoint.open(path, spec))"},
+                  "AssistantCheckpoint") == {"a module of perf"}
+    assert _calls("Engine") == {"harness/backends/__init__.py", "harness/snapshot/host_replay.py"}
+    assert _calls("make_backend") == {"harness/backends/__init__.py", "harness/parity/observe.py"}  # + a layer backend
+
+
 # ---- one stage protocol ----------------------------------------------------------------------------------
 
 def test_every_stage_returns_a_stage_result_whose_failures_its_gates_compute_once():

@@ -42,7 +42,10 @@ def _stage(name: str, tp: int, dtype: str = "bfloat16", batch: int = 1):
     ckpt, assistant, refs = pair(name)
     ref32, ref16 = refs["float32"], refs["bfloat16"]
     settings = RunSettings(backend="xla", tp=tp, dtype=dtype, buckets=(16, 64), kv_len=64, batch=batch)
-    return check_speculative(ckpt, ref32, ref16, SimpleNamespace(band=4.0), settings=settings, assistant_dir=assistant, k=K)
+    from harness.inputs.assistant_checkpoint import AssistantCheckpoint
+
+    return check_speculative(ckpt, ref32, ref16, SimpleNamespace(band=4.0), settings=settings,
+                             assistant=AssistantCheckpoint.open(assistant, ckpt.spec), k=K)
 
 
 @pytest.mark.parametrize("name, tp", [("12b", 1), ("31b", 1), ("31b", 2)])
