@@ -79,14 +79,21 @@ def output_location(value: str, flag: str, want_dir: bool, inputs: dict[str, Pat
     return path
 
 
-def _json_is_ours(path: Path) -> bool:
+def json_dict_or_none(path: Path) -> dict | None:
+    """The JSON object a file at `path` holds, or None (no such file, not JSON, not an object): what
+    decides whether an output may replace it."""
     if not path.is_file():
-        return False
+        return None
     try:
         data = read_json_file(path, "file", HarnessInputError, "")
     except HarnessInputError:
-        return False
-    if not isinstance(data, dict):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _json_is_ours(path: Path) -> bool:
+    data = json_dict_or_none(path)
+    if data is None:
         return False
     return str(data.get("generator", "")).startswith(GENERATOR) or any(keys <= data.keys()
                                                                        for keys in LEGACY_RESULT_KEYS)

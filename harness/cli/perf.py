@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 from harness.base.atomic import claim_output
-from harness.base.errors import HarnessInputError, OptionError, OutputError, read_json_file
+from harness.base.errors import HarnessInputError, OptionError, OutputError
 from harness.cli import validate as v
 from harness.cli.host_gate import add_host_memory_arg, plan_gate
 from harness.cli.check import add_speculate_args, validate_speculate
 from harness.cli.common import EXIT_OK, add_run_args, run_settings
-from harness.cli.output_paths import clean_leftovers, output_location, replaceable_file
+from harness.cli.output_paths import clean_leftovers, json_dict_or_none, output_location, replaceable_file
 from harness.inputs.prompts import kv_positions_used
 from harness.perf import DEFAULT_NEW_TOKENS, DEFAULT_RUNS, DEFAULT_WARMUP, append_history, run_bench, write_json
 from harness.report.perf_text import render_bench_summary
@@ -82,13 +82,8 @@ def _lengths_arg(text: str) -> tuple[int, ...]:
 # ---- validation ----------------------------------------------------------------------------------
 
 def _is_bench_result(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    try:
-        data = read_json_file(path, "file", HarnessInputError, "")
-    except HarnessInputError:
-        return False
-    return isinstance(data, dict) and data.get("format") == 1 and {"machine", "metrics"} <= data.keys()
+    data = json_dict_or_none(path)
+    return data is not None and data.get("format") == 1 and {"machine", "metrics"} <= data.keys()
 
 
 def validate_bench(args) -> None:
