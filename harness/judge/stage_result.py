@@ -58,11 +58,15 @@ class Gate:
 
 
 class StageResult:
-    """The protocol of an extra stage's result. A subclass sets `stage` and `ran` and `notes`, and
-    implements `gates()` (its own named verdicts), `payload()` (its JSON beyond the protocol's
-    keys) and `describe()`."""
+    """The protocol of a stage's result, its fields declared here: a subclass sets `stage` (its name),
+    `ran` (False: it did not apply, its notes say why) and `notes`, and implements `gates()` (its own
+    named verdicts), `payload()` (its JSON beyond the protocol's keys) and `describe()`."""
 
-    stage = "stage"
+    stage: str = "stage"
+    ran: bool = True
+    notes: list[str]
+    _sealed: list[Gate] | None = None  # the gates, computed once (seal)
+    _added: tuple[Gate, ...] = ()  # gates from outside the stage (add_gate)
 
     def gates(self) -> list[Gate]:
         return []
@@ -72,14 +76,14 @@ class StageResult:
 
     def add_gate(self, gate: Gate) -> None:
         """A gate from outside the stage (the extension point), judged with the stage's own."""
-        if getattr(self, "_sealed", None) is not None:
+        if self._sealed is not None:
             raise RuntimeError(f"the {self.stage} stage is sealed: add gates before the parity run seals it")
-        self.__dict__.setdefault("_added", []).append(gate)
+        self._added = (*self._added, gate)
 
     def seal(self) -> "StageResult":
         """Compute the gates, and so the failures, once."""
-        if getattr(self, "_sealed", None) is None:
-            self._sealed = [*self.gates(), *self.__dict__.get("_added", [])]
+        if self._sealed is None:
+            self._sealed = [*self.gates(), *self._added]
         return self
 
     def all_gates(self) -> list[Gate]:
