@@ -181,7 +181,8 @@ def parity_stages(calibration, local: bool | None, fp32_engine, layer_backend) -
     def bf16(run, checkpoint, engine, references, fp32=None):
         with intra_op_threads_for(checkpoint.spec):
             context = run.context("bf16", calibration, structural_flips(fp32))
-            return _bf16_stage(checkpoint, engine, references, context, fp32, dict(local=local, layer_backend=layer_backend))
+            return _bf16_stage(checkpoint, engine, references, context, fp32,
+                               options=dict(local=local, layer_backend=layer_backend))
 
     reads = ("run", "checkpoint", "engine", "references")
     return (() if fp32_engine is None else (Stage("fp32", fp32, reads),)) + (Stage("bf16", bf16, reads, after=("fp32",)),)

@@ -255,7 +255,7 @@ def run_batch_check(fault: BatchFault | None, monkeypatch, variant: str | None =
 def named_sequences(result) -> set[int]:
     """The prompts (sequences) the check's first failure of each failing stage names."""
     names = set()
-    for stage in (result, result.fp32):
+    for stage in (result.bf16, result.fp32):
         failures = stage.failures() if stage is not None else []
         where = failures[0].get("where", "") if failures else ""
         if where.startswith("prompt "):

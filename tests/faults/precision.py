@@ -237,7 +237,7 @@ def named_point(result, flag: str) -> str | None:
     dist = distribution_of(result)
     if flag == "over":
         return dist.flagged[0].point if dist.flagged else None
-    for stage in (result, result.fp32):
+    for stage in (result.bf16, result.fp32):
         failing = [p for p in stage.all_points() if not p.passed] if stage is not None else []
         if failing:
             return failing[0].name

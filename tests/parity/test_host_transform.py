@@ -41,7 +41,7 @@ def test_healthy_port_of_the_issue_passes_with_room():
     """6 layers, full layers with 2 KV heads, hidden 64, prompts of 8 and 3 tokens, 10 new tokens."""
     result = run_check(ISSUE_SHAPE, SHORT)
     assert result.passed and result.fp32.passed, (result.failures()[:3], result.fp32.failures()[:3])
-    for stage in (result, result.fp32):
+    for stage in (result.bf16, result.fp32):
         assert [p.name for p in stage.probabilities] == ["probabilities", "decode_probabilities"]
         assert all(p.ratio < 0.5 for p in stage.probabilities), [p.explain() for p in stage.probabilities]
 
@@ -51,7 +51,7 @@ def test_healthy_port_of_the_issue_passes_with_room():
 def test_host_transform_fault_fails_at_host_probabilities(monkeypatch, fault, run):
     FAULTS[fault](monkeypatch)
     result = run_check(BUILDER_SHAPE, run)
-    for stage in (result, result.fp32):
+    for stage in (result.bf16, result.fp32):
         failed = [p.name for p in stage.probabilities if not p.passed]
         assert failed == [p.name for p in stage.probabilities] and "probabilities" in failed, (
             stage.stage, [p.explain() for p in stage.probabilities])

@@ -95,8 +95,8 @@ def test_an_exception_inside_the_layers_alone_is_the_stages_failure(monkeypatch,
 
     monkeypatch.setattr(layer_bits, "bitwise_layers", broken)
     stage = layer_bits.bitwise_layers_stage()
-    result = SimpleNamespace(port_error=None, local=[object()], observation=SimpleNamespace(ref32=[]))
-    out = stage.run(result=result, checkpoint=tiny0_ckpt, engine=None).seal()
+    bf16 = SimpleNamespace(port_error=None, local=[object()], observation=SimpleNamespace(ref32=[]))
+    out = stage.run(checkpoint=tiny0_ckpt, engine=None, bf16=bf16).seal()
     assert not out.passed and out.ran and "planted" in str(out.to_json()["error"])
     assert [g.name for g in out.all_gates()] == ["error"] and "FAIL" in out.describe()
-    assert stage.run(result=SimpleNamespace(port_error=None, local=None), checkpoint=tiny0_ckpt, engine=None) is None
+    assert stage.run(checkpoint=tiny0_ckpt, engine=None, bf16=SimpleNamespace(port_error=None, local=None)) is None
