@@ -6,7 +6,7 @@ the seal) and that file hash, so editing either is caught; a snapshot's manifest
 tensor's own digest, dtype and shape (`tensor_entries`), so a tensor file edited and resealed is
 caught too. Writing (`SealedFormat.write`, inside the caller's atomic directory): the tensors
 saved, checked complete on disk, hashed, the manifest sealed and fsynced. Reading (`read_manifest`,
-`verify`, `load`): every refusal, before any model work, is one line of the format's error naming
+`check_seal`, `load`): every refusal, before any model work, is one line of the format's error naming
 the file, what is wrong and what to do (the format's `fix`). The seal is unkeyed: what a manifest
 says is checked by its reader (golden_layout.py, snapshot/fields.py)."""
 
@@ -128,7 +128,7 @@ class SealedFormat:
                              f"{self.version}; {self.fix}")
         return manifest
 
-    def verify(self, path: Path, manifest: dict) -> Path:
+    def check_seal(self, path: Path, manifest: dict) -> Path:
         """The tensor file, once its sha256 is the manifest's and the seal holds."""
         file = path / self.tensors
         if not file.is_file():

@@ -82,7 +82,7 @@ def read_golden(path, expected_spec=None) -> Golden:
     internal consistency (prompts, tokens and tensor shapes agree) and finite values."""
     path = Path(path)
     manifest = GOLDEN.read_manifest(path)
-    tensor_file = GOLDEN.verify(path, manifest)
+    tensor_file = GOLDEN.check_seal(path, manifest)
     if expected_spec is not None and manifest.get("spec_hash") != expected_spec.spec_hash():
         raise GoldenError(
             f"{path / MANIFEST}: golden was made for spec {manifest.get('spec_hash')}, but the checkpoint "

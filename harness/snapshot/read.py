@@ -84,7 +84,7 @@ def read_snapshot(path) -> Snapshot:
     """A snapshot verified by itself (hashes, seal, every tensor, consistency)."""
     path = Path(path)
     manifest = SNAPSHOT.read_manifest(path)
-    file = SNAPSHOT.verify(path, manifest)
+    file = SNAPSHOT.check_seal(path, manifest)
     try:  # the seal holds; what the manifest says must hold too (edited and resealed)
         check_manifest(manifest)
         tensors = SNAPSHOT.load(file, manifest.get("tensors"))

@@ -130,7 +130,7 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, tiny0_ckpt, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("safetensors.torch.save_file", interrupted)
+    monkeypatch.setattr("harness.inputs.sealed.save_file", interrupted)
     target = Target("bf16", "layers.0.output", 0, 1.0, False, 0, 0, 0, 1, 64)
     tensors = {f"weights.r0.{k}": v for k, v in rank_layer_weights(tiny0_ckpt, 1, 0, torch.bfloat16)[0].items()}
     with pytest.raises(KeyboardInterrupt):
