@@ -128,7 +128,7 @@ def repro_inputs(checkpoint, settings, target, obs) -> tuple[dict, list[dict], l
 
 def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
     """What `bisect --emit-repro DIR` does after its run."""
-    from harness.snapshot.target import BITS_STAGE, choose_target, stage_settings
+    from harness.snapshot.target import BITS_STAGE, choose_target, judged_stage, stage_settings
     from harness.snapshot.write import refuse_existing
 
     refuse_existing(out_dir, "--emit-repro")
@@ -141,7 +141,7 @@ def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
                           script="host_repro.py", how="a plain reading beside the port's recorded output")
     if target.stage == BITS_STAGE:
         return write_bits_repro(checkpoint, settings, target, result.observation, out_dir, say=say)
-    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+    stage = judged_stage(result, target)
     return write_repro(checkpoint, stage_settings(settings, target.stage), target, stage.observation, out_dir, say=say)
 
 
@@ -260,13 +260,13 @@ def snapshot_bundles(result, checkpoint, settings, out_dir, say=print) -> list:
     the repro's layer hosts and the engine's calls, rebuilt; none for a host step or a bit-exact stage."""
     from harness.snapshot.hlo_bundle import maybe_write, write_layer_bundles
     from harness.snapshot.traced_layer import rank_hosts
-    from harness.snapshot.target import BITS_STAGE, choose_target, stage_settings
+    from harness.snapshot.target import BITS_STAGE, choose_target, judged_stage, stage_settings
 
     target = choose_target(result, settings)
     if target.host or target.stage == BITS_STAGE or target.point in LOGITS:
         say("no HLO bundle: the failure is not a layer's device call")
         return []
-    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+    stage = judged_stage(result, target)
     run = stage_settings(settings, target.stage)
 
     def write():

@@ -177,6 +177,11 @@ def _host_or_refuse(result, settings, stages) -> Target:
                       "of its two stages, so no call is behind it to snapshot (docs/snapshot.md)")
 
 
+def judged_stage(result, target):
+    """The check's stage whose judge and observation the target's point was judged by."""
+    return result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+
+
 def stage_settings(settings, stage: str):
     """The run settings the stage's port ran with (the fp32 stage: harness.parity.observe.fp32_settings)."""
     from harness.parity.observe import fp32_settings

@@ -120,10 +120,10 @@ def snapshot_check(result, checkpoint, settings, out_dir, source: str, say=print
     """What `check --snapshot` and `bisect --snapshot` do after their run: choose the call
     (harness.snapshot.target), record it, write it. The written manifest."""
     from harness.snapshot.record import record_call
-    from harness.snapshot.target import BITS_STAGE, choose_target, stage_settings
+    from harness.snapshot.target import BITS_STAGE, choose_target, judged_stage, stage_settings
 
     target = choose_target(result, settings)
-    stage = result.fp32 if target.stage == "fp32" and result.fp32 is not None else result
+    stage = judged_stage(result, target)
     run, extra = stage_settings(settings, target.stage), None
     if target.stage == BITS_STAGE:  # the port's layer alone, bit for bit (harness.snapshot.bits)
         from harness.snapshot.bits import bits_manifest, bits_settings, record_bits
