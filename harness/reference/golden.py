@@ -21,8 +21,8 @@ from harness.reference.golden_layout import (check_no_stray_tensors, check_promp
 from harness.reference.run import ReferenceResult
 
 # Sealed as a snapshot is (harness/inputs/sealed.py); format 2: the manifest is covered by the seal.
-GOLDEN = SealedFormat("golden", "manifest.json", "tensors.safetensors", "golden_sha256", 2, GoldenError,
-                      source="a directory written by `gemma-parity reference`",
+GOLDEN = SealedFormat("golden", "manifest.json", "tensors.safetensors", seal_key="golden_sha256", version=2,
+                      error=GoldenError, source="a directory written by `gemma-parity reference`",
                       fix="regenerate it with `gemma-parity reference`")
 MANIFEST, TENSORS = GOLDEN.files
 DTYPES = ("float32", "bfloat16")

@@ -54,7 +54,7 @@ class RankHost(nn.Module):
         self.dtype = self.cache.k.dtype
 
     def run_layers(self, x, positions, start: int, stop: int, captures=None):
-        return self._decoder_run(self, x, positions, start, stop, captures)
+        return self._decoder_run(self, x, positions, start, stop, captures=captures)
 
     def set_seq_ids(self, seq_ids) -> None:
         self.cache.seq_ids = seq_ids
