@@ -54,6 +54,7 @@ class SealedFormat:
     fix: str  # what to do, ending every refusal
     kind: str | None = None  # the manifest's "kind", for a format that names itself
     indent: int = 2
+    digests: bool = False  # the manifest lists each tensor (tensor_entries), checked by `load`
 
     @property
     def files(self) -> tuple[str, str]:
@@ -148,15 +149,16 @@ class SealedFormat:
                              f"was edited or corrupted; {self.fix}")
         return file
 
-    def load(self, file: Path, entries: dict | None = None) -> dict[str, torch.Tensor]:
-        """The tensors of a verified file; with `entries` (the manifest's tensor_entries), each
-        tensor the one listed (names, shapes, digests): not edited and resealed."""
+    def load(self, file: Path, manifest: dict) -> dict[str, torch.Tensor]:
+        """The tensors of a file `check_seal` passed; for a format with `digests`, each tensor the one
+        its manifest lists (names, shapes, digests): not edited and resealed."""
         try:
             tensors = load_file(str(file))
         except Exception as exc:
             raise self.error(f"{file}: cannot be read as safetensors ({exc}); {self.fix}") from None
-        if entries is None:
+        if not self.digests:
             return tensors
+        entries = manifest.get("tensors")
         if not isinstance(entries, dict) or set(entries) != set(tensors):
             extra = sorted(set(tensors) ^ set(entries if isinstance(entries, dict) else {}))[:3]
             raise self.error(f"{file}: holds other tensors than its manifest lists ({', '.join(extra)}): resealed "

@@ -89,7 +89,7 @@ def read_golden(path, expected_spec=None) -> Golden:
             f"resolves to spec {expected_spec.spec_hash()} ({expected_spec.source}). A golden only "
             "compares against the same model architecture; regenerate it for this config."
         )
-    tensors = GOLDEN.load(tensor_file)
+    tensors = GOLDEN.load(tensor_file, manifest)
     _check_consistency(path, manifest, tensors, expected_spec)
     _finite_or_refuse(tensors, tensor_file)
     return Golden(path, manifest, tensors)

@@ -23,7 +23,7 @@ class SnapshotError(HarnessInputError):
 FIX = "write the snapshot again with `check --snapshot DIR` or `bisect --snapshot DIR`"
 SNAPSHOT = SealedFormat("snapshot", "snapshot.json", "snapshot.safetensors", seal_key="snapshot_sha256", version=1,
                         error=SnapshotError, source="a directory written by --snapshot", fix=FIX, kind="gemma-parity device-call snapshot",
-                        indent=1)
+                        indent=1, digests=True)
 
 
 class FieldProblem(ValueError):

@@ -1,10 +1,10 @@
-"""Reading a snapshot, validated before any model work: its sealed files as a golden's are read
+"""Reading a snapshot, validated before any model work: its sealed files read as a golden's are
 (harness/inputs/sealed.py: the manifest's kind and format, the tensor file's sha256, the seal over
 manifest and tensors, every tensor's own recorded digest and shape), its fields
-(harness/snapshot/fields.py), the call's rows consistent across inputs and outputs; then, against the checkpoint the
-replay runs, its identity (another checkpoint) and the stored weights against that checkpoint's
-layer (another layer's weights). Every refusal is a SnapshotError (exit 2) naming the file and
-the problem."""
+(harness/snapshot/fields.py), the call's rows consistent across inputs and outputs; then, against
+the checkpoint the replay runs, its identity (another checkpoint) and the stored weights against
+that checkpoint's layer (another layer's weights). Every refusal is a SnapshotError (exit 2) naming
+the file and the problem."""
 
 from __future__ import annotations
 
@@ -87,10 +87,11 @@ def read_snapshot(path) -> Snapshot:
     file = SNAPSHOT.check_seal(path, manifest)
     try:  # the seal holds; what the manifest says must hold too (edited and resealed)
         check_manifest(manifest)
-        tensors = SNAPSHOT.load(file, manifest.get("tensors"))
+        tensors = SNAPSHOT.load(file, manifest)
         check_tensors(manifest, tensors)
     except FieldProblem as exc:
-        raise SnapshotError(f"{path / SNAPSHOT.manifest}: {exc}: not what a snapshot holds (edited and resealed?); {FIX}") from None
+        raise SnapshotError(f"{path / SNAPSHOT.manifest}: {exc}: not what a snapshot holds (edited and resealed?); "
+                            f"{FIX}") from None
     _consistent(path, manifest, tensors)
     return Snapshot(path, manifest, tensors)
 

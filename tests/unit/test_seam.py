@@ -566,3 +566,41 @@ def test_one_runner_drives_a_port_layer_alone_and_a_second_is_found():
                                       "harness/snapshot/bits.py"}
     for copy in LAYER_ALONE_COPIES:
         assert _layer_drivers({"a module of snapshot": copy}) == {"a module of snapshot"}, copy
+
+
+# ---- one sealing mechanism for goldens and snapshots ---------------------------------------------------------
+
+SEALING_CALLS = ("sha256_file", "save_file", "load_file", "safe_open")
+
+
+def _sealers(files: dict[str, str]) -> set[str]:
+    """The modules (path -> source) hashing, saving or loading a tensor file themselves, or hashing a
+    manifest (json.dumps with sort_keys): what harness/inputs/sealed.py does for goldens and snapshots."""
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in SEALING_CALLS or (name == "dumps" and any(k.arg == "sort_keys" for k in node.keywords)):
+                found.add(path)
+    return found
+
+
+SEALING_COPIES = ["manifest['tensors_sha256'] = sha256_file(tmp / TENSORS)\n", "tensors = load_file(str(file))\n",
+                  "blob = json.dumps(body, sort_keys=True, separators=(',', ':')).encode()\n"]
+
+
+def test_goldens_and_snapshots_are_sealed_by_one_module_and_a_second_is_found():
+    """Goldens and snapshots are written, hashed, sealed and read back by harness/inputs/sealed.py
+    (issue 47): no golden or snapshot module saves, loads or hashes its files or its manifest itself."""
+    from harness.reference.golden import GOLDEN
+    from harness.snapshot.fields import SNAPSHOT
+
+    files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text()
+             for path in [*PACKAGE.glob("reference/golden*.py"), *PACKAGE.glob("snapshot/*.py")]}
+    assert len(files) > 10 and _sealers(files) == set()
+    assert type(GOLDEN) is type(SNAPSHOT) and GOLDEN.seal_key != SNAPSHOT.seal_key
+    for copy in SEALING_COPIES:
+        assert _sealers({"a module of snapshot": copy}) == {"a module of snapshot"}, copy
