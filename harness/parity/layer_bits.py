@@ -18,8 +18,8 @@ import torch
 from harness.base.points import layer_points
 from harness.judge.bitwise import BitwiseStage, point_bits
 from harness.judge.stage_result import Stage
+from harness.parity.layer_alone import layer_routes, port_layer_exact
 from harness.parity.port_failure import PortFailure, port_call
-from harness.reference.forcing import follow_routes
 from harness.reference.layers import ReferenceLayers
 
 # Forced on transformers' side, so not the port's arithmetic: the chosen experts' weights (its router
@@ -56,22 +56,6 @@ class LayerAtATime:
             yield self.module
         finally:
             block.to("meta")
-
-
-def port_layer_exact(module, index: int, x: torch.Tensor, per_layer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Layer `index` of the port alone on x [n, hidden] (and the per-layer inputs [n, layers, width] of
-    a model with them): one chunk of n rows at positions 0..n-1, the cache read over exactly those n
-    keys; its capture points [n, ...] fp32."""
-    n = x.shape[0]
-    module._per_layer_inputs = None if per_layer is None else per_layer[None]  # FamilyRankDecoder.run_layers reads it
-    module.reset_cache()
-    module.set_seq_ids(None)
-    module.set_kv_read(n)
-    captures: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        module.run_layers(x.to(module.dtype)[None], torch.arange(n)[None], index, index + 1, captures)
-    module.set_kv_read(None)
-    return {k: v[0].float().reshape(n, -1) for k, v in captures.items()}
 
 
 def per_layer_inputs(checkpoint, port_layers: LayerAtATime, references) -> list[torch.Tensor | None] | None:
@@ -118,7 +102,7 @@ def bitwise_layers(checkpoint, engine, references) -> BitwiseStage:
             ports = [port_layer_exact(module, i, x, p) for x, p in zip(inputs, ple)]
         runs = []
         for x, port, p in zip(inputs, ports, own):
-            routes = follow_routes(port, spec.moe.top_k).routes[i] if f"layers.{i}.expert_weights" in port else None
+            routes = layer_routes(spec, port, i)
             runs.append((port, *(reference.captures(layers[dt], i, x, dt, routes=routes, per_layer_input=p)
                                  for dt in layers)))
         for name in layer_points(i, spec=spec):

@@ -1,9 +1,9 @@
 """Each layer alone on the reference's input: the port's layer (every rank's shard, real
 collectives) and transformers' own layer in fp32 and bf16, fed the golden's input to that layer.
 
-The verdict itself is harness/judge/layers.py's, transformers' layer harness/reference/layers.py's.
-This is Polygraphy's `debug reduce` idea (feed reference intermediates to the piece under test):
-a layer that is itself wrong is told apart from error accumulated upstream. `check` uses it for
+The verdict itself is harness/judge/layers.py's, transformers' layer harness/reference/layers.py's,
+the port's layer run by harness/parity/layer_alone.py. This is Polygraphy's `debug reduce` idea
+(feed reference intermediates to the piece under test): a layer that is itself wrong is told apart from error accumulated upstream. `check` uses it for
 its local verdicts and `bisect` for its capture mode.
 """
 
@@ -20,42 +20,14 @@ from harness.judge.compare import PointResult, compare_point
 from harness.judge.verdicts import LayerResult
 from harness.judge.layers import (LayerRuns, LayerVerdict, _shifted_envelope, judge_layer_alone, judge_local_routing,
                                   stack_prompts)
-from harness.port import engine as port_engine
+from harness.parity.layer_alone import layer_routes, port_layer_captures
 from harness.parity.own_path import router_alone
-from harness.reference.forcing import follow_routes
 from harness.reference.layers import ReferenceLayers
 
 
 def _layer_input_name(index: int) -> str:
     return "embeddings" if index == 0 else f"layers.{index - 1}.output"
 
-# ---- the port's layers alone on the golden's inputs -------------------------------------------
-
-def port_layer_captures(backend, index: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Layer `index` of the port (every rank's shard, real all-reduce) alone on x [n, hidden]
-    from a reset KV cache: its three capture points, [n, hidden] fp32. It runs through the
-    decoder's own `run_layers` (the masks, rope and cache writes the whole-model forward uses), in
-    the engine's prefill chunks and positions (a backend built with buckets), so a wiring error in
-    the decoder's forward or in chunked prefill shows in the layer's local verdict too."""
-    n = x.shape[0]
-    buckets = getattr(backend, "buckets", None)
-    chunks = port_engine.chunk_plan(n, buckets, backend.max_len) if buckets else [(0, n, n)]
-
-    def step(rank):
-        module = backend.ranks[rank]
-        module.reset_cache()
-        module.set_seq_ids(None)  # one sequence in slot 0: not the slots the last batched call named
-        captures: dict[str, list[torch.Tensor]] = {}
-        for start, length, bucket in chunks:
-            rows = torch.zeros(bucket, x.shape[1], dtype=module.dtype)
-            rows[:length] = x[start:start + length].to(module.dtype)
-            chunk: dict[str, torch.Tensor] = {}
-            module.run_layers(rows[None], port_engine.chunk_positions(start, length, bucket), index, index + 1, chunk)
-            for k, v in chunk.items():
-                captures.setdefault(k, []).append(v[0, :length].float())
-        return {k: torch.cat(v) for k, v in captures.items()}
-
-    return backend.on_ranks(step)[0]
 
 def final_norm_alone(layer_backend, reference: ReferenceLayers, golden_caps: list[dict]) -> PointResult:
     """The port's final norm alone on the golden's last layer output (rank 0's norm: replicated,
@@ -113,7 +85,7 @@ def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative:
     port = [port_layer_captures(layer_backend, i, x) for x in inputs]
     ref_layers = {dt: reference.layer(i, dt) for dt in (torch.float32, torch.bfloat16)}
     moe = f"layers.{i}.expert_weights" in port[0]
-    routes = [follow_routes(caps, spec.moe.top_k).routes[i] if moe else None for caps in port]
+    routes = [layer_routes(spec, caps, i) for caps in port]
     r32 = [reference.captures(ref_layers[torch.float32], i, x, torch.float32, r) for x, r in zip(inputs, routes)]
     r16 = [reference.captures(ref_layers[torch.bfloat16], i, x, torch.bfloat16, r) for x, r in zip(inputs, routes)]
     # An MoE layer alone routes by its own input's bf16 noise: it is judged against transformers'

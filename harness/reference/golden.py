@@ -2,40 +2,30 @@
 
 A golden directory holds `manifest.json` and `tensors.safetensors`. It is written into a temp
 directory and renamed into place (nothing half written), never over an existing golden unless asked
-(and never over a directory that is not a golden): harness/reference/golden_write.py. Reading
-(here) verifies one hash over the manifest and the tensors, that the golden was made for the
-expected spec, that its prompts, tokens and tensor shapes agree, and that every value is finite.
+(and never over a directory that is not a golden): harness/reference/golden_write.py. Both are
+sealed as snapshots are (harness/inputs/sealed.py: one hash over the manifest and the tensors).
+Reading (here) verifies the seal, that the golden was made for the expected spec, that its
+prompts, tokens and tensor shapes agree, and that every value is finite.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from harness.inputs.checkpoint import sha256_file
-from harness.base.errors import GoldenError, HarnessInputError, InputFileError, not_a_file, read_json_file, read_problem
+from harness.base.errors import GoldenError, HarnessInputError, read_json_file
+from harness.inputs.sealed import SealedFormat
 from harness.reference.golden_layout import (check_no_stray_tensors, check_prompt_tensors, check_same_groups, check_tokens,
                                              inconsistent)
 from harness.reference.run import ReferenceResult
 
-FORMAT_VERSION = 2  # 2: the manifest is covered by the hash (golden_sha256)
-MANIFEST = "manifest.json"
-TENSORS = "tensors.safetensors"
-GOLDEN_FILES = (MANIFEST, TENSORS)
+# Sealed as a snapshot is (harness/inputs/sealed.py); format 2: the manifest is covered by the seal.
+GOLDEN = SealedFormat("golden", "manifest.json", "tensors.safetensors", seal_key="golden_sha256", version=2,
+                      error=GoldenError, source="a directory written by `gemma-parity reference`",
+                      fix="regenerate it with `gemma-parity reference`")
+MANIFEST, TENSORS = GOLDEN.files
 DTYPES = ("float32", "bfloat16")
-
-
-def golden_hash(manifest: dict, tensors_sha256: str) -> str:
-    """sha256 over the manifest (without this hash) and the tensor file's sha256: editing either
-    the prompts, the tokens or the tensors breaks it."""
-    body = {k: v for k, v in manifest.items() if k != "golden_sha256"}
-    blob = json.dumps(body, sort_keys=True, separators=(",", ":")).encode() + tensors_sha256.encode()
-    return hashlib.sha256(blob).hexdigest()
 
 
 def is_golden_dir(path: Path) -> bool:
@@ -87,64 +77,19 @@ class Golden:
         return runs
 
 
-def _read_manifest(path: Path) -> dict:
-    manifest_file = path / MANIFEST
-    if not path.exists():
-        raise GoldenError(f"{path}: golden directory not found; pass a directory written by `gemma-parity reference`")
-    if not path.is_dir():
-        raise GoldenError(f"{path}: not a directory; pass the golden directory written by `gemma-parity reference`")
-    if not manifest_file.is_file():
-        if not os.path.lexists(manifest_file):
-            raise GoldenError(f"{path}: no {MANIFEST}. Pass a directory written by `gemma-parity reference`.")
-        raise GoldenError(f"{manifest_file}: {not_a_file(manifest_file)}, not the golden's manifest file; pass a "
-                          "directory written by `gemma-parity reference`")
-    manifest = read_json_file(manifest_file, "golden manifest", GoldenError,
-                              "the golden is corrupted, regenerate it with `gemma-parity reference`")
-    if not isinstance(manifest, dict):
-        raise GoldenError(f"{manifest_file}: not a golden manifest (a JSON object); regenerate the golden")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise GoldenError(f"{manifest_file}: format_version {manifest.get('format_version')!r}, this harness "
-                          f"reads {FORMAT_VERSION} (whose manifest is covered by the hash); regenerate the "
-                          "golden with `gemma-parity reference`")
-    return manifest
-
-
-def _verify_hashes(path: Path, manifest: dict) -> Path:
-    tensor_file = path / TENSORS
-    if not tensor_file.is_file():
-        raise GoldenError(f"{tensor_file}: {not_a_file(tensor_file)}, not the golden's tensor file; the golden is "
-                          "incomplete or damaged: regenerate it")
-    try:
-        actual = sha256_file(tensor_file)
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, tensor_file, "golden tensor file")) from None
-    if actual != manifest.get("tensors_sha256"):
-        raise GoldenError(f"{tensor_file}: sha256 {actual[:12]}… does not match the manifest's "
-                          f"{str(manifest.get('tensors_sha256'))[:12]}…: the golden is corrupted or was "
-                          "edited; regenerate it with `gemma-parity reference`")
-    if manifest.get("golden_sha256") != golden_hash(manifest, actual):
-        raise GoldenError(f"{path / MANIFEST}: its contents do not match its golden_sha256: the manifest "
-                          "(prompts, tokens or provenance) was edited or corrupted; regenerate the golden "
-                          "with `gemma-parity reference`")
-    return tensor_file
-
-
 def read_golden(path, expected_spec=None) -> Golden:
     """Read and verify a golden: hashes over manifest and tensors, the spec it was made for, its
     internal consistency (prompts, tokens and tensor shapes agree) and finite values."""
     path = Path(path)
-    manifest = _read_manifest(path)
-    tensor_file = _verify_hashes(path, manifest)
+    manifest = GOLDEN.read_manifest(path)
+    tensor_file = GOLDEN.check_seal(path, manifest)
     if expected_spec is not None and manifest.get("spec_hash") != expected_spec.spec_hash():
         raise GoldenError(
             f"{path / MANIFEST}: golden was made for spec {manifest.get('spec_hash')}, but the checkpoint "
             f"resolves to spec {expected_spec.spec_hash()} ({expected_spec.source}). A golden only "
             "compares against the same model architecture; regenerate it for this config."
         )
-    try:
-        tensors = load_file(str(tensor_file))
-    except Exception as exc:
-        raise GoldenError(f"{tensor_file}: cannot be read as safetensors ({exc}); regenerate the golden") from None
+    tensors = GOLDEN.load(tensor_file, manifest)
     _check_consistency(path, manifest, tensors, expected_spec)
     _finite_or_refuse(tensors, tensor_file)
     return Golden(path, manifest, tensors)

@@ -1,24 +1,18 @@
 """Writing a golden (the format harness/reference/golden.py reads): the references run for the
 prompts, their tensors and manifest written into a temp directory, checked complete on disk, sealed
-by the golden's hash and renamed into place, never over anything but a golden this tool wrote."""
+(harness/inputs/sealed.py) and renamed into place, never over anything but a golden this tool wrote."""
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from harness.base.atomic import atomic_directory
-from harness.base.errors import GoldenError, OutputError, os_problem, wrapped_os_error
-from harness.inputs.checkpoint import sha256_file
-from harness.reference.golden import (FORMAT_VERSION, GOLDEN_FILES, MANIFEST, TENSORS, _finite_or_refuse, golden_hash,
-                                      is_golden_dir)
+from harness.base.errors import GoldenError
+from harness.reference.golden import GOLDEN, MANIFEST, _finite_or_refuse, is_golden_dir
 from harness.reference.run import ReferenceResult
 
 
@@ -43,7 +37,7 @@ def check_replaceable(out_dir, overwrite: bool) -> None:
         raise GoldenError(f"{out_dir}: --overwrite replaces only a golden written by `gemma-parity "
                           f"reference`, and this directory is not one (no golden {MANIFEST}); nothing was "
                           "touched. Choose a new --out directory.")
-    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in GOLDEN_FILES)
+    foreign = sorted(p.name for p in out_dir.iterdir() if p.name not in GOLDEN.files)
     if foreign:
         raise GoldenError(f"{out_dir}: holds files that are not part of the golden ({', '.join(foreign[:5])}); "
                           "--overwrite would delete them, so nothing was touched. Move them away or "
@@ -70,7 +64,7 @@ def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_t
             tensors[f"{dtype}.p{k}.step_logits"] = r.step_logits.float().contiguous()
     _finite_or_refuse(tensors, "the reference")
     manifest = {
-        "format_version": FORMAT_VERSION,
+        "format_version": GOLDEN.version,
         "spec_hash": spec.spec_hash(),
         "num_layers": spec.num_layers,
         "checkpoint": {"path": str(checkpoint_path), "files": checkpoint_hashes or {}},
@@ -83,48 +77,8 @@ def write_golden(out_dir, spec, results: dict[str, list[ReferenceResult]], new_t
     if provenance is not None:
         manifest["provenance"] = provenance
     with atomic_directory(out_dir, replace=overwrite, final=True) as tmp:  # the commit point of `reference`
-        _save_tensors(tensors, tmp / TENSORS, out_dir)
-        _verify_written(tmp / TENSORS, tensors, out_dir)
-        manifest["tensors_sha256"] = sha256_file(tmp / TENSORS)
-        manifest["golden_sha256"] = golden_hash(manifest, manifest["tensors_sha256"])
-        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-            f.write(json.dumps(manifest, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        GOLDEN.write(tmp, manifest, tensors, out_dir)
     return out_dir
-
-
-def _save_tensors(tensors: dict[str, torch.Tensor], file: Path, out_dir: Path) -> None:
-    """save_file, with a write error (a full disk) reported as one about the user's --out."""
-    try:
-        save_file(tensors, str(file))
-    except Exception as exc:  # safetensors raises its own error type for I/O failures
-        os_error = wrapped_os_error(exc)
-        if os_error is None:
-            raise
-        raise OutputError(os_problem(os_error, out_dir)) from None
-
-
-def _verify_written(file: Path, tensors: dict[str, torch.Tensor], out_dir: Path) -> None:
-    """The tensor file holds every tensor and is as long as its header says (a write that lost
-    data without an error, as on a full disk, is caught here rather than when the golden is read)."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            keys = set(f.keys())
-        with open(file, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            os.fsync(f.fileno())
-    except Exception as exc:
-        if isinstance(exc, OSError):
-            raise OutputError(os_problem(exc, out_dir)) from None
-        raise OutputError(f"{out_dir}: the golden's tensors could not be written completely ({exc}); "
-                          "check free disk space and write permission, then run again") from None
-    data = sum(t.numel() * t.element_size() for t in tensors.values())
-    if keys != set(tensors) or size != 8 + header_len + data:
-        raise OutputError(f"{out_dir}: the golden's tensors were written incompletely ({size} bytes); "
-                          "the disk may be full: free some space and run again")
 
 
 @dataclass

@@ -8,7 +8,7 @@ What is recorded (beside the layer's weights, weights.r0.*, as a TP 1 snapshot h
   bits.per_layer_input [n, P] bf16   the layer's per-layer input (the family's PLE models), fed to both sides
   bits.ref16.{point} bf16, bits.ref32.{point} fp32   transformers' layer in bf16 and fp32 on that input
 for the first prompt where the failing point departs (n: its rows, one chunk). The replay runs the
-port's layer the way the stage did (layer_bits.port_layer_exact through LayerAtATime, TP 1, bf16, on
+port's layer the way the stage did (layer_alone.port_layer_exact through LayerAtATime, TP 1, bf16, on
 cpu) and judges it as the stage does (point_bits, BitwiseStage's gate and its DEPARTURE_LIMIT).
 """
 
@@ -21,7 +21,8 @@ import torch
 from harness.base.errors import OptionError
 from harness.base.points import layer_points
 from harness.judge.bitwise import DEPARTURE_LIMIT, BitwiseStage, point_bits
-from harness.parity.layer_bits import NOT_COMPARED, LayerAtATime, per_layer_inputs, port_layer_exact
+from harness.parity.layer_alone import layer_routes, port_layer_exact
+from harness.parity.layer_bits import NOT_COMPARED, LayerAtATime, per_layer_inputs
 from harness.snapshot.record import input_point, rank_layer_weights
 
 STAGE = BitwiseStage.stage
@@ -53,7 +54,6 @@ def record_bits(checkpoint, target, observation, prompt: int | None = None):
     """(the target with its prompt, rows and departing share, the snapshot's tensors): the first
     prompt where the target's point departs (`prompt`: that prompt, departing or not: a control),
     run again on both sides as the stage ran it."""
-    from harness.reference.forcing import follow_routes
     from harness.reference.layers import ReferenceLayers
 
     spec, i, refs = checkpoint.spec, target.layer, observation.ref32
@@ -71,7 +71,7 @@ def record_bits(checkpoint, target, observation, prompt: int | None = None):
         x = golden.to(torch.bfloat16)
         own = ple[index][:, i] if ple[index] is not None else None
         port = port_layer(checkpoint, i, x, own)
-        routes = follow_routes(port, spec.moe.top_k).routes[i] if f"layers.{i}.expert_weights" in port else None
+        routes = layer_routes(spec, port, i)
         r16, r32 = (reference.captures(layers[dt], i, golden, dt, routes=routes, per_layer_input=own)
                     for dt in (torch.bfloat16, torch.float32))
         found = point_bits(target.point, port[target.point], r16[target.point], r32[target.point])

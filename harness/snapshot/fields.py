@@ -1,16 +1,29 @@
-"""The snapshot manifest's fields and its tensors' kinds, validated before any model work.
+"""The snapshot's format: its two files, sealed as goldens are (harness/inputs/sealed.py), and its
+manifest's fields and tensors' kinds, validated before any model work.
 
 The seal proves that the files are the ones the manifest lists; it says nothing of what the
 manifest holds, so a snapshot edited and resealed (by hand or by a tool that knows the format) is
 read field by field here: each field the replay uses has its type and range, each tensor the
-replay feeds or judges is present with its dtype and rank. A bad one is named (exit 2, through
-harness.snapshot.read's SnapshotError), never left to crash the replay."""
+replay feeds or judges is present with its dtype and rank. A bad one is named (exit 2: SnapshotError,
+raised by harness.snapshot.read), never left to crash the replay."""
 
 from __future__ import annotations
 
 import torch
 
+from harness.base.errors import HarnessInputError
 from harness.base.settings import QUANTIZE_CHOICES, SLIDING_CACHES, dtype_name
+from harness.inputs.sealed import SealedFormat
+
+
+class SnapshotError(HarnessInputError):
+    """A snapshot that cannot be trusted: refused before any model work (exit 2)."""
+
+
+FIX = "write the snapshot again with `check --snapshot DIR` or `bisect --snapshot DIR`"
+SNAPSHOT = SealedFormat("snapshot", "snapshot.json", "snapshot.safetensors", seal_key="snapshot_sha256", version=1,
+                        error=SnapshotError, source="a directory written by --snapshot", fix=FIX, kind="gemma-parity device-call snapshot",
+                        indent=1, digests=True)
 
 
 class FieldProblem(ValueError):

@@ -1,5 +1,5 @@
 """The HLO bundle of a snapshot's or repro's failing layer call (harness/bundle; docs/snapshot.md): the
-repro's layer host of each rank (harness/snapshot/repro_host.py) run through the engine's calls of the
+repro's layer host of each rank (harness/snapshot/traced_layer.py) run through the engine's calls of the
 prompt on the host (each rank's KV cache carried from call to call, each all-reduce given the ranks'
 true fp32 sum, as repro.py does), then the failing call of each rank lowered by torch-xla: one module
 per rank, its all-reduces cut at the rank's edge (the partial an output, the true sum an input), so each
@@ -44,7 +44,7 @@ def _method(host, read_len: int):
 def rank_inputs(hosts, calls) -> list[dict[str, torch.Tensor]]:
     """Each rank's inputs to the last call: its rows, positions, per-layer inputs, the KV cache the
     earlier calls left, and every all-reduce's true sum (fp32, rank order, cast back)."""
-    from harness.snapshot.repro_host import host_cache
+    from harness.snapshot.traced_layer import host_cache
 
     caches = [host_cache(h) for h in hosts]
     n = len(hosts[0].parts)

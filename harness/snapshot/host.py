@@ -102,10 +102,6 @@ def host_target_fields(result, settings) -> dict | None:
     return dict(point="sequence", ratio=1.0, prompt=detail, position=n, start=n, length=want, bucket=1, **common)
 
 
-def find_stage(result, target):
-    return result.judged(target.stage)
-
-
 def record_host(checkpoint, settings, target, stage) -> tuple[object, dict[str, torch.Tensor]]:
     """(the target, as recorded, and every host.* tensor of its kind: module docstring)."""
     if target.host == "raises":

@@ -20,9 +20,9 @@ from harness.judge.tokens import tie_threshold
 def host_repro_inputs(result, checkpoint, settings, target) -> tuple[dict, dict]:
     """The repro's tensors and metadata for the target's step (harness.snapshot.host, or the head),
     which harness.snapshot.repro saves with fixtures/repro/host_repro.py as its script."""
-    from harness.snapshot.host import find_stage, record_host
+    from harness.snapshot.host import record_host
 
-    stage = find_stage(result, target)
+    stage = result.judged(target.stage)
     spec = checkpoint.spec
     if target.host is None:
         tensors, meta = _head(checkpoint, settings, target, stage)

@@ -1,10 +1,10 @@
-"""Reading a snapshot, validated like a golden before any model work: the manifest's kind and
-format, the tensor file's sha256 (a truncated or edited file), the seal over manifest and tensors
-(an edited manifest), every tensor's own recorded digest, dtype and shape (a file edited and
-resealed), the call's rows consistent across inputs and outputs; then, against the checkpoint the
-replay runs, its identity (another checkpoint) and the stored weights against that checkpoint's
-layer (another layer's weights). Every refusal is a SnapshotError (exit 2) naming the file and
-the problem."""
+"""Reading a snapshot, validated before any model work: its sealed files read as a golden's are
+(harness/inputs/sealed.py: the manifest's kind and format, the tensor file's sha256, the seal over
+manifest and tensors, every tensor's own recorded digest and shape), its fields
+(harness/snapshot/fields.py), the call's rows consistent across inputs and outputs; then, against
+the checkpoint the replay runs, its identity (another checkpoint) and the stored weights against
+that checkpoint's layer (another layer's weights). Every refusal is a SnapshotError (exit 2) naming
+the file and the problem."""
 
 from __future__ import annotations
 
@@ -14,15 +14,7 @@ from pathlib import Path
 
 import torch
 
-from harness.base.errors import HarnessInputError, InputFileError, not_a_file, read_json_file, read_problem
-from harness.inputs.checkpoint import sha256_file
-from harness.snapshot.write import FORMAT_VERSION, KIND, MANIFEST, SEAL, TENSORS, seal, tensor_digest
-
-FIX = "write the snapshot again with `check --snapshot DIR` or `bisect --snapshot DIR`"
-
-
-class SnapshotError(HarnessInputError):
-    """A snapshot that cannot be trusted: refused before any model work (exit 2)."""
+from harness.snapshot.fields import FIX, SNAPSHOT, FieldProblem, SnapshotError, check_manifest, check_tensors
 
 
 @dataclass
@@ -67,64 +59,6 @@ class Snapshot:
         return settings.but(**changes)
 
 
-def _manifest(path: Path) -> dict:
-    if not path.is_dir():
-        what = not_a_file(path)  # what is there: not found, a dangling link, a link loop, a pipe...
-        raise SnapshotError(f"{path}: {'not a directory' if what == 'is not a regular file' else what}; pass a "
-                            f"directory written by --snapshot")
-    file = path / MANIFEST
-    if not file.is_file():
-        what = not_a_file(file)
-        raise SnapshotError(f"{path}: no {MANIFEST}, so not a snapshot; {FIX}" if what == "not found" else
-                            f"{file}: {what}, not the snapshot's manifest; {FIX}")
-    manifest = read_json_file(file, "snapshot manifest", SnapshotError, FIX)
-    if not isinstance(manifest, dict) or manifest.get("kind") != KIND:
-        raise SnapshotError(f"{file}: not a snapshot manifest (kind {KIND!r}); {FIX}")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise SnapshotError(f"{file}: format_version {manifest.get('format_version')!r}, this harness reads "
-                            f"{FORMAT_VERSION}; {FIX}")
-    return manifest
-
-
-def _hashes(path: Path, manifest: dict) -> Path:
-    file = path / TENSORS
-    if not file.is_file():
-        what = not_a_file(file)
-        raise SnapshotError(f"{file}: {'missing' if what == 'not found' else what}; the snapshot is incomplete: {FIX}")
-    try:
-        actual = sha256_file(file)
-    except OSError as exc:
-        raise InputFileError(read_problem(exc, file, "snapshot tensor file")) from None
-    if actual != manifest.get("tensors_sha256"):
-        raise SnapshotError(f"{file}: sha256 {actual[:12]}… is not the manifest's "
-                            f"{str(manifest.get('tensors_sha256'))[:12]}…: truncated, corrupted or edited; {FIX}")
-    if manifest.get(SEAL) != seal(manifest, actual):
-        raise SnapshotError(f"{path / MANIFEST}: its contents do not match its {SEAL}: the manifest was edited "
-                            f"or corrupted; {FIX}")
-    return file
-
-
-def _tensors(file: Path, manifest: dict) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        tensors = load_file(str(file))
-    except Exception as exc:
-        raise SnapshotError(f"{file}: cannot be read as safetensors ({exc}); {FIX}") from None
-    recorded = manifest.get("tensors")
-    if not isinstance(recorded, dict) or set(recorded) != set(tensors):
-        extra = sorted(set(tensors) ^ set(recorded or {}))[:3]
-        raise SnapshotError(f"{file}: holds other tensors than its manifest lists ({', '.join(extra)}): resealed "
-                            f"after an edit; {FIX}")
-    for name, t in tensors.items():
-        entry = recorded[name]
-        if list(t.shape) != entry.get("shape") or tensor_digest(t) != entry.get("sha256"):
-            raise SnapshotError(f"{file}: tensor {name} {list(t.shape)} is not the one recorded (shape "
-                                f"{entry.get('shape')}, sha256 {str(entry.get('sha256'))[:12]}…): the file was "
-                                f"edited and resealed; {FIX}")
-    return tensors
-
-
 def _consistent(path: Path, manifest: dict, tensors: dict) -> None:
     target = manifest.get("target") or {}
     n = target.get("length")
@@ -149,16 +83,15 @@ def _consistent(path: Path, manifest: dict, tensors: dict) -> None:
 def read_snapshot(path) -> Snapshot:
     """A snapshot verified by itself (hashes, seal, every tensor, consistency)."""
     path = Path(path)
-    from harness.snapshot.fields import FieldProblem, check_manifest, check_tensors
-
-    manifest = _manifest(path)
-    file = _hashes(path, manifest)
+    manifest = SNAPSHOT.read_manifest(path)
+    file = SNAPSHOT.check_seal(path, manifest)
     try:  # the seal holds; what the manifest says must hold too (edited and resealed)
         check_manifest(manifest)
-        tensors = _tensors(file, manifest)
+        tensors = SNAPSHOT.load(file, manifest)
         check_tensors(manifest, tensors)
     except FieldProblem as exc:
-        raise SnapshotError(f"{path / MANIFEST}: {exc}: not what a snapshot holds (edited and resealed?); {FIX}") from None
+        raise SnapshotError(f"{path / SNAPSHOT.manifest}: {exc}: not what a snapshot holds (edited and resealed?); "
+                            f"{FIX}") from None
     _consistent(path, manifest, tensors)
     return Snapshot(path, manifest, tensors)
 
@@ -186,7 +119,7 @@ def check_checkpoint(snap: Snapshot, checkpoint) -> None:
         if problem:
             raise SnapshotError(f"{snap.path}: {problem} ({checkpoint.path}); {FIX}")
         return
-    from harness.snapshot.fields import FieldProblem, check_judged
+    from harness.snapshot.fields import check_judged
     from harness.snapshot.record import judged_points
     from harness.snapshot.target import BITS_STAGE
 

@@ -6,7 +6,7 @@ Whole: the call as recorded (inputs, positions, the KV rows it reads) through th
 parity build; the snapshot's layer points and final norm judged. Where the recorded KV rows cannot
 be loaded (a compiled backend, another TP degree), the engine's earlier calls of the prompt, also
 recorded, run first and build the cache on that backend. Layer: the layer alone (its
-ranks, real collectives, the decoder's own run_layers) on the stage reference's input to it, with
+ranks, real collectives, harness.parity.layer_alone) on the stage reference's input to it, with
 the recorded KV rows; only where ranks live on the host (cpu) and the layer runs alone
 (harness.inputs.family.runs_alone). Several backends name whose failure it is: shown by every
 backend, the port's; shown by a compiled backend and not by cpu, that backend's compilation or
@@ -164,25 +164,16 @@ def replay_whole(engine, snap) -> dict[str, torch.Tensor]:
 
 
 def replay_layer(engine, snap) -> dict[str, torch.Tensor]:
-    backend, i = engine.backend, snap.layer
-    _load_layer_weights(backend, snap)
-    t, n = snap.tensors, snap.target["length"]
-    positions = t["call.positions"]
+    """The layer alone on every rank over the recorded cache rows (harness.parity.layer_alone)."""
+    from harness.parity.layer_alone import port_layer_on_cache
 
+    backend = engine.backend
+    _load_layer_weights(backend, snap)
     backend.reset()
     if snap.kv(0):
         _load_kv(backend, snap)  # the recorded rows: the layer's attention reads them
-
-    def step(rank):
-        module = backend.ranks[rank]
-        module.set_kv_read(None)
-        rows = torch.zeros(positions.shape[1], t["ref.input"].shape[1], dtype=module.dtype)
-        rows[:n] = t["ref.input"].to(module.dtype)
-        captures: dict[str, torch.Tensor] = {}
-        module.run_layers(rows[None], positions, i, i + 1, captures)
-        return {k: v[0, :n].float() for k, v in captures.items()}
-
-    return backend.on_ranks(step)[0]
+    t = snap.tensors
+    return port_layer_on_cache(backend, snap.layer, t["ref.input"], t["call.positions"])
 
 
 def replay(snap, checkpoint, backend_name: str, tp: int | None = None, mode: str = "whole") -> BackendReplay:

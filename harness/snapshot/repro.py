@@ -1,7 +1,7 @@
 """Emitting a standalone repro of the first failing layer (`bisect --emit-repro DIR`): repro.py
 (fixtures/repro/repro.py, a script of its own: it imports torch and safetensors only, and
 torch-neuronx when asked), repro.safetensors and port_rank{r}.pt (the port's own layer per rank of
-the run's TP plan, traced once per device call: harness.snapshot.repro_host).
+the run's TP plan, traced once per device call: harness.snapshot.traced_layer).
 
 The calls are the engine's own (harness.snapshot.calls): every call of the target prompt up to the
 failing one (its earlier prefill chunks, and for a decode step the prefill and the teacher-forced
@@ -78,7 +78,7 @@ def repro_inputs(checkpoint, settings, target, obs) -> tuple[dict, list[dict], l
     """The script's tensors, each call's inputs (for tracing) and the hosted layers."""
     from harness.port import graphs
 
-    from harness.snapshot.repro_host import port_source
+    from harness.snapshot.traced_layer import port_source
 
     spec, i = checkpoint.spec, target.layer
     source = spec.layers[i].kv_source  # the plain reading's: the model's own
@@ -148,7 +148,7 @@ def emit_repro(result, checkpoint, settings, out_dir, say=print) -> Path:
 def write_repro(checkpoint, run, target, observation, out_dir, say=print) -> Path:
     """The repro of `target`'s call (harness.snapshot.target.Target) from the stage `observation`
     its port ran with settings `run`: planned, then written atomically into `out_dir`."""
-    from harness.snapshot.repro_host import host_cache, rank_hosts, trace_rank
+    from harness.snapshot.traced_layer import host_cache, rank_hosts, trace_rank
 
     tensors, calls, hosted = repro_inputs(checkpoint, run, target, observation)
     parts = [name.rsplit(".", 1)[1] for name in layer_points(target.layer, spec=checkpoint.spec)]
@@ -221,12 +221,12 @@ def traced_bytes(traced) -> bytes:
 
 def write_bits_repro(checkpoint, settings, target, observation, out_dir, say=print, prompt: int | None = None) -> Path:
     """The repro of a bit-exact target (harness.snapshot.bits): the port's layer alone traced at TP 1
-    in bf16 on the one chunk of the prompt's rows (harness.snapshot.repro_host), the recorded input,
+    in bf16 on the one chunk of the prompt's rows (harness.snapshot.traced_layer), the recorded input,
     transformers' bf16 outputs and the stage's departure limit; the script compares bit for bit.
     `prompt`: that prompt's rows (a control), else the first where the target's point departs."""
     from harness.judge.bitwise import DEPARTURE_LIMIT
     from harness.snapshot.bits import bits_settings, record_bits
-    from harness.snapshot.repro_host import host_cache, rank_hosts, trace_rank
+    from harness.snapshot.traced_layer import host_cache, rank_hosts, trace_rank
 
     target, recorded = record_bits(checkpoint, target, observation, prompt)
     i, n, spec = target.layer, target.length, checkpoint.spec
@@ -259,7 +259,7 @@ def snapshot_bundles(result, checkpoint, settings, out_dir, say=print) -> list:
     """`check --snapshot DIR`'s HLO bundles (harness/snapshot/hlo_bundle.py) of the call it snapshotted:
     the repro's layer hosts and the engine's calls, rebuilt; none for a host step or a bit-exact stage."""
     from harness.snapshot.hlo_bundle import maybe_write, write_layer_bundles
-    from harness.snapshot.repro_host import rank_hosts
+    from harness.snapshot.traced_layer import rank_hosts
     from harness.snapshot.target import BITS_STAGE, choose_target, stage_settings
 
     target = choose_target(result, settings)

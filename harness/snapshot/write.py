@@ -1,13 +1,12 @@
 """Writing a snapshot: a plan line naming its size before anything is written, then the tensors and
 the manifest into a temp directory renamed into place (harness.base.atomic: nothing half written
-after an error or a signal), the tensor file checked complete, and one seal over the manifest and
-the tensors' hash, as goldens are sealed (harness.reference.golden)."""
+after an error or a signal), sealed as goldens are (harness/inputs/sealed.py: the tensor file
+checked complete, one seal over the manifest and the tensors' hash)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -16,29 +15,11 @@ import torch
 from harness.base.atomic import atomic_directory
 from harness.base.errors import OutputError
 from harness.base.provenance import package_versions
-from harness.inputs.checkpoint import sha256_file
 from harness.inputs.family import runs_alone
+from harness.inputs.sealed import tensor_digest, tensor_entries
+from harness.snapshot.fields import SNAPSHOT
 
-FORMAT_VERSION = 1
-KIND = "gemma-parity device-call snapshot"
-MANIFEST = "snapshot.json"
-TENSORS = "snapshot.safetensors"
-SEAL = "snapshot_sha256"
 SEALING_BYTES = 256  # what sealing adds to the manifest: tensors_sha256 and the seal (64 hex each), keys
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (any dtype), with its dtype and shape."""
-    head = f"{t.dtype}{tuple(t.shape)}".encode()
-    # flattened first: the same bytes, and a 0-d tensor (which cannot be viewed as bytes) digests too
-    return hashlib.sha256(head + t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def seal(manifest: dict, tensors_sha256: str) -> str:
-    """One hash over the manifest (without the seal) and the tensor file's sha256."""
-    body = {k: v for k, v in manifest.items() if k != SEAL}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-                          + tensors_sha256.encode()).hexdigest()
 
 
 def planned_bytes(tensors: dict[str, torch.Tensor], manifest: dict) -> int:
@@ -52,7 +33,7 @@ def planned_bytes(tensors: dict[str, torch.Tensor], manifest: dict) -> int:
         offset += size
     header_bytes = 8 + len(json.dumps(header, separators=(",", ":"))) + 8  # length prefix, padding
     planned = dict(manifest, planned_bytes=10 ** 12)  # the number's width: at most 13 digits
-    return data + header_bytes + len(json.dumps(planned, indent=1)) + SEALING_BYTES
+    return data + header_bytes + len(json.dumps(planned, indent=SNAPSHOT.indent)) + SEALING_BYTES
 
 
 def directory_bytes(path) -> int:
@@ -96,7 +77,7 @@ def make_manifest(checkpoint, settings, target, tensors: dict[str, torch.Tensor]
     """Everything but the tensors: what the call is, how it was built, where it came from."""
     spec = checkpoint.spec
     return {
-        "format_version": FORMAT_VERSION, "kind": KIND, "source": source,
+        "format_version": SNAPSHOT.version, "kind": SNAPSHOT.kind, "source": source,
         "target": target.to_json(),
         "settings": settings_record(settings),
         "spec_hash": spec.spec_hash(), "num_layers": spec.num_layers,
@@ -107,8 +88,7 @@ def make_manifest(checkpoint, settings, target, tensors: dict[str, torch.Tensor]
         "layer_weights_sha256": layer_weights_digest(tensors),
         "versions": package_versions(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "tensors": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                           "sha256": tensor_digest(t)} for name, t in sorted(tensors.items())},
+        "tensors": tensor_entries(tensors),
     }
 
 
@@ -124,11 +104,7 @@ def plan_line(out_dir, target, nbytes: int, count: int) -> str:
 
 def write_snapshot(out_dir, checkpoint, settings, target, tensors: dict[str, torch.Tensor], source: str,
                    say=print, extra: dict | None = None) -> dict:
-    """Plan (printed through `say`), write, verify: the manifest as written (with `extra`'s keys)."""
-    from safetensors.torch import save_file
-
-    from harness.reference.golden_write import _verify_written
-
+    """Plan (printed through `say`), write, seal: the manifest as written (with `extra`'s keys)."""
     out_dir = Path(out_dir)
     refuse_existing(out_dir, "--snapshot")
     manifest = make_manifest(checkpoint, settings, target, tensors, source=source)
@@ -137,18 +113,7 @@ def write_snapshot(out_dir, checkpoint, settings, target, tensors: dict[str, tor
     say(plan_line(out_dir, target, nbytes, len(tensors)))
     manifest["planned_bytes"] = nbytes
     with atomic_directory(out_dir, final=True) as tmp:  # a signal after its rename: held, the run ends (commit_point)
-        try:
-            save_file(tensors, str(tmp / TENSORS))
-        except Exception as exc:  # safetensors' own error type for I/O failures
-            raise OutputError(f"{out_dir}: the snapshot's tensors could not be written ({exc})") from None
-        _verify_written(tmp / TENSORS, tensors, out_dir)
-        manifest["tensors_sha256"] = sha256_file(tmp / TENSORS)
-        manifest[SEAL] = seal(manifest, manifest["tensors_sha256"])
-        with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-            f.write(json.dumps(manifest, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    return manifest
+        return SNAPSHOT.write(tmp, manifest, tensors, out_dir)
 
 
 def snapshot_check(result, checkpoint, settings, out_dir, source: str, say=print) -> dict:

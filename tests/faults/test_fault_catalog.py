@@ -164,7 +164,7 @@ def test_local_verdict_runs_the_decoders_own_wiring(monkeypatch, tiny0_ckpt, tin
     port's layer equals transformers' to rounding and the faulty one does not."""
     from harness.backends import build_engine
     from harness.judge.compare import rel_l2
-    from harness.parity.local import port_layer_captures
+    from harness.parity.layer_alone import port_layer_captures
     from tests.faults.catalog import BY_NAME
 
     ref = tiny0_reference["float32"][2]  # 40 tokens, past the window of 16

@@ -131,7 +131,7 @@ def rehash_golden(golden: Path, edit_manifest=None, edit_tensors=None) -> Path:
     """Edit a golden and recompute its hashes, as someone forging a consistent-looking golden
     would: what is left to catch it is the consistency and finiteness checks."""
     from harness.inputs.checkpoint import sha256_file
-    from harness.reference.golden import MANIFEST, TENSORS, golden_hash
+    from harness.reference.golden import GOLDEN, MANIFEST, TENSORS
 
     manifest = json.loads((golden / MANIFEST).read_text())
     if edit_tensors:
@@ -141,7 +141,7 @@ def rehash_golden(golden: Path, edit_manifest=None, edit_tensors=None) -> Path:
     if edit_manifest:
         edit_manifest(manifest)
     manifest["tensors_sha256"] = sha256_file(golden / TENSORS)
-    manifest["golden_sha256"] = golden_hash(manifest, manifest["tensors_sha256"])
+    manifest["golden_sha256"] = GOLDEN.seal(manifest, manifest["tensors_sha256"])
     (golden / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return golden
 

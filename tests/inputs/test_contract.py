@@ -88,16 +88,16 @@ def test_a_full_disk_while_writing_a_golden_or_the_cache_is_exit_2_with_nothing_
     """ENOSPC in each writer of big files (safetensors' own error type included): exit 2 naming
     the user's location and that the disk is full, no traceback, and no partial file or temp
     directory left behind."""
-    import harness.reference.golden_write
+    import harness.inputs.sealed
 
     prompts = tmp_path / "p.json"
     prompts.write_text("[[5, 6, 7]]")
     out = tmp_path / "golden"
     argv = ["reference", "--model", "tiny", "--prompts", prompts, "--new-tokens", 1, "--out", out]
     if where == "golden-tensors":
-        monkeypatch.setattr(harness.reference.golden_write, "save_file", _tensors_disk_full)
+        monkeypatch.setattr(harness.inputs.sealed, "save_file", _tensors_disk_full)
     elif where == "golden-manifest":
-        monkeypatch.setattr(harness.reference.golden_write.os, "fsync", _manifest_disk_full)
+        monkeypatch.setattr(harness.inputs.sealed.os, "fsync", _manifest_disk_full)
     else:
         monkeypatch.setenv("GEMMA_PARITY_CACHE", str(tmp_path / "cache"))
         monkeypatch.setattr("transformers.modeling_utils.safe_save_file", _tensors_disk_full)

@@ -148,10 +148,10 @@ def _ctrl_c_then(original):
 
 @pytest.mark.slow  # a reference run (~3 CPU-s); the default lane's sibling is the swap case below
 def test_ctrl_c_before_the_commit_point_keeps_the_previous_golden_whole(tiny0_dir, old_golden, monkeypatch, capsys):
-    from harness.reference import golden_write
+    from harness.inputs import sealed
 
     out, before, _ = old_golden
-    monkeypatch.setattr(golden_write, "_save_tensors", _ctrl_c_then(golden_write._save_tensors))
+    monkeypatch.setattr(sealed, "save_file", _ctrl_c_then(sealed.save_file))
     handler = signal.getsignal(signal.SIGINT)
     code, _, err = _run(capsys, *_overwrite(tiny0_dir, old_golden))
     assert code == 130 and "interrupted; nothing half written was kept" in err

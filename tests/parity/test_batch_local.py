@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.parity.local import port_layer_captures
+from harness.parity.layer_alone import port_layer_captures
 from harness.port.decode import generate
 from tests.parity.batch_support import batch_engine, random_prompts
 

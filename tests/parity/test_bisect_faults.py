@@ -19,7 +19,7 @@ from harness.inputs.checkpoint import Checkpoint
 from harness.parity.bisect import run_bisect
 from harness.parity.local import intra_op_threads_for
 from harness.port import model as port_model
-from harness.reference.golden import golden_hash, read_golden
+from harness.reference.golden import GOLDEN, read_golden
 from harness.reference.golden_write import write_golden
 from harness.reference.run import run_reference
 from harness.report.formats import format_bisect
@@ -235,7 +235,7 @@ def test_golden_of_another_spec_is_bad_input(tmp_path, golden_dir, tiny0_dir, ca
     manifest = json.loads((other / "manifest.json").read_text())
     manifest["spec_hash"] = "0" * 16
     # re-sealed, so that the spec check (not the manifest hash) is what refuses it
-    manifest["golden_sha256"] = golden_hash(manifest, manifest["tensors_sha256"])
+    manifest["golden_sha256"] = GOLDEN.seal(manifest, manifest["tensors_sha256"])
     (other / "manifest.json").write_text(json.dumps(manifest))
     assert main(["bisect", "--golden", str(other), "--checkpoint", str(tiny0_dir)]) == EXIT_BAD_INPUT
     assert "golden was made for spec 0000000000000000" in capsys.readouterr().err

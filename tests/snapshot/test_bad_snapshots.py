@@ -22,7 +22,11 @@ from harness.inputs.checkpoint import sha256_file
 from harness.snapshot.record import rank_layer_weights, record_call
 from harness.snapshot.target import Target
 from tests.snapshot.support import observation
-from harness.snapshot.write import MANIFEST, SEAL, TENSORS, layer_weights_digest, seal, tensor_digest, write_snapshot
+from harness.inputs.sealed import tensor_digest
+from harness.snapshot.fields import SNAPSHOT
+from harness.snapshot.write import layer_weights_digest, write_snapshot
+
+MANIFEST, TENSORS = SNAPSHOT.files
 
 SETTINGS = RunSettings(buckets=(64, 256), kv_len=288)
 LAYER, OTHER = 1, 2  # two sliding layers of the tiny 12B: same shapes, other weights
@@ -52,7 +56,7 @@ def reseal(path: Path, tensors: dict, digests: bool) -> None:
             manifest["tensors"][name]["sha256"] = tensor_digest(t)
         manifest["layer_weights_sha256"] = layer_weights_digest(tensors)
     manifest["tensors_sha256"] = sha256_file(path / TENSORS)
-    manifest[SEAL] = seal(manifest, manifest["tensors_sha256"])
+    manifest[SNAPSHOT.seal_key] = SNAPSHOT.seal(manifest, manifest["tensors_sha256"])
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -94,7 +98,7 @@ def other_checkpoint(path, ckpt, tmp):
 CASES = {
     "truncated": (truncated, "truncated, corrupted or edited"),
     "resealed": (resealed, "edited and resealed"),
-    "manifest-edited": (manifest_edited, f"do not match its {SEAL}"),
+    "manifest-edited": (manifest_edited, f"do not match its {SNAPSHOT.seal_key}"),
     "other-checkpoint": (other_checkpoint, "written from another checkpoint"),
     "other-layers-weights": (other_layers_weights, f"they are layer {OTHER}'s"),
 }
@@ -126,7 +130,7 @@ def test_an_interrupted_write_leaves_nothing(tmp_path, tiny0_ckpt, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("safetensors.torch.save_file", interrupted)
+    monkeypatch.setattr("harness.inputs.sealed.save_file", interrupted)
     target = Target("bf16", "layers.0.output", 0, 1.0, False, 0, 0, 0, 1, 64)
     tensors = {f"weights.r0.{k}": v for k, v in rank_layer_weights(tiny0_ckpt, 1, 0, torch.bfloat16)[0].items()}
     with pytest.raises(KeyboardInterrupt):

@@ -17,27 +17,29 @@ from safetensors.torch import load_file
 from harness.base import atomic, commit_point
 from harness.cli import main
 from harness.inputs.checkpoint import sha256_file
-from harness.snapshot.write import MANIFEST, SEAL, TENSORS, seal, write_snapshot
+from harness.inputs import sealed
+from harness.snapshot.fields import SNAPSHOT
+from harness.snapshot.write import write_snapshot
 from tests.snapshot.test_bad_snapshots import LAYER, SETTINGS, copy, reseal, snapshot  # noqa: F401 (fixture)
 
 
 def _reseal_manifest(path, change) -> None:
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = json.loads((path / SNAPSHOT.manifest).read_text())
     change(manifest)
-    manifest["tensors_sha256"] = sha256_file(path / TENSORS)
-    manifest[SEAL] = seal(manifest, manifest["tensors_sha256"])
-    (path / MANIFEST).write_text(json.dumps(manifest))
+    manifest["tensors_sha256"] = sha256_file(path / SNAPSHOT.tensors)
+    manifest[SNAPSHOT.seal_key] = SNAPSHOT.seal(manifest, manifest["tensors_sha256"])
+    (path / SNAPSHOT.manifest).write_text(json.dumps(manifest))
 
 
 def _reseal_tensors(path, change) -> None:
-    tensors = load_file(str(path / TENSORS))
+    tensors = load_file(str(path / SNAPSHOT.tensors))
     change(tensors)
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = json.loads((path / SNAPSHOT.manifest).read_text())
     manifest["tensors"] = {k: v for k, v in manifest["tensors"].items() if k in tensors}
     for name, t in tensors.items():
         manifest["tensors"][name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                                      "sha256": ""}
-    (path / MANIFEST).write_text(json.dumps(manifest))
+    (path / SNAPSHOT.manifest).write_text(json.dumps(manifest))
     reseal(path, tensors, digests=True)
 
 
@@ -112,10 +114,8 @@ def test_ctrl_c_while_a_snapshot_is_put_in_place(when, snapshot, tmp_path, monke
     """SIGINT just before the rename: KeyboardInterrupt, nothing left, a rerun may write it. Just after
     it (the window issue 49 found 1 in 5 times): the signal is held, the snapshot is whole and the
     run goes on (the command then says the signal came after the output was written)."""
-    from harness.reference import golden_write
-
     write = _rewrite_via(snapshot, tmp_path)
-    real, real_verify = atomic._rename_into_place, golden_write._verify_written
+    real, real_verify = atomic._rename_into_place, sealed.SealedFormat.verify_written
 
     def rename(tmp, out_dir, replace):
         real(tmp, out_dir, replace)
@@ -126,7 +126,7 @@ def test_ctrl_c_while_a_snapshot_is_put_in_place(when, snapshot, tmp_path, monke
         return real_verify(*args)
 
     if when == "before-rename":
-        monkeypatch.setattr(golden_write, "_verify_written", verify)
+        monkeypatch.setattr(sealed.SealedFormat, "verify_written", verify)
     else:
         monkeypatch.setattr(atomic, "_rename_into_place", rename)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -138,12 +138,12 @@ def test_ctrl_c_while_a_snapshot_is_put_in_place(when, snapshot, tmp_path, monke
                 write(out)
             assert commit_point.finish() == []
             assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".partial-")]
-            monkeypatch.setattr(golden_write, "_verify_written", real_verify)
+            monkeypatch.setattr(sealed.SealedFormat, "verify_written", real_verify)
             write(out)  # the rerun is not refused as "already exists"
         else:
             write(out)  # no KeyboardInterrupt: the signal waits for the command's end
             assert commit_point.finish() == [signal.SIGINT]
-        assert (out / MANIFEST).is_file() and (out / TENSORS).is_file()
+        assert (out / SNAPSHOT.manifest).is_file() and (out / SNAPSHOT.tensors).is_file()
     finally:
         commit_point.finish()
         signal.signal(signal.SIGINT, previous)

@@ -68,12 +68,12 @@ def _resealed_short_input(path) -> None:
     refused by the rows check on read."""
     from safetensors.torch import load_file
 
-    from harness.snapshot.write import MANIFEST, TENSORS
+    from harness.snapshot.fields import SNAPSHOT
     from tests.snapshot.test_bad_snapshots import reseal
 
-    tensors = load_file(str(path / TENSORS))
+    tensors = load_file(str(path / SNAPSHOT.tensors))
     tensors["bits.input"] = tensors["bits.input"][:-1].contiguous()
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = json.loads((path / SNAPSHOT.manifest).read_text())
     manifest["tensors"]["bits.input"]["shape"] = list(tensors["bits.input"].shape)
-    (path / MANIFEST).write_text(json.dumps(manifest))
+    (path / SNAPSHOT.manifest).write_text(json.dumps(manifest))
     reseal(path, tensors, digests=True)

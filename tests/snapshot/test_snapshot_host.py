@@ -68,16 +68,17 @@ def _respoil(path, change) -> None:
     from safetensors.torch import load_file, save_file
 
     from harness.inputs.checkpoint import sha256_file
-    from harness.snapshot.write import MANIFEST, SEAL, TENSORS, seal, tensor_digest
+    from harness.inputs.sealed import tensor_digest
+    from harness.snapshot.fields import SNAPSHOT
 
-    tensors = change(load_file(str(path / TENSORS)))
-    save_file(tensors, str(path / TENSORS))
-    manifest = json.loads((path / MANIFEST).read_text())
+    tensors = change(load_file(str(path / SNAPSHOT.tensors)))
+    save_file(tensors, str(path / SNAPSHOT.tensors))
+    manifest = json.loads((path / SNAPSHOT.manifest).read_text())
     manifest["tensors"] = {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                                "sha256": tensor_digest(t)} for n, t in tensors.items()}
-    manifest["tensors_sha256"] = sha256_file(path / TENSORS)
-    manifest[SEAL] = seal(manifest, manifest["tensors_sha256"])
-    (path / MANIFEST).write_text(json.dumps(manifest))
+    manifest["tensors_sha256"] = sha256_file(path / SNAPSHOT.tensors)
+    manifest[SNAPSHOT.seal_key] = SNAPSHOT.seal(manifest, manifest["tensors_sha256"])
+    (path / SNAPSHOT.manifest).write_text(json.dumps(manifest))
 
 
 def _other_rows(t):

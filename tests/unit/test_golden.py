@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-import harness.reference.golden_write
+import harness.inputs.sealed
 from harness.base.errors import GoldenError, OutputError
 from harness.inputs.spec import spec_from_config_dict
 from harness.inputs.tiny import TINY_CONFIG
@@ -61,7 +61,7 @@ def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch, tiny0_ckpt, t
             f.write(b"\0" * 100)
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(harness.reference.golden_write, "save_file", save_half_then_fail)
+    monkeypatch.setattr(harness.inputs.sealed, "save_file", save_half_then_fail)
     with pytest.raises(OutputError, match=rf"{tmp_path / 'golden'}: cannot write \(No space") as caught:
         _write(tmp_path / "golden", tiny0_ckpt, tiny0_reference)
     assert ".partial-" not in str(caught.value)
@@ -77,7 +77,7 @@ def test_failed_overwrite_keeps_the_old_golden(tmp_path, monkeypatch, golden_dir
     def fail(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(harness.reference.golden_write, "save_file", fail)
+    monkeypatch.setattr(harness.inputs.sealed, "save_file", fail)
     with pytest.raises(OutputError, match="No space"):
         _write(target, tiny0_ckpt, tiny0_reference, overwrite=True)
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before

@@ -261,9 +261,8 @@ def _calls(name: str) -> set[str]:
     ("tie_threshold", {"harness/judge/tokens.py", "harness/judge/routing.py",
                        "harness/snapshot/host_repro.py"}),  # a tokens repro's per-step thresholds, as data
     # the one routing-forcing rule: the routes read from a run's captures, followed by the reference
-    ("follow_routes", {"harness/parity/forced_path.py", "harness/parity/local.py", "harness/parity/layer_bits.py",
-                       "harness/quality/moe.py", "harness/reference/forcing.py",
-                       "harness/snapshot/bits.py"}),  # a bit-exact snapshot records the stage's run again
+    ("follow_routes", {"harness/parity/forced_path.py", "harness/quality/moe.py", "harness/reference/forcing.py",
+                       "harness/parity/layer_alone.py"}),  # a layer alone's routes: local, bit-exact, snapshot bits
     ("chosen_experts", {"harness/reference/forcing.py", "harness/judge/routing.py",  # routing.py: judging only
                         "harness/snapshot/record.py"}),  # a snapshot's recorded routes, to name a replay's other routing
     ("validate_prompt_fit", {"harness/parity/observe.py", "harness/reference/golden_write.py", "harness/cli/check.py",
@@ -584,3 +583,87 @@ def test_a_tie_band_travels_with_its_judge():
     assert ties(BF16, calibration) == Ties(BF16, 4.0)
     assert ties(FP32, calibration) == Ties(FP32, 0.0)  # the bf16 band is never paired with the fp32 judge
     assert ties(BF16, None).band == 0.0
+
+
+# ---- one "port layer alone" runner ---------------------------------------------------------------------------
+
+# A rank module's state a layer run alone sets by hand: its cache, the keys it reads, its KV slots, its
+# per-layer inputs, and the decoder's own run_layers. The port (the decoder, its graphs) and the backends
+# (whose calls run the whole decoder) own them; harness/parity/layer_alone.py runs one layer alone.
+LAYER_STATE = ("run_layers", "reset_cache", "set_kv_read", "set_seq_ids")
+LAYER_ALONE_HOMES = ("harness/port/", "harness/backends/", "harness/parity/layer_alone.py")
+
+
+def _layer_drivers(files: dict[str, str]) -> set[str]:
+    """The modules (path -> source) calling a rank module's layer-state methods or setting its
+    per-layer inputs: each a place that drives a layer (or the decoder) by hand."""
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LAYER_STATE:
+                found.add(path)
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if any(isinstance(t, ast.Attribute) and t.attr == "_per_layer_inputs" for t in targets):
+                found.add(path)
+    return found
+
+
+LAYER_ALONE_COPIES = ["module.reset_cache()\nmodule.run_layers(rows[None], positions, i, i + 1, captures)\n",
+                      "backend.ranks[rank].set_kv_read(None)\n",
+                      "host._per_layer_inputs = per_layer[None]\n",
+                      "module.set_seq_ids(None)\n"]
+
+
+def test_one_runner_drives_a_port_layer_alone_and_a_second_is_found():
+    """The local verdicts, the bit-exact stage and its snapshot, `replay --layer` and the repro's
+    traced layer all run one port layer through harness/parity/layer_alone.py (issue 47): nothing
+    else outside the port and the backends sets a module's cache, keys read, slots or per-layer
+    inputs, or calls run_layers; and "this layer's routes" is read there once (layer_routes)."""
+    files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
+    drivers = {p for p in _layer_drivers(files) if not p.startswith(LAYER_ALONE_HOMES[:2])}
+    assert drivers == {"harness/parity/layer_alone.py"}
+    assert {"harness/parity/local.py", "harness/parity/layer_bits.py", "harness/snapshot/bits.py",
+            "harness/snapshot/replay.py", "harness/snapshot/traced_layer.py"} <= (
+        _calls("port_layer_captures") | _calls("port_layer_exact") | _calls("port_layer_on_cache") | _calls("run_layer"))
+    assert _calls("layer_routes") == {"harness/parity/local.py", "harness/parity/layer_bits.py",
+                                      "harness/snapshot/bits.py"}
+    for copy in LAYER_ALONE_COPIES:
+        assert _layer_drivers({"a module of snapshot": copy}) == {"a module of snapshot"}, copy
+
+
+# ---- one sealing mechanism for goldens and snapshots ---------------------------------------------------------
+
+SEALING_CALLS = ("sha256_file", "save_file", "load_file", "safe_open")
+
+
+def _sealers(files: dict[str, str]) -> set[str]:
+    """The modules (path -> source) hashing, saving or loading a tensor file themselves, or hashing a
+    manifest (json.dumps with sort_keys): what harness/inputs/sealed.py does for goldens and snapshots."""
+    found = set()
+    for path, source in files.items():
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in SEALING_CALLS or (name == "dumps" and any(k.arg == "sort_keys" for k in node.keywords)):
+                found.add(path)
+    return found
+
+
+SEALING_COPIES = ["manifest['tensors_sha256'] = sha256_file(tmp / TENSORS)\n", "tensors = load_file(str(file))\n",
+                  "blob = json.dumps(body, sort_keys=True, separators=(',', ':')).encode()\n"]
+
+
+def test_goldens_and_snapshots_are_sealed_by_one_module_and_a_second_is_found():
+    """Goldens and snapshots are written, hashed, sealed and read back by harness/inputs/sealed.py
+    (issue 47): no golden or snapshot module saves, loads or hashes its files or its manifest itself."""
+    from harness.reference.golden import GOLDEN
+    from harness.snapshot.fields import SNAPSHOT
+
+    files = {path.relative_to(PACKAGE.parent).as_posix(): path.read_text()
+             for path in [*PACKAGE.glob("reference/golden*.py"), *PACKAGE.glob("snapshot/*.py")]}
+    assert len(files) > 10 and _sealers(files) == set()
+    assert type(GOLDEN) is type(SNAPSHOT) and GOLDEN.seal_key != SNAPSHOT.seal_key
+    for copy in SEALING_COPIES:
+        assert _sealers({"a module of snapshot": copy}) == {"a module of snapshot"}, copy

@@ -42,7 +42,7 @@ def bundles(name, tp, layer, request, tmp_path):
     """The bundles of a control call of `layer` (the repro's engine calls on cpu, lowered on xla)."""
     from harness.snapshot.hlo_bundle import write_layer_bundles
     from harness.snapshot.repro import repro_inputs
-    from harness.snapshot.repro_host import rank_hosts
+    from harness.snapshot.traced_layer import rank_hosts
     from tests.snapshot.support import control_target, observation
     from tests.snapshot.test_snapshot_backends import model
 

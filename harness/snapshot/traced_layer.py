@@ -1,7 +1,8 @@
-"""The port's own layer as the standalone repro runs it (harness.snapshot.repro): per rank of the
-snapshot's TP plan, the rank's shard of the layer (and, for a KV-shared layer, of its source
-layer) hosted by its decoder's own run_layers (masks, rope, cache writes), traced by torch.jit
-once per device call the engine made, so it loads with torch alone.
+"""The port's own layer traced for the standalone repro (harness.snapshot.repro) and its HLO bundle:
+per rank of the snapshot's TP plan, the rank's shard of the layer (and, for a KV-shared layer, of
+its source layer) hosted by its decoder's own run_layers (masks, rope, cache writes) and run alone
+by harness.parity.layer_alone, traced by torch.jit once per device call the engine made, so it
+loads with torch alone.
 
 What the device holds as state and what the ranks exchange become explicit inputs and outputs:
 - the KV cache: `k`, `v` in, the cache after the call out (the script carries it to the next call);
@@ -37,7 +38,8 @@ class PartialSums(Collectives):
 
 class RankHost(nn.Module):
     """One rank's hosted layers (the failing layer, after its KV source when it has one) in the
-    slots of their own indices, run through the decoder's run_layers."""
+    slots of their own indices: to harness.parity.layer_alone a decoder of one sequence whose one
+    cache comes in as inputs (never zeroed here) and whose keys read are the call's KV bucket."""
 
     def __init__(self, decoder_cls, spec, layers: dict[int, nn.Module], *, index: int, parts: list[str],
                  collectives: PartialSums):
@@ -45,23 +47,37 @@ class RankHost(nn.Module):
         self.spec, self.index, self.parts, self.collectives = spec, index, parts, collectives
         self.hosted = sorted(layers)
         self.layers = nn.ModuleList([layers.get(j, layers[index]) for j in range(index + 1)])
-        self._run = decoder_cls.run_layers
+        self._decoder_run = decoder_cls.run_layers  # the decoder's own code, run on this host's layers
         layer_input = decoder_cls.__dict__.get("layer_input")
         self.layer_input = layer_input.__func__ if isinstance(layer_input, staticmethod) else layer_input
         self.cache = layers[self.hosted[0]].self_attn.cache  # the one cache the hosted layers use
+        self.dtype = self.cache.k.dtype
+
+    def run_layers(self, x, positions, start: int, stop: int, captures=None):
+        return self._decoder_run(self, x, positions, start, stop, captures=captures)
+
+    def set_seq_ids(self, seq_ids) -> None:
+        self.cache.seq_ids = seq_ids
+
+    def set_kv_read(self, length: int | None) -> None:
+        self.cache.read_len = length
 
     def forward(self, xs, positions, ples, k, v, *sums):
         """xs [hosted, 1, s, hidden] (each hosted layer's input), ples [hosted, 1, s, P] or empty,
         the cache (k, v), the reductions' sums -> the failing layer's parts, the partials, the cache."""
+        from harness.parity.layer_alone import run_layer
+
         self.collectives.sums, self.collectives.partials = list(sums), []
         self.cache.k, self.cache.v = k, v
+        read = self.cache.read_len  # the call's KV bucket, set by its traced method (_call_method)
         captures: dict = {}
         for slot, j in enumerate(self.hosted):
+            per_layer = None
             if ples.numel():
                 per_layer = torch.zeros(*ples.shape[1:3], self.index + 1, ples.shape[-1], dtype=ples.dtype)
                 per_layer[:, :, j] = ples[slot]
-                self._per_layer_inputs = per_layer
-            self._run(self, xs[slot], positions, j, j + 1, captures=captures)
+            captures.update(run_layer(self, j, xs[slot], positions, fresh=False, kv_read=read,
+                                      per_layer=per_layer))
         parts = tuple(captures[f"layers.{self.index}.{p}"].float() for p in self.parts)
         return parts + tuple(self.collectives.partials) + (self.cache.k, self.cache.v)
 
