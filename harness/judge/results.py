@@ -108,6 +108,9 @@ class ParityStage(StageResult):
     references: object = field(default=None, repr=False, compare=False)
     local_verdicts: list = field(default_factory=list, repr=False, compare=False)  # local.LayerVerdict
     local_nonfinite: dict | None = field(default=None, repr=False, compare=False)
+    # transformers' layers alone as the local verdicts ran them (harness.reference.layers.ReferenceLayers):
+    # the runs it kept serve the bit-exact stage, which reads the same inputs
+    reference_layers: object = field(default=None, repr=False, compare=False)
     # MoE models, bf16 stage: the port's router choices judged (harness.judge.routing.RoutingResult)
     routing: object = None
     ran = True

@@ -32,6 +32,7 @@ from harness.parity.host_rows import per_layer_rows_stage
 from harness.parity.layer_bits import bitwise_layers_stage
 from harness.parity.local import intra_op_threads_for, local_verdicts
 from harness.reference.golden import Golden, same_weights
+from harness.reference.layers import ReferenceLayers
 from harness.parity.observation import StageReferences
 from harness.parity.observe import (PortFailure, StageContext, build_fp32_port, build_port, check_fit,
                                     load_reference_source, load_references, observe_stage, port_call)
@@ -130,8 +131,9 @@ def _local(result: ParityStage, checkpoint, layer_backend, progress: bool) -> No
     cumulative layers (the references the stage was judged against: on MoE models, on the port's
     routing)."""
     start = time.perf_counter()
+    result.reference_layers = ReferenceLayers(checkpoint)
     verdicts, nonfinite = port_call("bf16 stage: local layer verdicts", lambda: local_verdicts(
-        checkpoint, layer_backend, result.observation, result.layers, progress))
+        checkpoint, layer_backend, result.observation, result.layers, progress=progress, reference=result.reference_layers))
     result.local_verdicts, result.local_nonfinite = verdicts, nonfinite
     # a layer that cannot run alone (a per-layer input, a shared KV cache) has no local verdict: its
     # row's local column stays empty rather than repeat its cumulative ratio (tiny-e2b: every layer)

@@ -78,9 +78,11 @@ def per_layer_inputs(checkpoint, port_layers: LayerAtATime, references) -> list[
     return out
 
 
-def bitwise_layers(checkpoint, engine, references) -> BitwiseStage:
+def bitwise_layers(checkpoint, engine, references, reference: ReferenceLayers | None = None) -> BitwiseStage:
     """The stage over every layer that runs alone (its own KV cache: a KV-shared layer reads another's);
-    references: the fp32 reference's results per prompt (their captures hold the layers' inputs)."""
+    references: the fp32 reference's results per prompt (their captures hold the layers' inputs);
+    `reference`: transformers' layers as the local verdicts ran them (their kept runs on the same
+    inputs are not run again), released here."""
     spec, settings = checkpoint.spec, engine.settings
     alone = [layer.index for layer in spec.layers if layer.kv_source is None]
     stage = BitwiseStage(skipped=[layer.index for layer in spec.layers if layer.index not in alone])
@@ -93,7 +95,7 @@ def bitwise_layers(checkpoint, engine, references) -> BitwiseStage:
     if ple is None:
         stage.notes.append("not judged: the golden's embeddings rows are not its prompts' tokens (no per-layer rows)")
         return stage
-    reference = ReferenceLayers(checkpoint)
+    reference = reference or ReferenceLayers(checkpoint)
     for i in alone:
         layers = {dt: reference.layer(i, dt) for dt in (torch.bfloat16, torch.float32)}
         inputs = [caps["embeddings" if i == 0 else f"layers.{i - 1}.output"] for caps in golden_caps]
@@ -122,7 +124,11 @@ def bitwise_layers_stage() -> Stage:
         if bf16.port_error or bf16.local is None:  # the local verdicts did not run (not the CPU's ranks)
             return None
         try:
-            return port_call("bit-exact layers", lambda: bitwise_layers(checkpoint, engine, bf16.observation.ref32))
+            return port_call("bit-exact layers", lambda: bitwise_layers(checkpoint, engine, bf16.observation.ref32,
+                                                                        bf16.reference_layers))
         except PortFailure as failure:
             return BitwiseStage(error=failure.describe())
+        finally:
+            if bf16.reference_layers is not None:
+                bf16.reference_layers.release()  # no later stage reads the local verdicts' runs
     return Stage("bitwise_layers", run, reads=("checkpoint", "engine"), after=("bf16",))

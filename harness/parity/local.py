@@ -99,16 +99,17 @@ def local_layer(layer_spec, golden_caps: list[dict], runners: tuple, cumulative:
     return verdict, first_nonfinite(spec, {n: stack_prompts(port, n) for n in layer_points(i, spec=spec)}, lengths)
 
 def local_verdicts(checkpoint, layer_backend, obs, cumulative: list[LayerResult],
-                   progress: bool = False) -> tuple[list[LayerVerdict], dict | None]:
+                   progress: bool = False, reference: ReferenceLayers | None = None) -> tuple[list[LayerVerdict], dict | None]:
     """Every layer of the port alone on the reference's (golden's) input to it, judged by the
     policy, next to its cumulative points as the stage judged them. obs: the stage's observation
     (harness.parity.observation.StageObservation: the references it was judged against, the port's captures);
     cumulative: the stage's judged layers (CheckResult.layers), read, never judged again here.
-    The verdicts and the first non-finite local capture (or None)."""
+    `reference`: transformers' layers to run (a later stage reads the runs they keep). The verdicts and
+    the first non-finite local capture (or None)."""
     spec = checkpoint.spec
     golden_caps = [r.captures for r in obs.ref32]
     judged = {layer.index: layer for layer in cumulative}
-    runners = (layer_backend, ReferenceLayers(checkpoint))
+    runners = (layer_backend, reference or ReferenceLayers(checkpoint))
     verdicts, local_nonfinite = [], None
     with status("local", progress, total=spec.num_layers) as say, intra_op_threads_for(spec):
         for layer_spec in spec.layers:

@@ -81,12 +81,16 @@ class ReferenceLayers:
             if (key == (index, dtype) and kept_x is x and _same(kept_routes, routes)
                     and _same(kept_ple, per_layer_input)):
                 return dict(out)
-        out = self._run(layer, index, x, dtype, routes, per_layer_input)
+        out = self._run(layer, index, x, dtype, routes=routes, per_layer_input=per_layer_input)
         size = sum(v.numel() * v.element_size() for v in out.values())
         if size <= self.memo_bytes:  # kept with its input: the input cannot be freed and its id reused
             self.memo_bytes -= size
             self._kept.append((x, routes, per_layer_input, (index, dtype), out))
         return dict(out)
+
+    def release(self) -> None:
+        """Forget the runs kept (a later reader of the same inputs runs them again)."""
+        self._kept.clear()
 
     def _run(self, layer, index: int, x: torch.Tensor, dtype: torch.dtype, routes, per_layer_input) -> dict:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask

@@ -95,8 +95,24 @@ def test_an_exception_inside_the_layers_alone_is_the_stages_failure(monkeypatch,
 
     monkeypatch.setattr(layer_bits, "bitwise_layers", broken)
     stage = layer_bits.bitwise_layers_stage()
-    bf16 = SimpleNamespace(port_error=None, local=[object()], observation=SimpleNamespace(ref32=[]))
+    bf16 = SimpleNamespace(port_error=None, local=[object()], observation=SimpleNamespace(ref32=[]), reference_layers=None)
     out = stage.run(checkpoint=tiny0_ckpt, engine=None, bf16=bf16).seal()
     assert not out.passed and out.ran and "planted" in str(out.to_json()["error"])
     assert [g.name for g in out.all_gates()] == ["error"] and "FAIL" in out.describe()
     assert stage.run(checkpoint=tiny0_ckpt, engine=None, bf16=SimpleNamespace(port_error=None, local=None)) is None
+
+
+def test_the_bitwise_stage_reads_the_local_verdicts_reference_runs_and_releases_them(tiny0_ckpt, monkeypatch):
+    """transformers' layers as the local verdicts ran them reach bitwise_layers (their kept runs on the
+    same inputs are not run again), and are released after the stage."""
+    from types import SimpleNamespace
+
+    from harness.parity import layer_bits
+
+    seen, released = [], []
+    kept = SimpleNamespace(release=lambda: released.append(True))
+    monkeypatch.setattr(layer_bits, "bitwise_layers", lambda ckpt, engine, refs, reference=None: seen.append(reference)
+                        or layer_bits.BitwiseStage())
+    bf16 = SimpleNamespace(port_error=None, local=[], observation=SimpleNamespace(ref32=[]), reference_layers=kept)
+    layer_bits.bitwise_layers_stage().run(checkpoint=tiny0_ckpt, engine=None, bf16=bf16)
+    assert seen == [kept] and released == [True]
