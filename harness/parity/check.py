@@ -167,7 +167,10 @@ def _check_port(checkpoint, held: dict, refs: StageReferences, run: PortRun, *, 
     result = CheckResult(backend=run.backend, tp=run.tp, dtype=run.dtype)
     held.update(run=run, checkpoint=checkpoint, references=refs)
     calibration = near_tie_calibration(*refs)  # the token band of both stages, from the references alone
-    run_stages(parity_stages(calibration, **options) + tuple(stages), held, into=result)
+    # every stage on the same intra-op threads (small models run faster on one): a reference layer run
+    # the local verdicts kept for the bit-exact stage is the run that stage would make
+    with intra_op_threads_for(checkpoint.spec):
+        run_stages(parity_stages(calibration, **options) + tuple(stages), held, into=result)
     held.clear()
     return result
 
@@ -177,14 +180,12 @@ def parity_stages(calibration, local: bool | None, fp32_engine, layer_backend) -
     and the bf16 stage on the parity build, with the local verdicts (`local` None: wherever the
     backend's ranks run on CPU; `layer_backend` runs them elsewhere)."""
     def fp32(run, checkpoint, engine, references):
-        with intra_op_threads_for(checkpoint.spec):  # small models run faster on one thread
-            return _fp32_stage(checkpoint, engine, fp32_engine, references, run.context("fp32", calibration))
+        return _fp32_stage(checkpoint, engine, fp32_engine, references, run.context("fp32", calibration))
 
     def bf16(run, checkpoint, engine, references, fp32=None):
-        with intra_op_threads_for(checkpoint.spec):
-            context = run.context("bf16", calibration, structural_flips(fp32))
-            return _bf16_stage(checkpoint, engine, references, context, fp32,
-                               options=dict(local=local, layer_backend=layer_backend))
+        context = run.context("bf16", calibration, structural_flips(fp32))
+        return _bf16_stage(checkpoint, engine, references, context, fp32,
+                           options=dict(local=local, layer_backend=layer_backend))
 
     reads = ("run", "checkpoint", "engine", "references")
     return (() if fp32_engine is None else (Stage("fp32", fp32, reads),)) + (Stage("bf16", bf16, reads, after=("fp32",)),)
