@@ -59,6 +59,7 @@ def test_a_layer_that_never_ran_alone_has_no_local_ratio(monkeypatch):
     alone = LayerVerdict(1, "sliding_attention", [_point("layers.1.output", 0.01)],
                          local=[_point("layers.1.output", 0.02)])
     monkeypatch.setattr(check, "local_verdicts", lambda *a, **k: ([shared, alone], None))
+    monkeypatch.setattr(check, "ReferenceLayers", lambda checkpoint: None)  # no checkpoint: the runs are stand-ins
     result = ParityStage(backend="cpu", tp=2, dtype="bfloat16", stage="bf16")
     check._local(result, checkpoint=None, layer_backend=None, progress=False)
     assert [v.index for v in result.local] == [1]

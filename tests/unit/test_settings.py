@@ -102,15 +102,15 @@ def test_an_unknown_backend_is_refused():
 @pytest.mark.parametrize("name", BACKENDS, ids=lambda name: f"{name}-backend")  # not the neuron marker
 def test_constructors_take_settings_and_only_their_declared_options(name):
     """No **kwargs that would swallow a misspelt option: the keyword options of each constructor are
-    exactly what it declares in OPTIONS, and the capabilities are stated on the class or set in
-    __init__ (never probed)."""
+    exactly what it declares in OPTIONS (and `assistant`, the opened settings.assistant, where it
+    drafts on its device), and the capabilities are stated on the class or set in __init__ (never probed)."""
     cls = backend_class(name)
     params = inspect.signature(cls.__init__).parameters
     assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), name
     assert list(params)[:4] == ["self", "checkpoint", "settings", "capture"]
-    assert set(list(params)[4:]) == set(cls.OPTIONS)
+    assert set(list(params)[4:]) == set(cls.OPTIONS) | ({"assistant"} if cls.drafts_on_device else set())
     source = inspect.getsource(cls)
-    for capability in ("returns_captures", "last_row_only", "reads_cache", "host_ranks"):
+    for capability in ("returns_captures", "last_row_only", "reads_cache", "host_ranks", "drafts_on_device"):
         assert capability in source, (name, capability)
 
 
