@@ -58,7 +58,8 @@ class RankHost(nn.Module):
         captures: dict = {}
         for slot, j in enumerate(self.hosted):
             if ples.numel():
-                per_layer = torch.zeros(*ples.shape[1:3], self.index + 1, ples.shape[-1], dtype=ples.dtype)
+                per_layer = torch.zeros(*ples.shape[1:3], self.index + 1, ples.shape[-1],
+                                        dtype=ples.dtype, device=ples.device)  # traced, ples stays a graph input
                 per_layer[:, :, j] = ples[slot]
                 self._per_layer_inputs = per_layer
             self._run(self, xs[slot], positions, j, j + 1, captures=captures)
