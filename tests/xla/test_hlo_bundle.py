@@ -23,12 +23,13 @@ from tests.bundle.support import jax_available, run_check
 pytestmark = [pytest.mark.xla,
               pytest.mark.skipif(not jax_available(), reason="the bundle's CPU runner needs jax (.ci/xla-lane sets "
                                                              "GEMMA_PARITY_JAX_PATH)")]
-# model, TP, layer, what the layer is. Every kind's clean bundles and planted faults run in the XLA lane
-# (its serial part); the reducer runs there on the 12B's sliding layer at TP 1 and the KV-shared layer
-# (whose narrowed sums must survive its q/k/v norms), the other cases' reductions are the `matrix` lane
-# (`bash .ci/xla-lane tests/xla/test_hlo_bundle.py -m matrix`). Measured and verified 2026-12-07
-# (docs/snapshot.md#the-hlo-bundle has the table): per case, lowering 16-60 s, each check.sh 3-9 s,
-# each reduce 15-70 s (load 1 to 6 on 2 cores); every case clean 0, planted 1, reduced <= 1/10.
+# model, TP, layer, what the layer is. Every kind's clean bundles and planted faults run in the XLA lane's
+# serial part (nightly); the reducer runs there on the 12B's sliding layer at TP 1 and the KV-shared layer
+# (whose narrowed sums must survive its q/k/v norms); the other reductions are `matrix` cases
+# (`bash .ci/xla-lane tests/xla/test_hlo_bundle.py -m matrix`). Verified 2026-12-07, each case alone at
+# load 6-7 on 2 cores: all nine clean 0 on every rank, every planted fault 1, every reduction <= 1/10
+# (at most 523 -> 49). The lane's part of this file took about 22 minutes there (checks 13, the two
+# reductions 5.5, the decode graph 4); the seven matrix reductions 28 (docs/snapshot.md#tests: the table).
 CASES = [("tiny", 1, 3, "sliding"), ("tiny", 2, 3, "sliding"), ("tiny", 1, 5, "full, k=v"), ("tiny", 2, 5, "full, k=v"),
          ("e2b", 1, 4, "full"), ("e2b", 2, 2, "per-layer inputs"), ("e2b", 1, 6, "KV-shared"),
          ("26b-a4b", 1, 1, "MoE"), ("26b-a4b", 2, 1, "MoE")]
