@@ -36,7 +36,7 @@ CASES = [("tiny", 1, 3, "sliding"), ("tiny", 2, 3, "sliding"), ("tiny", 1, 5, "f
 _LANE_REDUCED = {("tiny", 1, 3), ("e2b", 1, 6)}
 REDUCED = [c if c[:3] in _LANE_REDUCED else pytest.param(*c, marks=pytest.mark.matrix) for c in CASES]
 FAULTS = ("swap", "constant", "narrow")
-_WRITTEN: dict = {}  # (model, tp, layer) -> (bundles, lines, the call's per-layer inputs): lowered once a session
+_WRITTEN: dict = {}  # (model, tp, layer) -> (bundles, lines, spec, the per-layer inputs): lowered once a session
 
 
 def bundles(name, tp, layer, request, tmp_path_factory):
