@@ -49,28 +49,36 @@ def _constant(m: hlo_text.HloText) -> str:
 
 
 def _narrow(m: hlo_text.HloText) -> str:
-    """The f32 add-reduction over the most elements accumulated in bf16 instead (its result widened
-    back, so every user sees the same shape)."""
-    best = None
+    """Every f32 add-reduction over the most elements accumulated in bf16 instead (each result widened
+    back, so every user sees the same shape), as a compiler that picks bf16 accumulation for a pattern
+    would: one such reduction alone can be cancelled downstream (an RMSNorm's sum of squares before
+    q/k/v norms only scales rows the next norm rescales), all of them cannot."""
+    sized = []
     for inst in m.entry:
         if inst.opcode != "reduce" or not inst.shape.startswith("f32") or len(inst.operands) != 2:
             continue
         comp = next(iter(hlo_text.called(inst.line)), None)
         if comp is None or not any(" add(" in line for line in m.computations.get(comp, [])):
             continue
-        operand = m.inst(inst.operands[0])
-        size = eval_size(operand.shape) // max(eval_size(inst.shape), 1)
-        best = max(best or (0, None), (size, inst), key=lambda t: t[0])
-    if best is None or best[1] is None:
+        sized.append((eval_size(m.inst(inst.operands[0]).shape) // max(eval_size(inst.shape), 1), inst))
+    if not sized:
         raise ValueError("no f32 add-reduction to narrow")
-    inst = best[1]
+    most = max(size for size, _ in sized)
+    m.computations["narrowed.add"] = ["%narrowed.add (x: bf16[], y: bf16[]) -> bf16[] {", "  %x = bf16[] parameter(0)",
+                                      "  %y = bf16[] parameter(1)", "  ROOT %s = bf16[] add(%x, %y)", "}"]
+    names = [inst.name for size, inst in sized if size == most]
+    for inst in [inst for size, inst in sized if size == most]:
+        _narrow_one(m, inst)
+    return (f"reduce {', '.join('%' + n for n in names)} (over {most} elements per output) accumulated in bf16 "
+            "instead of f32")
+
+
+def _narrow_one(m: hlo_text.HloText, inst: hlo_text.Inst) -> None:
     data, init = inst.operands
     in_shape = "bf16" + m.inst(data).shape[3:]
     out_shape = "bf16" + inst.shape[3:]
     attrs = inst.line.split(")", 1)[1].replace(f"to_apply=%{next(iter(hlo_text.called(inst.line)))}",
                                                  "to_apply=%narrowed.add")
-    m.computations["narrowed.add"] = ["%narrowed.add (x: bf16[], y: bf16[]) -> bf16[] {", "  %x = bf16[] parameter(0)",
-                                      "  %y = bf16[] parameter(1)", "  ROOT %s = bf16[] add(%x, %y)", "}"]
     index = m.entry.index(inst)
     n = inst.name
     new = [hlo_text.Inst(f"{n}.in", in_shape, "convert", [data], f"%{n}.in = {in_shape} convert(%{data})"),
@@ -79,7 +87,6 @@ def _narrow(m: hlo_text.HloText) -> str:
                          f"%{n}.bf16 = {out_shape} reduce(%{n}.in, %{n}.init){attrs}"),
            hlo_text.Inst(n, inst.shape, "convert", [f"{n}.bf16"], f"%{n} = {inst.shape} convert(%{n}.bf16)")]
     m.entry[index:index + 1] = new
-    return f"reduce %{n} (over {best[0]} elements per output) accumulated in bf16 instead of f32"
 
 
 def eval_size(shape: str) -> int:

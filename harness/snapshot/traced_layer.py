@@ -74,7 +74,8 @@ class RankHost(nn.Module):
         for slot, j in enumerate(self.hosted):
             per_layer = None
             if ples.numel():
-                per_layer = torch.zeros(*ples.shape[1:3], self.index + 1, ples.shape[-1], dtype=ples.dtype)
+                per_layer = torch.zeros(*ples.shape[1:3], self.index + 1, ples.shape[-1],
+                                        dtype=ples.dtype, device=ples.device)  # traced, ples stays a graph input
                 per_layer[:, :, j] = ples[slot]
             captures.update(run_layer(self, j, xs[slot], positions, fresh=False, kv_read=read,
                                       per_layer=per_layer))

@@ -41,6 +41,12 @@ def test_each_planted_fault_edits_the_text_as_it_says():
     assert "0.5 to 1.5" in what and "constant(1.5)" in changed and "constant(0.5)" not in changed
     narrowed, what = plant(text, "narrow")
     assert "%sum" in what and "bf16[3]{0} reduce(%sum.in, %sum.init)" in narrowed and "%narrowed.add" in narrowed
+    # every reduction over the most elements narrows (one alone can be rescaled away downstream), no other
+    more = text.replace("  %half = ", "  %sum2 = f32[3]{0} reduce(%wide, %zero), dimensions={1}, to_apply=%add\n"
+                                      "  %col = f32[8]{0} reduce(%wide, %zero), dimensions={0}, to_apply=%add\n  %half = ")
+    narrowed, what = plant(more, "narrow")
+    assert "%sum, %sum2 (over 8 elements" in what and "reduce(%sum2.in, %sum2.init)" in narrowed, what
+    assert "%col = f32[8]{0} reduce(%wide, %zero)" in narrowed and "%col.in" not in narrowed
     assert hlo_text.render(hlo_text.parse(text)).count(" = ") == text.count(" = ") - 0  # round trip keeps every line
     m = hlo_text.parse(text)
     m.root = "sum"
