@@ -127,8 +127,8 @@ def choose_target(result, settings) -> Target:
             return _host_or_refuse(result, settings, stages)
         stage, point = head
     else:
-        stage = result
-        point = max(_prefill_layer_points(result), key=lambda p: p.required_factor)
+        stage = result.bf16
+        point = max(_prefill_layer_points(stage), key=lambda p: p.required_factor)
     refs, failed = stage.observation.ref32, not result.passed
     layer = Point.parse(point.name).layer
     layer = stage.layers[-1].index if layer is None else layer  # a head point: the call's last layer beside it

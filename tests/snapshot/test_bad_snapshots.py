@@ -154,3 +154,20 @@ def test_snapshot_options_are_refused_before_model_work(tmp_path, capsys):
     truncate = SimpleNamespace(snapshot=str(tmp_path / "e"), mode="truncate", settings=RunSettings())
     with pytest.raises(OptionError, match="add --mode capture"):
         validate_snapshot_args(truncate)
+
+
+def test_a_passing_check_snapshots_its_worst_layer_point_as_a_control(tiny0_ckpt, tiny0_reference):
+    """A check that passes still has a call to snapshot (a control): the bf16 stage's worst prefill layer
+    point, not failing (the xla lane's clean snapshot takes this path)."""
+    from harness.snapshot.target import choose_target
+    from tests.snapshot.support import run_check
+
+    result = run_check(tiny0_ckpt, tiny0_reference, SETTINGS, fp32=False)
+    assert result.passed, result.failures()[:3]
+    target = choose_target(result, SETTINGS)
+    assert target.stage == "bf16" and not target.failing and target.point.startswith("layers.")
+    from harness.base.points import Point
+
+    points = [p for layer in result.bf16.layers for p in layer.points if Point.parse(p.name).kind == "layer"]
+    worst = max(points, key=lambda p: p.required_factor)
+    assert target.point == worst.name
