@@ -29,8 +29,8 @@ def test_precision_fault_is_caught_or_flagged_where_it_is(request, monkeypatch, 
         pytest.xfail(f"recorded gap: {fault.gap}")
     assert not missed, (fault.name, missed, distribution_of(result).describe(), result.failures()[:2])
     if fault.flag == "over":  # a warning by default; a failure under --strict-precision (unless a stage
-        bitwise = next((s for s in result.extra_stages if s.stage == "bitwise_layers"), None)  # it reads that stage
-        dist = judge_distribution(result, strict=True, bitwise=bitwise)  # already fails at its points, as the embeddings'
+        bitwise = result.stage("bitwise_layers")  # it reads that stage
+        dist = judge_distribution(result.bf16, strict=True, bitwise=bitwise, fp32=result.fp32)  # already fails at its points, as the embeddings'
         assert not dist.passed or (dist.superseded and not result.passed)  # exactness does)
         assert dist.superseded or dist.failures()[0]["point"] == dist.flagged[0].point
 
